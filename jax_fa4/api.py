@@ -1,0 +1,173 @@
+"""The public attention API: validate and canonicalise once, then dispatch.
+
+Dimension letters: B batch, Sq query length, Sk key length, H query heads, Hkv key/value heads
+(H a multiple of Hkv: MHA when equal, GQA when between, MQA when Hkv = 1), D query/key head dim,
+Dv value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fa4 import autodiff
+from jax_fa4.dispatch import IMPLEMENTATIONS, resolve_implementation
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+Window = tuple[int | None, int | None]
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Canonical, hashable options of one attention call (what the autodiff rule closes over)."""
+
+    softmax_scale: float
+    window: Window  # (left, right); causal is (left, 0)
+    softcap: float
+    implementation: str  # resolved: "reference" | "sm90" | "sm100"
+    forced: bool  # the caller named the implementation: no silent fallback
+
+    @property
+    def causal(self) -> bool:
+        return self.window[1] == 0
+
+
+# -- input checks: one named function each, messages say what was expected and what came ------
+def _check_array(name: str, x: Any) -> None:
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        raise TypeError(f"{name} must be a jax.Array (or numpy array), got {type(x).__name__}")
+
+
+def _check_rank(name: str, x: Any, layout: str) -> None:
+    if x.ndim != 4:
+        raise ValueError(f"{name} must have rank 4 with layout {layout}, got shape {x.shape}")
+
+
+def _check_dtypes(q: Any, k: Any, v: Any) -> None:
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"q must have dtype bfloat16, float16 or float32, got {q.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+
+
+def _check_shapes(q: Any, k: Any, v: Any) -> None:
+    b, _, h, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape} "
+                         "(expected the same B in dim 0)")
+    if k.shape[3] != d:
+        raise ValueError(f"k head_dim must equal q head_dim {d}: q {q.shape}, k {k.shape}")
+    if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
+        raise ValueError(f"v must have k's (Sk, Hkv) = {k.shape[1:3]}, got v {v.shape}")
+    hkv = k.shape[2]
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"q heads H={h} must be a positive multiple of k/v heads Hkv={hkv}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if 0 in x.shape:
+            raise ValueError(f"{name} must have no zero-sized dimension, got shape {x.shape}")
+
+
+def _check_window(window_size: Any) -> Window:
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    out = []
+    for side, w in zip(("left", "right"), window_size):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, bool) or not isinstance(w, (int, np.integer)):
+            raise TypeError(f"window_size {side} must be None or an int, got {w!r}")
+        if w < 0:
+            raise ValueError(f"window_size {side} must be >= 0 or None (unbounded), got {w}")
+        out.append(int(w))
+    return out[0], out[1]
+
+
+def _check_scalar(name: str, x: Any, *, allow_zero: bool) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a Python float, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, "
+                         f"got {x}")
+    return x
+
+
+def canonicalize(q: Any, k: Any, v: Any, *, softmax_scale: float | None, causal: bool,
+                 window_size: Any, softcap: float, implementation: str | None
+                 ) -> AttentionOptions:
+    """Validate the inputs and options of one call and return its canonical options."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_array(name, x)
+    _check_rank("q", q, "(B, Sq, H, D)")
+    _check_rank("k", k, "(B, Sk, Hkv, D)")
+    _check_rank("v", v, "(B, Sk, Hkv, Dv)")
+    _check_dtypes(q, k, v)
+    _check_shapes(q, k, v)
+    left, right = _check_window(window_size)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if causal:
+        right = 0
+    scale = (1.0 / math.sqrt(q.shape[3]) if softmax_scale is None
+             else _check_scalar("softmax_scale", softmax_scale, allow_zero=False))
+    cap = _check_scalar("softcap", softcap, allow_zero=True)
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+    return AttentionOptions(scale, (left, right), cap, resolve_implementation(implementation),
+                            forced=implementation is not None)
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    implementation: str | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Scaled dot-product attention, FlashAttention-4 semantics, differentiable.
+
+    Args:
+      q: queries ``(B, Sq, H, D)``; bfloat16 or float16 for the GPU kernels (float32 runs the
+        reference).
+      k: keys ``(B, Sk, Hkv, D)``, q's dtype; H must be a multiple of Hkv (GQA / MQA).
+      v: values ``(B, Sk, Hkv, Dv)``, q's dtype.
+      softmax_scale: multiplies ``q·k`` before the softmax; default ``1/sqrt(D)``.
+      causal: mask keys after the query, aligned to the bottom right when ``Sq != Sk`` (query
+        ``i`` sees keys up to ``i + Sk - Sq``). Same as ``window_size=(left, 0)``.
+      window_size: ``(left, right)`` sliding window, each ``None`` (unbounded) or an int >= 0:
+        query ``i`` sees keys ``j`` with ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``.
+      softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` before the softmax.
+      return_lse: also return the log-sum-exp of each row's scores (natural log, float32).
+      implementation: ``None`` picks the kernel for this GPU and falls back to the pure-JAX
+        reference elsewhere; ``"reference"``, ``"sm90"`` or ``"sm100"`` force one (a forced
+        kernel that cannot run raises an error saying why).
+
+    Returns:
+      ``out`` of shape ``(B, Sq, H, Dv)`` in q's dtype, and with ``return_lse`` also ``lse`` of
+      shape ``(B, H, Sq)`` float32. Rows with no visible key give 0 and lse ``-inf``.
+
+    Differentiable (``jax.grad``, also through ``lse``), and works under ``jax.jit``,
+    ``jax.vmap`` (mapped axes are folded into the batch) and ``jax.export``.
+
+    Backward: the preprocess kernel computes ``rowsum(dO * O)`` on the GPU; dq, dk, dv then come
+    from the reference's explicit FlashAttention backward until the backward kernels land.
+    """
+    opts = canonicalize(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                        window_size=window_size, softcap=softcap, implementation=implementation)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    out, lse = autodiff.attention(q, k, v, opts)
+    return (out, lse) if return_lse else out

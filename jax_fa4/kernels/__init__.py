@@ -1,0 +1,2 @@
+"""CuTe-DSL kernels. Kernel modules import the compiler and never JAX; their ``*_config`` modules
+(the compile keys, see :mod:`jax_fa4.kernels.spec`) import neither."""

@@ -1,0 +1,48 @@
+"""Compile key of the backward preprocess kernel (no compiler import here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig, KernelSignature, TensorArg
+
+
+@dataclass(frozen=True)
+class PreprocessConfig(KernelConfig):
+    """Backward preprocess: per (batch, head, query row)
+
+    * ``delta = sum_d dO[d] * O[d]`` in float32 (the ``D`` term of the softmax gradient), and
+    * ``lse_log2 = lse * log2(e)``, with rows that saw no key (lse = -inf) mapped to +inf so that
+      the backward's ``P = exp2(S * scale_log2 - lse_log2)`` is exactly 0 there.
+
+    Only the dtype and the value head dim change the generated code.
+    """
+
+    kernel_name: ClassVar[str] = "bwd_preprocess"
+    sources: ClassVar[tuple[str, ...]] = ("spec.py", "preprocess_config.py", "preprocess.py")
+
+    dtype: str
+    head_dim_v: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"bwd_preprocess: dtype must be one of {FLOAT_DTYPES}, got {self.dtype!r}")
+        if self.head_dim_v % 8 or not 8 <= self.head_dim_v <= 512:
+            raise ValueError("bwd_preprocess: head_dim_v must be a multiple of 8 in [8, 512], "
+                             f"got {self.head_dim_v}")
+
+    def signature(self) -> KernelSignature:
+        dv = self.head_dim_v
+        o = TensorArg("out", self.dtype, (2, 67, 3, dv), (1, 1, 1, dv))
+        return KernelSignature(
+            inputs=(o, TensorArg("dout", self.dtype, o.sample_shape, o.divisibility),
+                    TensorArg("lse", "float32", (2, 3, 67), (1, 1, 1))),
+            outputs=(TensorArg("delta", "float32", (2, 3, 67), (1, 1, 1)),
+                     TensorArg("lse_log2", "float32", (2, 3, 67), (1, 1, 1))),
+        )
+
+    def make_launcher(self) -> Callable[..., Any]:
+        from jax_fa4.kernels.preprocess import BwdPreprocess
+
+        return BwdPreprocess(self)

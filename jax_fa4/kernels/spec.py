@@ -1,0 +1,102 @@
+"""What the binding needs to know about a kernel, without importing JAX or the compiler.
+
+Every kernel the package ships is described by a *kernel config*: a frozen dataclass that holds
+exactly what changes the generated code (dtype, head dim, mask kind, tile shape, ...) and nothing
+that does not (batch size, sequence lengths, head counts, the softmax scale's value). It is the
+compile key: one compiled object per (config, arch) serves every shape.
+
+A config class derives from :class:`KernelConfig` and provides
+
+* ``kernel_name``: a short family name (``"bwd_preprocess"``, ``"sm90_fwd"``), used in cache file
+  names and error messages;
+* ``signature()``: the tensors the kernel takes and produces, in call order, as
+  :class:`TensorArg` (rank, dtype, per-dimension divisibility guarantees and a representative shape
+  to compile with);
+* ``sources``: the kernel files the generated code depends on (hashed into the cache key);
+* ``make_launcher()``: imports the kernel module (and with it the CuTe-DSL compiler) and returns a
+  ``@cute.jit`` callable ``fn(stream, *inputs, *outputs)``.
+
+Config modules must not import ``cutlass`` at module level: the runtime path looks kernels up in
+the cache by config and never imports the compiler when the cache has them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+# Dtype names shared by the binding and the kernels (numpy-style names).
+FLOAT_DTYPES = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """One tensor of a kernel's signature.
+
+    Attributes:
+      name: the argument's name (for error messages).
+      dtype: numpy-style dtype name, e.g. ``"bfloat16"``, ``"float32"``, ``"int32"``.
+      sample_shape: a representative shape used when compiling. Dimensions the generated code does
+        not specialise on may take any value at run time.
+      divisibility: per dimension, a number the run-time extent is guaranteed to be a multiple of
+        (1 = nothing guaranteed). Dimensions fixed by the config (head_dim) give their full extent.
+      batched: the leading axis is the batch (``jax.vmap`` folds mapped axes into it); False for
+        small parameter tensors shared by the whole call.
+    """
+
+    name: str
+    dtype: str
+    sample_shape: tuple[int, ...]
+    divisibility: tuple[int, ...]
+    batched: bool = True
+
+    def __post_init__(self) -> None:
+        if len(self.sample_shape) != len(self.divisibility):
+            raise ValueError(f"{self.name}: sample_shape and divisibility differ in rank")
+        for extent, div in zip(self.sample_shape, self.divisibility):
+            if div < 1 or extent % div:
+                raise ValueError(f"{self.name}: divisibility {self.divisibility} does not divide "
+                                 f"sample shape {self.sample_shape}")
+
+    @property
+    def rank(self) -> int:
+        return len(self.sample_shape)
+
+
+@dataclass(frozen=True)
+class KernelSignature:
+    """A kernel's tensors in call order.
+
+    ``aliases`` maps an input index to an output index that shares its buffer (an accumulator the
+    caller initialises, e.g. zeros, and the kernel updates in place). The launcher then receives the
+    aliased tensor once, as the input: its outputs are the non-aliased ones.
+    """
+
+    inputs: tuple[TensorArg, ...]
+    outputs: tuple[TensorArg, ...]
+    aliases: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Base class of kernel configs (compile keys). Subclasses are frozen dataclasses."""
+
+    kernel_name: ClassVar[str] = ""
+    #: Files and folders (relative to ``jax_fa4/kernels``) whose contents the generated code
+    #: depends on: their hash is part of the cache key, so editing them invalidates cached objects.
+    sources: ClassVar[tuple[str, ...]] = ("spec.py", "common")
+
+    def signature(self) -> KernelSignature:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def make_launcher(self) -> Callable[..., Any]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def key_dict(self) -> dict[str, Any]:
+        """The config as a plain dict, with the family name: what the cache key hashes."""
+        return {"kernel": self.kernel_name, **dataclasses.asdict(self)}
+
+    def describe(self) -> str:
+        fields = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+        return f"{self.kernel_name}({fields})"

@@ -1,0 +1,410 @@
+"""Pure-JAX attention with FlashAttention-4 semantics: the test oracle and CPU fallback.
+
+Dimension letters used throughout:
+
+- ``B``: batch size.
+- ``Sq``, ``Sk``: query and key/value sequence lengths.
+- ``H``: query heads; ``Hkv``: key/value heads (``H`` a multiple of ``Hkv``; GQA/MQA).
+- ``G = H // Hkv``: query heads per key/value head; query head ``h`` uses key/value head
+  ``h // G``. Internally query heads are split as ``(Hkv, G)``.
+- ``D``: head dim of queries and keys; ``Dv``: head dim of values and of the output.
+
+Layouts: q ``(B, Sq, H, D)``, k ``(B, Sk, Hkv, D)``, v ``(B, Sk, Hkv, Dv)``,
+out ``(B, Sq, H, Dv)``, lse ``(B, H, Sq)`` float32.
+
+Semantics (FA4's):
+
+- scores ``S = softmax_scale * q . k``, accumulated in float32;
+- with ``softcap > 0``, ``S = softcap * tanh(S / softcap)``;
+- ``window = (left, right)``, each ``None`` (unbounded) or an int >= 0: query ``i`` sees key
+  ``j`` iff ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (bottom-right alignment;
+  causal is ``(None, 0)``), see :func:`visible_mask`;
+- ``lse`` is the natural-log logsumexp of the visible scores of a row; a row with no
+  visible key gets output 0 and ``lse = -inf`` (its gradients are 0), never NaN.
+
+Every matmul and reduction accumulates in float32 (``Precision.HIGHEST``, so no TF32 on GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.typing import DTypeLike
+
+__all__ = ["Window", "attention", "attention_backward", "attention_blocked", "visible_mask"]
+
+Window = tuple[int | None, int | None]
+"""``(left, right)`` attention window; ``None`` is unbounded, causal is ``(None, 0)``."""
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def visible_mask(
+    sq: int,
+    sk: int,
+    window: Window,
+    *,
+    k_start: int | jax.Array = 0,
+    num_k: int | None = None,
+) -> jax.Array:
+    """Which keys each query sees: the one place where the masking rule lives.
+
+    Query ``i`` sees key ``j`` iff ``j < sk`` and
+    ``j >= i + sk - sq - left`` (when ``left`` is not None) and
+    ``j <= i + sk - sq + right`` (when ``right`` is not None).
+
+    Args:
+        sq: number of queries ``Sq``.
+        sk: number of keys ``Sk``.
+        window: ``(left, right)``, each ``None`` (unbounded) or an int >= 0.
+        k_start: index of the first key of the block to build (may be traced, e.g. inside
+            a scan over key blocks).
+        num_k: number of keys in the block (default ``sk``). Keys at index ``>= sk``
+            (padding of the last block) are never visible.
+
+    Returns:
+        bool array ``(sq, num_k)``; entry ``[i, c]`` is whether query ``i`` sees key
+        ``k_start + c``.
+
+    Raises:
+        ValueError: if a window bound is negative.
+    """
+    left, right = window
+    for bound in window:
+        if bound is not None and bound < 0:
+            raise ValueError(f"window bounds must be None or >= 0, got {window}")
+    num_k = sk if num_k is None else num_k
+    diag = jnp.arange(sq)[:, None] + (sk - sq)  # the key aligned with query i
+    j = k_start + jnp.arange(num_k)[None, :]
+    mask = j < sk
+    if left is not None:
+        mask &= j >= diag - left
+    if right is not None:
+        mask &= j <= diag + right
+    return jnp.broadcast_to(mask, (sq, num_k))
+
+
+def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be 4-D, got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0]:
+        raise ValueError(f"batch/seqlen/heads mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"q and k head dims differ: {q.shape[3]} != {k.shape[3]}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads {q.shape[2]} not a multiple of kv heads {k.shape[2]}")
+
+
+def _scale(softmax_scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+
+
+def _group(x: jax.Array, hkv: int) -> jax.Array:
+    """(B, S, H, X) -> (B, S, Hkv, G, X)."""
+    b, s, h, rest = x.shape
+    return x.reshape(b, s, hkv, h // hkv, rest)
+
+
+def _scores(
+    q: jax.Array, k: jax.Array, softmax_scale: float, softcap: float, dtype: DTypeLike
+) -> jax.Array:
+    """Scaled, capped scores in ``dtype``, (B, Hkv, G, Sq, Sk).
+
+    q (B, Sq, Hkv, G, D) and k (B, Sk, Hkv, D) are already in ``dtype``. The product
+    accumulates in float32 and each step rounds to ``dtype`` (a no-op for float32), like a
+    naive framework implementation.
+    """
+    s = jnp.einsum(
+        "bqhgd,bkhd->bhgqk",
+        q * softmax_scale,
+        k,
+        preferred_element_type=jnp.float32,
+        precision=_HIGHEST,
+    ).astype(dtype)
+    if softcap > 0:
+        s = softcap * jnp.tanh(s / softcap)
+    return s
+
+
+def _safe_max(m: jax.Array) -> jax.Array:
+    """Row max to subtract before exp: 0 for rows with no visible key (max = -inf)."""
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def _finish(m: jax.Array, l: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(normaliser, lse) from the applied row max ``m`` and ``l = sum exp(s - m)``.
+
+    Rows with ``l == 0`` (no visible key) get normaliser 1 (so the output stays 0) and
+    ``lse = -inf``; the inner ``where`` keeps log's gradient finite there.
+    """
+    has_key = l > 0
+    l_safe = jnp.where(has_key, l, 1.0)
+    return l_safe, jnp.where(has_key, m + jnp.log(l_safe), -jnp.inf)
+
+
+def _ungroup_lse(lse: jax.Array) -> jax.Array:
+    """(B, Hkv, G, Sq) -> (B, H, Sq)."""
+    b, hkv, g, sq = lse.shape
+    return lse.reshape(b, hkv * g, sq)
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "window", "softcap", "compute_dtype"))
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    softmax_scale: float | None = None,
+    window: Window = (None, None),
+    softcap: float = 0.0,
+    compute_dtype: DTypeLike = jnp.float32,
+) -> tuple[jax.Array, jax.Array]:
+    """Naive attention: materialises the (Sq, Sk) score matrix of every head.
+
+    With ``compute_dtype=float32`` (default) this is the float32 oracle, whatever the input
+    dtype. With a 16-bit ``compute_dtype`` it is FA4's "pt" baseline: inputs, scaled
+    queries, scores (and softcap steps) and probabilities are rounded to ``compute_dtype``
+    as a naive PyTorch implementation would (matmuls and the softmax itself still
+    accumulate in float32, as the GPU libraries do).
+
+    Args:
+        q: queries (B, Sq, H, D).
+        k: keys (B, Sk, Hkv, D).
+        v: values (B, Sk, Hkv, Dv).
+        softmax_scale: score scale; ``None`` means ``1 / sqrt(D)``.
+        window: ``(left, right)`` window, see :func:`visible_mask`; causal is ``(None, 0)``.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
+        compute_dtype: dtype of the intermediate tensors (see above).
+
+    Returns:
+        ``(out, lse)``: out (B, Sq, H, Dv) in q's dtype, lse (B, H, Sq) float32 (natural
+        log; ``-inf`` and zero output for rows with no visible key).
+    """
+    _check_inputs(q, k, v)
+    b, sq, h, d = q.shape
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    scale = _scale(softmax_scale, d)
+    s = _scores(
+        _group(q.astype(compute_dtype), hkv), k.astype(compute_dtype), scale, softcap, compute_dtype
+    ).astype(jnp.float32)
+    s = jnp.where(visible_mask(sq, sk, window), s, -jnp.inf)
+    # Softmax is invariant to the subtracted max: no gradient through it.
+    m = _safe_max(lax.stop_gradient(jnp.max(s, axis=-1)))
+    e = jnp.exp(s - m[..., None])
+    l_safe, lse = _finish(m, jnp.sum(e, axis=-1))
+    p = (e / l_safe[..., None]).astype(compute_dtype)
+    out = jnp.einsum(
+        "bhgqk,bkhd->bqhgd",
+        p,
+        v.astype(compute_dtype),
+        preferred_element_type=jnp.float32,
+        precision=_HIGHEST,
+    )
+    return out.reshape(b, sq, h, dv).astype(q.dtype), _ungroup_lse(lse)
+
+
+def _key_blocks(x: jax.Array, block_k: int) -> jax.Array:
+    """(B, Sk, Hkv, X) -> (n, B, block_k, Hkv, X), zero-padding Sk up to n * block_k."""
+    b, sk, hkv, rest = x.shape
+    n = -(-sk // block_k)
+    x = jnp.pad(x, ((0, 0), (0, n * block_k - sk), (0, 0), (0, 0)))
+    return x.reshape(b, n, block_k, hkv, rest).swapaxes(0, 1)
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "window", "softcap", "block_k"))
+def attention_blocked(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    softmax_scale: float | None = None,
+    window: Window = (None, None),
+    softcap: float = 0.0,
+    block_k: int = 512,
+) -> tuple[jax.Array, jax.Array]:
+    """Memory-light attention: online softmax in float32 over blocks of ``block_k`` keys.
+
+    A ``lax.scan`` over key blocks keeps a running row max, running row sum and a rescaled
+    output accumulator; Sk is padded up to a multiple of ``block_k`` with masked keys. Peak
+    memory is O(Sq * block_k) per head instead of O(Sq * Sk). Differentiable with
+    ``jax.grad`` (each step is rematerialised, so the saved residuals are only the carries);
+    the library itself uses :func:`attention_backward`.
+
+    Args:
+        q: queries (B, Sq, H, D).
+        k: keys (B, Sk, Hkv, D).
+        v: values (B, Sk, Hkv, Dv).
+        softmax_scale: score scale; ``None`` means ``1 / sqrt(D)``.
+        window: ``(left, right)`` window, see :func:`visible_mask`; causal is ``(None, 0)``.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
+        block_k: keys per block (capped at Sk).
+
+    Returns:
+        ``(out, lse)`` as :func:`attention`: out (B, Sq, H, Dv) in q's dtype, lse (B, H, Sq)
+        float32; equal to :func:`attention` up to float32 rounding.
+    """
+    _check_inputs(q, k, v)
+    if block_k < 1:
+        raise ValueError(f"block_k must be >= 1, got {block_k}")
+    b, sq, h, d = q.shape
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    scale = _scale(softmax_scale, d)
+    block_k = min(block_k, sk)
+    qg = _group(q.astype(jnp.float32), hkv)
+    k_blocks = _key_blocks(k.astype(jnp.float32), block_k)
+    v_blocks = _key_blocks(v.astype(jnp.float32), block_k)
+    starts = jnp.arange(k_blocks.shape[0]) * block_k
+
+    @jax.checkpoint
+    def step(carry, block):
+        m, l, acc = carry  # m: running max, -inf while a row has seen no visible key
+        kb, vb, start = block
+        s = _scores(qg, kb, scale, softcap, jnp.float32)
+        s = jnp.where(visible_mask(sq, sk, window, k_start=start, num_k=block_k), s, -jnp.inf)
+        m_new = lax.stop_gradient(jnp.maximum(m, jnp.max(s, axis=-1)))
+        m_applied = _safe_max(m_new)
+        alpha = jnp.exp(m - m_applied)  # 0 while m = -inf (l and acc are still 0)
+        e = jnp.exp(s - m_applied[..., None])
+        l = alpha * l + jnp.sum(e, axis=-1)
+        acc = alpha[..., None] * acc + jnp.einsum(
+            "bhgqk,bkhd->bhgqd", e, vb, preferred_element_type=jnp.float32, precision=_HIGHEST
+        )
+        return (m_new, l, acc), None
+
+    g = h // hkv
+    init = (
+        jnp.full((b, hkv, g, sq), -jnp.inf, jnp.float32),
+        jnp.zeros((b, hkv, g, sq), jnp.float32),
+        jnp.zeros((b, hkv, g, sq, dv), jnp.float32),
+    )
+    (m, l, acc), _ = lax.scan(step, init, (k_blocks, v_blocks, starts))
+    l_safe, lse = _finish(_safe_max(m), l)
+    out = (acc / l_safe[..., None]).transpose(0, 3, 1, 2, 4)  # (B, Sq, Hkv, G, Dv)
+    return out.reshape(b, sq, h, dv).astype(q.dtype), _ungroup_lse(lse)
+
+
+def _backward_block(
+    qg: jax.Array,
+    dog: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    kb: jax.Array,
+    vb: jax.Array,
+    mask: jax.Array,
+    scale: float,
+    softcap: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradient contributions of one block of keys, all float32.
+
+    qg (B, Sq, Hkv, G, D), dog (B, Sq, Hkv, G, Dv), lse and delta (B, Hkv, G, Sq),
+    kb (B, n, Hkv, D), vb (B, n, Hkv, Dv), mask (Sq, n).
+    Returns dq's contribution (B, Sq, Hkv, G, D), dk (B, n, Hkv, D), dv (B, n, Hkv, Dv).
+    """
+
+    def mm(spec, x, y):
+        return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32, precision=_HIGHEST)
+
+    s = _scores(qg, kb, scale, softcap, jnp.float32)
+    # A row with no visible key has lse = -inf; using +inf instead makes its P row
+    # exp(s - inf) = 0, and masked scores are -inf, so P has no NaN.
+    lse_safe = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
+    p = jnp.exp(jnp.where(mask, s, -jnp.inf) - lse_safe[..., None])
+    dv = mm("bhgqk,bqhgd->bkhd", p, dog)  # sums the G query heads of each kv head
+    dp = mm("bqhgd,bkhd->bhgqk", dog, vb)
+    ds = p * (dp - delta[..., None])
+    if softcap > 0:
+        ds = ds * (1.0 - jnp.square(s / softcap))  # tanh' at the capped score
+    dq = mm("bhgqk,bkhd->bqhgd", ds, kb) * scale
+    dk = mm("bhgqk,bqhgd->bkhd", ds, qg) * scale
+    return dq, dk, dv
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "window", "softcap", "block_k"))
+def attention_backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    *,
+    delta: jax.Array | None = None,
+    softmax_scale: float | None = None,
+    window: Window = (None, None),
+    softcap: float = 0.0,
+    block_k: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """FlashAttention backward from the saved forward results ``(out, lse)``.
+
+    With S the (scaled, capped) scores: ``P = exp(S - lse)`` (0 where masked and on rows
+    with ``lse = -inf``), ``dV = P^T dO``, ``dP = dO V^T``, ``delta = rowsum(dO * O)``,
+    ``dS = P * (dP - delta)``, times ``1 - (S / softcap)^2`` with softcap, then
+    ``dQ = dS K * softmax_scale`` and ``dK = dS^T Q * softmax_scale``. Under GQA/MQA dK and
+    dV sum the contributions of each group's query heads. All arithmetic is float32.
+
+    Args:
+        q: queries (B, Sq, H, D).
+        k: keys (B, Sk, Hkv, D).
+        v: values (B, Sk, Hkv, Dv).
+        out: forward output (B, Sq, H, Dv).
+        lse: forward logsumexp (B, H, Sq), float32.
+        dout: gradient of the output (B, Sq, H, Dv).
+        delta: ``rowsum(dout * out)`` (B, H, Sq) float32, e.g. from a GPU kernel;
+            computed here when ``None``.
+        softmax_scale: score scale; ``None`` means ``1 / sqrt(D)``.
+        window: ``(left, right)`` window, see :func:`visible_mask`; causal is ``(None, 0)``.
+        softcap: if > 0, scores were ``softcap * tanh(scores / softcap)``.
+        block_k: ``None`` materialises the (Sq, Sk) matrices; an int scans over blocks of
+            that many keys (memory O(Sq * block_k) per head; dq is accumulated across
+            blocks, dk and dv are produced block by block).
+
+    Returns:
+        ``(dq, dk, dv)`` in the dtypes of q, k and v.
+    """
+    _check_inputs(q, k, v)
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = h // hkv
+    scale = _scale(softmax_scale, d)
+    qg = _group(q.astype(jnp.float32), hkv)
+    dog = _group(dout.astype(jnp.float32), hkv)
+    if delta is None:
+        delta = jnp.einsum(
+            "bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32), precision=_HIGHEST
+        )
+    lse = lse.astype(jnp.float32).reshape(b, hkv, g, sq)
+    delta = delta.astype(jnp.float32).reshape(b, hkv, g, sq)
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+
+    if block_k is None:
+        dq, dk, dv = _backward_block(
+            qg, dog, lse, delta, k32, v32, visible_mask(sq, sk, window), scale, softcap
+        )
+    else:
+        if block_k < 1:
+            raise ValueError(f"block_k must be >= 1, got {block_k}")
+        block_k = min(block_k, sk)
+
+        def step(dq_acc, block):
+            kb, vb, start = block
+            mask = visible_mask(sq, sk, window, k_start=start, num_k=block_k)
+            dq_b, dk_b, dv_b = _backward_block(qg, dog, lse, delta, kb, vb, mask, scale, softcap)
+            return dq_acc + dq_b, (dk_b, dv_b)
+
+        k_blocks = _key_blocks(k32, block_k)
+        starts = jnp.arange(k_blocks.shape[0]) * block_k
+        dq, (dk, dv) = lax.scan(
+            step, jnp.zeros_like(qg), (k_blocks, _key_blocks(v32, block_k), starts)
+        )
+
+        def unblock(x):  # (n, B, block_k, Hkv, X) -> (B, Sk, Hkv, X)
+            x = x.swapaxes(0, 1)
+            return x.reshape(b, -1, *x.shape[3:])[:, :sk]
+
+        dk, dv = unblock(dk), unblock(dv)
+
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

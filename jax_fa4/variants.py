@@ -1,0 +1,74 @@
+"""The kernel variants the package ships, by suite: what ``precompile`` builds and CI compiles.
+
+A *variant* is a (kernel config, arch) pair. Families enumerate their configs from the dtypes and
+head dims asked for; a suite picks the families and the grid:
+
+* ``tests``: exactly what the GPU test suite runs (small, for the device workflow);
+* ``default``: every shipped variant for the common head dims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from jax_fa4.ffi.compiler import SUPPORTED_ARCHS
+from jax_fa4.kernels.preprocess_config import PreprocessConfig
+from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig
+
+HEAD_DIMS = (64, 96, 128, 192, 256)
+SUITES = ("tests", "default")
+
+
+@dataclass(frozen=True)
+class Variant:
+    config: KernelConfig
+    arch: str
+
+    def describe(self) -> str:
+        return f"{self.arch} {self.config.describe()}"
+
+
+def _preprocess(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
+    for dtype in dtypes:
+        for dv in head_dims:
+            yield PreprocessConfig(dtype, dv)
+
+
+#: family name -> (archs it is shipped for, config enumerator)
+FAMILIES: dict[str, tuple[tuple[str, ...], Callable[..., Iterable[KernelConfig]]]] = {
+    "bwd_preprocess": (SUPPORTED_ARCHS, _preprocess),
+}
+
+#: what the GPU tests need: (dtypes, head dims) per suite
+_SUITE_GRID = {
+    "tests": (FLOAT_DTYPES, (64, 96, 128, 256)),
+    "default": (FLOAT_DTYPES, HEAD_DIMS),
+}
+
+
+def variants(suite: str = "default", *, archs: Sequence[str] | None = None,
+             dtypes: Sequence[str] | None = None, head_dims: Sequence[int] | None = None,
+             families: Sequence[str] | None = None) -> list[Variant]:
+    """The variants of ``suite``, optionally narrowed to some archs, dtypes, head dims, families."""
+    if suite not in SUITES:
+        raise ValueError(f"suite must be one of {SUITES}, got {suite!r}")
+    suite_dtypes, suite_dims = _SUITE_GRID[suite]
+    dtypes = tuple(dtypes or suite_dtypes)
+    head_dims = tuple(head_dims or suite_dims)
+    for name in families or ():
+        if name not in FAMILIES:
+            raise ValueError(f"unknown kernel family {name!r}; known: {sorted(FAMILIES)}")
+    for arch in archs or ():
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"arch must be one of {SUPPORTED_ARCHS}, got {arch!r}")
+    out: list[Variant] = []
+    for name, (family_archs, enumerate_configs) in FAMILIES.items():
+        if families and name not in families:
+            continue
+        configs = list(dict.fromkeys(enumerate_configs(dtypes, head_dims)))
+        for arch in family_archs:
+            if archs and arch not in archs:
+                continue
+            out.extend(Variant(c, arch) for c in configs)
+    return out

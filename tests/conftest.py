@@ -1,0 +1,40 @@
+"""Shared test setup: the ``gpu`` marker skips cleanly without a Hopper GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def hopper_available() -> bool:
+    import jax
+
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
+def pytest_collection_modifyitems(config, items):
+    if any("gpu" in item.keywords for item in items) and not hopper_available():
+        skip = pytest.mark.skip(reason="needs an NVIDIA Hopper GPU (compute capability 9.0)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A private, empty kernel cache for one test."""
+    from jax_fa4.ffi import call
+
+    path = tmp_path / "kernel-cache"
+    monkeypatch.setenv("JAX_FA4_CACHE_DIR", str(path))
+    call.clear_memory_cache()
+    yield path
+    call.clear_memory_cache()
+
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

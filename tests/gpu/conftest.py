@@ -1,0 +1,9 @@
+"""Every test in this folder needs a Hopper GPU."""
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "/gpu/" in str(item.fspath):
+            item.add_marker(pytest.mark.gpu)

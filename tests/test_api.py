@@ -1,0 +1,138 @@
+"""The public API on CPU: input checks, dispatch, autodiff, jit/vmap, all through the reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa4
+from jax_fa4 import reference
+from jax_fa4.dispatch import ImplementationUnavailableError
+
+
+def _qkv(b=2, sq=37, sk=53, h=4, hkv=2, d=32, dv=None, dtype=jnp.float32, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (b, sq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, sk, hkv, dv or d), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+# -- bad input: each error names the argument and says what was expected ------------------------
+@pytest.mark.parametrize("mutate, exc, words", [
+    (lambda q, k, v: (q[0], k, v), ValueError, ["q", "rank 4", "(B, Sq, H, D)"]),
+    (lambda q, k, v: (q, k[None], v), ValueError, ["k", "rank 4"]),
+    (lambda q, k, v: (q, k[:1], v[:1]), ValueError, ["batch"]),
+    (lambda q, k, v: (q, k[..., :16], v), ValueError, ["head_dim", "32"]),
+    (lambda q, k, v: (q[:, :, :3], k, v), ValueError, ["H=3", "Hkv=2"]),
+    (lambda q, k, v: (q, k, v[:, :5]), ValueError, ["v", "(Sk, Hkv)"]),
+    (lambda q, k, v: (q.astype(jnp.int32), k, v), TypeError, ["q", "dtype", "int32"]),
+    (lambda q, k, v: (q, k.astype(jnp.bfloat16), v), TypeError, ["k", "float32", "bfloat16"]),
+    (lambda q, k, v: (q.tolist(), k, v), TypeError, ["q", "jax.Array", "list"]),
+])
+def test_bad_arrays_raise_clear_errors(mutate, exc, words):
+    with pytest.raises(exc) as info:
+        jax_fa4.flash_attention(*mutate(*_qkv()))
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(window_size=(-1, None)), ValueError, ["window_size left", ">= 0", "-1"]),
+    (dict(window_size=(None, -3)), ValueError, ["window_size right", "-3"]),
+    (dict(window_size=(2,)), ValueError, ["window_size", "pair"]),
+    (dict(window_size=(1.5, None)), TypeError, ["window_size left", "int"]),
+    (dict(softcap=-1.0), ValueError, ["softcap", ">= 0", "-1.0"]),
+    (dict(softcap=float("nan")), ValueError, ["softcap", "finite"]),
+    (dict(softmax_scale=0.0), ValueError, ["softmax_scale", "> 0"]),
+    (dict(softmax_scale="1"), TypeError, ["softmax_scale", "str"]),
+    (dict(causal=1), TypeError, ["causal", "bool"]),
+    (dict(implementation="cuda"), ValueError, ["implementation", "'sm90'", "'cuda'"]),
+])
+def test_bad_options_raise_clear_errors(kwargs, exc, words):
+    with pytest.raises(exc) as info:
+        jax_fa4.flash_attention(*_qkv(), **kwargs)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+# -- results and dispatch ----------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, window", [
+    (dict(), (None, None)),
+    (dict(causal=True), (None, 0)),
+    (dict(causal=True, window_size=(5, None)), (5, 0)),
+    (dict(window_size=(7, 3)), (7, 3)),
+    (dict(softcap=2.5, softmax_scale=0.3), (None, None)),
+])
+def test_matches_reference_on_cpu(kwargs, window):
+    q, k, v = _qkv()
+    out, lse = jax.jit(lambda q, k, v: jax_fa4.flash_attention(q, k, v, return_lse=True,
+                                                                **kwargs))(q, k, v)
+    ref_kw = dict(window=window, softcap=kwargs.get("softcap", 0.0),
+                  softmax_scale=kwargs.get("softmax_scale"))
+    ref_out, ref_lse = reference.attention(q, k, v, **ref_kw)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_fully_masked_rows_give_zero_and_neg_inf_lse():
+    q, k, v = _qkv(sq=40, sk=10)  # causal, bottom-right: the first 30 queries see no key
+    out, lse = jax_fa4.flash_attention(q, k, v, causal=True, return_lse=True)
+    assert np.all(np.asarray(out[:, :30]) == 0) and np.all(np.isneginf(np.asarray(lse[:, :, :30])))
+    grads = jax.grad(lambda q, k, v: jax_fa4.flash_attention(q, k, v, causal=True).sum(),
+                     argnums=(0, 1, 2))(q, k, v)
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+
+
+def test_forced_kernel_without_gpu_fails_when_lowered_for_cpu():
+    q, k, v = _qkv(dtype=jnp.bfloat16)
+    with pytest.raises(ImplementationUnavailableError, match="sm90"):
+        jax.jit(lambda q, k, v: jax_fa4.flash_attention(q, k, v, implementation="sm90"))(q, k, v)
+
+
+def test_default_implementation_on_cpu_is_reference():
+    q, k, v = _qkv(dtype=jnp.bfloat16)
+    hlo = jax.jit(lambda q, k, v: jax_fa4.flash_attention(q, k, v)).lower(q, k, v).as_text()
+    assert "custom_call" not in hlo
+
+
+# -- autodiff ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("window", [(None, None), (None, 0), (4, 2)])
+def test_grad_matches_autodiff_of_reference(window):
+    q, k, v = _qkv(sq=29, sk=41, seed=1)
+    ct = jax.random.normal(jax.random.key(9), (2, 29, 4, 32))
+    lse_ct = jax.random.normal(jax.random.key(10), (2, 4, 29))
+
+    def ours(q, k, v):
+        out, lse = jax_fa4.flash_attention(q, k, v, window_size=window, return_lse=True,
+                                           softcap=3.0)
+        return jnp.sum(out * ct) + jnp.sum(jnp.where(jnp.isinf(lse), 0, lse) * lse_ct)
+
+    def ref(q, k, v):
+        out, lse = reference.attention(q, k, v, window=window, softcap=3.0)
+        return jnp.sum(out * ct) + jnp.sum(jnp.where(jnp.isinf(lse), 0, lse) * lse_ct)
+
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(ref, argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+
+
+def test_vmap_folds_extra_axes():
+    q, k, v = _qkv(b=1)
+    qs, ks, vs = (jnp.stack([x, x * 0.5, -x]) for x in (q, k, v))
+    got = jax.vmap(lambda q, k, v: jax_fa4.flash_attention(q, k, v, causal=True))(qs, ks, vs)
+    for i in range(3):
+        want = jax_fa4.flash_attention(qs[i], ks[i], vs[i], causal=True)
+        np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-6)
+
+
+def test_import_does_not_load_the_compiler():
+    import subprocess
+    import sys
+
+    code = "import sys, jax_fa4; assert 'cutlass' not in sys.modules; print('ok')"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.stdout.strip() == "ok", res.stderr

@@ -1,0 +1,106 @@
+"""The FFI binding on a CPU machine: lowering for CUDA, export, precompile, runtime discovery."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_fa4
+from jax_fa4 import ops, precompile
+from jax_fa4.ffi import runtime
+from jax_fa4.ffi.cache import KernelCache
+from jax_fa4.variants import variants
+
+REPO = Path(__file__).resolve().parent.parent
+CUBIN_REPORT = REPO.parent / "shared" / "tools" / "cubin_report.py"
+
+
+def _preprocess_inputs():
+    o = jax.random.normal(jax.random.key(0), (2, 33, 4, 128), jnp.float32).astype(jnp.bfloat16)
+    return o, o, jnp.zeros((2, 4, 33), jnp.float32)
+
+
+def test_export_for_cuda_embeds_the_kernel(cache_dir):
+    f = jax.jit(lambda o, d, l: ops.bwd_preprocess(o, d, l, "sm90"))
+    exported = jax.export.export(f, platforms=["cuda"],
+                                 disabled_checks=jax_fa4.export_disabled_safety_checks())(
+        *_preprocess_inputs())
+    text = exported.mlir_module()
+    assert "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2" in text
+    assert "module = " in text and "key = " in text
+    (entry,) = KernelCache(cache_dir).entries()
+    # the whole object (plus framing) travels inside the serialized artifact
+    obj = next((cache_dir / "sm_90a").glob("*.o")).read_bytes()
+    assert len(exported.serialize()) > len(obj)
+    assert entry["kernel"] == "bwd_preprocess"
+
+
+def test_export_without_disabled_check_is_refused(cache_dir):
+    f = jax.jit(lambda o, d, l: ops.bwd_preprocess(o, d, l, "sm90"))
+    with pytest.raises(ValueError, match="CuteDSLRT_NvJaxCutlassCall_v2"):
+        jax.export.export(f, platforms=["cuda"])(*_preprocess_inputs())
+
+
+def test_vmap_lowers_to_one_kernel_call(cache_dir):
+    o, d, lse = _preprocess_inputs()
+    f = jax.jit(jax.vmap(lambda o, d: ops.bwd_preprocess(o, d, lse, "sm90")))
+    stacked = jnp.stack([o, o, o])
+    exported = jax.export.export(f, platforms=["cuda"],
+                                 disabled_checks=jax_fa4.export_disabled_safety_checks())(
+        stacked, stacked)
+    assert exported.mlir_module().count("CuteDSLRT_NvJaxCutlassCall_v2(") == 1
+    assert exported.out_avals[0].shape == (3, 2, 4, 33)
+
+
+def test_runtime_library_is_found_in_the_installed_wheel(monkeypatch):
+    monkeypatch.delenv(runtime.ENV_RUNTIME_LIB, raising=False)
+    path = runtime.find_runtime_library()
+    assert path.name == "libcute_dsl_runtime.so" and path.is_file()
+
+
+def test_runtime_library_env_var_must_point_at_a_file(monkeypatch, tmp_path):
+    monkeypatch.setenv(runtime.ENV_RUNTIME_LIB, str(tmp_path / "missing.so"))
+    with pytest.raises(runtime.RuntimeLibraryNotFoundError, match="JAX_FA4_CUTE_RUNTIME_LIB"):
+        runtime.find_runtime_library()
+
+
+def test_registration_loads_the_handlers_without_the_compiler(tmp_path):
+    code = ("import sys\nfrom jax_fa4.ffi import runtime\nruntime.register_ffi_targets()\n"
+            "assert 'cutlass' not in sys.modules\nprint('ok')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_precompile_builds_every_shipped_variant(tmp_path, arch, capsys):
+    root = tmp_path / "cache"
+    assert precompile.main(["--arch", arch, "--cache-dir", str(root), "--quiet"]) == 0
+    want = variants("default", archs=[arch])
+    metas = [json.loads(p.read_text()) for p in (root / arch).glob("*.json")]
+    assert sorted(json.dumps(m["config"], sort_keys=True) for m in metas) == sorted(
+        json.dumps(v.config.key_dict(), sort_keys=True) for v in want)
+    assert all(m["arch"] == arch and m["compile_seconds"] > 0 for m in metas)
+    # a second run finds everything cached
+    assert precompile.main(["--arch", arch, "--cache-dir", str(root), "--quiet"]) == 0
+    assert f"0 compiled, {len(want)} already cached" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not CUBIN_REPORT.is_file(), reason="../shared/tools/cubin_report.py missing")
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_preprocess_sass_has_no_local_memory(tmp_path, arch):
+    root = tmp_path / "cache"
+    precompile.main(["--arch", arch, "--family", "bwd_preprocess", "--cache-dir", str(root),
+                     "--quiet", "--head-dim", "128", "--dtype", "bfloat16"])
+    (obj,) = (root / arch).glob("*.o")
+    res = subprocess.run([sys.executable, str(CUBIN_REPORT), str(obj), "--json"],
+                         capture_output=True, text=True, check=True)
+    (kernel,) = json.loads(res.stdout)
+    assert kernel["arch"] == arch
+    assert kernel["local"] == 0 and kernel["stack"] == 0
+    assert kernel["ops"].get("LDL", 0) == 0 and kernel["ops"].get("STL", 0) == 0
