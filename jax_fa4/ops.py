@@ -33,20 +33,55 @@ def reference_forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
     return reference.attention_blocked(q, k, v, block_k=_BLOCK_K, **kw)
 
 
-def forward_kernel_unsupported(q, k, v, opts) -> str | None:
-    """Why no forward kernel serves this call (None when one does)."""
-    return f"the {opts.implementation} forward kernel is not available yet"
+def mask_kind(window) -> str:
+    """The kernels' compile-time mask kind of a canonical window."""
+    if window == (None, None):
+        return "none"
+    return "causal" if window == (None, 0) else "local"
+
+
+def kernel_params(opts) -> jax.Array:
+    """Run-time scalars of the attention kernels: [scale, softcap, window_left, window_right]."""
+    left, right = opts.window
+    values = (opts.softmax_scale, opts.softcap, -1 if left is None else left,
+              -1 if right is None else right)
+    # Scalars stay literals in the jaxpr (no captured constant array: custom_partitioning
+    # bodies must not close over constants).
+    return jnp.stack([jnp.float32(x) for x in values])
+
+
+def forward_config(q, k, v, opts):
+    """The forward kernel config serving this call, or the reason none does (a str)."""
+    if opts.implementation != "sm90":
+        return f"no {opts.implementation} forward kernel yet"
+    dtype = jnp.dtype(q.dtype).name
+    if dtype not in _KERNEL_DTYPES:
+        return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
+    from jax_fa4.kernels.sm90.fwd_config import FwdConfig
+
+    try:
+        return FwdConfig.make(dtype, q.shape[3], v.shape[3], mask_kind(opts.window),
+                              opts.softcap > 0)
+    except ValueError as err:
+        return str(err)
 
 
 def forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
-    """(out, lse) of one attention call."""
+    """(out, lse) of one attention call: the kernel when one serves it, else the reference."""
     if opts.implementation != "reference":
-        reason = forward_kernel_unsupported(q, k, v, opts)
-        if reason is None:
-            raise AssertionError("unreachable until a forward kernel is registered")
+        config = forward_config(q, k, v, opts)
+        if not isinstance(config, str):
+            from jax_fa4.ffi.call import call_kernel
+
+            b, sq, h, _ = q.shape
+            out, lse = call_kernel(
+                config, KERNEL_ARCH[opts.implementation], q, k, v, kernel_params(opts),
+                out_shapes=(jax.ShapeDtypeStruct((b, sq, h, v.shape[3]), q.dtype),
+                            jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
+            return out, lse
         if opts.forced:
             raise ImplementationUnavailableError(
-                f"implementation={opts.implementation!r} cannot run this call: {reason}")
+                f"implementation={opts.implementation!r} cannot run this call: {config}")
     return reference_forward(q, k, v, opts)
 
 

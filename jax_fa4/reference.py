@@ -229,10 +229,10 @@ def attention_blocked(
     """Memory-light attention: online softmax in float32 over blocks of ``block_k`` keys.
 
     A ``lax.scan`` over key blocks keeps a running row max, running row sum and a rescaled
-    output accumulator; Sk is padded up to a multiple of ``block_k`` with masked keys. Peak
-    memory is O(Sq * block_k) per head instead of O(Sq * Sk). Differentiable with
-    ``jax.grad`` (each step is rematerialised, so the saved residuals are only the carries);
-    the library itself uses :func:`attention_backward`.
+    output accumulator; Sk is padded up to a multiple of ``block_k`` with masked keys. The
+    score block takes O(B * H * Sq * block_k) memory instead of O(B * H * Sq * Sk).
+    Differentiable with ``jax.grad`` (each step is rematerialised, so the saved residuals
+    are only the carries); the library itself uses :func:`attention_backward`.
 
     Args:
         q: queries (B, Sq, H, D).
@@ -359,7 +359,7 @@ def attention_backward(
         window: ``(left, right)`` window, see :func:`visible_mask`; causal is ``(None, 0)``.
         softcap: if > 0, scores were ``softcap * tanh(scores / softcap)``.
         block_k: ``None`` materialises the (Sq, Sk) matrices; an int scans over blocks of
-            that many keys (memory O(Sq * block_k) per head; dq is accumulated across
+            that many keys (O(B * H * Sq * block_k) memory; dq is accumulated across
             blocks, dk and dv are produced block by block).
 
     Returns:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from jax_fa4.ffi.compiler import SUPPORTED_ARCHS
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
+from jax_fa4.kernels.sm90 import fwd_config
 from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -35,14 +36,27 @@ def _preprocess(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[Ker
             yield PreprocessConfig(dtype, dv)
 
 
-#: family name -> (archs it is shipped for, config enumerator)
-FAMILIES: dict[str, tuple[tuple[str, ...], Callable[..., Iterable[KernelConfig]]]] = {
-    "bwd_preprocess": (SUPPORTED_ARCHS, _preprocess),
+def _sm90_fwd(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
+    for cfg in fwd_config.shipped_configs():
+        if cfg.dtype in dtypes and cfg.head_dim in head_dims:
+            yield cfg
+
+
+def _sm90_fwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
+    yield from _sm90_fwd(dtypes, head_dims)
+    yield from fwd_config.fallback_configs()  # the GPU tests cross-check the serial mainloop
+
+
+#: family name -> (archs it is shipped for, config enumerator, the tests suite's enumerator)
+FAMILIES: dict[str, tuple[tuple[str, ...], Callable[..., Iterable[KernelConfig]],
+                          Callable[..., Iterable[KernelConfig]]]] = {
+    "bwd_preprocess": (SUPPORTED_ARCHS, _preprocess, _preprocess),
+    "sm90_fwd": (("sm_90a",), _sm90_fwd, _sm90_fwd_tests),
 }
 
 #: what the GPU tests need: (dtypes, head dims) per suite
 _SUITE_GRID = {
-    "tests": (FLOAT_DTYPES, (64, 96, 128, 256)),
+    "tests": (FLOAT_DTYPES, HEAD_DIMS),
     "default": (FLOAT_DTYPES, HEAD_DIMS),
 }
 
@@ -63,9 +77,10 @@ def variants(suite: str = "default", *, archs: Sequence[str] | None = None,
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"arch must be one of {SUPPORTED_ARCHS}, got {arch!r}")
     out: list[Variant] = []
-    for name, (family_archs, enumerate_configs) in FAMILIES.items():
+    for name, (family_archs, shipped, for_tests) in FAMILIES.items():
         if families and name not in families:
             continue
+        enumerate_configs = for_tests if suite == "tests" else shipped
         configs = list(dict.fromkeys(enumerate_configs(dtypes, head_dims)))
         for arch in family_archs:
             if archs and arch not in archs:

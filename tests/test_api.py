@@ -87,9 +87,17 @@ def test_fully_masked_rows_give_zero_and_neg_inf_lse():
 
 
 def test_forced_kernel_without_gpu_fails_when_lowered_for_cpu():
-    q, k, v = _qkv(dtype=jnp.bfloat16)
-    with pytest.raises(ImplementationUnavailableError, match="sm90"):
+    q, k, v = _qkv(d=128, dtype=jnp.bfloat16)  # a shape the sm90 forward kernel serves
+    with pytest.raises(ImplementationUnavailableError, match="lowered for cpu"):
         jax.jit(lambda q, k, v: jax_fa4.flash_attention(q, k, v, implementation="sm90"))(q, k, v)
+
+
+def test_forced_kernel_that_cannot_serve_the_call_says_why():
+    q, k, v = _qkv(d=40, dtype=jnp.bfloat16)
+    with pytest.raises(ImplementationUnavailableError, match="head_dim/head_dim_v 40/40"):
+        jax_fa4.flash_attention(q, k, v, implementation="sm90")
+    with pytest.raises(ImplementationUnavailableError, match="bfloat16 or float16"):
+        jax_fa4.flash_attention(*_qkv(d=128), implementation="sm90")
 
 
 def test_default_implementation_on_cpu_is_reference():
