@@ -1,0 +1,534 @@
+"""FlashAttention forward for Hopper (sm_90a), written in CuTe-DSL.
+
+Features: bf16/fp16, head dims from fwd_config.TUNING_TABLE (64, 96, 128, 192 with dv 128 or 192,
+256), dynamic batch / sequence lengths / head counts (one compile serves all), GQA/MQA (q head h
+reads kv head h // (H // Hkv)), key-length tail mask, bottom-right aligned causal and sliding
+window masks with key-block skipping (only boundary blocks are masked), softcap, lse output.
+
+Structure (one CTA = one tile of tile_m query rows of one (batch, head); not persistent):
+  * warpgroup 0 = producer. It gives registers back (setmaxnreg); its warp 0 issues the TMA loads:
+    Q once, then K[n], V[n] for the visited key blocks, highest n first, through mbarrier
+    pipelines (PipelineTmaAsync: Q one stage, K and V `stages` stages each).
+  * warpgroups 1..W = consumers, 64 query rows each (tile_m = 64·W). Per key block:
+      S = Q·Kᵀ (WGMMA, both operands in shared memory) → [softcap] → [mask] → online softmax
+      (exp2 with scale·log2 e folded into one FFMA) → P converted to 16 bits in registers →
+      O = O·rescale + P·V (WGMMA with P as the register A operand).
+  * epilogue: O /= Σ, converted, written with stmatrix into Q's shared memory (Q is dead by then),
+    fenced, then TMA-stored by one warp (rows past seqlen_q are clipped by TMA); lse is written
+    from registers by the threads owning accumulator column 0.
+
+Not yet: intra-warpgroup overlap of softmax with the next QK GEMM, ping-pong between the
+consumer warpgroups, persistence, pack-GQA, varlen, split-KV.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.utils import LayoutEnum
+
+from jax_fa4.kernels.common.block_info import BlockInfo
+from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, select_modes,
+                                           transpose_mn)
+from jax_fa4.kernels.common.mask import AttentionMask
+from jax_fa4.kernels.common.softmax import OnlineSoftmax, rescale_rows
+from jax_fa4.kernels.common.tile_scheduler import SingleTileScheduler
+from jax_fa4.kernels.sm90.fwd_config import FwdConfig
+
+LOG2_E = math.log2(math.e)
+
+
+class NamedBarrier(enum.IntEnum):
+    # 0 is __syncthreads
+    EPILOGUE = 1
+
+
+# (consumer, producer) registers per thread after setmaxnreg, by number of consumer warpgroups.
+_REGS = {2: (240, 24), 3: (160, 32)}
+
+
+@dsl_user_op
+def cvt_pack_f32x2(a: Float32, b: Float32, to_bf16: bool, *, loc=None, ip=None) -> Int32:
+    """Two f32 -> one 32-bit register holding (a, b) as bf16x2 / f16x2 (a in the low half)."""
+    kind = "bf16x2" if to_bf16 else "f16x2"
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $2, $1;",
+        "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip,
+    ))
+
+
+@cute.jit
+def convert_pairs(src: cute.Tensor, dst: cute.Tensor, to_bf16: cutlass.Constexpr[bool]):
+    """dst (16-bit, compact) <- src (f32), element i <-> element i, two at a time."""
+    dst32 = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(dst32)):
+        dst32[i] = cvt_pack_f32x2(src[2 * i], src[2 * i + 1], to_bf16)
+
+
+@cute.jit
+def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+          zero_init: cutlass.Constexpr[bool]):
+    """Issue acc (+)= A·B over all K blocks as one WGMMA group (no wait)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+def make_smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+    """Row-major (cols contiguous) swizzled layout usable by TMA and as a WGMMA operand."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+class FlashAttentionForwardSm90:
+    def __init__(self, cfg: FwdConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.dtype = cutlass.BFloat16 if cfg.dtype == "bfloat16" else cutlass.Float16
+        self.is_bf16 = cfg.dtype == "bfloat16"
+        self.hdim, self.hdimv = cfg.head_dim, cfg.head_dim_v
+        self.tile_m, self.tile_n, self.stages = cfg.tile_m, cfg.tile_n, cfg.stages
+        self.is_causal = cfg.mask == "causal"
+        self.is_local = cfg.mask == "local"
+        self.has_softcap = cfg.has_softcap
+        self.overlap = cfg.intra_wg_overlap
+        self.num_mma_wg = cfg.num_mma_warpgroups
+        self.num_mma_threads = 128 * self.num_mma_wg
+        self.num_threads = cfg.num_threads
+        self.mma_regs, self.producer_regs = _REGS[self.num_mma_wg]
+
+    # ---------------------------------------------------------------------------------------------
+    # Host side: views, layouts, TMA atoms, launch
+    # ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _seq_major(t: cute.Tensor, d: int) -> cute.Tensor:
+        """(B, S, H, D) row-major -> (S, D, H, B) view with the head dim's extent made static."""
+        layout = cute.make_layout((t.shape[1], d, t.shape[2], t.shape[0]),
+                                  stride=(t.stride[1], 1, t.stride[2], t.stride[0]))
+        return cute.make_tensor(t.iterator, layout)
+
+    @cute.jit
+    def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                 mParams: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+        for name, t in (("q", mQ), ("k", mK), ("v", mV), ("out", mO)):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"{name}: expected {self.dtype}, got {t.element_type}")
+        if const_expr(mLSE.element_type != Float32 or mParams.element_type != Float32):
+            raise TypeError("lse and params must be float32")
+        D, Dv = self.hdim, self.hdimv
+        mQ, mK = self._seq_major(mQ, D), self._seq_major(mK, D)
+        mV, mO = self._seq_major(mV, Dv), self._seq_major(mO, Dv)
+        mLSE = select_modes(mLSE, (2, 1, 0))  # (Sq, H, B)
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            Float32, (self.num_mma_wg, 1, 1), (64, self.tile_n))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, (self.num_mma_wg, 1, 1), (64, Dv), a_source=warpgroup.OperandSource.RMEM)
+
+        sQ_layout = make_smem_layout(self.dtype, self.tile_m, D)
+        sK_layout = make_smem_layout(self.dtype, self.tile_n, D, self.stages)
+        sV_layout = make_smem_layout(self.dtype, self.tile_n, Dv, self.stages)
+        sO_layout = make_smem_layout(self.dtype, self.tile_m, Dv)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, D))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            g2s, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, D))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            g2s, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, Dv))
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, Dv))
+
+        self.tx_bytes_q = self.tile_m * D * self.dtype.width // 8
+        self.tx_bytes_k = self.tile_n * D * self.dtype.width // 8
+        self.tx_bytes_v = self.tile_n * Dv * self.dtype.width // 8
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+        grid = SingleTileScheduler.grid_shape(num_m_blocks, mQ.shape[2], mQ.shape[3])
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_O, mLSE, mParams,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
+            tiled_mma_qk, tiled_mma_pv, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------------------------------------
+    # Device side
+    # ---------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, mParams: cute.Tensor,
+               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               tma_atom_O: cute.CopyAtom,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               SharedStorage: cutlass.Constexpr):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # PipelineTmaAsync releases with one elected lane per consumer warp
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_thread,
+            consumer_group=mma_warps, tx_count=self.tx_bytes_q, defer_sync=True)
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.stages,
+            producer_group=tma_thread, consumer_group=mma_warps, tx_count=self.tx_bytes_k,
+            defer_sync=True)
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.stages,
+            producer_group=tma_thread, consumer_group=mma_warps, tx_count=self.tx_bytes_v,
+            defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # reuses Q's buffer
+
+        # Run-time scalars. Windows: -1 (any negative) = unbounded, clamped to a bound that covers
+        # every key so the block/mask arithmetic stays in Int32 range.
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        window_left, window_right = None, None
+        if const_expr(self.is_local):
+            wl = Int32(mParams[2])
+            wr = Int32(mParams[3])
+            window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
+            window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
+
+        scheduler = SingleTileScheduler(cute.ceil_div(seqlen_q, self.tile_m),
+                                        longest_first=self.is_causal or self.is_local)
+        m_block, head, batch = scheduler.work_tile()
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
+                               seqlen_q, seqlen_k, window_left, window_right)
+        n_block_min, n_block_max = block_info.n_block_range(m_block)
+
+        if warp_idx < 4:  # producer warpgroup
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                          pipeline_q, pipeline_k, pipeline_v,
+                          m_block, head, head_kv, batch, n_block_min, n_block_max)
+        else:  # consumer warpgroups
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            scale = mParams[0]
+            softcap_in_scale = None
+            if const_expr(self.has_softcap):
+                softcap = mParams[1]
+                softcap_in_scale = scale / softcap  # tanh(s·scale/softcap), then ·softcap·log2 e
+                scale_log2 = softcap * LOG2_E
+            else:
+                scale_log2 = scale * LOG2_E
+            mask = AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+                                 window_left, window_right)
+            self.mma(mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                     pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
+                     scale_log2, softcap_in_scale, mask, block_info,
+                     m_block, head, batch, n_block_min, n_block_max, seqlen_q)
+
+    @cute.jit
+    def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+             sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+             tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+             pipeline_q, pipeline_k, pipeline_v,
+             m_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
+             n_block_min: Int32, n_block_max: Int32):
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdimv), (None, 0))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        if n_block_max > n_block_min:
+            # K and V have their own pipelines and states; both are loaded in the order the
+            # consumers use them (highest key block first). With intra-warpgroup overlap V runs
+            # one block behind K: K[hi], Q, (K[n-1], V[n])..., V[lo].
+            k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipeline_k.producer_acquire(k_state)
+            cute.copy(tma_atom_K, tKgK[None, n_block_max - 1], tKsK[None, k_state.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
+            k_state.advance()
+            pipeline_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            if const_expr(not self.overlap):
+                pipeline_v.producer_acquire(v_state)
+                cute.copy(tma_atom_V, tVgV[None, n_block_max - 1], tVsV[None, v_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+                v_state.advance()
+            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                n_block = n_block_max - 2 - i
+                pipeline_k.producer_acquire(k_state)
+                cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, k_state.index],
+                          tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
+                k_state.advance()
+                n_block_v = n_block + 1 if const_expr(self.overlap) else n_block
+                pipeline_v.producer_acquire(v_state)
+                cute.copy(tma_atom_V, tVgV[None, n_block_v], tVsV[None, v_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+                v_state.advance()
+            if const_expr(self.overlap):
+                pipeline_v.producer_acquire(v_state)
+                cute.copy(tma_atom_V, tVgV[None, n_block_min], tVsV[None, v_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+
+    @cute.jit
+    def mma(self, mO: cute.Tensor, mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
+            sV: cute.Tensor, sO: cute.Tensor, tma_atom_O: cute.CopyAtom,
+            tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+            pipeline_q, pipeline_k, pipeline_v, tidx: Int32, warp_idx: Int32,
+            scale_log2: Float32, softcap_in_scale, mask: AttentionMask, block_info: BlockInfo,
+            m_block: Int32, head: Int32, batch: Int32, n_block_min: Int32, n_block_max: Int32,
+            seqlen_q: Int32):
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
+        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
+        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(transpose_mn(sV)))
+        acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((self.tile_m, self.hdimv)),
+                                      Float32)
+        tOrP = thr_mma_pv.make_fragment_A(
+            thr_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        acc_S_shape = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS = thr_mma_qk.partition_C(cS)
+        t0ScS = tiled_mma_qk.get_slice(0).partition_C(cS)
+
+        num_rows = cute.size(acc_view_mn(acc_O), mode=[0])
+        softmax = OnlineSoftmax(scale_log2, num_rows)
+        softmax.reset()
+        row_scale = cute.make_rmem_tensor(num_rows, Float32)
+
+        ctx = dict(tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
+                   tOrVt=tOrVt, acc_O=acc_O, tOrP=tOrP, acc_S_shape=acc_S_shape, tScS=tScS,
+                   t0ScS=t0ScS, softmax=softmax, row_scale=row_scale, mask=mask,
+                   softcap_in_scale=softcap_in_scale, pipeline_k=pipeline_k,
+                   pipeline_v=pipeline_v, m_block=m_block)
+        masked = self.is_causal or self.is_local
+        # block boundaries between the mask regions (see mma loop below)
+        n_lo_right = block_info.n_block_min_right_mask(m_block, n_block_min)
+        n_lo_bulk = block_info.n_block_max_left_mask(m_block, n_block_min)
+
+        if n_block_max > n_block_min:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipeline_q.consumer_wait(q_state)
+            k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            block = self.overlap_block if const_expr(self.overlap) else self.serial_block
+            # 1) the highest block: key-length tail + causal/window mask, starts the softmax
+            if const_expr(self.overlap):
+                acc_O.fill(0.0)  # every PV GEMM accumulates
+                k_state = self.first_half_block(ctx, k_state, n_block_max - 1, masked)
+            else:
+                k_state, v_state = self.serial_block(ctx, k_state, v_state, n_block_max - 1,
+                                                     True, True, masked)
+            n_hi = n_block_max - 1
+            # 2) blocks cutting the causal / right-window diagonal
+            if const_expr(masked):
+                for i in cutlass.range(n_hi - n_lo_right, unroll=1):
+                    k_state, v_state = block(ctx, k_state, v_state, n_hi - 1 - i, False, False, True)
+                n_hi = cutlass.min(n_hi, n_lo_right)
+            # 3) the bulk, unmasked
+            for i in cutlass.range(n_hi - n_lo_bulk, unroll=1):
+                k_state, v_state = block(ctx, k_state, v_state, n_hi - 1 - i, False, False, False)
+            # 4) blocks cutting the left-window edge
+            if const_expr(self.is_local):
+                n_hi = cutlass.min(n_hi, n_lo_bulk)
+                for i in cutlass.range(n_hi - n_block_min, unroll=1):
+                    k_state, v_state = block(ctx, k_state, v_state, n_hi - 1 - i, False, False, True)
+            # 5) the last block's P·V
+            if const_expr(self.overlap):
+                self.last_half_block(ctx, v_state)
+        else:
+            acc_O.fill(0.0)  # no visible key in the whole tile: O = 0, lse = -inf
+
+        # ---- epilogue ----
+        lse = cute.make_rmem_tensor(num_rows, Float32)
+        softmax.finalize(row_scale, lse)
+        rescale_rows(acc_O, row_scale)
+        rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
+        convert_pairs(acc_O, rO, self.is_bf16)
+
+        # lse from registers: the 4 threads of a row quad hold the same value; column-0 owners write
+        cO = cute.make_identity_tensor((self.tile_m, self.hdimv))
+        tOcO_mn = acc_view_mn(thr_mma_pv.partition_C(cO))
+        if tOcO_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(num_rows):
+                row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = lse[r]
+
+        # every consumer warpgroup has finished its QK GEMMs (they read sQ) before O overwrites it
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                          number_of_threads=self.num_mma_threads)
+        smem_copy_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma_pv).get_slice(tidx)
+        cute.copy(smem_thr_copy, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> TMA reads
+        if warp_idx == 0:
+            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                              number_of_threads=self.num_mma_threads)
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.hdimv),
+                                 (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
+                                               cute.group_modes(sO, 0, 2),
+                                               cute.group_modes(gO, 0, 2))
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.EPILOGUE),
+                                     number_of_threads=self.num_mma_threads)
+
+    # --- per key block -----------------------------------------------------------------------
+    @cute.jit
+    def scores(self, ctx: cutlass.Constexpr, acc_S: cute.Tensor, n_block: Int32,
+               mask_seqlen: cutlass.Constexpr[bool], mask_diag: cutlass.Constexpr[bool]):
+        """S in registers -> softcap transform (if any) -> masks."""
+        if const_expr(self.has_softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = cute.math.tanh(acc_S[i] * ctx["softcap_in_scale"], fastmath=True)
+        if const_expr(mask_seqlen or mask_diag):
+            ctx["mask"].apply(acc_S, ctx["tScS"], ctx["t0ScS"], ctx["m_block"], n_block,
+                              mask_seqlen, mask_diag and self.is_causal, mask_diag and self.is_local)
+
+    @cute.jit
+    def serial_block(self, ctx: cutlass.Constexpr, k_state, v_state, n_block: Int32,
+                     is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool],
+                     mask_diag: cutlass.Constexpr[bool]):
+        """No overlap: S = Q·Kᵀ, wait, softmax, O = O·rescale + P·V, wait."""
+        pipeline_k, pipeline_v = ctx["pipeline_k"], ctx["pipeline_v"]
+        acc_O, tOrP, softmax, row_scale = ctx["acc_O"], ctx["tOrP"], ctx["softmax"], ctx["row_scale"]
+        pipeline_k.consumer_wait(k_state)
+        acc_S = cute.make_rmem_tensor(ctx["acc_S_shape"], Float32)
+        wgmma(ctx["tiled_mma_qk"], acc_S, ctx["tSrQ"], ctx["tSrK"][None, None, None, k_state.index],
+              zero_init=True)
+        warpgroup.wait_group(0)
+        pipeline_k.consumer_release(k_state)
+        k_state.advance()
+        self.scores(ctx, acc_S, n_block, mask_seqlen, mask_diag)
+        softmax.step(acc_S, row_scale, is_first)
+        convert_pairs(acc_view_as_a_operand(acc_S), tOrP, self.is_bf16)
+        if const_expr(not is_first):
+            rescale_rows(acc_O, row_scale)
+        pipeline_v.consumer_wait(v_state)
+        wgmma(ctx["tiled_mma_pv"], acc_O, tOrP, ctx["tOrVt"][None, None, None, v_state.index],
+              zero_init=is_first)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(v_state)
+        v_state.advance()
+        return k_state, v_state
+
+    @cute.jit
+    def first_half_block(self, ctx: cutlass.Constexpr, k_state, n_block: Int32,
+                         mask_diag: cutlass.Constexpr[bool]):
+        """Overlap, first block: S_0 = Q·K_0ᵀ, tail/diagonal masks, softmax start, P_0 in registers."""
+        pipeline_k = ctx["pipeline_k"]
+        pipeline_k.consumer_wait(k_state)
+        acc_S = cute.make_rmem_tensor(ctx["acc_S_shape"], Float32)
+        wgmma(ctx["tiled_mma_qk"], acc_S, ctx["tSrQ"], ctx["tSrK"][None, None, None, k_state.index],
+              zero_init=True)
+        warpgroup.wait_group(0)
+        pipeline_k.consumer_release(k_state)
+        k_state.advance()
+        self.scores(ctx, acc_S, n_block, True, mask_diag)
+        ctx["softmax"].step(acc_S, ctx["row_scale"], True)
+        convert_pairs(acc_view_as_a_operand(acc_S), ctx["tOrP"], self.is_bf16)
+        return k_state
+
+    @cute.jit
+    def overlap_block(self, ctx: cutlass.Constexpr, k_state, v_state, n_block: Int32,
+                      is_first: cutlass.Constexpr[bool], mask_seqlen: cutlass.Constexpr[bool],
+                      mask_diag: cutlass.Constexpr[bool]):
+        """Overlap, block j: issue S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1}; softmax S_j while the PV
+        GEMM runs; then P_j (overwrites P_{j-1} only after its GEMM completed) and O rescale."""
+        pipeline_k, pipeline_v = ctx["pipeline_k"], ctx["pipeline_v"]
+        acc_O, tOrP, softmax, row_scale = ctx["acc_O"], ctx["tOrP"], ctx["softmax"], ctx["row_scale"]
+        pipeline_k.consumer_wait(k_state)
+        acc_S = cute.make_rmem_tensor(ctx["acc_S_shape"], Float32)
+        wgmma(ctx["tiled_mma_qk"], acc_S, ctx["tSrQ"], ctx["tSrK"][None, None, None, k_state.index],
+              zero_init=True)
+        pipeline_v.consumer_wait(v_state)
+        wgmma(ctx["tiled_mma_pv"], acc_O, tOrP, ctx["tOrVt"][None, None, None, v_state.index],
+              zero_init=False)
+        warpgroup.wait_group(1)  # S_j done (PV still running)
+        pipeline_k.consumer_release(k_state)
+        k_state.advance()
+        self.scores(ctx, acc_S, n_block, mask_seqlen, mask_diag)
+        softmax.step(acc_S, row_scale, False)
+        warpgroup.wait_group(0)  # PV done: P_{j-1} and V_{j-1} are free, O is final for j-1
+        pipeline_v.consumer_release(v_state)
+        v_state.advance()
+        convert_pairs(acc_view_as_a_operand(acc_S), tOrP, self.is_bf16)
+        rescale_rows(acc_O, row_scale)
+        return k_state, v_state
+
+    @cute.jit
+    def last_half_block(self, ctx: cutlass.Constexpr, v_state):
+        """Overlap, after the last block: O += P_last·V_last."""
+        pipeline_v = ctx["pipeline_v"]
+        pipeline_v.consumer_wait(v_state)
+        wgmma(ctx["tiled_mma_pv"], ctx["acc_O"], ctx["tOrP"],
+              ctx["tOrVt"][None, None, None, v_state.index], zero_init=False)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(v_state)
+
+
+def make_launcher(cfg: FwdConfig):
+    """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config."""
+    kernel = FlashAttentionForwardSm90(cfg)
+
+    @cute.jit
+    def sm90_fwd(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
+                 params: cute.Tensor, out: cute.Tensor, lse: cute.Tensor):
+        kernel(stream, q, k, v, params, out, lse)
+
+    return sm90_fwd

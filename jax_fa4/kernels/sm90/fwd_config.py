@@ -1,0 +1,176 @@
+"""Compile key and tuning table of the Hopper (sm_90a) forward attention kernel.
+
+Importable without the compiler: nothing here imports ``cutlass`` at module level.
+
+The kernel computes, per (batch b, query head h), with kv head h // (H // Hkv):
+    out[b, :, h] = softmax(mask(transform(q·kᵀ))) · v,    lse[b, h, :] = logsumexp of the row
+where transform is ``scale·s`` or ``softcap·tanh(s·scale/softcap)``, and mask is the key-length
+tail plus "causal" (bottom-right aligned) or "local" (window_left, window_right; -1 = unbounded).
+Rows with no visible key give out = 0, lse = -inf.
+
+Call: ``fn(stream, q, k, v, params, out, lse)`` with
+    q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), params float32 (4,) =
+    [softmax_scale, softcap (0 = off), window_left, window_right], out (B, Sq, H, Dv) (q's dtype),
+    lse (B, H, Sq) float32. B, S, H dynamic; D, Dv fixed by the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig, KernelSignature, TensorArg
+
+MASK_KINDS = ("none", "causal", "local")
+
+# Shared memory per CTA that a kernel may use on sm_90 (227 KB), minus room for mbarriers.
+SMEM_LIMIT_BYTES = 227 * 1024 - 1024
+
+
+@dataclass(frozen=True)
+class Sm90FwdTuning:
+    """The tuning choices for one (head_dim, head_dim_v, mask kind) row."""
+
+    tile_m: int  # 64 rows per consumer warpgroup
+    tile_n: int
+    stages: int = 2  # K and V pipeline depth
+    # issue S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} back to back, softmax S_j while the PV GEMM runs
+    intra_wg_overlap: bool = True
+
+
+# THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Start points from FA4's H100
+# choices (docs/SM90-NOTES.md), to be re-measured on the H200 (docs/perf-log.md). Same for both
+# 16-bit dtypes. Only the rows listed here are supported (and compiled by the tests).
+_T = Sm90FwdTuning
+TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
+    (64, 64): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 128)},
+    (96, 96): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 128)},
+    (128, 128): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 128)},
+    (192, 128): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 96)},
+    (192, 192): {"none": _T(128, 112), "causal": _T(128, 112), "local": _T(128, 96)},
+    (256, 256): {"none": _T(128, 80), "causal": _T(128, 80), "local": _T(128, 64)},
+}
+
+
+def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm90FwdTuning:
+    row = TUNING_TABLE.get((head_dim, head_dim_v))
+    if row is None:
+        supported = ", ".join(f"{d}/{dv}" for d, dv in TUNING_TABLE)
+        raise ValueError(f"sm90 forward: head_dim/head_dim_v {head_dim}/{head_dim_v} not supported "
+                         f"(supported: {supported})")
+    if mask not in row:
+        raise ValueError(f"sm90 forward: mask kind {mask!r} not supported (one of {MASK_KINDS})")
+    return row[mask]
+
+
+@dataclass(frozen=True)
+class FwdConfig(KernelConfig):
+    """Compile key of the sm90 forward kernel: everything that changes the generated code."""
+
+    kernel_name: ClassVar[str] = "sm90_fwd"
+    sources: ClassVar[tuple[str, ...]] = ("spec.py", "common", "sm90/fwd_config.py",
+                                          "sm90/flash_fwd.py")
+
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    head_dim_v: int = 128
+    mask: str = "none"  # "none" | "causal" | "local"
+    has_softcap: bool = False
+    # Tuning (derived from TUNING_TABLE by `FwdConfig.make`; part of the key because it changes code).
+    tile_m: int = 128
+    tile_n: int = 128
+    stages: int = 2
+    intra_wg_overlap: bool = True
+
+    @classmethod
+    def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
+             has_softcap: bool = False, **overrides) -> "FwdConfig":
+        """The config for a problem kind, tuning taken from the table (``overrides`` replace table
+        fields, for experiments and the no-overlap fallback). Raises ValueError if unsupported."""
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        t = tuning_for(head_dim, head_dim_v, mask)
+        fields = dict(tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages,
+                      intra_wg_overlap=t.intra_wg_overlap)
+        fields.update(overrides)
+        cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
+                  has_softcap=bool(has_softcap), **fields)
+        cfg.validate()
+        return cfg
+
+    # -- static checks ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ValueError naming the first unsupported feature."""
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"sm90 forward: dtype {self.dtype!r} not supported (one of {FLOAT_DTYPES})")
+        if self.mask not in MASK_KINDS:
+            raise ValueError(f"sm90 forward: mask kind {self.mask!r} not supported (one of {MASK_KINDS})")
+        tuning_for(self.head_dim, self.head_dim_v, self.mask)  # head dims in the table
+        if self.head_dim % 16 or self.head_dim_v % 16:
+            raise ValueError("sm90 forward: head dims must be multiples of 16")
+        if self.head_dim_v > self.head_dim:
+            raise ValueError("sm90 forward: head_dim_v > head_dim not supported (O reuses Q's smem)")
+        if self.tile_m not in (128, 192):
+            raise ValueError(f"sm90 forward: tile_m {self.tile_m} not supported (128 or 192)")
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise ValueError(f"sm90 forward: tile_n {self.tile_n} must be a multiple of 16 in [16, 256]")
+        if self.stages < 1:
+            raise ValueError("sm90 forward: stages must be >= 1")
+        if self.smem_bytes() > SMEM_LIMIT_BYTES:
+            raise ValueError(f"sm90 forward: {self.smem_bytes()} B of shared memory exceeds "
+                             f"{SMEM_LIMIT_BYTES} B (tile {self.tile_m}x{self.tile_n}, {self.stages} stages)")
+
+    # -- derived ---------------------------------------------------------------------------------
+    @property
+    def num_mma_warpgroups(self) -> int:
+        return self.tile_m // 64
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.num_mma_warpgroups + 1)
+
+    def smem_bytes(self) -> int:
+        """Q (one stage, reused for O) + K and V stages, 16-bit elements."""
+        q = self.tile_m * self.head_dim
+        kv = self.stages * self.tile_n * (self.head_dim + self.head_dim_v)
+        return 2 * (q + kv)
+
+    # -- KernelConfig contract ------------------------------------------------------------------
+    def signature(self) -> KernelSignature:
+        d, dv = self.head_dim, self.head_dim_v
+        b, sq, sk, h, hkv = 2, 256, 256, 4, 2
+        return KernelSignature(
+            inputs=(
+                TensorArg("q", self.dtype, (b, sq, h, d), (1, 1, 1, d)),
+                TensorArg("k", self.dtype, (b, sk, hkv, d), (1, 1, 1, d)),
+                TensorArg("v", self.dtype, (b, sk, hkv, dv), (1, 1, 1, dv)),
+                TensorArg("params", "float32", (4,), (4,), batched=False),
+            ),
+            outputs=(
+                TensorArg("out", self.dtype, (b, sq, h, dv), (1, 1, 1, dv)),
+                TensorArg("lse", "float32", (b, h, sq), (1, 1, 1)),
+            ),
+        )
+
+    def make_launcher(self):
+        self.validate()
+        from jax_fa4.kernels.sm90.flash_fwd import make_launcher  # imports the compiler
+
+        return make_launcher(self)
+
+
+def fallback_configs() -> list[FwdConfig]:
+    """The simpler serial mainloop (no intra-warpgroup overlap) at hdim 128 bf16: a cross-check
+    for the GPU tests, and a fallback should the overlapped mainloop misbehave."""
+    return [FwdConfig.make("bfloat16", 128, 128, mask, softcap, intra_wg_overlap=False)
+            for mask in MASK_KINDS for softcap in (False, True)]
+
+
+def shipped_configs() -> list[FwdConfig]:
+    """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and fp16."""
+    out = []
+    for dtype in FLOAT_DTYPES:
+        for (d, dv), row in TUNING_TABLE.items():
+            for mask in row:
+                for softcap in (False, True):
+                    out.append(FwdConfig.make(dtype, d, dv, mask, softcap))
+    return out

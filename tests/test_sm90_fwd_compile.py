@@ -1,0 +1,289 @@
+"""The sm90 forward kernel compiles for sm_90a on a CPU-only machine, with clean SASS.
+
+Every shipped variant is compiled with dynamic B/S/H (symbolic dims) and its cubin inspected:
+HGMMA (warpgroup MMA), UTMALDG/UTMASTG (TMA), setmaxnreg in both directions, MUFU.EX2, no local
+memory (LDL/STL, stack). Registers, shared memory and compile time are printed per variant
+(run with -s to see them; docs/perf-log.md records them).
+
+Plus CPU-only checks of the pieces whose mistakes would be silent on the GPU:
+  * the key-block ranges and mask regions (common/block_info.py) against brute force;
+  * the accumulator views (common/layout.py) against the MMA's own thread/value layouts, for
+    every thread: rows/columns of the softmax view, the P register operand of the PV GEMM.
+
+``compile_object(config) -> bytes`` is the one place that compiles: swap it for the project's
+``jax_fa4.ffi.compiler.compile_config(config, arch)`` when that is wired.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported
+
+from jax_fa4.kernels.common.block_info import BlockInfo
+from jax_fa4.kernels.sm90.fwd_config import FwdConfig, TUNING_TABLE, fallback_configs
+
+REPO = Path(__file__).resolve().parents[1]
+CUBIN_REPORT = Path("/work/shared/tools/cubin_report.py")
+ARCH = "sm_90a"
+
+
+# ------------------------------------------------------------------------------------------------
+# compiling
+# ------------------------------------------------------------------------------------------------
+def _fake_tensor(arg):
+    import cutlass
+    import cutlass.cute as cute
+
+    dtypes = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
+    # a dim is static only where the config fixes it (divisibility == extent, e.g. params' 4);
+    # head dims are symbolic with divisibility = head_dim, like the binding's tensors
+    shape = tuple(s if (d == s and len(arg.sample_shape) == 1) else cute.sym_int(divisibility=d)
+                  for s, d in zip(arg.sample_shape, arg.divisibility))
+    order = tuple(reversed(range(len(shape))))  # row-major: the last dim has stride 1
+    return cute.runtime.make_fake_compact_tensor(dtypes[arg.dtype], shape, stride_order=order,
+                                                 assumed_align=16)
+
+
+def compile_object(config: FwdConfig) -> bytes:
+    """Compile one config for sm_90a and return the object (host code + cubin)."""
+    assert os.environ.get("CUTE_DSL_ARCH") == ARCH
+    import cutlass.cute as cute
+    from cuda.bindings import driver as cuda
+
+    sig = config.signature()
+    args = [_fake_tensor(a) for a in sig.inputs + sig.outputs]
+    compiled = cute.compile(config.make_launcher(), cuda.CUstream(0), *args)
+    return compiled.dump_to_object(config.kernel_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _report_module():
+    sys.path.insert(0, str(CUBIN_REPORT.parent))
+    import cubin_report
+
+    return cubin_report, cubin_report.find_cuobjdump()
+
+
+def sass_report(obj: bytes, tmp_path: Path) -> dict:
+    cubin_report, cuobjdump = _report_module()
+    path = tmp_path / "kernel.o"
+    path.write_bytes(obj)
+    sass_dir = tmp_path / "sass"
+    rows = cubin_report.report(str(path), cuobjdump, str(sass_dir))
+    assert len(rows) == 1, f"expected one kernel, found {len(rows)}"
+    row = rows[0]
+    sass = "".join(p.read_text() for p in sass_dir.iterdir())
+    for extra in ("MUFU.TANH", "USETMAXREG.DEALLOC", "USETMAXREG.TRY_ALLOC", "STSM"):
+        row["ops"][extra] = sass.count(extra)
+    return row
+
+
+def _variants():
+    out = []
+    for (d, dv), masks in TUNING_TABLE.items():
+        for mask in masks:
+            for softcap in (False, True):
+                out.append(("bfloat16", d, dv, mask, softcap))
+    out += [("float16", 128, 128, mask, softcap)
+            for mask in ("none", "causal", "local") for softcap in (False, True)]
+    out = [v + (True,) for v in out]
+    out += [(c.dtype, c.head_dim, c.head_dim_v, c.mask, c.has_softcap, False)
+            for c in fallback_configs()]
+    return out
+
+
+def _id(x):
+    return str(x) if not isinstance(x, bool) else ("T" if x else "F")
+
+
+@pytest.mark.parametrize("dtype,d,dv,mask,softcap,overlap", _variants(), ids=_id)
+def test_compiles_with_clean_sass(dtype, d, dv, mask, softcap, overlap, tmp_path):
+    cfg = FwdConfig.make(dtype, d, dv, mask, softcap, intra_wg_overlap=overlap)
+    t0 = time.perf_counter()
+    obj = compile_object(cfg)
+    seconds = time.perf_counter() - t0
+    r = sass_report(obj, tmp_path)
+    ops = r["ops"]
+    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {r.get('reg')}, smem {cfg.smem_bytes()} B, "
+          f"ops {dict(sorted(ops.items()))}")
+    assert r["arch"] == ARCH
+    assert ops.get("HGMMA", 0) > 0, "no warpgroup MMA in SASS"
+    assert ops.get("UTMALDG", 0) > 0 and ops.get("UTMASTG", 0) > 0, "TMA loads/stores missing"
+    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, "local-memory traffic (spills)"
+    assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, "stack frame / local memory"
+    assert ops["USETMAXREG.DEALLOC"] > 0 and ops["USETMAXREG.TRY_ALLOC"] > 0, "setmaxnreg ignored"
+    assert ops.get("MUFU.EX2", 0) > 0
+    assert ops["STSM"] > 0, "O epilogue should use stmatrix"
+    assert (ops["MUFU.TANH"] > 0) == softcap
+
+
+def test_compiles_through_the_binding_path():
+    """The project's compile function (cutlass.jax jit_wrapper tensors) accepts the launcher."""
+    from jax_fa4.ffi.compiler import compile_config
+
+    compiled = compile_config(FwdConfig.make("bfloat16", 128, 128, "causal"), ARCH)
+    assert b"\x7fELF" in bytes(compiled.object_bytes)
+
+
+# ------------------------------------------------------------------------------------------------
+# config contract
+# ------------------------------------------------------------------------------------------------
+def test_config_module_does_not_import_the_compiler():
+    code = ("import sys; import jax_fa4.kernels.sm90.fwd_config as m; "
+            "m.FwdConfig.make('bfloat16', 128); "
+            "assert not any(k == 'cutlass' or k.startswith('cutlass.') for k in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+@pytest.mark.parametrize("kwargs,word", [
+    (dict(dtype="float32", head_dim=128), "dtype"),
+    (dict(dtype="bfloat16", head_dim=80), "head_dim"),
+    (dict(dtype="bfloat16", head_dim=128, head_dim_v=64), "head_dim"),
+    (dict(dtype="bfloat16", head_dim=128, mask="alibi"), "mask"),
+])
+def test_validator_names_the_unsupported_feature(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        FwdConfig.make(**kwargs)
+
+
+def test_tuning_comes_from_the_table():
+    for (d, dv), masks in TUNING_TABLE.items():
+        for mask, t in masks.items():
+            cfg = FwdConfig.make("bfloat16", d, dv, mask)
+            assert (cfg.tile_m, cfg.tile_n, cfg.stages) == (t.tile_m, t.tile_n, t.stages)
+            sig = cfg.signature()
+            assert [a.name for a in sig.inputs] == ["q", "k", "v", "params"]
+            assert [a.name for a in sig.outputs] == ["out", "lse"]
+
+
+# ------------------------------------------------------------------------------------------------
+# block ranges and mask regions, against brute force (pure Python)
+# ------------------------------------------------------------------------------------------------
+def _visible(i, j, sq, sk, kind, wl, wr):
+    if j >= sk or j < 0:
+        return False
+    diag = i + sk - sq
+    if kind == "causal":
+        return j <= diag
+    if kind == "local":
+        return diag - wl <= j <= diag + wr
+    return True
+
+
+def _resolve_window(wl, wr, sq, sk):
+    """The kernel's clamp of -1 (unbounded) / oversize windows."""
+    wl = sk if wl < 0 or wl > sk else wl
+    wr = sq if wr < 0 or wr > sq else wr
+    return wl, wr
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "local"])
+@pytest.mark.parametrize("tile_m,tile_n", [(128, 128), (128, 80), (128, 112), (192, 128), (128, 64)])
+def test_block_ranges_cover_exactly_the_visible_keys(kind, tile_m, tile_n):
+    seqlens = [(1, 1), (1, 300), (113, 203), (203, 113), (256, 256), (257, 129), (1000, 17)]
+    windows = [(-1, -1)] if kind != "local" else [(-1, 0), (0, 0), (5, -1), (-1, 7), (37, 3),
+                                                   (0, 130), (300, 300), (1, 1)]
+    for (sq, sk), (wl0, wr0) in itertools.product(seqlens, windows):
+        wl, wr = _resolve_window(wl0, wr0, sq, sk)
+        bi = BlockInfo(tile_m, tile_n, kind == "causal", kind == "local", sq, sk, wl, wr)
+        for m in range(-(-sq // tile_m)):
+            rows = range(m * tile_m, min((m + 1) * tile_m, sq))
+            lo, hi = bi.n_block_range(m)
+            vis = {(i, j) for i in rows for j in range(sk) if _visible(i, j, sq, sk, kind, wl0 if wl0 >= 0 else 10**9, wr0 if wr0 >= 0 else 10**9)}
+            where = f"sq={sq} sk={sk} window=({wl0},{wr0}) m={m}"
+            # 1) every visible key lies in a visited block
+            assert all(lo <= j // tile_n < hi for _, j in vis), where
+            # 2) visited blocks are all in range (TMA coordinates valid)
+            assert 0 <= lo and hi <= -(-sk // tile_n) or hi <= lo, where
+            if hi <= lo:
+                assert not vis, where
+                continue
+            # 3) the mask regions: first block = full mask; right-masked [n_right, hi-1);
+            #    bulk (unmasked) [n_left, min(hi-1, n_right)); left-masked below n_left.
+            n_right = bi.n_block_min_right_mask(m, lo) if kind != "none" else hi - 1
+            n_left = bi.n_block_max_left_mask(m, lo)
+            bulk = range(max(n_left, lo), min(hi - 1, n_right))
+            for n in bulk:
+                cols = range(n * tile_n, (n + 1) * tile_n)
+                assert all((i, j) in vis for i in rows for j in cols), f"{where} bulk block {n}"
+            # 4) only the first visited block may hold columns >= seqlen_k
+            for n in range(lo, hi - 1):
+                assert (n + 1) * tile_n <= sk, f"{where} block {n} crosses seqlen_k"
+
+
+# ------------------------------------------------------------------------------------------------
+# accumulator views against the MMA layouts (trace only, no compile)
+# ------------------------------------------------------------------------------------------------
+def _check_views(tv_c, tv_a, tv_o, mn, av, mn_o, nval, tile_m, tile_n):
+    def coord_c(t, v):
+        idx = tv_c((t, v))
+        return idx % tile_m, idx // tile_m
+
+    def coord_a(t, i):  # the P fragment: 8 values per K=16 block, K blocks outermost
+        idx = tv_a((t, i % 8))
+        return idx % tile_m, idx // tile_m + 16 * (i // 8)
+
+    rows, cols = mn.shape[0], mn.shape[1]
+    import cutlass.cute as cute
+
+    n_rows, n_cols = cute.size(rows), cute.size(cols)
+    errors = []
+    # all lanes of two warps (one per consumer warpgroup), a few lanes of every other warp
+    threads = sorted(set(range(0, 32)) | set(range(160, 192))
+                     | {w * 32 + l for w in range(8) for l in (0, 1, 2, 3, 5, 30, 31)})
+    for t in threads:
+        for r in range(n_rows):
+            for c in range(n_cols):
+                m, n = coord_c(t, mn((r, c)))
+                if m != coord_c(t, mn((r, 0)))[0] or n != coord_c(t, mn((0, c)))[1]:
+                    errors.append(("mn", t, r, c))
+                # the mask's trick: column = this thread's first column + thread 0's offset
+                if n - coord_c(t, mn((0, 0)))[1] != coord_c(0, mn((0, c)))[1] - coord_c(0, mn((0, 0)))[1]:
+                    errors.append(("col offset", t, c))
+            if coord_c(t, mn((r, 0)))[0] != tv_o((t, mn_o((r, 0)))) % tile_m:
+                errors.append(("O rows", t, r))
+        for i in range(nval):
+            if coord_c(t, av(i)) != coord_a(t, i):
+                errors.append(("P operand", t, i))
+    return errors
+
+
+@pytest.mark.parametrize("tile_n", [128, 112, 80])
+def test_accumulator_views_match_mma_layouts(tile_n):
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import warpgroup
+
+    from jax_fa4.kernels.common.layout import acc_layout_as_a_operand, acc_layout_mn
+
+    tile_m, dv = 128, 128
+    found = {}
+
+    @cute.jit
+    def trace():
+        dt = cutlass.BFloat16
+        k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        qk = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, cutlass.Float32,
+                                               (2, 1, 1), (64, tile_n))
+        pv = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, cutlass.Float32,
+                                               (2, 1, 1), (64, dv),
+                                               a_source=warpgroup.OperandSource.RMEM)
+        acc = cute.make_layout(qk.partition_shape_C((tile_m, tile_n)))
+        acc_o = cute.make_layout(pv.partition_shape_C((tile_m, dv)))
+        found["errors"] = _check_views(qk.tv_layout_C_tiled, pv.tv_layout_A_tiled,
+                                       pv.tv_layout_C_tiled, acc_layout_mn(acc),
+                                       acc_layout_as_a_operand(acc), acc_layout_mn(acc_o),
+                                       cute.size(acc), tile_m, tile_n)
+
+    trace()
+    assert found["errors"] == [], found["errors"][:10]
