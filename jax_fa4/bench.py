@@ -507,8 +507,11 @@ def peak_bytes(device: jax.Device, run: Callable[[], None], need: int) -> int | 
     gap = stats["peak_bytes_in_use"] - stats["bytes_in_use"]
     ballast = None
     if gap > 0 and stats["peak_bytes_in_use"] + need + 2**30 < stats.get("bytes_limit", 0):
-        ballast = jnp.zeros((gap,), jnp.uint8, device=device)
-        ballast.block_until_ready()
+        try:  # the allocator may still refuse (fragmentation): then measure without it
+            ballast = jnp.zeros((gap,), jnp.uint8, device=device)
+            ballast.block_until_ready()
+        except jax.errors.JaxRuntimeError:
+            ballast = None
     stats = device.memory_stats()
     base, mark = stats["bytes_in_use"], stats["peak_bytes_in_use"]
     run()
@@ -669,8 +672,12 @@ class BenchContext:
     dtype_name: str
 
 
-def run_sweep(shapes: Sequence[Shape], ctx: BenchContext) -> list[Row]:
-    """Every (shape, implementation) row, shape by shape, with progress on stderr."""
+def run_sweep(shapes: Sequence[Shape], ctx: BenchContext,
+              on_shape_done: Callable[[list[Row]], None] | None = None) -> list[Row]:
+    """Every (shape, implementation) row, shape by shape, with progress on stderr.
+
+    ``on_shape_done(rows)`` is called with the rows so far after each shape (to save partial
+    results: a run stopped early keeps what it measured)."""
     rows: list[Row] = []
     key = jax.random.key(ctx.args.seed)
     impls = ctx.args.impls
@@ -701,6 +708,8 @@ def run_sweep(shapes: Sequence[Shape], ctx: BenchContext) -> list[Row]:
                 bar.write(f"[{len(rows) + 1}/{bar.total}] {_row_line(row)}")
                 rows.append(row)
             del arg_sets, outputs
+            if on_shape_done is not None:
+                on_shape_done(rows)
     return rows
 
 
@@ -856,27 +865,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = BenchContext(args, device, device_kernel(device), DTYPES[args.dtype], args.dtype)
     print(f"jax {jax.__version__} on {device.device_kind} ({device.platform}); "
           f"{len(shapes)} shapes x {len(args.impls)} impls, {args.dtype}", flush=True)
-    rows = run_sweep(shapes, ctx)
     today = datetime.date.today().isoformat()
     out = args.out or Path("benchmarks/results") / f"{_slug(device.device_kind)}-{today}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    wall = time.perf_counter() - start
-    report = {
-        "gpu": device.device_kind,
-        "platform": device.platform,
-        "driver": driver_version(),
-        "versions": versions(),
-        "command": list(sys.orig_argv) if argv is None else ["python", "-m", "jax_fa4.bench",
-                                                             *argv],
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "settings": {"shapes": args.shapes, "dtype": args.dtype, "impls": args.impls,
-                     "repeats": args.repeats, "target_ms": args.target_ms,
-                     "fwd_only": args.fwd_only, "rotation_bytes": ROTATION_BYTES,
-                     "backward_flop_factor": BACKWARD_FLOP_FACTOR},
-        "wall_s": round(wall, 1),
-        "rows": rows,
-    }
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    command = list(sys.orig_argv) if argv is None else ["python", "-m", "jax_fa4.bench", *argv]
+    driver, package_versions = driver_version(), versions()
+
+    def write(rows: list[Row], complete: bool) -> None:
+        report = {
+            "gpu": device.device_kind,
+            "platform": device.platform,
+            "driver": driver,
+            "versions": package_versions,
+            "command": command,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "settings": {"shapes": args.shapes, "dtype": args.dtype, "impls": args.impls,
+                         "repeats": args.repeats, "target_ms": args.target_ms,
+                         "fwd_only": args.fwd_only, "rotation_bytes": ROTATION_BYTES,
+                         "backward_flop_factor": BACKWARD_FLOP_FACTOR},
+            "complete": complete,  # False while the sweep runs: a stopped run keeps its rows
+            "wall_s": round(time.perf_counter() - start, 1),
+            "rows": rows,
+        }
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(report, indent=1) + "\n")
+        tmp.replace(out)
+
+    rows = run_sweep(shapes, ctx, on_shape_done=lambda rows: write(rows, complete=False))
+    write(rows, complete=True)
     png = out.with_suffix(".png")
     plot(rows, png, f"{device.device_kind}, {args.dtype}, {today}")
     print_table(rows)

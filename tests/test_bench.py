@@ -110,6 +110,7 @@ def test_tiny_sweep_on_cpu(tmp_path, capsys):
     assert report["gpu"] == "cpu" and report["driver"] is None
     assert report["versions"]["jax"] == jax.__version__
     assert report["command"][-2:] == ["--out", str(out)]
+    assert report["complete"] is True and not out.with_suffix(".json.tmp").exists()
     shapes = bench.PRESETS["tiny"]
     rows = report["rows"]
     assert len(rows) == len(shapes) * len(bench.IMPLS)
