@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from jax_fa4.ffi.compiler import SUPPORTED_ARCHS
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
-from jax_fa4.kernels.sm90 import fwd_config
+from jax_fa4.kernels.sm90 import bwd_config, fwd_config
 from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -47,11 +47,24 @@ def _sm90_fwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable
     yield from fwd_config.fallback_configs()  # the GPU tests cross-check the serial mainloop
 
 
+def _sm90_bwd(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
+    for cfg in bwd_config.shipped_configs():
+        if cfg.dtype in dtypes and cfg.head_dim in head_dims:
+            yield cfg
+
+
+def _sm90_bwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
+    for cfg in bwd_config.test_variants():
+        if cfg.dtype in dtypes and cfg.head_dim in head_dims:
+            yield cfg
+
+
 #: family name -> (archs it is shipped for, config enumerator, the tests suite's enumerator)
 FAMILIES: dict[str, tuple[tuple[str, ...], Callable[..., Iterable[KernelConfig]],
                           Callable[..., Iterable[KernelConfig]]]] = {
     "bwd_preprocess": (SUPPORTED_ARCHS, _preprocess, _preprocess),
     "sm90_fwd": (("sm_90a",), _sm90_fwd, _sm90_fwd_tests),
+    "sm90_bwd": (("sm_90a",), _sm90_bwd, _sm90_bwd_tests),
 }
 
 #: what the GPU tests need: (dtypes, head dims) per suite

@@ -1,0 +1,697 @@
+"""FlashAttention backward for Hopper (sm_90a), main kernel, written in CuTe-DSL.
+
+Computes dK, dV and a float32 partial dQ (see bwd_config.py for the call contract and the
+dq_accum layout; bwd_postprocess.py turns dq_accum into dq).
+
+Features: bf16/fp16, head dims from bwd_config.TUNING_TABLE, dynamic batch / sequence lengths /
+head counts (one compile serves all), GQA/MQA (query head h reads kv head h // (H / Hkv); GQA
+configs write float32 dK/dV per query head), key-length tail, bottom-right aligned causal and
+sliding-window masks with query-block skipping (a block is masked only when it cuts a boundary),
+softcap with its derivative.
+
+Structure (one CTA = one block of tile_n keys of one (batch, query head); not persistent):
+  * warpgroup 0 = producer: gives registers back (setmaxnreg); its warp 0 issues the TMA loads:
+    K and V once (one mbarrier), then Q[m] and dO[m] for every visited query block m through two
+    `stages`-deep PipelineTmaAsync pipelines.
+  * warpgroups 1, 2 = MMA (consumers), per query block m:
+      S = Q·Kᵀ, dP = dO·Vᵀ (WGMMA, operands in shared memory; dP overlaps the exp of S)
+      P = exp2(S·scale_log2 − lse_log2)   [softcap: S ← tanh(S·scale/softcap), scale_log2 ← softcap·log2 e]
+      P ← 0 outside the mask (only on blocks that cut a boundary)
+      dS = P∘(dP − delta) [∘ (1 − tanh²)]
+      P, dS → 16 bits → shared memory (stmatrix), fence, one named barrier for both warpgroups
+      dV += Pᵀ·dO, dQ = dS·K, dK += dSᵀ·Q (WGMMA, all operands in shared memory)
+      dQ: each warpgroup writes its accumulator fragment to its own shared-memory buffer in
+      fragment order (16-byte stores, conflict-free), one thread reduce-adds it to dq_accum with
+      one `cp.reduce.async.bulk.add.f32` (it waits for the previous one's read before the buffer
+      is rewritten).
+    lse_log2 and delta are read from global memory by each thread for its own rows (rows past
+    seqlen_q read as lse = +inf, delta = 0, so P = dS = 0 there: no row mask is ever needed).
+  * epilogue: dK ·= softmax_scale; dtype configs: convert, stmatrix into K's / V's shared memory,
+    TMA store (rows past seqlen_k clipped by TMA); GQA configs: float32 stores from registers.
+    A key block that no query sees (local window) writes zeros.
+
+Not yet: deterministic dQ order, swapAB / register-sourced P and dS, intra-iteration overlap of
+dQ with the next S GEMM, persistence, varlen.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
+
+from jax_fa4.kernels.common.layout import acc_view_mn, select_modes, transpose_mn
+from jax_fa4.kernels.sm90.bwd_config import BwdConfig
+
+LOG2_E = math.log2(math.e)
+_FLT_MIN_NORMAL = 1.1754943508222875e-38  # 2**-126
+
+
+class NamedBarrier(enum.IntEnum):
+    # 0 is __syncthreads
+    PDS = 1  # both MMA warpgroups: P / dS written (and the previous P / dS / dQ buffers free)
+    DQ_FULL_WG0 = 2  # one per MMA warpgroup: its dQ fragment is in shared memory
+    DQ_FULL_WG1 = 3
+    EPILOGUE = 4  # both MMA warpgroups: K / V shared memory free, then dK / dV written
+
+
+_MMA_REGS, _PRODUCER_REGS = 240, 24
+
+
+# ------------------------------------------------------------------------------------------------
+# small device helpers (backward-only)
+# ------------------------------------------------------------------------------------------------
+@dsl_user_op
+def cvt_pack_f32x2(a: Float32, b: Float32, to_bf16: bool, *, loc=None, ip=None) -> Int32:
+    """Two f32 -> one 32-bit register holding (a, b) as bf16x2 / f16x2 (a in the low half)."""
+    kind = "bf16x2" if to_bf16 else "f16x2"
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $2, $1;",
+        "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip,
+    ))
+
+
+@cute.jit
+def convert_f32_to_16(src: cute.Tensor, dst: cute.Tensor, to_bf16: cutlass.Constexpr[bool]):
+    """dst (16-bit, same layout as src) <- src (f32), two elements per instruction."""
+    dst32 = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(dst32)):
+        dst32[i] = cvt_pack_f32x2(src[2 * i], src[2 * i + 1], to_bf16)
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, num_bytes: int,
+                        *, loc=None, ip=None) -> None:
+    """gmem[0:num_bytes] += smem[0:num_bytes] (float32), one bulk async op (bulk_group)."""
+    llvm.inline_asm(
+        None,
+        [gmem_ptr.llvm_ptr, smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip,
+    )
+
+
+@cute.jit
+def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+          zero_init: cutlass.Constexpr[bool]):
+    """Issue acc (+)= A·B over all K blocks as one WGMMA group (no wait)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+def make_smem_layout(dtype, rows: int, cols: int, major_mode_size: int, stages: int | None = None):
+    """Row-major (cols contiguous) swizzled layout, usable by TMA and as a WGMMA operand, whose
+    swizzle atom is at most ``major_mode_size`` columns wide (so that a transposed view split
+    into ``major_mode_size``-wide slices is still a canonical MN-major WGMMA operand)."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major_mode_size), dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def make_tiled_mma_dq(dtype, tile_m: int, head_dim: int):
+    """The dQ = dS·K GEMM. Shared with the postprocess, which undoes its fragment order."""
+    wm, wn = (2, 1) if tile_m == 128 else (1, 2)
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
+        (wm, wn, 1), (64, head_dim // wn))
+
+
+def dq_fragment_view(base: cute.Tensor, num_regs: int, tidx_in_wg: Int32) -> cute.Tensor:
+    """This thread's ``num_regs`` floats of one warpgroup's dQ chunk ``base`` (1-D, 128·num_regs
+    floats), as a (4, num_regs/4) tensor: register 4c + j sits at float (c·128 + t)·4 + j."""
+    chunks = cute.make_tensor(base.iterator,
+                              cute.make_layout((4, 128, num_regs // 4), stride=(1, 4, 512)))
+    return chunks[None, tidx_in_wg, None]
+
+
+
+# ------------------------------------------------------------------------------------------------
+# block arithmetic (branch-free: works on Python ints, for the CPU tests, and on Int32)
+# ------------------------------------------------------------------------------------------------
+class BwdBlockInfo:
+    """Which query blocks a key block visits, which of them need a mask, and each row's visible
+    key columns.
+
+    Row i sees key j iff j < seqlen_k and, causal/local, j <= i + off + window_right and, local,
+    j >= i + off - window_left, with off = seqlen_k - seqlen_q (bottom-right alignment; causal has
+    window_right = 0). Windows arrive clamped to [0, seqlen_k] (left) / [0, seqlen_q] (right).
+    Every division below has a non-negative dividend, so truncation and floor agree.
+    """
+
+    def __init__(self, tile_m: int, tile_n: int, is_causal: bool, is_local: bool,
+                 seqlen_q, seqlen_k, window_left, window_right):
+        self.tile_m, self.tile_n = tile_m, tile_n
+        self.is_causal, self.is_local = is_causal, is_local
+        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self.window_left, self.window_right = window_left, window_right
+        self.off = seqlen_k - seqlen_q
+
+    def m_block_range(self, n_block):
+        """[m_min, m_max): query blocks with a row that sees a key of block n_block."""
+        tm = self.tile_m
+        m_max = (self.seqlen_q + tm - 1) // tm
+        m_min = 0
+        if self.is_causal or self.is_local:
+            first_row = n_block * self.tile_n - self.off - self.window_right
+            m_min = cutlass.max(first_row, 0) // tm
+        if self.is_local:
+            last_row = (n_block + 1) * self.tile_n - 1 + self.window_left - self.off
+            m_max = cutlass.min(m_max, cutlass.max(last_row + tm, 0) // tm)
+        return m_min, m_max
+
+    def kv_tail(self, n_block):
+        """Block n_block holds keys past seqlen_k."""
+        return (n_block + 1) * self.tile_n > self.seqlen_k
+
+    def cuts_window(self, m_block, n_block):
+        """Block (m_block, n_block) holds a (row, key) pair outside the causal / local window."""
+        tm, tn = self.tile_m, self.tile_n
+        right = False
+        if self.is_causal or self.is_local:
+            # the block's last key lies right of its first row's last visible key
+            right = (n_block + 1) * tn - 1 > m_block * tm + self.off + self.window_right
+        left = False
+        if self.is_local:
+            # the block's first key lies left of its last row's first visible key
+            left = n_block * tn < (m_block + 1) * tm - 1 + self.off - self.window_left
+        return right, left
+
+    def visible_cols(self, row, n_block):
+        """[lo, hi): the key columns of block n_block, relative to the block, that row sees."""
+        col0 = n_block * self.tile_n
+        hi = self.seqlen_k - col0
+        if self.is_causal or self.is_local:
+            hi = cutlass.min(hi, row + self.off + self.window_right + 1 - col0)
+        lo = 0
+        if self.is_local:
+            lo = row + self.off - self.window_left - col0
+        return lo, hi
+
+# ------------------------------------------------------------------------------------------------
+# the kernel
+# ------------------------------------------------------------------------------------------------
+class FlashAttentionBackwardSm90:
+    def __init__(self, cfg: BwdConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.dtype = cutlass.BFloat16 if cfg.dtype == "bfloat16" else cutlass.Float16
+        self.is_bf16 = cfg.dtype == "bfloat16"
+        self.hdim, self.hdimv = cfg.head_dim, cfg.head_dim_v
+        self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
+        self.stages, self.pds_stages = cfg.stages, cfg.pds_stages
+        self.is_causal = cfg.mask == "causal"
+        self.is_local = cfg.mask == "local"
+        self.has_softcap = cfg.has_softcap
+        self.gqa = cfg.gqa
+        self.num_mma_threads = 256
+        self.num_threads = cfg.num_threads
+        lay = cfg.wg_layouts()
+        self.wg_sdp, self.wg_dkv, self.wg_dq = lay["sdp"], lay["dkv"], lay["dq"]
+        # floats of acc_dQ per thread and per warpgroup
+        self.dq_regs = self.tile_m * self.hdim // self.num_mma_threads
+        self.dq_wg_elems = 128 * self.dq_regs
+
+    # ---------------------------------------------------------------------------------------------
+    # Host side
+    # ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _seq_major(t: cute.Tensor, d: int) -> cute.Tensor:
+        """(B, S, H, D) row-major -> (S, D, H, B) view with the head dim's extent made static."""
+        layout = cute.make_layout((t.shape[1], d, t.shape[2], t.shape[0]),
+                                  stride=(t.stride[1], 1, t.stride[2], t.stride[0]))
+        return cute.make_tensor(t.iterator, layout)
+
+    def _tiled_mmas(self):
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        dt = self.dtype
+        (sm, sn), (km, kn) = self.wg_sdp, self.wg_dkv
+        mma_sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, (sm, sn, 1),
+                                                    (64, self.tile_n // sn))
+        mma_dk = sm90_utils.make_trivial_tiled_mma(dt, dt, MN, MN, Float32, (km, kn, 1),
+                                                   (64, self.hdim // kn))
+        mma_dv = sm90_utils.make_trivial_tiled_mma(dt, dt, MN, MN, Float32, (km, kn, 1),
+                                                   (64, self.hdimv // kn))
+        mma_dq = make_tiled_mma_dq(dt, self.tile_m, self.hdim)
+        return mma_sdp, mma_dk, mma_dv, mma_dq
+
+    def _smem_layouts(self):
+        dt, tm, tn, D, Dv = self.dtype, self.tile_m, self.tile_n, self.hdim, self.hdimv
+        kn = self.wg_dkv[1]
+        qn = self.wg_dq[1]
+        sQ = make_smem_layout(dt, tm, D, D // kn, self.stages)  # also dK's B operand (MN-major)
+        sdO = make_smem_layout(dt, tm, Dv, Dv // kn, self.stages)  # also dV's B operand
+        sK = make_smem_layout(dt, tn, D, D // qn)  # also dQ's B operand (MN-major)
+        sV = make_smem_layout(dt, tn, Dv, Dv)
+        # P / dS: written along tile_n by the S/dP warpgroups, read transposed (M = tile_n slices)
+        # by the dK/dV GEMMs and K-major by the dQ GEMM
+        mms = math.gcd(tn // self.wg_sdp[1], tn // self.wg_dkv[0])
+        sPdS = make_smem_layout(dt, tm, tn, mms, self.pds_stages)
+        return sQ, sdO, sK, sV, sPdS
+
+    @cute.jit
+    def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                 mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mParams: cute.Tensor,
+                 mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor):
+        for name, t in (("q", mQ), ("k", mK), ("v", mV), ("dout", mdO)):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"{name}: expected {self.dtype}, got {t.element_type}")
+        dkv_type = Float32 if self.gqa else self.dtype
+        if const_expr(mdK.element_type != dkv_type or mdV.element_type != dkv_type):
+            raise TypeError(f"dk, dv must be {dkv_type}")
+        for name, t in (("lse_log2", mLSE), ("delta", mDelta), ("params", mParams),
+                        ("dq_accum", mdQacc)):
+            if const_expr(t.element_type != Float32):
+                raise TypeError(f"{name} must be float32")
+        D, Dv = self.hdim, self.hdimv
+        mQ, mK, mdK = self._seq_major(mQ, D), self._seq_major(mK, D), self._seq_major(mdK, D)
+        mV, mdO, mdV = self._seq_major(mV, Dv), self._seq_major(mdO, Dv), self._seq_major(mdV, Dv)
+        mLSE, mDelta, mdQacc = [select_modes(t, (2, 1, 0)) for t in (mLSE, mDelta, mdQacc)]
+
+        mma_sdp, mma_dk, mma_dv, mma_dq = self._tiled_mmas()
+        sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout = self._smem_layouts()
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            g2s, mQ, cute.select(sQ_layout, mode=[0, 1]), (self.tile_m, D))
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
+            g2s, mdO, cute.select(sdO_layout, mode=[0, 1]), (self.tile_m, Dv))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (self.tile_n, D))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (self.tile_n, Dv))
+        tma_atom_dK, tma_dK, tma_atom_dV, tma_dV = None, mdK, None, mdV
+        if const_expr(not self.gqa):
+            s2g = cpasync.CopyBulkTensorTileS2GOp()
+            tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (self.tile_n, D))
+            tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout,
+                                                              (self.tile_n, Dv))
+
+        self.tx_bytes_q = self.tile_m * D * self.dtype.width // 8
+        self.tx_bytes_do = self.tile_m * Dv * self.dtype.width // 8
+        self.tx_bytes_kv = self.tile_n * (D + Dv) * self.dtype.width // 8
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * D], 1024]
+
+        grid = (cute.ceil_div(mK.shape[0], self.tile_n), mQ.shape[2], mQ.shape[3])
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE, mDelta, mParams, mdQacc,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dK, tma_atom_dV,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout,
+            mma_sdp, mma_dk, mma_dv, mma_dq, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------------------------------------
+    # Device side
+    # ---------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+               mParams: cute.Tensor, mdQacc: cute.Tensor,
+               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               tma_atom_dO: cute.CopyAtom, tma_atom_dK, tma_atom_dV,
+               sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sPdS_layout: cute.ComposedLayout,
+               mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
+               mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO):
+                cpasync.prefetch_descriptor(atom)
+            if const_expr(not self.gqa):
+                cpasync.prefetch_descriptor(tma_atom_dK)
+                cpasync.prefetch_descriptor(tma_atom_dV)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipeline_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=tma_thread,
+            consumer_group=mma_warps, tx_count=self.tx_bytes_kv, defer_sync=True)
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.stages,
+            producer_group=tma_thread, consumer_group=mma_warps, tx_count=self.tx_bytes_q,
+            defer_sync=True)
+        pipeline_do = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.stages,
+            producer_group=tma_thread, consumer_group=mma_warps, tx_count=self.tx_bytes_do,
+            defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+        sdS = storage.sdS.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.hdim))
+
+        # Run-time scalars. Windows: -1 (any negative) = unbounded, clamped to a bound that covers
+        # every key / query so that all block arithmetic stays small and in Int32.
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        window_left, window_right = Int32(0), Int32(0)
+        if const_expr(self.is_local):
+            wl = Int32(mParams[2])
+            wr = Int32(mParams[3])
+            window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
+            window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
+
+        n_block, head, batch = cute.arch.block_idx()
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        head_dkv = head if const_expr(self.gqa) else head_kv
+        block_info = BwdBlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
+                                  seqlen_q, seqlen_k, window_left, window_right)
+        m_block_min, m_block_max = block_info.m_block_range(n_block)
+
+        if warp_idx < 4:  # producer warpgroup
+            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_atom_Q, tma_atom_K, tma_atom_V,
+                          tma_atom_dO, pipeline_kv, pipeline_q, pipeline_do,
+                          n_block, head, head_kv, batch, m_block_min, m_block_max)
+        else:  # MMA warpgroups
+            cute.arch.setmaxregister_increase(_MMA_REGS)
+            self.mma(mdK, mdV, mLSE, mDelta, mParams, mdQacc, sQ, sK, sV, sdO, sP, sdS, sdQ,
+                     tma_atom_dK, tma_atom_dV, mma_sdp, mma_dk, mma_dv, mma_dq,
+                     pipeline_kv, pipeline_q, pipeline_do, tidx - 128,
+                     n_block, head, head_dkv, batch, m_block_min, m_block_max,
+                     seqlen_q, seqlen_k, block_info)
+
+    @cute.jit
+    def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+             sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor,
+             tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+             tma_atom_dO: cute.CopyAtom, pipeline_kv, pipeline_q, pipeline_do,
+             n_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
+             m_block_min: Int32, m_block_max: Int32):
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (None, 0))
+        gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdimv), (None, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdimv), (n_block, 0))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_dO, 0, one, cute.group_modes(sdO, 0, 2),
+                                               cute.group_modes(gdO, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        if m_block_max > m_block_min:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipeline_kv.producer_acquire(kv_state)
+            cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+            cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                pipeline_q.producer_acquire(state)
+                cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index],
+                          tma_bar_ptr=pipeline_q.producer_get_barrier(state))
+                pipeline_do.producer_acquire(state)
+                cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index],
+                          tma_bar_ptr=pipeline_do.producer_get_barrier(state))
+                state.advance()
+
+    @cute.jit
+    def mma(self, mdK: cute.Tensor, mdV: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+            mParams: cute.Tensor, mdQacc: cute.Tensor,
+            sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor, sP: cute.Tensor,
+            sdS: cute.Tensor, sdQ: cute.Tensor, tma_atom_dK, tma_atom_dV,
+            mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
+            mma_dq: cute.TiledMma, pipeline_kv, pipeline_q, pipeline_do, tidx: Int32,
+            n_block: Int32, head: Int32, head_dkv: Int32, batch: Int32,
+            m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32,
+            block_info: BwdBlockInfo):
+        tm, tn, D, Dv = self.tile_m, self.tile_n, self.hdim, self.hdimv
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        tidx_in_wg = tidx % 128
+        thr_sdp = mma_sdp.get_slice(tidx)
+        thr_dk = mma_dk.get_slice(tidx)
+        thr_dv = mma_dv.get_slice(tidx)
+        thr_dq = mma_dq.get_slice(tidx)
+
+        # operand fragments (shared-memory descriptors)
+        tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ))
+        tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))
+        tdPrdO = thr_sdp.make_fragment_A(thr_sdp.partition_A(sdO))
+        tdPrV = thr_sdp.make_fragment_B(thr_sdp.partition_B(sV))
+        tdVrPt = thr_dv.make_fragment_A(thr_dv.partition_A(transpose_mn(sP)))
+        tdVrdOt = thr_dv.make_fragment_B(thr_dv.partition_B(transpose_mn(sdO)))
+        tdKrdSt = thr_dk.make_fragment_A(thr_dk.partition_A(transpose_mn(sdS)))
+        tdKrQt = thr_dk.make_fragment_B(thr_dk.partition_B(transpose_mn(sQ)))
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
+        tdQrKt = thr_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sK)))
+
+        acc_dK = cute.make_rmem_tensor(thr_dk.partition_shape_C((tn, D)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((tn, Dv)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        acc_S_shape = thr_sdp.partition_shape_C((tm, tn))
+        acc_dQ_shape = thr_dq.partition_shape_C((tm, D))
+
+        # (row, col) of each S element of this thread, within the tile
+        tScS = thr_sdp.partition_C(cute.make_identity_tensor((tm, tn)))
+        tScS_mn = acc_view_mn(tScS)
+        num_rows = cute.size(tScS_mn, mode=[0])
+
+        # P / dS register -> shared memory (stmatrix)
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        st_thr = cute.make_tiled_copy_C(st_atom, mma_sdp).get_slice(tidx)
+        tPsP = st_thr.partition_D(sP)
+        tdSsdS = st_thr.partition_D(sdS)
+
+        # dQ chunk of this warpgroup: shared memory and its place in dq_accum
+        sdQ_wg = cute.local_tile(sdQ, (self.dq_wg_elems,), (wg_idx,))
+        tdQsdQ = dq_fragment_view(sdQ_wg, self.dq_regs, tidx_in_wg)
+        gdQacc = mdQacc[None, head, batch]
+
+        scale = mParams[0]
+        if const_expr(self.has_softcap):
+            softcap = mParams[1]
+            tanh_in_scale = scale / softcap
+            scale_log2 = softcap * LOG2_E
+            inv_scale_log2 = Float32(1.0) / scale_log2
+        else:
+            tanh_in_scale = scale
+            scale_log2 = scale * LOG2_E
+        kv_tail = BwdBlockInfo.kv_tail(block_info, n_block)  # only the last key block has a tail
+        pds_barrier = int(NamedBarrier.PDS)
+
+        if m_block_max > m_block_min:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipeline_kv.consumer_wait(kv_state)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                pds_idx = (m_block - m_block_min) % self.pds_stages
+                # rows' lse_log2 and delta (rows past seqlen_q: +inf and 0, so P = dS = 0)
+                lse = cute.make_rmem_tensor(num_rows, Float32)
+                dpsum = cute.make_rmem_tensor(num_rows, Float32)
+                for r in cutlass.range_constexpr(num_rows):
+                    row = m_block * tm + tScS_mn[r, 0][0]
+                    row_c = cutlass.min(row, seqlen_q - 1)
+                    lse_v = mLSE[row_c, head, batch]
+                    dpsum_v = mDelta[row_c, head, batch]
+                    lse[r] = lse_v if row < seqlen_q else Float32.inf
+                    dpsum[r] = dpsum_v if row < seqlen_q else Float32(0.0)
+
+                # S = Q·Kᵀ and dP = dO·Vᵀ
+                pipeline_q.consumer_wait(state)
+                acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+                wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state.index], tSrK, zero_init=True)
+                pipeline_do.consumer_wait(state)
+                acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
+                wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, state.index], tdPrV,
+                      zero_init=True)
+
+                need_mask = kv_tail
+                if const_expr(self.is_causal or self.is_local):
+                    cut_right, cut_left = BwdBlockInfo.cuts_window(block_info, m_block, n_block)
+                    need_mask = need_mask or cut_right
+                    if const_expr(self.is_local):
+                        need_mask = need_mask or cut_left
+
+                s_mn = acc_view_mn(acc_S)
+                dp_mn = acc_view_mn(acc_dP)
+                n_cols = cute.size(s_mn, mode=[1])
+                warpgroup.wait_group(1)  # S is ready, dP may still run
+                for r in cutlass.range_constexpr(num_rows):
+                    for c in cutlass.range_constexpr(n_cols):
+                        x = s_mn[r, c]
+                        if const_expr(self.has_softcap):
+                            x = cute.math.tanh(x * tanh_in_scale, fastmath=True)
+                        s_mn[r, c] = cute.math.exp2(x * scale_log2 - lse[r], fastmath=True)
+                if need_mask:
+                    self.mask_p(s_mn, tScS_mn, m_block, n_block, block_info)
+
+                # P -> shared memory (the previous iteration's readers are done: see PDS)
+                if const_expr(self.pds_stages == 1):
+                    cute.arch.barrier(barrier_id=pds_barrier, number_of_threads=self.num_mma_threads)
+                rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
+                convert_f32_to_16(acc_S, rP, self.is_bf16)
+                cute.copy(st_thr, st_thr.retile(rP), tPsP[None, None, None, pds_idx])
+
+                # dS = P∘(dP − delta) [∘ (1 − tanh²)]
+                warpgroup.wait_group(0)
+                for r in cutlass.range_constexpr(num_rows):
+                    for c in cutlass.range_constexpr(n_cols):
+                        p = s_mn[r, c]
+                        ds = p * (dp_mn[r, c] - dpsum[r])
+                        if const_expr(self.has_softcap):
+                            # tanh' = 1 − t², t recovered from P = exp2(t·scale_log2 − lse) (no
+                            # extra live registers). P below the smallest normal float (0 when
+                            # masked or on an empty row) gives dS = 0 (its log2 may be -inf / NaN).
+                            t = (cute.math.log2(p, fastmath=True) + lse[r]) * inv_scale_log2
+                            ds = (ds * (Float32(1.0) - t * t) if p >= Float32(_FLT_MIN_NORMAL)
+                                  else Float32(0.0))
+                        dp_mn[r, c] = ds
+                rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
+                convert_f32_to_16(acc_dP, rdS, self.is_bf16)
+                cute.copy(st_thr, st_thr.retile(rdS), tdSsdS[None, None, None, pds_idx])
+
+                # the dQ buffer of this warpgroup is free once the previous bulk reduce read it
+                if tidx_in_wg == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> WGMMA reads
+                cute.arch.barrier(barrier_id=pds_barrier, number_of_threads=self.num_mma_threads)
+
+                # dV += Pᵀ·dO, dQ = dS·K, dK += dSᵀ·Q
+                wgmma(mma_dv, acc_dV, tdVrPt[None, None, None, pds_idx],
+                      tdVrdOt[None, None, None, state.index], zero_init=False)
+                acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
+                wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, zero_init=True)
+                wgmma(mma_dk, acc_dK, tdKrdSt[None, None, None, pds_idx],
+                      tdKrQt[None, None, None, state.index], zero_init=False)
+                warpgroup.wait_group(1)  # dV and dQ done
+                pipeline_do.consumer_release(state)
+
+                # dQ fragment -> shared memory -> one bulk reduce-add into dq_accum
+                dq_flat = cute.make_tensor(acc_dQ.iterator,
+                                           cute.make_layout((4, self.dq_regs // 4)))
+                cute.autovec_copy(dq_flat, tdQsdQ)
+                cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk copy
+                dq_bar = int(NamedBarrier.DQ_FULL_WG0) + wg_idx
+                cute.arch.barrier(barrier_id=dq_bar, number_of_threads=128)
+                if tidx_in_wg == 0:
+                    gdQ_chunk = cute.local_tile(gdQacc, (self.dq_wg_elems,),
+                                                (m_block * 2 + wg_idx,))
+                    bulk_reduce_add_f32(sdQ_wg.iterator, gdQ_chunk.iterator,
+                                        self.dq_wg_elems * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+
+                warpgroup.wait_group(0)  # dK done
+                pipeline_q.consumer_release(state)
+                state.advance()
+
+        if tidx_in_wg == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+        # ---- epilogue: dK, dV ----
+        for i in cutlass.range_constexpr(cute.size(acc_dK)):
+            acc_dK[i] = acc_dK[i] * scale
+        if const_expr(self.gqa):
+            self.store_dkv_f32(acc_dK, mdK, thr_dk, (tn, D), n_block, head_dkv, batch, seqlen_k)
+            self.store_dkv_f32(acc_dV, mdV, thr_dv, (tn, Dv), n_block, head_dkv, batch, seqlen_k)
+        else:
+            rdK = cute.make_rmem_tensor(acc_dK.layout, self.dtype)
+            convert_f32_to_16(acc_dK, rdK, self.is_bf16)
+            rdV = cute.make_rmem_tensor(acc_dV.layout, self.dtype)
+            convert_f32_to_16(acc_dV, rdV, self.is_bf16)
+            # both warpgroups are done reading K and V (last dQ / dP GEMMs) before overwriting
+            epi_barrier = int(NamedBarrier.EPILOGUE)
+            cute.arch.barrier(barrier_id=epi_barrier, number_of_threads=self.num_mma_threads)
+            for acc16, mma_x, s_x in ((rdK, mma_dk, sK), (rdV, mma_dv, sV)):
+                st = cute.make_tiled_copy_C(st_atom, mma_x).get_slice(tidx)
+                cute.copy(st, st.retile(acc16), st.partition_D(s_x))
+            cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> TMA store
+            cute.arch.barrier(barrier_id=epi_barrier, number_of_threads=self.num_mma_threads)
+            if tidx < 32:
+                one = cute.make_layout(1)
+                gdK = cute.local_tile(mdK[None, None, head_dkv, batch], (tn, D), (n_block, 0))
+                gdV = cute.local_tile(mdV[None, None, head_dkv, batch], (tn, Dv), (n_block, 0))
+                tsK, tgdK = cpasync.tma_partition(tma_atom_dK, 0, one, cute.group_modes(sK, 0, 2),
+                                                  cute.group_modes(gdK, 0, 2))
+                tsV, tgdV = cpasync.tma_partition(tma_atom_dV, 0, one, cute.group_modes(sV, 0, 2),
+                                                  cute.group_modes(gdV, 0, 2))
+                cute.copy(tma_atom_dK, tsK, tgdK)
+                cute.copy(tma_atom_dV, tsV, tgdV)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def mask_p(self, p_mn: cute.Tensor, c_mn: cute.Tensor, m_block: Int32, n_block: Int32,
+               block_info: BwdBlockInfo):
+        """P ← 0 where row m_block·tm + r does not see key n_block·tn + c (rows past seqlen_q
+        already have P = 0)."""
+        for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
+            row = m_block * self.tile_m + c_mn[r, 0][0]
+            lo, hi = BwdBlockInfo.visible_cols(block_info, row, n_block)
+            for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
+                col = c_mn[r, c][1]
+                visible = col < hi
+                if const_expr(self.is_local):
+                    visible = visible and col >= lo
+                p_mn[r, c] = p_mn[r, c] if visible else Float32(0.0)
+
+    @cute.jit
+    def store_dkv_f32(self, acc: cute.Tensor, mX: cute.Tensor, thr_mma, tile: cutlass.Constexpr,
+                      n_block: Int32, head: Int32, batch: Int32, seqlen_k: Int32):
+        """float32 dK / dV straight from registers (GQA configs), rows past seqlen_k skipped."""
+        gX = cute.local_tile(mX[None, None, head, batch], tile, (n_block, 0))
+        tXgX = thr_mma.partition_C(gX)
+        tXcX = thr_mma.partition_C(cute.make_identity_tensor(tile))
+        row_limit = seqlen_k - n_block * self.tile_n
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            if tXcX[i][0] < row_limit:
+                tXgX[i] = acc[i]
+
+
+def make_launcher(cfg: BwdConfig):
+    """The `@cute.jit` launcher ``fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum,
+    dk, dv)`` for this config (dq_accum is updated in place)."""
+    kernel = FlashAttentionBackwardSm90(cfg)
+
+    @cute.jit
+    def sm90_bwd(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
+                 dout: cute.Tensor, lse_log2: cute.Tensor, delta: cute.Tensor,
+                 params: cute.Tensor, dq_accum: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor):
+        kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dk, dv)
+
+    return sm90_bwd

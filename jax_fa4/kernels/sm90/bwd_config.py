@@ -1,0 +1,293 @@
+"""Compile keys and tuning table of the Hopper (sm_90a) attention backward. No compiler import here.
+
+Two kernels (see bwd.py and bwd_postprocess.py):
+
+``sm90_bwd`` (BwdConfig), the main kernel. Per (batch b, query head h, key block n):
+
+    P  = exp2(S·scale_log2 − lse_log2)          S = q·kᵀ (or softcap·tanh(q·kᵀ·scale/softcap))
+    dV = Σ_m Pᵀ·dO,   dP = dO·Vᵀ,   dS = P∘(dP − delta) [∘ (1 − tanh²)]
+    dK = Σ_m dSᵀ·Q · scale,   dq_accum += dS·K (float32, unscaled, fragment order, see below)
+
+    call: fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dk, dv)
+      q        (B, Sq, H, D)      dtype
+      k        (B, Sk, Hkv, D)    dtype
+      v        (B, Sk, Hkv, Dv)   dtype
+      dout     (B, Sq, H, Dv)     dtype
+      lse_log2 (B, H, Sq)         float32  (+inf on rows that saw no key: from the preprocess)
+      delta    (B, H, Sq)         float32  rowsum(out·dout)
+      params   (4,)               float32  [softmax_scale, softcap (0 = off), window_left,
+                                            window_right] (-1 = unbounded), batched=False
+      dq_accum (B, H, Sq_pad·D)   float32  zero-filled by the caller; Sq_pad = ceil(Sq/tile_m)·tile_m.
+                                            Input 7, aliased to output 0 (updated in place).
+    outputs (after the alias): dk (B, Sk, Hdk, D), dv (B, Sk, Hdk, Dv) with Hdk = Hkv for MHA
+      configs (gqa=False, dtype = input dtype) and Hdk = H for GQA configs (gqa=True, float32, one
+      slice per query head; the caller sums each group of H/Hkv heads).
+
+``sm90_bwd_postprocess`` (BwdPostprocessConfig): dq (B, Sq, H, D) = dq_accum · softmax_scale in the
+input dtype. ``fn(stream, dq_accum, params, dq)``.
+
+dq_accum layout: per (b, h) a run of Sq_pad·D floats; m-block ``m`` owns [m·tile_m·D, (m+1)·tile_m·D),
+split into one contiguous chunk per dQ warpgroup, each in the dQ WGMMA's accumulator-fragment order
+(chunk c of 4 floats of thread t at float offset (c·128 + t)·4). The postprocess rebuilds the same
+tiled MMA to undo it, so the two configs must agree on (tile_m, head_dim): use
+``BwdConfig.postprocess_config()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig, KernelSignature, TensorArg
+
+MASK_KINDS = ("none", "causal", "local")
+
+#: Shared memory a CTA may use on sm_90 (227 KB) minus room for mbarriers and alignment.
+SMEM_LIMIT_BYTES = 227 * 1024 - 1024
+
+
+@dataclass(frozen=True)
+class Sm90BwdTuning:
+    tile_m: int  # query rows per iteration (64 or 128)
+    tile_n: int  # keys per CTA (64 or 128)
+    stages: int  # Q and dO pipeline depth
+    pds_stages: int  # P and dS shared-memory buffers (1 or 2)
+
+
+# THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Warpgroup layouts of the five
+# GEMMs follow from the tile (BwdConfig.wg_layouts). Start points from FA4's H100 choices
+# (docs/SM90-NOTES.md) restricted to what v1 implements (no swapAB, P and dS through shared memory);
+# to be re-measured on the H200 (docs/perf-log-bwd.md).
+_T = Sm90BwdTuning
+TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
+    (64, 64): {k: _T(128, 128, 2, 1) for k in MASK_KINDS},
+    (96, 96): {k: _T(64, 128, 2, 2) for k in MASK_KINDS},
+    (128, 128): {k: _T(64, 128, 2, 2) for k in MASK_KINDS},
+    (192, 128): {k: _T(64, 64, 2, 2) for k in MASK_KINDS},
+    (256, 256): {k: _T(64, 64, 1, 1) for k in MASK_KINDS},
+}
+
+
+def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm90BwdTuning:
+    row = TUNING_TABLE.get((head_dim, head_dim_v))
+    if row is None:
+        supported = ", ".join(f"{d}/{dv}" for d, dv in TUNING_TABLE)
+        raise ValueError(f"sm90 backward: head_dim/head_dim_v {head_dim}/{head_dim_v} not "
+                         f"supported (supported: {supported})")
+    if mask not in row:
+        raise ValueError(f"sm90 backward: mask kind {mask!r} not supported (one of {MASK_KINDS})")
+    return row[mask]
+
+
+def _split(extent: int) -> tuple[int, int]:
+    """Warpgroup layout (along this extent, along the other) of a 2-warpgroup GEMM whose M side
+    is ``extent``: two 64-row atoms side by side when extent is 128, else split the other side."""
+    return (2, 1) if extent == 128 else (1, 2)
+
+
+@dataclass(frozen=True)
+class BwdConfig(KernelConfig):
+    """Compile key of the sm90 backward main kernel: everything that changes the generated code."""
+
+    kernel_name: ClassVar[str] = "sm90_bwd"
+    sources: ClassVar[tuple[str, ...]] = ("spec.py", "common", "sm90/bwd_config.py", "sm90/bwd.py",
+                                          "sm90/bwd_postprocess.py")
+
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    head_dim_v: int = 128
+    mask: str = "none"  # "none" | "causal" | "local"
+    has_softcap: bool = False
+    gqa: bool = False  # dk/dv float32 per query head (caller sums groups) instead of dtype per kv head
+    deterministic: bool = False  # not implemented yet (validate rejects True)
+    # tuning (from TUNING_TABLE via `make`)
+    tile_m: int = 64
+    tile_n: int = 128
+    stages: int = 2
+    pds_stages: int = 2
+
+    @classmethod
+    def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
+             has_softcap: bool = False, gqa: bool = False,
+             deterministic: bool = False) -> "BwdConfig":
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        t = tuning_for(head_dim, head_dim_v, mask)
+        cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
+                  has_softcap=bool(has_softcap), gqa=bool(gqa), deterministic=bool(deterministic),
+                  tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages, pds_stages=t.pds_stages)
+        cfg.validate()
+        return cfg
+
+    # -- static checks ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ValueError naming the first unsupported feature."""
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"sm90 backward: dtype {self.dtype!r} not supported (one of {FLOAT_DTYPES})")
+        if self.mask not in MASK_KINDS:
+            raise ValueError(f"sm90 backward: mask kind {self.mask!r} not supported (one of {MASK_KINDS})")
+        tuning_for(self.head_dim, self.head_dim_v, self.mask)
+        if self.deterministic:
+            raise ValueError("sm90 backward: deterministic=True is not implemented yet")
+        if self.tile_m not in (64, 128) or self.tile_n not in (64, 128):
+            raise ValueError(f"sm90 backward: tile {self.tile_m}x{self.tile_n} not supported "
+                             "(tile_m, tile_n in {64, 128})")
+        if self.head_dim % 16 or self.head_dim_v % 16:
+            raise ValueError("sm90 backward: head dims must be multiples of 16")
+        if self.stages < 1 or self.pds_stages not in (1, 2):
+            raise ValueError("sm90 backward: stages >= 1 and pds_stages in {1, 2} required")
+        # every GEMM's per-warpgroup N extent must be a multiple of 16 (8 for WGMMA, 16 for the
+        # shared-memory swizzle atoms used by the transposed operands)
+        lay = self.wg_layouts()
+        for name, (m_ext, n_ext), (wm, wn) in (
+                ("S/dP", (self.tile_m, self.tile_n), lay["sdp"]),
+                ("dK", (self.tile_n, self.head_dim), lay["dkv"]),
+                ("dV", (self.tile_n, self.head_dim_v), lay["dkv"]),
+                ("dQ", (self.tile_m, self.head_dim), lay["dq"])):
+            if m_ext != 64 * wm or n_ext % (16 * wn):
+                raise ValueError(f"sm90 backward: GEMM {name} {m_ext}x{n_ext} does not split over "
+                                 f"warpgroups {wm}x{wn}")
+        if self.smem_bytes() > SMEM_LIMIT_BYTES:
+            raise ValueError(f"sm90 backward: {self.smem_bytes()} B of shared memory exceeds "
+                             f"{SMEM_LIMIT_BYTES} B ({self.describe()})")
+
+    # -- derived ---------------------------------------------------------------------------------
+    num_mma_warpgroups: ClassVar[int] = 2
+    num_threads: ClassVar[int] = 384  # producer warpgroup + 2 MMA warpgroups
+
+    def wg_layouts(self) -> dict[str, tuple[int, int]]:
+        """Warpgroup atom layout (along M, along N) of each GEMM (no swapAB in v1):
+        S, dP: (tile_m × tile_n); dK, dV: (tile_n × D); dQ: (tile_m × D)."""
+        return {"sdp": _split(self.tile_m), "dkv": _split(self.tile_n), "dq": _split(self.tile_m)}
+
+    def smem_bytes(self) -> int:
+        e = 2  # 16-bit elements
+        q = self.stages * self.tile_m * self.head_dim * e
+        do = self.stages * self.tile_m * self.head_dim_v * e
+        k = self.tile_n * self.head_dim * e
+        v = self.tile_n * self.head_dim_v * e
+        pds = 2 * self.pds_stages * self.tile_m * self.tile_n * e
+        dq = self.tile_m * self.head_dim * 4
+        return q + do + k + v + pds + dq
+
+    def postprocess_config(self) -> "BwdPostprocessConfig":
+        return BwdPostprocessConfig(dtype=self.dtype, head_dim=self.head_dim, tile_m=self.tile_m)
+
+    # -- KernelConfig contract ------------------------------------------------------------------
+    def signature(self) -> KernelSignature:
+        d, dv, tm = self.head_dim, self.head_dim_v, self.tile_m
+        b, sq, sk, h, hkv = 2, 256, 256, 4, 2
+        hdk = h if self.gqa else hkv
+        dkv_dtype = "float32" if self.gqa else self.dtype
+        accum = TensorArg("dq_accum", "float32", (b, h, sq * d), (1, 1, tm * d))
+        return KernelSignature(
+            inputs=(
+                TensorArg("q", self.dtype, (b, sq, h, d), (1, 1, 1, d)),
+                TensorArg("k", self.dtype, (b, sk, hkv, d), (1, 1, 1, d)),
+                TensorArg("v", self.dtype, (b, sk, hkv, dv), (1, 1, 1, dv)),
+                TensorArg("dout", self.dtype, (b, sq, h, dv), (1, 1, 1, dv)),
+                TensorArg("lse_log2", "float32", (b, h, sq), (1, 1, 1)),
+                TensorArg("delta", "float32", (b, h, sq), (1, 1, 1)),
+                TensorArg("params", "float32", (4,), (4,), batched=False),
+                accum,
+            ),
+            outputs=(
+                accum,
+                TensorArg("dk", dkv_dtype, (b, sk, hdk, d), (1, 1, 1, d)),
+                TensorArg("dv", dkv_dtype, (b, sk, hdk, dv), (1, 1, 1, dv)),
+            ),
+            aliases=((7, 0),),
+        )
+
+    def make_launcher(self) -> Callable[..., Any]:
+        self.validate()
+        from jax_fa4.kernels.sm90.bwd import make_launcher  # imports the compiler
+
+        return make_launcher(self)
+
+
+@dataclass(frozen=True)
+class BwdPostprocessConfig(KernelConfig):
+    """dq = dq_accum (fragment order, see module docstring) · softmax_scale, in the input dtype."""
+
+    kernel_name: ClassVar[str] = "sm90_bwd_postprocess"
+    sources: ClassVar[tuple[str, ...]] = ("spec.py", "common", "sm90/bwd_config.py", "sm90/bwd.py",
+                                          "sm90/bwd_postprocess.py")
+
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    tile_m: int = 64
+
+    def validate(self) -> None:
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"sm90 bwd postprocess: dtype {self.dtype!r} not supported")
+        if self.tile_m not in (64, 128) or self.head_dim % 16 or not 16 <= self.head_dim <= 256:
+            raise ValueError(f"sm90 bwd postprocess: tile_m {self.tile_m} / head_dim "
+                             f"{self.head_dim} not supported")
+        wm, wn = _split(self.tile_m)
+        if self.head_dim % (16 * wn):
+            raise ValueError(f"sm90 bwd postprocess: head_dim {self.head_dim} does not split "
+                             "over two warpgroups")
+
+    def signature(self) -> KernelSignature:
+        d, tm = self.head_dim, self.tile_m
+        b, sq, h = 2, 256, 4
+        return KernelSignature(
+            inputs=(TensorArg("dq_accum", "float32", (b, h, sq * d), (1, 1, tm * d)),
+                    TensorArg("params", "float32", (4,), (4,), batched=False)),
+            outputs=(TensorArg("dq", self.dtype, (b, sq, h, d), (1, 1, 1, d)),),
+        )
+
+    def make_launcher(self) -> Callable[..., Any]:
+        self.validate()
+        from jax_fa4.kernels.sm90.bwd_postprocess import make_launcher
+
+        return make_launcher(self)
+
+
+def shipped_configs() -> list[KernelConfig]:
+    """Every backward variant the package precompiles (main kernels and their postprocesses)."""
+    out: list[KernelConfig] = []
+    for dtype in FLOAT_DTYPES:
+        for (d, dv), row in TUNING_TABLE.items():
+            for mask in row:
+                for softcap in (False, True):
+                    for gqa in (False, True):
+                        out.append(BwdConfig.make(dtype, d, dv, mask, softcap, gqa))
+    return _with_postprocess(out)
+
+
+def _with_postprocess(mains: list[BwdConfig]) -> list[KernelConfig]:
+    post = []
+    for c in mains:
+        p = c.postprocess_config()
+        if p not in post:
+            post.append(p)
+    return [*mains, *post]
+
+
+# (dtype, head_dim, head_dim_v, mask, softcap, gqa) of the cases in tests/gpu/test_sm90_bwd.py
+_GPU_TEST_MAINS = (
+    [("bfloat16", 128, 128, m, cap, False) for m in MASK_KINDS for cap in (False, True)]
+    + [("bfloat16", 128, 128, "none", False, True), ("bfloat16", 128, 128, "causal", False, True),
+       ("bfloat16", 128, 128, "causal", True, True)]
+    + [("float16", 128, 128, m, False, False) for m in MASK_KINDS]
+    + [("float16", 128, 128, "none", True, False)]
+    + [("bfloat16", 64, 64, m, False, False) for m in MASK_KINDS]
+    + [("bfloat16", 64, 64, "none", False, True)]
+    + [("bfloat16", 96, 96, "none", False, False), ("bfloat16", 96, 96, "local", False, False),
+       ("bfloat16", 96, 96, "causal", False, True)]
+    + [("bfloat16", 192, 128, "none", False, False), ("bfloat16", 192, 128, "causal", False, False),
+       ("bfloat16", 192, 128, "local", False, True)]
+    + [("bfloat16", 256, 256, "none", False, False), ("bfloat16", 256, 256, "causal", False, False),
+       ("bfloat16", 256, 256, "local", False, True)]
+    + [("float16", 256, 256, "none", False, False)]
+)
+
+
+def test_variants() -> list[KernelConfig]:
+    """The configs tests/gpu/test_sm90_bwd.py runs (main kernels, then their postprocesses);
+    that test checks it needs nothing else."""
+    return _with_postprocess([BwdConfig.make(*v) for v in _GPU_TEST_MAINS])
+
+
+test_variants.__test__ = False  # not a pytest test

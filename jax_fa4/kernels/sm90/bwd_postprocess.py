@@ -1,0 +1,119 @@
+"""Backward postprocess for Hopper (sm_90a): dq = dq_accum · softmax_scale, in the input dtype.
+
+dq_accum (B, H, Sq_pad·D) float32 holds, per (b, h) and query block m of tile_m rows, the dQ
+accumulators of the main kernel's two dQ warpgroups in WGMMA fragment order (bwd_config.py). This
+kernel rebuilds the same tiled MMA (bwd.make_tiled_mma_dq) so that thread t of a 256-thread CTA
+loads exactly the registers thread t of the main kernel's MMA warpgroups reduce-added (16-byte,
+fully coalesced loads), scales them, converts them to 16 bits, writes them to shared memory in
+tile order with stmatrix and TMA-stores the (tile_m, D) tile into dq (B, Sq, H, D); TMA clips the
+rows past seqlen_q. Grid: (ceil(Sq / tile_m), H, B).
+
+Call: ``fn(stream, dq_accum, params, dq)``; params float32 (4,), params[0] = softmax_scale.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from jax_fa4.kernels.common.layout import select_modes
+from jax_fa4.kernels.sm90.bwd import (convert_f32_to_16, dq_fragment_view, make_smem_layout,
+                                      make_tiled_mma_dq)
+from jax_fa4.kernels.sm90.bwd_config import BwdPostprocessConfig
+
+_NUM_THREADS = 256
+
+
+class BwdPostprocessSm90:
+    def __init__(self, cfg: BwdPostprocessConfig):
+        cfg.validate()
+        self.dtype = cutlass.BFloat16 if cfg.dtype == "bfloat16" else cutlass.Float16
+        self.is_bf16 = cfg.dtype == "bfloat16"
+        self.hdim, self.tile_m = cfg.head_dim, cfg.tile_m
+        self.dq_regs = self.tile_m * self.hdim // _NUM_THREADS
+        self.dq_wg_elems = 128 * self.dq_regs
+
+    @cute.jit
+    def __call__(self, stream: cuda.CUstream, mdQacc: cute.Tensor, mParams: cute.Tensor,
+                 mdQ: cute.Tensor):
+        if const_expr(mdQ.element_type != self.dtype):
+            raise TypeError(f"dq: expected {self.dtype}, got {mdQ.element_type}")
+        if const_expr(mdQacc.element_type != Float32 or mParams.element_type != Float32):
+            raise TypeError("dq_accum and params must be float32")
+        D = self.hdim
+        mdQ = cute.make_tensor(mdQ.iterator, cute.make_layout(
+            (mdQ.shape[1], D, mdQ.shape[2], mdQ.shape[0]),
+            stride=(mdQ.stride[1], 1, mdQ.stride[2], mdQ.stride[0])))  # (Sq, D, H, B)
+        mdQacc = select_modes(mdQacc, (2, 1, 0))  # (L, H, B)
+        mma_dq = make_tiled_mma_dq(self.dtype, self.tile_m, D)
+        # swizzle atom no wider than one warpgroup's column slice (stmatrix partitions by it)
+        wg_n = 1 if self.tile_m == 128 else 2
+        sdQ_layout = make_smem_layout(self.dtype, self.tile_m, D, D // wg_n)
+        tma_atom, tma_dQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mdQ, sdQ_layout, (self.tile_m, D))
+
+        @cute.struct
+        class SharedStorage:
+            sdQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdQ_layout)], 1024]
+
+        grid = (cute.ceil_div(mdQ.shape[0], self.tile_m), mdQ.shape[2], mdQ.shape[3])
+        self.kernel(mdQacc, mParams, tma_dQ, tma_atom, sdQ_layout, mma_dq, SharedStorage).launch(
+            grid=grid, block=[_NUM_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQacc: cute.Tensor, mParams: cute.Tensor, mdQ: cute.Tensor,
+               tma_atom: cute.CopyAtom, sdQ_layout: cute.ComposedLayout, mma_dq: cute.TiledMma,
+               SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+
+        thr_mma = mma_dq.get_slice(tidx)
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.hdim)), Float32)
+        acc_flat = cute.make_tensor(acc.iterator, cute.make_layout((4, self.dq_regs // 4)))
+        wg_idx = tidx // 128
+        chunk = cute.local_tile(mdQacc[None, head, batch], (self.dq_wg_elems,),
+                                (m_block * 2 + wg_idx,))
+        cute.autovec_copy(dq_fragment_view(chunk, self.dq_regs, tidx % 128), acc_flat)
+        scale = mParams[0]
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = acc[i] * scale
+        r16 = cute.make_rmem_tensor(acc.layout, self.dtype)
+        convert_f32_to_16(acc, r16, self.is_bf16)
+
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        st = cute.make_tiled_copy_C(st_atom, mma_dq).get_slice(tidx)
+        cute.copy(st, st.retile(r16), st.partition_D(sdQ))
+        cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> TMA store
+        cute.arch.sync_threads()
+        if warp_idx == 0:
+            gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hdim),
+                                  (m_block, 0))
+            tsdQ, tgdQ = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1),
+                                               cute.group_modes(sdQ, 0, 2),
+                                               cute.group_modes(gdQ, 0, 2))
+            cute.copy(tma_atom, tsdQ, tgdQ)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+def make_launcher(cfg: BwdPostprocessConfig):
+    """The `@cute.jit` launcher ``fn(stream, dq_accum, params, dq)`` for this config."""
+    kernel = BwdPostprocessSm90(cfg)
+
+    @cute.jit
+    def sm90_bwd_postprocess(stream: cuda.CUstream, dq_accum: cute.Tensor, params: cute.Tensor,
+                             dq: cute.Tensor):
+        kernel(stream, dq_accum, params, dq)
+
+    return sm90_bwd_postprocess

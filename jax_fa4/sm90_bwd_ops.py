@@ -1,0 +1,95 @@
+"""JAX side of the Hopper backward: picks the configs, allocates dq_accum, calls the two kernels.
+
+``backward(q, k, v, out, lse, dout, delta, lse_log2, opts)`` -> (dq, dk, dv), with ``delta`` and
+``lse_log2`` from the preprocess kernel (``ops.bwd_preprocess``). ``opts`` needs
+``.softmax_scale`` (None = 1/sqrt(D)), ``.window`` ((left, right), None = unbounded; causal is
+(None, 0)) and ``.softcap`` (0 = off).
+
+Kernels (jax_fa4/kernels/sm90/bwd_config.py):
+  1. ``sm90_bwd``: dq_accum (zeros, float32, (B, H, Sq_pad·D), updated in place through an
+     input/output alias), dk, dv;
+  2. ``sm90_bwd_postprocess``: dq = dq_accum · softmax_scale in q's dtype.
+
+GQA/MQA (H > Hkv): the main kernel writes float32 dK/dV per *query* head, (B, Sk, H, D), and they
+are summed over each group of G = H/Hkv heads here (cost: 4·B·Sk·H·(D+Dv) bytes written by the
+kernel and read back by XLA's reduction, instead of 2·B·Sk·Hkv·(D+Dv); an in-kernel fp32 reduce
+into (B, Sk, Hkv, D) accumulators is the planned replacement).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_fa4.kernels.sm90.bwd_config import BwdConfig
+
+ARCH = "sm_90a"
+
+
+def mask_kind(window) -> str:
+    left, right = window
+    if left is None and right is None:
+        return "none"
+    if left is None and right == 0:
+        return "causal"
+    return "local"
+
+
+def configs(q, k, v, opts) -> tuple[BwdConfig, object]:
+    """(main config, postprocess config) for this call; raises ValueError if unsupported."""
+    dtype = jnp.dtype(q.dtype).name
+    gqa = q.shape[2] != k.shape[2]
+    cfg = BwdConfig.make(dtype, q.shape[3], v.shape[3], mask_kind(opts.window),
+                         has_softcap=bool(opts.softcap and opts.softcap > 0), gqa=gqa)
+    return cfg, cfg.postprocess_config()
+
+
+def unsupported(q, k, v, opts) -> str | None:
+    """Why the sm90 backward kernels cannot serve this call (None when they can)."""
+    if not (q.dtype == k.dtype == v.dtype):
+        return "q, k, v dtypes differ"
+    try:
+        configs(q, k, v, opts)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def params_array(q, opts) -> jax.Array:
+    scale = opts.softmax_scale if opts.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    left, right = opts.window
+    wl = -1 if left is None else int(left)
+    wr = -1 if right is None else int(right)
+    cap = float(opts.softcap or 0.0)
+    return jnp.array([scale, cap, wl, wr], jnp.float32)
+
+
+def backward(q, k, v, out, lse, dout, delta, lse_log2, opts):
+    """(dq, dk, dv) in the dtypes of q, k, v. ``out`` and ``lse`` are unused (their information
+    is in delta and lse_log2) but kept for the ops.backward signature."""
+    del out, lse
+    from jax_fa4.ffi.call import call_kernel
+
+    cfg, post = configs(q, k, v, opts)
+    b, sq, h, d = q.shape
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    params = params_array(q, opts)
+    sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
+    dq_accum = jnp.zeros((b, h, sq_pad * d), jnp.float32)
+    hdk = h if cfg.gqa else hkv
+    dkv_dtype = jnp.float32 if cfg.gqa else q.dtype
+    out_shapes = (jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32),
+                  jax.ShapeDtypeStruct((b, sk, hdk, d), dkv_dtype),
+                  jax.ShapeDtypeStruct((b, sk, hdk, dv), dkv_dtype))
+    dq_accum, dk, dvv = call_kernel(cfg, ARCH, q, k, v, dout, lse_log2.astype(jnp.float32),
+                                    delta.astype(jnp.float32), params, dq_accum,
+                                    out_shapes=out_shapes)
+    (dq,) = call_kernel(post, ARCH, dq_accum, params,
+                        out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),))
+    if cfg.gqa:
+        g = h // hkv
+        dk = dk.reshape(b, sk, hkv, g, d).sum(axis=3)
+        dvv = dvv.reshape(b, sk, hkv, g, dv).sum(axis=3)
+    return dq, dk.astype(k.dtype), dvv.astype(v.dtype)

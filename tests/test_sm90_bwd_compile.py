@@ -1,0 +1,217 @@
+"""The sm90 backward kernels compile for sm_90a on a CPU-only machine, with clean SASS.
+
+Representative variants of the main kernel (every head dim × mask kind, softcap, GQA, fp16) and
+every postprocess are compiled through the binding's own path (``compile_config``: dynamic B/S/H)
+and their cubins inspected with /work/shared/tools/cubin_report.py: HGMMA, TMA loads (UTMALDG),
+the dQ bulk reduce (UBLKRED), setmaxnreg both ways, no local memory (LDL/STL, stack). Registers,
+shared memory and compile time are printed per variant (``pytest -s``; docs/perf-log-bwd.md).
+
+Plus CPU-only checks of what would fail silently on the GPU: the query-block ranges, the
+"needs a mask" test and the per-row visible columns (BwdBlockInfo) against brute force; the config
+contract (signature, alias, no compiler import, validator messages, smem budget).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jax_fa4.kernels.sm90.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TUNING_TABLE,
+                                             BwdConfig, BwdPostprocessConfig, shipped_configs,
+                                             test_variants)
+
+REPO = Path(__file__).resolve().parents[1]
+CUBIN_REPORT = Path("/work/shared/tools/cubin_report.py")
+ARCH = "sm_90a"
+
+
+def _compile_and_report(cfg, tmp_path: Path) -> tuple[dict, float]:
+    from jax_fa4.ffi.compiler import compile_config
+
+    t0 = time.perf_counter()
+    obj = compile_config(cfg, ARCH).object_bytes
+    seconds = time.perf_counter() - t0
+    path = tmp_path / "kernel.o"
+    path.write_bytes(obj)
+    sass_dir = tmp_path / "sass"
+    res = subprocess.run([sys.executable, str(CUBIN_REPORT), "--json", "--sass-out",
+                          str(sass_dir), str(path)], capture_output=True, text=True, check=True)
+    rows = json.loads(res.stdout)
+    assert len(rows) == 1, f"expected one kernel, found {len(rows)}"
+    row = rows[0]
+    sass = "".join(p.read_text() for p in sass_dir.iterdir())
+    for extra in ("MUFU.TANH", "MUFU.LG2", "USETMAXREG.DEALLOC", "USETMAXREG.TRY_ALLOC", "STSM",
+                  "UBLKRED", "LDL", "STL"):
+        row["ops"][extra] = sass.count(extra)
+    return row, seconds
+
+
+def _assert_no_local_memory(r: dict) -> None:
+    ops = r["ops"]
+    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, "local-memory traffic (spills)"
+    assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, "stack frame / local memory"
+
+
+def _main_variants():
+    out = [("bfloat16", d, dv, mask, False, False)
+           for (d, dv) in TUNING_TABLE for mask in MASK_KINDS]
+    out += [("bfloat16", d, dv, "causal", True, False) for (d, dv) in TUNING_TABLE]
+    out += [("bfloat16", d, dv, "local", False, True) for (d, dv) in TUNING_TABLE]
+    out += [("float16", 128, 128, mask, False, False) for mask in MASK_KINDS]
+    out += [("float16", 64, 64, "local", True, True)]
+    return out
+
+
+def _id(v):
+    dtype, d, dv, mask, cap, gqa = v
+    return f"{dtype[:4]}-{d}x{dv}-{mask}{'-cap' if cap else ''}{'-gqa' if gqa else ''}"
+
+
+@pytest.mark.parametrize("variant", _main_variants(), ids=_id)
+def test_main_kernel_compiles_with_clean_sass(variant, tmp_path):
+    dtype, d, dv, mask, cap, gqa = variant
+    cfg = BwdConfig.make(dtype, d, dv, mask, cap, gqa)
+    r, seconds = _compile_and_report(cfg, tmp_path)
+    ops = r["ops"]
+    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {r.get('reg')} (setmaxnreg 240/24), "
+          f"smem {cfg.smem_bytes()} B, HGMMA {ops.get('HGMMA')}, MUFU.EX2 {ops.get('MUFU.EX2')}, "
+          f"STSM {ops['STSM']}, UBLKRED {ops['UBLKRED']}")
+    assert r["arch"] == ARCH
+    assert ops.get("HGMMA", 0) > 0, "no warpgroup MMA in SASS"
+    assert ops.get("UTMALDG", 0) > 0, "no TMA loads"
+    assert (ops.get("UTMASTG", 0) > 0) == (not gqa), "dK/dV TMA store iff not GQA"
+    assert ops["UBLKRED"] > 0, "dQ bulk reduce-add missing"
+    assert ops["USETMAXREG.DEALLOC"] > 0 and ops["USETMAXREG.TRY_ALLOC"] > 0, "setmaxnreg ignored"
+    assert ops.get("MUFU.EX2", 0) > 0 and ops["STSM"] > 0
+    assert (ops["MUFU.TANH"] > 0) == cap
+    _assert_no_local_memory(r)
+
+
+@pytest.mark.parametrize("cfg", sorted({c.postprocess_config() for c in
+                                        (BwdConfig.make(dt, d, dv) for dt in ("bfloat16", "float16")
+                                         for (d, dv) in TUNING_TABLE)},
+                                       key=lambda c: (c.dtype, c.head_dim)),
+                         ids=lambda c: f"{c.dtype[:4]}-{c.head_dim}-tm{c.tile_m}")
+def test_postprocess_compiles_with_clean_sass(cfg, tmp_path):
+    r, seconds = _compile_and_report(cfg, tmp_path)
+    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {r.get('reg')}")
+    assert r["arch"] == ARCH
+    assert r["ops"].get("UTMASTG", 0) > 0 and r["ops"]["STSM"] > 0
+    _assert_no_local_memory(r)
+
+
+# ------------------------------------------------------------------------------------------------
+# config contract
+# ------------------------------------------------------------------------------------------------
+def test_config_module_does_not_import_the_compiler():
+    code = ("import sys; import jax_fa4.kernels.sm90.bwd_config as m; "
+            "m.BwdConfig.make('bfloat16', 128); m.shipped_configs(); m.test_variants(); "
+            "assert not any(k == 'cutlass' or k.startswith('cutlass.') for k in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+@pytest.mark.parametrize("kwargs,word", [
+    (dict(dtype="float32", head_dim=128), "dtype"),
+    (dict(dtype="bfloat16", head_dim=80), "head_dim"),
+    (dict(dtype="bfloat16", head_dim=128, head_dim_v=64), "head_dim"),
+    (dict(dtype="bfloat16", head_dim=128, mask="alibi"), "mask"),
+    (dict(dtype="bfloat16", head_dim=128, deterministic=True), "deterministic"),
+])
+def test_validator_names_the_unsupported_feature(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        BwdConfig.make(**kwargs)
+
+
+def test_signature_alias_and_shapes():
+    cfg = BwdConfig.make("bfloat16", 128)
+    sig = cfg.signature()
+    assert [a.name for a in sig.inputs] == ["q", "k", "v", "dout", "lse_log2", "delta", "params",
+                                            "dq_accum"]
+    assert [a.name for a in sig.outputs] == ["dq_accum", "dk", "dv"]
+    assert sig.aliases == ((7, 0),)
+    assert sig.inputs[7] == sig.outputs[0]
+    assert not sig.inputs[6].batched and sig.inputs[6].sample_shape == (4,)
+    assert sig.inputs[7].divisibility == (1, 1, cfg.tile_m * 128)
+    gqa = BwdConfig.make("bfloat16", 128, gqa=True).signature()
+    assert gqa.outputs[1].dtype == gqa.outputs[2].dtype == "float32"
+    post = cfg.postprocess_config()
+    assert isinstance(post, BwdPostprocessConfig) and post.tile_m == cfg.tile_m
+    assert [a.name for a in post.signature().inputs] == ["dq_accum", "params"]
+
+
+def test_every_shipped_variant_fits_shared_memory():
+    mains = [c for c in shipped_configs() if isinstance(c, BwdConfig)]
+    assert len(mains) == 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 4
+    assert all(c.smem_bytes() <= SMEM_LIMIT_BYTES for c in mains)
+    tv = test_variants()
+    assert all(c.postprocess_config() in tv for c in tv if isinstance(c, BwdConfig))
+
+
+# ------------------------------------------------------------------------------------------------
+# block arithmetic against brute force (pure Python: BwdBlockInfo runs on ints too)
+# ------------------------------------------------------------------------------------------------
+def _visible(i, j, sq, sk, kind, wl, wr):
+    """Row i sees key j (reference.visible_mask's rule; wl/wr None = unbounded)."""
+    if not 0 <= j < sk:
+        return False
+    diag = i + sk - sq
+    if kind == "causal":
+        return j <= diag
+    if kind == "local":
+        return (wl is None or j >= diag - wl) and (wr is None or j <= diag + wr)
+    return True
+
+
+def _clamp(w, bound):
+    """The kernel's resolution of a window side: None / negative / oversize -> bound."""
+    return bound if w is None or w < 0 or w > bound else w
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("tile_m,tile_n", [(64, 128), (128, 128), (64, 64)])
+def test_block_info_matches_brute_force(kind, tile_m, tile_n):
+    from jax_fa4.kernels.sm90.bwd import BwdBlockInfo
+
+    seqlens = [(1, 1), (1, 300), (113, 203), (203, 113), (256, 256), (257, 129), (300, 17),
+               (64, 200)]
+    windows = [(None, None)] if kind != "local" else [
+        (None, 0), (0, 0), (5, None), (None, 7), (37, 3), (0, 130), (300, 300), (1, 1), (64, 0)]
+    for (sq, sk), (wl, wr) in itertools.product(seqlens, windows):
+        bi = BwdBlockInfo(tile_m, tile_n, kind == "causal", kind == "local", sq, sk,
+                          _clamp(wl, sk) if kind == "local" else 0,
+                          _clamp(wr, sq) if kind == "local" else 0)
+        for n in range(-(-sk // tile_n)):
+            where = f"sq={sq} sk={sk} window=({wl},{wr}) n={n}"
+            cols = range(n * tile_n, (n + 1) * tile_n)
+            lo_m, hi_m = bi.m_block_range(n)
+            for m in range(-(-sq // tile_m)):
+                rows = range(m * tile_m, min((m + 1) * tile_m, sq))
+                vis = [[_visible(i, j, sq, sk, kind, wl, wr) for j in cols] for i in rows]
+                any_vis = any(any(r) for r in vis)
+                # every block with a visible pair is visited (extra visited blocks are allowed:
+                # their P is masked to 0, but check we do not visit far outside)
+                if any_vis:
+                    assert lo_m <= m < hi_m, f"{where} m={m} not visited"
+                # the mask test is conservative: a block with an invisible pair is masked
+                cut_r, cut_l = bi.cuts_window(m, n)
+                needs = bi.kv_tail(n) or (kind != "none" and cut_r) or (kind == "local" and cut_l)
+                if not all(all(r) for r in vis):
+                    assert needs, f"{where} m={m} needs a mask"
+                # per-row visible columns
+                for r_i, i in enumerate(rows):
+                    lo, hi = bi.visible_cols(i, n)
+                    for c, j in enumerate(cols):
+                        got = c < hi and (kind != "local" or c >= lo)
+                        assert got == vis[r_i][c], f"{where} row {i} col {j}"
+            # the range stays inside [0, m_blocks) (TMA coordinates valid)
+            assert hi_m <= lo_m or (0 <= lo_m and hi_m <= -(-sq // tile_m)), where
+            # and visits no block without a visible pair for causal (tight range)
+            if kind == "causal" and hi_m > lo_m:
+                rows = range(lo_m * tile_m, min((lo_m + 1) * tile_m, sq))
+                assert any(_visible(i, j, sq, sk, kind, wl, wr) for i in rows for j in cols), where
