@@ -32,6 +32,7 @@ class AttentionOptions:
     softcap: float
     implementation: str  # resolved: "reference" | "sm90" | "sm100"
     forced: bool  # the caller named the implementation: no silent fallback
+    deterministic: bool = False  # bitwise-reproducible gradients
 
     @property
     def causal(self) -> bool:
@@ -101,8 +102,8 @@ def _check_scalar(name: str, x: Any, *, allow_zero: bool) -> float:
 
 
 def canonicalize(q: Any, k: Any, v: Any, *, softmax_scale: float | None, causal: bool,
-                 window_size: Any, softcap: float, implementation: str | None
-                 ) -> AttentionOptions:
+                 window_size: Any, softcap: float, implementation: str | None,
+                 deterministic: bool = False) -> AttentionOptions:
     """Validate the inputs and options of one call and return its canonical options."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x)
@@ -112,8 +113,9 @@ def canonicalize(q: Any, k: Any, v: Any, *, softmax_scale: float | None, causal:
     _check_dtypes(q, k, v)
     _check_shapes(q, k, v)
     left, right = _check_window(window_size)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    for name, flag in (("causal", causal), ("deterministic", deterministic)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if causal:
         right = 0
     scale = (1.0 / math.sqrt(q.shape[3]) if softmax_scale is None
@@ -123,7 +125,7 @@ def canonicalize(q: Any, k: Any, v: Any, *, softmax_scale: float | None, causal:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
     return AttentionOptions(scale, (left, right), cap, resolve_implementation(implementation),
-                            forced=implementation is not None)
+                            forced=implementation is not None, deterministic=bool(deterministic))
 
 
 def flash_attention(
@@ -136,6 +138,7 @@ def flash_attention(
     window_size: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
     return_lse: bool = False,
+    deterministic: bool = False,
     implementation: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, FlashAttention-4 semantics, differentiable.
@@ -152,6 +155,9 @@ def flash_attention(
         query ``i`` sees keys ``j`` with ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``.
       softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` before the softmax.
       return_lse: also return the log-sum-exp of each row's scores (natural log, float32).
+      deterministic: make the gradients bitwise reproducible from run to run. The backward that
+        runs today (the reference's explicit backward) always is; the backward kernels honour it
+        with ordered accumulation.
       implementation: ``None`` picks the kernel for this GPU and falls back to the pure-JAX
         reference elsewhere; ``"reference"``, ``"sm90"`` or ``"sm100"`` force one (a forced
         kernel that cannot run raises an error saying why).
@@ -167,7 +173,8 @@ def flash_attention(
     from the reference's explicit FlashAttention backward until the backward kernels land.
     """
     opts = canonicalize(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, implementation=implementation)
+                        window_size=window_size, softcap=softcap, implementation=implementation,
+                        deterministic=deterministic)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     out, lse = autodiff.attention(q, k, v, opts)
     return (out, lse) if return_lse else out

@@ -49,6 +49,7 @@ def test_bad_arrays_raise_clear_errors(mutate, exc, words):
     (dict(softmax_scale=0.0), ValueError, ["softmax_scale", "> 0"]),
     (dict(softmax_scale="1"), TypeError, ["softmax_scale", "str"]),
     (dict(causal=1), TypeError, ["causal", "bool"]),
+    (dict(deterministic="yes"), TypeError, ["deterministic", "bool", "str"]),
     (dict(implementation="cuda"), ValueError, ["implementation", "'sm90'", "'cuda'"]),
 ])
 def test_bad_options_raise_clear_errors(kwargs, exc, words):

@@ -103,3 +103,17 @@ def test_runs_without_the_compiler():
         "print('ok')\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_deterministic_gradients_are_bitwise_equal():
+    """deterministic=True: two runs of the same backward give the same bits (on the GPU, where
+    atomics and split reductions could otherwise reorder float additions)."""
+    ks = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(ks[0], (2, 1000, 8, 128), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (2, 1000, 2, 128), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (2, 1000, 2, 128), jnp.bfloat16)
+    grad = jax.jit(jax.grad(lambda q, k, v: jax_fa4.flash_attention(
+        q, k, v, causal=True, deterministic=True).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    first, second = grad(q, k, v), grad(q, k, v)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
