@@ -52,12 +52,13 @@ def kernel_params(opts) -> jax.Array:
 
 def forward_config(q, k, v, opts):
     """The forward kernel config serving this call, or the reason none does (a str)."""
-    if opts.implementation != "sm90":
-        return f"no {opts.implementation} forward kernel yet"
     dtype = jnp.dtype(q.dtype).name
     if dtype not in _KERNEL_DTYPES:
         return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
-    from jax_fa4.kernels.sm90.fwd_config import FwdConfig
+    if opts.implementation == "sm90":
+        from jax_fa4.kernels.sm90.fwd_config import FwdConfig
+    else:
+        from jax_fa4.kernels.sm100.fwd_config import FwdConfig
 
     try:
         return FwdConfig.make(dtype, q.shape[3], v.shape[3], mask_kind(opts.window),

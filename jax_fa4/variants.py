@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from jax_fa4.ffi.compiler import SUPPORTED_ARCHS
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.kernels.sm90 import bwd_config, fwd_config
+from jax_fa4.kernels.sm100 import fwd_config as sm100_fwd_config
 from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -59,12 +60,21 @@ def _sm90_bwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable
             yield cfg
 
 
+def _sm100_fwd(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
+    for cfg in sm100_fwd_config.shipped_configs():
+        if cfg.dtype in dtypes and cfg.head_dim in head_dims:
+            yield cfg
+
+
 #: family name -> (archs it is shipped for, config enumerator, the tests suite's enumerator)
 FAMILIES: dict[str, tuple[tuple[str, ...], Callable[..., Iterable[KernelConfig]],
                           Callable[..., Iterable[KernelConfig]]]] = {
     "bwd_preprocess": (SUPPORTED_ARCHS, _preprocess, _preprocess),
     "sm90_fwd": (("sm_90a",), _sm90_fwd, _sm90_fwd_tests),
     "sm90_bwd": (("sm_90a",), _sm90_bwd, _sm90_bwd_tests),
+    # Blackwell kernels are compiled and inspected here but cannot run on any GPU we have, so
+    # the GPU test suite needs none of them.
+    "sm100_fwd": (("sm_100a",), _sm100_fwd, lambda dtypes, head_dims: ()),
 }
 
 #: what the GPU tests need: (dtypes, head dims) per suite

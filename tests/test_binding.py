@@ -106,7 +106,9 @@ def test_preprocess_sass_has_no_local_memory(tmp_path, arch):
     assert kernel["ops"].get("LDL", 0) == 0 and kernel["ops"].get("STL", 0) == 0
 
 
-def test_export_of_a_training_step_carries_forward_and_preprocess_kernels(cache_dir):
+@pytest.mark.parametrize("implementation", ["sm90", "sm100"])
+def test_export_of_a_training_step_carries_forward_and_preprocess_kernels(cache_dir,
+                                                                          implementation):
     """jax.export of grad(flash_attention) for CUDA, lowered on a CPU machine."""
     ks = jax.random.split(jax.random.key(1), 3)
     q = jax.random.normal(ks[0], (2, 77, 4, 128), jnp.bfloat16)
@@ -114,13 +116,14 @@ def test_export_of_a_training_step_carries_forward_and_preprocess_kernels(cache_
     v = jax.random.normal(ks[2], (2, 91, 2, 128), jnp.bfloat16)
 
     def loss(q, k, v):
-        out = jax_fa4.flash_attention(q, k, v, causal=True, implementation="sm90")
+        out = jax_fa4.flash_attention(q, k, v, causal=True, implementation=implementation)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
                                  disabled_checks=jax_fa4.export_disabled_safety_checks())(q, k, v)
     assert exported.mlir_module().count("CuteDSLRT_NvJaxCutlassCall_v2(") == 2
-    kernels = {m["kernel"] for m in KernelCache(cache_dir).entries()}
-    assert kernels == {"sm90_fwd", "bwd_preprocess"}
+    built = {(m["kernel"], m["arch"]) for m in KernelCache(cache_dir).entries()}
+    arch = {"sm90": "sm_90a", "sm100": "sm_100a"}[implementation]
+    assert built == {(f"{implementation}_fwd", arch), ("bwd_preprocess", arch)}
     restored = jax.export.deserialize(exported.serialize())
     assert [a.shape for a in restored.out_avals] == [q.shape, k.shape, v.shape]

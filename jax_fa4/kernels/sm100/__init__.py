@@ -1,0 +1,1 @@
+"""Blackwell (sm_100a) kernels. Config modules import without the compiler."""

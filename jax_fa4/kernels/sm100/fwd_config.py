@@ -1,0 +1,206 @@
+"""Compile key and tuning table of the Blackwell (sm_100a) forward attention kernel.
+
+Importable without the compiler: nothing here imports ``cutlass`` at module level.
+
+Same contract as the Hopper forward (``jax_fa4/kernels/sm90/fwd_config.py``): per (batch b, query
+head h), with kv head h // (H // Hkv),
+    out[b, :, h] = softmax(mask(transform(q·kᵀ))) · v,    lse[b, h, :] = logsumexp of the row
+transform = ``scale·s`` or ``softcap·tanh(s·scale/softcap)``; mask = key-length tail plus "causal"
+(bottom-right aligned) or "local" (window_left, window_right; -1 = unbounded). Rows with no
+visible key give out = 0, lse = -inf. softmax_scale must be positive.
+
+Call: ``fn(stream, q, k, v, params, out, lse)`` with
+    q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), params float32 (4,) =
+    [softmax_scale, softcap (0 = off), window_left, window_right], out (B, Sq, H, Dv) (q's dtype),
+    lse (B, H, Sq) float32. B, S, H dynamic; D, Dv fixed by the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig, KernelSignature, TensorArg
+
+MASK_KINDS = ("none", "causal", "local")
+
+#: Shared memory per CTA on sm_100 (227 KB), minus room for mbarriers and the TMEM address slot.
+SMEM_LIMIT_BYTES = 227 * 1024 - 1024
+#: Tensor memory columns per SM (128 lanes × 512 columns × 32 bit).
+TMEM_COLUMNS = 512
+#: SM count of a B200: the persistent grid size. A configuration value, never queried from the
+#: device (compiling needs no GPU). A GPU with fewer SMs still runs correctly (more CTAs than SMs).
+DEFAULT_NUM_SMS = 148
+#: Conditional rescaling threshold in log2 units (FA4): P may reach 2^8 before the 16-bit cast.
+RESCALE_THRESHOLD = 8.0
+
+
+@dataclass(frozen=True)
+class Sm100FwdTuning:
+    """The tuning choices for one (head_dim, head_dim_v, mask kind) row."""
+
+    tile_n: int = 128  # key block (the MMA N of S = Q·Kᵀ); tile_m is 128 (one row per thread)
+    kv_stages: int = 2  # stages of the shared K/V shared-memory ring
+    exp2_sw_per_32: int = 4  # of every 32 scores of a row, this many use the FMA-pipe exp2
+    rescale_threshold: float = RESCALE_THRESHOLD
+
+
+# THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Start points from FA4's B200
+# choices (docs/SM100-NOTES.md: 16/128 emulated exps, 8/128 in some causal cases), sized for this
+# v1 kernel's shared memory (Q + O staging + the K/V ring); not measured (no Blackwell GPU yet).
+# Same for both 16-bit dtypes. Only the rows listed here are supported.
+_T = Sm100FwdTuning
+TUNING_TABLE: dict[tuple[int, int], dict[str, Sm100FwdTuning]] = {
+    (64, 64): {"none": _T(128, 8), "causal": _T(128, 8, 2), "local": _T(128, 8)},
+    (96, 96): {"none": _T(128, 6), "causal": _T(128, 6, 2), "local": _T(128, 6)},
+    (128, 128): {"none": _T(128, 5), "causal": _T(128, 5, 2), "local": _T(128, 5)},
+    (192, 128): {"none": _T(128, 3), "causal": _T(128, 3, 2), "local": _T(128, 3)},
+    # hdim 256: TMEM is full (S0, S1 at 128 columns each + O 256), a 64-wide key block keeps 3
+    # stages. FA4 has a dedicated 2-CTA kernel for 256; this row is the generic kernel's fallback.
+    (256, 256): {"none": _T(64, 3), "causal": _T(64, 3, 2), "local": _T(64, 3)},
+}
+
+
+def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm100FwdTuning:
+    row = TUNING_TABLE.get((head_dim, head_dim_v))
+    if row is None:
+        supported = ", ".join(f"{d}/{dv}" for d, dv in TUNING_TABLE)
+        raise ValueError(f"sm100 forward: head_dim/head_dim_v {head_dim}/{head_dim_v} not supported "
+                         f"(supported: {supported})")
+    if mask not in row:
+        raise ValueError(f"sm100 forward: mask kind {mask!r} not supported (one of {MASK_KINDS})")
+    return row[mask]
+
+
+@dataclass(frozen=True)
+class FwdConfig(KernelConfig):
+    """Compile key of the sm100 forward kernel: everything that changes the generated code."""
+
+    kernel_name: ClassVar[str] = "sm100_fwd"
+    sources: ClassVar[tuple[str, ...]] = ("spec.py", "common", "sm100/fwd_config.py",
+                                          "sm100/flash_fwd.py", "sm100/tile_order.py")
+
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    head_dim_v: int = 128
+    mask: str = "none"  # "none" | "causal" | "local"
+    has_softcap: bool = False
+    # Tuning (from TUNING_TABLE by `FwdConfig.make`; part of the key because it changes code).
+    tile_n: int = 128
+    kv_stages: int = 2
+    exp2_sw_per_32: int = 4
+    rescale_threshold: float = RESCALE_THRESHOLD
+    num_sms: int = DEFAULT_NUM_SMS
+
+    tile_m: ClassVar[int] = 128  # one TMEM lane (one softmax thread) per query row
+
+    @classmethod
+    def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
+             has_softcap: bool = False, **overrides) -> "FwdConfig":
+        """The config for a problem kind, tuning from the table (``overrides`` replace table
+        fields, for experiments). Raises ValueError if unsupported."""
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        t = tuning_for(head_dim, head_dim_v, mask)
+        fields = dict(tile_n=t.tile_n, kv_stages=t.kv_stages, exp2_sw_per_32=t.exp2_sw_per_32,
+                      rescale_threshold=t.rescale_threshold)
+        fields.update(overrides)
+        cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
+                  has_softcap=bool(has_softcap), **fields)
+        cfg.validate()
+        return cfg
+
+    # -- static checks ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ValueError naming the first unsupported feature."""
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"sm100 forward: dtype {self.dtype!r} not supported (one of {FLOAT_DTYPES})")
+        if self.mask not in MASK_KINDS:
+            raise ValueError(f"sm100 forward: mask kind {self.mask!r} not supported (one of {MASK_KINDS})")
+        tuning_for(self.head_dim, self.head_dim_v, self.mask)  # head dims in the table
+        if self.head_dim % 16 or self.head_dim_v % 16:
+            raise ValueError("sm100 forward: head dims must be multiples of 16")
+        if self.tile_n not in (64, 128):
+            raise ValueError(f"sm100 forward: tile_n {self.tile_n} not supported (64 or 128)")
+        if self.kv_stages < 2:
+            raise ValueError("sm100 forward: kv_stages must be >= 2 (K and V share the ring)")
+        if self.exp2_sw_per_32 % 2 or not 0 <= self.exp2_sw_per_32 <= 32:
+            raise ValueError("sm100 forward: exp2_sw_per_32 must be even, in [0, 32] "
+                             "(element pairs go to the packed software exp2)")
+        if not self.rescale_threshold >= 0.0:
+            raise ValueError("sm100 forward: rescale_threshold must be >= 0")
+        if self.rescale_threshold > 12.0 and self.dtype == "float16":
+            raise ValueError("sm100 forward: fp16 P overflows past 2^15; keep the threshold <= 12")
+        if self.num_sms < 1:
+            raise ValueError("sm100 forward: num_sms must be >= 1")
+        if self.tmem_columns() > TMEM_COLUMNS:
+            raise ValueError(f"sm100 forward: {self.tmem_columns()} TMEM columns exceed {TMEM_COLUMNS}")
+        if self.smem_bytes() > SMEM_LIMIT_BYTES:
+            raise ValueError(f"sm100 forward: {self.smem_bytes()} B of shared memory exceeds "
+                             f"{SMEM_LIMIT_BYTES} B ({self.kv_stages} K/V stages)")
+
+    # -- derived ---------------------------------------------------------------------------------
+    @property
+    def num_threads(self) -> int:
+        return 32 * 6  # 4 softmax/correction/epilogue warps, 1 MMA warp, 1 load warp
+
+    def tmem_columns(self) -> int:
+        """Two S buffers (P aliases their upper half) + O."""
+        return 2 * self.tile_n + self.head_dim_v
+
+    def tmem_alloc_columns(self) -> int:
+        """Allocation size: a power of two in [32, 512]."""
+        n = 32
+        while n < self.tmem_columns():
+            n *= 2
+        return n
+
+    def kv_stage_bytes(self) -> int:
+        return 2 * self.tile_n * max(self.head_dim, self.head_dim_v)
+
+    def smem_bytes(self) -> int:
+        """Q + O staging + the K/V ring, 16-bit elements."""
+        return 2 * self.tile_m * (self.head_dim + self.head_dim_v) + self.kv_stages * self.kv_stage_bytes()
+
+    # -- KernelConfig contract ------------------------------------------------------------------
+    def signature(self) -> KernelSignature:
+        d, dv = self.head_dim, self.head_dim_v
+        b, sq, sk, h, hkv = 2, 256, 256, 4, 2
+        return KernelSignature(
+            inputs=(
+                TensorArg("q", self.dtype, (b, sq, h, d), (1, 1, 1, d)),
+                TensorArg("k", self.dtype, (b, sk, hkv, d), (1, 1, 1, d)),
+                TensorArg("v", self.dtype, (b, sk, hkv, dv), (1, 1, 1, dv)),
+                TensorArg("params", "float32", (4,), (4,), batched=False),
+            ),
+            outputs=(
+                TensorArg("out", self.dtype, (b, sq, h, dv), (1, 1, 1, dv)),
+                TensorArg("lse", "float32", (b, h, sq), (1, 1, 1)),
+            ),
+        )
+
+    def make_launcher(self):
+        self.validate()
+        from jax_fa4.kernels.sm100.flash_fwd import make_launcher  # imports the compiler
+
+        return make_launcher(self)
+
+
+def shipped_configs() -> list[FwdConfig]:
+    """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and fp16."""
+    out = []
+    for dtype in FLOAT_DTYPES:
+        for (d, dv), row in TUNING_TABLE.items():
+            for mask in row:
+                for softcap in (False, True):
+                    out.append(FwdConfig.make(dtype, d, dv, mask, softcap))
+    return out
+
+
+def test_configs() -> list[FwdConfig]:
+    """The subset the compile test builds on every run: each head-dim row once (bf16, no mask),
+    each mask kind and softcap once (bf16, hdim 128), fp16 once. The rest: precompile."""
+    out = [FwdConfig.make("bfloat16", d, dv) for (d, dv) in TUNING_TABLE]
+    out += [FwdConfig.make("bfloat16", 128, 128, "causal"),
+            FwdConfig.make("bfloat16", 128, 128, "local", True),
+            FwdConfig.make("float16", 64, 64, "causal", True)]
+    return out
