@@ -11,6 +11,7 @@ so vmapped axes are folded into it and the kernel runs once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 
@@ -99,8 +100,15 @@ def _abstract_eval(*_, out_shapes, **__):
     return [jax.core.ShapedArray(shape, dtype) for shape, dtype in out_shapes]
 
 
-def _impl(*args, **params):
-    return jax.jit(lambda *a: kernel_call_p.bind(*a, **params))(*args)
+@functools.lru_cache(maxsize=256)
+def _jitted_call(config: KernelConfig, arch: str, out_shapes: tuple):
+    return jax.jit(lambda *a: kernel_call_p.bind(*a, config=config, arch=arch,
+                                                 out_shapes=out_shapes))
+
+
+def _impl(*args, config: KernelConfig, arch: str, out_shapes: tuple):
+    """Eager calls (outside jit) run through one cached jitted function per kernel and shapes."""
+    return _jitted_call(config, arch, out_shapes)(*args)
 
 
 kernel_call_p.def_impl(_impl)
