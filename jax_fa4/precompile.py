@@ -12,6 +12,9 @@ with only the CuTe-DSL runtime library, no compiler. Also installed as ``jax-fa4
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import multiprocessing
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -22,31 +25,54 @@ from jax_fa4.kernels.spec import FLOAT_DTYPES
 from jax_fa4.variants import FAMILIES, HEAD_DIMS, SUITES, Variant, variants
 
 
+def _compile_one(variant: Variant) -> tuple[Variant, bytes, float]:
+    compiled = compile_config(variant.config, variant.arch)
+    return variant, compiled.object_bytes, compiled.seconds
+
+
 def build(selected: Sequence[Variant], cache: KernelCache, *, force: bool = False,
-          progress: bool = True) -> list[dict]:
-    """Compile each variant that the cache lacks (all with ``force``); returns one record each."""
+          progress: bool = True, jobs: int = 1) -> list[dict]:
+    """Compile each variant that the cache lacks (all with ``force``); returns one record each.
+
+    ``jobs > 1`` compiles in that many worker processes (the DSL's tracing state is per process);
+    the cache is written by this process only.
+    """
     from tqdm import tqdm
 
     version = dsl_version()
     if version is None:
         raise SystemExit("precompile needs nvidia-cutlass-dsl: pip install 'jax-fa4[cuda13]'")
     records = []
-    bar = tqdm(selected, desc="compiling kernels", unit="kernel", disable=not progress,
-               file=sys.stderr)
-    for variant in bar:
-        bar.set_postfix_str(f"{variant.arch} {variant.config.kernel_name}")
+    todo = []
+    for variant in selected:
+        entry = None if force else cache.get(variant.config, variant.arch, version)
+        if entry is None:
+            todo.append(variant)
+        else:
+            records.append({"variant": variant.describe(), "status": "cached",
+                            "seconds": entry.meta.get("compile_seconds")})
+    bar = tqdm(total=len(todo), desc="compiling kernels", unit="kernel",
+               disable=not progress or not todo, file=sys.stderr)
+
+    def store(variant: Variant, data: bytes, seconds: float) -> None:
         with cache.lock(variant.config, variant.arch, version):
-            entry = None if force else cache.get(variant.config, variant.arch, version)
-            if entry is not None:
-                records.append({"variant": variant.describe(), "status": "cached",
-                                "seconds": entry.meta.get("compile_seconds")})
-                continue
-            compiled = compile_config(variant.config, variant.arch)
-            cache.put(variant.config, variant.arch, version, compiled.object_bytes,
-                      extra={"compile_seconds": round(compiled.seconds, 3)})
-            records.append({"variant": variant.describe(), "status": "compiled",
-                            "seconds": round(compiled.seconds, 3),
-                            "bytes": len(compiled.object_bytes)})
+            cache.put(variant.config, variant.arch, version, data,
+                      extra={"compile_seconds": round(seconds, 3)})
+        records.append({"variant": variant.describe(), "status": "compiled",
+                        "seconds": round(seconds, 3), "bytes": len(data)})
+        bar.set_postfix_str(f"{variant.arch} {variant.config.kernel_name}")
+        bar.update()
+
+    if jobs > 1 and len(todo) > 1:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(todo)), mp_context=ctx) as pool:
+            for future in concurrent.futures.as_completed(
+                    [pool.submit(_compile_one, v) for v in todo]):
+                store(*future.result())
+    else:
+        for variant in todo:
+            store(*_compile_one(variant))
+    bar.close()
     return records
 
 
@@ -63,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                                        "~/.cache/jax_fa4)")
     p.add_argument("--force", action="store_true", help="rebuild entries already cached")
     p.add_argument("--list", action="store_true", help="list the cache's entries and exit")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="compile in this many processes (default: one per CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -78,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     selected = variants(args.suite, archs=args.arch, dtypes=args.dtype, head_dims=args.head_dim,
                         families=args.family)
     start = time.perf_counter()
-    records = build(selected, cache, force=args.force, progress=not args.quiet)
+    records = build(selected, cache, force=args.force, progress=not args.quiet, jobs=args.jobs)
     compiled = [r for r in records if r["status"] == "compiled"]
     print(f"{len(records)} kernels in {cache.root}: {len(compiled)} compiled, "
           f"{len(records) - len(compiled)} already cached; "

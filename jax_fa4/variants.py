@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from jax_fa4.ffi.compiler import SUPPORTED_ARCHS
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.kernels.sm90 import bwd_config, fwd_config
+from jax_fa4.kernels.sm100 import bwd_config as sm100_bwd_config
 from jax_fa4.kernels.sm100 import fwd_config as sm100_fwd_config
 from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig
 
@@ -60,10 +61,14 @@ def _sm90_bwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable
             yield cfg
 
 
-def _sm100_fwd(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
-    for cfg in sm100_fwd_config.shipped_configs():
-        if cfg.dtype in dtypes and cfg.head_dim in head_dims:
-            yield cfg
+def _filtered(configs: Callable[[], Iterable[KernelConfig]]):
+    def enumerate_configs(dtypes: Sequence[str], head_dims: Sequence[int]):
+        return (c for c in configs() if c.dtype in dtypes and c.head_dim in head_dims)
+    return enumerate_configs
+
+
+def _none(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
+    return ()
 
 
 #: family name -> (archs it is shipped for, config enumerator, the tests suite's enumerator)
@@ -74,7 +79,8 @@ FAMILIES: dict[str, tuple[tuple[str, ...], Callable[..., Iterable[KernelConfig]]
     "sm90_bwd": (("sm_90a",), _sm90_bwd, _sm90_bwd_tests),
     # Blackwell kernels are compiled and inspected here but cannot run on any GPU we have, so
     # the GPU test suite needs none of them.
-    "sm100_fwd": (("sm_100a",), _sm100_fwd, lambda dtypes, head_dims: ()),
+    "sm100_fwd": (("sm_100a",), _filtered(sm100_fwd_config.shipped_configs), _none),
+    "sm100_bwd": (("sm_100a",), _filtered(sm100_bwd_config.shipped_configs), _none),
 }
 
 #: what the GPU tests need: (dtypes, head dims) per suite

@@ -37,4 +37,17 @@ def cache_dir(tmp_path, monkeypatch):
     call.clear_memory_cache()
 
 
+@pytest.fixture(scope="session")
+def shipped_cache(tmp_path_factory):
+    """Every shipped kernel variant, for sm_90a and sm_100a, compiled once per test session.
+
+    Compile tests read their objects from here instead of compiling again (CI time)."""
+    from jax_fa4 import precompile
+    from jax_fa4.ffi.cache import KernelCache
+
+    root = tmp_path_factory.mktemp("shipped-kernels")
+    assert precompile.main(["--cache-dir", str(root), "--quiet"]) == 0
+    return KernelCache(root)
+
+
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +14,10 @@ import jax_fa4
 from jax_fa4 import ops, precompile
 from jax_fa4.ffi import runtime
 from jax_fa4.ffi.cache import KernelCache
+from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.variants import variants
+from compiled import CUBIN_REPORT, sass_report, compiled_object
 
-REPO = Path(__file__).resolve().parent.parent
-CUBIN_REPORT = REPO.parent / "shared" / "tools" / "cubin_report.py"
 
 
 def _preprocess_inputs():
@@ -78,52 +77,33 @@ def test_registration_loads_the_handlers_without_the_compiler(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_precompile_builds_every_shipped_variant(tmp_path, arch, capsys):
-    root = tmp_path / "cache"
-    assert precompile.main(["--arch", arch, "--cache-dir", str(root), "--quiet"]) == 0
+def test_precompile_builds_every_shipped_variant(shipped_cache, arch, capsys):
     want = variants("default", archs=[arch])
-    metas = [json.loads(p.read_text()) for p in (root / arch).glob("*.json")]
+    metas = [json.loads(p.read_text()) for p in (shipped_cache.root / arch).glob("*.json")]
     assert sorted(json.dumps(m["config"], sort_keys=True) for m in metas) == sorted(
         json.dumps(v.config.key_dict(), sort_keys=True) for v in want)
     assert all(m["arch"] == arch and m["compile_seconds"] > 0 for m in metas)
     # a second run finds everything cached
-    assert precompile.main(["--arch", arch, "--cache-dir", str(root), "--quiet"]) == 0
+    assert precompile.main(["--arch", arch, "--cache-dir", str(shipped_cache.root),
+                            "--quiet"]) == 0
     assert f"0 compiled, {len(want)} already cached" in capsys.readouterr().out
+
+
+def test_precompile_in_parallel_matches_serial(tmp_path):
+    args = ["--family", "bwd_preprocess", "--dtype", "bfloat16", "--head-dim", "64", "128",
+            "--quiet"]
+    precompile.main([*args, "--cache-dir", str(tmp_path / "serial"), "--jobs", "1"])
+    precompile.main([*args, "--cache-dir", str(tmp_path / "parallel"), "--jobs", "2"])
+    names = [sorted(p.name for p in (tmp_path / d).glob("*/*.json"))
+             for d in ("serial", "parallel")]
+    assert names[0] == names[1] and len(names[0]) == 4
 
 
 @pytest.mark.skipif(not CUBIN_REPORT.is_file(), reason="../shared/tools/cubin_report.py missing")
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_preprocess_sass_has_no_local_memory(tmp_path, arch):
-    root = tmp_path / "cache"
-    precompile.main(["--arch", arch, "--family", "bwd_preprocess", "--cache-dir", str(root),
-                     "--quiet", "--head-dim", "128", "--dtype", "bfloat16"])
-    (obj,) = (root / arch).glob("*.o")
-    res = subprocess.run([sys.executable, str(CUBIN_REPORT), str(obj), "--json"],
-                         capture_output=True, text=True, check=True)
-    (kernel,) = json.loads(res.stdout)
+def test_preprocess_sass_has_no_local_memory(shipped_cache, tmp_path, arch):
+    obj = compiled_object(shipped_cache, PreprocessConfig("bfloat16", 128), arch)
+    (kernel,) = sass_report(obj, tmp_path)
     assert kernel["arch"] == arch
     assert kernel["local"] == 0 and kernel["stack"] == 0
     assert kernel["ops"].get("LDL", 0) == 0 and kernel["ops"].get("STL", 0) == 0
-
-
-@pytest.mark.parametrize("implementation", ["sm90", "sm100"])
-def test_export_of_a_training_step_carries_forward_and_preprocess_kernels(cache_dir,
-                                                                          implementation):
-    """jax.export of grad(flash_attention) for CUDA, lowered on a CPU machine."""
-    ks = jax.random.split(jax.random.key(1), 3)
-    q = jax.random.normal(ks[0], (2, 77, 4, 128), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (2, 91, 2, 128), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (2, 91, 2, 128), jnp.bfloat16)
-
-    def loss(q, k, v):
-        out = jax_fa4.flash_attention(q, k, v, causal=True, implementation=implementation)
-        return jnp.sum(out.astype(jnp.float32) ** 2)
-
-    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
-                                 disabled_checks=jax_fa4.export_disabled_safety_checks())(q, k, v)
-    assert exported.mlir_module().count("CuteDSLRT_NvJaxCutlassCall_v2(") == 2
-    built = {(m["kernel"], m["arch"]) for m in KernelCache(cache_dir).entries()}
-    arch = {"sm90": "sm_90a", "sm100": "sm_100a"}[implementation]
-    assert built == {(f"{implementation}_fwd", arch), ("bwd_preprocess", arch)}
-    restored = jax.export.deserialize(exported.serialize())
-    assert [a.shape for a in restored.out_avals] == [q.shape, k.shape, v.shape]

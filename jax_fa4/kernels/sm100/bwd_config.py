@@ -1,0 +1,243 @@
+"""Compile key and tuning table of the Blackwell (sm_100a) attention backward. No compiler import.
+
+Same contract as the Hopper backward (``jax_fa4/kernels/sm90/bwd_config.py``), so the API switches
+families by arch only. Per (batch b, query head h, key block n):
+
+    P  = exp2(S·scale_log2 − lse_log2)          S = q·kᵀ (or softcap·tanh(q·kᵀ·scale/softcap))
+    dV = Σ_m Pᵀ·dO,   dP = dO·Vᵀ,   dS = P∘(dP − delta) [∘ (1 − tanh²)]
+    dK = Σ_m dSᵀ·Q · scale,   dq_accum += dS·K (float32, unscaled, row-major, see below)
+
+    call: fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, [dq_semaphore,] dk, dv)
+      q        (B, Sq, H, D)      dtype
+      k        (B, Sk, Hkv, D)    dtype
+      v        (B, Sk, Hkv, Dv)   dtype
+      dout     (B, Sq, H, Dv)     dtype
+      lse_log2 (B, H, Sq)         float32  (+inf on rows that saw no key: from the preprocess)
+      delta    (B, H, Sq)         float32  rowsum(out·dout)
+      params   (4,)               float32  [softmax_scale, softcap (0 = off), window_left,
+                                            window_right] (-1 = unbounded), batched=False
+      dq_accum (B, H, Sq_pad·D)   float32  zero-filled by the caller, Sq_pad = ceil(Sq/128)·128.
+                                            Input 7, aliased to output 0 (updated in place).
+      dq_semaphore (B, H, ceil(Sq/128)) int32, deterministic configs only: zero-filled by the
+                                            caller; input 8, aliased to output 3.
+    outputs (after the aliases): dk (B, Sk, Hdk, D), dv (B, Sk, Hdk, Dv) with Hdk = Hkv for MHA
+      configs (gqa=False, dtype = input dtype) and Hdk = H for GQA configs (gqa=True, float32,
+      one slice per query head; the caller sums each group of H/Hkv heads).
+
+dq_accum layout: **plain row-major** (Sq_pad, D) per (b, h) (unlike the Hopper kernel's fragment
+order): the main kernel adds into it with TMA tensor reduce-adds of (128, dq_cols) tiles, so the
+postprocess is a plain ``dq = dq_accum[:Sq] · softmax_scale`` cast, done in JAX (one fused XLA
+elementwise op, ``jax_fa4/sm100_bwd_ops.py``); no separate postprocess kernel is needed.
+
+Deterministic configs: CTA (n_block, h, b) adds its dQ partial of query block m only when
+dq_semaphore[b, h, m] equals its rank among the key blocks that visit m (key blocks in
+increasing order, ``bwd_blocks.dq_rank``), then increments it (release) once its reduce-adds
+completed, so the float32 sums happen in one fixed order on every run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig, KernelSignature, TensorArg
+
+MASK_KINDS = ("none", "causal", "local")
+
+#: Shared memory per CTA on sm_100 (227 KB), minus room for mbarriers and alignment.
+SMEM_LIMIT_BYTES = 227 * 1024 - 1024
+#: Tensor memory columns per SM (128 lanes × 512 columns × 32 bit).
+TMEM_COLUMNS = 512
+
+
+@dataclass(frozen=True)
+class Sm100BwdTuning:
+    q_stages: int = 2  # Q (and lse / delta) pipeline depth
+    do_stages: int = 1  # dO pipeline depth
+    dq_cols: int = 32  # columns of one dQ reduce-add tile (128 rows × dq_cols float32)
+    dq_stages: int = 2  # shared-memory staging buffers of the dQ reduce-adds
+
+
+# THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. tile_m = tile_n = 128 (one
+# TMEM lane per key row, one MMA per tile). Sized by shared memory (bwd_config.smem_bytes);
+# start points only: nothing here was measured (no Blackwell GPU in this project).
+# Not supported by this 1-CTA v1 design, and why (docs/perf-log-sm100.md):
+#   (192, 128), (256, 256): the TMEM accumulators dK + dV + Sᵀ + dPᵀ(=dQ) need
+#   192+128+128+192 = 640 / 256+256+128+256 = 896 columns > 512; FA4 serves these head dims with
+#   2-CTA MMAs (each CTA keeps half of dK/dV), not implemented here yet.
+_T = Sm100BwdTuning
+TUNING_TABLE: dict[tuple[int, int], dict[str, Sm100BwdTuning]] = {
+    (64, 64): {k: _T(2, 2, 32, 2) for k in MASK_KINDS},
+    (96, 96): {k: _T(2, 2, 32, 2) for k in MASK_KINDS},
+    (128, 128): {k: _T(2, 1, 16, 2) for k in MASK_KINDS},
+}
+
+
+def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm100BwdTuning:
+    row = TUNING_TABLE.get((head_dim, head_dim_v))
+    if row is None:
+        supported = ", ".join(f"{d}/{dv}" for d, dv in TUNING_TABLE)
+        raise ValueError(f"sm100 backward: head_dim/head_dim_v {head_dim}/{head_dim_v} not "
+                         f"supported (supported: {supported}; 192/128 and 256 need the 2-CTA "
+                         "kernel, not implemented)")
+    if mask not in row:
+        raise ValueError(f"sm100 backward: mask kind {mask!r} not supported (one of {MASK_KINDS})")
+    return row[mask]
+
+
+@dataclass(frozen=True)
+class Sm100BwdConfig(KernelConfig):
+    """Compile key of the sm100 backward main kernel: everything that changes the generated code."""
+
+    kernel_name: ClassVar[str] = "sm100_bwd"
+    sources: ClassVar[tuple[str, ...]] = ("spec.py", "common", "sm100/bwd_config.py",
+                                          "sm100/bwd.py", "sm100/bwd_blocks.py",
+                                          "sm100/flash_fwd.py", "sm100/fwd_config.py",
+                                          "sm100/tile_order.py")
+
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    head_dim_v: int = 128
+    mask: str = "none"  # "none" | "causal" | "local"
+    has_softcap: bool = False
+    gqa: bool = False  # dk/dv float32 per query head (caller sums groups) instead of dtype per kv head
+    deterministic: bool = False  # ordered dQ reduce-adds through dq_semaphore
+    # tuning (from TUNING_TABLE via `make`)
+    q_stages: int = 2
+    do_stages: int = 1
+    dq_cols: int = 32
+    dq_stages: int = 2
+
+    tile_m: ClassVar[int] = 128  # query rows per iteration (the N of Sᵀ = K·Qᵀ)
+    tile_n: ClassVar[int] = 128  # keys per CTA (the M of Sᵀ: one TMEM lane per key)
+
+    @classmethod
+    def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
+             has_softcap: bool = False, gqa: bool = False, deterministic: bool = False,
+             **overrides) -> "Sm100BwdConfig":
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        t = tuning_for(head_dim, head_dim_v, mask)
+        fields = dict(q_stages=t.q_stages, do_stages=t.do_stages, dq_cols=t.dq_cols,
+                      dq_stages=t.dq_stages)
+        fields.update(overrides)
+        cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
+                  has_softcap=bool(has_softcap), gqa=bool(gqa), deterministic=bool(deterministic),
+                  **fields)
+        cfg.validate()
+        return cfg
+
+    # -- static checks ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ValueError naming the first unsupported feature."""
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"sm100 backward: dtype {self.dtype!r} not supported (one of {FLOAT_DTYPES})")
+        if self.mask not in MASK_KINDS:
+            raise ValueError(f"sm100 backward: mask kind {self.mask!r} not supported (one of {MASK_KINDS})")
+        tuning_for(self.head_dim, self.head_dim_v, self.mask)
+        if self.head_dim != self.head_dim_v:
+            raise ValueError("sm100 backward: head_dim_v must equal head_dim in v1")
+        if self.head_dim % 32:
+            raise ValueError("sm100 backward: head_dim must be a multiple of 32 (each compute "
+                             "warpgroup takes half of dK / dV in 16-column chunks)")
+        if self.q_stages < 1 or self.do_stages < 1 or self.dq_stages < 1:
+            raise ValueError("sm100 backward: q_stages, do_stages, dq_stages must be >= 1")
+        if self.dq_cols not in (16, 32) or self.head_dim % self.dq_cols:
+            raise ValueError(f"sm100 backward: dq_cols {self.dq_cols} must be 16 or 32 and divide "
+                             f"head_dim {self.head_dim}")
+        if self.tmem_columns() > TMEM_COLUMNS:
+            raise ValueError(f"sm100 backward: {self.tmem_columns()} TMEM columns exceed {TMEM_COLUMNS}")
+        if self.smem_bytes() > SMEM_LIMIT_BYTES:
+            raise ValueError(f"sm100 backward: {self.smem_bytes()} B of shared memory exceeds "
+                             f"{SMEM_LIMIT_BYTES} B ({self.describe()})")
+
+    # -- derived ---------------------------------------------------------------------------------
+    #: 16 warps: 0-3 dQ reduce, 4-11 compute (two warpgroups, each half of the query columns),
+    #: 12 MMA (+ TMEM allocation), 13 load, 14-15 idle (setmaxnreg acts per warpgroup).
+    num_threads: ClassVar[int] = 512
+
+    def tmem_offsets(self) -> dict[str, int]:
+        """Column offsets of the TMEM accumulators: dK, dV, Sᵀ (Pᵀ in its columns), dPᵀ (dQ
+        reuses dPᵀ's columns once dS has been computed from it)."""
+        d, dv = self.head_dim, self.head_dim_v
+        return {"dk": 0, "dv": d, "s": d + dv, "dp": d + dv + self.tile_m, "dq": d + dv + self.tile_m}
+
+    def tmem_columns(self) -> int:
+        return self.head_dim + self.head_dim_v + self.tile_m + max(self.tile_m, self.head_dim)
+
+    def tmem_alloc_columns(self) -> int:
+        n = 32
+        while n < self.tmem_columns():
+            n *= 2
+        return n
+
+    def smem_bytes(self) -> int:
+        e = 2
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        return (tn * (d + dv) * e  # K, V
+                + self.q_stages * tm * d * e + self.do_stages * tm * dv * e  # Q, dO rings
+                + tm * tn * e  # dS
+                + self.dq_stages * tm * self.dq_cols * 4  # dQ reduce staging
+                + 2 * self.q_stages * tm * 4)  # -lse_log2, -delta per query row
+
+    def num_m_blocks(self, seqlen_q: int) -> int:
+        return -(-seqlen_q // self.tile_m)
+
+    # -- KernelConfig contract ------------------------------------------------------------------
+    def signature(self) -> KernelSignature:
+        d, dv, tm = self.head_dim, self.head_dim_v, self.tile_m
+        b, sq, sk, h, hkv = 2, 256, 256, 4, 2
+        hdk = h if self.gqa else hkv
+        dkv_dtype = "float32" if self.gqa else self.dtype
+        accum = TensorArg("dq_accum", "float32", (b, h, sq * d), (1, 1, tm * d))
+        inputs = [
+            TensorArg("q", self.dtype, (b, sq, h, d), (1, 1, 1, d)),
+            TensorArg("k", self.dtype, (b, sk, hkv, d), (1, 1, 1, d)),
+            TensorArg("v", self.dtype, (b, sk, hkv, dv), (1, 1, 1, dv)),
+            TensorArg("dout", self.dtype, (b, sq, h, dv), (1, 1, 1, dv)),
+            TensorArg("lse_log2", "float32", (b, h, sq), (1, 1, 1)),
+            TensorArg("delta", "float32", (b, h, sq), (1, 1, 1)),
+            TensorArg("params", "float32", (4,), (4,), batched=False),
+            accum,
+        ]
+        outputs = [accum,
+                   TensorArg("dk", dkv_dtype, (b, sk, hdk, d), (1, 1, 1, d)),
+                   TensorArg("dv", dkv_dtype, (b, sk, hdk, dv), (1, 1, 1, dv))]
+        aliases = [(7, 0)]
+        if self.deterministic:
+            sem = TensorArg("dq_semaphore", "int32", (b, h, sq // tm), (1, 1, 1))
+            inputs.append(sem)
+            outputs.append(sem)
+            aliases.append((8, 3))
+        return KernelSignature(inputs=tuple(inputs), outputs=tuple(outputs), aliases=tuple(aliases))
+
+    def make_launcher(self) -> Callable[..., Any]:
+        self.validate()
+        from jax_fa4.kernels.sm100.bwd import make_launcher  # imports the compiler
+
+        return make_launcher(self)
+
+
+def shipped_configs() -> list[Sm100BwdConfig]:
+    """Every sm100 backward variant the package precompiles (no separate postprocess kernel)."""
+    out = []
+    for dtype in FLOAT_DTYPES:
+        for (d, dv), row in TUNING_TABLE.items():
+            for mask in row:
+                for softcap in (False, True):
+                    for gqa in (False, True):
+                        for det in (False, True):
+                            out.append(Sm100BwdConfig.make(dtype, d, dv, mask, softcap, gqa, det))
+    return out
+
+
+def test_configs() -> list[Sm100BwdConfig]:
+    """The subset the compile test builds on every run: each head dim once (bf16, no mask), each
+    mask kind, softcap, GQA and deterministic once, fp16 once."""
+    out = [Sm100BwdConfig.make("bfloat16", d, dv) for (d, dv) in TUNING_TABLE]
+    out += [Sm100BwdConfig.make("bfloat16", 128, 128, "causal", deterministic=True),
+            Sm100BwdConfig.make("bfloat16", 128, 128, "local", True, True),
+            Sm100BwdConfig.make("float16", 64, 64, "causal", True, False, True)]
+    return out
+
+
+test_configs.__test__ = False  # not a pytest test

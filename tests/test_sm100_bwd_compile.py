@@ -1,0 +1,308 @@
+"""The sm100 backward kernel compiles for sm_100a on a CPU-only machine, with clean SASS.
+
+Nothing here runs a kernel (no Blackwell GPU exists in this project). Each config of
+``bwd_config.test_configs()`` (every head dim, every mask kind, softcap, GQA, deterministic, fp16)
+is compiled through the binding's own path (``compile_config(config, "sm_100a")``: dynamic B/S/H)
+and its SASS read with /work/shared/tools/cubin_report.py:
+
+  * tcgen05 MMAs (UTCHMMA: 5 GEMMs × their k-blocks), commits (UTCBAR), TMEM loads / stores
+    (LDTM / STTM), TMA loads (UTMALDG), the dQ TMA reduce-adds (UTMAREDG), MUFU.EX2 (MUFU.TANH
+    iff softcap), setmaxnreg both ways;
+  * TMEM allocation balanced: ``UTCATOMSWS.FIND_AND_SET`` twice per allocation site (first try
+    and retry loop) = 2 × ``UTCATOMSWS.AND`` (dealloc), relinquish ``UVIRTCOUNT.DEALLOC.SMPOOL``
+    once per dealloc;
+  * deterministic configs: the semaphore's acquire load and release reduction are present;
+  * no local memory (LDL/STL), no stack, registers <= 255, shared memory within 227 KB.
+
+Plus CPU-only checks of what would fail silently on a GPU: the query-block ranges, the "needs a
+mask" test, each key's visible query rows and the deterministic dQ order (BwdBlocks) against brute
+force; the config contract (signature, aliases, no compiler import, validator messages, budgets).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jax_fa4.kernels.sm100.bwd_blocks import BwdBlocks
+from jax_fa4.kernels.sm100.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TMEM_COLUMNS,
+                                              TUNING_TABLE, Sm100BwdConfig, shipped_configs,
+                                              test_configs)
+
+REPO = Path(__file__).resolve().parents[1]
+CUBIN_REPORT = Path("/work/shared/tools/cubin_report.py")
+ARCH = "sm_100a"
+
+
+def _compiler_available() -> bool:
+    from jax_fa4.ffi.compiler import compiler_available
+
+    return compiler_available() and CUBIN_REPORT.exists()
+
+
+needs_compiler = pytest.mark.skipif(not _compiler_available(),
+                                    reason="needs nvidia-cutlass-dsl and cubin_report.py")
+
+
+def _compile_and_report(cfg, tmp_path: Path) -> tuple[dict, str, float]:
+    from jax_fa4.ffi.compiler import compile_config
+
+    t0 = time.perf_counter()
+    obj = compile_config(cfg, ARCH).object_bytes
+    seconds = time.perf_counter() - t0
+    path = tmp_path / "kernel.o"
+    path.write_bytes(obj)
+    sass_dir = tmp_path / "sass"
+    res = subprocess.run([sys.executable, str(CUBIN_REPORT), str(path), "--json", "--sass-out",
+                          str(sass_dir)], capture_output=True, text=True, check=True)
+    rows = [r for r in json.loads(res.stdout) if "FlashAttentionBackwardSm100" in r["kernel"]]
+    assert len(rows) == 1, res.stdout
+    sass = "\n".join(p.read_text() for p in sorted(sass_dir.iterdir()))
+    return rows[0], sass, seconds
+
+
+def _id(c: Sm100BwdConfig) -> str:
+    return (f"{c.dtype[:4]}-d{c.head_dim}-{c.mask}{'-cap' if c.has_softcap else ''}"
+            f"{'-gqa' if c.gqa else ''}{'-det' if c.deterministic else ''}")
+
+
+@needs_compiler
+@pytest.mark.parametrize("cfg", test_configs(), ids=_id)
+def test_compiles_with_clean_sass(cfg, tmp_path):
+    rec, sass, seconds = _compile_and_report(cfg, tmp_path)
+    ops = rec["ops"]
+    n = lambda pat: len(re.findall(pat, sass))  # noqa: E731
+    print(f"\n{cfg.describe()}: {seconds:.1f} s, {rec['reg']} regs (launch; setmaxnreg "
+          f"72/160/120), smem {cfg.smem_bytes()} B, TMEM {cfg.tmem_columns()} -> "
+          f"{cfg.tmem_alloc_columns()} cols; ops {dict(sorted(ops.items()))}")
+    assert rec["arch"] == ARCH
+    d, tm, tn = cfg.head_dim, cfg.tile_m, cfg.tile_n
+    # Sᵀ, dPᵀ (K = D), dV, dK (K = tile_m), dQ (K = tile_n): one UTCHMMA per 16-deep k-block
+    assert ops.get("UTCHMMA", 0) == 2 * d // 16 + 2 * tm // 16 + tn // 16
+    assert ops.get("UTCBAR", 0) > 0
+    assert ops.get("LDTM", 0) > 0 and ops.get("STTM", 0) > 0
+    assert ops.get("UTMALDG", 0) >= 4  # K, V, Q, dO
+    assert ops.get("UTMAREDG", 0) == d // cfg.dq_cols  # dQ reduce-adds, one per column chunk
+    assert ops.get("MUFU.EX2", 0) > 0
+    assert (n(r"MUFU\.TANH") > 0) == cfg.has_softcap
+    assert n(r"USETMAXREG\.DEALLOC") > 0 and n(r"USETMAXREG\.TRY_ALLOC") > 0
+    # TMEM allocation balanced (see the module docstring for the SASS names)
+    alloc, dealloc = n(r"UTCATOMSWS\.FIND_AND_SET"), n(r"UTCATOMSWS\.AND\b")
+    relinquish = n(r"UVIRTCOUNT\.DEALLOC\.SMPOOL")
+    assert dealloc == 1 and alloc == 2 * dealloc and relinquish == dealloc, (alloc, dealloc,
+                                                                           relinquish)
+    # deterministic: ld.global.acquire.gpu spin + red.release.gpu of the dQ semaphore
+    assert (n(r"REDG\.E\.ADD\.S32\.STRONG\.GPU") > 0) == cfg.deterministic, "semaphore release"
+    assert (n(r"LDG\.E\.STRONG\.GPU") > 0) == cfg.deterministic, "semaphore acquire"
+    # no spills, no stack, registers and shared memory within sm_100's limits
+    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
+    assert rec["local"] == 0 and rec["stack"] == 0
+    assert rec["reg"] <= 255
+    assert rec["shared_static"] + cfg.smem_bytes() <= 227 * 1024
+
+
+# ------------------------------------------------------------------------------------------------
+# config contract
+# ------------------------------------------------------------------------------------------------
+def test_config_modules_do_not_import_the_compiler():
+    code = ("import sys; import jax_fa4.kernels.sm100.bwd_config as m; "
+            "import jax_fa4.kernels.sm100.bwd_blocks as b; "
+            "m.Sm100BwdConfig.make('bfloat16', 128); m.shipped_configs(); m.test_configs(); "
+            "b.BwdBlocks(128, 128, True, False, 300, 200, 0, 0).m_block_range(1); "
+            "assert not any(k == 'cutlass' or k.startswith('cutlass.') for k in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+@pytest.mark.parametrize("kwargs,word", [
+    (dict(dtype="float32", head_dim=128), "dtype"),
+    (dict(dtype="bfloat16", head_dim=80), "head_dim"),
+    (dict(dtype="bfloat16", head_dim=192, head_dim_v=128), "2-CTA"),
+    (dict(dtype="bfloat16", head_dim=256), "2-CTA"),
+    (dict(dtype="bfloat16", head_dim=128, mask="alibi"), "mask"),
+])
+def test_validator_names_the_unsupported_feature(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        Sm100BwdConfig.make(**kwargs)
+
+
+def test_signature_aliases_and_shapes():
+    cfg = Sm100BwdConfig.make("bfloat16", 128)
+    sig = cfg.signature()
+    assert [a.name for a in sig.inputs] == ["q", "k", "v", "dout", "lse_log2", "delta", "params",
+                                            "dq_accum"]
+    assert [a.name for a in sig.outputs] == ["dq_accum", "dk", "dv"]
+    assert sig.aliases == ((7, 0),) and sig.inputs[7] == sig.outputs[0]
+    assert not sig.inputs[6].batched and sig.inputs[6].sample_shape == (4,)
+    assert sig.inputs[7].divisibility == (1, 1, cfg.tile_m * 128)
+    det = Sm100BwdConfig.make("bfloat16", 128, deterministic=True).signature()
+    assert det.inputs[8].name == "dq_semaphore" and det.inputs[8].dtype == "int32"
+    assert det.aliases == ((7, 0), (8, 3)) and det.inputs[8] == det.outputs[3]
+    gqa = Sm100BwdConfig.make("bfloat16", 128, gqa=True).signature()
+    assert gqa.outputs[1].dtype == gqa.outputs[2].dtype == "float32"
+
+
+def test_every_shipped_variant_fits():
+    shipped = shipped_configs()
+    assert len(shipped) == 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 2 * 2 * 2
+    assert len(set(shipped)) == len(shipped)
+    for c in shipped:
+        assert c.smem_bytes() <= SMEM_LIMIT_BYTES, c.describe()
+        assert c.tmem_columns() <= TMEM_COLUMNS, c.describe()
+        assert c.tmem_alloc_columns() in (32, 64, 128, 256, 512)
+        off = c.tmem_offsets()
+        # dK | dV | Sᵀ | dPᵀ (= dQ) do not overlap, dQ fits in dPᵀ's columns
+        assert off["dv"] >= off["dk"] + c.head_dim and off["s"] >= off["dv"] + c.head_dim_v
+        assert off["dp"] >= off["s"] + c.tile_m and off["dq"] == off["dp"]
+        assert off["dq"] + c.head_dim <= c.tmem_alloc_columns()
+    assert set(test_configs()) <= set(shipped)
+
+
+# ------------------------------------------------------------------------------------------------
+# block arithmetic against brute force (pure Python: BwdBlocks runs on ints too)
+# ------------------------------------------------------------------------------------------------
+def _visible(i, j, sq, sk, kind, wl, wr):
+    """Row i sees key j (reference.visible_mask's rule; wl/wr None = unbounded)."""
+    if not (0 <= j < sk and 0 <= i < sq):
+        return False
+    diag = i + sk - sq
+    if kind == "causal":
+        return j <= diag
+    if kind == "local":
+        return (wl is None or j >= diag - wl) and (wr is None or j <= diag + wr)
+    return True
+
+
+def _clamp(w, bound):
+    """The kernel's resolution of a window side: None / negative / oversize -> bound."""
+    return bound if w is None or w < 0 or w > bound else w
+
+
+_SEQLENS = [(1, 1), (1, 300), (113, 203), (203, 113), (256, 256), (257, 129), (300, 17),
+            (64, 200), (129, 385)]
+_WINDOWS = [(None, 0), (0, 0), (5, None), (None, 7), (37, 3), (0, 130), (300, 300), (1, 1),
+            (64, 0), (200, 5)]
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_block_arithmetic_matches_brute_force(kind):
+    tm = tn = 128
+    windows = [(None, None)] if kind != "local" else _WINDOWS
+    for (sq, sk), (wl, wr) in itertools.product(_SEQLENS, windows):
+        blk = BwdBlocks(tm, tn, kind == "causal", kind == "local", sq, sk,
+                        _clamp(wl, sk) if kind == "local" else 0,
+                        _clamp(wr, sq) if kind == "local" else 0)
+        num_m, num_n = -(-sq // tm), -(-sk // tn)
+        assert blk.num_m_blocks() == num_m
+        visitors = {m: [] for m in range(num_m)}
+        for n in range(num_n):
+            lo_m, hi_m = blk.m_block_range(n)
+            where = f"sq={sq} sk={sk} window=({wl},{wr}) n={n}"
+            # the range stays inside [0, num_m) (TMA coordinates valid)
+            assert hi_m <= lo_m or (0 <= lo_m and hi_m <= num_m), where
+            for m in range(lo_m, hi_m):
+                visitors[m].append(n)
+            for m in range(num_m):
+                rows = range(m * tm, (m + 1) * tm)  # rows past seqlen_q: never visible
+                keys = range(n * tn, (n + 1) * tn)
+                vis = [[_visible(i, j, sq, sk, kind, wl, wr) for i in rows] for j in keys]
+                if any(any(r) for r in vis):
+                    assert lo_m <= m < hi_m, f"{where} m={m} not visited"
+                # conservative mask test, on rows < seqlen_q (later rows have P = 0 anyway)
+                tail, right, left = blk.mask_reasons(m, n)
+                real = [[_visible(i, j, sq, sk, kind, wl, wr) or i >= sq for i in rows]
+                        for j in keys]
+                if not all(all(r) for r in real):
+                    assert tail or right or left, f"{where} m={m} needs a mask"
+                # each key's visible rows, exactly (the kernel masks keys past seqlen_k apart)
+                for jj, j in enumerate(keys):
+                    if j >= sk:
+                        continue
+                    lo, hi = blk.visible_rows(j, m)
+                    for ii, i in enumerate(rows):
+                        got = ii >= lo and (kind != "local" or ii <= hi)
+                        assert got == (vis[jj][ii] or i >= sq and got), \
+                            f"{where} m={m} key {j} row {i}"
+                        if i < sq:
+                            assert got == vis[jj][ii], f"{where} m={m} key {j} row {i}"
+            if kind == "causal" and hi_m > lo_m:  # tight: the first visited block has work
+                rows = range(lo_m * tm, min((lo_m + 1) * tm, sq))
+                assert any(_visible(i, j, sq, sk, kind, wl, wr) for i in rows
+                           for j in range(n * tn, (n + 1) * tn)), where
+        # deterministic dQ order: the visitors of m are contiguous key blocks and dq_rank is
+        # each one's position, so the semaphore's turns 0, 1, ... are taken by exactly them
+        for m, ns in visitors.items():
+            if ns:
+                assert ns == list(range(ns[0], ns[0] + len(ns))), (sq, sk, wl, wr, m, ns)
+                assert [blk.dq_rank(m, n) for n in ns] == list(range(len(ns))), (m, ns)
+
+
+# ------------------------------------------------------------------------------------------------
+# shared-memory aliasing: each buffer's transposed operand view addresses the same bytes
+# ------------------------------------------------------------------------------------------------
+@needs_compiler
+@pytest.mark.parametrize("d", sorted({d for d, _ in TUNING_TABLE}))
+def test_transposed_smem_views_alias_exactly(d):
+    """Q / dO (B operand of Sᵀ / dPᵀ, K-major) vs their MN-major views in dK / dV; K (A of Sᵀ) vs
+    its MN-major view in dQ; dS (m-major A of dQ) vs dSᵀ (K-major A of dK): the swizzled offset
+    of element (r, c) in one equals that of (c, r) in the other (every third row, all columns).
+    Evaluated at trace time on the static layouts the kernel builds."""
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass import Float32
+    from cutlass.cute.nvgpu import tcgen05
+
+    K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+    dt, tm, tn = cutlass.BFloat16, 128, 128
+    pairs: dict = {}
+
+    D = d  # a closure constant (annotations are strings in this module)
+
+    @cute.jit
+    def trace():
+        cta = tcgen05.CtaGroup.ONE
+        st = sm100_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, cta, (tn, tm))
+        dvm = sm100_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, cta, (tn, D),
+                                                 tcgen05.OperandSource.TMEM)
+        dkm = sm100_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, cta, (tn, D))
+        dqm = sm100_utils.make_trivial_tiled_mma(dt, dt, MN, MN, Float32, cta, (tm, D))
+        views = {
+            "Q": (sm100_utils.make_smem_layout_b(st, (tn, tm, D), dt, 1), (tm, D),
+                  sm100_utils.make_smem_layout_b(dkm, (tn, D, tm), dt, 1), (D, tm)),
+            "dO": (sm100_utils.make_smem_layout_b(st, (tn, tm, D), dt, 1), (tm, D),
+                   sm100_utils.make_smem_layout_b(dvm, (tn, D, tm), dt, 1), (D, tm)),
+            "K": (sm100_utils.make_smem_layout_a(st, (tn, tm, D), dt, 1), (tn, D),
+                  sm100_utils.make_smem_layout_b(dqm, (tm, D, tn), dt, 1), (D, tn)),
+            "dS": (sm100_utils.make_smem_layout_a(dqm, (tm, D, tn), dt, 1), (tm, tn),
+                   sm100_utils.make_smem_layout_a(dkm, (tn, D, tm), dt, 1), (tn, tm)),
+        }
+        for name, (a, ash, b, bsh) in views.items():
+            fa = cute.composition(cute.select(a, mode=[0, 1, 2]), cute.make_layout(ash))
+            fb = cute.composition(cute.select(b, mode=[0, 1, 2]), cute.make_layout(bsh))
+            vals = []
+            for r in cutlass.range_constexpr(0, ash[0], 3):
+                for c in cutlass.range_constexpr(ash[1]):
+                    vals.append((cute.crd2idx((r, c), fa), cute.crd2idx((c, r), fb)))
+            pairs[name] = vals
+
+    from jax_fa4.ffi.compiler import _lock, _prepare_dsl
+
+    with _lock:
+        _prepare_dsl(ARCH)
+        cute.compile(trace)
+    assert set(pairs) == {"Q", "dO", "K", "dS"}
+    for name, vals in pairs.items():
+        assert all(isinstance(a, int) and isinstance(b, int) for a, b in vals), name
+        assert len({a for a, _ in vals}) == len(vals), f"{name}: offsets not distinct"
+        bad = [(a, b) for a, b in vals if a != b]
+        assert not bad, f"d={d} {name}: {len(bad)} mismatches, e.g. {bad[:3]}"
