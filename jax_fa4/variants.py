@@ -47,6 +47,7 @@ def _sm90_fwd(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[Kerne
 def _sm90_fwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
     yield from _sm90_fwd(dtypes, head_dims)
     yield from fwd_config.fallback_configs()  # the GPU tests cross-check the serial mainloop
+    yield from fwd_config.option_test_configs()  # performance options awaiting validation
 
 
 def _sm90_bwd(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,7 +30,8 @@ import pytest
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported
 
 from jax_fa4.kernels.common.block_info import BlockInfo
-from jax_fa4.kernels.sm90.fwd_config import FwdConfig, TUNING_TABLE, fallback_configs
+from jax_fa4.kernels.sm90.fwd_config import (FwdConfig, TUNING_TABLE, fallback_configs,
+                                              option_test_configs)
 
 REPO = Path(__file__).resolve().parents[1]
 CUBIN_REPORT = Path("/work/shared/tools/cubin_report.py")
@@ -82,8 +84,13 @@ def sass_report(obj: bytes, tmp_path: Path) -> dict:
     assert len(rows) == 1, f"expected one kernel, found {len(rows)}"
     row = rows[0]
     sass = "".join(p.read_text() for p in sass_dir.iterdir())
-    for extra in ("MUFU.TANH", "USETMAXREG.DEALLOC", "USETMAXREG.TRY_ALLOC", "STSM"):
+    for extra in ("MUFU.TANH", "USETMAXREG.DEALLOC", "USETMAXREG.TRY_ALLOC", "STSM",
+                  "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "BAR.ARV", "BAR.SYNC", "VOTE.ANY"):
         row["ops"][extra] = sass.count(extra)
+    # setmaxnreg targets: USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 / USETMAXREG.DEALLOC.CTAPOOL 0x18
+    row["setmaxnreg"] = sorted({int(m, 16) for m in
+                                re.findall(r"USETMAXREG\.\w+(?:\.\w+)?\s+(?:UP\d+,\s*)?0x([0-9a-f]+)",
+                                           sass)})
     return row
 
 
@@ -126,6 +133,48 @@ def test_compiles_with_clean_sass(dtype, d, dv, mask, softcap, overlap, tmp_path
     assert (ops["MUFU.TANH"] > 0) == softcap
 
 
+def _option_id(cfg: FwdConfig) -> str:
+    parts = [cfg.dtype[:4], f"{cfg.head_dim}/{cfg.head_dim_v}", cfg.mask, f"{cfg.tile_m}x{cfg.tile_n}"]
+    parts += ["pp"] * cfg.pingpong + [f"rs{cfg.rescale_threshold:g}"] * (cfg.rescale_threshold > 0)
+    parts += ["softcap"] * cfg.has_softcap + ["serial"] * (not cfg.intra_wg_overlap)
+    parts += [f"persist{cfg.num_sms}"] * (cfg.num_sms > 0)
+    return "-".join(parts)
+
+
+@pytest.mark.parametrize("cfg", option_test_configs(), ids=_option_id)
+def test_v2_options_compile_with_clean_sass(cfg, tmp_path):
+    """The v2 tuning options (ping-pong, 3 consumer warpgroups, conditional rescaling): the
+    representative configs the GPU tests run, with the SASS facts each option must leave."""
+    t0 = time.perf_counter()
+    obj = compile_object(cfg)
+    seconds = time.perf_counter() - t0
+    r = sass_report(obj, tmp_path)
+    ops = r["ops"]
+    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {r.get('reg')}, smem {cfg.smem_bytes()} B, "
+          f"setmaxnreg {r['setmaxnreg']}, ops {dict(sorted(ops.items()))}")
+    assert r["arch"] == ARCH
+    assert ops.get("HGMMA", 0) > 0 and ops.get("UTMALDG", 0) > 0 and ops.get("UTMASTG", 0) > 0
+    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, "local-memory traffic (spills)"
+    assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, "stack frame / local memory"
+    # setmaxnreg in both directions, with the budget of the warpgroup count (flash_fwd._REGS)
+    consumer, producer = {2: (240, 24), 3: (160, 32)}[cfg.num_mma_warpgroups]
+    assert ops["USETMAXREG.DEALLOC"] > 0 and ops["USETMAXREG.TRY_ALLOC"] > 0, "setmaxnreg ignored"
+    assert r["setmaxnreg"] == sorted({consumer, producer}), r["setmaxnreg"]
+    assert r.get("reg") == 65536 // cfg.num_threads // 8 * 8, "entry register cap"
+    # no WGMMA serialisation: one wait per GEMM group, not one per HGMMA instruction
+    assert 2 * ops["WARPGROUP.DEPBAR"] < ops["HGMMA"], "wgmma serialised by ptxas"
+    assert ops["WARPGROUP.DEPBAR"] == ops["WARPGROUP.ARRIVE"]
+    # ping-pong: one pre-arrive plus one arrive per loop body (v1: only the epilogue's arrive)
+    if cfg.pingpong:
+        assert ops["BAR.ARV"] >= 3 and ops["BAR.SYNC"] >= 4, (ops["BAR.ARV"], ops["BAR.SYNC"])
+    else:
+        assert ops["BAR.ARV"] == 1
+    # conditional rescaling: the O rescale sits behind a warp vote, once per loop body
+    assert (ops["VOTE.ANY"] > 0) == (cfg.rescale_threshold > 0)
+    assert (ops["MUFU.TANH"] > 0) == cfg.has_softcap
+    assert ops["STSM"] > 0 and ops.get("MUFU.EX2", 0) > 0
+
+
 def test_compiles_through_the_binding_path():
     """The project's compile function (cutlass.jax jit_wrapper tensors) accepts the launcher."""
     from jax_fa4.ffi.compiler import compile_config
@@ -153,6 +202,25 @@ def test_config_module_does_not_import_the_compiler():
 def test_validator_names_the_unsupported_feature(kwargs, word):
     with pytest.raises(ValueError, match=word):
         FwdConfig.make(**kwargs)
+
+
+def test_default_rows_have_no_v2_options():
+    """The measured-correct v1 configuration stays the default until the options are measured."""
+    for (d, dv), masks in TUNING_TABLE.items():
+        for mask in masks:
+            cfg = FwdConfig.make("bfloat16", d, dv, mask)
+            assert (cfg.pingpong, cfg.rescale_threshold, cfg.tile_m) == (False, 0.0, 128)
+
+
+@pytest.mark.parametrize("kwargs,word", [
+    (dict(pingpong=True, intra_wg_overlap=False), "pingpong"),
+    (dict(rescale_threshold=-1.0), "rescale_threshold"),
+    (dict(tile_m=192), "registers"),  # hdim 128 with 3 warpgroups would spill
+    (dict(tile_m=256), "tile_m"),
+])
+def test_validator_rejects_bad_v2_options(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        FwdConfig.make("bfloat16", 128, **kwargs)
 
 
 def test_tuning_comes_from_the_table():
@@ -187,7 +255,8 @@ def _resolve_window(wl, wr, sq, sk):
 
 
 @pytest.mark.parametrize("kind", ["none", "causal", "local"])
-@pytest.mark.parametrize("tile_m,tile_n", [(128, 128), (128, 80), (128, 112), (192, 128), (128, 64)])
+@pytest.mark.parametrize("tile_m,tile_n", [(128, 128), (128, 80), (128, 112), (192, 128), (128, 64),
+                                           (128, 176)])
 def test_block_ranges_cover_exactly_the_visible_keys(kind, tile_m, tile_n):
     seqlens = [(1, 1), (1, 300), (113, 203), (203, 113), (256, 256), (257, 129), (1000, 17)]
     windows = [(-1, -1)] if kind != "local" else [(-1, 0), (0, 0), (5, -1), (-1, 7), (37, 3),

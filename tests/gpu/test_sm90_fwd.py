@@ -10,8 +10,10 @@ Fresh random inputs per case; device memory is filled with NaN before each kerne
 unwritten output element cannot pass. A few cases run the kernel twice and require bitwise
 equal results (a moving result is a race).
 
-Kernels needed in the cache: every ``FwdConfig`` from ``shipped_configs()`` and
-``fallback_configs()`` of ``jax_fa4.kernels.sm90.fwd_config`` (precompile them on the CPU machine).
+Kernels needed in the cache: every ``FwdConfig`` from ``shipped_configs()``,
+``fallback_configs()`` and ``option_test_configs()`` of ``jax_fa4.kernels.sm90.fwd_config``
+(precompile them on the CPU machine; ``python benchmarks/fwd_variants.py --precompile
+--with-tests`` builds the option configs).
 The last tests call those configs directly (``jax_fa4.ffi.call.call_kernel``), bypassing the API:
 the serial (no intra-warpgroup overlap) mainloop, and the raw ``params`` contract.
 """
@@ -221,3 +223,58 @@ def test_raw_kernel(mask, softcap, window, overlap):
     pt_out, pt_lse = reference.attention(q, k, v, compute_dtype=jnp.bfloat16, **kw)
     assert_fa4_close(out, ref_out, pt_out, softcap=softcap > 0, name=f"raw {cfg.describe()}")
     _check_lse(lse, ref_lse, pt_lse, softcap > 0)
+
+
+# --- v2 tuning options (ping-pong, 3 consumer warpgroups, conditional rescaling) ----------------
+def _option_configs():
+    from jax_fa4.kernels.sm90.fwd_config import option_test_configs
+
+    return option_test_configs()
+
+
+def _option_id(cfg):
+    parts = [cfg.dtype[:4], f"{cfg.head_dim}-{cfg.head_dim_v}", cfg.mask, f"{cfg.tile_m}x{cfg.tile_n}"]
+    parts += ["pp"] * cfg.pingpong + [f"rs{cfg.rescale_threshold:g}"] * (cfg.rescale_threshold > 0)
+    parts += ["softcap"] * cfg.has_softcap + ["serial"] * (not cfg.intra_wg_overlap)
+    return "-".join(parts + [f"persist{cfg.num_sms}"] * (cfg.num_sms > 0))
+
+
+# (b, sq, sk, h, hkv, scale multiplier): odd lengths, more queries than keys (empty causal rows),
+# several M tiles and key blocks; scale ×8 makes the row max jump by far more than the rescale
+# threshold (8 log2 units) between key blocks, so both branches of the conditional rescale run.
+OPTION_SHAPES = [(2, 113, 203, 4, 2, 1.0), (2, 1023, 1024, 4, 2, 1.0), (1, 2049, 2048, 2, 1, 8.0),
+                 (2, 203, 113, 2, 2, 1.0)]
+
+
+@pytest.mark.parametrize("shape", OPTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("cfg", _option_configs(), ids=_option_id)
+def test_v2_options(cfg, shape):
+    """Each v2 option config, called directly, against the float32 reference (FA4's rule), with
+    the -inf lse / zero rows of rows without keys, and bitwise-repeatable (a race moves it)."""
+    b, sq, sk, h, hkv, mult = shape
+    d, dv = cfg.head_dim, cfg.head_dim_v
+    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float16
+    softcap = 20.0 if cfg.has_softcap else 0.0
+    window = {"none": (-1, -1), "causal": (-1, 0), "local": (37, 5)}[cfg.mask]
+    seed = zlib.crc32(repr((cfg.describe(), shape)).encode())
+    q, k, v = _inputs(seed, b, sq, sk, h, hkv, d, dv, dtype)
+    scale = mult / math.sqrt(d)
+    fn = jax.jit(lambda q, k, v: _call_config(cfg, q, k, v, scale, softcap, window))
+    poison_device_memory()
+    out, lse = jax.block_until_ready(fn(q, k, v))
+    ref_window = {"none": (None, None), "causal": (None, 0), "local": window}[cfg.mask]
+    kw = dict(softmax_scale=scale, window=ref_window, softcap=softcap)
+    ref_out, ref_lse = reference.attention(q, k, v, **kw)
+    pt_out, pt_lse = reference.attention(q, k, v, compute_dtype=dtype, **kw)
+    name = f"{_option_id(cfg)} shape={shape}"
+    assert not np.isnan(np.asarray(out, np.float32)).any(), f"{name}: NaN in output"
+    assert_fa4_close(out, ref_out, pt_out, softcap=softcap > 0, name=name)
+    empty_rows = _check_lse(lse, ref_lse, pt_lse, softcap > 0)
+    if empty_rows.any():
+        o = np.asarray(out, np.float32).transpose(0, 2, 1, 3)[empty_rows]
+        assert np.all(o == 0), f"{name}: rows without visible keys are not 0"
+    poison_device_memory()
+    out2, lse2 = jax.block_until_ready(fn(q, k, v))
+    np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32),
+                                  err_msg=f"{name}: second run differs (race?)")
+    np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))

@@ -7,6 +7,13 @@ share a row, the row sum stays per thread until ``finalize``.
 
 Fully masked rows: a row max of -inf is replaced by 0 before exponentiating, so P = 0, the sum
 stays 0, and ``finalize`` returns a scale of 0 (O = 0) and lse = -inf. Never NaN.
+
+Conditional rescaling (FA4's, ``rescale_threshold > 0``): when a row's running max grows by at most
+``rescale_threshold`` (in log2 units of the scaled scores, i.e. ``(m_new - m_old)·scale_log2``), the
+stale max is kept: P = exp2(s·scale_log2 − m_old·scale_log2) is then at most 2^threshold (256 for
+8.0: no overflow in fp32 sums, bf16/fp16 P or the fp32 O accumulator), the row's O-rescale factor is
+exactly 1.0, and ``rescale_rows_if_needed`` skips the O multiply when no row of the warp needs it.
+The max stored is the one actually applied, so ``finalize`` (1/Σ and lse) stays exact.
 """
 
 import math
@@ -65,9 +72,10 @@ class OnlineSoftmax:
     ``num_rows`` is the number of accumulator rows per thread (2 per 64-row WGMMA atom).
     """
 
-    def __init__(self, scale_log2: Float32, num_rows: int):
+    def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float = 0.0):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
+        self.rescale_threshold = float(rescale_threshold)  # 0: rescale whenever the max grows
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
 
@@ -75,9 +83,17 @@ class OnlineSoftmax:
         self.row_max.fill(-Float32.inf)
         self.row_sum.fill(0.0)
 
-    @cute.jit
-    def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, is_first: cutlass.Constexpr[bool]):
+    def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, is_first: bool):
         """P = exp2(S·scale_log2 − m·scale_log2) in place; row_scale = factor to rescale O by."""
+        if self.rescale_threshold > 0.0 and not is_first:
+            self.step_thresholded(acc_S, row_scale)
+        else:
+            self.step_always(acc_S, row_scale, is_first)
+
+    @cute.jit
+    def step_always(self, acc_S: cute.Tensor, row_scale: cute.Tensor,
+                    is_first: cutlass.Constexpr[bool]):
+        """The v1 step: the max applied is always the running max (rescale whenever it grows)."""
         s_mn = acc_view_mn(acc_S)
         n_cols = cute.size(s_mn, mode=[1])
         for r in cutlass.range_constexpr(self.num_rows):
@@ -100,6 +116,30 @@ class OnlineSoftmax:
                 self.row_sum[r] = self.row_sum[r] * scale + p_sum
 
     @cute.jit
+    def step_thresholded(self, acc_S: cute.Tensor, row_scale: cute.Tensor):
+        """A non-first step with conditional rescaling: keep the stale max m_old unless
+        (m_new − m_old)·scale_log2 > rescale_threshold; row_scale is then exactly 1.0."""
+        s_mn = acc_view_mn(acc_S)
+        n_cols = cute.size(s_mn, mode=[1])
+        for r in cutlass.range_constexpr(self.num_rows):
+            m_prev = self.row_max[r]
+            m_new = row_max_local(s_mn[r, None], m_prev, True)
+            m_new = quad_allreduce_max(m_new)
+            m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
+            # <= 0; -inf when nothing was seen before (m_prev = -inf): then always rescale (by 0)
+            diff = (m_prev - m_safe) * self.scale_log2
+            keep = diff >= Float32(-self.rescale_threshold)
+            m_used = m_prev if keep else m_safe
+            self.row_max[r] = m_prev if keep else m_new
+            neg_m_scaled = -m_used * self.scale_log2
+            for c in cutlass.range_constexpr(n_cols):
+                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * self.scale_log2 + neg_m_scaled, fastmath=True)
+            p_sum = row_sum_local(s_mn[r, None])
+            scale = Float32(1.0) if keep else cute.math.exp2(diff, fastmath=True)
+            row_scale[r] = scale
+            self.row_sum[r] = self.row_sum[r] * scale + p_sum
+
+    @cute.jit
     def finalize(self, row_scale: cute.Tensor, lse: cute.Tensor):
         """row_scale = 1/Σ (0 for empty rows); lse = ln Σ + m·scale (natural log), -inf if Σ = 0."""
         for r in cutlass.range_constexpr(self.num_rows):
@@ -116,3 +156,14 @@ def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
     for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
         for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
             acc_mn[r, c] = acc_mn[r, c] * row_scale[r]
+
+
+@cute.jit
+def rescale_rows_if_needed(acc: cute.Tensor, row_scale: cute.Tensor):
+    """rescale_rows, skipped when no row of the warp has a factor other than 1.0 (conditional
+    rescaling: factors are exactly 1.0 when skipped, else < 2^-threshold, so min < 1 detects it)."""
+    smallest = row_scale[0]
+    for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+        smallest = cutlass.min(smallest, row_scale[r])
+    if cute.arch.vote_any_sync(smallest < Float32(1.0)):
+        rescale_rows(acc, row_scale)

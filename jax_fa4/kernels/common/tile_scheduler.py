@@ -1,7 +1,8 @@
-"""Tile schedulers: which (m_block, head, batch) work tile a CTA computes.
+"""Tile schedulers: which (m_block, head, batch) work tiles a CTA computes.
 
-v1: one tile per CTA (not persistent). Grid = (m_blocks, heads, batch). With ``longest_first``
-(causal / local) the M order is reversed so the tiles with the most key blocks start first.
+``SingleTileScheduler`` (v1): one tile per CTA (not persistent). Grid = (m_blocks, heads, batch).
+With ``longest_first`` (causal / local) the M order is reversed so the tiles with the most key
+blocks start first. ``PersistentTileScheduler``: a fixed grid of SM-count CTAs loops over tiles.
 """
 
 import cutlass.cute as cute
@@ -21,3 +22,53 @@ class SingleTileScheduler:
         bx, by, bz = cute.arch.block_idx()
         m_block = self.num_m_blocks - 1 - bx if self.longest_first else bx
         return m_block, by, bz
+
+
+class PersistentTileScheduler:
+    """A fixed grid of ``num_ctas`` CTAs (the SM count, given as configuration, never queried)
+    walks the work tiles: CTA c computes tiles c, c + grid, c + 2·grid, ...
+
+    Tile order (the linear index t): the (batch, head) pairs are cut into L2 sections of
+    ``heads_per_section`` consecutive pairs (chosen so that their K and V fit in L2 together);
+    sections run one after the other; within a section the M blocks run from the heaviest
+    (highest, with ``longest_first``: causal / local) down, and for each M block every pair of
+    the section. So the CTAs in flight at any time share the K/V of one section (L2 reuse) and,
+    under a causal mask, the long tiles start first (less tail).
+
+    Stateless on purpose (static methods on plain Int32 values): the kernel's run-time loops
+    carry only DSL values.
+    """
+
+    @staticmethod
+    def grid_shape(num_ctas: int, num_m_blocks, num_heads, batch):
+        import cutlass
+
+        return (cutlass.min(num_m_blocks * num_heads * batch, Int32(num_ctas)), 1, 1)
+
+    @staticmethod
+    def first_and_stride():
+        bx, _, _ = cute.arch.block_idx()
+        gx, _, _ = cute.arch.grid_dim()
+        return Int32(bx), Int32(gx)
+
+    @staticmethod
+    def num_tiles(num_m_blocks, num_heads, batch):
+        return num_m_blocks * num_heads * batch
+
+    @staticmethod
+    def tile(t, num_m_blocks, num_heads, batch, heads_per_section, longest_first: bool):
+        """(m_block, head, batch) of linear tile t (0 <= t < num_tiles)."""
+        import cutlass
+
+        num_pairs = num_heads * batch
+        sec = cutlass.min(heads_per_section, num_pairs)
+        tiles_per_section = sec * num_m_blocks
+        section = t // tiles_per_section
+        r = t - section * tiles_per_section
+        sec_start = section * sec
+        sec_len = cutlass.min(sec, num_pairs - sec_start)
+        m_idx = r // sec_len
+        pair = sec_start + (r - m_idx * sec_len)
+        m_block = num_m_blocks - 1 - m_idx if longest_first else m_idx
+        b = pair // num_heads
+        return m_block, pair - b * num_heads, b

@@ -17,8 +17,16 @@ Structure (one CTA = one tile of tile_m query rows of one (batch, head); not per
     fenced, then TMA-stored by one warp (rows past seqlen_q are clipped by TMA); lse is written
     from registers by the threads owning accumulator column 0.
 
-Not yet: intra-warpgroup overlap of softmax with the next QK GEMM, ping-pong between the
-consumer warpgroups, persistence, pack-GQA, varlen, split-KV.
+Tuning options (FwdConfig; the v1 defaults leave them off and generate v1's exact SASS):
+  * intra_wg_overlap (default on): S_j and P_{j-1}·V_{j-1} issued back to back, softmax of S_j
+    while the PV GEMM runs;
+  * pingpong: named barriers make the consumer warpgroups issue their GEMMs in turn (2- or 3-way),
+    so one warpgroup's softmax runs under the others' GEMMs;
+  * tile_m = 192: 3 consumer warpgroups (registers 160 / 32 after setmaxnreg);
+  * rescale_threshold: FA4's conditional O rescaling (common/softmax.py);
+  * num_sms: persistent grid of that many CTAs walking the tiles (common/tile_scheduler.py).
+
+Not yet: pack-GQA, varlen, split-KV, software exp2.
 """
 
 from __future__ import annotations
@@ -41,16 +49,20 @@ from jax_fa4.kernels.common.block_info import BlockInfo
 from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, select_modes,
                                            transpose_mn)
 from jax_fa4.kernels.common.mask import AttentionMask
-from jax_fa4.kernels.common.softmax import OnlineSoftmax, rescale_rows
-from jax_fa4.kernels.common.tile_scheduler import SingleTileScheduler
+from jax_fa4.kernels.common.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
+from jax_fa4.kernels.common.tile_scheduler import PersistentTileScheduler, SingleTileScheduler
 from jax_fa4.kernels.sm90.fwd_config import FwdConfig
 
 LOG2_E = math.log2(math.e)
+# Persistent scheduling: K+V bytes of the (batch, head) pairs of one L2 section (H200 L2: 60 MB)
+L2_SECTION_KB = 48 * 1024
 
 
 class NamedBarrier(enum.IntEnum):
     # 0 is __syncthreads
     EPILOGUE = 1
+    # ping-pong: consumer warpgroup w syncs on PINGPONG_WG0 + w (2, 3, 4), 2 × 128 threads
+    PINGPONG_WG0 = 2
 
 
 # (consumer, producer) registers per thread after setmaxnreg, by number of consumer warpgroups.
@@ -117,6 +129,10 @@ class FlashAttentionForwardSm90:
         self.num_mma_threads = 128 * self.num_mma_wg
         self.num_threads = cfg.num_threads
         self.mma_regs, self.producer_regs = _REGS[self.num_mma_wg]
+        self.pingpong = cfg.pingpong
+        self.persistent = cfg.num_sms > 0
+        self.num_sms = cfg.num_sms
+        self.rescale_threshold = float(cfg.rescale_threshold)
 
     # ---------------------------------------------------------------------------------------------
     # Host side: views, layouts, TMA atoms, launch
@@ -176,7 +192,11 @@ class FlashAttentionForwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
         num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
-        grid = SingleTileScheduler.grid_shape(num_m_blocks, mQ.shape[2], mQ.shape[3])
+        if const_expr(self.persistent):
+            grid = PersistentTileScheduler.grid_shape(self.num_sms, num_m_blocks, mQ.shape[2],
+                                                      mQ.shape[3])
+        else:
+            grid = SingleTileScheduler.grid_shape(num_m_blocks, mQ.shape[2], mQ.shape[3])
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mLSE, mParams,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
@@ -207,9 +227,12 @@ class FlashAttentionForwardSm90:
         tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # PipelineTmaAsync releases with one elected lane per consumer warp
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        # persistent: Q's buffer (reused for O) is released once per tile, by the warp that
+        # TMA-stores O, after the store has read it
+        q_consumers = tma_thread if const_expr(self.persistent) else mma_warps
         pipeline_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_thread,
-            consumer_group=mma_warps, tx_count=self.tx_bytes_q, defer_sync=True)
+            consumer_group=q_consumers, tx_count=self.tx_bytes_q, defer_sync=True)
         pipeline_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.stages,
             producer_group=tma_thread, consumer_group=mma_warps, tx_count=self.tx_bytes_k,
@@ -237,36 +260,209 @@ class FlashAttentionForwardSm90:
             window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
             window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
 
-        scheduler = SingleTileScheduler(cute.ceil_div(seqlen_q, self.tile_m),
-                                        longest_first=self.is_causal or self.is_local)
-        m_block, head, batch = scheduler.work_tile()
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
-                               seqlen_q, seqlen_k, window_left, window_right)
-        n_block_min, n_block_max = block_info.n_block_range(m_block)
+        if const_expr(self.persistent):
+            self.run_persistent(mQ, mK, mV, mO, mLSE, mParams, sQ, sK, sV, sO,
+                                tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+                                tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v,
+                                warp_idx, tidx, seqlen_q, seqlen_k, window_left, window_right)
+        else:
+            scheduler = SingleTileScheduler(cute.ceil_div(seqlen_q, self.tile_m),
+                                            longest_first=self.is_causal or self.is_local)
+            m_block, head, batch = scheduler.work_tile()
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
+            block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
+                                   seqlen_q, seqlen_k, window_left, window_right)
+            n_block_min, n_block_max = block_info.n_block_range(m_block)
 
+            if warp_idx < 4:  # producer warpgroup
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                              pipeline_q, pipeline_k, pipeline_v,
+                              m_block, head, head_kv, batch, n_block_min, n_block_max)
+            else:  # consumer warpgroups
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                scale = mParams[0]
+                softcap_in_scale = None
+                if const_expr(self.has_softcap):
+                    softcap = mParams[1]
+                    softcap_in_scale = scale / softcap  # tanh(s·scale/softcap), then ·softcap·log2 e
+                    scale_log2 = softcap * LOG2_E
+                else:
+                    scale_log2 = scale * LOG2_E
+                mask = AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+                                     window_left, window_right)
+                wg_idx = (warp_idx - 4) // 4  # consumer warpgroup 0..W-1 (warp-uniform)
+                if const_expr(self.pingpong):
+                    self.pingpong_init(wg_idx)
+                self.mma(mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                         pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
+                         scale_log2, softcap_in_scale, mask, block_info,
+                         m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx)
+
+    # --- persistent scheduling (num_sms > 0) -----------------------------------------------------
+    # The grid is min(num_sms, tiles) CTAs; the producer warp and the consumer warpgroups walk the
+    # same tile sequence (PersistentTileScheduler), carrying their pipeline states from tile to
+    # tile, so the producer prefetches the next tile's K/V during this tile's epilogue. Q's buffer
+    # doubles as O's staging buffer: the consumer warp that TMA-stores O releases Q's stage once the
+    # store has read it, and only then may the producer load the next tile's Q. Q is loaded (and
+    # released) for every tile, even one without visible keys, so the two sides stay in step.
+    @cute.jit
+    def run_persistent(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                       mLSE: cute.Tensor, mParams: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
+                       sV: cute.Tensor, sO: cute.Tensor, tma_atom_Q: cute.CopyAtom,
+                       tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+                       tma_atom_O: cute.CopyAtom, tiled_mma_qk: cute.TiledMma,
+                       tiled_mma_pv: cute.TiledMma, pipeline_q, pipeline_k, pipeline_v,
+                       warp_idx: Int32, tidx: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                       window_left, window_right):
+        num_heads = mQ.shape[2]
+        group = num_heads // mK.shape[2]
+        # (batch, head) pairs per L2 section: their K+V (a kv head counted once per group) fit
+        kv_kb = cutlass.max(seqlen_k * (self.hdim + self.hdimv) // 512, 1)
+        heads_per_section = cutlass.max(L2_SECTION_KB // kv_kb, 1) * group
+        num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+        batch_size = mQ.shape[3]
+        longest_first = self.is_causal or self.is_local
+        num_tiles = PersistentTileScheduler.num_tiles(num_m_blocks, num_heads, batch_size)
+        t_first, t_stride = PersistentTileScheduler.first_and_stride()
+        # (Python helper objects such as BlockInfo / AttentionMask are built inside the run-time
+        # tile loops: a loop may carry only DSL values.)
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                          pipeline_q, pipeline_k, pipeline_v,
-                          m_block, head, head_kv, batch, n_block_min, n_block_max)
+                k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                       self.stages)
+                v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                       self.stages)
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                t = t_first
+                while t < num_tiles:
+                    m_block, head, batch = PersistentTileScheduler.tile(
+                        t, num_m_blocks, num_heads, batch_size, heads_per_section, longest_first)
+                    block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal,
+                                           self.is_local, seqlen_q, seqlen_k, window_left,
+                                           window_right)
+                    n_block_min, n_block_max = block_info.n_block_range(m_block)
+                    k_state, v_state, q_state = self.load_tile(
+                        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                        pipeline_q, pipeline_k, pipeline_v, m_block, head, head // group, batch,
+                        n_block_min, n_block_max, k_state, v_state, q_state)
+                    t += t_stride
         else:  # consumer warpgroups
             cute.arch.setmaxregister_increase(self.mma_regs)
             scale = mParams[0]
             softcap_in_scale = None
             if const_expr(self.has_softcap):
                 softcap = mParams[1]
-                softcap_in_scale = scale / softcap  # tanh(s·scale/softcap), then ·softcap·log2 e
+                softcap_in_scale = scale / softcap
                 scale_log2 = softcap * LOG2_E
             else:
                 scale_log2 = scale * LOG2_E
-            mask = AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k,
-                                 window_left, window_right)
-            self.mma(mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                     pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
-                     scale_log2, softcap_in_scale, mask, block_info,
-                     m_block, head, batch, n_block_min, n_block_max, seqlen_q)
+            wg_idx = (warp_idx - 4) // 4
+            if const_expr(self.pingpong):
+                self.pingpong_init(wg_idx)  # once: every tile leaves one arrival pending
+            k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            t = t_first
+            while t < num_tiles:
+                m_block, head, batch = PersistentTileScheduler.tile(
+                    t, num_m_blocks, num_heads, batch_size, heads_per_section, longest_first)
+                block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
+                                       seqlen_q, seqlen_k, window_left, window_right)
+                mask = AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+                                     window_left, window_right)
+                n_block_min, n_block_max = block_info.n_block_range(m_block)
+                k_state, v_state, q_state = self.mma(
+                    mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                    pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
+                    scale_log2, softcap_in_scale, mask, block_info,
+                    m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
+                    (k_state, v_state, q_state))
+                t += t_stride
+
+    @cute.jit
+    def load_tile(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                  sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                  tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+                  pipeline_q, pipeline_k, pipeline_v,
+                  m_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
+                  n_block_min: Int32, n_block_max: Int32, k_state, v_state, q_state):
+        """The producer's part of one tile (persistent): `load`'s order, states carried."""
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdimv), (None, 0))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        if n_block_max > n_block_min:
+            # K first: it need not wait for the previous tile's epilogue to free Q's buffer
+            pipeline_k.producer_acquire(k_state)
+            cute.copy(tma_atom_K, tKgK[None, n_block_max - 1], tKsK[None, k_state.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
+            k_state.advance()
+        pipeline_q.producer_acquire(q_state)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+        q_state.advance()
+        if n_block_max > n_block_min:
+            if const_expr(not self.overlap):
+                pipeline_v.producer_acquire(v_state)
+                cute.copy(tma_atom_V, tVgV[None, n_block_max - 1], tVsV[None, v_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+                v_state.advance()
+            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                n_block = n_block_max - 2 - i
+                pipeline_k.producer_acquire(k_state)
+                cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, k_state.index],
+                          tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
+                k_state.advance()
+                n_block_v = n_block + 1 if const_expr(self.overlap) else n_block
+                pipeline_v.producer_acquire(v_state)
+                cute.copy(tma_atom_V, tVgV[None, n_block_v], tVsV[None, v_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+                v_state.advance()
+            if const_expr(self.overlap):
+                pipeline_v.producer_acquire(v_state)
+                cute.copy(tma_atom_V, tVgV[None, n_block_min], tVsV[None, v_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+                v_state.advance()
+        return k_state, v_state, q_state
+
+    # --- ping-pong between the consumer warpgroups (FA3/FA4 "warp scheduler barriers") ----------
+    # Warpgroup w issues its GEMMs of a key block only after warpgroup w-1 (cyclically) issued its
+    # own: it syncs on barrier PINGPONG_WG0 + w (its 128 threads + 128 arrivals of the previous
+    # warpgroup) before the QK GEMM and arrives on the next warpgroup's barrier right after issuing
+    # the PV GEMM. The GEMMs of the warpgroups thus reach the tensor cores in turn, so one
+    # warpgroup's softmax runs under the other's GEMMs. Only the loop blocks are fenced (not the
+    # first block's QK GEMM nor the last PV GEMM); every warpgroup does the same number of
+    # sync/arrive pairs per tile (same key-block range), and warpgroup 0 pre-arrives once.
+    def _pingpong_threads(self) -> int:
+        return 2 * 128
+
+    @cute.jit
+    def pingpong_init(self, wg_idx: Int32):
+        if wg_idx == 0:
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.PINGPONG_WG0),
+                                     number_of_threads=self._pingpong_threads())
+
+    def pingpong_sync(self, wg_idx):
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=int(NamedBarrier.PINGPONG_WG0) + wg_idx,
+                              number_of_threads=self._pingpong_threads())
+
+    def pingpong_arrive(self, wg_idx):
+        if const_expr(self.pingpong):
+            if const_expr(self.num_mma_wg == 2):
+                next_wg = 1 - wg_idx
+            else:
+                next_wg = (wg_idx + 1) % self.num_mma_wg
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.PINGPONG_WG0) + next_wg,
+                                     number_of_threads=self._pingpong_threads())
 
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
@@ -326,7 +522,10 @@ class FlashAttentionForwardSm90:
             pipeline_q, pipeline_k, pipeline_v, tidx: Int32, warp_idx: Int32,
             scale_log2: Float32, softcap_in_scale, mask: AttentionMask, block_info: BlockInfo,
             m_block: Int32, head: Int32, batch: Int32, n_block_min: Int32, n_block_max: Int32,
-            seqlen_q: Int32):
+            seqlen_q: Int32, wg_idx: Int32, states: cutlass.Constexpr = None):
+        """One tile's mainloop and epilogue. ``states`` (persistent scheduling): the consumer's
+        (k, v, q) pipeline states carried from the previous tile; returned advanced."""
+        persistent = states is not None
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
         tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
@@ -342,7 +541,7 @@ class FlashAttentionForwardSm90:
         t0ScS = tiled_mma_qk.get_slice(0).partition_C(cS)
 
         num_rows = cute.size(acc_view_mn(acc_O), mode=[0])
-        softmax = OnlineSoftmax(scale_log2, num_rows)
+        softmax = OnlineSoftmax(scale_log2, num_rows, self.rescale_threshold)
         softmax.reset()
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
 
@@ -350,17 +549,20 @@ class FlashAttentionForwardSm90:
                    tOrVt=tOrVt, acc_O=acc_O, tOrP=tOrP, acc_S_shape=acc_S_shape, tScS=tScS,
                    t0ScS=t0ScS, softmax=softmax, row_scale=row_scale, mask=mask,
                    softcap_in_scale=softcap_in_scale, pipeline_k=pipeline_k,
-                   pipeline_v=pipeline_v, m_block=m_block)
+                   pipeline_v=pipeline_v, m_block=m_block, wg_idx=wg_idx)
         masked = self.is_causal or self.is_local
         # block boundaries between the mask regions (see mma loop below)
         n_lo_right = block_info.n_block_min_right_mask(m_block, n_block_min)
         n_lo_bulk = block_info.n_block_max_left_mask(m_block, n_block_min)
 
-        if n_block_max > n_block_min:
+        if const_expr(persistent):
+            k_state, v_state, q_state = states
+        else:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipeline_q.consumer_wait(q_state)
             k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if n_block_max > n_block_min:
+            pipeline_q.consumer_wait(q_state)
             block = self.overlap_block if const_expr(self.overlap) else self.serial_block
             # 1) the highest block: key-length tail + causal/window mask, starts the softmax
             if const_expr(self.overlap):
@@ -385,9 +587,11 @@ class FlashAttentionForwardSm90:
                     k_state, v_state = block(ctx, k_state, v_state, n_hi - 1 - i, False, False, True)
             # 5) the last block's P·V
             if const_expr(self.overlap):
-                self.last_half_block(ctx, v_state)
+                v_state = self.last_half_block(ctx, v_state)
         else:
             acc_O.fill(0.0)  # no visible key in the whole tile: O = 0, lse = -inf
+            if const_expr(persistent):
+                pipeline_q.consumer_wait(q_state)  # Q is loaded for every tile (see run_persistent)
 
         # ---- epilogue ----
         lse = cute.make_rmem_tensor(num_rows, Float32)
@@ -424,9 +628,14 @@ class FlashAttentionForwardSm90:
             cute.copy(tma_atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(persistent):
+                pipeline_q.consumer_release(q_state)  # the store has read sO = sQ: Q may reload
         else:
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.EPILOGUE),
                                      number_of_threads=self.num_mma_threads)
+        if const_expr(persistent):
+            q_state.advance()
+            return k_state, v_state, q_state
 
     # --- per key block -----------------------------------------------------------------------
     @cute.jit
@@ -458,7 +667,7 @@ class FlashAttentionForwardSm90:
         softmax.step(acc_S, row_scale, is_first)
         convert_pairs(acc_view_as_a_operand(acc_S), tOrP, self.is_bf16)
         if const_expr(not is_first):
-            rescale_rows(acc_O, row_scale)
+            self.rescale_O(acc_O, row_scale)
         pipeline_v.consumer_wait(v_state)
         wgmma(ctx["tiled_mma_pv"], acc_O, tOrP, ctx["tOrVt"][None, None, None, v_state.index],
               zero_init=is_first)
@@ -493,12 +702,14 @@ class FlashAttentionForwardSm90:
         pipeline_k, pipeline_v = ctx["pipeline_k"], ctx["pipeline_v"]
         acc_O, tOrP, softmax, row_scale = ctx["acc_O"], ctx["tOrP"], ctx["softmax"], ctx["row_scale"]
         pipeline_k.consumer_wait(k_state)
+        self.pingpong_sync(ctx["wg_idx"])  # our turn to issue GEMMs
         acc_S = cute.make_rmem_tensor(ctx["acc_S_shape"], Float32)
         wgmma(ctx["tiled_mma_qk"], acc_S, ctx["tSrQ"], ctx["tSrK"][None, None, None, k_state.index],
               zero_init=True)
         pipeline_v.consumer_wait(v_state)
         wgmma(ctx["tiled_mma_pv"], acc_O, tOrP, ctx["tOrVt"][None, None, None, v_state.index],
               zero_init=False)
+        self.pingpong_arrive(ctx["wg_idx"])  # the next warpgroup may issue
         warpgroup.wait_group(1)  # S_j done (PV still running)
         pipeline_k.consumer_release(k_state)
         k_state.advance()
@@ -508,8 +719,14 @@ class FlashAttentionForwardSm90:
         pipeline_v.consumer_release(v_state)
         v_state.advance()
         convert_pairs(acc_view_as_a_operand(acc_S), tOrP, self.is_bf16)
-        rescale_rows(acc_O, row_scale)
+        self.rescale_O(acc_O, row_scale)
         return k_state, v_state
+
+    def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+        if const_expr(self.rescale_threshold > 0.0):
+            rescale_rows_if_needed(acc_O, row_scale)  # skipped when no row of the warp needs it
+        else:
+            rescale_rows(acc_O, row_scale)
 
     @cute.jit
     def last_half_block(self, ctx: cutlass.Constexpr, v_state):
@@ -520,6 +737,8 @@ class FlashAttentionForwardSm90:
               ctx["tOrVt"][None, None, None, v_state.index], zero_init=False)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
+        v_state.advance()  # (used by the next tile when persistent)
+        return v_state
 
 
 def make_launcher(cfg: FwdConfig):

@@ -36,6 +36,10 @@ class Sm90FwdTuning:
     stages: int = 2  # K and V pipeline depth
     # issue S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} back to back, softmax S_j while the PV GEMM runs
     intra_wg_overlap: bool = True
+    # v2 options (off in the measured-correct default rows; see FwdConfig for their meaning)
+    pingpong: bool = False
+    rescale_threshold: float = 0.0
+    num_sms: int = 0
 
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Start points from FA4's H100
@@ -77,10 +81,23 @@ class FwdConfig(KernelConfig):
     mask: str = "none"  # "none" | "causal" | "local"
     has_softcap: bool = False
     # Tuning (derived from TUNING_TABLE by `FwdConfig.make`; part of the key because it changes code).
-    tile_m: int = 128
+    tile_m: int = 128  # 64 rows per consumer warpgroup: 128 = 2 warpgroups, 192 = 3
     tile_n: int = 128
     stages: int = 2
     intra_wg_overlap: bool = True
+    # Ping-pong between the consumer warpgroups: named barriers make the warpgroups issue their
+    # GEMMs of a key block in turn (round-robin, 2- or 3-way), so one warpgroup's softmax runs
+    # under the others' GEMMs. Needs intra_wg_overlap (only the overlapped mainloop is fenced).
+    pingpong: bool = False
+    # Conditional O rescaling (FA4): keep the stale row max unless it grew by more than this many
+    # log2 units of the scaled scores (8.0 for 16-bit inputs); the O rescale is skipped for warps
+    # where no row's max moved that much. 0.0 = rescale whenever the max grows (v1).
+    rescale_threshold: float = 0.0
+    # Persistent scheduling: 0 = one tile per CTA (grid = m_blocks × heads × batch, v1); N > 0 =
+    # a grid of min(N, tiles) CTAs looping over tiles, heavy-first under causal/local masks, in
+    # L2 sections of (batch, head) pairs (common/tile_scheduler.py). N is the GPU's SM count,
+    # given here (never queried: compiling needs no GPU): 132 on H100/H200 SXM.
+    num_sms: int = 0
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -90,7 +107,8 @@ class FwdConfig(KernelConfig):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         t = tuning_for(head_dim, head_dim_v, mask)
         fields = dict(tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages,
-                      intra_wg_overlap=t.intra_wg_overlap)
+                      intra_wg_overlap=t.intra_wg_overlap, pingpong=t.pingpong,
+                      rescale_threshold=t.rescale_threshold, num_sms=t.num_sms)
         fields.update(overrides)
         cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
                   has_softcap=bool(has_softcap), **fields)
@@ -115,6 +133,22 @@ class FwdConfig(KernelConfig):
             raise ValueError(f"sm90 forward: tile_n {self.tile_n} must be a multiple of 16 in [16, 256]")
         if self.stages < 1:
             raise ValueError("sm90 forward: stages must be >= 1")
+        if self.pingpong and not self.intra_wg_overlap:
+            raise ValueError("sm90 forward: pingpong needs intra_wg_overlap (only the overlapped "
+                             "mainloop is fenced by the ping-pong barriers)")
+        if not (isinstance(self.rescale_threshold, (int, float)) and 0.0 <= self.rescale_threshold
+                <= 16.0):
+            raise ValueError(f"sm90 forward: rescale_threshold {self.rescale_threshold!r} must be in "
+                             "[0, 16] (log2 units; 0 = always rescale)")
+        if not (isinstance(self.num_sms, int) and 0 <= self.num_sms <= 1024):
+            raise ValueError(f"sm90 forward: num_sms {self.num_sms!r} must be 0 (not persistent) "
+                             "or the GPU's SM count")
+        if self.accumulator_registers() > self.consumer_registers - 24:
+            raise ValueError(
+                f"sm90 forward: tile {self.tile_m}x{self.tile_n} with head_dim_v {self.head_dim_v} "
+                f"needs ~{self.accumulator_registers()} accumulator registers per thread, over the "
+                f"{self.consumer_registers} a consumer gets with {self.num_mma_warpgroups} "
+                "warpgroups (it would spill)")
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
             raise ValueError(f"sm90 forward: {self.smem_bytes()} B of shared memory exceeds "
                              f"{SMEM_LIMIT_BYTES} B (tile {self.tile_m}x{self.tile_n}, {self.stages} stages)")
@@ -127,6 +161,16 @@ class FwdConfig(KernelConfig):
     @property
     def num_threads(self) -> int:
         return 128 * (self.num_mma_warpgroups + 1)
+
+    @property
+    def consumer_registers(self) -> int:
+        """Registers per consumer thread after setmaxnreg (flash_fwd._REGS)."""
+        return {2: 240, 3: 160}[self.num_mma_warpgroups]
+
+    def accumulator_registers(self) -> int:
+        """Live fp32 S, 16-bit P and fp32 O fragments per consumer thread (64 rows per
+        warpgroup, 128 threads): tile_n/2 + tile_n/4 + head_dim_v/2."""
+        return self.tile_n // 2 + self.tile_n // 4 + self.head_dim_v // 2
 
     def smem_bytes(self) -> int:
         """Q (one stage, reused for O) + K and V stages, 16-bit elements."""
@@ -174,3 +218,32 @@ def shipped_configs() -> list[FwdConfig]:
                 for softcap in (False, True):
                     out.append(FwdConfig.make(dtype, d, dv, mask, softcap))
     return out
+
+
+def option_test_configs() -> list[FwdConfig]:
+    """Representative configs of the v2 tuning options (not defaults yet): ping-pong, 3 consumer
+    warpgroups at hdim 64 (tile 192×128, 3-way ping-pong), conditional rescaling, a wider key
+    tile at hdim 128, ping-pong at hdim 192/256, persistent scheduling. The compile test checks their SASS and the GPU
+    tests (tests/gpu/test_sm90_fwd.py) run them against the reference: precompile them for it."""
+    m = FwdConfig.make
+    return [
+        m("bfloat16", 64, 64, "none", tile_m=192),
+        m("bfloat16", 64, 64, "causal", tile_m=192, pingpong=True, rescale_threshold=8.0),
+        m("bfloat16", 64, 64, "local", True, tile_m=192, pingpong=True),
+        m("bfloat16", 64, 64, "none", pingpong=True),
+        m("bfloat16", 128, 128, "none", rescale_threshold=8.0),
+        m("bfloat16", 128, 128, "causal", pingpong=True),
+        m("bfloat16", 128, 128, "none", pingpong=True, rescale_threshold=8.0),
+        m("bfloat16", 128, 128, "local", pingpong=True, rescale_threshold=8.0),
+        m("bfloat16", 128, 128, "causal", pingpong=True, tile_n=176),
+        m("float16", 128, 128, "causal", True, pingpong=True, rescale_threshold=8.0),
+        m("bfloat16", 192, 128, "causal", pingpong=True),
+        m("bfloat16", 192, 192, "none", pingpong=True),
+        m("bfloat16", 256, 256, "none", pingpong=True),
+        m("bfloat16", 256, 256, "causal", pingpong=True, rescale_threshold=8.0),
+        # persistent: few CTAs (odd counts) so each loops over many tiles in the tests' shapes
+        m("bfloat16", 128, 128, "causal", pingpong=True, num_sms=7),
+        m("bfloat16", 64, 64, "none", tile_m=192, pingpong=True, rescale_threshold=8.0, num_sms=5),
+        m("bfloat16", 128, 128, "local", intra_wg_overlap=False, num_sms=3),
+        m("bfloat16", 256, 256, "causal", pingpong=True, num_sms=132),
+    ]
