@@ -137,6 +137,8 @@ def flash_attention(
     causal: bool = False,
     window_size: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
+    learnable_sink: jax.Array | None = None,
+    segment_ids: Any = None,
     return_lse: bool = False,
     deterministic: bool = False,
     implementation: str | None = None,
@@ -154,6 +156,16 @@ def flash_attention(
       window_size: ``(left, right)`` sliding window, each ``None`` (unbounded) or an int >= 0:
         query ``i`` sees keys ``j`` with ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``.
       softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` before the softmax.
+      learnable_sink: optional ``(H,)`` floating logits (float32 recommended), one per query
+        head, that join every row's softmax denominator with no value (FA4's attention sink):
+        ``lse = logaddexp(lse_scores, sink)``; a row with no visible key then has lse = sink.
+        Differentiable. Runs the reference until the kernels take it.
+      segment_ids: optional integer segment ids: one ``(B, S)`` array (self-attention,
+        ``Sq == Sk``) or a pair ``(q_segment_ids (B, Sq), kv_segment_ids (B, Sk))``. Query
+        ``i`` sees key ``j`` only if their ids are equal, on top of ``causal`` / ``window_size``
+        (which keep their positions in the whole sequence). Runs the reference until the
+        kernels take it; for packed variable-length batches see
+        :func:`jax_fa4.flash_attention_varlen`.
       return_lse: also return the log-sum-exp of each row's scores (natural log, float32).
       deterministic: make the gradients bitwise reproducible from run to run. The backward that
         runs today (the reference's explicit backward) always is; the backward kernels honour it
@@ -176,5 +188,13 @@ def flash_attention(
                         window_size=window_size, softcap=softcap, implementation=implementation,
                         deterministic=deterministic)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    out, lse = autodiff.attention(q, k, v, opts)
+    if learnable_sink is None and segment_ids is None:
+        out, lse = autodiff.attention(q, k, v, opts)
+    else:  # the reference's custom_vjp until the kernels take these options
+        from jax_fa4 import varlen  # imports this module
+
+        out, lse = varlen.attention_with_extras(
+            q, k, v, opts,
+            learnable_sink=varlen.check_learnable_sink(learnable_sink, q.shape[2]),
+            segment_ids=varlen.check_segment_ids(segment_ids, q, k))
     return (out, lse) if return_lse else out

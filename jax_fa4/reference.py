@@ -22,6 +22,22 @@ Semantics (FA4's):
 - ``lse`` is the natural-log logsumexp of the visible scores of a row; a row with no
   visible key gets output 0 and ``lse = -inf`` (its gradients are 0), never NaN.
 
+Optional extras (all functions, keyword-only, default off):
+
+- ``learnable_sink`` ``(H,)``: one logit per query head that joins every row's softmax
+  denominator with no value (not scaled, not capped, never masked):
+  ``out_i = sum_j e^{s_ij} v_j / (sum_j e^{s_ij} + e^{sink})`` and
+  ``lse_i = logaddexp(lse_scores_i, sink)``. A row with no visible key then gets output 0 and
+  ``lse = sink``. Its gradient is ``d sink_h = -sum_{b,i} e^{sink_h - lse_bhi} delta_bhi``
+  (see :func:`sink_gradient`); dq, dk, dv are unchanged given that lse.
+- ``q_segment_ids`` ``(B, Sq)`` / ``kv_segment_ids`` ``(B, Sk)`` int: query ``i`` sees key ``j``
+  only if their ids are equal, on top of the window rule.
+- ``q_positions`` ``(B, Sq)`` / ``kv_positions`` ``(B, Sk)`` int: the positions the window rule
+  compares (default ``i + Sk - Sq`` and ``j``, i.e. bottom-right alignment). Packed
+  variable-length batches (:mod:`jax_fa4.varlen`) use them to align each sequence on its own.
+
+The masking rule lives in :func:`visible_mask` only.
+
 Every matmul and reduction accumulates in float32 (``Precision.HIGHEST``, so no TF32 on GPU).
 """
 
@@ -35,7 +51,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
-__all__ = ["Window", "attention", "attention_backward", "attention_blocked", "visible_mask"]
+__all__ = [
+    "Window",
+    "attention",
+    "attention_backward",
+    "attention_blocked",
+    "sink_gradient",
+    "visible_mask",
+]
 
 Window = tuple[int | None, int | None]
 """``(left, right)`` attention window; ``None`` is unbounded, causal is ``(None, 0)``."""
@@ -50,12 +73,18 @@ def visible_mask(
     *,
     k_start: int | jax.Array = 0,
     num_k: int | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
 ) -> jax.Array:
     """Which keys each query sees: the one place where the masking rule lives.
 
     Query ``i`` sees key ``j`` iff ``j < sk`` and
-    ``j >= i + sk - sq - left`` (when ``left`` is not None) and
-    ``j <= i + sk - sq + right`` (when ``right`` is not None).
+    ``kpos_j >= qpos_i - left`` (when ``left`` is not None) and
+    ``kpos_j <= qpos_i + right`` (when ``right`` is not None) and, with segment ids,
+    ``q_segment_ids[i] == kv_segment_ids[j]``. The positions default to
+    ``qpos_i = i + sk - sq`` and ``kpos_j = j`` (bottom-right alignment).
 
     Args:
         sq: number of queries ``Sq``.
@@ -65,27 +94,76 @@ def visible_mask(
             a scan over key blocks).
         num_k: number of keys in the block (default ``sk``). Keys at index ``>= sk``
             (padding of the last block) are never visible.
+        q_segment_ids: (B, Sq) int segment id of each query; given together with
+            ``kv_segment_ids``.
+        kv_segment_ids: (B, num_k) int segment id of each key of the block.
+        q_positions: (B, Sq) int position of each query for the window rule.
+        kv_positions: (B, num_k) int position of each key of the block for the window rule.
 
     Returns:
-        bool array ``(sq, num_k)``; entry ``[i, c]`` is whether query ``i`` sees key
-        ``k_start + c``.
+        bool array ``(sq, num_k)``, or ``(B, sq, num_k)`` when any of the per-batch arrays is
+        given; entry ``[.., i, c]`` is whether query ``i`` sees key ``k_start + c``.
 
     Raises:
-        ValueError: if a window bound is negative.
+        ValueError: if a window bound is negative, or only one of the segment ids is given.
     """
     left, right = window
     for bound in window:
         if bound is not None and bound < 0:
             raise ValueError(f"window bounds must be None or >= 0, got {window}")
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
     num_k = sk if num_k is None else num_k
-    diag = jnp.arange(sq)[:, None] + (sk - sq)  # the key aligned with query i
     j = k_start + jnp.arange(num_k)[None, :]
+    batched = any(x is not None for x in (q_segment_ids, q_positions, kv_positions))
+    # Positions as (.., Sq, 1) and (.., 1, num_k); a leading batch dim when given per batch.
+    qpos = (jnp.arange(sq)[:, None] + (sk - sq) if q_positions is None
+            else q_positions[:, :, None])
+    kpos = j if kv_positions is None else kv_positions[:, None, :]
     mask = j < sk
     if left is not None:
-        mask &= j >= diag - left
+        mask = mask & (kpos >= qpos - left)
     if right is not None:
-        mask &= j <= diag + right
+        mask = mask & (kpos <= qpos + right)
+    if q_segment_ids is not None:
+        mask = mask & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
+    if batched:
+        b = next(x.shape[0] for x in (q_segment_ids, q_positions, kv_positions) if x is not None)
+        return jnp.broadcast_to(mask, (b, sq, num_k))
     return jnp.broadcast_to(mask, (sq, num_k))
+
+
+def _mask_scores(s: jax.Array, mask: jax.Array) -> jax.Array:
+    """Masked scores (B, Hkv, G, Sq, n) from a mask (Sq, n) or (B, Sq, n): -inf where hidden."""
+    if mask.ndim == 3:
+        mask = mask[:, None, None]
+    return jnp.where(mask, s, -jnp.inf)
+
+
+def _check_extras(
+    q: jax.Array,
+    k: jax.Array,
+    learnable_sink: jax.Array | None,
+    segments: tuple[jax.Array | None, ...],
+) -> None:
+    """Shapes of the optional sink (H,) and of the per-batch segment ids / positions."""
+    b, sq, h, _ = q.shape
+    sk = k.shape[1]
+    if learnable_sink is not None and learnable_sink.shape != (h,):
+        raise ValueError(f"learnable_sink must have shape (H,) = ({h},), "
+                         f"got {learnable_sink.shape}")
+    q_ids, kv_ids, q_pos, kv_pos = segments
+    if (q_ids is None) != (kv_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    for name, x, shape in (("q_segment_ids", q_ids, (b, sq)), ("kv_segment_ids", kv_ids, (b, sk)),
+                           ("q_positions", q_pos, (b, sq)), ("kv_positions", kv_pos, (b, sk))):
+        if x is not None and x.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+
+
+def _grouped_sink(learnable_sink: jax.Array, hkv: int) -> jax.Array:
+    """(H,) -> float32 (1, Hkv, G, 1), broadcasting against row statistics (B, Hkv, G, Sq)."""
+    return learnable_sink.astype(jnp.float32).reshape(1, hkv, -1, 1)
 
 
 def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
@@ -162,6 +240,11 @@ def attention(
     window: Window = (None, None),
     softcap: float = 0.0,
     compute_dtype: DTypeLike = jnp.float32,
+    learnable_sink: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Naive attention: materialises the (Sq, Sk) score matrix of every head.
 
@@ -179,23 +262,39 @@ def attention(
         window: ``(left, right)`` window, see :func:`visible_mask`; causal is ``(None, 0)``.
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
         compute_dtype: dtype of the intermediate tensors (see above).
+        learnable_sink: optional (H,) logit per query head joining each row's denominator
+            (float32 arithmetic; see the module docstring).
+        q_segment_ids, kv_segment_ids: optional (B, Sq) / (B, Sk) int segment ids, see
+            :func:`visible_mask`.
+        q_positions, kv_positions: optional (B, Sq) / (B, Sk) int positions for the window
+            rule, see :func:`visible_mask`.
 
     Returns:
         ``(out, lse)``: out (B, Sq, H, Dv) in q's dtype, lse (B, H, Sq) float32 (natural
-        log; ``-inf`` and zero output for rows with no visible key).
+        log; ``-inf`` and zero output for rows with no visible key; ``lse = sink`` there with
+        a sink).
     """
     _check_inputs(q, k, v)
+    segments = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    _check_extras(q, k, learnable_sink, segments)
     b, sq, h, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     scale = _scale(softmax_scale, d)
     s = _scores(
         _group(q.astype(compute_dtype), hkv), k.astype(compute_dtype), scale, softcap, compute_dtype
     ).astype(jnp.float32)
-    s = jnp.where(visible_mask(sq, sk, window), s, -jnp.inf)
+    s = _mask_scores(s, visible_mask(sq, sk, window, **_segment_kwargs(segments)))
+    row_max = jnp.max(s, axis=-1)
+    if learnable_sink is not None:
+        sink = _grouped_sink(learnable_sink, hkv)
+        row_max = jnp.maximum(row_max, sink)
     # Softmax is invariant to the subtracted max: no gradient through it.
-    m = _safe_max(lax.stop_gradient(jnp.max(s, axis=-1)))
+    m = _safe_max(lax.stop_gradient(row_max))
     e = jnp.exp(s - m[..., None])
-    l_safe, lse = _finish(m, jnp.sum(e, axis=-1))
+    l = jnp.sum(e, axis=-1)
+    if learnable_sink is not None:
+        l = l + jnp.exp(sink - m)
+    l_safe, lse = _finish(m, l)
     p = (e / l_safe[..., None]).astype(compute_dtype)
     out = jnp.einsum(
         "bhgqk,bkhd->bqhgd",
@@ -205,6 +304,75 @@ def attention(
         precision=_HIGHEST,
     )
     return out.reshape(b, sq, h, dv).astype(q.dtype), _ungroup_lse(lse)
+
+
+def _segment_kwargs(segments: tuple[jax.Array | None, ...]) -> dict:
+    """visible_mask's keyword arguments for the full (unblocked) key range."""
+    q_ids, kv_ids, q_pos, kv_pos = segments
+    return dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, q_positions=q_pos,
+                kv_positions=kv_pos)
+
+
+def _aux_blocks(x: jax.Array | None, block_k: int) -> jax.Array | None:
+    """Per-key ints (B, Sk) -> (n, B, block_k), padded like :func:`_key_blocks` (None stays)."""
+    if x is None:
+        return None
+    b, sk = x.shape
+    n = -(-sk // block_k)
+    x = jnp.pad(x, ((0, 0), (0, n * block_k - sk)))
+    return x.reshape(b, n, block_k).swapaxes(0, 1)
+
+
+def _block_mask(sq: int, sk: int, window: Window, start, block_k: int, q_ids, q_pos,
+                kv_ids_block, kv_pos_block) -> jax.Array:
+    """visible_mask of one block of keys with the block's slices of the per-key arrays."""
+    return visible_mask(sq, sk, window, k_start=start, num_k=block_k, q_segment_ids=q_ids,
+                        kv_segment_ids=kv_ids_block, q_positions=q_pos,
+                        kv_positions=kv_pos_block)
+
+
+def _online_init(b: int, hkv: int, g: int, sq: int, dv: int) -> tuple[jax.Array, ...]:
+    """Online-softmax carry (running max, running sum, output accumulator), float32."""
+    return (
+        jnp.full((b, hkv, g, sq), -jnp.inf, jnp.float32),
+        jnp.zeros((b, hkv, g, sq), jnp.float32),
+        jnp.zeros((b, hkv, g, sq, dv), jnp.float32),
+    )
+
+
+def _online_update(carry, qg, kb, vb, mask, scale: float, softcap: float):
+    """One block of keys into the online-softmax carry (all float32).
+
+    qg (B, Sq, Hkv, G, D), kb (B, n, Hkv, D), vb (B, n, Hkv, Dv), mask (Sq, n) or (B, Sq, n).
+    """
+    m, l, acc = carry  # m: running max, -inf while a row has seen no visible key
+    s = _mask_scores(_scores(qg, kb, scale, softcap, jnp.float32), mask)
+    m_new = lax.stop_gradient(jnp.maximum(m, jnp.max(s, axis=-1)))
+    m_applied = _safe_max(m_new)
+    alpha = jnp.exp(m - m_applied)  # 0 while m = -inf (l and acc are still 0)
+    e = jnp.exp(s - m_applied[..., None])
+    l = alpha * l + jnp.sum(e, axis=-1)
+    acc = alpha[..., None] * acc + jnp.einsum(
+        "bhgqk,bkhd->bhgqd", e, vb, preferred_element_type=jnp.float32, precision=_HIGHEST
+    )
+    return m_new, l, acc
+
+
+def _online_finish(carry, learnable_sink: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """(out (B, Sq, Hkv, G, Dv) float32, lse (B, Hkv, G, Sq)) from the final carry.
+
+    The sink joins the denominator here, as one more (value-less) key.
+    """
+    m, l, acc = carry
+    m_applied = _safe_max(m)
+    if learnable_sink is not None:
+        sink = _grouped_sink(learnable_sink, m.shape[1])
+        m_applied = _safe_max(lax.stop_gradient(jnp.maximum(m, sink)))
+        alpha = jnp.exp(m - m_applied)  # 0 where m = -inf
+        l = alpha * l + jnp.exp(sink - m_applied)
+        acc = alpha[..., None] * acc
+    l_safe, lse = _finish(m_applied, l)
+    return (acc / l_safe[..., None]).transpose(0, 3, 1, 2, 4), lse
 
 
 def _key_blocks(x: jax.Array, block_k: int) -> jax.Array:
@@ -225,6 +393,11 @@ def attention_blocked(
     window: Window = (None, None),
     softcap: float = 0.0,
     block_k: int = 512,
+    learnable_sink: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Memory-light attention: online softmax in float32 over blocks of ``block_k`` keys.
 
@@ -242,12 +415,15 @@ def attention_blocked(
         window: ``(left, right)`` window, see :func:`visible_mask`; causal is ``(None, 0)``.
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
         block_k: keys per block (capped at Sk).
+        learnable_sink, q_segment_ids, kv_segment_ids, q_positions, kv_positions: as in
+            :func:`attention`.
 
     Returns:
         ``(out, lse)`` as :func:`attention`: out (B, Sq, H, Dv) in q's dtype, lse (B, H, Sq)
         float32; equal to :func:`attention` up to float32 rounding.
     """
     _check_inputs(q, k, v)
+    _check_extras(q, k, learnable_sink, (q_segment_ids, kv_segment_ids, q_positions, kv_positions))
     if block_k < 1:
         raise ValueError(f"block_k must be >= 1, got {block_k}")
     b, sq, h, d = q.shape
@@ -258,32 +434,18 @@ def attention_blocked(
     k_blocks = _key_blocks(k.astype(jnp.float32), block_k)
     v_blocks = _key_blocks(v.astype(jnp.float32), block_k)
     starts = jnp.arange(k_blocks.shape[0]) * block_k
+    kv_aux = (_aux_blocks(kv_segment_ids, block_k), _aux_blocks(kv_positions, block_k))
 
     @jax.checkpoint
     def step(carry, block):
-        m, l, acc = carry  # m: running max, -inf while a row has seen no visible key
-        kb, vb, start = block
-        s = _scores(qg, kb, scale, softcap, jnp.float32)
-        s = jnp.where(visible_mask(sq, sk, window, k_start=start, num_k=block_k), s, -jnp.inf)
-        m_new = lax.stop_gradient(jnp.maximum(m, jnp.max(s, axis=-1)))
-        m_applied = _safe_max(m_new)
-        alpha = jnp.exp(m - m_applied)  # 0 while m = -inf (l and acc are still 0)
-        e = jnp.exp(s - m_applied[..., None])
-        l = alpha * l + jnp.sum(e, axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum(
-            "bhgqk,bkhd->bhgqd", e, vb, preferred_element_type=jnp.float32, precision=_HIGHEST
-        )
-        return (m_new, l, acc), None
+        kb, vb, start, (kv_ids, kv_pos) = block
+        mask = _block_mask(sq, sk, window, start, block_k, q_segment_ids, q_positions,
+                           kv_ids, kv_pos)
+        return _online_update(carry, qg, kb, vb, mask, scale, softcap), None
 
-    g = h // hkv
-    init = (
-        jnp.full((b, hkv, g, sq), -jnp.inf, jnp.float32),
-        jnp.zeros((b, hkv, g, sq), jnp.float32),
-        jnp.zeros((b, hkv, g, sq, dv), jnp.float32),
-    )
-    (m, l, acc), _ = lax.scan(step, init, (k_blocks, v_blocks, starts))
-    l_safe, lse = _finish(_safe_max(m), l)
-    out = (acc / l_safe[..., None]).transpose(0, 3, 1, 2, 4)  # (B, Sq, Hkv, G, Dv)
+    carry, _ = lax.scan(step, _online_init(b, hkv, h // hkv, sq, dv),
+                        (k_blocks, v_blocks, starts, kv_aux))
+    out, lse = _online_finish(carry, learnable_sink)  # out (B, Sq, Hkv, G, Dv)
     return out.reshape(b, sq, h, dv).astype(q.dtype), _ungroup_lse(lse)
 
 
@@ -301,7 +463,7 @@ def _backward_block(
     """Gradient contributions of one block of keys, all float32.
 
     qg (B, Sq, Hkv, G, D), dog (B, Sq, Hkv, G, Dv), lse and delta (B, Hkv, G, Sq),
-    kb (B, n, Hkv, D), vb (B, n, Hkv, Dv), mask (Sq, n).
+    kb (B, n, Hkv, D), vb (B, n, Hkv, Dv), mask (Sq, n) or (B, Sq, n).
     Returns dq's contribution (B, Sq, Hkv, G, D), dk (B, n, Hkv, D), dv (B, n, Hkv, Dv).
     """
 
@@ -312,7 +474,7 @@ def _backward_block(
     # A row with no visible key has lse = -inf; using +inf instead makes its P row
     # exp(s - inf) = 0, and masked scores are -inf, so P has no NaN.
     lse_safe = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
-    p = jnp.exp(jnp.where(mask, s, -jnp.inf) - lse_safe[..., None])
+    p = jnp.exp(_mask_scores(s, mask) - lse_safe[..., None])
     dv = mm("bhgqk,bqhgd->bkhd", p, dog)  # sums the G query heads of each kv head
     dp = mm("bqhgd,bkhd->bhgqk", dog, vb)
     ds = p * (dp - delta[..., None])
@@ -337,6 +499,10 @@ def attention_backward(
     window: Window = (None, None),
     softcap: float = 0.0,
     block_k: int | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """FlashAttention backward from the saved forward results ``(out, lse)``.
 
@@ -361,11 +527,18 @@ def attention_backward(
         block_k: ``None`` materialises the (Sq, Sk) matrices; an int scans over blocks of
             that many keys (O(B * H * Sq * block_k) memory; dq is accumulated across
             blocks, dk and dv are produced block by block).
+        q_segment_ids, kv_segment_ids, q_positions, kv_positions: the forward's, see
+            :func:`visible_mask`.
+
+    A learnable sink needs no argument here: it is already in ``lse`` (so in ``P``); its own
+    gradient comes from :func:`sink_gradient`.
 
     Returns:
         ``(dq, dk, dv)`` in the dtypes of q, k and v.
     """
     _check_inputs(q, k, v)
+    segments = (q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    _check_extras(q, k, None, segments)
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = h // hkv
@@ -381,24 +554,25 @@ def attention_backward(
     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
 
     if block_k is None:
-        dq, dk, dv = _backward_block(
-            qg, dog, lse, delta, k32, v32, visible_mask(sq, sk, window), scale, softcap
-        )
+        mask = visible_mask(sq, sk, window, **_segment_kwargs(segments))
+        dq, dk, dv = _backward_block(qg, dog, lse, delta, k32, v32, mask, scale, softcap)
     else:
         if block_k < 1:
             raise ValueError(f"block_k must be >= 1, got {block_k}")
         block_k = min(block_k, sk)
 
         def step(dq_acc, block):
-            kb, vb, start = block
-            mask = visible_mask(sq, sk, window, k_start=start, num_k=block_k)
+            kb, vb, start, (kv_ids, kv_pos) = block
+            mask = _block_mask(sq, sk, window, start, block_k, q_segment_ids, q_positions,
+                               kv_ids, kv_pos)
             dq_b, dk_b, dv_b = _backward_block(qg, dog, lse, delta, kb, vb, mask, scale, softcap)
             return dq_acc + dq_b, (dk_b, dv_b)
 
         k_blocks = _key_blocks(k32, block_k)
         starts = jnp.arange(k_blocks.shape[0]) * block_k
+        kv_aux = (_aux_blocks(kv_segment_ids, block_k), _aux_blocks(kv_positions, block_k))
         dq, (dk, dv) = lax.scan(
-            step, jnp.zeros_like(qg), (k_blocks, _key_blocks(v32, block_k), starts)
+            step, jnp.zeros_like(qg), (k_blocks, _key_blocks(v32, block_k), starts, kv_aux)
         )
 
         def unblock(x):  # (n, B, block_k, Hkv, X) -> (B, Sk, Hkv, X)
@@ -408,3 +582,34 @@ def attention_backward(
         dk, dv = unblock(dk), unblock(dv)
 
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@jax.jit
+def sink_gradient(learnable_sink: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
+    """Gradient of the learnable sink, ``(H,)`` in ``learnable_sink``'s dtype.
+
+    With ``P_sink = e^{sink - lse}`` (the sink's softmax weight in a row):
+    ``d out / d sink = -P_sink * out`` and ``d lse / d sink = P_sink``, so a row contributes
+    ``P_sink * (dlse - rowsum(dout * out))`` and
+
+        ``d sink_h = -sum_{b, i} P_sink[b, h, i] * delta[b, h, i]``
+
+    with ``delta = rowsum(dout * out) - dlse`` (exactly the ``delta`` that
+    :func:`attention_backward` takes when lse has a cotangent). Rows with ``lse = -inf`` (only
+    possible without a finite sink) contribute 0.
+
+    Args:
+        learnable_sink: (H,) the forward's sink logits.
+        lse: (B, H, Sq) float32, the forward's lse (which includes the sink); any number of
+            leading dims before ``H`` is summed over likewise, e.g. ``(H, total)`` for varlen.
+        delta: ``rowsum(dout * out) - dlse``, lse's shape, float32.
+    """
+    lse = lse.astype(jnp.float32)
+    sink = learnable_sink.astype(jnp.float32)
+    heads = lse.shape[-2]
+    sink_b = sink.reshape(heads, 1)
+    empty = jnp.isneginf(lse)
+    p_sink = jnp.where(empty, 0.0, jnp.exp(sink_b - jnp.where(empty, 0.0, lse)))
+    d = -(p_sink * delta.astype(jnp.float32))
+    d = d.reshape(-1, heads, d.shape[-1]).sum(axis=(0, 2))
+    return d.astype(learnable_sink.dtype)

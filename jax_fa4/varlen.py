@@ -1,0 +1,393 @@
+"""Variable-length (packed) attention, and the segment-id / learnable-sink attention core.
+
+:func:`flash_attention_varlen` is FA4's ``flash_attn_varlen_func``: the tokens of a batch of
+sequences are packed along one axis, q ``(total_q, H, D)``, k ``(total_k, Hkv, D)``,
+v ``(total_k, Hkv, Dv)``, and sequence ``b`` owns the query tokens
+``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` and the key tokens
+``[cu_seqlens_k[b], cu_seqlens_k[b + 1])``. Each sequence attends only within itself, with
+FA4's bottom-right alignment per sequence: query ``i`` of sequence ``b`` (counted from the
+sequence's start) sees key ``j`` iff
+``i + len_k(b) - len_q(b) - left <= j <= i + len_k(b) - len_q(b) + right``.
+
+The lengths are run-time values: ``cu_seqlens_q`` / ``cu_seqlens_k`` are ordinary (traced)
+int32 arrays, so new lengths never retrace or recompile; only the static shapes and the
+static ``max_seqlen_q`` / ``max_seqlen_k`` ints (which will size the kernels' grids) enter the
+trace.
+
+Until the varlen kernels land, the pure-JAX reference runs: each token gets a segment id (its
+sequence) and a position within its sequence, and :mod:`jax_fa4.reference` masks one packed
+attention with them (:func:`jax_fa4.reference.visible_mask`: equal segment ids plus the window
+rule on the positions). It is naive (one ``(total_q, total_k)`` score matrix per head) when
+``total_q * total_k`` is at most ``4096**2`` and otherwise scans over blocks of 512 keys
+(memory ``O(H * total_q * 512)``); the compute is ``O(total_q * total_k)`` either way.
+
+The same core, :func:`attention_with_extras`, serves :func:`jax_fa4.flash_attention`'s
+``learnable_sink`` and ``segment_ids`` options: a ``custom_vjp`` over ``(q, k, v, sink)`` whose
+forward saves ``(q, k, v, sink, out, lse)`` and whose backward is the reference's explicit
+FlashAttention backward plus :func:`jax_fa4.reference.sink_gradient`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fa4 import api, ops, reference
+from jax_fa4.dispatch import (
+    IMPLEMENTATIONS,
+    ImplementationUnavailableError,
+    resolve_implementation,
+)
+
+__all__ = [
+    "Segments",
+    "attention_with_extras",
+    "check_learnable_sink",
+    "check_segment_ids",
+    "flash_attention_varlen",
+    "varlen_segments",
+]
+
+
+class Segments(NamedTuple):
+    """Per-token mask data of a batch, each ``None`` or an int32 array (see
+    :func:`jax_fa4.reference.visible_mask`): ``q_segment_ids`` / ``q_positions`` ``(B, Sq)``,
+    ``kv_segment_ids`` / ``kv_positions`` ``(B, Sk)``."""
+
+    q_segment_ids: jax.Array | None = None
+    kv_segment_ids: jax.Array | None = None
+    q_positions: jax.Array | None = None
+    kv_positions: jax.Array | None = None
+
+
+# -- the differentiable core -------------------------------------------------------------------
+def _block_k(sq: int, sk: int) -> int | None:
+    """None: the naive reference; an int: its blocked form (the thresholds of ops)."""
+    return ops._reference_block_k(sq, sk)
+
+
+def _forward(q, k, v, sink, segments: Segments, opts) -> tuple[jax.Array, jax.Array]:
+    kw = dict(softmax_scale=opts.softmax_scale, window=opts.window, softcap=opts.softcap,
+              learnable_sink=sink, **segments._asdict())
+    block_k = _block_k(q.shape[1], k.shape[1])
+    if block_k is None:
+        return reference.attention(q, k, v, **kw)
+    return reference.attention_blocked(q, k, v, block_k=block_k, **kw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, sink, segments, opts):
+    return _forward(q, k, v, sink, segments, opts)
+
+
+def _attention_fwd(q, k, v, sink, segments, opts):
+    out, lse = _forward(q, k, v, sink, segments, opts)
+    return (out, lse), (q, k, v, sink, segments, out, lse)
+
+
+def _attention_bwd(opts, residuals, cotangents):
+    q, k, v, sink, segments, out, lse = residuals
+    dout, dlse = cotangents
+    # delta = rowsum(dO * O); a cotangent on lse enters as -dlse (as in jax_fa4.autodiff).
+    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST) - dlse
+    dq, dk, dv = reference.attention_backward(
+        q, k, v, out, lse, dout, delta=delta, softmax_scale=opts.softmax_scale,
+        window=opts.window, softcap=opts.softcap, block_k=_block_k(q.shape[1], k.shape[1]),
+        **segments._asdict())
+    dsink = None if sink is None else reference.sink_gradient(sink, lse, delta)
+    return dq, dk, dv, dsink, None  # no cotangent for the integer segment data
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _require_reference(opts, what: str) -> None:
+    """A forced kernel implementation cannot serve ``what`` yet: say so instead of falling back."""
+    if opts.forced and opts.implementation != "reference":
+        raise ImplementationUnavailableError(
+            f"implementation={opts.implementation!r} cannot run this call: there is no "
+            f"{opts.implementation} kernel for {what} yet (implementation=None or 'reference' "
+            "runs the pure-JAX reference)")
+
+
+def attention_with_extras(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    opts: Any,
+    *,
+    learnable_sink: jax.Array | None = None,
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse)`` of :func:`jax_fa4.flash_attention` with a sink and/or segment ids.
+
+    The inputs are already validated: q, k, v and ``opts`` (an
+    :class:`jax_fa4.api.AttentionOptions`) by :func:`jax_fa4.api.canonicalize`, the extras by
+    :func:`check_learnable_sink` and :func:`check_segment_ids`. Differentiable in q, k, v and
+    the sink. The window rule keeps its usual positions (``i + Sk - Sq`` and ``j`` in the whole
+    sequence); segment ids only add ``q_segment_ids[b, i] == kv_segment_ids[b, j]``.
+
+    Raises:
+        ImplementationUnavailableError: if a kernel implementation was forced (none takes these
+            options yet).
+    """
+    what = " and ".join(name for name, x in (("learnable_sink", learnable_sink),
+                                             ("segment_ids", segment_ids)) if x is not None)
+    _require_reference(opts, what or "this call")
+    q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
+    return _attention(q, k, v, learnable_sink, Segments(q_ids, kv_ids), opts)
+
+
+# -- input checks ------------------------------------------------------------------------------
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def check_learnable_sink(learnable_sink: Any, num_heads: int) -> jax.Array | None:
+    """Validate a learnable sink: ``None`` or a floating array of shape ``(H,)``.
+
+    Returns:
+        the sink as a jax array (its dtype kept: arithmetic is float32 and its gradient comes
+        back in its dtype), or None.
+    """
+    if learnable_sink is None:
+        return None
+    if not _is_array(learnable_sink):
+        raise TypeError("learnable_sink must be None or a jax.Array of shape (H,), got "
+                        f"{type(learnable_sink).__name__}")
+    if learnable_sink.shape != (num_heads,):
+        raise ValueError(f"learnable_sink must have shape (H,) = ({num_heads},) (one logit per "
+                         f"query head), got {learnable_sink.shape}")
+    if not jnp.issubdtype(learnable_sink.dtype, jnp.floating):
+        raise TypeError(f"learnable_sink must have a floating dtype (float32 recommended), got "
+                        f"{learnable_sink.dtype}")
+    return jnp.asarray(learnable_sink)
+
+
+def _check_int_array(name: str, x: Any, shape: tuple[int, ...], layout: str) -> jax.Array:
+    if not _is_array(x):
+        raise TypeError(f"{name} must be an int32 jax.Array {layout}, got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype (int32), got {x.dtype}")
+    if x.shape != shape:
+        raise ValueError(f"{name} must have shape {layout} = {shape}, got {x.shape}")
+    return jnp.asarray(x, jnp.int32)
+
+
+def check_segment_ids(segment_ids: Any, q: Any, k: Any) -> tuple[jax.Array, jax.Array] | None:
+    """Validate ``segment_ids``: None, one ``(B, S)`` int array (self-attention, ``Sq == Sk``)
+    or a pair ``(q_segment_ids (B, Sq), kv_segment_ids (B, Sk))``.
+
+    Returns:
+        ``(q_segment_ids, kv_segment_ids)`` as int32 jax arrays, or None.
+    """
+    if segment_ids is None:
+        return None
+    b, sq = q.shape[:2]
+    sk = k.shape[1]
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError("segment_ids must be one (B, S) array or a pair (q_segment_ids, "
+                             f"kv_segment_ids), got a sequence of {len(segment_ids)}")
+        q_ids, kv_ids = segment_ids
+    else:
+        if _is_array(segment_ids) and sq != sk:
+            raise ValueError(f"a single segment_ids array needs Sq == Sk (got Sq={sq}, Sk={sk}); "
+                             "pass a pair (q_segment_ids, kv_segment_ids)")
+        q_ids = kv_ids = segment_ids
+    return (_check_int_array("q_segment_ids", q_ids, (b, sq), "(B, Sq)"),
+            _check_int_array("kv_segment_ids", kv_ids, (b, sk), "(B, Sk)"))
+
+
+def _check_static_int(name: str, x: Any) -> int:
+    if isinstance(x, jax.Array):  # concrete or traced (tracers are jax.Arrays too)
+        raise TypeError(f"{name} must be a static Python int (it sizes the kernel grid and is "
+                        "part of the compile key); pass run-time lengths through cu_seqlens")
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be a Python int, got {type(x).__name__}")
+    if x < 0:
+        raise ValueError(f"{name} must be >= 0, got {x}")
+    return int(x)
+
+
+def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    for name, x, layout in (("q", q, "(total_q, H, D)"), ("k", k, "(total_k, Hkv, D)"),
+                            ("v", v, "(total_k, Hkv, Dv)")):
+        if not _is_array(x):
+            raise TypeError(f"{name} must be a jax.Array (or numpy array), got "
+                            f"{type(x).__name__}")
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have rank 3 with layout {layout} (tokens packed along "
+                             f"one axis), got shape {x.shape}")
+        if 0 in x.shape:
+            raise ValueError(f"{name} must have no zero-sized dimension, got shape {x.shape}")
+    api._check_dtypes(q, k, v)
+    total_q, h, d = q.shape
+    total_k, hkv = k.shape[:2]
+    if k.shape[2] != d:
+        raise ValueError(f"k head_dim must equal q head_dim {d}: q {q.shape}, k {k.shape}")
+    if v.shape[:2] != (total_k, hkv):
+        raise ValueError(f"v must have k's (total_k, Hkv) = {(total_k, hkv)}, got v {v.shape}")
+    if h % hkv:
+        raise ValueError(f"q heads H={h} must be a multiple of k/v heads Hkv={hkv}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not _is_array(cu):
+            raise TypeError(f"{name} must be an int32 jax.Array (batch + 1,), got "
+                            f"{type(cu).__name__}")
+        if cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1, got "
+                             f"{cu.shape}")
+        if cu.dtype != jnp.int32:
+            raise TypeError(f"{name} must have dtype int32, got {cu.dtype}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same shape (batch + 1,), "
+                         f"got {cu_seqlens_q.shape} and {cu_seqlens_k.shape}")
+    max_q = _check_static_int("max_seqlen_q", max_seqlen_q)
+    max_k = _check_static_int("max_seqlen_k", max_seqlen_k)
+    # Values are checked only when they are host data (numpy): reading a device array would
+    # synchronise, and under jit they are traced.
+    for name, cu, total, mx, mx_name in (
+        ("cu_seqlens_q", cu_seqlens_q, total_q, max_q, "max_seqlen_q"),
+        ("cu_seqlens_k", cu_seqlens_k, total_k, max_k, "max_seqlen_k"),
+    ):
+        if isinstance(cu, np.ndarray):
+            lengths = np.diff(cu)
+            if cu[0] < 0 or (lengths < 0).any():
+                raise ValueError(f"{name} must be non-decreasing and start at >= 0, got {cu}")
+            if cu[-1] > total:
+                raise ValueError(f"{name}[-1] = {cu[-1]} exceeds the number of packed tokens "
+                                 f"{total}")
+            if lengths.max() > mx:
+                raise ValueError(f"{name} has a sequence of length {lengths.max()} > "
+                                 f"{mx_name} = {mx}")
+
+
+# -- varlen ------------------------------------------------------------------------------------
+def _token_layout(cu: jax.Array, total: int):
+    """Sequence of each packed token, clipped to [0, batch), whether it belongs to one, and
+    its sequence's start and end."""
+    batch = cu.shape[0] - 1
+    t = jnp.arange(total, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1
+    valid = (seq >= 0) & (seq < batch)
+    seq = jnp.clip(seq, 0, batch - 1)
+    return t, seq, valid, cu[seq], cu[seq + 1]
+
+
+def varlen_segments(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, total_q: int,
+                    total_k: int) -> Segments:
+    """The packed batch as segment ids and positions, each ``(1, total)`` int32.
+
+    Segment id = sequence index; tokens outside every sequence (padding before
+    ``cu_seqlens[0]`` or after ``cu_seqlens[-1]``) get ``-1`` (queries) and ``-2`` (keys),
+    which match nothing. Positions
+    are within the sequence, with the queries shifted by ``len_k - len_q`` so that the window
+    rule aligns each sequence bottom-right.
+    """
+    tq, seq_q, valid_q, _, end_q = _token_layout(cu_seqlens_q, total_q)
+    tk, seq_k, valid_k, start_k, _ = _token_layout(cu_seqlens_k, total_k)
+    len_k_of_q = cu_seqlens_k[seq_q + 1] - cu_seqlens_k[seq_q]
+    return Segments(
+        q_segment_ids=jnp.where(valid_q, seq_q, -1)[None],
+        kv_segment_ids=jnp.where(valid_k, seq_k, -2)[None],
+        # i + len_k - len_q with i = t - start_q, i.e. t - end_q + len_k
+        q_positions=(tq - end_q + len_k_of_q)[None],
+        kv_positions=(tk - start_k)[None],
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("opts",))
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, learnable_sink, opts):
+    segments = varlen_segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    out, lse = _attention(q[None], k[None], v[None], learnable_sink, segments, opts)
+    # Padding rows (in no sequence) have lse -inf even with a sink, and pass no cotangent on.
+    lse = jnp.where(segments.q_segment_ids >= 0, lse[0], -jnp.inf)
+    return out[0], lse  # (total_q, H, Dv), (H, total_q)
+
+
+def flash_attention_varlen(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
+    learnable_sink: jax.Array | None = None,
+    return_lse: bool = False,
+    implementation: str | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Attention over a batch of variable-length sequences packed along one axis (FA4 varlen).
+
+    Args:
+      q: queries ``(total_q, H, D)``: the query tokens of all sequences, back to back.
+      k: keys ``(total_k, Hkv, D)``, q's dtype; H a multiple of Hkv (GQA / MQA).
+      v: values ``(total_k, Hkv, Dv)``, q's dtype.
+      cu_seqlens_q: int32 ``(batch + 1,)``, non-decreasing: sequence ``b``'s queries are
+        ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]``. A run-time value: new lengths never
+        retrace. Empty and length-1 sequences are fine. Tokens outside
+        ``[cu_seqlens_q[0], cu_seqlens_q[-1])`` are padding: output 0, lse ``-inf`` (even with a
+        sink), no gradient.
+      cu_seqlens_k: int32 ``(batch + 1,)``, likewise for k and v (keys outside
+        ``[cu_seqlens_k[0], cu_seqlens_k[-1])`` are never seen).
+      max_seqlen_q: static int >= every query length (sizes the kernels' grid; part of the
+        compile key, so keep it fixed, e.g. a bucket).
+      max_seqlen_k: static int >= every key length.
+      softmax_scale: multiplies ``q·k``; default ``1/sqrt(D)``.
+      causal: per sequence, bottom-right aligned: query ``i`` of sequence ``b`` sees keys up to
+        ``i + len_k(b) - len_q(b)``. Same as ``window_size=(left, 0)``.
+      window_size: ``(left, right)``, each None or an int >= 0, per sequence as for
+        :func:`jax_fa4.flash_attention`.
+      softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
+      learnable_sink: optional ``(H,)`` floating logits (float32 recommended), one per query
+        head, joining every row's softmax denominator with no value; differentiable.
+      return_lse: also return the log-sum-exp, ``(H, total_q)`` float32 (FA4's varlen layout).
+      implementation: None or ``"reference"`` (the only one that serves varlen today); a forced
+        kernel (``"sm90"``, ``"sm100"``) raises :class:`ImplementationUnavailableError`.
+
+    Returns:
+      ``out`` ``(total_q, H, Dv)`` in q's dtype, and with ``return_lse`` also ``lse``
+      ``(H, total_q)`` float32. Rows with no visible key (e.g. a query whose sequence has no
+      key) give 0 and lse ``-inf`` (``lse = sink`` with a sink).
+
+    Differentiable with ``jax.grad`` in q, k, v and the sink (also through lse); works under
+    ``jax.jit`` and ``jax.vmap``. Values of cu_seqlens that violate the contract (decreasing,
+    a length above max_seqlen) are rejected when they are host (numpy) arrays and otherwise
+    give unspecified results.
+    """
+    _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    opts = _options(q, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                    softcap=softcap, implementation=implementation)
+    _require_reference(opts, "varlen attention")
+    learnable_sink = check_learnable_sink(learnable_sink, q.shape[1])
+    out, lse = _varlen(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(cu_seqlens_q),
+                       jnp.asarray(cu_seqlens_k), learnable_sink, opts)
+    return (out, lse) if return_lse else out
+
+
+def _options(q, *, softmax_scale, causal, window_size, softcap, implementation):
+    """Canonical :class:`jax_fa4.api.AttentionOptions` from q (any layout with D last)."""
+    left, right = api._check_window(window_size)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if causal:
+        right = 0
+    scale = (1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None
+             else api._check_scalar("softmax_scale", softmax_scale, allow_zero=False))
+    cap = api._check_scalar("softcap", softcap, allow_zero=True)
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+    return api.AttentionOptions(scale, (left, right), cap, resolve_implementation(implementation),
+                                forced=implementation is not None)

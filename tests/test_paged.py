@@ -1,0 +1,194 @@
+"""Attention over a paged KV cache against dense attention on each sequence's gathered keys."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa4
+from jax_fa4 import paged, reference
+from jax_fa4.paged import flash_attention_paged
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _cache(b, sq, h, hkv, d, dv, page_size, num_pages, max_pages, seqused, seed):
+    """Random q and cache; each sequence gets distinct pages in shuffled order, and the
+    page-table entries past its used pages hold -1 (or stale pages), which must be ignored."""
+    rng = np.random.default_rng(seed)
+
+    def randn(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32))
+
+    q = randn(b, sq, h, d)
+    k_cache, v_cache = randn(num_pages, page_size, hkv, d), randn(num_pages, page_size, hkv, dv)
+    table = rng.permutation(num_pages)[: b * max_pages].reshape(b, max_pages).astype(np.int32)
+    seqused = np.asarray(seqused, np.int32)
+    for row, n in enumerate(seqused):
+        used = -(-n // page_size)
+        table[row, used:] = -1 if row % 2 else table[row, used:]  # garbage past the used pages
+    return q, k_cache, v_cache, table, seqused
+
+
+def dense_per_sequence(q, k_cache, v_cache, table, seqused, sink=None, **options):
+    """reference.attention on each sequence's first seqused_k keys, gathered by hand."""
+    b, sq, h, _ = q.shape
+    dv = v_cache.shape[-1]
+    out = np.zeros((b, sq, h, dv), np.float32)
+    lse = np.full((b, h, sq), -np.inf, np.float32)
+    for row in range(b):
+        n = int(seqused[row])
+        if n == 0:
+            if sink is not None:
+                lse[row] = np.asarray(sink)[:, None]
+            continue
+        pages = table[row, : -(-n // k_cache.shape[1])]
+        k = np.concatenate([np.asarray(k_cache[p]) for p in pages])[:n]
+        v = np.concatenate([np.asarray(v_cache[p]) for p in pages])[:n]
+        o, l = reference.attention(q[row:row + 1], jnp.asarray(k)[None], jnp.asarray(v)[None],
+                                   learnable_sink=sink, **options)
+        out[row], lse[row] = o[0], l[0]
+    return out, lse
+
+
+def _assert_close(got, want, name):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    assert not np.isnan(got).any(), name
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=name)
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], err_msg=name, **TOL)
+
+
+CASES = [  # (sq, h, hkv, d, dv, page_size, kwargs, with_sink)
+    (1, 4, 2, 16, 8, 16, dict(), False),  # decode step, GQA
+    (4, 2, 1, 8, 8, 32, dict(causal=True, softcap=2.0), True),  # prefill chunk, MQA
+    (3, 4, 4, 8, 16, 16, dict(causal=True, window_size=(5, 0), softmax_scale=0.5), True),
+]
+SEQUSED = (1, 37, 0, 64, 2)  # incl. 1 (a single key; with Sq > 1 and causal: rows without keys)
+
+
+def _ref_options(kwargs):
+    left, right = kwargs.get("window_size", (None, None))
+    if kwargs.get("causal"):
+        right = 0
+    return dict(window=(left, right), softcap=kwargs.get("softcap", 0.0),
+                softmax_scale=kwargs.get("softmax_scale"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_dense_per_sequence(case):
+    """Dense-gather and split-KV forms against each sequence's keys gathered by hand."""
+    sq, h, hkv, d, dv, page_size, kwargs, with_sink = case
+    max_pages = 64 // page_size + 1
+    q, k_cache, v_cache, table, seqused = _cache(len(SEQUSED), sq, h, hkv, d, dv, page_size,
+                                                 num_pages=5 * max_pages + 3,
+                                                 max_pages=max_pages, seqused=SEQUSED, seed=0)
+    sink = jnp.asarray(np.linspace(-1.0, 2.0, h), jnp.float32) if with_sink else None
+    want_out, want_lse = dense_per_sequence(q, k_cache, v_cache, table, seqused, sink,
+                                            **_ref_options(kwargs))
+    out, lse = flash_attention_paged(q, k_cache, v_cache, table, seqused, learnable_sink=sink,
+                                     return_lse=True, **kwargs)
+    assert out.shape == (len(SEQUSED), sq, h, dv) and lse.shape == (len(SEQUSED), h, sq)
+    _assert_close(out, want_out, "dense out")
+    _assert_close(lse, want_lse, "dense lse")
+    # Split-KV: one page per chunk, so several chunks and a padded last one.
+    opts = paged._options(q, softmax_scale=kwargs.get("softmax_scale"),
+                          causal=kwargs.get("causal", False),
+                          window_size=kwargs.get("window_size", (None, None)),
+                          softcap=kwargs.get("softcap", 0.0), implementation=None)
+    for pages_per_block in (1, 2):
+        out_s, lse_s = paged._paged_jit(q, k_cache, v_cache, jnp.asarray(table),
+                                        jnp.asarray(seqused), sink, opts, pages_per_block)
+        _assert_close(out_s, want_out, f"split({pages_per_block}) out")
+        _assert_close(lse_s, want_lse, f"split({pages_per_block}) lse")
+
+
+def test_long_context_takes_the_split_path(monkeypatch):
+    """Above _DENSE_MAX_KEYS key slots the public function scans over page chunks."""
+    monkeypatch.setattr(paged, "_DENSE_MAX_KEYS", 32)
+    monkeypatch.setattr(paged, "_SPLIT_KEYS", 32)  # 2 pages of 16 per chunk: 3 chunks
+    calls = []
+    real = paged._paged_reference
+    monkeypatch.setattr(paged, "_paged_reference",
+                        lambda *a: calls.append(a[-1]) or real(*a))
+    q, k_cache, v_cache, table, seqused = _cache(2, 2, 2, 2, 8, 8, 16, num_pages=12,
+                                                 max_pages=5, seqused=(70, 9), seed=1)
+    out = flash_attention_paged(q, k_cache, v_cache, table, seqused, causal=True)
+    assert calls == [2]  # pages per chunk = _SPLIT_KEYS // page_size
+    want, _ = dense_per_sequence(q, k_cache, v_cache, table, seqused, window=(None, 0))
+    _assert_close(out, want, "out")
+
+
+def test_new_seqused_and_page_table_do_not_retrace():
+    q, k_cache, v_cache, table, seqused = _cache(2, 1, 2, 1, 8, 8, 16, num_pages=8,
+                                                 max_pages=3, seqused=(5, 40), seed=2)
+    traces = []
+
+    @jax.jit
+    def step(q, table, seqused):
+        traces.append(None)
+        return flash_attention_paged(q, k_cache, v_cache, table, seqused, causal=True)
+
+    for used, tab in (((5, 40), table), ((33, 1), table[::-1]), ((48, 17), table)):
+        out = step(q, jnp.asarray(tab), jnp.asarray(used, jnp.int32))
+        want, _ = dense_per_sequence(q, k_cache, v_cache, tab, np.asarray(used),
+                                     window=(None, 0))
+        _assert_close(out, want, f"out {used}")
+    assert len(traces) == 1
+
+
+def test_vmap():
+    q, k_cache, v_cache, table, seqused = _cache(2, 1, 2, 2, 8, 8, 16, num_pages=6,
+                                                 max_pages=2, seqused=(5, 20), seed=3)
+    f = lambda q: flash_attention_paged(q, k_cache, v_cache, table, seqused)
+    qs = jnp.stack([q, 2 * q])
+    out = jax.vmap(f)(qs)
+    for i in range(2):
+        np.testing.assert_allclose(out[i], f(qs[i]), **TOL)
+
+
+def test_gradient_raises():
+    q, k_cache, v_cache, table, seqused = _cache(1, 1, 2, 2, 8, 8, 16, num_pages=2,
+                                                 max_pages=2, seqused=(20,), seed=4)
+    with pytest.raises(NotImplementedError, match="forward only"):
+        jax.grad(lambda q: flash_attention_paged(q, k_cache, v_cache, table, seqused).sum())(q)
+    # Not differentiating through it (stop_gradient) is fine.
+    g = jax.grad(lambda q: flash_attention_paged(jax.lax.stop_gradient(q), k_cache, v_cache,
+                                                 table, seqused).sum() + q.sum())(q)
+    np.testing.assert_array_equal(g, np.ones(q.shape))
+
+
+@pytest.mark.parametrize("mutate, exc, words", [
+    (lambda a: {**a, "q": a["q"][0]}, ValueError, ["q", "rank 4", "(B, Sq, H, D)"]),
+    (lambda a: {**a, "k_cache": a["k_cache"][..., :4]}, ValueError, ["k_cache head_dim"]),
+    (lambda a: {**a, "v_cache": a["v_cache"][:1]}, ValueError,
+     ["v_cache", "(num_pages, page_size, Hkv)"]),
+    (lambda a: {**a, "q": a["q"][:, :, :3]}, ValueError, ["H=3", "Hkv=2"]),
+    (lambda a: {**a, "v_cache": a["v_cache"].astype(jnp.float16)}, TypeError, ["v", "float32"]),
+    (lambda a: {**a, "page_table": a["page_table"].astype(np.int64)}, TypeError,
+     ["page_table", "int32"]),
+    (lambda a: {**a, "page_table": a["page_table"][:1]}, ValueError,
+     ["page_table", "(B, max_pages)", "B = 2"]),
+    (lambda a: {**a, "seqused_k": a["seqused_k"][:, None]}, ValueError, ["seqused_k", "(B,)"]),
+    (lambda a: {**a, "seqused_k": np.array([3, 99], np.int32)}, ValueError,
+     ["seqused_k", "[0, max_pages * page_size = 32]"]),
+    (lambda a: {**a, "page_table": np.array([[0, 9], [2, 3]], np.int32)}, ValueError,
+     ["page_table", "num_pages = 4"]),
+    (lambda a: {**a, "learnable_sink": jnp.zeros((2,))}, ValueError, ["learnable_sink", "(4,)"]),
+    (lambda a: {**a, "implementation": "sm90"}, jax_fa4.ImplementationUnavailableError,
+     ["sm90", "paged"]),
+])
+def test_bad_inputs_raise_clear_errors(mutate, exc, words):
+    q, k_cache, v_cache, table, seqused = _cache(2, 1, 4, 2, 8, 8, 16, num_pages=4,
+                                                 max_pages=2, seqused=(20, 3), seed=5)
+    table = np.array([[0, 1], [2, 3]], np.int32)
+    args = dict(q=q, k_cache=k_cache, v_cache=v_cache, page_table=table, seqused_k=seqused)
+    args = mutate(args)
+    kwargs = {key: args.pop(key) for key in ("learnable_sink", "implementation") if key in args}
+    with pytest.raises(exc) as info:
+        flash_attention_paged(*args.values(), **kwargs)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))

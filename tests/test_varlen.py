@@ -1,0 +1,344 @@
+"""Packed variable-length attention and segment ids, against per-sequence / per-segment runs
+of ``jax_fa4.reference.attention`` (CPU)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa4
+from jax_fa4 import api, reference, varlen
+from jax_fa4.varlen import flash_attention_varlen
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+# Per sequence (len_q, len_k): Sq < Sk, empty, length 1, Sq > Sk (rows without keys under
+# causal), no keys at all. Repeated shapes keep the per-sequence compiles few.
+LENS_Q = (3, 0, 1, 5, 3, 2)
+LENS_K = (5, 4, 1, 3, 5, 0)
+PAD_Q, PAD_K = 2, 3  # padding tokens after cu_seqlens[-1]
+
+
+def _cu(lengths) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _packed(lens_q, lens_k, h, hkv, d, dv, seed, pad_q=PAD_Q, pad_k=PAD_K):
+    rng = np.random.default_rng(seed)
+    tq, tk = sum(lens_q) + pad_q, sum(lens_k) + pad_k
+
+    def randn(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32))
+
+    q, k, v = randn(tq, h, d), randn(tk, hkv, d), randn(tk, hkv, dv)
+    sink = randn(h) * 2
+    dout, dlse = randn(tq, h, dv), randn(h, tq)
+    return q, k, v, sink, dout, dlse
+
+
+@functools.partial(jax.jit, static_argnames=("window", "softcap", "softmax_scale"))
+def _ref_vjp(q, k, v, sink, dout, dlse, **options):
+    """reference.attention of one (B = 1) problem and its vjp, in one compiled program."""
+    f = lambda q, k, v, s: reference.attention(q, k, v, learnable_sink=s, **options)
+    (out, lse), vjp = jax.vjp(f, q, k, v, sink)
+    return out, lse, vjp((dout, dlse))
+
+
+def per_sequence(q, k, v, lens_q, lens_k, sink=None, cotangents=None, **options):
+    """(out, lse) and optionally (dq, dk, dv, dsink), running reference.attention on each
+    sequence alone; padding rows and key-less sequences filled in by hand."""
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    h, dv = q.shape[1], v.shape[2]
+    out = np.zeros((q.shape[0], h, dv), np.float32)
+    lse = np.full((h, q.shape[0]), -np.inf, np.float32)
+    grads = [np.zeros(x.shape, np.float32) for x in (q, k, v)] + [np.zeros(h, np.float32)]
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lq == 0:
+            continue
+        if lk == 0:  # no key: output 0; lse = sink (or -inf), d sink = sum of dlse
+            if sink is not None:
+                lse[:, qs] = np.asarray(sink)[:, None]
+                if cotangents is not None:
+                    grads[3] += np.asarray(cotangents[1][:, qs]).sum(axis=1)
+            continue
+
+        dout, dlse = ((jnp.zeros((lq, h, dv)), jnp.zeros((h, lq))) if cotangents is None
+                      else (cotangents[0][qs], cotangents[1][:, qs]))
+        o, l, (dq, dk, dv_, ds) = _ref_vjp(q[qs][None], k[ks][None], v[ks][None], sink,
+                                           dout[None], dlse[None], **options)
+        out[qs], lse[:, qs] = o[0], l[0]
+        grads[0][qs], grads[1][ks], grads[2][ks] = dq[0], dk[0], dv_[0]
+        if sink is not None:
+            grads[3] += np.asarray(ds)
+    return out, lse, grads
+
+
+def _assert_close(got, want, name):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    assert not np.isnan(got).any(), name
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=name)
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], err_msg=name, **TOL)
+
+
+CASES = [  # (h, hkv, d, dv, kwargs, with_sink)
+    (4, 2, 16, 8, dict(), False),
+    (2, 1, 8, 8, dict(causal=True, softcap=2.0), True),
+    (4, 4, 8, 16, dict(window_size=(3, 1), softmax_scale=0.5), True),
+]
+
+
+def _ref_options(kwargs):
+    left, right = kwargs.get("window_size", (None, None))
+    if kwargs.get("causal"):
+        right = 0
+    return dict(window=(left, right), softcap=kwargs.get("softcap", 0.0),
+                softmax_scale=kwargs.get("softmax_scale"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_per_sequence_reference(case):
+    """Forward and gradients (q, k, v, sink; cotangents on out and lse) against each sequence
+    run alone; lengths 0 and 1, Sq != Sk, padding, GQA / MQA, causal, window, softcap."""
+    h, hkv, d, dv, kwargs, with_sink = case
+    q, k, v, sink, dout, dlse = _packed(LENS_Q, LENS_K, h, hkv, d, dv, seed=0)
+    sink = sink if with_sink else None
+    cu_q, cu_k = _cu(LENS_Q), _cu(LENS_K)
+
+    def f(q, k, v, s):
+        return flash_attention_varlen(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K),
+                                      learnable_sink=s, return_lse=True, **kwargs)
+
+    (out, lse), vjp = jax.vjp(f, q, k, v, sink)
+    want_out, want_lse, want_grads = per_sequence(q, k, v, LENS_Q, LENS_K, sink, (dout, dlse),
+                                                  **_ref_options(kwargs))
+    assert out.shape == (q.shape[0], h, dv) and out.dtype == q.dtype
+    assert lse.shape == (h, q.shape[0]) and lse.dtype == jnp.float32
+    _assert_close(out, want_out, "out")
+    _assert_close(lse, want_lse, "lse")
+    assert (np.asarray(out[-PAD_Q:]) == 0).all() and np.isneginf(lse[:, -PAD_Q:]).all()
+    grads = vjp((dout, dlse))
+    for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
+        _assert_close(got, want, name)
+    if with_sink:
+        _assert_close(grads[3], want_grads[3], "dsink")
+
+
+def test_blocked_path_matches_per_sequence(monkeypatch):
+    """The memory-light (key-blocked) form, forced with 4-key blocks, forward and gradients."""
+    monkeypatch.setattr(varlen, "_block_k", lambda sq, sk: 4)
+    h, hkv, d, dv, kwargs, _ = CASES[1]
+    # Other padding than elsewhere: new total shapes, so no cached naive trace is reused.
+    q, k, v, sink, dout, dlse = _packed(LENS_Q, LENS_K, h, hkv, d, dv, seed=1, pad_q=1, pad_k=1)
+
+    def f(q, k, v, s):
+        return flash_attention_varlen(q, k, v, _cu(LENS_Q), _cu(LENS_K), 8, 8,
+                                      learnable_sink=s, return_lse=True, **kwargs)
+
+    (out, lse), vjp = jax.vjp(f, q, k, v, sink)
+    want_out, want_lse, want_grads = per_sequence(q, k, v, LENS_Q, LENS_K, sink, (dout, dlse),
+                                                  **_ref_options(kwargs))
+    _assert_close(out, want_out, "out")
+    _assert_close(lse, want_lse, "lse")
+    for name, got, want in zip(("dq", "dk", "dv", "dsink"), vjp((dout, dlse)), want_grads):
+        _assert_close(got, want, name)
+
+
+def test_new_lengths_do_not_retrace():
+    """cu_seqlens are run-time values: same shapes, other lengths -> no new trace / compile."""
+    h, hkv, d, dv, kwargs, _ = CASES[1]
+    q, k, v, sink, *_ = _packed(LENS_Q, LENS_K, h, hkv, d, dv, seed=2)
+    lens_a, lens_b = (LENS_Q, LENS_K), (LENS_Q[::-1], LENS_K[::-1])  # same totals
+    traces = []
+
+    @jax.jit
+    def step(q, k, v, cu_q, cu_k):
+        traces.append(None)  # runs once per trace
+        return flash_attention_varlen(q, k, v, cu_q, cu_k, 8, 8, learnable_sink=sink, **kwargs)
+
+    for lens_q, lens_k in (lens_a, lens_b, lens_a):
+        out = step(q, k, v, jnp.asarray(_cu(lens_q)), jnp.asarray(_cu(lens_k)))
+        want, _, _ = per_sequence(q, k, v, lens_q, lens_k, sink, **_ref_options(kwargs))
+        _assert_close(out, want, f"out {lens_q} {lens_k}")
+    assert len(traces) == 1
+
+    # Eager calls with host (numpy) cu_seqlens: the inner jit is reused too.
+    flash_attention_varlen(q, k, v, _cu(lens_a[0]), _cu(lens_a[1]), 8, 8, **kwargs)
+    size = varlen._varlen._cache_size()
+    flash_attention_varlen(q, k, v, _cu(lens_b[0]), _cu(lens_b[1]), 8, 8, **kwargs)
+    assert varlen._varlen._cache_size() == size
+
+
+def test_vmap_over_a_leading_axis():
+    lens_q, lens_k = (3, 4), (4, 2)
+    q, k, v, *_ = _packed(lens_q, lens_k, 2, 2, 8, 8, seed=3, pad_q=0, pad_k=0)
+    qs, ks, vs = (jnp.stack([x, -x]) for x in (q, k, v))
+    f = lambda q, k, v: flash_attention_varlen(q, k, v, _cu(lens_q), _cu(lens_k), 4, 4,
+                                               causal=True)
+    out = jax.vmap(f)(qs, ks, vs)
+    for i in range(2):
+        np.testing.assert_allclose(out[i], f(qs[i], ks[i], vs[i]), **TOL)
+
+
+def _bad(q, k, v, cu_q, cu_k, max_q=8, max_k=8, **kwargs):
+    return flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+@pytest.mark.parametrize("mutate, exc, words", [
+    (lambda a: {**a, "q": a["q"][None]}, ValueError, ["q", "rank 3", "(total_q, H, D)"]),
+    (lambda a: {**a, "k": a["k"][..., :4]}, ValueError, ["k head_dim", "8"]),
+    (lambda a: {**a, "v": a["v"][:3]}, ValueError, ["v", "(total_k, Hkv)"]),
+    (lambda a: {**a, "q": a["q"][:, :3]}, ValueError, ["H=3", "Hkv=2"]),
+    (lambda a: {**a, "k": a["k"].astype(jnp.bfloat16)}, TypeError, ["k", "float32"]),
+    (lambda a: {**a, "cu_q": a["cu_q"].astype(np.int64)}, TypeError,
+     ["cu_seqlens_q", "int32", "int64"]),
+    (lambda a: {**a, "cu_k": a["cu_k"][:2]}, ValueError, ["cu_seqlens_q and cu_seqlens_k"]),
+    (lambda a: {**a, "cu_q": a["cu_q"][:1]}, ValueError, ["cu_seqlens_q", "(batch + 1,)"]),
+    (lambda a: {**a, "cu_q": a["cu_q"].tolist()}, TypeError, ["cu_seqlens_q", "list"]),
+    (lambda a: {**a, "cu_q": np.array([0, 5, 3], np.int32)}, ValueError,
+     ["cu_seqlens_q", "non-decreasing"]),
+    (lambda a: {**a, "cu_k": np.array([0, 4, 99], np.int32)}, ValueError,
+     ["cu_seqlens_k[-1] = 99", "exceeds"]),
+    (lambda a: {**a, "max_q": 2}, ValueError, ["cu_seqlens_q", "length 4", "max_seqlen_q = 2"]),
+    (lambda a: {**a, "max_k": jnp.int32(8)}, TypeError, ["max_seqlen_k", "static Python int"]),
+    (lambda a: {**a, "max_k": -1}, ValueError, ["max_seqlen_k", ">= 0"]),
+    (lambda a: {**a, "learnable_sink": jnp.zeros(3)}, ValueError, ["learnable_sink", "(4,)"]),
+    (lambda a: {**a, "window_size": (-1, 0)}, ValueError, ["window_size left"]),
+    (lambda a: {**a, "softcap": -1.0}, ValueError, ["softcap"]),
+    (lambda a: {**a, "implementation": "sm90"}, jax_fa4.ImplementationUnavailableError,
+     ["sm90", "varlen"]),
+])
+def test_bad_inputs_raise_clear_errors(mutate, exc, words):
+    q, k, v, *_ = _packed((4, 2), (3, 4), 4, 2, 8, 8, seed=4, pad_q=0, pad_k=0)
+    args = dict(q=q, k=k, v=v, cu_q=_cu((4, 2)), cu_k=_cu((3, 4)))
+    with pytest.raises(exc) as info:
+        _bad(**mutate(args))
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+# -- segment ids (flash_attention's segment_ids option) ------------------------------------------
+def _segment_inputs(b, sq, sk, h, hkv, d, seed):
+    rng = np.random.default_rng(seed)
+
+    def randn(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32))
+
+    return randn(b, sq, h, d), randn(b, sk, hkv, d), randn(b, sk, hkv, d), randn(b, sq, h, d), \
+        randn(b, h, sq)
+
+
+def _core(q, k, v, segment_ids, **kwargs):
+    opts = api.canonicalize(q, k, v, softmax_scale=None, causal=kwargs.get("causal", False),
+                            window_size=kwargs.get("window_size", (None, None)),
+                            softcap=kwargs.get("softcap", 0.0), implementation=None)
+    return varlen.attention_with_extras(q, k, v, opts,
+                                        segment_ids=varlen.check_segment_ids(segment_ids, q, k))
+
+
+def test_packed_segments_match_per_segment_reference():
+    """Self-attention over contiguous segments (packed documents): each segment alone, forward
+    and gradients, through the naive and blocked reference and the differentiable core."""
+    bounds = [(0, 5, 10, 11, 16), (0, 1, 6, 11, 16)]  # segment edges per row: lengths 1 and 5
+    b, s, h, hkv, d = 2, 16, 4, 2, 8
+    kwargs = dict(causal=True, window_size=(3, None), softcap=3.0)
+    ids = np.zeros((b, s), np.int32)
+    for row, edges in enumerate(bounds):
+        for n, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+            ids[row, lo:hi] = 10 * n + 3  # any int ids
+    q, k, v, dout, dlse = _segment_inputs(b, s, s, h, hkv, d, seed=5)
+    opts = _ref_options(kwargs)
+
+    want_out = np.zeros(q.shape, np.float32)
+    want_lse = np.zeros((b, h, s), np.float32)
+    want = [np.zeros(x.shape, np.float32) for x in (q, k, v)]
+    for row, edges in enumerate(bounds):
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            sl = (slice(row, row + 1), slice(lo, hi))
+            o, l, grads = _ref_vjp(q[sl], k[sl], v[sl], None, dout[sl],
+                                   dlse[row:row + 1, :, lo:hi], **opts)
+            want_out[sl], want_lse[row, :, lo:hi] = o, l[0]
+            for w, g in zip(want, grads):
+                w[sl] = g
+
+    seg = dict(q_segment_ids=jnp.asarray(ids), kv_segment_ids=jnp.asarray(ids))
+    for name, (out, lse) in (
+        ("naive", reference.attention(q, k, v, **opts, **seg)),
+        ("blocked", reference.attention_blocked(q, k, v, block_k=8, **opts, **seg)),
+    ):
+        _assert_close(out, want_out, f"{name} out")
+        _assert_close(lse, want_lse, f"{name} lse")
+    (out, lse), vjp = jax.vjp(lambda q, k, v: _core(q, k, v, jnp.asarray(ids), **kwargs),
+                              q, k, v)
+    _assert_close(out, want_out, "core out")
+    for name, got, w in zip(("dq", "dk", "dv"), vjp((dout, dlse)), want):
+        _assert_close(got, w, f"core {name}")
+    delta = jnp.einsum("bqhd,bqhd->bhq", out, dout, precision="highest") - dlse
+    grads = reference.attention_backward(q, k, v, out, lse, dout, delta=delta, block_k=8,
+                                         **opts, **seg)
+    for name, got, w in zip(("dq", "dk", "dv"), grads, want):
+        _assert_close(got, w, f"blocked backward {name}")
+
+
+def test_arbitrary_segments_match_per_row_oracle():
+    """Interleaved ids and Sq != Sk: a float64 per-row loop, window on whole-sequence positions."""
+    b, sq, sk, h, hkv, d = 2, 7, 10, 2, 1, 8
+    rng = np.random.default_rng(6)
+    q_ids = rng.integers(0, 3, (b, sq)).astype(np.int32)
+    kv_ids = rng.integers(0, 3, (b, sk)).astype(np.int32)
+    q_ids[0, 0] = 7  # an id no key has: 0 output, lse -inf
+    q, k, v, _, _ = _segment_inputs(b, sq, sk, h, hkv, d, seed=7)
+    window = (4, 2)
+    out, lse = _core(q, k, v, (q_ids, kv_ids), window_size=window)
+
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+    for bb in range(b):
+        for i in range(sq):
+            diag = i + sk - sq
+            keys = [j for j in range(sk) if kv_ids[bb, j] == q_ids[bb, i]
+                    and diag - window[0] <= j <= diag + window[1]]
+            for hh in range(h):
+                if not keys:
+                    assert np.isneginf(lse[bb, hh, i]) and (np.asarray(out[bb, i, hh]) == 0).all()
+                    continue
+                s = q64[bb, i, hh] @ k64[bb, keys, 0].T / np.sqrt(d)
+                m = s.max()
+                p = np.exp(s - m)
+                np.testing.assert_allclose(out[bb, i, hh], p @ v64[bb, keys, 0] / p.sum(), **TOL)
+                np.testing.assert_allclose(lse[bb, hh, i], m + np.log(p.sum()), **TOL)
+
+
+def test_segment_ids_checks():
+    q, k, v, _, _ = _segment_inputs(1, 4, 6, 2, 2, 8, seed=8)
+    ok = (np.zeros((1, 4), np.int32), np.zeros((1, 6), np.int32))
+    assert [x.dtype for x in varlen.check_segment_ids(ok, q, k)] == [jnp.int32] * 2
+    with pytest.raises(ValueError, match="single segment_ids array needs Sq == Sk"):
+        varlen.check_segment_ids(ok[0], q, k)
+    with pytest.raises(ValueError, match=r"kv_segment_ids must have shape \(B, Sk\) = \(1, 6\)"):
+        varlen.check_segment_ids((ok[0], ok[0]), q, k)
+    with pytest.raises(TypeError, match="q_segment_ids must have an integer dtype"):
+        varlen.check_segment_ids((ok[0].astype(np.float32), ok[1]), q, k)
+    with pytest.raises(ValueError, match="a pair"):
+        varlen.check_segment_ids((ok[0],), q, k)
+    with pytest.raises(ValueError, match="given together"):
+        reference.visible_mask(4, 6, (None, None), q_segment_ids=jnp.asarray(ok[0]))
+
+
+@pytest.mark.skipif("segment_ids" not in inspect.signature(jax_fa4.flash_attention).parameters,
+                    reason="flash_attention has no segment_ids yet")
+def test_flash_attention_segment_ids():
+    q, k, v, dout, _ = _segment_inputs(2, 8, 8, 2, 2, 8, seed=9)
+    ids = jnp.asarray(np.repeat(np.array([[0, 1], [2, 2]], np.int32), 4, axis=1))
+    f = jax.jit(lambda q, k, v: jax_fa4.flash_attention(q, k, v, causal=True, segment_ids=ids))
+    out, vjp = jax.vjp(f, q, k, v)
+    want, want_vjp = jax.vjp(lambda q, k, v: _core(q, k, v, ids, causal=True)[0], q, k, v)
+    np.testing.assert_allclose(out, want, **TOL)
+    for got, w in zip(vjp(dout), want_vjp(dout)):
+        np.testing.assert_allclose(got, w, **TOL)
