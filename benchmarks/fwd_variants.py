@@ -145,7 +145,6 @@ def _reference_check(out, q, k, v, shape, rows: int) -> dict[str, float]:
 def run(args) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from jax_fa4 import bench
 

@@ -7,6 +7,9 @@ reference that runs everywhere else.
 from jax_fa4.api import AttentionOptions, flash_attention
 from jax_fa4.dispatch import ImplementationUnavailableError
 from jax_fa4.ffi.runtime import export_disabled_safety_checks
+from jax_fa4.paged import flash_attention_paged
+from jax_fa4.ring import ring_attention, unzigzag, zigzag
+from jax_fa4.varlen import flash_attention_varlen
 
 __version__ = "0.1.0"
 
@@ -15,4 +18,18 @@ __all__ = [
     "ImplementationUnavailableError",
     "export_disabled_safety_checks",
     "flash_attention",
+    "flash_attention_paged",
+    "flash_attention_varlen",
+    "ring_attention",
+    "unzigzag",
+    "zigzag",
 ]
+
+
+def __getattr__(name: str):
+    """``jax_fa4.flax`` (the Flax layers) loads on first use: importing Flax is slow."""
+    if name == "flax":
+        import importlib
+
+        return importlib.import_module("jax_fa4.flax")
+    raise AttributeError(f"module 'jax_fa4' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 Nothing here runs a kernel (no Blackwell GPU exists in this project). Each config of
 ``bwd_config.test_configs()`` (every head dim, every mask kind, softcap, GQA, deterministic, fp16)
 is compiled through the binding's own path (``compile_config(config, "sm_100a")``: dynamic B/S/H)
-and its SASS read with /work/shared/tools/cubin_report.py:
+and its SASS read with ../shared/tools/cubin_report.py:
 
   * tcgen05 MMAs (UTCHMMA: 5 GEMMs × their k-blocks), commits (UTCBAR), TMEM loads / stores
     (LDTM / STTM), TMA loads (UTMALDG), the dQ TMA reduce-adds (UTMAREDG), MUFU.EX2 (MUFU.TANH
@@ -37,7 +37,7 @@ from jax_fa4.kernels.sm100.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TMEM
                                               test_configs)
 
 REPO = Path(__file__).resolve().parents[1]
-CUBIN_REPORT = Path("/work/shared/tools/cubin_report.py")
+from compiled import CUBIN_REPORT  # ../shared/tools/cubin_report.py beside the checkout
 ARCH = "sm_100a"
 
 

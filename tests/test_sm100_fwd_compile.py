@@ -4,7 +4,7 @@ Nothing here runs a kernel (no Blackwell GPU exists in this project): it proves 
 traces, lowers and assembles for sm_100a, and that the machine code has the structure the design
 needs. Each config of ``fwd_config.test_configs()`` is compiled through the project's own
 ``compile_config(config, "sm_100a")`` (the binding's path: dynamic B/S/H) and its SASS read with
-/work/shared/tools/cubin_report.py:
+../shared/tools/cubin_report.py:
 
   * tcgen05 MMAs (UTCHMMA for bf16/fp16), tcgen05.commit (UTCBAR), TMEM loads/stores (LDTM/STTM),
     TMA loads and stores (UTMALDG/UTMASTG), MUFU.EX2 *and* the software exp2's FFMA2 polynomial;
@@ -30,7 +30,7 @@ import pytest
 from jax_fa4.ffi.compiler import compiler_available
 from jax_fa4.kernels.sm100.fwd_config import SMEM_LIMIT_BYTES, FwdConfig, shipped_configs, test_configs
 
-CUBIN_REPORT = Path("/work/shared/tools/cubin_report.py")
+from compiled import CUBIN_REPORT  # ../shared/tools/cubin_report.py beside the checkout
 ARCH = "sm_100a"
 
 pytestmark = pytest.mark.skipif(not compiler_available() or not CUBIN_REPORT.exists(),

@@ -2,7 +2,7 @@
 
 Representative variants of the main kernel (every head dim × mask kind, softcap, GQA, fp16) and
 every postprocess are compiled through the binding's own path (``compile_config``: dynamic B/S/H)
-and their cubins inspected with /work/shared/tools/cubin_report.py: HGMMA, TMA loads (UTMALDG),
+and their cubins inspected with ../shared/tools/cubin_report.py: HGMMA, TMA loads (UTMALDG),
 the dQ bulk reduce (UBLKRED), setmaxnreg both ways, no local memory (LDL/STL, stack). Registers,
 shared memory and compile time are printed per variant (``pytest -s``; docs/perf-log-bwd.md).
 
@@ -27,7 +27,7 @@ from jax_fa4.kernels.sm90.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TUNIN
                                              test_variants)
 
 REPO = Path(__file__).resolve().parents[1]
-CUBIN_REPORT = Path("/work/shared/tools/cubin_report.py")
+from compiled import CUBIN_REPORT  # ../shared/tools/cubin_report.py beside the checkout
 ARCH = "sm_90a"
 
 

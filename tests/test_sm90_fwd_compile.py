@@ -10,61 +10,29 @@ Plus CPU-only checks of the pieces whose mistakes would be silent on the GPU:
   * the accumulator views (common/layout.py) against the MMA's own thread/value layouts, for
     every thread: rows/columns of the softmax view, the P register operand of the PV GEMM.
 
-``compile_object(config) -> bytes`` is the one place that compiles: swap it for the project's
-``jax_fa4.ffi.compiler.compile_config(config, arch)`` when that is wired.
+Objects come from the session's ``shipped_cache`` (every shipped variant compiled once through
+the binding's ``compile_config``); the other configs the tests name are compiled on demand.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported
-
+from compiled import compiled_object
 from jax_fa4.kernels.common.block_info import BlockInfo
 from jax_fa4.kernels.sm90.fwd_config import (FwdConfig, TUNING_TABLE, fallback_configs,
                                               option_test_configs)
 
 REPO = Path(__file__).resolve().parents[1]
-CUBIN_REPORT = Path("/work/shared/tools/cubin_report.py")
+from compiled import CUBIN_REPORT  # ../shared/tools/cubin_report.py beside the checkout
 ARCH = "sm_90a"
-
-
-# ------------------------------------------------------------------------------------------------
-# compiling
-# ------------------------------------------------------------------------------------------------
-def _fake_tensor(arg):
-    import cutlass
-    import cutlass.cute as cute
-
-    dtypes = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
-    # a dim is static only where the config fixes it (divisibility == extent, e.g. params' 4);
-    # head dims are symbolic with divisibility = head_dim, like the binding's tensors
-    shape = tuple(s if (d == s and len(arg.sample_shape) == 1) else cute.sym_int(divisibility=d)
-                  for s, d in zip(arg.sample_shape, arg.divisibility))
-    order = tuple(reversed(range(len(shape))))  # row-major: the last dim has stride 1
-    return cute.runtime.make_fake_compact_tensor(dtypes[arg.dtype], shape, stride_order=order,
-                                                 assumed_align=16)
-
-
-def compile_object(config: FwdConfig) -> bytes:
-    """Compile one config for sm_90a and return the object (host code + cubin)."""
-    assert os.environ.get("CUTE_DSL_ARCH") == ARCH
-    import cutlass.cute as cute
-    from cuda.bindings import driver as cuda
-
-    sig = config.signature()
-    args = [_fake_tensor(a) for a in sig.inputs + sig.outputs]
-    compiled = cute.compile(config.make_launcher(), cuda.CUstream(0), *args)
-    return compiled.dump_to_object(config.kernel_name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,14 +81,12 @@ def _id(x):
 
 
 @pytest.mark.parametrize("dtype,d,dv,mask,softcap,overlap", _variants(), ids=_id)
-def test_compiles_with_clean_sass(dtype, d, dv, mask, softcap, overlap, tmp_path):
+def test_compiles_with_clean_sass(dtype, d, dv, mask, softcap, overlap, tmp_path, shipped_cache):
     cfg = FwdConfig.make(dtype, d, dv, mask, softcap, intra_wg_overlap=overlap)
-    t0 = time.perf_counter()
-    obj = compile_object(cfg)
-    seconds = time.perf_counter() - t0
+    obj = compiled_object(shipped_cache, cfg, ARCH)
     r = sass_report(obj, tmp_path)
     ops = r["ops"]
-    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {r.get('reg')}, smem {cfg.smem_bytes()} B, "
+    print(f"\n{cfg.describe()}: regs {r.get('reg')}, smem {cfg.smem_bytes()} B, "
           f"ops {dict(sorted(ops.items()))}")
     assert r["arch"] == ARCH
     assert ops.get("HGMMA", 0) > 0, "no warpgroup MMA in SASS"
@@ -142,15 +108,13 @@ def _option_id(cfg: FwdConfig) -> str:
 
 
 @pytest.mark.parametrize("cfg", option_test_configs(), ids=_option_id)
-def test_v2_options_compile_with_clean_sass(cfg, tmp_path):
+def test_v2_options_compile_with_clean_sass(cfg, tmp_path, shipped_cache):
     """The v2 tuning options (ping-pong, 3 consumer warpgroups, conditional rescaling): the
     representative configs the GPU tests run, with the SASS facts each option must leave."""
-    t0 = time.perf_counter()
-    obj = compile_object(cfg)
-    seconds = time.perf_counter() - t0
+    obj = compiled_object(shipped_cache, cfg, ARCH)
     r = sass_report(obj, tmp_path)
     ops = r["ops"]
-    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {r.get('reg')}, smem {cfg.smem_bytes()} B, "
+    print(f"\n{cfg.describe()}: regs {r.get('reg')}, smem {cfg.smem_bytes()} B, "
           f"setmaxnreg {r['setmaxnreg']}, ops {dict(sorted(ops.items()))}")
     assert r["arch"] == ARCH
     assert ops.get("HGMMA", 0) > 0 and ops.get("UTMALDG", 0) > 0 and ops.get("UTMASTG", 0) > 0
@@ -173,14 +137,6 @@ def test_v2_options_compile_with_clean_sass(cfg, tmp_path):
     assert (ops["VOTE.ANY"] > 0) == (cfg.rescale_threshold > 0)
     assert (ops["MUFU.TANH"] > 0) == cfg.has_softcap
     assert ops["STSM"] > 0 and ops.get("MUFU.EX2", 0) > 0
-
-
-def test_compiles_through_the_binding_path():
-    """The project's compile function (cutlass.jax jit_wrapper tensors) accepts the launcher."""
-    from jax_fa4.ffi.compiler import compile_config
-
-    compiled = compile_config(FwdConfig.make("bfloat16", 128, 128, "causal"), ARCH)
-    assert b"\x7fELF" in bytes(compiled.object_bytes)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -557,7 +557,7 @@ class FlashAttentionBackwardSm100:
                       s_full, p_full, dp_full, ds_full, ds_empty, dkv_full, head: Int32,
                       head_kv: Int32, batch: Int32, n_block: Int32, m_min: Int32, count: Int32,
                       blocks: BwdBlocks, tidx: Int32, warp_idx: Int32):
-        tm, tn, D, Dv = self.tile_m, self.tile_n, self.hdim, self.hdimv
+        tm, tn = self.tile_m, self.tile_n
         cw = self.cols_per_wg
         wg = (warp_idx - COMPUTE_WARPS[0]) // 4  # 0 or 1: query columns [cw·wg, cw·wg + cw)
         lane_row = tidx % 128  # this thread's key row (TMEM lane)

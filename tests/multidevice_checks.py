@@ -1,0 +1,198 @@
+"""Multi-device checks on a CPU with 4 simulated devices, run in a subprocess by the tests.
+
+    python tests/multidevice_checks.py sharding|ring
+
+The test process has already initialised JAX with one CPU device, so these checks run in a fresh
+interpreter with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (set below, before JAX is
+imported). Each suite prints one JSON object: check name -> measurements (errors, collectives in
+the compiled HLO, shardings, error messages); ``tests/test_sharding.py`` and
+``tests/test_ring.py`` assert on them.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=4").strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_fa4  # noqa: E402
+from jax_fa4 import ring  # noqa: E402
+
+COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
+
+
+def collectives(hlo: str) -> dict[str, list[str]]:
+    """Result shapes of each collective in compiled HLO text, e.g. {"all-reduce": ["f32[]"]}."""
+    found: dict[str, list[str]] = {}
+    for op in COLLECTIVES:
+        shapes = re.findall(rf"^\s*\S+ = (.+?) {op}(?:-start)?\(", hlo, re.M)
+        if shapes:
+            found[op] = shapes
+    return found
+
+
+def qkv(b=4, s=32, h=4, hkv=2, d=16, dtype=jnp.float32, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (b, s, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.float32).astype(dtype)
+    ct = jax.random.normal(ks[3], (b, s, h, d), jnp.float32).astype(dtype)
+    return q, k, v, ct
+
+
+def max_err(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+
+
+# -- flash_attention under jit with sharded inputs ---------------------------------------------
+def _sharded_case(mesh, spec, *, kv_spec=None, b=4, h=4, hkv=2, dtype=jnp.float32,
+                  **options) -> dict:
+    q, k, v, ct = qkv(b=b, h=h, hkv=hkv, dtype=dtype)
+
+    def attn(q, k, v):
+        return jax_fa4.flash_attention(q, k, v, **options)
+
+    def loss(q, k, v):
+        return jnp.sum(attn(q, k, v).astype(jnp.float32) * ct.astype(jnp.float32))
+
+    kv_spec = spec if kv_spec is None else kv_spec
+    placed = [jax.device_put(x, NamedSharding(mesh, s))
+              for x, s in ((q, spec), (k, kv_spec), (v, kv_spec))]
+    fwd = jax.jit(attn).lower(*placed).compile()
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*placed).compile()
+    out = fwd(*placed)
+    grads = grad(*placed)
+    want_out = jax.jit(attn)(q, k, v)
+    want_grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    return {
+        "out_err": max_err(out, want_out),
+        "grad_err": max(max_err(g, w) for g, w in zip(grads, want_grads)),
+        "scale": max(float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+                     for x in (want_out, *want_grads)),
+        "dtype": jnp.dtype(dtype).name,
+        "out_spec": str(out.sharding.spec),
+        "grad_specs": [str(g.sharding.spec) for g in grads],
+        "fwd_collectives": collectives(fwd.as_text()),
+        "grad_collectives": collectives(grad.as_text()),
+    }
+
+
+def sharding_suite() -> dict:
+    auto = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    heads4 = jax.make_mesh((4,), ("model",), axis_types=(AxisType.Auto,))
+    bshd = P("data", None, "model", None)
+    out = {
+        "batch_and_heads_gqa": lambda: _sharded_case(auto, bshd, causal=True),
+        "batch_and_heads_mha_options": lambda: _sharded_case(
+            auto, bshd, hkv=4, window_size=(5, 3), softcap=2.0, softmax_scale=0.3),
+        "batch_only": lambda: _sharded_case(auto, P(("data", "model"))),
+        "heads_only_bf16": lambda: _sharded_case(heads4, P(None, None, "model", None),
+                                                 h=8, hkv=4, dtype=jnp.bfloat16, causal=True),
+        # H=8 over 4 devices with Hkv=2: heads cannot split consistently, so they replicate.
+        "heads_indivisible_gqa": lambda: _sharded_case(heads4, P(None, None, "model", None),
+                                                       kv_spec=P(), h=8, hkv=2),
+        "mqa_heads": lambda: _sharded_case(auto, bshd, kv_spec=P("data"), hkv=1),
+        "seq_sharded_auto": lambda: _sharded_case(auto, P(None, "data", None, None),
+                                                  causal=True),
+        "vmap": lambda: _vmap_case(auto, P(None, "data", None, "model", None)),
+        "vmap_sharded_mapped_axis": lambda: _vmap_case(auto, P("data", None, None, "model")),
+        "explicit_batch_heads": lambda: _explicit_case(bshd),
+        "explicit_seq_raises": lambda: _explicit_case(P(None, "data", None, None)),
+    }
+    return {name: _run(fn) for name, fn in out.items()}
+
+
+def _vmap_case(mesh, spec) -> dict:
+    q, k, v, _ = qkv(b=2)
+    stack = lambda x: jnp.stack([x, 2 * x])  # noqa: E731
+    qs, ks, vs = (stack(x) for x in (q, k, v))
+    f = jax.jit(jax.vmap(lambda q, k, v: jax_fa4.flash_attention(q, k, v, causal=True)))
+    sh = NamedSharding(mesh, spec)
+    placed = [jax.device_put(x, sh) for x in (qs, ks, vs)]
+    return {"out_err": max_err(f(*placed), f(qs, ks, vs)),
+            "fwd_collectives": collectives(f.lower(*placed).compile().as_text())}
+
+
+def _explicit_case(spec) -> dict:
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    q, k, v, _ = qkv()
+    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda q, k, v: jax_fa4.flash_attention(q, k, v))(*placed)
+    return {"out_err": max_err(out, jax_fa4.flash_attention(q, k, v)),
+            "out_spec": str(out.sharding.spec)}
+
+
+# -- ring attention ----------------------------------------------------------------------------
+def _ring_case(*, causal: bool, layout: str = "zigzag", h=4, hkv=2, s=64, softcap=0.0,
+               dtype=jnp.float32) -> dict:
+    n = 4
+    mesh = jax.make_mesh((n,), ("sp",), axis_types=(AxisType.Auto,))
+    q, k, v, ct = qkv(b=2, s=s, h=h, hkv=hkv, dtype=dtype, seed=1)
+    zz = causal and layout == "zigzag"
+    to = (lambda x, axis=1: ring.zigzag(x, n, axis=axis)) if zz else (lambda x, axis=1: x)
+    back = (lambda x, axis=1: ring.unzigzag(x, n, axis=axis)) if zz else (lambda x, axis=1: x)
+    f = jax.shard_map(
+        lambda q, k, v: ring.ring_attention(q, k, v, axis_name="sp", causal=causal,
+                                            layout=layout, softcap=softcap, return_lse=True),
+        mesh=mesh, in_specs=P(None, "sp"), out_specs=(P(None, "sp"), P(None, None, "sp")))
+
+    def ring_fn(q, k, v):
+        out, lse = f(to(q), to(k), to(v))
+        return back(out), back(lse, axis=2)
+
+    def flash_fn(q, k, v):
+        return jax_fa4.flash_attention(q, k, v, causal=causal, softcap=softcap, return_lse=True)
+
+    def loss(fn):  # cotangents on both out and lse
+        def g(q, k, v):
+            out, lse = fn(q, k, v)
+            return (jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+                    + jnp.sum(jnp.sin(lse)))
+        return g
+
+    out, lse = jax.jit(ring_fn)(q, k, v)
+    want_out, want_lse = jax.jit(flash_fn)(q, k, v)
+    grad = jax.jit(jax.grad(loss(ring_fn), argnums=(0, 1, 2))).lower(q, k, v).compile()
+    grads = grad(q, k, v)
+    want = jax.jit(jax.grad(loss(flash_fn), argnums=(0, 1, 2)))(q, k, v)
+    hlo = grad.as_text()
+    return {"out_err": max_err(out, want_out), "lse_err": max_err(lse, want_lse),
+            "grad_errs": [max_err(g, w) for g, w in zip(grads, want)],
+            "grad_scale": max(float(jnp.max(jnp.abs(w.astype(jnp.float32)))) for w in want),
+            "collectives": sorted(collectives(hlo))}
+
+
+def ring_suite() -> dict:
+    cases = {
+        "noncausal": lambda: _ring_case(causal=False),
+        "causal_zigzag": lambda: _ring_case(causal=True),
+        "causal_contiguous": lambda: _ring_case(causal=True, layout="contiguous"),
+        "causal_zigzag_mqa_softcap": lambda: _ring_case(causal=True, hkv=1, softcap=3.0),
+        "noncausal_mha_bf16": lambda: _ring_case(causal=False, hkv=4, dtype=jnp.bfloat16),
+    }
+    return {name: _run(fn) for name, fn in cases.items()}
+
+
+def _run(fn) -> dict:
+    try:
+        return fn()
+    except Exception as e:  # reported to the test, which decides whether it was expected
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+
+
+if __name__ == "__main__":
+    suite = {"sharding": sharding_suite, "ring": ring_suite}[sys.argv[1]]
+    print("RESULT " + json.dumps(suite()))

@@ -1,0 +1,267 @@
+"""jax_fa4.flax: the NNX and Linen modules and the attention_fn, against plain JAX and Flax."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_fa4
+from jax_fa4.flax import AttentionFn, LinenMultiHeadAttention, MultiHeadAttention, attention_fn
+
+TOL = 2e-5
+F, B, S = 32, 2, 12
+
+
+def _x(seed=1, shape=(B, S, F)):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def plain_attention_layer(w, x, *, heads, kv_heads, causal=False, window=(None, None),
+                          softcap=0.0, mask=None):
+    """The layer written out in plain JAX: projections, softmax attention, output projection.
+
+    ``w`` maps query/key/value/out to (kernel, bias); kernels (F, heads, D) and (H, D, F).
+    """
+    proj = lambda name, t: jnp.einsum("bsf,fhd->bshd", t, w[name][0]) + w[name][1]  # noqa: E731
+    q, k, v = proj("query", x), proj("key", x), proj("value", x)
+    k, v = (jnp.repeat(t, heads // kv_heads, axis=2) for t in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    i, j = np.arange(x.shape[1])[:, None], np.arange(x.shape[1])[None, :]
+    visible = np.ones((x.shape[1],) * 2, bool)
+    left, right = (None, 0) if causal else window
+    if left is not None:
+        visible &= j >= i - left
+    if right is not None:
+        visible &= j <= i + right
+    if mask is not None:
+        visible = visible & mask
+    p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+    o = jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return jnp.einsum("bqhd,hdf->bqf", o, w["out"][0]) + w["out"][1]
+
+
+def nnx_weights(m):
+    return {n: (getattr(m, n).kernel[...], getattr(m, n).bias[...])
+            for n in ("query", "key", "value", "out")}
+
+
+def linen_weights(params):
+    p = params["params"]
+    return {n: (p[n]["kernel"], p[n]["bias"]) for n in ("query", "key", "value", "out")}
+
+
+def close(a, b, tol=TOL):
+    err = float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+    assert err <= tol, err
+
+
+LAYERS = [
+    dict(heads=4, kv_heads=4),
+    dict(heads=4, kv_heads=2, causal=True),
+    dict(heads=4, kv_heads=1, window=(3, 1)),
+    dict(heads=2, kv_heads=2, causal=True, softcap=5.0),
+]
+
+
+# -- NNX ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layer", LAYERS)
+def test_nnx_module_matches_plain_jax_forward_and_gradients(layer):
+    m = MultiHeadAttention(num_heads=layer["heads"], in_features=F,
+                           num_kv_heads=layer["kv_heads"], causal=layer.get("causal", False),
+                           window_size=layer.get("window", (None, None)),
+                           softcap=layer.get("softcap", 0.0), decode=False, rngs=nnx.Rngs(0))
+    x = _x()
+    plain = lambda w, x: plain_attention_layer(  # noqa: E731
+        w, x, heads=layer["heads"], kv_heads=layer["kv_heads"],
+        causal=layer.get("causal", False), window=layer.get("window", (None, None)),
+        softcap=layer.get("softcap", 0.0))
+    close(nnx.jit(lambda m, x: m(x))(m, x), plain(nnx_weights(m), x))
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(jnp.sin(m(x)))))(m)
+    want = jax.jit(jax.grad(lambda w: jnp.sum(jnp.sin(plain(w, x)))))(nnx_weights(m))
+    for name in ("query", "key", "value", "out"):
+        close(getattr(grads, name).kernel[...], want[name][0], 1e-4)
+        close(getattr(grads, name).bias[...], want[name][1], 1e-4)
+
+
+def test_nnx_module_is_a_drop_in_for_flax_module():
+    kw = dict(num_heads=4, in_features=F, qkv_features=16, out_features=24, num_kv_heads=2,
+              decode=False)
+    ours = MultiHeadAttention(**kw, rngs=nnx.Rngs(3))
+    theirs = nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(3))
+    x, kv = _x(), _x(2, (B, 7, F))
+    # Same parameters (names, shapes, values), same outputs, self- and cross-attention.
+    assert (jax.tree.map(jnp.shape, nnx.state(ours, nnx.Param))
+            == jax.tree.map(jnp.shape, nnx.state(theirs, nnx.Param)))
+    close(ours(x, is_causal=True), theirs(x, is_causal=True))
+    close(ours(x, kv), theirs(x, kv))
+
+
+def test_nnx_module_jits_and_runs_bfloat16():
+    m = MultiHeadAttention(num_heads=4, in_features=F, causal=True, dtype=jnp.bfloat16,
+                           decode=False, rngs=nnx.Rngs(0))
+    y = nnx.jit(lambda m, x: m(x))(m, _x())
+    assert y.dtype == jnp.bfloat16 and y.shape == (B, S, F)
+    ref = MultiHeadAttention(num_heads=4, in_features=F, causal=True, decode=False,
+                             rngs=nnx.Rngs(0))(_x())
+    close(y, ref, 0.1)
+
+
+def test_nnx_decode_matches_full_causal_attention():
+    kw = dict(num_heads=4, in_features=F, num_kv_heads=2, causal=True)
+    full = MultiHeadAttention(**kw, decode=False, rngs=nnx.Rngs(0))
+    step = MultiHeadAttention(**kw, decode=True, rngs=nnx.Rngs(0))
+    x = _x()
+    step.init_cache(x.shape)
+    close(jnp.concatenate([step(x[:, i:i + 1]) for i in range(S)], axis=1), full(x))
+
+
+# -- Linen -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layer", LAYERS)
+def test_linen_module_matches_plain_jax(layer):
+    m = LinenMultiHeadAttention(num_heads=layer["heads"], num_kv_heads=layer["kv_heads"],
+                                causal=layer.get("causal", False),
+                                window_size=layer.get("window", (None, None)),
+                                softcap=layer.get("softcap", 0.0))
+    x = _x()
+    params = m.init(jax.random.key(0), x)
+    assert params["params"]["key"]["kernel"].shape == (F, layer["kv_heads"], F // layer["heads"])
+    close(m.apply(params, x), plain_attention_layer(
+        linen_weights(params), x, heads=layer["heads"], kv_heads=layer["kv_heads"],
+        causal=layer.get("causal", False), window=layer.get("window", (None, None)),
+        softcap=layer.get("softcap", 0.0)))
+
+
+def test_linen_module_is_a_drop_in_for_flax_module():
+    x = _x()
+    ours = LinenMultiHeadAttention(num_heads=4, qkv_features=16, causal=True)
+    params = ours.init(jax.random.key(0), x)
+    theirs = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=16)
+    assert (jax.tree.map(jnp.shape, params)
+            == jax.tree.map(jnp.shape, theirs.init(jax.random.key(0), x)))
+    close(ours.apply(params, x),
+          theirs.apply(params, x, mask=nn.make_causal_mask(jnp.ones((B, S)))))
+
+
+def test_linen_decode_matches_full_causal_attention():
+    m = LinenMultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True, decode=True)
+    x = _x()
+    variables = m.init(jax.random.key(0), x)
+    cache, outs = variables["cache"], []
+    for i in range(S):
+        y, updates = m.apply({"params": variables["params"], "cache": cache}, x[:, i:i + 1],
+                             mutable=["cache"])
+        cache = updates["cache"]
+        outs.append(y)
+    full = LinenMultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True)
+    close(jnp.concatenate(outs, axis=1), full.apply({"params": variables["params"]}, x))
+
+
+# -- attention_fn in Flax's own modules --------------------------------------------------------
+def test_attention_fn_inside_nnx_multi_head_attention():
+    kw = dict(num_heads=4, in_features=F, num_kv_heads=2, decode=False)
+    theirs = nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(0))
+    ours = nnx.MultiHeadAttention(**kw, attention_fn=attention_fn, rngs=nnx.Rngs(0))
+    x = _x()
+    close(ours(x), theirs(x))
+    close(ours(x, is_causal=True), theirs(x, is_causal=True))
+    windowed = nnx.MultiHeadAttention(**kw, attention_fn=AttentionFn(window_size=(2, 0)),
+                                      rngs=nnx.Rngs(0))
+    close(windowed(x), plain_attention_layer(nnx_weights(theirs), x, heads=4, kv_heads=2,
+                                             window=(2, 0)))
+
+
+def test_attention_fn_inside_linen_module():
+    x = _x()
+    theirs = nn.MultiHeadDotProductAttention(num_heads=4)
+    params = theirs.init(jax.random.key(0), x)
+    ours = nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=AttentionFn(causal=True))
+    close(ours.apply(params, x),
+          theirs.apply(params, x, mask=nn.make_causal_mask(jnp.ones((B, S)))))
+
+
+def _qkv(lead=(B,), sq=S, sk=S, h=4, hkv=2, d=8):
+    ks = jax.random.split(jax.random.key(5), 3)
+    return (jax.random.normal(ks[0], (*lead, sq, h, d)),
+            jax.random.normal(ks[1], (*lead, sk, hkv, d)),
+            jax.random.normal(ks[2], (*lead, sk, hkv, d)))
+
+
+@pytest.mark.parametrize("lead", [(), (B,), (2, 3)])
+def test_attention_fn_batch_dims(lead):
+    q, k, v = _qkv(lead)
+    got = jax.jit(lambda q, k, v: attention_fn(q, k, v, is_causal=True))(q, k, v)
+    want = jax.jit(lambda q, k, v: nnx.dot_product_attention(q, k, v, is_causal=True))(q, k, v)
+    assert got.shape == want.shape
+    close(got, want)
+
+
+def test_mask_and_bias_fall_back_to_masked_attention():
+    q, k, v = _qkv(sk=9)
+    pad = jnp.arange(9) < jnp.array([9, 5])[:, None]  # (B, Sk): key padding
+    mask = nnx.make_attention_mask(jnp.ones((B, S), bool), pad, dtype=bool)  # (B, 1, Sq, Sk)
+    bias = jax.random.normal(jax.random.key(7), (1, 4, S, 9))
+    ours = jax.jit(lambda q, k, v, bias, mask: attention_fn(q, k, v, bias=bias, mask=mask))
+    flax_ = jax.jit(lambda q, k, v, bias, mask: nnx.dot_product_attention(q, k, v, bias=bias,
+                                                                          mask=mask))
+    close(ours(q, k, v, None, mask), flax_(q, k, v, None, mask))
+    close(ours(q, k, v, bias, mask), flax_(q, k, v, bias, mask))
+    qs, ks, vs = _qkv()
+    causal = nnx.make_causal_mask(jnp.ones((B, S)))
+    close(ours(qs, ks, vs, None, causal), attention_fn(qs, ks, vs, is_causal=True))
+    # Gradients flow through the fallback.
+    g = jax.jit(jax.grad(lambda q: jnp.sum(ours(q, k, v, bias, mask))))(q)
+    g0 = jax.jit(jax.grad(lambda q: jnp.sum(flax_(q, k, v, bias, mask))))(q)
+    close(g, g0, 1e-4)
+
+
+def test_fallback_rows_with_no_visible_key_are_zero():
+    q, k, v = _qkv()
+    mask = jnp.ones((B, 1, S, S), bool).at[:, :, 3].set(False)
+    out = attention_fn(q, k, v, mask=mask)
+    assert jnp.all(out[:, 3] == 0) and bool(jnp.all(jnp.isfinite(out)))
+
+
+# -- what cannot be honoured raises ------------------------------------------------------------
+def test_unsupported_features_raise_clear_errors():
+    q, k, v = _qkv()
+    mask = jnp.ones((B, 1, S, S), bool)
+    cases = [
+        (lambda: attention_fn(q, k, v, dropout_rate=0.1, deterministic=False),
+         NotImplementedError, "dropout"),
+        (lambda: AttentionFn(on_mask="raise")(q, k, v, mask=mask), ValueError, "is_causal"),
+        (lambda: attention_fn(q, k, v, module=object()), ValueError, "sow_weights"),
+        (lambda: attention_fn(q, k, v, input_positions=jnp.arange(S)), TypeError, "RoPE"),
+        (lambda: AttentionFn(on_mask="ignore"), ValueError, "on_mask"),
+        (lambda: MultiHeadAttention(num_heads=4, in_features=F, attention_fn=attention_fn,
+                                    rngs=nnx.Rngs(0)), TypeError, "attention_fn"),
+        (lambda: MultiHeadAttention(num_heads=4, in_features=F, window_size=(-2, 0),
+                                    rngs=nnx.Rngs(0)), ValueError, "window_size"),
+        (lambda: LinenMultiHeadAttention(num_heads=4, softcap=-1.0).init(
+            jax.random.key(0), _x()), ValueError, "softcap"),
+    ]
+    for fn, exc, word in cases:
+        with pytest.raises(exc, match=word):
+            fn()
+    # Dropout configured but off (deterministic) is fine.
+    m = MultiHeadAttention(num_heads=4, in_features=F, dropout_rate=0.1, decode=False,
+                           rngs=nnx.Rngs(0))
+    assert m(_x(), deterministic=True).shape == (B, S, F)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        m(_x(), deterministic=False)
+    windowed = MultiHeadAttention(num_heads=4, in_features=F, window_size=(4, 0), decode=True,
+                                  rngs=nnx.Rngs(0))
+    windowed.init_cache((B, S, F))
+    with pytest.raises(ValueError, match="window_size"):
+        windowed(_x()[:, :1])
+
+
+def test_flax_layers_load_lazily_from_the_package():
+    assert jax_fa4.flax.MultiHeadAttention is MultiHeadAttention

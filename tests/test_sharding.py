@@ -1,0 +1,136 @@
+"""flash_attention under jax.jit with sharded inputs: each device runs its own shard.
+
+The multi-device checks run in a subprocess with 4 simulated CPU devices
+(``tests/multidevice_checks.py sharding``): this process has already initialised JAX with one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_fa4
+from jax_fa4 import sharding
+
+CHECKS = pathlib.Path(__file__).with_name("multidevice_checks.py")
+TOL = 1e-5
+
+
+def run_suite(name: str) -> dict:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(CHECKS), name], capture_output=True, text=True,
+                          env=env, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise AssertionError(f"{CHECKS.name} {name} failed:\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def suite():
+    return run_suite("sharding")
+
+
+def _ok(result: dict) -> dict:
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    return result
+
+
+@pytest.mark.parametrize("case, spec", [
+    ("batch_and_heads_gqa", "P('data', None, 'model', None)"),
+    ("batch_and_heads_mha_options", "P('data', None, 'model', None)"),
+    ("batch_only", "P(('data', 'model'),)"),
+    ("heads_only_bf16", "P(None, None, 'model', None)"),
+])
+def test_batch_and_head_sharding_needs_no_communication(suite, case, spec):
+    r = _ok(suite[case])
+    # No collective at all in the forward; in the backward nothing but the loss's scalar sum.
+    assert r["fwd_collectives"] == {}, r["fwd_collectives"]
+    assert set(r["grad_collectives"]) <= {"all-reduce"}, r["grad_collectives"]
+    assert all(s.startswith("f32[]") for s in r["grad_collectives"].get("all-reduce", []))
+    assert r["out_spec"] == spec
+    assert r["grad_specs"] == [spec] * 3  # dq, dk, dv keep the inputs' sharding
+    # float32: the same arithmetic; bfloat16: XLA may fuse the unsharded program differently.
+    tol = TOL if r["dtype"] == "float32" else 2 ** -7 * max(1.0, r["scale"])
+    assert r["out_err"] <= tol and r["grad_err"] <= tol, r
+
+
+def test_vmapped_axes_stay_sharded(suite):
+    for case in ("vmap", "vmap_sharded_mapped_axis"):
+        r = _ok(suite[case])
+        assert r["fwd_collectives"] == {}, (case, r["fwd_collectives"])
+        assert r["out_err"] <= TOL
+
+
+@pytest.mark.parametrize("case", ["heads_indivisible_gqa", "mqa_heads"])
+def test_heads_that_cannot_split_like_kv_heads_are_replicated(suite, case):
+    # q heads split n ways but Hkv not divisible by n: q is gathered, results stay right.
+    r = _ok(suite[case])
+    assert "all-gather" in r["fwd_collectives"]
+    assert r["out_err"] <= TOL and r["grad_err"] <= TOL
+
+
+def test_sequence_sharding_is_replicated_under_auto_axes(suite):
+    r = _ok(suite["seq_sharded_auto"])
+    assert "all-gather" in r["fwd_collectives"]  # documented: gathered, never wrong
+    assert r["out_err"] <= TOL and r["grad_err"] <= TOL
+
+
+def test_explicit_axes_keep_batch_and_heads_and_reject_sequence(suite):
+    r = _ok(suite["explicit_batch_heads"])
+    assert r["out_spec"] == "P('data', None, 'model', None)" and r["out_err"] <= TOL
+    err = suite["explicit_seq_raises"]["error"]
+    assert err.startswith("ValueError") and "ring_attention" in err and "shard_map" in err
+
+
+# -- single device: the operations are inlined, everything else unchanged ----------------------
+def _qkv(b=2, s=16, h=4, hkv=2, d=8):
+    ks = jax.random.split(jax.random.key(0), 3)
+    return (jax.random.normal(ks[0], (b, s, h, d)), jax.random.normal(ks[1], (b, s, hkv, d)),
+            jax.random.normal(ks[2], (b, s, hkv, d)))
+
+
+def test_forward_and_backward_are_partitionable_operations():
+    q, k, v = _qkv()
+    jaxpr = jax.make_jaxpr(jax.grad(lambda q, k, v: jax_fa4.flash_attention(q, k, v).sum(),
+                                    argnums=(0, 1, 2)))(q, k, v)
+    text = str(jaxpr)
+    assert "jax_fa4_attention_fwd" in text and "jax_fa4_attention_bwd" in text
+
+
+def test_single_device_lowering_has_no_partitioning_call():
+    q, k, v = _qkv()
+    hlo = jax.jit(lambda q, k, v: jax_fa4.flash_attention(q, k, v)).lower(q, k, v).as_text()
+    assert "CustomSPMDPartitioning" not in hlo
+
+
+def test_nested_vmap_adds_leading_batch_dims():
+    q, k, v = _qkv()
+    stack = lambda x: jnp.stack([jnp.stack([x, -x]), jnp.stack([2 * x, x])])  # noqa: E731
+    f = jax.vmap(jax.vmap(lambda q, k, v: jax_fa4.flash_attention(q, k, v, causal=True)))
+    got = f(stack(q), stack(k), stack(v))
+    want = jax_fa4.flash_attention(stack(q).reshape(-1, *q.shape[1:]),
+                                   stack(k).reshape(-1, *k.shape[1:]),
+                                   stack(v).reshape(-1, *v.shape[1:]), causal=True)
+    assert got.shape == (2, 2, *q.shape)
+    assert jnp.allclose(got.reshape(want.shape), want, atol=1e-6)
+
+
+def test_sharding_rule_replicates_sequence_and_head_dim():
+    types = [SimpleNamespace(shape=s) for s in ((3, 2, 16, 4, 8), (3, 2, 16, 2, 8),
+                                                (3, 2, 16, 2, 8))]  # one vmapped axis
+    rule = sharding._forward_rule(None, None, types, None)
+    assert set(rule.need_replication_factors) == {"sq", "sk", "d", "dv"}
+    assert rule.operand_mappings[0] == ("b0", "b1", "sq", "h", "d")
+    assert rule.operand_mappings[1] == ("b0", "b1", "sk", "hkv", "d")
+    assert rule.result_mappings == (("b0", "b1", "sq", "h", "dv"), ("b0", "b1", "h", "sq"))
