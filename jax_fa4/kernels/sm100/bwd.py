@@ -65,10 +65,11 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from jax_fa4.kernels.common.convert import cvt_pack_f32x2
 from jax_fa4.kernels.common.layout import select_modes
+from jax_fa4.kernels.common.views import seq_major
 from jax_fa4.kernels.sm100.bwd_blocks import BwdBlocks
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
-from jax_fa4.kernels.sm100.flash_fwd import cvt_pack_f32x2
 
 LOG2_E = math.log2(math.e)
 _FLT_MIN_NORMAL = 1.1754943508222875e-38  # 2**-126
@@ -141,13 +142,6 @@ class FlashAttentionBackwardSm100:
     # ---------------------------------------------------------------------------------------------
     # Host side
     # ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def _seq_major(t: cute.Tensor, d: int) -> cute.Tensor:
-        """(B, S, H, D) row-major -> (S, D, H, B) view with the head dim's extent static."""
-        layout = cute.make_layout((t.shape[1], d, t.shape[2], t.shape[0]),
-                                  stride=(t.stride[1], 1, t.stride[2], t.stride[0]))
-        return cute.make_tensor(t.iterator, layout)
-
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mParams: cute.Tensor,
@@ -164,8 +158,8 @@ class FlashAttentionBackwardSm100:
                 raise TypeError(f"{name} must be float32")
         D, Dv, tm, tn = self.hdim, self.hdimv, self.tile_m, self.tile_n
         dt = self.dtype
-        mQ, mK, mdK = self._seq_major(mQ, D), self._seq_major(mK, D), self._seq_major(mdK, D)
-        mV, mdO, mdV = self._seq_major(mV, Dv), self._seq_major(mdO, Dv), self._seq_major(mdV, Dv)
+        mQ, mK, mdK = seq_major(mQ, D), seq_major(mK, D), seq_major(mdK, D)
+        mV, mdO, mdV = seq_major(mV, Dv), seq_major(mdO, Dv), seq_major(mdV, Dv)
         mLSE, mDelta = [select_modes(t, (2, 1, 0)) for t in (mLSE, mDelta)]  # (Sq, H, B)
         # dq_accum (B, H, Sq_pad·D) -> (Sq_pad, D, H, B), row-major rows of D floats
         mdQacc = cute.make_tensor(mdQacc.iterator, cute.make_layout(

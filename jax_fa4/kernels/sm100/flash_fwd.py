@@ -50,12 +50,12 @@ import cutlass.cute as cute
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass.cutlass_dsl import T, dsl_user_op
 
+from jax_fa4.kernels.common.convert import cvt_pack_f32x2
 from jax_fa4.kernels.common.exp2 import exp2_sw_x2
 from jax_fa4.kernels.common.layout import select_modes
+from jax_fa4.kernels.common.views import dim_major, seq_major
 from jax_fa4.kernels.sm100 import tile_order
 from jax_fa4.kernels.sm100.fwd_config import FwdConfig
 
@@ -72,20 +72,6 @@ class Barrier(enum.IntEnum):
     TMEM_ALLOC = 1  # softmax warps + MMA warp: TMEM pointer published
     TMEM_DEALLOC = 2  # softmax warps + MMA warp: every TMEM access done
     EPILOGUE = 3  # softmax warps: O staged in shared memory / previous TMA store drained
-
-
-@dsl_user_op
-def cvt_pack_f32x2(a: Float32, b: Float32, to_bf16: bool, *, loc=None, ip=None) -> Int32:
-    """Two f32 -> one 32-bit register holding (a, b) as bf16x2 / f16x2 (a in the low half)."""
-    kind = "bf16x2" if to_bf16 else "f16x2"
-    return Int32(llvm.inline_asm(
-        T.i32(),
-        [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-        f"cvt.rn.{kind}.f32 $0, $2, $1;",
-        "=r,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip,
-    ))
 
 
 def exp2_is_software(i: int, per_32: int) -> bool:
@@ -119,20 +105,6 @@ class FlashAttentionForwardSm100:
     # ---------------------------------------------------------------------------------------------
     # Host side: views, layouts, TMA atoms, launch
     # ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def _seq_major(t: cute.Tensor, d: int) -> cute.Tensor:
-        """(B, S, H, D) row-major -> (S, D, H, B) view with the head dim's extent static."""
-        layout = cute.make_layout((t.shape[1], d, t.shape[2], t.shape[0]),
-                                  stride=(t.stride[1], 1, t.stride[2], t.stride[0]))
-        return cute.make_tensor(t.iterator, layout)
-
-    @staticmethod
-    def _dim_major(t: cute.Tensor, d: int) -> cute.Tensor:
-        """(B, S, H, D) row-major -> (D, S, H, B) view (V as the MN-major B operand of P·V)."""
-        layout = cute.make_layout((d, t.shape[1], t.shape[2], t.shape[0]),
-                                  stride=(1, t.stride[1], t.stride[2], t.stride[0]))
-        return cute.make_tensor(t.iterator, layout)
-
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mParams: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
@@ -142,8 +114,8 @@ class FlashAttentionForwardSm100:
         if const_expr(mLSE.element_type != Float32 or mParams.element_type != Float32):
             raise TypeError("lse and params must be float32")
         D, Dv = self.hdim, self.hdimv
-        mQ, mK = self._seq_major(mQ, D), self._seq_major(mK, D)
-        mV, mO = self._dim_major(mV, Dv), self._seq_major(mO, Dv)
+        mQ, mK = seq_major(mQ, D), seq_major(mK, D)
+        mV, mO = dim_major(mV, Dv), seq_major(mO, Dv)
         mLSE = select_modes(mLSE, (2, 1, 0))  # (Sq, H, B)
 
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN

@@ -47,10 +47,12 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from jax_fa4.kernels.common.convert import convert_f32_pairs
 from jax_fa4.kernels.common.layout import acc_view_mn, select_modes, transpose_mn
+from jax_fa4.kernels.common.views import seq_major
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig
 
 LOG2_E = math.log2(math.e)
@@ -71,28 +73,6 @@ _MMA_REGS, _PRODUCER_REGS = 240, 24
 # ------------------------------------------------------------------------------------------------
 # small device helpers (backward-only)
 # ------------------------------------------------------------------------------------------------
-@dsl_user_op
-def cvt_pack_f32x2(a: Float32, b: Float32, to_bf16: bool, *, loc=None, ip=None) -> Int32:
-    """Two f32 -> one 32-bit register holding (a, b) as bf16x2 / f16x2 (a in the low half)."""
-    kind = "bf16x2" if to_bf16 else "f16x2"
-    return Int32(llvm.inline_asm(
-        T.i32(),
-        [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-        f"cvt.rn.{kind}.f32 $0, $2, $1;",
-        "=r,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip,
-    ))
-
-
-@cute.jit
-def convert_f32_to_16(src: cute.Tensor, dst: cute.Tensor, to_bf16: cutlass.Constexpr[bool]):
-    """dst (16-bit, same layout as src) <- src (f32), two elements per instruction."""
-    dst32 = cute.recast_tensor(dst, Int32)
-    for i in cutlass.range_constexpr(cute.size(dst32)):
-        dst32[i] = cvt_pack_f32x2(src[2 * i], src[2 * i + 1], to_bf16)
-
-
 @dsl_user_op
 def bulk_reduce_add_f32(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, num_bytes: int,
                         *, loc=None, ip=None) -> None:
@@ -238,13 +218,6 @@ class FlashAttentionBackwardSm90:
     # ---------------------------------------------------------------------------------------------
     # Host side
     # ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def _seq_major(t: cute.Tensor, d: int) -> cute.Tensor:
-        """(B, S, H, D) row-major -> (S, D, H, B) view with the head dim's extent made static."""
-        layout = cute.make_layout((t.shape[1], d, t.shape[2], t.shape[0]),
-                                  stride=(t.stride[1], 1, t.stride[2], t.stride[0]))
-        return cute.make_tensor(t.iterator, layout)
-
     def _tiled_mmas(self):
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         dt = self.dtype
@@ -287,8 +260,8 @@ class FlashAttentionBackwardSm90:
             if const_expr(t.element_type != Float32):
                 raise TypeError(f"{name} must be float32")
         D, Dv = self.hdim, self.hdimv
-        mQ, mK, mdK = self._seq_major(mQ, D), self._seq_major(mK, D), self._seq_major(mdK, D)
-        mV, mdO, mdV = self._seq_major(mV, Dv), self._seq_major(mdO, Dv), self._seq_major(mdV, Dv)
+        mQ, mK, mdK = seq_major(mQ, D), seq_major(mK, D), seq_major(mdK, D)
+        mV, mdO, mdV = seq_major(mV, Dv), seq_major(mdO, Dv), seq_major(mdV, Dv)
         mLSE, mDelta, mdQacc = [select_modes(t, (2, 1, 0)) for t in (mLSE, mDelta, mdQacc)]
 
         mma_sdp, mma_dk, mma_dv, mma_dq = self._tiled_mmas()
@@ -565,7 +538,7 @@ class FlashAttentionBackwardSm90:
                 if const_expr(self.pds_stages == 1):
                     cute.arch.barrier(barrier_id=pds_barrier, number_of_threads=self.num_mma_threads)
                 rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
-                convert_f32_to_16(acc_S, rP, self.is_bf16)
+                convert_f32_pairs(acc_S, rP, self.is_bf16)
                 cute.copy(st_thr, st_thr.retile(rP), tPsP[None, None, None, pds_idx])
 
                 # dS = P∘(dP − delta) [∘ (1 − tanh²)]
@@ -583,7 +556,7 @@ class FlashAttentionBackwardSm90:
                                   else Float32(0.0))
                         dp_mn[r, c] = ds
                 rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
-                convert_f32_to_16(acc_dP, rdS, self.is_bf16)
+                convert_f32_pairs(acc_dP, rdS, self.is_bf16)
                 cute.copy(st_thr, st_thr.retile(rdS), tdSsdS[None, None, None, pds_idx])
 
                 # the dQ buffer of this warpgroup is free once the previous bulk reduce read it
@@ -631,9 +604,9 @@ class FlashAttentionBackwardSm90:
             self.store_dkv_f32(acc_dV, mdV, thr_dv, (tn, Dv), n_block, head_dkv, batch, seqlen_k)
         else:
             rdK = cute.make_rmem_tensor(acc_dK.layout, self.dtype)
-            convert_f32_to_16(acc_dK, rdK, self.is_bf16)
+            convert_f32_pairs(acc_dK, rdK, self.is_bf16)
             rdV = cute.make_rmem_tensor(acc_dV.layout, self.dtype)
-            convert_f32_to_16(acc_dV, rdV, self.is_bf16)
+            convert_f32_pairs(acc_dV, rdV, self.is_bf16)
             # both warpgroups are done reading K and V (last dQ / dP GEMMs) before overwriting
             epi_barrier = int(NamedBarrier.EPILOGUE)
             cute.arch.barrier(barrier_id=epi_barrier, number_of_threads=self.num_mma_threads)

@@ -20,8 +20,9 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from jax_fa4.kernels.common.convert import convert_f32_pairs
 from jax_fa4.kernels.common.layout import select_modes
-from jax_fa4.kernels.sm90.bwd import (convert_f32_to_16, dq_fragment_view, make_smem_layout,
+from jax_fa4.kernels.sm90.bwd import (dq_fragment_view, make_smem_layout,
                                       make_tiled_mma_dq)
 from jax_fa4.kernels.sm90.bwd_config import BwdPostprocessConfig
 
@@ -88,7 +89,7 @@ class BwdPostprocessSm90:
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = acc[i] * scale
         r16 = cute.make_rmem_tensor(acc.layout, self.dtype)
-        convert_f32_to_16(acc, r16, self.is_bf16)
+        convert_f32_pairs(acc, r16, self.is_bf16)
 
         st_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)

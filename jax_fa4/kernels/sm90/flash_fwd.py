@@ -40,17 +40,17 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
 from jax_fa4.kernels.common.block_info import BlockInfo
+from jax_fa4.kernels.common.convert import convert_f32_pairs
 from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, select_modes,
                                            transpose_mn)
 from jax_fa4.kernels.common.mask import AttentionMask
 from jax_fa4.kernels.common.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from jax_fa4.kernels.common.tile_scheduler import PersistentTileScheduler, SingleTileScheduler
+from jax_fa4.kernels.common.views import seq_major
 from jax_fa4.kernels.sm90.fwd_config import FwdConfig
 
 LOG2_E = math.log2(math.e)
@@ -67,28 +67,6 @@ class NamedBarrier(enum.IntEnum):
 
 # (consumer, producer) registers per thread after setmaxnreg, by number of consumer warpgroups.
 _REGS = {2: (240, 24), 3: (160, 32)}
-
-
-@dsl_user_op
-def cvt_pack_f32x2(a: Float32, b: Float32, to_bf16: bool, *, loc=None, ip=None) -> Int32:
-    """Two f32 -> one 32-bit register holding (a, b) as bf16x2 / f16x2 (a in the low half)."""
-    kind = "bf16x2" if to_bf16 else "f16x2"
-    return Int32(llvm.inline_asm(
-        T.i32(),
-        [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-        f"cvt.rn.{kind}.f32 $0, $2, $1;",
-        "=r,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip,
-    ))
-
-
-@cute.jit
-def convert_pairs(src: cute.Tensor, dst: cute.Tensor, to_bf16: cutlass.Constexpr[bool]):
-    """dst (16-bit, compact) <- src (f32), element i <-> element i, two at a time."""
-    dst32 = cute.recast_tensor(dst, Int32)
-    for i in cutlass.range_constexpr(cute.size(dst32)):
-        dst32[i] = cvt_pack_f32x2(src[2 * i], src[2 * i + 1], to_bf16)
 
 
 @cute.jit
@@ -137,13 +115,6 @@ class FlashAttentionForwardSm90:
     # ---------------------------------------------------------------------------------------------
     # Host side: views, layouts, TMA atoms, launch
     # ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def _seq_major(t: cute.Tensor, d: int) -> cute.Tensor:
-        """(B, S, H, D) row-major -> (S, D, H, B) view with the head dim's extent made static."""
-        layout = cute.make_layout((t.shape[1], d, t.shape[2], t.shape[0]),
-                                  stride=(t.stride[1], 1, t.stride[2], t.stride[0]))
-        return cute.make_tensor(t.iterator, layout)
-
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mParams: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
@@ -153,8 +124,8 @@ class FlashAttentionForwardSm90:
         if const_expr(mLSE.element_type != Float32 or mParams.element_type != Float32):
             raise TypeError("lse and params must be float32")
         D, Dv = self.hdim, self.hdimv
-        mQ, mK = self._seq_major(mQ, D), self._seq_major(mK, D)
-        mV, mO = self._seq_major(mV, Dv), self._seq_major(mO, Dv)
+        mQ, mK = seq_major(mQ, D), seq_major(mK, D)
+        mV, mO = seq_major(mV, Dv), seq_major(mO, Dv)
         mLSE = select_modes(mLSE, (2, 1, 0))  # (Sq, H, B)
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -598,7 +569,7 @@ class FlashAttentionForwardSm90:
         softmax.finalize(row_scale, lse)
         rescale_rows(acc_O, row_scale)
         rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
-        convert_pairs(acc_O, rO, self.is_bf16)
+        convert_f32_pairs(acc_O, rO, self.is_bf16)
 
         # lse from registers: the 4 threads of a row quad hold the same value; column-0 owners write
         cO = cute.make_identity_tensor((self.tile_m, self.hdimv))
@@ -665,7 +636,7 @@ class FlashAttentionForwardSm90:
         k_state.advance()
         self.scores(ctx, acc_S, n_block, mask_seqlen, mask_diag)
         softmax.step(acc_S, row_scale, is_first)
-        convert_pairs(acc_view_as_a_operand(acc_S), tOrP, self.is_bf16)
+        convert_f32_pairs(acc_view_as_a_operand(acc_S), tOrP, self.is_bf16)
         if const_expr(not is_first):
             self.rescale_O(acc_O, row_scale)
         pipeline_v.consumer_wait(v_state)
@@ -690,7 +661,7 @@ class FlashAttentionForwardSm90:
         k_state.advance()
         self.scores(ctx, acc_S, n_block, True, mask_diag)
         ctx["softmax"].step(acc_S, ctx["row_scale"], True)
-        convert_pairs(acc_view_as_a_operand(acc_S), ctx["tOrP"], self.is_bf16)
+        convert_f32_pairs(acc_view_as_a_operand(acc_S), ctx["tOrP"], self.is_bf16)
         return k_state
 
     @cute.jit
@@ -718,7 +689,7 @@ class FlashAttentionForwardSm90:
         warpgroup.wait_group(0)  # PV done: P_{j-1} and V_{j-1} are free, O is final for j-1
         pipeline_v.consumer_release(v_state)
         v_state.advance()
-        convert_pairs(acc_view_as_a_operand(acc_S), tOrP, self.is_bf16)
+        convert_f32_pairs(acc_view_as_a_operand(acc_S), tOrP, self.is_bf16)
         self.rescale_O(acc_O, row_scale)
         return k_state, v_state
 
