@@ -295,10 +295,10 @@ def test_transposed_smem_views_alias_exactly(d):
                     vals.append((cute.crd2idx((r, c), fa), cute.crd2idx((c, r), fb)))
             pairs[name] = vals
 
-    from jax_fa4.ffi.compiler import _lock, _prepare_dsl
+    from jax_fa4.ffi.compiler import _lock, set_target_arch
 
     with _lock:
-        _prepare_dsl(ARCH)
+        set_target_arch(ARCH)
         cute.compile(trace)
     assert set(pairs) == {"Q", "dO", "K", "dS"}
     for name, vals in pairs.items():

@@ -50,7 +50,7 @@ class CompiledKernel:
     seconds: float
 
 
-def _prepare_dsl(arch: str) -> None:
+def set_target_arch(arch: str) -> None:
     """Point the DSL at ``arch`` before it is imported or used (never by probing a GPU)."""
     os.environ["CUTE_DSL_ARCH"] = arch
     from cutlass.cutlass_dsl.cutlass import CuTeDSL
@@ -106,7 +106,7 @@ def compile_config(config: KernelConfig, arch: str) -> CompiledKernel:
             f"cannot compile {config.describe()} for {arch}: nvidia-cutlass-dsl is not installed")
     with _lock:  # the DSL's tracing state is process-global
         start = time.perf_counter()
-        _prepare_dsl(arch)
+        set_target_arch(arch)
         import cuda.bindings.driver as cuda
         import cutlass.cute as cute
         from cutlass.jax.compile import jit_wrapper

@@ -28,6 +28,8 @@ from typing import Any, Callable, ClassVar
 
 # Dtype names shared by the binding and the kernels (numpy-style names).
 FLOAT_DTYPES = ("bfloat16", "float16")
+# Compile-time mask kinds of the attention kernels (window sizes are run-time values).
+MASK_KINDS = ("none", "causal", "local")
 
 
 @dataclass(frozen=True)
@@ -100,3 +102,36 @@ class KernelConfig:
     def describe(self) -> str:
         fields = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
         return f"{self.kernel_name}({fields})"
+
+
+def lookup_tuning(table: dict[tuple[int, int], dict[str, Any]], head_dim: int, head_dim_v: int,
+                  mask: str, kernel: str, unsupported_hint: str = "") -> Any:
+    """The tuning-table entry of (head dims, mask kind); ValueError naming what is unsupported."""
+    row = table.get((head_dim, head_dim_v))
+    if row is None:
+        supported = ", ".join(f"{d}/{dv}" for d, dv in table)
+        raise ValueError(f"{kernel}: head_dim/head_dim_v {head_dim}/{head_dim_v} not supported "
+                         f"(supported: {supported}{unsupported_hint})")
+    if mask not in row:
+        raise ValueError(f"{kernel}: mask kind {mask!r} not supported (one of {MASK_KINDS})")
+    return row[mask]
+
+
+def attention_forward_signature(dtype: str, head_dim: int, head_dim_v: int) -> KernelSignature:
+    """``fn(stream, q, k, v, params, out, lse)`` of every forward attention kernel: q (B, Sq, H, D),
+    k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), params float32 [scale, softcap, window_left,
+    window_right], out (B, Sq, H, Dv), lse (B, H, Sq) float32; B, S and H dynamic."""
+    d, dv = head_dim, head_dim_v
+    b, sq, sk, h, hkv = 2, 256, 256, 4, 2
+    return KernelSignature(
+        inputs=(
+            TensorArg("q", dtype, (b, sq, h, d), (1, 1, 1, d)),
+            TensorArg("k", dtype, (b, sk, hkv, d), (1, 1, 1, d)),
+            TensorArg("v", dtype, (b, sk, hkv, dv), (1, 1, 1, dv)),
+            TensorArg("params", "float32", (4,), (4,), batched=False),
+        ),
+        outputs=(
+            TensorArg("out", dtype, (b, sq, h, dv), (1, 1, 1, dv)),
+            TensorArg("lse", "float32", (b, h, sq), (1, 1, 1)),
+        ),
+    )

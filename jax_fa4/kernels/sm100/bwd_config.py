@@ -40,9 +40,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig, KernelSignature, TensorArg
+from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
+                                   TensorArg, lookup_tuning)
 
-MASK_KINDS = ("none", "causal", "local")
 
 #: Shared memory per CTA on sm_100 (227 KB), minus room for mbarriers and alignment.
 SMEM_LIMIT_BYTES = 227 * 1024 - 1024
@@ -74,15 +74,7 @@ TUNING_TABLE: dict[tuple[int, int], dict[str, Sm100BwdTuning]] = {
 
 
 def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm100BwdTuning:
-    row = TUNING_TABLE.get((head_dim, head_dim_v))
-    if row is None:
-        supported = ", ".join(f"{d}/{dv}" for d, dv in TUNING_TABLE)
-        raise ValueError(f"sm100 backward: head_dim/head_dim_v {head_dim}/{head_dim_v} not "
-                         f"supported (supported: {supported}; 192/128 and 256 need the 2-CTA "
-                         "kernel, not implemented)")
-    if mask not in row:
-        raise ValueError(f"sm100 backward: mask kind {mask!r} not supported (one of {MASK_KINDS})")
-    return row[mask]
+    return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm100 backward", unsupported_hint="; 192/128 and 256 need the 2-CTA kernel, not implemented")
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig, KernelSignature, TensorArg
+from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
+                                   TensorArg, lookup_tuning)
 
-MASK_KINDS = ("none", "causal", "local")
 
 #: Shared memory a CTA may use on sm_90 (227 KB) minus room for mbarriers and alignment.
 SMEM_LIMIT_BYTES = 227 * 1024 - 1024
@@ -69,14 +69,7 @@ TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
 
 
 def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm90BwdTuning:
-    row = TUNING_TABLE.get((head_dim, head_dim_v))
-    if row is None:
-        supported = ", ".join(f"{d}/{dv}" for d, dv in TUNING_TABLE)
-        raise ValueError(f"sm90 backward: head_dim/head_dim_v {head_dim}/{head_dim_v} not "
-                         f"supported (supported: {supported})")
-    if mask not in row:
-        raise ValueError(f"sm90 backward: mask kind {mask!r} not supported (one of {MASK_KINDS})")
-    return row[mask]
+    return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm90 backward")
 
 
 def _split(extent: int) -> tuple[int, int]:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig, KernelSignature, TensorArg
+from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
+                                   attention_forward_signature, lookup_tuning)
 
-MASK_KINDS = ("none", "causal", "local")
 
 # Shared memory per CTA that a kernel may use on sm_90 (227 KB), minus room for mbarriers.
 SMEM_LIMIT_BYTES = 227 * 1024 - 1024
@@ -57,14 +57,7 @@ TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
 
 
 def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm90FwdTuning:
-    row = TUNING_TABLE.get((head_dim, head_dim_v))
-    if row is None:
-        supported = ", ".join(f"{d}/{dv}" for d, dv in TUNING_TABLE)
-        raise ValueError(f"sm90 forward: head_dim/head_dim_v {head_dim}/{head_dim_v} not supported "
-                         f"(supported: {supported})")
-    if mask not in row:
-        raise ValueError(f"sm90 forward: mask kind {mask!r} not supported (one of {MASK_KINDS})")
-    return row[mask]
+    return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm90 forward")
 
 
 @dataclass(frozen=True)
@@ -180,20 +173,7 @@ class FwdConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
-        d, dv = self.head_dim, self.head_dim_v
-        b, sq, sk, h, hkv = 2, 256, 256, 4, 2
-        return KernelSignature(
-            inputs=(
-                TensorArg("q", self.dtype, (b, sq, h, d), (1, 1, 1, d)),
-                TensorArg("k", self.dtype, (b, sk, hkv, d), (1, 1, 1, d)),
-                TensorArg("v", self.dtype, (b, sk, hkv, dv), (1, 1, 1, dv)),
-                TensorArg("params", "float32", (4,), (4,), batched=False),
-            ),
-            outputs=(
-                TensorArg("out", self.dtype, (b, sq, h, dv), (1, 1, 1, dv)),
-                TensorArg("lse", "float32", (b, h, sq), (1, 1, 1)),
-            ),
-        )
+        return attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
 
     def make_launcher(self):
         self.validate()
