@@ -65,12 +65,20 @@ def build(selected: Sequence[Variant], cache: KernelCache, *, force: bool = Fals
 
     if jobs > 1 and len(todo) > 1:
         ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(todo)), mp_context=ctx) as pool:
-            for future in concurrent.futures.as_completed(
-                    [pool.submit(_compile_one, v) for v in todo]):
-                store(*future.result())
-    else:
-        for variant in todo:
+        try:
+            with concurrent.futures.ProcessPoolExecutor(min(jobs, len(todo)),
+                                                        mp_context=ctx) as pool:
+                for future in concurrent.futures.as_completed(
+                        [pool.submit(_compile_one, v) for v in todo]):
+                    store(*future.result())
+        except concurrent.futures.process.BrokenProcessPool as err:
+            # A worker died (killed, or crashed): finish in this process, which reports a
+            # compiler crash with its variant instead of losing the whole run.
+            print(f"precompile: a worker process died ({err}); compiling the rest serially",
+                  file=sys.stderr)
+    done = {r["variant"] for r in records}
+    for variant in todo:
+        if variant.describe() not in done:
             store(*_compile_one(variant))
     bar.close()
     return records
