@@ -104,6 +104,14 @@ class KernelConfig:
         return f"{self.kernel_name}({fields})"
 
 
+def check_dtype_and_mask(kernel: str, dtype: str, mask: str) -> None:
+    """ValueError naming an unsupported dtype or mask kind of an attention kernel config."""
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{kernel}: dtype {dtype!r} not supported (one of {FLOAT_DTYPES})")
+    if mask not in MASK_KINDS:
+        raise ValueError(f"{kernel}: mask kind {mask!r} not supported (one of {MASK_KINDS})")
+
+
 def lookup_tuning(table: dict[tuple[int, int], dict[str, Any]], head_dim: int, head_dim_v: int,
                   mask: str, kernel: str, unsupported_hint: str = "") -> Any:
     """The tuning-table entry of (head dims, mask kind); ValueError naming what is unsupported."""

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
-                                   TensorArg, lookup_tuning)
+                                  TensorArg, check_dtype_and_mask, lookup_tuning)
 
 
 #: Shared memory per CTA on sm_100 (227 KB), minus room for mbarriers and alignment.
@@ -121,10 +121,7 @@ class Sm100BwdConfig(KernelConfig):
     # -- static checks ---------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ValueError naming the first unsupported feature."""
-        if self.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"sm100 backward: dtype {self.dtype!r} not supported (one of {FLOAT_DTYPES})")
-        if self.mask not in MASK_KINDS:
-            raise ValueError(f"sm100 backward: mask kind {self.mask!r} not supported (one of {MASK_KINDS})")
+        check_dtype_and_mask("sm100 backward", self.dtype, self.mask)
         tuning_for(self.head_dim, self.head_dim_v, self.mask)
         if self.head_dim != self.head_dim_v:
             raise ValueError("sm100 backward: head_dim_v must equal head_dim in v1")

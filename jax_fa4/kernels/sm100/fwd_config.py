@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
-                                   attention_forward_signature, lookup_tuning)
+from jax_fa4.kernels.spec import (FLOAT_DTYPES, KernelConfig, KernelSignature,
+                                  attention_forward_signature, check_dtype_and_mask, lookup_tuning)
 
 
 #: Shared memory per CTA on sm_100 (227 KB), minus room for mbarriers and the TMEM address slot.
@@ -105,10 +105,7 @@ class FwdConfig(KernelConfig):
     # -- static checks ---------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ValueError naming the first unsupported feature."""
-        if self.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"sm100 forward: dtype {self.dtype!r} not supported (one of {FLOAT_DTYPES})")
-        if self.mask not in MASK_KINDS:
-            raise ValueError(f"sm100 forward: mask kind {self.mask!r} not supported (one of {MASK_KINDS})")
+        check_dtype_and_mask("sm100 forward", self.dtype, self.mask)
         tuning_for(self.head_dim, self.head_dim_v, self.mask)  # head dims in the table
         if self.head_dim % 16 or self.head_dim_v % 16:
             raise ValueError("sm100 forward: head dims must be multiples of 16")

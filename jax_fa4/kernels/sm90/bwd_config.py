@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
-                                   TensorArg, lookup_tuning)
+                                  TensorArg, check_dtype_and_mask, lookup_tuning)
 
 
 #: Shared memory a CTA may use on sm_90 (227 KB) minus room for mbarriers and alignment.
@@ -114,10 +114,7 @@ class BwdConfig(KernelConfig):
     # -- static checks ---------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ValueError naming the first unsupported feature."""
-        if self.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"sm90 backward: dtype {self.dtype!r} not supported (one of {FLOAT_DTYPES})")
-        if self.mask not in MASK_KINDS:
-            raise ValueError(f"sm90 backward: mask kind {self.mask!r} not supported (one of {MASK_KINDS})")
+        check_dtype_and_mask("sm90 backward", self.dtype, self.mask)
         tuning_for(self.head_dim, self.head_dim_v, self.mask)
         if self.deterministic:
             raise ValueError("sm90 backward: deterministic=True is not implemented yet")
