@@ -22,15 +22,24 @@ _BLOCK_K = 512
 _KERNEL_DTYPES = ("bfloat16", "float16")
 
 
-def _reference_block_k(sq: int, sk: int) -> int | None:
+def reference_block_k(sq: int, sk: int) -> int | None:
+    """None: the naive reference serves (sq, sk); an int: the key block of its blocked form."""
     return None if sq * sk <= _NAIVE_MAX_SCORES else _BLOCK_K
 
 
-def reference_forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
-    kw = dict(softmax_scale=opts.softmax_scale, window=opts.window, softcap=opts.softcap)
-    if _reference_block_k(q.shape[1], k.shape[1]) is None:
+def reference_forward(q, k, v, opts, **extras) -> tuple[jax.Array, jax.Array]:
+    """(out, lse) by the reference; ``extras`` are further reference options (sink, segments)."""
+    kw = dict(softmax_scale=opts.softmax_scale, window=opts.window, softcap=opts.softcap, **extras)
+    block_k = reference_block_k(q.shape[1], k.shape[1])
+    if block_k is None:
         return reference.attention(q, k, v, **kw)
-    return reference.attention_blocked(q, k, v, block_k=_BLOCK_K, **kw)
+    return reference.attention_blocked(q, k, v, block_k=block_k, **kw)
+
+
+def reference_delta(out, dout) -> jax.Array:
+    """``rowsum(dout * out)`` (B, H, Sq) in float32 (no TF32: a full-precision contraction)."""
+    return jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
 
 
 def mask_kind(window) -> str:
@@ -100,7 +109,7 @@ def bwd_preprocess(out, dout, lse, implementation: str) -> tuple[jax.Array, jax.
         delta, lse_log2 = call_kernel(PreprocessConfig(dtype, dv), KERNEL_ARCH[implementation],
                                       out, dout, lse, out_shapes=(shape, shape))
         return delta, lse_log2
-    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32))
+    delta = reference_delta(out, dout)
     lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * math.log2(math.e))
     return delta, lse_log2
 
@@ -110,4 +119,4 @@ def backward(q, k, v, out, lse, dout, delta, opts) -> tuple[jax.Array, jax.Array
     return reference.attention_backward(
         q, k, v, out, lse, dout, delta=delta, softmax_scale=opts.softmax_scale,
         window=opts.window, softcap=opts.softcap,
-        block_k=_reference_block_k(q.shape[1], k.shape[1]))
+        block_k=reference_block_k(q.shape[1], k.shape[1]))

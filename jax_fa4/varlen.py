@@ -66,18 +66,8 @@ class Segments(NamedTuple):
 
 
 # -- the differentiable core -------------------------------------------------------------------
-def _block_k(sq: int, sk: int) -> int | None:
-    """None: the naive reference; an int: its blocked form (the thresholds of ops)."""
-    return ops._reference_block_k(sq, sk)
-
-
 def _forward(q, k, v, sink, segments: Segments, opts) -> tuple[jax.Array, jax.Array]:
-    kw = dict(softmax_scale=opts.softmax_scale, window=opts.window, softcap=opts.softcap,
-              learnable_sink=sink, **segments._asdict())
-    block_k = _block_k(q.shape[1], k.shape[1])
-    if block_k is None:
-        return reference.attention(q, k, v, **kw)
-    return reference.attention_blocked(q, k, v, block_k=block_k, **kw)
+    return ops.reference_forward(q, k, v, opts, learnable_sink=sink, **segments._asdict())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -94,11 +84,10 @@ def _attention_bwd(opts, residuals, cotangents):
     q, k, v, sink, segments, out, lse = residuals
     dout, dlse = cotangents
     # delta = rowsum(dO * O); a cotangent on lse enters as -dlse (as in jax_fa4.autodiff).
-    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST) - dlse
+    delta = ops.reference_delta(out, dout) - dlse
     dq, dk, dv = reference.attention_backward(
         q, k, v, out, lse, dout, delta=delta, softmax_scale=opts.softmax_scale,
-        window=opts.window, softcap=opts.softcap, block_k=_block_k(q.shape[1], k.shape[1]),
+        window=opts.window, softcap=opts.softcap, block_k=ops.reference_block_k(q.shape[1], k.shape[1]),
         **segments._asdict())
     dsink = None if sink is None else reference.sink_gradient(sink, lse, delta)
     return dq, dk, dv, dsink, None  # no cotangent for the integer segment data

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import api, reference, varlen
+from jax_fa4 import api, ops, reference, varlen
 from jax_fa4.varlen import flash_attention_varlen
 
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -133,7 +133,7 @@ def test_matches_per_sequence_reference(case):
 
 def test_blocked_path_matches_per_sequence(monkeypatch):
     """The memory-light (key-blocked) form, forced with 4-key blocks, forward and gradients."""
-    monkeypatch.setattr(varlen, "_block_k", lambda sq, sk: 4)
+    monkeypatch.setattr(ops, "reference_block_k", lambda sq, sk: 4)
     h, hkv, d, dv, kwargs, _ = CASES[1]
     # Other padding than elsewhere: new total shapes, so no cached naive trace is reused.
     q, k, v, sink, dout, dlse = _packed(LENS_Q, LENS_K, h, hkv, d, dv, seed=1, pad_q=1, pad_k=1)
