@@ -72,6 +72,9 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str) -> list[tuple[str, A
         add("3wg+pp+rs8", tile_m=192, pingpong=True, rescale_threshold=8.0)
         add("3wg+pp+rs8+persist", tile_m=192, pingpong=True, rescale_threshold=8.0,
             num_sms=H200_SMS)
+        for per_32 in (4, 6, 8):  # partial software exp2 (FMA pipe), tile 192
+            add(f"3wg+sx{per_32}", tile_m=192, exp2_sw_per_32=per_32)
+        add("3wg+pp+rs8+sx6", tile_m=192, pingpong=True, rescale_threshold=8.0, exp2_sw_per_32=6)
     elif head_dim == 128:
         add("pp+n176", pingpong=True, tile_n=176)
     return out

@@ -167,9 +167,10 @@ def flash_attention(
         kernels take it; for packed variable-length batches see
         :func:`jax_fa4.flash_attention_varlen`.
       return_lse: also return the log-sum-exp of each row's scores (natural log, float32).
-      deterministic: make the gradients bitwise reproducible from run to run. The backward that
-        runs today (the reference's explicit backward) always is; the backward kernels honour it
-        with ordered accumulation.
+      deterministic: make the gradients bitwise reproducible from run to run. The Hopper
+        backward kernel reduce-adds dQ across key blocks in arrival order, so it is not; with
+        ``deterministic=True`` the backward runs the reference's explicit backward (bitwise
+        reproducible, slower) until the kernel's ordered dQ accumulation lands.
       implementation: ``None`` picks the kernel for this GPU and falls back to the pure-JAX
         reference elsewhere; ``"reference"``, ``"sm90"`` or ``"sm100"`` force one (a forced
         kernel that cannot run raises an error saying why).

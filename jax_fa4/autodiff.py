@@ -21,10 +21,10 @@ def forward_chain(q, k, v, opts):
 
 def backward_chain(q, k, v, out, lse, dout, dlse, opts):
     """(dq, dk, dv) from the saved forward and the cotangents of (out, lse)."""
-    delta, _ = ops.bwd_preprocess(out, dout, lse, opts.implementation)
+    delta, lse_log2 = ops.bwd_preprocess(out, dout, lse, opts.implementation)
     # d lse / d S = P, so a cotangent on lse enters dS = P * (dP - delta) as -dlse on delta.
     delta = delta - dlse
-    return ops.backward(q, k, v, out, lse, dout, delta, opts)
+    return ops.backward(q, k, v, out, lse, dout, delta, lse_log2, opts)
 
 
 _forward = sharding.partitioned_forward(forward_chain)

@@ -49,10 +49,17 @@ def mask_kind(window) -> str:
     return "causal" if window == (None, 0) else "local"
 
 
-def kernel_params(opts) -> jax.Array:
-    """Run-time scalars of the attention kernels: [scale, softcap, window_left, window_right]."""
+def kernel_params(opts, head_dim: int | None = None) -> jax.Array:
+    """Run-time scalars of the attention kernels: [scale, softcap, window_left, window_right].
+
+    ``opts`` needs ``.softmax_scale`` (None: ``1/sqrt(head_dim)``), ``.softcap`` (0 or None: off)
+    and ``.window`` ((left, right), None = unbounded).
+    """
+    scale = opts.softmax_scale
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
     left, right = opts.window
-    values = (opts.softmax_scale, opts.softcap, -1 if left is None else left,
+    values = (scale, opts.softcap or 0.0, -1 if left is None else left,
               -1 if right is None else right)
     # Scalars stay literals in the jaxpr (no captured constant array: custom_partitioning
     # bodies must not close over constants).
@@ -114,8 +121,30 @@ def bwd_preprocess(out, dout, lse, implementation: str) -> tuple[jax.Array, jax.
     return delta, lse_log2
 
 
-def backward(q, k, v, out, lse, dout, delta, opts) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """dq, dk, dv from the saved forward and ``delta`` (the reference's explicit backward)."""
+def backward_unsupported(q, k, v, opts) -> str | None:
+    """Why no backward kernel serves this call (None when one does)."""
+    if opts.implementation != "sm90":
+        # The sm100 backward kernels compile but have never run: the reference serves sm100.
+        return f"no backward kernel is enabled for implementation={opts.implementation!r}"
+    if opts.deterministic:
+        return "deterministic=True: the sm90 backward kernel's dQ accumulation is not ordered yet"
+    from jax_fa4 import sm90_bwd_ops
+
+    return sm90_bwd_ops.unsupported(q, k, v, opts)
+
+
+def backward(q, k, v, out, lse, dout, delta, lse_log2, opts
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """dq, dk, dv from the saved forward, ``delta`` and ``lse_log2`` (see :func:`bwd_preprocess`).
+
+    The Hopper backward kernels serve ``implementation="sm90"`` calls they cover; everything
+    else (other implementations, unsupported shapes or options, ``deterministic=True``) runs the
+    reference's explicit backward, which is deterministic.
+    """
+    if backward_unsupported(q, k, v, opts) is None:
+        from jax_fa4 import sm90_bwd_ops
+
+        return sm90_bwd_ops.backward(q, k, v, out, lse, dout, delta, lse_log2, opts)
     return reference.attention_backward(
         q, k, v, out, lse, dout, delta=delta, softmax_scale=opts.softmax_scale,
         window=opts.window, softcap=opts.softcap,

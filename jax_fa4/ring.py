@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 
 from jax_fa4 import api, autodiff
+from jax_fa4.manual_axes import vary_like
 
 __all__ = ["LAYOUTS", "ring_attention", "unzigzag", "zigzag", "zigzag_indices"]
 
@@ -167,26 +168,10 @@ def _attend(q, k, v, opts):
                                implementation=opts.implementation if opts.forced else None)
 
 
-def _varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # JAX >= 0.10; earlier versions call it vma
-    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
-
-
-def _vary_like(xs, *refs):
-    """Mark ``xs`` varying over the manual axes the ``refs`` vary over (cond branches agree)."""
-    axes = frozenset().union(*(_varying_axes(r) for r in refs))
-    out = []
-    for x in xs:
-        missing = tuple(sorted(axes - _varying_axes(x), key=str))
-        out.append(lax.pcast(x, missing, to="varying") if missing else x)
-    return tuple(out)
-
-
 def _nothing(q, kb, vb):
     """(out, lse) of a block with no visible key: zeros and -inf."""
     b, s, h, _ = q.shape
-    return _vary_like((jnp.zeros((b, s, h, vb.shape[3]), q.dtype),
+    return vary_like((jnp.zeros((b, s, h, vb.shape[3]), q.dtype),
                        jnp.full((b, h, s), -jnp.inf, jnp.float32)), q, kb, vb)
 
 
@@ -246,7 +231,7 @@ def _block_backward(q, kb, vb, out, lse, dout, dlse, step: int, src, me, cfg: _R
         return grads(*args, cfg.diagonal)
     if not cfg.causal:
         return grads(*args, cfg.full)
-    zeros = lambda: _vary_like([jnp.zeros(x.shape, x.dtype) for x in (q, kb, vb)],  # noqa: E731
+    zeros = lambda: vary_like([jnp.zeros(x.shape, x.dtype) for x in (q, kb, vb)],  # noqa: E731
                                 *args)
     if cfg.layout == "contiguous":
         return lax.cond(src < me, lambda: grads(*args, cfg.full), zeros)

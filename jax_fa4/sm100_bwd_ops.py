@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
-from jax_fa4.sm90_bwd_ops import mask_kind, params_array
+from jax_fa4.ops import kernel_params, mask_kind
 
 ARCH = "sm_100a"
 
@@ -62,7 +62,7 @@ def backward(q, k, v, out, lse, dout, delta, lse_log2, opts):
     cfg, _ = configs(q, k, v, opts)
     b, sq, h, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
-    params = params_array(q, opts)
+    params = kernel_params(opts, q.shape[3])
     num_m = cfg.num_m_blocks(sq)
     sq_pad = num_m * cfg.tile_m
     dq_accum = jnp.zeros((b, h, sq_pad * d), jnp.float32)

@@ -18,23 +18,13 @@ into (B, Sk, Hkv, D) accumulators is the planned replacement).
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig
+from jax_fa4.ops import kernel_params, mask_kind
 
 ARCH = "sm_90a"
-
-
-def mask_kind(window) -> str:
-    left, right = window
-    if left is None and right is None:
-        return "none"
-    if left is None and right == 0:
-        return "causal"
-    return "local"
 
 
 def configs(q, k, v, opts) -> tuple[BwdConfig, object]:
@@ -57,15 +47,6 @@ def unsupported(q, k, v, opts) -> str | None:
     return None
 
 
-def params_array(q, opts) -> jax.Array:
-    scale = opts.softmax_scale if opts.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-    left, right = opts.window
-    wl = -1 if left is None else int(left)
-    wr = -1 if right is None else int(right)
-    cap = float(opts.softcap or 0.0)
-    return jnp.array([scale, cap, wl, wr], jnp.float32)
-
-
 def backward(q, k, v, out, lse, dout, delta, lse_log2, opts):
     """(dq, dk, dv) in the dtypes of q, k, v. ``out`` and ``lse`` are unused (their information
     is in delta and lse_log2) but kept for the ops.backward signature."""
@@ -75,7 +56,7 @@ def backward(q, k, v, out, lse, dout, delta, lse_log2, opts):
     cfg, post = configs(q, k, v, opts)
     b, sq, h, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
-    params = params_array(q, opts)
+    params = kernel_params(opts, d)
     sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
     dq_accum = jnp.zeros((b, h, sq_pad * d), jnp.float32)
     hdk = h if cfg.gqa else hkv

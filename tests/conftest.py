@@ -7,6 +7,23 @@ import os
 import pytest
 
 
+def _skip_xla_gemm_autotuning() -> None:
+    """XLA autotunes every GEMM of every program it compiles for a GPU; the GPU tests compile a
+    float32 reference per shape, and autotuning made that ~20x slower than the kernels they
+    check. Tests compare numbers, not speed: turn it off (only where the CUDA plugin, which
+    knows the flag, is installed; set before the first backend initialisation)."""
+    import importlib.util
+
+    if not any(importlib.util.find_spec(m) for m in ("jax_cuda13_plugin", "jax_cuda12_plugin")):
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_autotune_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_autotune_level=0".strip()
+
+
+_skip_xla_gemm_autotuning()
+
+
 def hopper_available() -> bool:
     import jax
 

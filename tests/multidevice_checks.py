@@ -175,8 +175,24 @@ def _ring_case(*, causal: bool, layout: str = "zigzag", h=4, hkv=2, s=64, softca
             "collectives": sorted(collectives(hlo))}
 
 
+def _ring_kernel_trace(causal: bool) -> dict:
+    """jax.grad of the ring with the sm90 kernels inside shard_map, traced (no GPU here): the
+    custom_vjp's gradients must carry q/k/v's varying mesh axes through the kernel calls."""
+    mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
+    q, k, v, _ = qkv(b=2, s=64, h=4, hkv=2, d=64, dtype=jnp.bfloat16, seed=2)
+    f = jax.shard_map(
+        lambda q, k, v: ring.ring_attention(q, k, v, axis_name="sp", causal=causal,
+                                            implementation="sm90"),
+        mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32))  # noqa: E731
+    jaxpr = str(jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).jaxpr)
+    return {"kernel_calls": jaxpr.count("jax_fa4_kernel")}
+
+
 def ring_suite() -> dict:
     cases = {
+        "kernel_trace": lambda: _ring_kernel_trace(causal=False),
+        "kernel_trace_causal": lambda: _ring_kernel_trace(causal=True),
         "noncausal": lambda: _ring_case(causal=False),
         "causal_zigzag": lambda: _ring_case(causal=True),
         "causal_contiguous": lambda: _ring_case(causal=True, layout="contiguous"),

@@ -107,3 +107,29 @@ def test_preprocess_sass_has_no_local_memory(shipped_cache, tmp_path, arch):
     assert kernel["arch"] == arch
     assert kernel["local"] == 0 and kernel["stack"] == 0
     assert kernel["ops"].get("LDL", 0) == 0 and kernel["ops"].get("STL", 0) == 0
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_grad_on_hopper_runs_the_backward_kernels(shipped_cache, monkeypatch, deterministic):
+    """jax.grad through flash_attention(implementation="sm90") lowers to the forward, the
+    preprocess and the two backward kernels; deterministic=True keeps the reference backward."""
+    from jax_fa4.ffi import call
+
+    monkeypatch.setenv("JAX_FA4_CACHE_DIR", str(shipped_cache.root))
+    call.clear_memory_cache()
+    ks = jax.random.split(jax.random.key(1), 3)
+    q, k, v = (jax.random.normal(kk, (2, 77, 4, 128), jnp.float32).astype(jnp.bfloat16)
+               for kk in ks)
+
+    def loss(q, k, v):
+        out = jax_fa4.flash_attention(q, k, v, causal=True, implementation="sm90",
+                                      deterministic=deterministic)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+                                 disabled_checks=jax_fa4.export_disabled_safety_checks())(q, k, v)
+    calls = exported.mlir_module().count("stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2")
+    # forward + preprocess (+ sm90_bwd + sm90_bwd_postprocess)
+    assert calls == (2 if deterministic else 4)
+    assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
+    call.clear_memory_cache()

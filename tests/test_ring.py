@@ -41,6 +41,15 @@ def test_ring_bfloat16(suite):
     assert max(r["grad_errs"]) <= 3e-2 * max(1.0, r["grad_scale"]), r
 
 
+@pytest.mark.parametrize("case", ["kernel_trace", "kernel_trace_causal"])
+def test_ring_gradients_through_the_kernels_keep_their_mesh_axes(suite, case):
+    r = suite[case]
+    assert "error" not in r, r.get("traceback")
+    # every hop's backward runs preprocess, main and postprocess kernels (4 hops; causal hops
+    # hold them in both cond branches); the forward's calls sit in the custom_vjp's own jaxpr
+    assert r["kernel_calls"] >= 3 * 4, r
+
+
 # -- layout helpers ----------------------------------------------------------------------------
 def test_zigzag_gives_device_i_chunks_i_and_2n_minus_1_minus_i():
     n, s = 4, 16

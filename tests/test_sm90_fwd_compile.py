@@ -16,6 +16,8 @@ the binding's ``compile_config``); the other configs the tests name are compiled
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import itertools
 import re
@@ -104,6 +106,7 @@ def _option_id(cfg: FwdConfig) -> str:
     parts += ["pp"] * cfg.pingpong + [f"rs{cfg.rescale_threshold:g}"] * (cfg.rescale_threshold > 0)
     parts += ["softcap"] * cfg.has_softcap + ["serial"] * (not cfg.intra_wg_overlap)
     parts += [f"persist{cfg.num_sms}"] * (cfg.num_sms > 0)
+    parts += [f"sx{cfg.exp2_sw_per_32}"] * (cfg.exp2_sw_per_32 > 0)
     return "-".join(parts)
 
 
@@ -137,6 +140,13 @@ def test_v2_options_compile_with_clean_sass(cfg, tmp_path, shipped_cache):
     assert (ops["VOTE.ANY"] > 0) == (cfg.rescale_threshold > 0)
     assert (ops["MUFU.TANH"] > 0) == cfg.has_softcap
     assert ops["STSM"] > 0 and ops.get("MUFU.EX2", 0) > 0
+    if cfg.exp2_sw_per_32:  # that share of the ex2 moved from MUFU to FFMA polynomials
+        base = dataclasses.replace(cfg, exp2_sw_per_32=0)
+        b = sass_report(compiled_object(shipped_cache, base, ARCH), tmp_path)
+        moved = b["ops"]["MUFU.EX2"] - ops["MUFU.EX2"]
+        body = b["ops"]["MUFU.EX2"] * cfg.exp2_sw_per_32 // 32  # rounding: the rescale's ex2
+        assert moved > 0 and abs(moved - body) <= 4, (moved, body)
+        assert ops["FFMA"] - b["ops"]["FFMA"] >= 3 * moved  # 3 Horner FMAs each
 
 
 # ------------------------------------------------------------------------------------------------
@@ -160,12 +170,14 @@ def test_validator_names_the_unsupported_feature(kwargs, word):
         FwdConfig.make(**kwargs)
 
 
-def test_default_rows_have_no_v2_options():
-    """The measured-correct v1 configuration stays the default until the options are measured."""
+def test_default_rows_are_not_persistent():
+    """A persistent grid bakes an SM count into the kernel: shipped defaults must not (the same
+    cache serves every Hopper part). 3 warpgroups only where the registers allow (hdim 64)."""
     for (d, dv), masks in TUNING_TABLE.items():
         for mask in masks:
             cfg = FwdConfig.make("bfloat16", d, dv, mask)
-            assert (cfg.pingpong, cfg.rescale_threshold, cfg.tile_m) == (False, 0.0, 128)
+            assert cfg.num_sms == 0, cfg
+            assert cfg.tile_m == 128 or d == 64, cfg
 
 
 @pytest.mark.parametrize("kwargs,word", [

@@ -25,6 +25,7 @@ from jax_fa4.ffi import compiler
 from jax_fa4.ffi.cache import KernelCache
 from jax_fa4.ffi.runtime import CALL_TARGET, RuntimeLibraryNotFoundError, register_ffi_targets
 from jax_fa4.kernels.spec import KernelConfig
+from jax_fa4.manual_axes import vary_like
 
 PRECOMPILE_HINT = "python -m jax_fa4.precompile"
 
@@ -92,7 +93,10 @@ def call_kernel(config: KernelConfig, arch: str, *inputs: jax.Array,
             raise ValueError(f"{config.kernel_name}: aliased input {sig.inputs[i].name!r} and "
                              f"output {sig.outputs[o].name!r} must match in shape and dtype")
     outs = tuple((tuple(s.shape), jnp.dtype(s.dtype)) for s in out_shapes)
-    return kernel_call_p.bind(*inputs, config=config, arch=arch, out_shapes=outs)
+    results = kernel_call_p.bind(*inputs, config=config, arch=arch, out_shapes=outs)
+    # Inside shard_map the results vary over the manual mesh axes the inputs vary over (the
+    # primitive's abstract values carry none; custom_vjp checks gradients against their inputs).
+    return vary_like(results, *inputs)
 
 
 @kernel_call_p.def_abstract_eval

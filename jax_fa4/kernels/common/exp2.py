@@ -44,6 +44,13 @@ CLAMP_LO = -127.0
 ROUND_MAGIC = 12582912.0
 
 
+def exp2_is_software(i: int, per_32: int) -> bool:
+    """Whether element ``i`` of a thread's row segment uses the software exp2: a fixed
+    compile-time pattern (the last ``per_32`` of every 32 elements), never dependent on masking.
+    (sm100 applies it to element pairs (i, i+1) with ``per_32`` even.)"""
+    return per_32 > 0 and (i % 32) >= 32 - per_32
+
+
 # ---------------------------------------------------------------------------------------------
 # numpy twin (exactly the device arithmetic)
 # ---------------------------------------------------------------------------------------------

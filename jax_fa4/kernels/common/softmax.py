@@ -14,6 +14,11 @@ stale max is kept: P = exp2(s·scale_log2 − m_old·scale_log2) is then at most
 8.0: no overflow in fp32 sums, bf16/fp16 P or the fp32 O accumulator), the row's O-rescale factor is
 exactly 1.0, and ``rescale_rows_if_needed`` skips the O multiply when no row of the warp needs it.
 The max stored is the one actually applied, so ``finalize`` (1/Σ and lse) stays exact.
+
+Partial software exp2 (``exp2_sw_per_32 > 0``): of every 32 elements of a thread's row segment,
+the last ``exp2_sw_per_32`` are exponentiated by the FMA-pipe polynomial of common/exp2.py
+(relative error < 2^-13.4) instead of MUFU ``ex2`` (16 per clock per SM against 128 FMAs). On
+Hopper it measured slower at every share tried (docs/perf-log.md): off by default.
 """
 
 import math
@@ -22,6 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from jax_fa4.kernels.common.exp2 import exp2_is_software, exp2_sw
 from jax_fa4.kernels.common.layout import acc_view_mn
 
 LN2 = math.log(2.0)
@@ -72,10 +78,12 @@ class OnlineSoftmax:
     ``num_rows`` is the number of accumulator rows per thread (2 per 64-row WGMMA atom).
     """
 
-    def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float = 0.0):
+    def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float = 0.0,
+                 exp2_sw_per_32: int = 0):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.rescale_threshold = float(rescale_threshold)  # 0: rescale whenever the max grows
+        self.exp2_sw_per_32 = int(exp2_sw_per_32)  # 0: every exp2 on MUFU
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
 
@@ -103,8 +111,7 @@ class OnlineSoftmax:
             self.row_max[r] = m_new
             m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
             neg_m_scaled = -m_safe * self.scale_log2
-            for c in cutlass.range_constexpr(n_cols):
-                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * self.scale_log2 + neg_m_scaled, fastmath=True)
+            self.exp2_row(s_mn, r, n_cols, neg_m_scaled)
             p_sum = row_sum_local(s_mn[r, None])
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)
@@ -132,12 +139,22 @@ class OnlineSoftmax:
             m_used = m_prev if keep else m_safe
             self.row_max[r] = m_prev if keep else m_new
             neg_m_scaled = -m_used * self.scale_log2
-            for c in cutlass.range_constexpr(n_cols):
-                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * self.scale_log2 + neg_m_scaled, fastmath=True)
+            self.exp2_row(s_mn, r, n_cols, neg_m_scaled)
             p_sum = row_sum_local(s_mn[r, None])
             scale = Float32(1.0) if keep else cute.math.exp2(diff, fastmath=True)
             row_scale[r] = scale
             self.row_sum[r] = self.row_sum[r] * scale + p_sum
+
+    @cute.jit
+    def exp2_row(self, s_mn: cute.Tensor, r: cutlass.Constexpr[int],
+                 n_cols: cutlass.Constexpr[int], neg_m_scaled: Float32):
+        """s_mn[r, :] = exp2(s·scale_log2 − m·scale_log2), MUFU or the FMA-pipe polynomial."""
+        for c in cutlass.range_constexpr(n_cols):
+            x = s_mn[r, c] * self.scale_log2 + neg_m_scaled
+            if cutlass.const_expr(exp2_is_software(c, self.exp2_sw_per_32)):
+                s_mn[r, c] = exp2_sw(x)
+            else:
+                s_mn[r, c] = cute.math.exp2(x, fastmath=True)
 
     @cute.jit
     def finalize(self, row_scale: cute.Tensor, lse: cute.Tensor):

@@ -53,7 +53,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from jax_fa4.kernels.common.convert import cvt_pack_f32x2
-from jax_fa4.kernels.common.exp2 import exp2_sw_x2
+from jax_fa4.kernels.common.exp2 import exp2_is_software, exp2_sw_x2
 from jax_fa4.kernels.common.layout import select_modes
 from jax_fa4.kernels.common.views import dim_major, seq_major
 from jax_fa4.kernels.sm100 import tile_order
@@ -72,12 +72,6 @@ class Barrier(enum.IntEnum):
     TMEM_ALLOC = 1  # softmax warps + MMA warp: TMEM pointer published
     TMEM_DEALLOC = 2  # softmax warps + MMA warp: every TMEM access done
     EPILOGUE = 3  # softmax warps: O staged in shared memory / previous TMA store drained
-
-
-def exp2_is_software(i: int, per_32: int) -> bool:
-    """Whether element pair (i, i+1) of a row uses the software exp2: a fixed compile-time pattern
-    (the last `per_32` of every 32 elements), never dependent on masking."""
-    return per_32 > 0 and (i % 32) >= 32 - per_32
 
 
 class FlashAttentionForwardSm100:

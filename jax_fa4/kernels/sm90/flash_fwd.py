@@ -111,6 +111,7 @@ class FlashAttentionForwardSm90:
         self.persistent = cfg.num_sms > 0
         self.num_sms = cfg.num_sms
         self.rescale_threshold = float(cfg.rescale_threshold)
+        self.exp2_sw_per_32 = cfg.exp2_sw_per_32
 
     # ---------------------------------------------------------------------------------------------
     # Host side: views, layouts, TMA atoms, launch
@@ -512,7 +513,7 @@ class FlashAttentionForwardSm90:
         t0ScS = tiled_mma_qk.get_slice(0).partition_C(cS)
 
         num_rows = cute.size(acc_view_mn(acc_O), mode=[0])
-        softmax = OnlineSoftmax(scale_log2, num_rows, self.rescale_threshold)
+        softmax = OnlineSoftmax(scale_log2, num_rows, self.rescale_threshold, self.exp2_sw_per_32)
         softmax.reset()
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
 

@@ -36,23 +36,27 @@ class Sm90FwdTuning:
     stages: int = 2  # K and V pipeline depth
     # issue S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} back to back, softmax S_j while the PV GEMM runs
     intra_wg_overlap: bool = True
-    # v2 options (off in the measured-correct default rows; see FwdConfig for their meaning)
+    # v2 options (see FwdConfig for their meaning)
     pingpong: bool = False
     rescale_threshold: float = 0.0
     num_sms: int = 0
+    exp2_sw_per_32: int = 0
 
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Start points from FA4's H100
-# choices (docs/SM90-NOTES.md), to be re-measured on the H200 (docs/perf-log.md). Same for both
-# 16-bit dtypes. Only the rows listed here are supported (and compiled by the tests).
+# choices (docs/SM90-NOTES.md); the hdim 64 and 256 rows of "none"/"causal" are the winners of
+# benchmarks/fwd_variants.py on the H200 (docs/perf-log.md, v2). Same for both 16-bit dtypes.
+# Only the rows listed here are supported (and compiled by the tests).
 _T = Sm90FwdTuning
+_PP_RS = dict(pingpong=True, rescale_threshold=8.0)
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
-    (64, 64): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 128)},
+    (64, 64): {"none": _T(192, 128), "causal": _T(192, 128), "local": _T(128, 128)},
     (96, 96): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 128)},
     (128, 128): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 128)},
     (192, 128): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 96)},
     (192, 192): {"none": _T(128, 112), "causal": _T(128, 112), "local": _T(128, 96)},
-    (256, 256): {"none": _T(128, 80), "causal": _T(128, 80), "local": _T(128, 64)},
+    (256, 256): {"none": _T(128, 80, **_PP_RS), "causal": _T(128, 80, **_PP_RS),
+                 "local": _T(128, 64)},
 }
 
 
@@ -91,6 +95,10 @@ class FwdConfig(KernelConfig):
     # L2 sections of (batch, head) pairs (common/tile_scheduler.py). N is the GPU's SM count,
     # given here (never queried: compiling needs no GPU): 132 on H100/H200 SXM.
     num_sms: int = 0
+    # Partial software exp2 (FA4's Blackwell technique, measured here on Hopper): of every 32
+    # scores a thread exponentiates per row, this many run the FMA-pipe polynomial of
+    # common/exp2.py instead of MUFU ex2. 0 = all on MUFU (v1).
+    exp2_sw_per_32: int = 0
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -101,7 +109,8 @@ class FwdConfig(KernelConfig):
         t = tuning_for(head_dim, head_dim_v, mask)
         fields = dict(tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages,
                       intra_wg_overlap=t.intra_wg_overlap, pingpong=t.pingpong,
-                      rescale_threshold=t.rescale_threshold, num_sms=t.num_sms)
+                      rescale_threshold=t.rescale_threshold, num_sms=t.num_sms,
+                      exp2_sw_per_32=t.exp2_sw_per_32)
         fields.update(overrides)
         cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
                   has_softcap=bool(has_softcap), **fields)
@@ -130,6 +139,9 @@ class FwdConfig(KernelConfig):
                 <= 16.0):
             raise ValueError(f"sm90 forward: rescale_threshold {self.rescale_threshold!r} must be in "
                              "[0, 16] (log2 units; 0 = always rescale)")
+        if not (isinstance(self.exp2_sw_per_32, int) and 0 <= self.exp2_sw_per_32 <= 32):
+            raise ValueError(f"sm90 forward: exp2_sw_per_32 {self.exp2_sw_per_32!r} must be an "
+                             "int in [0, 32]")
         if not (isinstance(self.num_sms, int) and 0 <= self.num_sms <= 1024):
             raise ValueError(f"sm90 forward: num_sms {self.num_sms!r} must be 0 (not persistent) "
                              "or the GPU's SM count")
@@ -198,7 +210,7 @@ def shipped_configs() -> list[FwdConfig]:
 
 
 def option_test_configs() -> list[FwdConfig]:
-    """Representative configs of the v2 tuning options (not defaults yet): ping-pong, 3 consumer
+    """Representative configs of the v2 tuning options (some are table defaults now): ping-pong, 3 consumer
     warpgroups at hdim 64 (tile 192×128, 3-way ping-pong), conditional rescaling, a wider key
     tile at hdim 128, ping-pong at hdim 192/256, persistent scheduling. The compile test checks their SASS and the GPU
     tests (tests/gpu/test_sm90_fwd.py) run them against the reference: precompile them for it."""
@@ -223,4 +235,7 @@ def option_test_configs() -> list[FwdConfig]:
         m("bfloat16", 64, 64, "none", tile_m=192, pingpong=True, rescale_threshold=8.0, num_sms=5),
         m("bfloat16", 128, 128, "local", intra_wg_overlap=False, num_sms=3),
         m("bfloat16", 256, 256, "causal", pingpong=True, num_sms=132),
+        # partial software exp2 on the FMA pipe
+        m("bfloat16", 64, 64, "causal", tile_m=192, exp2_sw_per_32=8),
+        m("float16", 128, 128, "none", exp2_sw_per_32=4),
     ]
