@@ -10,6 +10,9 @@ Kernels (jax_fa4/kernels/sm90/bwd_config.py):
      input/output alias), dk, dv;
   2. ``sm90_bwd_postprocess``: dq = dq_accum · softmax_scale in q's dtype.
 
+Deterministic configs (``opts.deterministic``) also take ``dq_sem`` (B, H, 2·Sq_pad/tile_m) int32
+zeros: the counters that make the key blocks add into each dQ chunk in ascending order.
+
 GQA/MQA (H > Hkv): the main kernel writes float32 dK/dV per *query* head, (B, Sk, H, D), and they
 are summed over each group of G = H/Hkv heads here (cost: 4·B·Sk·H·(D+Dv) bytes written by the
 kernel and read back by XLA's reduction, instead of 2·B·Sk·Hkv·(D+Dv); an in-kernel fp32 reduce
@@ -32,7 +35,8 @@ def configs(q, k, v, opts) -> tuple[BwdConfig, object]:
     dtype = jnp.dtype(q.dtype).name
     gqa = q.shape[2] != k.shape[2]
     cfg = BwdConfig.make(dtype, q.shape[3], v.shape[3], mask_kind(opts.window),
-                         has_softcap=bool(opts.softcap and opts.softcap > 0), gqa=gqa)
+                         has_softcap=bool(opts.softcap and opts.softcap > 0), gqa=gqa,
+                         deterministic=bool(getattr(opts, "deterministic", False)))
     return cfg, cfg.postprocess_config()
 
 
@@ -64,9 +68,13 @@ def backward(q, k, v, out, lse, dout, delta, lse_log2, opts):
     out_shapes = (jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32),
                   jax.ShapeDtypeStruct((b, sk, hdk, d), dkv_dtype),
                   jax.ShapeDtypeStruct((b, sk, hdk, dv), dkv_dtype))
-    dq_accum, dk, dvv = call_kernel(cfg, ARCH, q, k, v, dout, lse_log2.astype(jnp.float32),
-                                    delta.astype(jnp.float32), params, dq_accum,
-                                    out_shapes=out_shapes)
+    inputs = [q, k, v, dout, lse_log2.astype(jnp.float32), delta.astype(jnp.float32), params,
+              dq_accum]
+    if cfg.deterministic:  # one ordering counter per dQ chunk (2 per query block)
+        dq_sem = jnp.zeros((b, h, 2 * sq_pad // cfg.tile_m), jnp.int32)
+        inputs.append(dq_sem)
+        out_shapes += (jax.ShapeDtypeStruct(dq_sem.shape, jnp.int32),)
+    dq_accum, dk, dvv = call_kernel(cfg, ARCH, *inputs, out_shapes=out_shapes)[:3]
     (dq,) = call_kernel(post, ARCH, dq_accum, params,
                         out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),))
     if cfg.gqa:

@@ -133,3 +133,35 @@ def test_grad_on_hopper_runs_the_backward_kernels(shipped_cache, monkeypatch, de
     assert calls == (2 if deterministic else 4)
     assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
     call.clear_memory_cache()
+
+
+def test_deterministic_backward_lowers_with_its_counters(cache_dir):
+    """The ordered-dQ kernel's extra operand (int32 counters, aliased in place) goes through
+    the JAX wrapper, the alias check and the CUDA lowering."""
+    from typing import NamedTuple
+
+    from jax_fa4 import sm90_bwd_ops
+
+    class Opts(NamedTuple):
+        softmax_scale: float | None = None
+        window: tuple = (None, 0)
+        softcap: float = 0.0
+        deterministic: bool = True
+
+    b, sq, sk, h, d = 2, 300, 517, 4, 128
+    bf = jnp.bfloat16
+    args = (jax.ShapeDtypeStruct((b, sq, h, d), bf), jax.ShapeDtypeStruct((b, sk, h, d), bf),
+            jax.ShapeDtypeStruct((b, sk, h, d), bf), jax.ShapeDtypeStruct((b, sq, h, d), bf),
+            jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
+            jax.ShapeDtypeStruct((b, sq, h, d), bf),
+            jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
+            jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
+    f = jax.jit(lambda *a: sm90_bwd_ops.backward(*a, Opts()))
+    exported = jax.export.export(f, platforms=["cuda"],
+                                 disabled_checks=jax_fa4.export_disabled_safety_checks())(*args)
+    text = exported.mlir_module()
+    assert text.count("stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2") == 2
+    assert "tensor<2x4x10xi32>" in text  # ceil(300 / 64) = 5 query blocks, 2 chunks each
+    assert [a.shape for a in exported.out_avals] == [(b, sq, h, d), (b, sk, h, d), (b, sk, h, d)]
+    names = {e["kernel"] for e in KernelCache(cache_dir).entries()}
+    assert names == {"sm90_bwd", "sm90_bwd_postprocess"}

@@ -47,7 +47,7 @@ def _compile_and_report(cfg, tmp_path: Path) -> tuple[dict, float]:
     row = rows[0]
     sass = "".join(p.read_text() for p in sass_dir.iterdir())
     for extra in ("MUFU.TANH", "MUFU.LG2", "USETMAXREG.DEALLOC", "USETMAXREG.TRY_ALLOC", "STSM",
-                  "UBLKRED", "LDL", "STL"):
+                  "UBLKRED", "LDL", "STL", "LDG.E.STRONG.GPU", "STG.E.STRONG.GPU"):
         row["ops"][extra] = sass.count(extra)
     return row, seconds
 
@@ -121,11 +121,41 @@ def test_config_module_does_not_import_the_compiler():
     (dict(dtype="bfloat16", head_dim=80), "head_dim"),
     (dict(dtype="bfloat16", head_dim=128, head_dim_v=64), "head_dim"),
     (dict(dtype="bfloat16", head_dim=128, mask="alibi"), "mask"),
-    (dict(dtype="bfloat16", head_dim=128, deterministic=True), "deterministic"),
 ])
 def test_validator_names_the_unsupported_feature(kwargs, word):
     with pytest.raises(ValueError, match=word):
         BwdConfig.make(**kwargs)
+
+
+def _deterministic_variants():
+    """Ordered dQ: every head dim, each with the register-tightest options (local, softcap, GQA)
+    or plain causal MHA."""
+    return ([("bfloat16", d, dv, "local", True, True) for (d, dv) in TUNING_TABLE]
+            + [("bfloat16", d, dv, "causal", False, False) for (d, dv) in TUNING_TABLE])
+
+
+@pytest.mark.parametrize("variant", _deterministic_variants(), ids=_id)
+def test_deterministic_kernel_compiles_with_clean_sass(variant, tmp_path):
+    """The ordered-dQ handshake is in the SASS (an acquire spin before the bulk reduce, a release
+    store after it) and costs no spills."""
+    cfg = BwdConfig.make(*variant, deterministic=True)
+    r, seconds = _compile_and_report(cfg, tmp_path)
+    ops = r["ops"]
+    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {r.get('reg')}")
+    assert ops["UBLKRED"] == 1
+    assert ops["LDG.E.STRONG.GPU"] >= 1 and ops["STG.E.STRONG.GPU"] == 1, ops
+    _assert_no_local_memory(r)
+
+
+def test_deterministic_signature_adds_the_counters():
+    cfg = BwdConfig.make("bfloat16", 128, mask="causal", deterministic=True)
+    sig = cfg.signature()
+    assert [a.name for a in sig.inputs][-2:] == ["dq_accum", "dq_sem"]
+    assert [a.name for a in sig.outputs] == ["dq_accum", "dk", "dv", "dq_sem"]
+    assert sig.aliases == ((7, 0), (8, 3))
+    sem = sig.inputs[8]
+    assert sem.dtype == "int32" and sem.sample_shape[2] == 2 * 256 // cfg.tile_m
+    assert BwdConfig.make("bfloat16", 128, mask="causal") != cfg  # a distinct compile key
 
 
 def test_signature_alias_and_shapes():

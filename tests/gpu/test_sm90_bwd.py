@@ -32,6 +32,13 @@ class Opts(NamedTuple):
     softcap: float
 
 
+class DetOpts(NamedTuple):
+    softmax_scale: float | None
+    window: tuple
+    softcap: float
+    deterministic: bool = True
+
+
 class Case(NamedTuple):
     dtype: str
     d: int
@@ -86,6 +93,15 @@ CASES = [
     Case(BF, 256, 256, 1023, 1024, 2, 2, CAUSAL),
     Case(BF, 256, 256, 2049, 2048, 2, 1, (300, 100), b=1),
     Case(FP, 256, 256, 113, 203, 4, 4),
+]
+
+
+# deterministic (ordered dQ) kernels: bwd_config._GPU_TEST_DETERMINISTIC
+DETERMINISTIC_CASES = [
+    Case(BF, 128, 128, 1023, 1024, 4, 4, CAUSAL),
+    Case(BF, 128, 128, 2049, 2048, 4, 2, b=1),  # GQA
+    Case(BF, 64, 64, 1023, 1024, 4, 4, (64, 32)),
+    Case(BF, 256, 256, 1023, 1024, 2, 2, CAUSAL),
 ]
 
 
@@ -154,12 +170,13 @@ def _run(c: Case, seed: int = 0):
 
 def test_cases_are_precompiled():
     available = set(test_variants())
-    for c in CASES:
-        q = jax.ShapeDtypeStruct((c.b, c.sq, c.h, c.d), c.dtype)
-        k = jax.ShapeDtypeStruct((c.b, c.sk, c.hkv, c.d), c.dtype)
-        v = jax.ShapeDtypeStruct((c.b, c.sk, c.hkv, c.dv), c.dtype)
-        main, post = sm90_bwd_ops.configs(q, k, v, Opts(None, c.window, c.softcap))
-        assert main in available and post in available, _id(c)
+    for cases, opts in ((CASES, Opts), (DETERMINISTIC_CASES, DetOpts)):
+        for c in cases:
+            q = jax.ShapeDtypeStruct((c.b, c.sq, c.h, c.d), c.dtype)
+            k = jax.ShapeDtypeStruct((c.b, c.sk, c.hkv, c.d), c.dtype)
+            v = jax.ShapeDtypeStruct((c.b, c.sk, c.hkv, c.dv), c.dtype)
+            main, post = sm90_bwd_ops.configs(q, k, v, opts(None, c.window, c.softcap))
+            assert main in available and post in available, _id(c)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -199,6 +216,25 @@ def test_repeatable_and_dq_order_independent():
     np.testing.assert_array_equal(np.asarray(first[2]), np.asarray(second[2]))
     np.testing.assert_allclose(np.asarray(first[0], np.float32),
                                np.asarray(second[0], np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=_id)
+def test_deterministic_kernel_is_bitwise_repeatable(case):
+    """The ordered-dQ kernel: dq, dk, dv identical bit for bit over three runs (fresh poison in
+    between), and as accurate as the default kernel (FA4's rule against the reference)."""
+    (q, k, v, out, lse, dout, opts), _, out32, kw = _run(case, seed=21)
+    det = DetOpts(*opts)
+    runs = []
+    for _ in range(3):
+        poison_device_memory()
+        runs.append([np.asarray(g) for g in sm90_backward(q, k, v, out, lse, dout, det)])
+    for later in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], later):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    ref = _ref_backward(q, k, v, out32, lse, dout, **kw)
+    pt = _pt_backward(q, k, v, dout, **kw)
+    for name, g, r, p, x in zip(("dq", "dk", "dv"), runs[0], ref, pt, (q, k, v)):
+        assert_fa4_close(jnp.asarray(g), r.astype(x.dtype), p, name=name)
 
 
 def test_under_vmap():

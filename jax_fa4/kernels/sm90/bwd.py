@@ -30,7 +30,15 @@ Structure (one CTA = one block of tile_n keys of one (batch, query head); not pe
     TMA store (rows past seqlen_k clipped by TMA); GQA configs: float32 stores from registers.
     A key block that no query sees (local window) writes zeros.
 
-Not yet: deterministic dQ order, swapAB / register-sourced P and dS, intra-iteration overlap of
+Deterministic mode (``cfg.deterministic``): the key blocks reduce-add into each dQ chunk in
+ascending order. A per-chunk int32 counter in global memory holds "the last key block that added
++ 1"; before its bulk reduce a warpgroup spins (ld.acquire.gpu) until the counter shows its
+predecessor (the key blocks visiting a query block form a contiguous range, so the predecessor of
+n_block is n_block − 1, or nobody for the range's first block: counter 0), and after the reduce
+has completed (cp.async.bulk.wait_group 0) it publishes n_block + 1 (st.release.gpu). The spin
+only ever waits on lower key blocks of the same (head, batch), which launch earlier.
+
+Not yet: swapAB / register-sourced P and dS, intra-iteration overlap of
 dQ with the next S GEMM, persistence, varlen.
 """
 
@@ -86,6 +94,33 @@ def bulk_reduce_add_f32(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, num_byte
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip,
     )
+
+
+@dsl_user_op
+def spin_until_equal(ptr: cute.Pointer, expected: Int32, *, loc=None, ip=None) -> None:
+    """Poll an int32 in global memory with ``ld.acquire.gpu`` until it equals ``expected``.
+    One asm block (its loop is invisible to LLVM, which otherwise keeps more values live across
+    the enclosing m-block loop and pushes the tightest variants into spills)."""
+    llvm.inline_asm(
+        None, [ptr.llvm_ptr, Int32(expected).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .pred p;\n\t.reg .s32 v;\n"
+        "SPIN_UNTIL_EQUAL:\n\t"
+        "ld.acquire.gpu.global.s32 v, [$0];\n\t"
+        "setp.ne.s32 p, v, $1;\n\t"
+        "@p bra SPIN_UNTIL_EQUAL;\n}\n",
+        "l,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_release_gpu_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
+    """``st.release.gpu`` of one int32 to global memory."""
+    llvm.inline_asm(
+        None, [ptr.llvm_ptr, Int32(value).ir_value(loc=loc, ip=ip)],
+        "st.release.gpu.global.s32 [$0], $1;", "l,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
 
 
 @cute.jit
@@ -207,6 +242,7 @@ class FlashAttentionBackwardSm90:
         self.is_local = cfg.mask == "local"
         self.has_softcap = cfg.has_softcap
         self.gqa = cfg.gqa
+        self.deterministic = cfg.deterministic
         self.num_mma_threads = 256
         self.num_threads = cfg.num_threads
         lay = cfg.wg_layouts()
@@ -248,7 +284,12 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mParams: cute.Tensor,
-                 mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor):
+                 mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 mdQsem: cute.Tensor | None = None):
+        if const_expr(self.deterministic != (mdQsem is not None)):
+            raise TypeError("dq_sem is passed exactly when the config is deterministic")
+        if const_expr(mdQsem is not None and mdQsem.element_type != Int32):
+            raise TypeError("dq_sem must be int32")
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("dout", mdO)):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"{name}: expected {self.dtype}, got {t.element_type}")
@@ -263,6 +304,8 @@ class FlashAttentionBackwardSm90:
         mQ, mK, mdK = seq_major(mQ, D), seq_major(mK, D), seq_major(mdK, D)
         mV, mdO, mdV = seq_major(mV, Dv), seq_major(mdO, Dv), seq_major(mdV, Dv)
         mLSE, mDelta, mdQacc = [select_modes(t, (2, 1, 0)) for t in (mLSE, mDelta, mdQacc)]
+        if const_expr(mdQsem is not None):
+            mdQsem = select_modes(mdQsem, (2, 1, 0))  # (2·m_blocks, H, B)
 
         mma_sdp, mma_dk, mma_dv, mma_dq = self._tiled_mmas()
         sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout = self._smem_layouts()
@@ -303,7 +346,7 @@ class FlashAttentionBackwardSm90:
             tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE, mDelta, mParams, mdQacc,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dK, tma_atom_dV,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout,
-            mma_sdp, mma_dk, mma_dv, mma_dq, SharedStorage,
+            mma_sdp, mma_dk, mma_dv, mma_dq, SharedStorage, mdQsem,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------------------------------------
@@ -319,7 +362,8 @@ class FlashAttentionBackwardSm90:
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sPdS_layout: cute.ComposedLayout,
                mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
-               mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+               mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr,
+               mdQsem: cute.Tensor | None):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -385,7 +429,7 @@ class FlashAttentionBackwardSm90:
                      tma_atom_dK, tma_atom_dV, mma_sdp, mma_dk, mma_dv, mma_dq,
                      pipeline_kv, pipeline_q, pipeline_do, tidx - 128,
                      n_block, head, head_dkv, batch, m_block_min, m_block_max,
-                     seqlen_q, seqlen_k, block_info)
+                     seqlen_q, seqlen_k, block_info, mdQsem)
 
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -431,7 +475,7 @@ class FlashAttentionBackwardSm90:
             mma_dq: cute.TiledMma, pipeline_kv, pipeline_q, pipeline_do, tidx: Int32,
             n_block: Int32, head: Int32, head_dkv: Int32, batch: Int32,
             m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32,
-            block_info: BwdBlockInfo):
+            block_info: BwdBlockInfo, mdQsem: cute.Tensor | None):
         tm, tn, D, Dv = self.tile_m, self.tile_n, self.hdim, self.hdimv
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         tidx_in_wg = tidx % 128
@@ -583,11 +627,24 @@ class FlashAttentionBackwardSm90:
                 dq_bar = int(NamedBarrier.DQ_FULL_WG0) + wg_idx
                 cute.arch.barrier(barrier_id=dq_bar, number_of_threads=128)
                 if tidx_in_wg == 0:
-                    gdQ_chunk = cute.local_tile(gdQacc, (self.dq_wg_elems,),
-                                                (m_block * 2 + wg_idx,))
+                    chunk = m_block * 2 + wg_idx
+                    gdQ_chunk = cute.local_tile(gdQacc, (self.dq_wg_elems,), (chunk,))
+                    if const_expr(self.deterministic):
+                        # (the counter's address and the previous key block's range are formed
+                        # here, not kept live across the loop: registers are tight at hdim 64)
+                        sem = cute.local_tile(mdQsem[None, head, batch], (1,), (chunk,)).iterator
+                        # the previous key block adds right before us when it visits m_block
+                        prev_min, prev_max = BwdBlockInfo.m_block_range(block_info, n_block - 1)
+                        has_prev = n_block > 0 and prev_min <= m_block and m_block < prev_max
+                        spin_until_equal(sem, n_block if has_prev else Int32(0))
+                        cute.arch.fence_proxy("async.global")  # acquire -> bulk reduce
                     bulk_reduce_add_f32(sdQ_wg.iterator, gdQ_chunk.iterator,
                                         self.dq_wg_elems * 4)
                     cute.arch.cp_async_bulk_commit_group()
+                    if const_expr(self.deterministic):
+                        cute.arch.cp_async_bulk_wait_group(0)  # the adds are done
+                        cute.arch.fence_proxy("async.global")
+                        st_release_gpu_s32(sem, n_block + 1)
 
                 warpgroup.wait_group(0)  # dK done
                 pipeline_q.consumer_release(state)
@@ -658,8 +715,20 @@ class FlashAttentionBackwardSm90:
 
 def make_launcher(cfg: BwdConfig):
     """The `@cute.jit` launcher ``fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum,
-    dk, dv)`` for this config (dq_accum is updated in place)."""
+    [dq_sem,] dk, dv)`` for this config (dq_accum and dq_sem are updated in place; dq_sem only
+    for deterministic configs)."""
     kernel = FlashAttentionBackwardSm90(cfg)
+
+    if cfg.deterministic:
+        @cute.jit
+        def sm90_bwd_deterministic(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                                   v: cute.Tensor, dout: cute.Tensor, lse_log2: cute.Tensor,
+                                   delta: cute.Tensor, params: cute.Tensor,
+                                   dq_accum: cute.Tensor, dq_sem: cute.Tensor, dk: cute.Tensor,
+                                   dv: cute.Tensor):
+            kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dk, dv, dq_sem)
+
+        return sm90_bwd_deterministic
 
     @cute.jit
     def sm90_bwd(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,

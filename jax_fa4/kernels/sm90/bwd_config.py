@@ -8,7 +8,7 @@ Two kernels (see bwd.py and bwd_postprocess.py):
     dV = Σ_m Pᵀ·dO,   dP = dO·Vᵀ,   dS = P∘(dP − delta) [∘ (1 − tanh²)]
     dK = Σ_m dSᵀ·Q · scale,   dq_accum += dS·K (float32, unscaled, fragment order, see below)
 
-    call: fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dk, dv)
+    call: fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, [dq_sem,] dk, dv)
       q        (B, Sq, H, D)      dtype
       k        (B, Sk, Hkv, D)    dtype
       v        (B, Sk, Hkv, Dv)   dtype
@@ -19,6 +19,9 @@ Two kernels (see bwd.py and bwd_postprocess.py):
                                             window_right] (-1 = unbounded), batched=False
       dq_accum (B, H, Sq_pad·D)   float32  zero-filled by the caller; Sq_pad = ceil(Sq/tile_m)·tile_m.
                                             Input 7, aliased to output 0 (updated in place).
+      dq_sem   (B, H, 2·Sq_pad/tile_m) int32  deterministic configs only: zero-filled ordering
+                                            counters, one per dQ chunk. Input 8, aliased to
+                                            output 3 (the launcher takes it after dq_accum).
     outputs (after the alias): dk (B, Sk, Hdk, D), dv (B, Sk, Hdk, Dv) with Hdk = Hkv for MHA
       configs (gqa=False, dtype = input dtype) and Hdk = H for GQA configs (gqa=True, float32, one
       slice per query head; the caller sums each group of H/Hkv heads).
@@ -92,7 +95,7 @@ class BwdConfig(KernelConfig):
     mask: str = "none"  # "none" | "causal" | "local"
     has_softcap: bool = False
     gqa: bool = False  # dk/dv float32 per query head (caller sums groups) instead of dtype per kv head
-    deterministic: bool = False  # not implemented yet (validate rejects True)
+    deterministic: bool = False  # dQ chunks reduce-added in key-block order (dq_sem counters)
     # tuning (from TUNING_TABLE via `make`)
     tile_m: int = 64
     tile_n: int = 128
@@ -116,8 +119,6 @@ class BwdConfig(KernelConfig):
         """Raise ValueError naming the first unsupported feature."""
         check_dtype_and_mask("sm90 backward", self.dtype, self.mask)
         tuning_for(self.head_dim, self.head_dim_v, self.mask)
-        if self.deterministic:
-            raise ValueError("sm90 backward: deterministic=True is not implemented yet")
         if self.tile_m not in (64, 128) or self.tile_n not in (64, 128):
             raise ValueError(f"sm90 backward: tile {self.tile_m}x{self.tile_n} not supported "
                              "(tile_m, tile_n in {64, 128})")
@@ -169,24 +170,26 @@ class BwdConfig(KernelConfig):
         hdk = h if self.gqa else hkv
         dkv_dtype = "float32" if self.gqa else self.dtype
         accum = TensorArg("dq_accum", "float32", (b, h, sq * d), (1, 1, tm * d))
-        return KernelSignature(
-            inputs=(
-                TensorArg("q", self.dtype, (b, sq, h, d), (1, 1, 1, d)),
-                TensorArg("k", self.dtype, (b, sk, hkv, d), (1, 1, 1, d)),
-                TensorArg("v", self.dtype, (b, sk, hkv, dv), (1, 1, 1, dv)),
-                TensorArg("dout", self.dtype, (b, sq, h, dv), (1, 1, 1, dv)),
-                TensorArg("lse_log2", "float32", (b, h, sq), (1, 1, 1)),
-                TensorArg("delta", "float32", (b, h, sq), (1, 1, 1)),
-                TensorArg("params", "float32", (4,), (4,), batched=False),
-                accum,
-            ),
-            outputs=(
-                accum,
-                TensorArg("dk", dkv_dtype, (b, sk, hdk, d), (1, 1, 1, d)),
-                TensorArg("dv", dkv_dtype, (b, sk, hdk, dv), (1, 1, 1, dv)),
-            ),
-            aliases=((7, 0),),
+        inputs = (
+            TensorArg("q", self.dtype, (b, sq, h, d), (1, 1, 1, d)),
+            TensorArg("k", self.dtype, (b, sk, hkv, d), (1, 1, 1, d)),
+            TensorArg("v", self.dtype, (b, sk, hkv, dv), (1, 1, 1, dv)),
+            TensorArg("dout", self.dtype, (b, sq, h, dv), (1, 1, 1, dv)),
+            TensorArg("lse_log2", "float32", (b, h, sq), (1, 1, 1)),
+            TensorArg("delta", "float32", (b, h, sq), (1, 1, 1)),
+            TensorArg("params", "float32", (4,), (4,), batched=False),
+            accum,
         )
+        outputs = (
+            accum,
+            TensorArg("dk", dkv_dtype, (b, sk, hdk, d), (1, 1, 1, d)),
+            TensorArg("dv", dkv_dtype, (b, sk, hdk, dv), (1, 1, 1, dv)),
+        )
+        if not self.deterministic:
+            return KernelSignature(inputs=inputs, outputs=outputs, aliases=((7, 0),))
+        sem = TensorArg("dq_sem", "int32", (b, h, 2 * sq // tm), (1, 1, 2))
+        return KernelSignature(inputs=(*inputs, sem), outputs=(*outputs, sem),
+                               aliases=((7, 0), (8, 3)))
 
     def make_launcher(self) -> Callable[..., Any]:
         self.validate()
@@ -274,10 +277,19 @@ _GPU_TEST_MAINS = (
 )
 
 
+# deterministic (ordered dQ) variants the GPU test runs: MHA and GQA, every mask kind
+_GPU_TEST_DETERMINISTIC = [
+    ("bfloat16", 128, 128, "causal", False, False), ("bfloat16", 128, 128, "none", False, True),
+    ("bfloat16", 64, 64, "local", False, False), ("bfloat16", 256, 256, "causal", False, False),
+]
+
+
 def test_variants() -> list[KernelConfig]:
     """The configs tests/gpu/test_sm90_bwd.py runs (main kernels, then their postprocesses);
     that test checks it needs nothing else."""
-    return _with_postprocess([BwdConfig.make(*v) for v in _GPU_TEST_MAINS])
+    mains = [BwdConfig.make(*v) for v in _GPU_TEST_MAINS]
+    mains += [BwdConfig.make(*v, deterministic=True) for v in _GPU_TEST_DETERMINISTIC]
+    return _with_postprocess(mains)
 
 
 test_variants.__test__ = False  # not a pytest test
