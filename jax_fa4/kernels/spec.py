@@ -143,3 +143,40 @@ def attention_forward_signature(dtype: str, head_dim: int, head_dim_v: int) -> K
             TensorArg("lse", "float32", (b, h, sq), (1, 1, 1)),
         ),
     )
+
+
+def attention_backward_signature(dtype: str, head_dim: int, head_dim_v: int, tile_m: int,
+                                 gqa: bool, counters: tuple[str, int] | None = None
+                                 ) -> KernelSignature:
+    """``fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, [counters,] dk, dv)`` of the
+    backward main kernels. dq_accum (B, H, Sq_pad·D) float32 is input 7, aliased to output 0
+    (Sq_pad a multiple of ``tile_m``); dk, dv are (B, Sk, Hkv, ·) in ``dtype``, or float32 per
+    query head (B, Sk, H, ·) when ``gqa``. ``counters`` = (name, per_query_block) adds the int32
+    (B, H, per_query_block·Sq_pad/tile_m) ordering counters of a deterministic kernel as input 8,
+    aliased to output 3."""
+    d, dv, tm = head_dim, head_dim_v, tile_m
+    b, sq, sk, h, hkv = 2, 256, 256, 4, 2
+    hdk = h if gqa else hkv
+    dkv_dtype = "float32" if gqa else dtype
+    accum = TensorArg("dq_accum", "float32", (b, h, sq * d), (1, 1, tm * d))
+    inputs = (
+        TensorArg("q", dtype, (b, sq, h, d), (1, 1, 1, d)),
+        TensorArg("k", dtype, (b, sk, hkv, d), (1, 1, 1, d)),
+        TensorArg("v", dtype, (b, sk, hkv, dv), (1, 1, 1, dv)),
+        TensorArg("dout", dtype, (b, sq, h, dv), (1, 1, 1, dv)),
+        TensorArg("lse_log2", "float32", (b, h, sq), (1, 1, 1)),
+        TensorArg("delta", "float32", (b, h, sq), (1, 1, 1)),
+        TensorArg("params", "float32", (4,), (4,), batched=False),
+        accum,
+    )
+    outputs = (
+        accum,
+        TensorArg("dk", dkv_dtype, (b, sk, hdk, d), (1, 1, 1, d)),
+        TensorArg("dv", dkv_dtype, (b, sk, hdk, dv), (1, 1, 1, dv)),
+    )
+    if counters is None:
+        return KernelSignature(inputs=inputs, outputs=outputs, aliases=((7, 0),))
+    name, per_block = counters
+    sem = TensorArg(name, "int32", (b, h, per_block * sq // tm), (1, 1, per_block))
+    return KernelSignature(inputs=(*inputs, sem), outputs=(*outputs, sem),
+                           aliases=((7, 0), (8, 3)))

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
-                                  TensorArg, check_dtype_and_mask, lookup_tuning)
+                                  attention_backward_signature, check_dtype_and_mask,
+                                  lookup_tuning)
 
 
 #: Shared memory per CTA on sm_100 (227 KB), minus room for mbarriers and alignment.
@@ -173,31 +174,9 @@ class Sm100BwdConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
-        d, dv, tm = self.head_dim, self.head_dim_v, self.tile_m
-        b, sq, sk, h, hkv = 2, 256, 256, 4, 2
-        hdk = h if self.gqa else hkv
-        dkv_dtype = "float32" if self.gqa else self.dtype
-        accum = TensorArg("dq_accum", "float32", (b, h, sq * d), (1, 1, tm * d))
-        inputs = [
-            TensorArg("q", self.dtype, (b, sq, h, d), (1, 1, 1, d)),
-            TensorArg("k", self.dtype, (b, sk, hkv, d), (1, 1, 1, d)),
-            TensorArg("v", self.dtype, (b, sk, hkv, dv), (1, 1, 1, dv)),
-            TensorArg("dout", self.dtype, (b, sq, h, dv), (1, 1, 1, dv)),
-            TensorArg("lse_log2", "float32", (b, h, sq), (1, 1, 1)),
-            TensorArg("delta", "float32", (b, h, sq), (1, 1, 1)),
-            TensorArg("params", "float32", (4,), (4,), batched=False),
-            accum,
-        ]
-        outputs = [accum,
-                   TensorArg("dk", dkv_dtype, (b, sk, hdk, d), (1, 1, 1, d)),
-                   TensorArg("dv", dkv_dtype, (b, sk, hdk, dv), (1, 1, 1, dv))]
-        aliases = [(7, 0)]
-        if self.deterministic:
-            sem = TensorArg("dq_semaphore", "int32", (b, h, sq // tm), (1, 1, 1))
-            inputs.append(sem)
-            outputs.append(sem)
-            aliases.append((8, 3))
-        return KernelSignature(inputs=tuple(inputs), outputs=tuple(outputs), aliases=tuple(aliases))
+        return attention_backward_signature(
+            self.dtype, self.head_dim, self.head_dim_v, self.tile_m, self.gqa,
+            counters=("dq_semaphore", 1) if self.deterministic else None)
 
     def make_launcher(self) -> Callable[..., Any]:
         self.validate()

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
-                                  TensorArg, check_dtype_and_mask, lookup_tuning)
+                                  TensorArg, attention_backward_signature,
+                                  check_dtype_and_mask, lookup_tuning)
 
 
 #: Shared memory a CTA may use on sm_90 (227 KB) minus room for mbarriers and alignment.
@@ -165,31 +166,9 @@ class BwdConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
-        d, dv, tm = self.head_dim, self.head_dim_v, self.tile_m
-        b, sq, sk, h, hkv = 2, 256, 256, 4, 2
-        hdk = h if self.gqa else hkv
-        dkv_dtype = "float32" if self.gqa else self.dtype
-        accum = TensorArg("dq_accum", "float32", (b, h, sq * d), (1, 1, tm * d))
-        inputs = (
-            TensorArg("q", self.dtype, (b, sq, h, d), (1, 1, 1, d)),
-            TensorArg("k", self.dtype, (b, sk, hkv, d), (1, 1, 1, d)),
-            TensorArg("v", self.dtype, (b, sk, hkv, dv), (1, 1, 1, dv)),
-            TensorArg("dout", self.dtype, (b, sq, h, dv), (1, 1, 1, dv)),
-            TensorArg("lse_log2", "float32", (b, h, sq), (1, 1, 1)),
-            TensorArg("delta", "float32", (b, h, sq), (1, 1, 1)),
-            TensorArg("params", "float32", (4,), (4,), batched=False),
-            accum,
-        )
-        outputs = (
-            accum,
-            TensorArg("dk", dkv_dtype, (b, sk, hdk, d), (1, 1, 1, d)),
-            TensorArg("dv", dkv_dtype, (b, sk, hdk, dv), (1, 1, 1, dv)),
-        )
-        if not self.deterministic:
-            return KernelSignature(inputs=inputs, outputs=outputs, aliases=((7, 0),))
-        sem = TensorArg("dq_sem", "int32", (b, h, 2 * sq // tm), (1, 1, 2))
-        return KernelSignature(inputs=(*inputs, sem), outputs=(*outputs, sem),
-                               aliases=((7, 0), (8, 3)))
+        return attention_backward_signature(
+            self.dtype, self.head_dim, self.head_dim_v, self.tile_m, self.gqa,
+            counters=("dq_sem", 2) if self.deterministic else None)  # one per dQ warpgroup chunk
 
     def make_launcher(self) -> Callable[..., Any]:
         self.validate()
