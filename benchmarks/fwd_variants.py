@@ -255,8 +255,9 @@ def print_table(report: dict[str, Any]) -> None:
         print(line)
     bad = [r for r in rows if r.get("ok") is False or "skipped" in r]
     for r in bad:
-        why = r.get("skipped") or (f"ref_err {r['ref_err']:.3g} (bound {r['ref_bound']:.3g}), "
-                                   f"diff vs v1 {r['max_diff_vs_v1']:.3g}")
+        why = r.get("skipped") or r.get("why") or (
+            f"ref_err {r['ref_err']:.3g} (bound {r['ref_bound']:.3g}), "
+            f"diff vs v1 {r['max_diff_vs_v1']:.3g}")
         print(f"  {r['shape']} {r['variant']}: {why}")
 
 

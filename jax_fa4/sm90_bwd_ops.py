@@ -51,13 +51,20 @@ def unsupported(q, k, v, opts) -> str | None:
     return None
 
 
-def backward(q, k, v, out, lse, dout, delta, lse_log2, opts):
+def backward(q, k, v, out, lse, dout, delta, lse_log2, opts, config: BwdConfig | None = None):
     """(dq, dk, dv) in the dtypes of q, k, v. ``out`` and ``lse`` are unused (their information
-    is in delta and lse_log2) but kept for the ops.backward signature."""
+    is in delta and lse_log2) but kept for the ops.backward signature. ``config`` replaces the
+    tuning table's main-kernel config (benchmarks/bwd_variants.py); it must describe the same
+    problem (dtype, head dims, mask kind, softcap, GQA)."""
     del out, lse
     from jax_fa4.ffi.call import call_kernel
 
     cfg, post = configs(q, k, v, opts)
+    if config is not None:
+        same = ("dtype", "head_dim", "head_dim_v", "mask", "has_softcap", "gqa")
+        if any(getattr(config, f) != getattr(cfg, f) for f in same):
+            raise ValueError(f"config {config.describe()} does not match the call ({cfg.describe()})")
+        cfg, post = config, config.postprocess_config()
     b, sq, h, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     params = kernel_params(opts, d)

@@ -150,3 +150,32 @@ def test_tiny_sweep_on_cpu(tmp_path, capsys):
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "total wall time" in printed and "fwd TF/s" in printed
+
+
+def test_backward_variant_sweep_lists_valid_distinct_configs():
+    """benchmarks/bwd_variants.py: per shape, v1 is the tuning table's config, every other
+    variant is a distinct config the validator accepts (the run precompiles exactly these)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bwd_variants
+    finally:
+        sys.path.pop(0)
+    from jax_fa4.kernels.sm90.bwd_config import BwdConfig
+
+    for shape in bwd_variants.shapes_for("all"):
+        gqa = shape.H != shape.Hkv
+        mask = "causal" if shape.causal else "none"
+        variants = bwd_variants.variants_for(shape.D, shape.Dv, mask, gqa)
+        names = [n for n, _ in variants]
+        assert names[0] == "v1" and "det" in names and len(set(names)) == len(names)
+        assert variants[0][1] == BwdConfig.make("bfloat16", shape.D, shape.Dv, mask, False, gqa)
+        cfgs = [c for _, c in variants]
+        assert len(set(cfgs)) == len(cfgs)
+        for cfg in cfgs:
+            cfg.validate()
+            assert cfg.gqa == gqa and cfg.mask == mask
+    needed = bwd_variants.variant_configs("d128", ["det"])
+    assert {c.kernel_name for c in needed} == {"sm90_bwd", "sm90_bwd_postprocess"}

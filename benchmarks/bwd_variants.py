@@ -1,0 +1,265 @@
+"""Time the Hopper backward kernels under several tuning configs per anchor shape, in one process.
+
+    python benchmarks/bwd_variants.py                     # on the H200 (kernels precompiled)
+    python benchmarks/bwd_variants.py --list              # the configs it needs, one per line
+    CUTE_DSL_ARCH=sm_90a python benchmarks/bwd_variants.py --precompile \\
+        --cache-dir .device/kernel-cache                  # build them (CPU machine, no GPU)
+    python benchmarks/bwd_variants.py --shapes d128 --variants det,m128n128s1p1
+
+For every anchor shape and the GQA 32/8 shapes (``jax_fa4.bench``), bf16, causal and not, it runs
+the backward chain the library runs (preprocess kernel, ``sm90_bwd`` main kernel, dQ
+postprocess, the GQA head sum) under each main-kernel config of ``variants_for``: the tuning
+table's (``v1``), every other tile / stage combination the config validator accepts
+(``m{tile_m}n{tile_n}s{stages}p{pds_stages}``) and the deterministic kernel (``det``). Each is
+timed as its own program on saved forward outputs (out, lse from the forward kernel), so the
+figure is the backward alone: TFLOP/s = 2.5 × forward FLOPs / time. cuDNN's backward is timed the
+way ``jax_fa4.bench`` does it, t(fwd + bwd) − t(fwd), in the same process; the ratio is to that.
+Timing is ``jax_fa4.bench``'s (warm-up, alternating rounds, median, rotated inputs).
+
+Checks per variant, on the first input set: dq, dk, dv against v1's (the GPU-tested default):
+``max|x − x_v1| / max|x_v1|`` must stay below ``--max-rel-diff`` (bf16 rounding of differently
+ordered sums), no NaN; ``det`` must also repeat bit for bit over two runs. A failed check marks
+the cell ``FAIL``.
+
+Output: a JSON (``--out``, default ``benchmarks/results/bwd-variants-<gpu>-<date>.json``) and a
+table variant × shape of TFLOP/s (ratio to cuDNN's backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from fwd_variants import _label, print_table
+
+SHAPE_GROUPS = {"d64": (64,), "d128": (128,), "d256": (256,), "all": (64, 128, 256)}
+
+
+class Opts(NamedTuple):
+    """What sm90_bwd_ops reads of the API's options."""
+
+    softmax_scale: float
+    window: tuple
+    softcap: float = 0.0
+    deterministic: bool = False
+
+
+# ---------------------------------------------------------------------------------------------
+# the configs (importable without JAX's GPU backend or the compiler)
+# ---------------------------------------------------------------------------------------------
+def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[tuple[str, Any]]:
+    """(name, BwdConfig) to time for one problem kind; the first is the table's (v1)."""
+    from jax_fa4.kernels.sm90.bwd_config import BwdConfig
+
+    base = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa)
+    out = [("v1", base)]
+    for tm in (64, 128):
+        for tn in (64, 128):
+            for stages in (1, 2):
+                for pds in (1, 2):
+                    cfg = dataclasses.replace(base, tile_m=tm, tile_n=tn, stages=stages,
+                                              pds_stages=pds)
+                    try:
+                        cfg.validate()
+                    except ValueError:  # over shared memory, or the GEMMs do not split
+                        continue
+                    if cfg != base:
+                        out.append((f"m{tm}n{tn}s{stages}p{pds}", cfg))
+    out.append(("det", dataclasses.replace(base, deterministic=True)))
+    return out
+
+
+def shapes_for(group: str = "all"):
+    from jax_fa4.bench import ANCHOR_SHAPES, GQA_SHAPES
+
+    return [s for s in ANCHOR_SHAPES + GQA_SHAPES if s.D in SHAPE_GROUPS[group]]
+
+
+def _variants(shape, names: list[str] | None) -> list[tuple[str, Any]]:
+    mask = "causal" if shape.causal else "none"
+    return [(n, c) for n, c in variants_for(shape.D, shape.Dv, mask, shape.H != shape.Hkv)
+            if names is None or n in names or n == "v1"]
+
+
+def variant_configs(group: str = "all", names: list[str] | None = None) -> list[Any]:
+    """Every kernel config the run needs (main kernels and their postprocesses, each once)."""
+    configs = []
+    for shape in shapes_for(group):
+        for _, cfg in _variants(shape, names):
+            for c in (cfg, cfg.postprocess_config()):
+                if c not in configs:
+                    configs.append(c)
+    return configs
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+# ---------------------------------------------------------------------------------------------
+def _backward_fn(cfg, opts: Opts):
+    from jax_fa4 import ops, sm90_bwd_ops
+
+    def backward(q, k, v, do, out, lse):
+        delta, lse_log2 = ops.bwd_preprocess(out, do, lse, "sm90")
+        return sm90_bwd_ops.backward(q, k, v, out, lse, do, delta, lse_log2, opts, config=cfg)
+    return backward
+
+
+def _check(got, base, *, max_rel: float) -> tuple[bool, str]:
+    import numpy as np
+
+    worst = 0.0
+    for name, g, b in zip(("dq", "dk", "dv"), got, base):
+        g, b = np.asarray(g, np.float32), np.asarray(b, np.float32)
+        if np.isnan(g).any():
+            return False, f"{name}: NaN"
+        worst = max(worst, float(np.max(np.abs(g - b)) / max(float(np.max(np.abs(b))), 1e-30)))
+    return worst <= max_rel, f"max rel diff vs v1 {worst:.3g}"
+
+
+def run(args) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_fa4
+    from jax_fa4 import bench
+
+    device = jax.devices()[0]
+    names = args.variants.split(",") if args.variants else None
+    shapes = shapes_for(args.shapes)
+    print(f"jax {jax.__version__} on {device.device_kind}; {len(shapes)} shapes, variants "
+          f"{names or 'all'}", flush=True)
+    rows: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    for si, shape in enumerate(shapes):
+        label = _label(shape) + ("" if shape.H == shape.Hkv else f" Hkv{shape.Hkv}")
+        opts = Opts(1.0 / math.sqrt(shape.D), (None, 0) if shape.causal else (None, None))
+        fwd = jax.jit(lambda q, k, v: jax_fa4.flash_attention(  # noqa: E731
+            q, k, v, causal=shape.causal, return_lse=True, implementation="sm90"))
+        inputs = bench.make_inputs(shape, jnp.bfloat16, jax.random.key(2000 + si), 1)
+        arg_sets = [(q, k, v, do, *fwd(q, k, v)) for q, k, v, do in inputs]
+        flops = 2.5 * shape.fwd_flops()
+        programs, entries, base = [], [], None
+        for name, cfg in _variants(shape, names):
+            row = {"shape": label, "B": shape.B, "S": shape.Sq, "H": shape.H, "Hkv": shape.Hkv,
+                   "D": shape.D, "causal": shape.causal, "variant": name,
+                   "config": cfg.describe(), "flops": flops}
+            try:
+                fn = jax.jit(_backward_fn(cfg, opts))
+                compiled = fn.lower(*arg_sets[0]).compile()
+                got = [np.asarray(g) for g in jax.block_until_ready(compiled(*arg_sets[0]))]
+                if base is None:
+                    base, row["ok"] = got, bool(all(np.isfinite(g.astype(np.float32)).all()
+                                                    for g in got))
+                else:
+                    row["ok"], row["why"] = _check(got, base, max_rel=args.max_rel_diff)
+                if cfg.deterministic:
+                    again = [np.asarray(g) for g in compiled(*arg_sets[0])]
+                    bitwise = all(np.array_equal(a, b) for a, b in zip(got, again))
+                    row["bitwise_repeatable"] = bitwise
+                    if not bitwise:
+                        row["ok"], row["why"] = False, "not bitwise repeatable"
+                programs.append(bench.make_program(fn, compiled, arg_sets, 1))
+                entries.append(row)
+            except Exception as err:  # a missing kernel or a failed launch: record, go on
+                row["skipped"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                if args.verbose:
+                    traceback.print_exc()
+            rows.append(row)
+        # cuDNN's backward: t(fwd + bwd) - t(fwd), timed in the same rounds
+        cud_row = {"shape": label, "B": shape.B, "S": shape.Sq, "H": shape.H, "Hkv": shape.Hkv,
+                   "D": shape.D, "causal": shape.causal, "variant": "cudnn", "flops": flops}
+        n_ours = len(programs)
+        try:
+            cfn = bench._jax_nn_fn(shape, "cudnn")
+            f1 = jax.jit(cfn)
+            f2 = jax.jit(bench._fwd_bwd(cfn))
+            programs.append(bench.make_program(f1, f1.lower(*inputs[0][:3]).compile(),
+                                               [s[:3] for s in inputs], 1))
+            programs.append(bench.make_program(f2, f2.lower(*inputs[0]).compile(), inputs, 1))
+        except Exception as err:
+            cud_row["skipped"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+        timings = bench.time_programs(programs, repeats=args.repeats,
+                                      target_s=args.target_ms / 1e3, sync_each=False)
+        for row, t in zip(entries, timings[:n_ours]):
+            row.update(ms=t.ms, spread=t.spread, iters=t.iters,
+                       tflops=flops / (t.ms * 1e-3) / 1e12)
+        if len(timings) == n_ours + 2:
+            ms = timings[n_ours + 1].ms - timings[n_ours].ms
+            cud_row.update(ms=ms, fwd_ms=timings[n_ours].ms, tflops=flops / (ms * 1e-3) / 1e12)
+        rows.append(cud_row)
+        cud = cud_row.get("tflops")
+        v1 = next((r.get("tflops") for r in entries if r["variant"] == "v1"), None)
+        for row in rows:
+            if row["shape"] == label and "tflops" in row:
+                row["ratio_vs_cudnn"] = row["tflops"] / cud if cud else None
+                row["ratio_vs_v1"] = row["tflops"] / v1 if v1 else None
+        line = "  ".join(f"{r['variant']} {r['tflops']:.0f}" for r in rows
+                         if r["shape"] == label and "tflops" in r)
+        print(f"[{si + 1}/{len(shapes)}] {label}: {line}  "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)
+        del arg_sets, inputs, programs
+    return {"gpu": device.device_kind, "jax": jax.__version__,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": list(sys.orig_argv),
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "wall_s": round(time.perf_counter() - start, 1), "rows": rows}
+
+
+def precompile(args) -> int:
+    from jax_fa4.ffi.cache import KernelCache
+    from jax_fa4.precompile import build
+    from jax_fa4.variants import Variant
+
+    names = args.variants.split(",") if args.variants else None
+    records = build([Variant(c, "sm_90a") for c in variant_configs(args.shapes, names)],
+                    KernelCache(args.cache_dir))
+    for r in records:
+        print(r)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", choices=sorted(SHAPE_GROUPS), default="all")
+    p.add_argument("--variants", help="comma-separated names (default: all; v1 always runs)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--target-ms", type=float, default=60.0, help="length of one timed round")
+    p.add_argument("--max-rel-diff", type=float, default=2e-2,
+                   help="largest max|x - x_v1| / max|x_v1| accepted for dq, dk, dv")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--list", action="store_true", help="print the configs needed and exit")
+    p.add_argument("--precompile", action="store_true", help="build the configs into the cache")
+    p.add_argument("--cache-dir", help="kernel cache for --precompile (default: the package's)")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+    if args.list:
+        names = args.variants.split(",") if args.variants else None
+        for cfg in variant_configs(args.shapes, names):
+            print(cfg.describe())
+        return 0
+    if args.precompile:
+        return precompile(args)
+    report = run(args)
+    print_table(report)
+    out = args.out
+    if out is None:
+        slug = "".join(ch if ch.isalnum() else "-" for ch in report["gpu"].lower()).strip("-")
+        out = Path("benchmarks/results") / f"bwd-variants-{slug}-{datetime.date.today()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\nwrote {out} ({report['wall_s']} s)")
+    return 1 if any(r.get("ok") is False for r in report["rows"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
