@@ -27,20 +27,14 @@ table variant × shape of TFLOP/s (ratio to cuDNN's backward).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
-import json
 import math
-import sys
-import time
 import traceback
-from pathlib import Path
 from typing import Any, NamedTuple
 
-from fwd_variants import _label, print_table
-
-SHAPE_GROUPS = {"d64": (64,), "d128": (128,), "d256": (256,), "all": (64, 128, 256)}
+import variant_harness as harness
+from fwd_variants import _label
+from variant_harness import SHAPE_GROUPS
 
 
 class Opts(NamedTuple):
@@ -132,13 +126,10 @@ def run(args) -> dict[str, Any]:
     import jax_fa4
     from jax_fa4 import bench
 
-    device = jax.devices()[0]
-    names = args.variants.split(",") if args.variants else None
+    names = harness.variant_names(args)
     shapes = shapes_for(args.shapes)
-    print(f"jax {jax.__version__} on {device.device_kind}; {len(shapes)} shapes, variants "
-          f"{names or 'all'}", flush=True)
+    device, start = harness.start(args, len(shapes))
     rows: list[dict[str, Any]] = []
-    start = time.perf_counter()
     for si, shape in enumerate(shapes):
         label = _label(shape) + ("" if shape.H == shape.Hkv else f" Hkv{shape.Hkv}")
         opts = Opts(1.0 / math.sqrt(shape.D), (None, 0) if shape.causal else (None, None))
@@ -170,7 +161,7 @@ def run(args) -> dict[str, Any]:
                 programs.append(bench.make_program(fn, compiled, arg_sets, 1))
                 entries.append(row)
             except Exception as err:  # a missing kernel or a failed launch: record, go on
-                row["skipped"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                row["skipped"] = harness.error_text(err)
                 if args.verbose:
                     traceback.print_exc()
             rows.append(row)
@@ -186,7 +177,7 @@ def run(args) -> dict[str, Any]:
                                                [s[:3] for s in inputs], 1))
             programs.append(bench.make_program(f2, f2.lower(*inputs[0]).compile(), inputs, 1))
         except Exception as err:
-            cud_row["skipped"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            cud_row["skipped"] = harness.error_text(err)
         timings = bench.time_programs(programs, repeats=args.repeats,
                                       target_s=args.target_ms / 1e3, sync_each=False)
         for row, t in zip(entries, timings[:n_ours]):
@@ -196,69 +187,24 @@ def run(args) -> dict[str, Any]:
             ms = timings[n_ours + 1].ms - timings[n_ours].ms
             cud_row.update(ms=ms, fwd_ms=timings[n_ours].ms, tflops=flops / (ms * 1e-3) / 1e12)
         rows.append(cud_row)
-        cud = cud_row.get("tflops")
-        v1 = next((r.get("tflops") for r in entries if r["variant"] == "v1"), None)
-        for row in rows:
-            if row["shape"] == label and "tflops" in row:
-                row["ratio_vs_cudnn"] = row["tflops"] / cud if cud else None
-                row["ratio_vs_v1"] = row["tflops"] / v1 if v1 else None
-        line = "  ".join(f"{r['variant']} {r['tflops']:.0f}" for r in rows
-                         if r["shape"] == label and "tflops" in r)
-        print(f"[{si + 1}/{len(shapes)}] {label}: {line}  "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)
+        harness.finish_shape(rows, label, si, len(shapes), start)
         del arg_sets, inputs, programs
-    return {"gpu": device.device_kind, "jax": jax.__version__,
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": list(sys.orig_argv),
-            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "wall_s": round(time.perf_counter() - start, 1), "rows": rows}
-
-
-def precompile(args) -> int:
-    from jax_fa4.ffi.cache import KernelCache
-    from jax_fa4.precompile import build
-    from jax_fa4.variants import Variant
-
-    names = args.variants.split(",") if args.variants else None
-    records = build([Variant(c, "sm_90a") for c in variant_configs(args.shapes, names)],
-                    KernelCache(args.cache_dir))
-    for r in records:
-        print(r)
-    return 0
+    return harness.report(device, args, start, rows)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", choices=sorted(SHAPE_GROUPS), default="all")
-    p.add_argument("--variants", help="comma-separated names (default: all; v1 always runs)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--target-ms", type=float, default=60.0, help="length of one timed round")
+    p = harness.parser(__doc__)
     p.add_argument("--max-rel-diff", type=float, default=2e-2,
                    help="largest max|x - x_v1| / max|x_v1| accepted for dq, dk, dv")
-    p.add_argument("--out", type=Path)
-    p.add_argument("--list", action="store_true", help="print the configs needed and exit")
-    p.add_argument("--precompile", action="store_true", help="build the configs into the cache")
-    p.add_argument("--cache-dir", help="kernel cache for --precompile (default: the package's)")
-    p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
+    configs = variant_configs(args.shapes, harness.variant_names(args))
     if args.list:
-        names = args.variants.split(",") if args.variants else None
-        for cfg in variant_configs(args.shapes, names):
+        for cfg in configs:
             print(cfg.describe())
         return 0
     if args.precompile:
-        return precompile(args)
-    report = run(args)
-    print_table(report)
-    out = args.out
-    if out is None:
-        slug = "".join(ch if ch.isalnum() else "-" for ch in report["gpu"].lower()).strip("-")
-        out = Path("benchmarks/results") / f"bwd-variants-{slug}-{datetime.date.today()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\nwrote {out} ({report['wall_s']} s)")
-    return 1 if any(r.get("ok") is False for r in report["rows"]) else 0
+        return harness.precompile(configs, args.cache_dir)
+    return harness.write(run(args), "bwd-variants", args.out)
 
 
 if __name__ == "__main__":

@@ -31,18 +31,15 @@ table variant × shape of TFLOP/s (ratio to cuDNN). Whole run on an H200: ~2-3 m
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import math
 import sys
-import time
 import traceback
-from pathlib import Path
 from typing import Any
 
+import variant_harness as harness
+from variant_harness import SHAPE_GROUPS
+
 H200_SMS = 132  # the persistent variants' grid (an H100 SXM has 132 SMs too)
-SHAPE_GROUPS = {"d64": (64,), "d128": (128,), "d256": (256,), "all": (64, 128, 256)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,13 +148,10 @@ def run(args) -> dict[str, Any]:
 
     from jax_fa4 import bench
 
-    device = jax.devices()[0]
-    names = args.variants.split(",") if args.variants else None
+    names = harness.variant_names(args)
     shapes = shapes_for(args.shapes)
-    print(f"jax {jax.__version__} on {device.device_kind}; {len(shapes)} shapes, variants "
-          f"{names or 'all'}", flush=True)
+    device, start = harness.start(args, len(shapes))
     rows: list[dict[str, Any]] = []
-    start = time.perf_counter()
     for si, shape in enumerate(shapes):
         mask = "causal" if shape.causal else "none"
         variants = [(n, c) for n, c in variants_for(shape.D, shape.Dv, mask)
@@ -188,11 +182,13 @@ def run(args) -> dict[str, Any]:
                 row.update(_reference_check(out, q0, k0, v0, shape, args.ref_rows))
                 row["ok"] = (not row["ref_nan"] and row["ref_err"] <= row["ref_bound"]
                              and row["max_diff_vs_v1"] <= args.max_diff)
+                row["why"] = (f"ref_err {row['ref_err']:.3g} (bound {row['ref_bound']:.3g}), "
+                              f"diff vs v1 {row['max_diff_vs_v1']:.3g}")
                 del out, lse
                 programs.append(bench.make_program(fn, compiled, arg_sets, 1))
                 entries.append(row)
             except Exception as err:  # a missing kernel or a failed check: record, go on
-                row["skipped"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                row["skipped"] = harness.error_text(err)
                 if args.verbose:
                     traceback.print_exc()
             rows.append(row)
@@ -204,120 +200,42 @@ def run(args) -> dict[str, Any]:
             programs.append(bench.make_program(cfn, ccompiled, arg_sets, 1))
             entries.append(cudnn_row)
         except Exception as err:
-            cudnn_row["skipped"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            cudnn_row["skipped"] = harness.error_text(err)
         rows.append(cudnn_row)
         del base_out
         timings = bench.time_programs(programs, repeats=args.repeats,
                                       target_s=args.target_ms / 1e3, sync_each=False)
         for row, t in zip(entries, timings):
             row.update(ms=t.ms, spread=t.spread, iters=t.iters, tflops=flops / (t.ms * 1e-3) / 1e12)
-        cud = cudnn_row.get("tflops")
-        v1 = next((r.get("tflops") for r in rows if r["shape"] == _label(shape)
-                   and r["variant"] == "v1"), None)
-        for row in rows:
-            if row["shape"] == _label(shape) and "tflops" in row:
-                row["ratio_vs_cudnn"] = row["tflops"] / cud if cud else None
-                row["ratio_vs_v1"] = row["tflops"] / v1 if v1 else None
-        line = "  ".join(f"{r['variant']} {r['tflops']:.0f}" for r in rows
-                         if r["shape"] == _label(shape) and "tflops" in r)
-        print(f"[{si + 1}/{len(shapes)}] {_label(shape)}: {line}  "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)
+        harness.finish_shape(rows, _label(shape), si, len(shapes), start)
         del arg_sets, programs
-    return {"gpu": device.device_kind, "jax": jax.__version__,
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": list(sys.orig_argv),
-            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "wall_s": round(time.perf_counter() - start, 1), "rows": rows}
+    return harness.report(device, args, start, rows)
 
 
-def print_table(report: dict[str, Any]) -> None:
-    rows = report["rows"]
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    variants = [v for v in dict.fromkeys(r["variant"] for r in rows) if v != "cudnn"] + ["cudnn"]
-    cell = {(r["shape"], r["variant"]): r for r in rows}
-    width = 22
-    print("\nTFLOP/s (ratio to cuDNN in the same process); FAIL = a correctness check failed")
-    print(f"{'shape':<26}" + "".join(f"{v:>{width}}" for v in variants))
-    for s in shapes:
-        line = f"{s:<26}"
-        for v in variants:
-            r = cell.get((s, v))
-            if r is None:
-                text = ""
-            elif "tflops" not in r:
-                text = "skipped"
-            else:
-                ratio = r.get("ratio_vs_cudnn")
-                text = f"{r['tflops']:.0f}" + (f" ({ratio:.3f})" if ratio and v != "cudnn" else "")
-                if r.get("ok") is False:
-                    text = "FAIL " + text
-            line += f"{text:>{width}}"
-        print(line)
-    bad = [r for r in rows if r.get("ok") is False or "skipped" in r]
-    for r in bad:
-        why = r.get("skipped") or r.get("why") or (
-            f"ref_err {r['ref_err']:.3g} (bound {r['ref_bound']:.3g}), "
-            f"diff vs v1 {r['max_diff_vs_v1']:.3g}")
-        print(f"  {r['shape']} {r['variant']}: {why}")
-
-
-def precompile(args) -> int:
-    from jax_fa4.ffi.cache import KernelCache
-    from jax_fa4.precompile import build
-    from jax_fa4.variants import Variant
-
-    names = args.variants.split(",") if args.variants else None
-    configs = variant_configs(args.shapes, names)
+def configs_for(args) -> list[Any]:
+    configs = variant_configs(args.shapes, harness.variant_names(args))
     if args.with_tests:  # the GPU tests' option configs (tests/gpu/test_sm90_fwd.py)
         from jax_fa4.kernels.sm90.fwd_config import option_test_configs
 
         configs += [c for c in option_test_configs() if c not in configs]
-    records = build([Variant(c, "sm_90a") for c in configs], KernelCache(args.cache_dir))
-    for r in records:
-        print(r)
-    return 0
+    return configs
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", choices=sorted(SHAPE_GROUPS), default="all")
-    p.add_argument("--variants", help="comma-separated names (default: all; v1 always runs)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--target-ms", type=float, default=60.0, help="length of one timed round")
+    p = harness.parser(__doc__)
     p.add_argument("--ref-rows", type=int, default=256)
     p.add_argument("--max-diff", type=float, default=0.0625,
                    help="largest |out - out_v1| accepted (bf16 outputs, rounding differences)")
-    p.add_argument("--out", type=Path)
-    p.add_argument("--list", action="store_true", help="print the configs needed and exit")
-    p.add_argument("--precompile", action="store_true", help="build the configs into the cache")
-    p.add_argument("--cache-dir", help="kernel cache for --precompile (default: the package's)")
     p.add_argument("--with-tests", action="store_true",
-                   help="--precompile also builds fwd_config.option_test_configs() (GPU tests)")
-    p.add_argument("--verbose", action="store_true")
+                   help="--list / --precompile also cover fwd_config.option_test_configs()")
     args = p.parse_args(argv)
     if args.list:
-        configs = variant_configs(args.shapes, args.variants.split(",") if args.variants else None)
-        if args.with_tests:
-            from jax_fa4.kernels.sm90.fwd_config import option_test_configs
-
-            configs += [c for c in option_test_configs() if c not in configs]
-        for cfg in configs:
+        for cfg in configs_for(args):
             print(cfg.describe())
         return 0
     if args.precompile:
-        return precompile(args)
-    report = run(args)
-    print_table(report)
-    out = args.out
-    if out is None:
-        slug = "".join(ch if ch.isalnum() else "-" for ch in report["gpu"].lower()).strip("-")
-        out = Path("benchmarks/results") / f"fwd-variants-{slug}-{datetime.date.today()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\nwrote {out} ({report['wall_s']} s)")
-    failed = any(r.get("ok") is False for r in report["rows"])
-    return 1 if failed else 0
+        return harness.precompile(configs_for(args), args.cache_dir)
+    return harness.write(run(args), "fwd-variants", args.out)
 
 
 if __name__ == "__main__":
