@@ -74,6 +74,7 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str) -> list[tuple[str, A
         add("3wg+pp+rs8+sx6", tile_m=192, pingpong=True, rescale_threshold=8.0, exp2_sw_per_32=6)
     elif head_dim == 128:
         add("pp+n176", pingpong=True, tile_n=176)
+        add("s3", stages=3)  # a third K/V stage (224 KB of shared memory)
     return out
 
 
