@@ -121,6 +121,28 @@ def bwd_preprocess(out, dout, lse, implementation: str) -> tuple[jax.Array, jax.
     return delta, lse_log2
 
 
+def backward_kind(q, k, v, opts) -> dict:
+    """The problem kind a backward kernel config is made for (the keyword arguments of
+    ``BwdConfig.make`` / ``Sm100BwdConfig.make``). ``opts`` needs ``.window`` and ``.softcap``;
+    ``.deterministic`` is optional (False)."""
+    return dict(dtype=jnp.dtype(q.dtype).name, head_dim=q.shape[3], head_dim_v=v.shape[3],
+                mask=mask_kind(opts.window), has_softcap=bool(opts.softcap and opts.softcap > 0),
+                gqa=q.shape[2] != k.shape[2],
+                deterministic=bool(getattr(opts, "deterministic", False)))
+
+
+def config_refusal(configs, q, k, v, opts) -> str | None:
+    """Why ``configs(q, k, v, opts)`` (a kernel-config builder raising ValueError) cannot serve
+    this call, None when it can."""
+    if not (q.dtype == k.dtype == v.dtype):
+        return "q, k, v dtypes differ"
+    try:
+        configs(q, k, v, opts)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def backward_unsupported(q, k, v, opts) -> str | None:
     """Why no backward kernel serves this call (None when one does)."""
     if opts.implementation != "sm90":

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
-from jax_fa4.ops import kernel_params, mask_kind
+from jax_fa4.ops import backward_kind, config_refusal, kernel_params
 
 ARCH = "sm_100a"
 
@@ -34,23 +34,13 @@ ARCH = "sm_100a"
 def configs(q, k, v, opts) -> tuple[Sm100BwdConfig, None]:
     """(main config, None) for this call (no postprocess kernel on sm100); raises ValueError if
     unsupported."""
-    dtype = jnp.dtype(q.dtype).name
-    gqa = q.shape[2] != k.shape[2]
-    cfg = Sm100BwdConfig.make(dtype, q.shape[3], v.shape[3], mask_kind(opts.window),
-                              has_softcap=bool(opts.softcap and opts.softcap > 0), gqa=gqa,
-                              deterministic=bool(getattr(opts, "deterministic", False)))
+    cfg = Sm100BwdConfig.make(**backward_kind(q, k, v, opts))
     return cfg, None
 
 
 def unsupported(q, k, v, opts) -> str | None:
     """Why the sm100 backward kernel cannot serve this call (None when it can)."""
-    if not (q.dtype == k.dtype == v.dtype):
-        return "q, k, v dtypes differ"
-    try:
-        configs(q, k, v, opts)
-    except ValueError as e:
-        return str(e)
-    return None
+    return config_refusal(configs, q, k, v, opts)
 
 
 def backward(q, k, v, out, lse, dout, delta, lse_log2, opts):

@@ -25,30 +25,20 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig
-from jax_fa4.ops import kernel_params, mask_kind
+from jax_fa4.ops import backward_kind, config_refusal, kernel_params
 
 ARCH = "sm_90a"
 
 
 def configs(q, k, v, opts) -> tuple[BwdConfig, object]:
     """(main config, postprocess config) for this call; raises ValueError if unsupported."""
-    dtype = jnp.dtype(q.dtype).name
-    gqa = q.shape[2] != k.shape[2]
-    cfg = BwdConfig.make(dtype, q.shape[3], v.shape[3], mask_kind(opts.window),
-                         has_softcap=bool(opts.softcap and opts.softcap > 0), gqa=gqa,
-                         deterministic=bool(getattr(opts, "deterministic", False)))
+    cfg = BwdConfig.make(**backward_kind(q, k, v, opts))
     return cfg, cfg.postprocess_config()
 
 
 def unsupported(q, k, v, opts) -> str | None:
     """Why the sm90 backward kernels cannot serve this call (None when they can)."""
-    if not (q.dtype == k.dtype == v.dtype):
-        return "q, k, v dtypes differ"
-    try:
-        configs(q, k, v, opts)
-    except ValueError as e:
-        return str(e)
-    return None
+    return config_refusal(configs, q, k, v, opts)
 
 
 def backward(q, k, v, out, lse, dout, delta, lse_log2, opts, config: BwdConfig | None = None):
