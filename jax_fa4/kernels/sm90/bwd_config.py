@@ -82,13 +82,16 @@ def _split(extent: int) -> tuple[int, int]:
     return (2, 1) if extent == 128 else (1, 2)
 
 
+#: Kernel sources behind both configs (main and postprocess share bwd.py's dQ layout helpers).
+_SOURCES = ("spec.py", "common", "sm90/bwd_config.py", "sm90/bwd.py", "sm90/bwd_postprocess.py")
+
+
 @dataclass(frozen=True)
 class BwdConfig(KernelConfig):
     """Compile key of the sm90 backward main kernel: everything that changes the generated code."""
 
     kernel_name: ClassVar[str] = "sm90_bwd"
-    sources: ClassVar[tuple[str, ...]] = ("spec.py", "common", "sm90/bwd_config.py", "sm90/bwd.py",
-                                          "sm90/bwd_postprocess.py")
+    sources: ClassVar[tuple[str, ...]] = _SOURCES
 
     dtype: str = "bfloat16"
     head_dim: int = 128
@@ -182,8 +185,7 @@ class BwdPostprocessConfig(KernelConfig):
     """dq = dq_accum (fragment order, see module docstring) · softmax_scale, in the input dtype."""
 
     kernel_name: ClassVar[str] = "sm90_bwd_postprocess"
-    sources: ClassVar[tuple[str, ...]] = ("spec.py", "common", "sm90/bwd_config.py", "sm90/bwd.py",
-                                          "sm90/bwd_postprocess.py")
+    sources: ClassVar[tuple[str, ...]] = _SOURCES
 
     dtype: str = "bfloat16"
     head_dim: int = 128
