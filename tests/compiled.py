@@ -7,7 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CUBIN_REPORT = Path(__file__).resolve().parent.parent.parent / "shared" / "tools" / "cubin_report.py"
+#: SASS checks need ../shared/tools/cubin_report.py beside the checkout
+needs_cubin_report = pytest.mark.skipif(not CUBIN_REPORT.is_file(),
+                                        reason="../shared/tools/cubin_report.py missing")
 
 
 def compiled_object(cache, config, arch: str) -> bytes:

@@ -16,7 +16,7 @@ from jax_fa4.ffi import runtime
 from jax_fa4.ffi.cache import KernelCache
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.variants import variants
-from compiled import CUBIN_REPORT, sass_report, compiled_object
+from compiled import needs_cubin_report, sass_report, compiled_object
 
 
 
@@ -99,7 +99,7 @@ def test_precompile_in_parallel_matches_serial(tmp_path):
     assert names[0] == names[1] and len(names[0]) == 4
 
 
-@pytest.mark.skipif(not CUBIN_REPORT.is_file(), reason="../shared/tools/cubin_report.py missing")
+@needs_cubin_report
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_preprocess_sass_has_no_local_memory(shipped_cache, tmp_path, arch):
     obj = compiled_object(shipped_cache, PreprocessConfig("bfloat16", 128), arch)

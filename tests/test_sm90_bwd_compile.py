@@ -27,7 +27,7 @@ from jax_fa4.kernels.sm90.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TUNIN
                                              test_variants)
 
 REPO = Path(__file__).resolve().parents[1]
-from compiled import CUBIN_REPORT  # ../shared/tools/cubin_report.py beside the checkout
+from compiled import CUBIN_REPORT, needs_cubin_report  # ../shared/tools/cubin_report.py
 ARCH = "sm_90a"
 
 
@@ -73,6 +73,7 @@ def _id(v):
     return f"{dtype[:4]}-{d}x{dv}-{mask}{'-cap' if cap else ''}{'-gqa' if gqa else ''}"
 
 
+@needs_cubin_report
 @pytest.mark.parametrize("variant", _main_variants(), ids=_id)
 def test_main_kernel_compiles_with_clean_sass(variant, tmp_path):
     dtype, d, dv, mask, cap, gqa = variant
@@ -93,6 +94,7 @@ def test_main_kernel_compiles_with_clean_sass(variant, tmp_path):
     _assert_no_local_memory(r)
 
 
+@needs_cubin_report
 @pytest.mark.parametrize("cfg", sorted({c.postprocess_config() for c in
                                         (BwdConfig.make(dt, d, dv) for dt in ("bfloat16", "float16")
                                          for (d, dv) in TUNING_TABLE)},
@@ -134,6 +136,7 @@ def _deterministic_variants():
             + [("bfloat16", d, dv, "causal", False, False) for (d, dv) in TUNING_TABLE])
 
 
+@needs_cubin_report
 @pytest.mark.parametrize("variant", _deterministic_variants(), ids=_id)
 def test_deterministic_kernel_compiles_with_clean_sass(variant, tmp_path):
     """The ordered-dQ handshake is in the SASS (an acquire spin before the bulk reduce, a release

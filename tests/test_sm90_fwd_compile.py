@@ -33,7 +33,7 @@ from jax_fa4.kernels.sm90.fwd_config import (FwdConfig, TUNING_TABLE, fallback_c
                                               option_test_configs)
 
 REPO = Path(__file__).resolve().parents[1]
-from compiled import CUBIN_REPORT  # ../shared/tools/cubin_report.py beside the checkout
+from compiled import CUBIN_REPORT, needs_cubin_report  # ../shared/tools/cubin_report.py
 ARCH = "sm_90a"
 
 
@@ -82,6 +82,7 @@ def _id(x):
     return str(x) if not isinstance(x, bool) else ("T" if x else "F")
 
 
+@needs_cubin_report
 @pytest.mark.parametrize("dtype,d,dv,mask,softcap,overlap", _variants(), ids=_id)
 def test_compiles_with_clean_sass(dtype, d, dv, mask, softcap, overlap, tmp_path, shipped_cache):
     cfg = FwdConfig.make(dtype, d, dv, mask, softcap, intra_wg_overlap=overlap)
@@ -110,6 +111,7 @@ def _option_id(cfg: FwdConfig) -> str:
     return "-".join(parts)
 
 
+@needs_cubin_report
 @pytest.mark.parametrize("cfg", option_test_configs(), ids=_option_id)
 def test_v2_options_compile_with_clean_sass(cfg, tmp_path, shipped_cache):
     """The v2 tuning options (ping-pong, 3 consumer warpgroups, conditional rescaling): the
