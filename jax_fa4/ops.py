@@ -148,8 +148,6 @@ def backward_unsupported(q, k, v, opts) -> str | None:
     if opts.implementation != "sm90":
         # The sm100 backward kernels compile but have never run: the reference serves sm100.
         return f"no backward kernel is enabled for implementation={opts.implementation!r}"
-    if opts.deterministic:
-        return "deterministic=True: the sm90 backward kernel's dQ accumulation is not ordered yet"
     from jax_fa4 import sm90_bwd_ops
 
     return sm90_bwd_ops.unsupported(q, k, v, opts)
@@ -159,9 +157,10 @@ def backward(q, k, v, out, lse, dout, delta, lse_log2, opts
              ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """dq, dk, dv from the saved forward, ``delta`` and ``lse_log2`` (see :func:`bwd_preprocess`).
 
-    The Hopper backward kernels serve ``implementation="sm90"`` calls they cover; everything
-    else (other implementations, unsupported shapes or options, ``deterministic=True``) runs the
-    reference's explicit backward, which is deterministic.
+    The Hopper backward kernels serve ``implementation="sm90"`` calls they cover (with
+    ``deterministic=True``, the kernel that adds dQ in a fixed order); everything else (other
+    implementations, unsupported shapes or options) runs the reference's explicit backward,
+    which is deterministic too.
     """
     if backward_unsupported(q, k, v, opts) is None:
         from jax_fa4 import sm90_bwd_ops

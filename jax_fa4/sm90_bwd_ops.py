@@ -10,8 +10,8 @@ Kernels (jax_fa4/kernels/sm90/bwd_config.py):
      input/output alias), dk, dv;
   2. ``sm90_bwd_postprocess``: dq = dq_accum · softmax_scale in q's dtype.
 
-Deterministic configs (``opts.deterministic``) also take ``dq_sem`` (B, H, 2·Sq_pad/tile_m) int32
-zeros: the counters that make the key blocks add into each dQ chunk in ascending order.
+Deterministic configs (``opts.deterministic``) also take ``dq_sem`` (B, H, Sq_pad/tile_m) int32
+zeros: the counters that make the key blocks add into each query block's dQ in a fixed order.
 
 GQA/MQA (H > Hkv): the main kernel writes float32 dK/dV per *query* head, (B, Sk, H, D), and they
 are summed over each group of G = H/Hkv heads here (cost: 4·B·Sk·H·(D+Dv) bytes written by the
@@ -67,8 +67,8 @@ def backward(q, k, v, out, lse, dout, delta, lse_log2, opts, config: BwdConfig |
                   jax.ShapeDtypeStruct((b, sk, hdk, dv), dkv_dtype))
     inputs = [q, k, v, dout, lse_log2.astype(jnp.float32), delta.astype(jnp.float32), params,
               dq_accum]
-    if cfg.deterministic:  # one ordering counter per dQ chunk (2 per query block)
-        dq_sem = jnp.zeros((b, h, 2 * sq_pad // cfg.tile_m), jnp.int32)
+    if cfg.deterministic:  # one ordering counter per query block
+        dq_sem = jnp.zeros((b, h, sq_pad // cfg.tile_m), jnp.int32)
         inputs.append(dq_sem)
         out_shapes += (jax.ShapeDtypeStruct(dq_sem.shape, jnp.int32),)
     dq_accum, dk, dvv = call_kernel(cfg, ARCH, *inputs, out_shapes=out_shapes)[:3]

@@ -89,6 +89,22 @@ def test_chained_program_computes_each_call():
 
 
 @pytest.mark.skipif(not ON_CPU, reason="a kernel cannot lower on the CPU")
+def test_rounds_rotate_which_program_goes_first(monkeypatch):
+    """No program always runs right after another one's round: round r starts at program r."""
+    calls: list[str] = []
+    monkeypatch.setattr(bench, "_round_iters", lambda program, target_s: 1)
+
+    def fake_round(program, iters, first, sync_each):
+        calls.append(program)
+        return {"a": 1.0, "b": 2.0, "c": 3.0}[program]
+
+    monkeypatch.setattr(bench, "_round_ms", fake_round)
+    timings = bench.time_programs(["a", "b", "c"], repeats=3, target_s=0.01, sync_each=False)
+    rounds = [calls[i:i + 3] for i in range(0, len(calls), 3)]
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert [t.ms for t in timings] == [1.0, 2.0, 3.0]  # each program keeps its own samples
+
+
 def test_jax_fa4_row_probes_the_forced_kernel():
     shape = bench.Shape(1, 16, 16, 2, 1, 8, 8, True)
     inputs = bench.make_inputs(shape, jnp.bfloat16, jax.random.key(0), multiple_of=1)[0]

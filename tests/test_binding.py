@@ -112,7 +112,7 @@ def test_preprocess_sass_has_no_local_memory(shipped_cache, tmp_path, arch):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_grad_on_hopper_runs_the_backward_kernels(shipped_cache, monkeypatch, deterministic):
     """jax.grad through flash_attention(implementation="sm90") lowers to the forward, the
-    preprocess and the two backward kernels; deterministic=True keeps the reference backward."""
+    preprocess and the two backward kernels (deterministic=True: the ordered-dQ main kernel)."""
     from jax_fa4.ffi import call
 
     monkeypatch.setenv("JAX_FA4_CACHE_DIR", str(shipped_cache.root))
@@ -129,8 +129,10 @@ def test_grad_on_hopper_runs_the_backward_kernels(shipped_cache, monkeypatch, de
     exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
                                  disabled_checks=jax_fa4.export_disabled_safety_checks())(q, k, v)
     calls = exported.mlir_module().count("stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2")
-    # forward + preprocess (+ sm90_bwd + sm90_bwd_postprocess)
-    assert calls == (2 if deterministic else 4)
+    # forward + preprocess + sm90_bwd + sm90_bwd_postprocess
+    assert calls == 4
+    # the ordered-dQ kernel's counters: one int32 per (batch, head, 64-row query block)
+    assert ("tensor<2x4x2xi32>" in exported.mlir_module()) == deterministic
     assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
     call.clear_memory_cache()
 

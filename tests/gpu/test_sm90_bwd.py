@@ -99,6 +99,7 @@ CASES = [
 # deterministic (ordered dQ) kernels: bwd_config._GPU_TEST_DETERMINISTIC
 DETERMINISTIC_CASES = [
     Case(BF, 128, 128, 1023, 1024, 4, 4, CAUSAL),
+    Case(BF, 128, 128, 203, 1113, 4, 4, CAUSAL),  # causal, more keys than queries, key tail
     Case(BF, 128, 128, 2049, 2048, 4, 2, b=1),  # GQA
     Case(BF, 64, 64, 1023, 1024, 4, 4, (64, 32)),
     Case(BF, 256, 256, 1023, 1024, 2, 2, CAUSAL),
@@ -281,13 +282,15 @@ def test_grad_through_the_api_matches_the_reference(causal):
 
 
 def test_deterministic_grads_are_bitwise_repeatable():
-    """deterministic=True: the same gradients, bit for bit, from two runs (today through the
-    reference backward: no backward kernel in the program)."""
+    """deterministic=True through the API: the ordered-dQ kernel (its int32 counters are in the
+    program), the same gradients bit for bit from two runs."""
     ks = jax.random.split(jax.random.key(12), 4)
     q, k, v, w = (jax.random.normal(kk, (2, 333, 4, 64), jnp.float32) for kk in ks)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     f, first = _api_grads(q, k, v, w, causal=True, implementation="sm90", deterministic=True)
-    assert f.lower(q, k, v).as_text().count("CuteDSLRT_NvJaxCutlassCall_v2") == 2  # fwd, pre
+    text = f.lower(q, k, v).as_text()
+    assert text.count("CuteDSLRT_NvJaxCutlassCall_v2") == 4  # fwd, pre, bwd, post
+    assert "tensor<2x4x3xi32>" in text  # dq_sem: (B, H, 3 query blocks of 128 rows)
     poison_device_memory()
     second = f(q, k, v)
     for a, b_ in zip(first, second):

@@ -10,9 +10,12 @@ sliding-window masks with query-block skipping (a block is masked only when it c
 softcap with its derivative.
 
 Structure (one CTA = one block of tile_n keys of one (batch, query head); not persistent):
-  * warpgroup 0 = producer: gives registers back (setmaxnreg); its warp 0 issues the TMA loads:
-    K and V once (one mbarrier), then Q[m] and dO[m] for every visited query block m through two
-    `stages`-deep PipelineTmaAsync pipelines.
+  * warpgroup 0 = producer: gives registers back (setmaxnreg).
+      warp 0 issues the TMA loads: K and V once (one mbarrier), then Q[m] and dO[m] for every
+      visited query block m through two `stages`-deep PipelineTmaAsync pipelines.
+      warp 1 is the dQ warp: per query block it waits (named barrier DQ_FULL) for both MMA
+      warpgroups' dQ chunks in shared memory, reduce-adds each into dq_accum with one
+      `cp.reduce.async.bulk.add.f32`, and hands the buffers back (DQ_EMPTY) once read.
   * warpgroups 1, 2 = MMA (consumers), per query block m:
       S = Q·Kᵀ, dP = dO·Vᵀ (WGMMA, operands in shared memory; dP overlaps the exp of S)
       P = exp2(S·scale_log2 − lse_log2)   [softcap: S ← tanh(S·scale/softcap), scale_log2 ← softcap·log2 e]
@@ -21,25 +24,26 @@ Structure (one CTA = one block of tile_n keys of one (batch, query head); not pe
       P, dS → 16 bits → shared memory (stmatrix), fence, one named barrier for both warpgroups
       dV += Pᵀ·dO, dQ = dS·K, dK += dSᵀ·Q (WGMMA, all operands in shared memory)
       dQ: each warpgroup writes its accumulator fragment to its own shared-memory buffer in
-      fragment order (16-byte stores, conflict-free), one thread reduce-adds it to dq_accum with
-      one `cp.reduce.async.bulk.add.f32` (it waits for the previous one's read before the buffer
-      is rewritten).
+      fragment order (16-byte stores, conflict-free) and signals the dQ warp; it never waits on
+      global memory.
     lse_log2 and delta are read from global memory by each thread for its own rows (rows past
     seqlen_q read as lse = +inf, delta = 0, so P = dS = 0 there: no row mask is ever needed).
   * epilogue: dK ·= softmax_scale; dtype configs: convert, stmatrix into K's / V's shared memory,
     TMA store (rows past seqlen_k clipped by TMA); GQA configs: float32 stores from registers.
     A key block that no query sees (local window) writes zeros.
 
-Deterministic mode (``cfg.deterministic``): the key blocks reduce-add into each dQ chunk in
-ascending order. A per-chunk int32 counter in global memory holds "the last key block that added
-+ 1"; before its bulk reduce a warpgroup spins (ld.acquire.gpu) until the counter shows its
-predecessor (the key blocks visiting a query block form a contiguous range, so the predecessor of
-n_block is n_block − 1, or nobody for the range's first block: counter 0), and after the reduce
-has completed (cp.async.bulk.wait_group 0) it publishes n_block + 1 (st.release.gpu). The spin
-only ever waits on lower key blocks of the same (head, batch), which launch earlier.
+Deterministic mode (``cfg.deterministic``): the key blocks reduce-add into each query block's dQ
+in a fixed order. A per-query-block int32 counter in global memory holds "the last key block that
+added + 1"; before its adds the dQ warp spins (ld.acquire.gpu) until the counter shows its
+predecessor, and publishes itself (st.release.gpu) once the adds have completed, one query block
+later so that the completion latency overlaps the next block's work. The key blocks visiting a
+query block form a contiguous range; the order is ascending (predecessor n − 1), except under a
+causal mask: descending (predecessor n + 1) with the grid launched from the last key block down,
+which is the order in which a causal schedule reaches each query block anyway. Either way a key
+block only waits on key blocks of the same (head, batch) launched before it: no deadlock.
 
-Not yet: swapAB / register-sourced P and dS, intra-iteration overlap of
-dQ with the next S GEMM, persistence, varlen.
+Not yet: swapAB / register-sourced P and dS, intra-iteration overlap of the dQ / dK GEMMs with
+the next S GEMM, persistence, varlen.
 """
 
 from __future__ import annotations
@@ -69,10 +73,12 @@ _FLT_MIN_NORMAL = 1.1754943508222875e-38  # 2**-126
 
 class NamedBarrier(enum.IntEnum):
     # 0 is __syncthreads
-    PDS = 1  # both MMA warpgroups: P / dS written (and the previous P / dS / dQ buffers free)
-    DQ_FULL_WG0 = 2  # one per MMA warpgroup: its dQ fragment is in shared memory
+    PDS = 1  # both MMA warpgroups: P / dS written (and the previous P / dS buffers free)
+    DQ_FULL_WG0 = 2  # one per MMA warpgroup (+ the dQ warp): its dQ chunk is in shared memory
     DQ_FULL_WG1 = 3
     EPILOGUE = 4  # both MMA warpgroups: K / V shared memory free, then dK / dV written
+    DQ_EMPTY_WG0 = 5  # one per MMA warpgroup (+ the dQ warp): its dQ buffer has been read
+    DQ_EMPTY_WG1 = 6
 
 
 _MMA_REGS, _PRODUCER_REGS = 240, 24
@@ -243,6 +249,17 @@ class FlashAttentionBackwardSm90:
         self.has_softcap = cfg.has_softcap
         self.gqa = cfg.gqa
         self.deterministic = cfg.deterministic
+        # deterministic + causal: dQ adds in descending key-block order, key blocks launched
+        # from the last one down. A causal key block's first query block is the diagonal one,
+        # so the higher key block n+1 reaches each query block two (tile_n / tile_m) steps
+        # before n does: the order matches the schedule and nobody waits. Ascending order (the
+        # only deadlock-free one in launch order otherwise) makes a wavefront there.
+        self.descending = cfg.deterministic and cfg.mask == "causal"
+        # unmasked, not deterministic: key block n visits the query blocks from n on (mod their
+        # count), so that the key blocks of a head, which run in lockstep, reduce-add into
+        # different dQ blocks at any time instead of all into the same one (masked kernels
+        # start each key block at its own first query block already).
+        self.rotate = cfg.mask == "none" and not cfg.deterministic
         self.num_mma_threads = 256
         self.num_threads = cfg.num_threads
         lay = cfg.wg_layouts()
@@ -305,7 +322,7 @@ class FlashAttentionBackwardSm90:
         mV, mdO, mdV = seq_major(mV, Dv), seq_major(mdO, Dv), seq_major(mdV, Dv)
         mLSE, mDelta, mdQacc = [select_modes(t, (2, 1, 0)) for t in (mLSE, mDelta, mdQacc)]
         if const_expr(mdQsem is not None):
-            mdQsem = select_modes(mdQsem, (2, 1, 0))  # (2·m_blocks, H, B)
+            mdQsem = select_modes(mdQsem, (2, 1, 0))  # (m_blocks, H, B)
 
         mma_sdp, mma_dk, mma_dv, mma_dq = self._tiled_mmas()
         sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout = self._smem_layouts()
@@ -411,6 +428,9 @@ class FlashAttentionBackwardSm90:
             window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
 
         n_block, head, batch = cute.arch.block_idx()
+        if const_expr(self.descending):
+            # key blocks launch from the last one down: each waits only on earlier launches
+            n_block = (seqlen_k + self.tile_n - 1) // self.tile_n - 1 - n_block
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         head_dkv = head if const_expr(self.gqa) else head_kv
         block_info = BwdBlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
@@ -423,13 +443,16 @@ class FlashAttentionBackwardSm90:
                 self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_atom_Q, tma_atom_K, tma_atom_V,
                           tma_atom_dO, pipeline_kv, pipeline_q, pipeline_do,
                           n_block, head, head_kv, batch, m_block_min, m_block_max)
+            if warp_idx == 1:
+                self.store_dq(mdQacc, sdQ, mdQsem, n_block, head, batch, m_block_min,
+                              m_block_max, block_info)
         else:  # MMA warpgroups
             cute.arch.setmaxregister_increase(_MMA_REGS)
-            self.mma(mdK, mdV, mLSE, mDelta, mParams, mdQacc, sQ, sK, sV, sdO, sP, sdS, sdQ,
+            self.mma(mdK, mdV, mLSE, mDelta, mParams, sQ, sK, sV, sdO, sP, sdS, sdQ,
                      tma_atom_dK, tma_atom_dV, mma_sdp, mma_dk, mma_dv, mma_dq,
                      pipeline_kv, pipeline_q, pipeline_do, tidx - 128,
                      n_block, head, head_dkv, batch, m_block_min, m_block_max,
-                     seqlen_q, seqlen_k, block_info, mdQsem)
+                     seqlen_q, seqlen_k, block_info)
 
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -457,7 +480,9 @@ class FlashAttentionBackwardSm90:
             cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
             cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            start = self.first_visit(n_block, m_block_min, m_block_max)
+            for it in cutlass.range(m_block_min, m_block_max, unroll=1):
+                m_block = self.m_block_at(it, start, m_block_min, m_block_max)
                 pipeline_q.producer_acquire(state)
                 cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index],
                           tma_bar_ptr=pipeline_q.producer_get_barrier(state))
@@ -467,15 +492,99 @@ class FlashAttentionBackwardSm90:
                 state.advance()
 
     @cute.jit
+    def store_dq(self, mdQacc: cute.Tensor, sdQ: cute.Tensor, mdQsem: cute.Tensor | None,
+                 n_block: Int32, head: Int32, batch: Int32, m_block_min: Int32,
+                 m_block_max: Int32, block_info: BwdBlockInfo):
+        """The dQ warp (warp 1 of the producer warpgroup). Per visited query block: wait until
+        both MMA warpgroups have put their dQ chunk in shared memory, reduce-add the two chunks
+        into dq_accum (one ``cp.reduce.async.bulk`` each, issued by lane 0), and hand the buffers
+        back once the bulk copies have read them. The MMA warpgroups never wait on global memory.
+
+        Deterministic: before the adds, spin until the query block's counter shows this key
+        block's predecessor; publish this key block one query block later, once the adds are
+        complete (``wait_group 1``), so that the completion latency overlaps the next block."""
+        gdQacc = mdQacc[None, head, batch]
+        lane = cute.arch.lane_idx()
+        bar_threads = 128 + 32
+        start = self.first_visit(n_block, m_block_min, m_block_max)
+        for it in cutlass.range(m_block_min, m_block_max, unroll=1):
+            m_block = self.m_block_at(it, start, m_block_min, m_block_max)
+            for wg in cutlass.range_constexpr(2):
+                cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg,
+                                  number_of_threads=bar_threads)
+            if lane == 0:
+                if const_expr(self.deterministic):
+                    sem = cute.local_tile(mdQsem[None, head, batch], (1,), (m_block,)).iterator
+                    spin_until_equal(sem, self.dq_turn(block_info, m_block, n_block))
+                    cute.arch.fence_proxy("async.global")  # acquire -> bulk reduce
+                for wg in cutlass.range_constexpr(2):
+                    sdQ_wg = cute.local_tile(sdQ, (self.dq_wg_elems,), (wg,))
+                    gdQ_chunk = cute.local_tile(gdQacc, (self.dq_wg_elems,), (m_block * 2 + wg,))
+                    bulk_reduce_add_f32(sdQ_wg.iterator, gdQ_chunk.iterator,
+                                        self.dq_wg_elems * 4)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_warp()
+            if it + 1 < m_block_max:  # (no MMA warpgroup waits after the last block)
+                for wg in cutlass.range_constexpr(2):
+                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg,
+                                             number_of_threads=bar_threads)
+            if const_expr(self.deterministic):
+                if lane == 0 and it > m_block_min:  # (deterministic: no rotation: m − 1 done)
+                    cute.arch.cp_async_bulk_wait_group(1)  # the previous block's adds are done
+                    cute.arch.fence_proxy("async.global")
+                    prev = cute.local_tile(mdQsem[None, head, batch], (1,), (m_block - 1,))
+                    st_release_gpu_s32(prev.iterator, n_block + 1)
+        if const_expr(self.deterministic):
+            if lane == 0 and m_block_max > m_block_min:
+                cute.arch.cp_async_bulk_wait_group(0)
+                cute.arch.fence_proxy("async.global")
+                last = cute.local_tile(mdQsem[None, head, batch], (1,), (m_block_max - 1,))
+                st_release_gpu_s32(last.iterator, n_block + 1)
+
+    @cute.jit
+    def first_visit(self, n_block: Int32, m_block_min: Int32, m_block_max: Int32) -> Int32:
+        """How far into its query-block range [m_block_min, m_block_max) key block n_block
+        starts (see ``rotate``; 0 without)."""
+        start = Int32(0)
+        if const_expr(self.rotate):
+            count = m_block_max - m_block_min
+            start = n_block % count if count > 0 else Int32(0)
+        return start
+
+    @cute.jit
+    def m_block_at(self, it: Int32, start: Int32, m_block_min: Int32, m_block_max: Int32
+                   ) -> Int32:
+        """The query block visited at loop position ``it`` (in [m_block_min, m_block_max)):
+        ``it`` itself, or under ``rotate`` the range walked from ``start`` on, wrapping."""
+        m_block = it
+        if const_expr(self.rotate):
+            m_block = it + start
+            m_block = m_block - (m_block_max - m_block_min) if m_block >= m_block_max else m_block
+        return m_block
+
+    @cute.jit
+    def dq_turn(self, block_info: BwdBlockInfo, m_block: Int32, n_block: Int32) -> Int32:
+        """The counter value of query block m_block at which key block n_block may add: its
+        predecessor's id + 1, or 0 for the first adder. Adders go in ascending key-block order
+        (descending under a causal mask, see ``descending``); the key blocks that visit a query
+        block form a contiguous range, so the predecessor is n_block ∓ 1 if that one visits it."""
+        prev = n_block + 1 if const_expr(self.descending) else n_block - 1
+        prev_min, prev_max = BwdBlockInfo.m_block_range(block_info, prev)
+        n_blocks = (block_info.seqlen_k + self.tile_n - 1) // self.tile_n
+        has_prev = prev >= 0 and prev < n_blocks and prev_min <= m_block and m_block < prev_max
+        return prev + 1 if has_prev else Int32(0)
+
+    @cute.jit
     def mma(self, mdK: cute.Tensor, mdV: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
-            mParams: cute.Tensor, mdQacc: cute.Tensor,
+            mParams: cute.Tensor,
             sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor, sP: cute.Tensor,
             sdS: cute.Tensor, sdQ: cute.Tensor, tma_atom_dK, tma_atom_dV,
             mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
             mma_dq: cute.TiledMma, pipeline_kv, pipeline_q, pipeline_do, tidx: Int32,
             n_block: Int32, head: Int32, head_dkv: Int32, batch: Int32,
             m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32,
-            block_info: BwdBlockInfo, mdQsem: cute.Tensor | None):
+            block_info: BwdBlockInfo):
         tm, tn, D, Dv = self.tile_m, self.tile_n, self.hdim, self.hdimv
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         tidx_in_wg = tidx % 128
@@ -515,10 +624,9 @@ class FlashAttentionBackwardSm90:
         tPsP = st_thr.partition_D(sP)
         tdSsdS = st_thr.partition_D(sdS)
 
-        # dQ chunk of this warpgroup: shared memory and its place in dq_accum
+        # this warpgroup's dQ buffer (the dQ warp adds it to dq_accum)
         sdQ_wg = cute.local_tile(sdQ, (self.dq_wg_elems,), (wg_idx,))
         tdQsdQ = dq_fragment_view(sdQ_wg, self.dq_regs, tidx_in_wg)
-        gdQacc = mdQacc[None, head, batch]
 
         scale = mParams[0]
         if const_expr(self.has_softcap):
@@ -536,8 +644,10 @@ class FlashAttentionBackwardSm90:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipeline_kv.consumer_wait(kv_state)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                pds_idx = (m_block - m_block_min) % self.pds_stages
+            start = self.first_visit(n_block, m_block_min, m_block_max)
+            for it in cutlass.range(m_block_min, m_block_max, unroll=1):
+                m_block = self.m_block_at(it, start, m_block_min, m_block_max)
+                pds_idx = (it - m_block_min) % self.pds_stages
                 # rows' lse_log2 and delta (rows past seqlen_q: +inf and 0, so P = dS = 0)
                 lse = cute.make_rmem_tensor(num_rows, Float32)
                 dpsum = cute.make_rmem_tensor(num_rows, Float32)
@@ -603,9 +713,6 @@ class FlashAttentionBackwardSm90:
                 convert_f32_pairs(acc_dP, rdS, self.is_bf16)
                 cute.copy(st_thr, st_thr.retile(rdS), tdSsdS[None, None, None, pds_idx])
 
-                # the dQ buffer of this warpgroup is free once the previous bulk reduce read it
-                if tidx_in_wg == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> WGMMA reads
                 cute.arch.barrier(barrier_id=pds_barrier, number_of_threads=self.num_mma_threads)
 
@@ -619,39 +726,21 @@ class FlashAttentionBackwardSm90:
                 warpgroup.wait_group(1)  # dV and dQ done
                 pipeline_do.consumer_release(state)
 
-                # dQ fragment -> shared memory -> one bulk reduce-add into dq_accum
+                # dQ fragment -> this warpgroup's shared-memory buffer (once the dQ warp has
+                # read the previous one) -> the dQ warp
+                if it > m_block_min:
+                    cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg_idx,
+                                      number_of_threads=128 + 32)
                 dq_flat = cute.make_tensor(acc_dQ.iterator,
                                            cute.make_layout((4, self.dq_regs // 4)))
                 cute.autovec_copy(dq_flat, tdQsdQ)
                 cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk copy
-                dq_bar = int(NamedBarrier.DQ_FULL_WG0) + wg_idx
-                cute.arch.barrier(barrier_id=dq_bar, number_of_threads=128)
-                if tidx_in_wg == 0:
-                    chunk = m_block * 2 + wg_idx
-                    gdQ_chunk = cute.local_tile(gdQacc, (self.dq_wg_elems,), (chunk,))
-                    if const_expr(self.deterministic):
-                        # (the counter's address and the previous key block's range are formed
-                        # here, not kept live across the loop: registers are tight at hdim 64)
-                        sem = cute.local_tile(mdQsem[None, head, batch], (1,), (chunk,)).iterator
-                        # the previous key block adds right before us when it visits m_block
-                        prev_min, prev_max = BwdBlockInfo.m_block_range(block_info, n_block - 1)
-                        has_prev = n_block > 0 and prev_min <= m_block and m_block < prev_max
-                        spin_until_equal(sem, n_block if has_prev else Int32(0))
-                        cute.arch.fence_proxy("async.global")  # acquire -> bulk reduce
-                    bulk_reduce_add_f32(sdQ_wg.iterator, gdQ_chunk.iterator,
-                                        self.dq_wg_elems * 4)
-                    cute.arch.cp_async_bulk_commit_group()
-                    if const_expr(self.deterministic):
-                        cute.arch.cp_async_bulk_wait_group(0)  # the adds are done
-                        cute.arch.fence_proxy("async.global")
-                        st_release_gpu_s32(sem, n_block + 1)
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg_idx,
+                                         number_of_threads=128 + 32)
 
                 warpgroup.wait_group(0)  # dK done
                 pipeline_q.consumer_release(state)
                 state.advance()
-
-        if tidx_in_wg == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
         # ---- epilogue: dK, dV ----
         for i in cutlass.range_constexpr(cute.size(acc_dK)):

@@ -19,8 +19,8 @@ Two kernels (see bwd.py and bwd_postprocess.py):
                                             window_right] (-1 = unbounded), batched=False
       dq_accum (B, H, Sq_pad·D)   float32  zero-filled by the caller; Sq_pad = ceil(Sq/tile_m)·tile_m.
                                             Input 7, aliased to output 0 (updated in place).
-      dq_sem   (B, H, 2·Sq_pad/tile_m) int32  deterministic configs only: zero-filled ordering
-                                            counters, one per dQ chunk. Input 8, aliased to
+      dq_sem   (B, H, Sq_pad/tile_m) int32    deterministic configs only: zero-filled ordering
+                                            counters, one per query block. Input 8, aliased to
                                             output 3 (the launcher takes it after dq_accum).
     outputs (after the alias): dk (B, Sk, Hdk, D), dv (B, Sk, Hdk, Dv) with Hdk = Hkv for MHA
       configs (gqa=False, dtype = input dtype) and Hdk = H for GQA configs (gqa=True, float32, one
@@ -60,8 +60,10 @@ class Sm90BwdTuning:
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Warpgroup layouts of the five
 # GEMMs follow from the tile (BwdConfig.wg_layouts). Start points from FA4's H100 choices
-# (docs/SM90-NOTES.md) restricted to what v1 implements (no swapAB, P and dS through shared memory);
-# to be re-measured on the H200 (docs/perf-log-bwd.md).
+# (docs/SM90-NOTES.md) restricted to what the kernel implements (no swapAB, P and dS through shared
+# memory). hdim 64, 128 and 256 re-measured on the H200 over every valid tile / stage combination
+# (benchmarks/bwd_variants.py, docs/perf-log-bwd.md): with the dQ warp these start points are the
+# fastest; hdim 96 and 192 are not re-measured.
 _T = Sm90BwdTuning
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
     (64, 64): {k: _T(128, 128, 2, 1) for k in MASK_KINDS},
@@ -171,7 +173,7 @@ class BwdConfig(KernelConfig):
     def signature(self) -> KernelSignature:
         return attention_backward_signature(
             self.dtype, self.head_dim, self.head_dim_v, self.tile_m, self.gqa,
-            counters=("dq_sem", 2) if self.deterministic else None)  # one per dQ warpgroup chunk
+            counters=("dq_sem", 1) if self.deterministic else None)  # one per query block
 
     def make_launcher(self) -> Callable[..., Any]:
         self.validate()
@@ -226,7 +228,9 @@ def shipped_configs() -> list[KernelConfig]:
             for mask in row:
                 for softcap in (False, True):
                     for gqa in (False, True):
-                        out.append(BwdConfig.make(dtype, d, dv, mask, softcap, gqa))
+                        for det in (False, True):
+                            out.append(BwdConfig.make(dtype, d, dv, mask, softcap, gqa,
+                                                      deterministic=det))
     return _with_postprocess(out)
 
 

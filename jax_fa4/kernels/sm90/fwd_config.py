@@ -45,12 +45,13 @@ class Sm90FwdTuning:
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Start points from FA4's H100
 # choices (docs/SM90-NOTES.md); the hdim 64 and 256 rows of "none"/"causal" are the winners of
-# benchmarks/fwd_variants.py on the H200 (docs/perf-log.md, v2). Same for both 16-bit dtypes.
+# benchmarks/fwd_variants.py on the H200 (docs/perf-log.md, v2 and session 11: ping-pong with the
+# rescale threshold on the causal hdim-64 tile, +7%). Same for both 16-bit dtypes.
 # Only the rows listed here are supported (and compiled by the tests).
 _T = Sm90FwdTuning
 _PP_RS = dict(pingpong=True, rescale_threshold=8.0)
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
-    (64, 64): {"none": _T(192, 128), "causal": _T(192, 128), "local": _T(128, 128)},
+    (64, 64): {"none": _T(192, 128), "causal": _T(192, 128, **_PP_RS), "local": _T(128, 128)},
     (96, 96): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 128)},
     (128, 128): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 128)},
     (192, 128): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 96)},
