@@ -10,7 +10,8 @@ For every anchor shape and the GQA 32/8 shapes (``jax_fa4.bench``), bf16, causal
 the backward chain the library runs (preprocess kernel, ``sm90_bwd`` main kernel, dQ
 postprocess, the GQA head sum) under each main-kernel config of ``variants_for``: the tuning
 table's (``v1``), every other tile / stage combination the config validator accepts
-(``m{tile_m}n{tile_n}s{stages}p{pds_stages}``) and the deterministic kernel (``det``). Each is
+(``m{tile_m}n{tile_n}s{stages}p{pds_stages}``, with ``+swap`` for the swap_sdp form of the
+same tile), the deterministic kernel (``det``, and ``det+swap``). Each is
 timed as its own program on saved forward outputs (out, lse from the forward kernel), so the
 figure is the backward alone: TFLOP/s = 2.5 × forward FLOPs / time. cuDNN's backward is timed the
 way ``jax_fa4.bench`` does it, t(fwd + bwd) − t(fwd), in the same process; the ratio is to that.
@@ -67,7 +68,22 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[t
                         continue
                     if cfg != base:
                         out.append((f"m{tm}n{tn}s{stages}p{pds}", cfg))
+                    swapped = dataclasses.replace(cfg, swap_sdp=not cfg.swap_sdp)
+                    try:
+                        swapped.validate()
+                    except ValueError:  # swap_sdp: 64x128 tiles, head dims <= 128
+                        continue
+                    if swapped != base:
+                        name = f"m{tm}n{tn}s{stages}p{pds}" + ("+swap" if swapped.swap_sdp else "")
+                        out.append((name, swapped))
     out.append(("det", dataclasses.replace(base, deterministic=True)))
+    if not base.swap_sdp:
+        try:
+            det_swap = dataclasses.replace(base, deterministic=True, swap_sdp=True)
+            det_swap.validate()
+            out.append(("det+swap", det_swap))
+        except ValueError:
+            pass
     return out
 
 

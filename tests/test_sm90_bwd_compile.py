@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ import pytest
 from jax_fa4.kernels.sm90.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TUNING_TABLE,
                                              BwdConfig, BwdPostprocessConfig, shipped_configs,
                                              test_variants)
+from jax_fa4.kernels.sm90.bwd_config import _GPU_TEST_SWAP
 
 REPO = Path(__file__).resolve().parents[1]
 from compiled import CUBIN_REPORT, needs_cubin_report  # ../shared/tools/cubin_report.py
@@ -148,6 +150,42 @@ def test_deterministic_kernel_compiles_with_clean_sass(variant, tmp_path):
     assert ops["UBLKRED"] == 2
     assert ops["LDG.E.STRONG.GPU"] >= 1 and ops["STG.E.STRONG.GPU"] == 2, ops
     _assert_no_local_memory(r)
+
+
+def _swap_variants():
+    """swap_sdp (opt-in, not in the table yet): what the GPU test runs, plus deterministic."""
+    return [(*v, False) for v in _GPU_TEST_SWAP] + [
+        ("bfloat16", 128, 128, "causal", False, False, True),
+        ("bfloat16", 128, 128, "none", False, True, True)]
+
+
+@needs_cubin_report
+@pytest.mark.parametrize("variant", _swap_variants(),
+                         ids=lambda v: _id(v[:6]) + ("-det" if v[6] else ""))
+def test_swap_sdp_kernel_compiles_with_clean_sass(variant, tmp_path):
+    """Sᵀ / dPᵀ GEMMs with P and dS as register A operands: HGMMA, the dQ bulk reduce, and no
+    spills (the per-column lse / delta loads are the register-tight part)."""
+    *problem, det = variant
+    cfg = replace(BwdConfig.make(*problem, deterministic=det), swap_sdp=True)
+    r, seconds = _compile_and_report(cfg, tmp_path)
+    ops = r["ops"]
+    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {r.get('reg')}, STSM {ops['STSM']}")
+    assert ops.get("HGMMA", 0) > 0 and ops["UBLKRED"] > 0
+    _assert_no_local_memory(r)
+
+
+def test_swap_sdp_validation():
+    base = BwdConfig.make("bfloat16", 128, mask="causal")
+    swapped = replace(base, swap_sdp=True)
+    swapped.validate()
+    assert swapped.smem_bytes() == base.smem_bytes() - base.pds_stages * 64 * 128 * 2  # no sP
+    assert swapped.wg_layouts()["sdp"] == (2, 1)  # one 64-key slice of Sᵀ per warpgroup
+    for bad, word in ((dict(has_softcap=True), "softcap"), (dict(tile_m=128), "64x128"),
+                      (dict(head_dim=192, head_dim_v=128), "head dims")):
+        with pytest.raises(ValueError, match=word):
+            replace(swapped, **bad).validate()
+    # make() never turns it on with softcap (registers), whatever the table says
+    assert not BwdConfig.make("bfloat16", 128, has_softcap=True).swap_sdp
 
 
 def test_deterministic_signature_adds_the_counters():

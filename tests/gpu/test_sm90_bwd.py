@@ -12,6 +12,7 @@ Kernels come precompiled: every config used here is in ``bwd_config.test_variant
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -106,6 +107,19 @@ DETERMINISTIC_CASES = [
 ]
 
 
+# swap_sdp kernels (bwd_config._GPU_TEST_SWAP): the table's tile with Sᵀ / dPᵀ GEMMs and P, dS
+# in registers for dV / dK. Not in the tuning table until measured; these cases gate that.
+SWAP_CASES = [
+    Case(BF, 128, 128, 113, 203, 4, 4),
+    Case(BF, 128, 128, 2049, 2048, 2, 2, b=1),
+    Case(BF, 128, 128, 1023, 1024, 4, 4, CAUSAL),
+    Case(BF, 128, 128, 203, 113, 4, 4, CAUSAL),  # 90 rows see no key
+    Case(BF, 128, 128, 1023, 1024, 8, 2),  # GQA
+    Case(BF, 96, 96, 1023, 1024, 4, 4, (64, 32)),
+    Case(FP, 128, 128, 1023, 1024, 4, 4),
+]
+
+
 def _id(c: Case) -> str:
     w = "" if c.window == (None, None) else ("-causal" if c.window == CAUSAL else f"-w{c.window}")
     return (f"{c.dtype[:4]}-d{c.d}x{c.dv}-{c.sq}x{c.sk}-h{c.h}/{c.hkv}{w}"
@@ -133,6 +147,12 @@ def sm90_backward(q, k, v, out, lse, dout, opts):
     return sm90_bwd_ops.backward(q, k, v, out, lse, dout, delta, lse_log2, opts)
 
 
+@functools.partial(jax.jit, static_argnames=("opts", "config"))
+def sm90_backward_config(q, k, v, out, lse, dout, opts, config):
+    delta, lse_log2 = ops.bwd_preprocess(out, dout, lse, "sm90")
+    return sm90_bwd_ops.backward(q, k, v, out, lse, dout, delta, lse_log2, opts, config=config)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "window", "softcap"))
 def _forward32(q, k, v, *, scale, window, softcap):
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -157,7 +177,7 @@ def _pt_backward(q, k, v, dout, *, scale, window, softcap):
     return vjp(dout)
 
 
-def _run(c: Case, seed: int = 0):
+def _run(c: Case, seed: int = 0, swap_sdp: bool = False):
     q, k, v, dout = _inputs(c, seed)
     scale = 1.0 / c.d ** 0.5
     kw = dict(scale=scale, window=c.window, softcap=c.softcap)
@@ -165,19 +185,38 @@ def _run(c: Case, seed: int = 0):
     out = out32.astype(q.dtype)
     opts = Opts(scale, c.window, c.softcap)
     poison_device_memory()
-    got = sm90_backward(q, k, v, out, lse, dout, opts)
+    if swap_sdp:
+        main, _ = sm90_bwd_ops.configs(q, k, v, opts)
+        got = sm90_backward_config(q, k, v, out, lse, dout, opts,
+                                   dataclasses.replace(main, swap_sdp=True))
+    else:
+        got = sm90_backward(q, k, v, out, lse, dout, opts)
     return (q, k, v, out, lse, dout, opts), got, out32, kw
 
 
 def test_cases_are_precompiled():
     available = set(test_variants())
-    for cases, opts in ((CASES, Opts), (DETERMINISTIC_CASES, DetOpts)):
+    for cases, opts, swap in ((CASES, Opts, False), (DETERMINISTIC_CASES, DetOpts, False),
+                              (SWAP_CASES, Opts, True)):
         for c in cases:
             q = jax.ShapeDtypeStruct((c.b, c.sq, c.h, c.d), c.dtype)
             k = jax.ShapeDtypeStruct((c.b, c.sk, c.hkv, c.d), c.dtype)
             v = jax.ShapeDtypeStruct((c.b, c.sk, c.hkv, c.dv), c.dtype)
             main, post = sm90_bwd_ops.configs(q, k, v, opts(None, c.window, c.softcap))
+            if swap:
+                main = dataclasses.replace(main, swap_sdp=True)
             assert main in available and post in available, _id(c)
+
+
+@pytest.mark.parametrize("case", SWAP_CASES, ids=_id)
+def test_swap_sdp_kernel_matches_reference(case):
+    """The swap_sdp form of the table's kernel passes FA4's rule, like the default one."""
+    (q, k, v, out, lse, dout, opts), got, out32, kw = _run(case, seed=3, swap_sdp=True)
+    ref = _ref_backward(q, k, v, out32, lse, dout, **kw)
+    pt = _pt_backward(q, k, v, dout, **kw)
+    for name, g, r, p, x in zip(("dq", "dk", "dv"), got, ref, pt, (q, k, v)):
+        assert bool(jnp.all(jnp.isfinite(g))), f"{name}: non-finite values"
+        assert_fa4_close(g, r.astype(x.dtype), p, name=name)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)

@@ -63,7 +63,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_fa4.kernels.common.convert import convert_f32_pairs
-from jax_fa4.kernels.common.layout import acc_view_mn, select_modes, transpose_mn
+from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, select_modes,
+                                            transpose_mn)
 from jax_fa4.kernels.common.views import seq_major
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig
 
@@ -248,6 +249,7 @@ class FlashAttentionBackwardSm90:
         self.is_local = cfg.mask == "local"
         self.has_softcap = cfg.has_softcap
         self.gqa = cfg.gqa
+        self.swap = cfg.swap_sdp
         self.deterministic = cfg.deterministic
         # deterministic + causal: dQ adds in descending key-block order, key blocks launched
         # from the last one down. A causal key block's first query block is the diagonal one,
@@ -259,7 +261,8 @@ class FlashAttentionBackwardSm90:
         # count), so that the key blocks of a head, which run in lockstep, reduce-add into
         # different dQ blocks at any time instead of all into the same one (masked kernels
         # start each key block at its own first query block already).
-        self.rotate = cfg.mask == "none" and not cfg.deterministic
+        # (Not with swap_sdp: its two extra loop registers spill there at hdim 128 with GQA.)
+        self.rotate = cfg.mask == "none" and not cfg.deterministic and not cfg.swap_sdp
         self.num_mma_threads = 256
         self.num_threads = cfg.num_threads
         lay = cfg.wg_layouts()
@@ -275,6 +278,21 @@ class FlashAttentionBackwardSm90:
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         dt = self.dtype
         (sm, sn), (km, kn) = self.wg_sdp, self.wg_dkv
+        if self.swap:
+            # Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ (one 64-key slice per warpgroup); dV += Pᵀ·dO and
+            # dK += dSᵀ·Q with A = Pᵀ / dSᵀ from registers; dQ = dS·K with A = the transposed
+            # view of dSᵀ in shared memory (MN-major). dQ's accumulator layout is that of
+            # make_tiled_mma_dq (the postprocess depends on it).
+            rmem = warpgroup.OperandSource.RMEM
+            mma_sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, (sm, sn, 1),
+                                                        (64, self.tile_m // sn))
+            mma_dk = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (km, kn, 1),
+                                                       (64, self.hdim // kn), a_source=rmem)
+            mma_dv = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (km, kn, 1),
+                                                       (64, self.hdimv // kn), a_source=rmem)
+            mma_dq = sm90_utils.make_trivial_tiled_mma(dt, dt, MN, MN, Float32, (1, 2, 1),
+                                                       (64, self.hdim // 2))
+            return mma_sdp, mma_dk, mma_dv, mma_dq
         mma_sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, (sm, sn, 1),
                                                     (64, self.tile_n // sn))
         mma_dk = sm90_utils.make_trivial_tiled_mma(dt, dt, MN, MN, Float32, (km, kn, 1),
@@ -294,6 +312,10 @@ class FlashAttentionBackwardSm90:
         sV = make_smem_layout(dt, tn, Dv, Dv)
         # P / dS: written along tile_n by the S/dP warpgroups, read transposed (M = tile_n slices)
         # by the dK/dV GEMMs and K-major by the dQ GEMM
+        if self.swap:
+            # dSᵀ (keys × queries), read as dQ's MN-major A operand (all 64 queries per
+            # warpgroup); P stays in registers
+            return sQ, sdO, sK, sV, make_smem_layout(dt, tn, tm, tm, self.pds_stages)
         mms = math.gcd(tn // self.wg_sdp[1], tn // self.wg_dkv[0])
         sPdS = make_smem_layout(dt, tm, tn, mms, self.pds_stages)
         return sQ, sdO, sK, sV, sPdS
@@ -345,6 +367,8 @@ class FlashAttentionBackwardSm90:
         self.tx_bytes_do = self.tile_m * Dv * self.dtype.width // 8
         self.tx_bytes_kv = self.tile_n * (D + Dv) * self.dtype.width // 8
 
+        p_elems = 64 if self.swap else cute.cosize(sPdS_layout)  # (swap: P in registers)
+
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
@@ -354,7 +378,7 @@ class FlashAttentionBackwardSm90:
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * D], 1024]
 
@@ -412,7 +436,9 @@ class FlashAttentionBackwardSm90:
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+        sP = None
+        if const_expr(not self.swap):
+            sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
         sdS = storage.sdS.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.hdim))
 
@@ -594,26 +620,34 @@ class FlashAttentionBackwardSm90:
         thr_dq = mma_dq.get_slice(tidx)
 
         # operand fragments (shared-memory descriptors)
-        tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ))
-        tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))
-        tdPrdO = thr_sdp.make_fragment_A(thr_sdp.partition_A(sdO))
-        tdPrV = thr_sdp.make_fragment_B(thr_sdp.partition_B(sV))
-        tdVrPt = thr_dv.make_fragment_A(thr_dv.partition_A(transpose_mn(sP)))
         tdVrdOt = thr_dv.make_fragment_B(thr_dv.partition_B(transpose_mn(sdO)))
-        tdKrdSt = thr_dk.make_fragment_A(thr_dk.partition_A(transpose_mn(sdS)))
         tdKrQt = thr_dk.make_fragment_B(thr_dk.partition_B(transpose_mn(sQ)))
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
         tdQrKt = thr_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sK)))
+        if const_expr(self.swap):  # Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ; dQ reads dSᵀ transposed
+            tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ))
+            tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK))
+            tdPrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
+            tdPrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV))
+            tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS)))
+        else:
+            tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ))
+            tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))
+            tdPrdO = thr_sdp.make_fragment_A(thr_sdp.partition_A(sdO))
+            tdPrV = thr_sdp.make_fragment_B(thr_sdp.partition_B(sV))
+            tdVrPt = thr_dv.make_fragment_A(thr_dv.partition_A(transpose_mn(sP)))
+            tdKrdSt = thr_dk.make_fragment_A(thr_dk.partition_A(transpose_mn(sdS)))
+            tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
 
         acc_dK = cute.make_rmem_tensor(thr_dk.partition_shape_C((tn, D)), Float32)
         acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((tn, Dv)), Float32)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
-        acc_S_shape = thr_sdp.partition_shape_C((tm, tn))
+        s_tile = (tn, tm) if const_expr(self.swap) else (tm, tn)
+        acc_S_shape = thr_sdp.partition_shape_C(s_tile)
         acc_dQ_shape = thr_dq.partition_shape_C((tm, D))
 
-        # (row, col) of each S element of this thread, within the tile
-        tScS = thr_sdp.partition_C(cute.make_identity_tensor((tm, tn)))
+        # (row, col) of each S (swap: Sᵀ, (key, query)) element of this thread, within the tile
+        tScS = thr_sdp.partition_C(cute.make_identity_tensor(s_tile))
         tScS_mn = acc_view_mn(tScS)
         num_rows = cute.size(tScS_mn, mode=[0])
 
@@ -621,8 +655,9 @@ class FlashAttentionBackwardSm90:
         st_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         st_thr = cute.make_tiled_copy_C(st_atom, mma_sdp).get_slice(tidx)
-        tPsP = st_thr.partition_D(sP)
         tdSsdS = st_thr.partition_D(sdS)
+        if const_expr(not self.swap):
+            tPsP = st_thr.partition_D(sP)
 
         # this warpgroup's dQ buffer (the dQ warp adds it to dq_accum)
         sdQ_wg = cute.local_tile(sdQ, (self.dq_wg_elems,), (wg_idx,))
@@ -637,6 +672,7 @@ class FlashAttentionBackwardSm90:
         else:
             tanh_in_scale = scale
             scale_log2 = scale * LOG2_E
+            inv_scale_log2 = None
         kv_tail = BwdBlockInfo.kv_tail(block_info, n_block)  # only the last key block has a tail
         pds_barrier = int(NamedBarrier.PDS)
 
@@ -644,103 +680,100 @@ class FlashAttentionBackwardSm90:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipeline_kv.consumer_wait(kv_state)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            start = self.first_visit(n_block, m_block_min, m_block_max)
-            for it in cutlass.range(m_block_min, m_block_max, unroll=1):
-                m_block = self.m_block_at(it, start, m_block_min, m_block_max)
-                pds_idx = (it - m_block_min) % self.pds_stages
-                # rows' lse_log2 and delta (rows past seqlen_q: +inf and 0, so P = dS = 0)
-                lse = cute.make_rmem_tensor(num_rows, Float32)
-                dpsum = cute.make_rmem_tensor(num_rows, Float32)
-                for r in cutlass.range_constexpr(num_rows):
-                    row = m_block * tm + tScS_mn[r, 0][0]
-                    row_c = cutlass.min(row, seqlen_q - 1)
-                    lse_v = mLSE[row_c, head, batch]
-                    dpsum_v = mDelta[row_c, head, batch]
-                    lse[r] = lse_v if row < seqlen_q else Float32.inf
-                    dpsum[r] = dpsum_v if row < seqlen_q else Float32(0.0)
+            if const_expr(self.swap):
+                self.swapped_loop(
+                    mLSE, mDelta, tSrQ, tSrK, tdPrdO, tdPrV, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
+                    acc_dK, acc_dV, acc_S_shape, acc_dQ_shape, tScS_mn, st_thr, tdSsdS, tdQsdQ,
+                    mma_sdp, mma_dk, mma_dv, mma_dq, pipeline_q, pipeline_do, state, wg_idx,
+                    n_block, head, batch, m_block_min, m_block_max, seqlen_q, block_info,
+                    kv_tail, scale_log2, tanh_in_scale, inv_scale_log2)
+            else:
+                start = self.first_visit(n_block, m_block_min, m_block_max)
+                for it in cutlass.range(m_block_min, m_block_max, unroll=1):
+                    m_block = self.m_block_at(it, start, m_block_min, m_block_max)
+                    pds_idx = (it - m_block_min) % self.pds_stages
+                    # rows' lse_log2 and delta (rows past seqlen_q: +inf and 0, so P = dS = 0)
+                    lse = cute.make_rmem_tensor(num_rows, Float32)
+                    dpsum = cute.make_rmem_tensor(num_rows, Float32)
+                    for r in cutlass.range_constexpr(num_rows):
+                        row = m_block * tm + tScS_mn[r, 0][0]
+                        row_c = cutlass.min(row, seqlen_q - 1)
+                        lse_v = mLSE[row_c, head, batch]
+                        dpsum_v = mDelta[row_c, head, batch]
+                        lse[r] = lse_v if row < seqlen_q else Float32.inf
+                        dpsum[r] = dpsum_v if row < seqlen_q else Float32(0.0)
 
-                # S = Q·Kᵀ and dP = dO·Vᵀ
-                pipeline_q.consumer_wait(state)
-                acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
-                wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state.index], tSrK, zero_init=True)
-                pipeline_do.consumer_wait(state)
-                acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
-                wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, state.index], tdPrV,
-                      zero_init=True)
+                    # S = Q·Kᵀ and dP = dO·Vᵀ
+                    pipeline_q.consumer_wait(state)
+                    acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+                    wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state.index], tSrK, zero_init=True)
+                    pipeline_do.consumer_wait(state)
+                    acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
+                    wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, state.index], tdPrV,
+                          zero_init=True)
 
-                need_mask = kv_tail
-                if const_expr(self.is_causal or self.is_local):
-                    cut_right, cut_left = BwdBlockInfo.cuts_window(block_info, m_block, n_block)
-                    need_mask = need_mask or cut_right
-                    if const_expr(self.is_local):
-                        need_mask = need_mask or cut_left
+                    need_mask = kv_tail
+                    if const_expr(self.is_causal or self.is_local):
+                        cut_right, cut_left = BwdBlockInfo.cuts_window(block_info, m_block, n_block)
+                        need_mask = need_mask or cut_right
+                        if const_expr(self.is_local):
+                            need_mask = need_mask or cut_left
 
-                s_mn = acc_view_mn(acc_S)
-                dp_mn = acc_view_mn(acc_dP)
-                n_cols = cute.size(s_mn, mode=[1])
-                warpgroup.wait_group(1)  # S is ready, dP may still run
-                for r in cutlass.range_constexpr(num_rows):
-                    for c in cutlass.range_constexpr(n_cols):
-                        x = s_mn[r, c]
-                        if const_expr(self.has_softcap):
-                            x = cute.math.tanh(x * tanh_in_scale, fastmath=True)
-                        s_mn[r, c] = cute.math.exp2(x * scale_log2 - lse[r], fastmath=True)
-                if need_mask:
-                    self.mask_p(s_mn, tScS_mn, m_block, n_block, block_info)
+                    s_mn = acc_view_mn(acc_S)
+                    dp_mn = acc_view_mn(acc_dP)
+                    n_cols = cute.size(s_mn, mode=[1])
+                    warpgroup.wait_group(1)  # S is ready, dP may still run
+                    for r in cutlass.range_constexpr(num_rows):
+                        for c in cutlass.range_constexpr(n_cols):
+                            x = s_mn[r, c]
+                            if const_expr(self.has_softcap):
+                                x = cute.math.tanh(x * tanh_in_scale, fastmath=True)
+                            s_mn[r, c] = cute.math.exp2(x * scale_log2 - lse[r], fastmath=True)
+                    if need_mask:
+                        self.mask_p(s_mn, tScS_mn, m_block, n_block, block_info)
 
-                # P -> shared memory (the previous iteration's readers are done: see PDS)
-                if const_expr(self.pds_stages == 1):
+                    # P -> shared memory (the previous iteration's readers are done: see PDS)
+                    if const_expr(self.pds_stages == 1):
+                        cute.arch.barrier(barrier_id=pds_barrier, number_of_threads=self.num_mma_threads)
+                    rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
+                    convert_f32_pairs(acc_S, rP, self.is_bf16)
+                    cute.copy(st_thr, st_thr.retile(rP), tPsP[None, None, None, pds_idx])
+
+                    # dS = P∘(dP − delta) [∘ (1 − tanh²)]
+                    warpgroup.wait_group(0)
+                    for r in cutlass.range_constexpr(num_rows):
+                        for c in cutlass.range_constexpr(n_cols):
+                            p = s_mn[r, c]
+                            ds = p * (dp_mn[r, c] - dpsum[r])
+                            if const_expr(self.has_softcap):
+                                # tanh' = 1 − t², t recovered from P = exp2(t·scale_log2 − lse) (no
+                                # extra live registers). P below the smallest normal float (0 when
+                                # masked or on an empty row) gives dS = 0 (its log2 may be -inf / NaN).
+                                t = (cute.math.log2(p, fastmath=True) + lse[r]) * inv_scale_log2
+                                ds = (ds * (Float32(1.0) - t * t) if p >= Float32(_FLT_MIN_NORMAL)
+                                      else Float32(0.0))
+                            dp_mn[r, c] = ds
+                    rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
+                    convert_f32_pairs(acc_dP, rdS, self.is_bf16)
+                    cute.copy(st_thr, st_thr.retile(rdS), tdSsdS[None, None, None, pds_idx])
+
+                    cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> WGMMA reads
                     cute.arch.barrier(barrier_id=pds_barrier, number_of_threads=self.num_mma_threads)
-                rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
-                convert_f32_pairs(acc_S, rP, self.is_bf16)
-                cute.copy(st_thr, st_thr.retile(rP), tPsP[None, None, None, pds_idx])
 
-                # dS = P∘(dP − delta) [∘ (1 − tanh²)]
-                warpgroup.wait_group(0)
-                for r in cutlass.range_constexpr(num_rows):
-                    for c in cutlass.range_constexpr(n_cols):
-                        p = s_mn[r, c]
-                        ds = p * (dp_mn[r, c] - dpsum[r])
-                        if const_expr(self.has_softcap):
-                            # tanh' = 1 − t², t recovered from P = exp2(t·scale_log2 − lse) (no
-                            # extra live registers). P below the smallest normal float (0 when
-                            # masked or on an empty row) gives dS = 0 (its log2 may be -inf / NaN).
-                            t = (cute.math.log2(p, fastmath=True) + lse[r]) * inv_scale_log2
-                            ds = (ds * (Float32(1.0) - t * t) if p >= Float32(_FLT_MIN_NORMAL)
-                                  else Float32(0.0))
-                        dp_mn[r, c] = ds
-                rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
-                convert_f32_pairs(acc_dP, rdS, self.is_bf16)
-                cute.copy(st_thr, st_thr.retile(rdS), tdSsdS[None, None, None, pds_idx])
+                    # dV += Pᵀ·dO, dQ = dS·K, dK += dSᵀ·Q
+                    wgmma(mma_dv, acc_dV, tdVrPt[None, None, None, pds_idx],
+                          tdVrdOt[None, None, None, state.index], zero_init=False)
+                    acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
+                    wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, zero_init=True)
+                    wgmma(mma_dk, acc_dK, tdKrdSt[None, None, None, pds_idx],
+                          tdKrQt[None, None, None, state.index], zero_init=False)
+                    warpgroup.wait_group(1)  # dV and dQ done
+                    pipeline_do.consumer_release(state)
 
-                cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> WGMMA reads
-                cute.arch.barrier(barrier_id=pds_barrier, number_of_threads=self.num_mma_threads)
-
-                # dV += Pᵀ·dO, dQ = dS·K, dK += dSᵀ·Q
-                wgmma(mma_dv, acc_dV, tdVrPt[None, None, None, pds_idx],
-                      tdVrdOt[None, None, None, state.index], zero_init=False)
-                acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
-                wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, zero_init=True)
-                wgmma(mma_dk, acc_dK, tdKrdSt[None, None, None, pds_idx],
-                      tdKrQt[None, None, None, state.index], zero_init=False)
-                warpgroup.wait_group(1)  # dV and dQ done
-                pipeline_do.consumer_release(state)
-
-                # dQ fragment -> this warpgroup's shared-memory buffer (once the dQ warp has
-                # read the previous one) -> the dQ warp
-                if it > m_block_min:
-                    cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg_idx,
-                                      number_of_threads=128 + 32)
-                dq_flat = cute.make_tensor(acc_dQ.iterator,
-                                           cute.make_layout((4, self.dq_regs // 4)))
-                cute.autovec_copy(dq_flat, tdQsdQ)
-                cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk copy
-                cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg_idx,
-                                         number_of_threads=128 + 32)
-
-                warpgroup.wait_group(0)  # dK done
-                pipeline_q.consumer_release(state)
-                state.advance()
+                    self.hand_dq_over(acc_dQ, tdQsdQ, wg_idx, it > m_block_min)
+                    warpgroup.wait_group(0)  # dK done
+                    pipeline_q.consumer_release(state)
+                    state.advance()
 
         # ---- epilogue: dK, dV ----
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
@@ -775,19 +808,141 @@ class FlashAttentionBackwardSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
+    def swapped_loop(self, mLSE: cute.Tensor, mDelta: cute.Tensor, tSrQ, tSrK, tdPrdO, tdPrV,
+                     tdVrdOt, tdKrQt, tdQrdS, tdQrKt, acc_dK: cute.Tensor, acc_dV: cute.Tensor,
+                     acc_S_shape: cutlass.Constexpr, acc_dQ_shape: cutlass.Constexpr,
+                     tScS_mn: cute.Tensor, st_thr, tdSsdS: cute.Tensor, tdQsdQ: cute.Tensor,
+                     mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
+                     mma_dq: cute.TiledMma, pipeline_q, pipeline_do, state, wg_idx: Int32,
+                     n_block: Int32, head: Int32, batch: Int32, m_block_min: Int32,
+                     m_block_max: Int32, seqlen_q: Int32, block_info: BwdBlockInfo, kv_tail,
+                     scale_log2: Float32, tanh_in_scale: Float32, inv_scale_log2):
+        """The query-block loop of ``swap_sdp`` configs (see BwdConfig.swap_sdp). This
+        warpgroup holds Sᵀ / dPᵀ for its 64 keys × all tile_m queries; per query block:
+
+            Sᵀ, dPᵀ (WGMMA) → Pᵀ = exp2(Sᵀ·scale_log2 − lse) [mask] → dV += Pᵀ·dO, A = Pᵀ in
+            registers, issued before dS is computed → dSᵀ = Pᵀ∘(dPᵀ − delta) → dSᵀ to shared
+            memory (for dQ) and, as registers, A of dK += dSᵀ·Q → dQ = dS·K.
+
+        lse and delta belong to the query columns: each thread loads the 16 of its columns."""
+        tm = self.tile_m
+        num_cols = cute.size(tScS_mn, mode=[1])
+        pds_barrier = int(NamedBarrier.PDS)
+        gLSE, gDelta = mLSE[None, head, batch], mDelta[None, head, batch]
+        start = self.first_visit(n_block, m_block_min, m_block_max)
+        for it in cutlass.range(m_block_min, m_block_max, unroll=1):
+            m_block = self.m_block_at(it, start, m_block_min, m_block_max)
+            pds_idx = (it - m_block_min) % self.pds_stages
+            # the columns' lse_log2 and delta (queries past seqlen_q: +inf and 0: P = dS = 0)
+            lse = cute.make_rmem_tensor(num_cols, Float32)
+            dpsum = cute.make_rmem_tensor(num_cols, Float32)
+            # (predicated loads at constant offsets from one address: no per-column clamp,
+            # which costs a 64-bit address per column and spills)
+            for c in cutlass.range_constexpr(num_cols):
+                row = m_block * tm + tScS_mn[0, c][1]
+                lse[c] = Float32.inf
+                dpsum[c] = Float32(0.0)
+                if row < seqlen_q:
+                    lse[c] = gLSE[row]
+                    dpsum[c] = gDelta[row]
+
+            # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ
+            pipeline_q.consumer_wait(state)
+            acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+            wgmma(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
+            pipeline_do.consumer_wait(state)
+            acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
+            wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
+
+            need_mask = kv_tail
+            if const_expr(self.is_causal or self.is_local):
+                cut_right, cut_left = BwdBlockInfo.cuts_window(block_info, m_block, n_block)
+                need_mask = need_mask or cut_right
+                if const_expr(self.is_local):
+                    need_mask = need_mask or cut_left
+
+            s_mn = acc_view_mn(acc_S)
+            dp_mn = acc_view_mn(acc_dP)
+            n_rows = cute.size(s_mn, mode=[0])
+            warpgroup.wait_group(1)  # Sᵀ is ready, dPᵀ may still run
+            for r in cutlass.range_constexpr(n_rows):
+                for c in cutlass.range_constexpr(num_cols):
+                    x = s_mn[r, c]
+                    if const_expr(self.has_softcap):
+                        x = cute.math.tanh(x * tanh_in_scale, fastmath=True)
+                    s_mn[r, c] = cute.math.exp2(x * scale_log2 - lse[c], fastmath=True)
+            if need_mask:
+                self.mask_p(s_mn, tScS_mn, m_block, n_block, block_info, transposed=True)
+
+            # dV += Pᵀ·dO, Pᵀ from registers: runs under the dS arithmetic below
+            rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
+            convert_f32_pairs(acc_S, rP, self.is_bf16)
+            wgmma(mma_dv, acc_dV, acc_view_as_a_operand(rP),
+                  tdVrdOt[None, None, None, state.index], zero_init=False)
+
+            # dSᵀ = Pᵀ∘(dPᵀ − delta) [∘ (1 − tanh²)]
+            warpgroup.wait_group(1)  # dPᵀ is ready, dV may still run
+            for r in cutlass.range_constexpr(n_rows):
+                for c in cutlass.range_constexpr(num_cols):
+                    p = s_mn[r, c]
+                    ds = p * (dp_mn[r, c] - dpsum[c])
+                    if const_expr(self.has_softcap):
+                        # as in the default loop: t recovered from P, 0 below the smallest normal
+                        t = (cute.math.log2(p, fastmath=True) + lse[c]) * inv_scale_log2
+                        ds = (ds * (Float32(1.0) - t * t) if p >= Float32(_FLT_MIN_NORMAL)
+                              else Float32(0.0))
+                    dp_mn[r, c] = ds
+            rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
+            convert_f32_pairs(acc_dP, rdS, self.is_bf16)
+            # dSᵀ -> shared memory (one buffer: both warpgroups' previous dQ GEMMs are done)
+            if const_expr(self.pds_stages == 1):
+                cute.arch.barrier(barrier_id=pds_barrier, number_of_threads=self.num_mma_threads)
+            cute.copy(st_thr, st_thr.retile(rdS), tdSsdS[None, None, None, pds_idx])
+            cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> WGMMA reads
+            cute.arch.barrier(barrier_id=pds_barrier, number_of_threads=self.num_mma_threads)
+
+            # dQ = dS·K (both warpgroups' dSᵀ from shared memory), dK += dSᵀ·Q (registers)
+            acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
+            wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, zero_init=True)
+            wgmma(mma_dk, acc_dK, acc_view_as_a_operand(rdS),
+                  tdKrQt[None, None, None, state.index], zero_init=False)
+            warpgroup.wait_group(1)  # dV and dQ done
+            pipeline_do.consumer_release(state)
+            self.hand_dq_over(acc_dQ, tdQsdQ, wg_idx, it > m_block_min)
+            warpgroup.wait_group(0)  # dK done
+            pipeline_q.consumer_release(state)
+            state.advance()
+
+    @cute.jit
+    def hand_dq_over(self, acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor, wg_idx: Int32,
+                     not_first):
+        """dQ fragment -> this warpgroup's shared-memory buffer (once the dQ warp has read the
+        previous one) -> the dQ warp."""
+        if not_first:
+            cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg_idx,
+                              number_of_threads=128 + 32)
+        dq_flat = cute.make_tensor(acc_dQ.iterator, cute.make_layout((4, self.dq_regs // 4)))
+        cute.autovec_copy(dq_flat, tdQsdQ)
+        cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk copy
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg_idx,
+                                 number_of_threads=128 + 32)
+
+    @cute.jit
     def mask_p(self, p_mn: cute.Tensor, c_mn: cute.Tensor, m_block: Int32, n_block: Int32,
-               block_info: BwdBlockInfo):
+               block_info: BwdBlockInfo, transposed: cutlass.Constexpr[bool] = False):
         """P ← 0 where row m_block·tm + r does not see key n_block·tn + c (rows past seqlen_q
-        already have P = 0)."""
-        for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
-            row = m_block * self.tile_m + c_mn[r, 0][0]
+        already have P = 0). ``transposed``: p_mn is Pᵀ (rows = keys, columns = queries)."""
+        q_mode, k_mode = (1, 0) if const_expr(transposed) else (0, 1)
+        for i in cutlass.range_constexpr(cute.size(p_mn, mode=[q_mode])):
+            row = m_block * self.tile_m + c_mn[(0, i) if const_expr(transposed) else (i, 0)][q_mode]
             lo, hi = BwdBlockInfo.visible_cols(block_info, row, n_block)
-            for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
-                col = c_mn[r, c][1]
+            for j in cutlass.range_constexpr(cute.size(p_mn, mode=[k_mode])):
+                idx = (j, i) if const_expr(transposed) else (i, j)
+                col = c_mn[idx][k_mode]
                 visible = col < hi
                 if const_expr(self.is_local):
                     visible = visible and col >= lo
-                p_mn[r, c] = p_mn[r, c] if visible else Float32(0.0)
+                p_mn[idx] = p_mn[idx] if visible else Float32(0.0)
 
     @cute.jit
     def store_dkv_f32(self, acc: cute.Tensor, mX: cute.Tensor, thr_mma, tile: cutlass.Constexpr,

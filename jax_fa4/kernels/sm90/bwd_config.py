@@ -38,7 +38,7 @@ tiled MMA to undo it, so the two configs must agree on (tile_m, head_dim): use
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar
 
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
@@ -56,6 +56,7 @@ class Sm90BwdTuning:
     tile_n: int  # keys per CTA (64 or 128)
     stages: int  # Q and dO pipeline depth
     pds_stages: int  # P and dS shared-memory buffers (1 or 2)
+    swap_sdp: bool = False  # Sᵀ / dPᵀ GEMMs, P and dS stay in registers for dV / dK (BwdConfig)
 
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Warpgroup layouts of the five
@@ -107,6 +108,11 @@ class BwdConfig(KernelConfig):
     tile_n: int = 128
     stages: int = 2
     pds_stages: int = 2
+    # compute Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (M = keys): each MMA warpgroup then holds Pᵀ and dSᵀ for
+    # its 64 keys in exactly the registers the dV / dK GEMMs take as their A operand, so P never
+    # goes to shared memory and dV, dK read only dO, Q from it; dSᵀ still goes to shared memory
+    # for dQ. Costs 16 lse + 16 delta values per thread (one per query column) instead of 2 + 2.
+    swap_sdp: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -116,7 +122,8 @@ class BwdConfig(KernelConfig):
         t = tuning_for(head_dim, head_dim_v, mask)
         cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
                   has_softcap=bool(has_softcap), gqa=bool(gqa), deterministic=bool(deterministic),
-                  tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages, pds_stages=t.pds_stages)
+                  tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages, pds_stages=t.pds_stages,
+                  swap_sdp=t.swap_sdp and not has_softcap)
         cfg.validate()
         return cfg
 
@@ -132,11 +139,21 @@ class BwdConfig(KernelConfig):
             raise ValueError("sm90 backward: head dims must be multiples of 16")
         if self.stages < 1 or self.pds_stages not in (1, 2):
             raise ValueError("sm90 backward: stages >= 1 and pds_stages in {1, 2} required")
+        if self.swap_sdp and (self.tile_m, self.tile_n) != (64, 128):
+            raise ValueError("sm90 backward: swap_sdp needs a 64x128 tile (one 64-key slice of Pᵀ "
+                             f"per warpgroup), not {self.tile_m}x{self.tile_n}")
+        if self.swap_sdp and self.has_softcap:
+            raise ValueError("sm90 backward: swap_sdp with softcap spills registers (the tanh "
+                             "derivative keeps every column's lse live); use swap_sdp=False")
+        if self.swap_sdp and max(self.head_dim, self.head_dim_v) > 128:
+            raise ValueError("sm90 backward: swap_sdp needs head dims <= 128 (registers: dK, dV "
+                             f"accumulators of 64 keys each), not {self.head_dim}/{self.head_dim_v}")
         # every GEMM's per-warpgroup N extent must be a multiple of 16 (8 for WGMMA, 16 for the
         # shared-memory swizzle atoms used by the transposed operands)
         lay = self.wg_layouts()
+        sdp = (self.tile_n, self.tile_m) if self.swap_sdp else (self.tile_m, self.tile_n)
         for name, (m_ext, n_ext), (wm, wn) in (
-                ("S/dP", (self.tile_m, self.tile_n), lay["sdp"]),
+                ("S/dP", sdp, lay["sdp"]),
                 ("dK", (self.tile_n, self.head_dim), lay["dkv"]),
                 ("dV", (self.tile_n, self.head_dim_v), lay["dkv"]),
                 ("dQ", (self.tile_m, self.head_dim), lay["dq"])):
@@ -152,9 +169,10 @@ class BwdConfig(KernelConfig):
     num_threads: ClassVar[int] = 384  # producer warpgroup + 2 MMA warpgroups
 
     def wg_layouts(self) -> dict[str, tuple[int, int]]:
-        """Warpgroup atom layout (along M, along N) of each GEMM (no swapAB in v1):
-        S, dP: (tile_m × tile_n); dK, dV: (tile_n × D); dQ: (tile_m × D)."""
-        return {"sdp": _split(self.tile_m), "dkv": _split(self.tile_n), "dq": _split(self.tile_m)}
+        """Warpgroup atom layout (along M, along N) of each GEMM: S, dP: (tile_m × tile_n), or
+        with swap_sdp Sᵀ, dPᵀ: (tile_n × tile_m); dK, dV: (tile_n × D); dQ: (tile_m × D)."""
+        sdp = _split(self.tile_n) if self.swap_sdp else _split(self.tile_m)
+        return {"sdp": sdp, "dkv": _split(self.tile_n), "dq": _split(self.tile_m)}
 
     def smem_bytes(self) -> int:
         e = 2  # 16-bit elements
@@ -162,7 +180,7 @@ class BwdConfig(KernelConfig):
         do = self.stages * self.tile_m * self.head_dim_v * e
         k = self.tile_n * self.head_dim * e
         v = self.tile_n * self.head_dim_v * e
-        pds = 2 * self.pds_stages * self.tile_m * self.tile_n * e
+        pds = (1 if self.swap_sdp else 2) * self.pds_stages * self.tile_m * self.tile_n * e
         dq = self.tile_m * self.head_dim * 4
         return q + do + k + v + pds + dq
 
@@ -269,11 +287,27 @@ _GPU_TEST_DETERMINISTIC = [
 ]
 
 
+# swap_sdp forms (not in the tuning table until measured) of these variants
+_GPU_TEST_SWAP = [
+    ("bfloat16", 128, 128, "none", False, False), ("bfloat16", 128, 128, "causal", False, False),
+    ("bfloat16", 128, 128, "none", False, True), ("bfloat16", 96, 96, "local", False, False),
+    ("float16", 128, 128, "none", False, False),
+]
+
+
+def swap_sdp_config(*problem) -> BwdConfig:
+    """The table's config for ``problem`` (BwdConfig.make's arguments) with swap_sdp on."""
+    cfg = replace(BwdConfig.make(*problem), swap_sdp=True)
+    cfg.validate()
+    return cfg
+
+
 def test_variants() -> list[KernelConfig]:
     """The configs tests/gpu/test_sm90_bwd.py runs (main kernels, then their postprocesses);
     that test checks it needs nothing else."""
     mains = [BwdConfig.make(*v) for v in _GPU_TEST_MAINS]
     mains += [BwdConfig.make(*v, deterministic=True) for v in _GPU_TEST_DETERMINISTIC]
+    mains += [swap_sdp_config(*v) for v in _GPU_TEST_SWAP]
     return _with_postprocess(mains)
 
 
