@@ -712,23 +712,12 @@ class FlashAttentionBackwardSm90:
                     wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, state.index], tdPrV,
                           zero_init=True)
 
-                    need_mask = kv_tail
-                    if const_expr(self.is_causal or self.is_local):
-                        cut_right, cut_left = BwdBlockInfo.cuts_window(block_info, m_block, n_block)
-                        need_mask = need_mask or cut_right
-                        if const_expr(self.is_local):
-                            need_mask = need_mask or cut_left
+                    need_mask = self.block_needs_mask(block_info, m_block, n_block, kv_tail)
 
                     s_mn = acc_view_mn(acc_S)
                     dp_mn = acc_view_mn(acc_dP)
-                    n_cols = cute.size(s_mn, mode=[1])
                     warpgroup.wait_group(1)  # S is ready, dP may still run
-                    for r in cutlass.range_constexpr(num_rows):
-                        for c in cutlass.range_constexpr(n_cols):
-                            x = s_mn[r, c]
-                            if const_expr(self.has_softcap):
-                                x = cute.math.tanh(x * tanh_in_scale, fastmath=True)
-                            s_mn[r, c] = cute.math.exp2(x * scale_log2 - lse[r], fastmath=True)
+                    self.scores_to_p(s_mn, lse, scale_log2, tanh_in_scale, per_col=False)
                     if need_mask:
                         self.mask_p(s_mn, tScS_mn, m_block, n_block, block_info)
 
@@ -741,18 +730,7 @@ class FlashAttentionBackwardSm90:
 
                     # dS = P∘(dP − delta) [∘ (1 − tanh²)]
                     warpgroup.wait_group(0)
-                    for r in cutlass.range_constexpr(num_rows):
-                        for c in cutlass.range_constexpr(n_cols):
-                            p = s_mn[r, c]
-                            ds = p * (dp_mn[r, c] - dpsum[r])
-                            if const_expr(self.has_softcap):
-                                # tanh' = 1 − t², t recovered from P = exp2(t·scale_log2 − lse) (no
-                                # extra live registers). P below the smallest normal float (0 when
-                                # masked or on an empty row) gives dS = 0 (its log2 may be -inf / NaN).
-                                t = (cute.math.log2(p, fastmath=True) + lse[r]) * inv_scale_log2
-                                ds = (ds * (Float32(1.0) - t * t) if p >= Float32(_FLT_MIN_NORMAL)
-                                      else Float32(0.0))
-                            dp_mn[r, c] = ds
+                    self.dp_to_ds(s_mn, dp_mn, lse, dpsum, inv_scale_log2, per_col=False)
                     rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
                     convert_f32_pairs(acc_dP, rdS, self.is_bf16)
                     cute.copy(st_thr, st_thr.retile(rdS), tdSsdS[None, None, None, pds_idx])
@@ -854,23 +832,12 @@ class FlashAttentionBackwardSm90:
             acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
             wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
 
-            need_mask = kv_tail
-            if const_expr(self.is_causal or self.is_local):
-                cut_right, cut_left = BwdBlockInfo.cuts_window(block_info, m_block, n_block)
-                need_mask = need_mask or cut_right
-                if const_expr(self.is_local):
-                    need_mask = need_mask or cut_left
+            need_mask = self.block_needs_mask(block_info, m_block, n_block, kv_tail)
 
             s_mn = acc_view_mn(acc_S)
             dp_mn = acc_view_mn(acc_dP)
-            n_rows = cute.size(s_mn, mode=[0])
             warpgroup.wait_group(1)  # Sᵀ is ready, dPᵀ may still run
-            for r in cutlass.range_constexpr(n_rows):
-                for c in cutlass.range_constexpr(num_cols):
-                    x = s_mn[r, c]
-                    if const_expr(self.has_softcap):
-                        x = cute.math.tanh(x * tanh_in_scale, fastmath=True)
-                    s_mn[r, c] = cute.math.exp2(x * scale_log2 - lse[c], fastmath=True)
+            self.scores_to_p(s_mn, lse, scale_log2, tanh_in_scale, per_col=True)
             if need_mask:
                 self.mask_p(s_mn, tScS_mn, m_block, n_block, block_info, transposed=True)
 
@@ -882,16 +849,7 @@ class FlashAttentionBackwardSm90:
 
             # dSᵀ = Pᵀ∘(dPᵀ − delta) [∘ (1 − tanh²)]
             warpgroup.wait_group(1)  # dPᵀ is ready, dV may still run
-            for r in cutlass.range_constexpr(n_rows):
-                for c in cutlass.range_constexpr(num_cols):
-                    p = s_mn[r, c]
-                    ds = p * (dp_mn[r, c] - dpsum[c])
-                    if const_expr(self.has_softcap):
-                        # as in the default loop: t recovered from P, 0 below the smallest normal
-                        t = (cute.math.log2(p, fastmath=True) + lse[c]) * inv_scale_log2
-                        ds = (ds * (Float32(1.0) - t * t) if p >= Float32(_FLT_MIN_NORMAL)
-                              else Float32(0.0))
-                    dp_mn[r, c] = ds
+            self.dp_to_ds(s_mn, dp_mn, lse, dpsum, inv_scale_log2, per_col=True)
             rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
             convert_f32_pairs(acc_dP, rdS, self.is_bf16)
             # dSᵀ -> shared memory (one buffer: both warpgroups' previous dQ GEMMs are done)
@@ -912,6 +870,49 @@ class FlashAttentionBackwardSm90:
             warpgroup.wait_group(0)  # dK done
             pipeline_q.consumer_release(state)
             state.advance()
+
+    @cute.jit
+    def block_needs_mask(self, block_info: BwdBlockInfo, m_block: Int32, n_block: Int32, kv_tail):
+        """Block (m_block, n_block) cuts the key tail or a causal / window edge."""
+        need_mask = kv_tail
+        if const_expr(self.is_causal or self.is_local):
+            cut_right, cut_left = BwdBlockInfo.cuts_window(block_info, m_block, n_block)
+            need_mask = need_mask or cut_right
+            if const_expr(self.is_local):
+                need_mask = need_mask or cut_left
+        return need_mask
+
+    @cute.jit
+    def scores_to_p(self, s_mn: cute.Tensor, lse: cute.Tensor, scale_log2: Float32,
+                    tanh_in_scale: Float32, per_col: cutlass.Constexpr[bool]):
+        """S ← P = exp2(S·scale_log2 − lse) [S ← tanh(S·scale/softcap) first], in place. lse is
+        per row of s_mn, or per column (``per_col``: s_mn is Sᵀ)."""
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                x = s_mn[r, c]
+                if const_expr(self.has_softcap):
+                    x = cute.math.tanh(x * tanh_in_scale, fastmath=True)
+                s_mn[r, c] = cute.math.exp2(x * scale_log2 - lse[c if const_expr(per_col) else r],
+                                            fastmath=True)
+
+    @cute.jit
+    def dp_to_ds(self, p_mn: cute.Tensor, dp_mn: cute.Tensor, lse: cute.Tensor,
+                 dpsum: cute.Tensor, inv_scale_log2, per_col: cutlass.Constexpr[bool]):
+        """dP ← dS = P∘(dP − delta) [∘ (1 − tanh²)], in place; stats per row or column as in
+        scores_to_p."""
+        for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
+                i = c if const_expr(per_col) else r
+                p = p_mn[r, c]
+                ds = p * (dp_mn[r, c] - dpsum[i])
+                if const_expr(self.has_softcap):
+                    # tanh' = 1 − t², t recovered from P = exp2(t·scale_log2 − lse) (no extra
+                    # live registers). P below the smallest normal float (0 when masked or on an
+                    # empty row) gives dS = 0 (its log2 may be -inf / NaN).
+                    t = (cute.math.log2(p, fastmath=True) + lse[i]) * inv_scale_log2
+                    ds = (ds * (Float32(1.0) - t * t) if p >= Float32(_FLT_MIN_NORMAL)
+                          else Float32(0.0))
+                dp_mn[r, c] = ds
 
     @cute.jit
     def hand_dq_over(self, acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor, wg_idx: Int32,
