@@ -83,19 +83,31 @@ def forward_config(q, k, v, opts):
         return str(err)
 
 
+def _kernel_forward(q, k, v, opts, config=None) -> tuple[jax.Array, jax.Array]:
+    """(out, lse) by the forward kernel (``config``: forward_config's, which must serve)."""
+    from jax_fa4.ffi.call import call_kernel
+
+    config = forward_config(q, k, v, opts) if config is None else config
+    assert not isinstance(config, str), config
+    b, sq, h, _ = q.shape
+    return call_kernel(
+        config, KERNEL_ARCH[opts.implementation], q, k, v, kernel_params(opts, q.shape[3]),
+        out_shapes=(jax.ShapeDtypeStruct((b, sq, h, v.shape[3]), q.dtype),
+                    jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
+
+
 def forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
-    """(out, lse) of one attention call: the kernel when one serves it, else the reference."""
+    """(out, lse) of one attention call: the kernel when one serves it, else the reference.
+    Decode-shaped calls run the kernel on GQA-packed, split-KV inputs (jax_fa4.decode)."""
     if opts.implementation != "reference":
         config = forward_config(q, k, v, opts)
         if not isinstance(config, str):
-            from jax_fa4.ffi.call import call_kernel
+            from jax_fa4 import decode
 
-            b, sq, h, _ = q.shape
-            out, lse = call_kernel(
-                config, KERNEL_ARCH[opts.implementation], q, k, v, kernel_params(opts),
-                out_shapes=(jax.ShapeDtypeStruct((b, sq, h, v.shape[3]), q.dtype),
-                            jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
-            return out, lse
+            decode_plan = decode.plan(q.shape, k.shape, opts.window)
+            if decode_plan is not None:
+                return decode.run(q, k, v, opts, decode_plan, _kernel_forward)
+            return _kernel_forward(q, k, v, opts, config)
         if opts.forced:
             raise ImplementationUnavailableError(
                 f"implementation={opts.implementation!r} cannot run this call: {config}")

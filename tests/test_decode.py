@@ -1,0 +1,119 @@
+"""GQA packing and split-KV around the forward kernel (jax_fa4/decode.py), on the CPU.
+
+The rewrite is checked with the reference forward standing in for the kernel: packing rows,
+splitting keys and merging the chunks by their lse must give the unrewritten attention, and the
+plan must refuse every call where a mask ties keys to query positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa4
+from jax_fa4 import decode, ops
+from jax_fa4.api import AttentionOptions
+
+NONE, CAUSAL = (None, None), (None, 0)
+
+
+@pytest.mark.parametrize("q_shape,k_shape,window,expected", [
+    # the decode anchor: 512 packed tiles fill 132 SMs twice: pack only
+    ((64, 1, 32, 128), (64, 8192, 8, 128), NONE, decode.DecodePlan(4, 1, NONE)),
+    # causal with one query = unmasked
+    ((64, 1, 32, 128), (64, 8192, 8, 128), CAUSAL, decode.DecodePlan(4, 1, NONE)),
+    # few tiles, long keys: pack and split until 2 tiles per SM (8 × 8 × 8 = 512 >= 264)
+    ((8, 1, 32, 128), (8, 32768, 8, 128), NONE, decode.DecodePlan(4, 8, NONE)),
+    # MHA: split only
+    ((2, 4, 16, 64), (2, 16384, 16, 64), NONE, decode.DecodePlan(1, 16, NONE)),
+    # chunks never shorter than MIN_CHUNK keys, and they divide Sk
+    ((1, 1, 8, 128), (1, 2048, 1, 128), NONE, decode.DecodePlan(8, 2, NONE)),
+    ((1, 1, 8, 128), (1, 2047, 1, 128), NONE, decode.DecodePlan(8, 1, NONE)),
+])
+def test_plan(q_shape, k_shape, window, expected):
+    assert decode.plan(q_shape, k_shape, window, sms=132) == expected
+
+
+@pytest.mark.parametrize("q_shape,k_shape,window", [
+    ((64, 2, 32, 128), (64, 8192, 8, 128), CAUSAL),  # two queries at different positions
+    ((64, 1, 32, 128), (64, 8192, 8, 128), (16, 0)),  # a window
+    ((4, 8192, 32, 128), (4, 8192, 8, 128), NONE),  # training shape: nothing to gain
+    ((1, 128, 16, 128), (1, 128, 16, 128), NONE),  # MHA, short keys: nothing to gain
+])
+def test_plan_refuses(q_shape, k_shape, window):
+    assert decode.plan(q_shape, k_shape, window, sms=132) is None
+
+
+def _opts(window):
+    return AttentionOptions(softmax_scale=0.125, window=window, softcap=0.0,
+                            implementation="reference", forced=False)
+
+
+@pytest.mark.parametrize("b,sq,h,hkv,sk,window,plan", [
+    (2, 1, 8, 2, 4096, CAUSAL, decode.DecodePlan(4, 1, NONE)),
+    (2, 3, 8, 2, 4096, NONE, decode.DecodePlan(4, 4, NONE)),
+    (1, 5, 6, 6, 3072, NONE, decode.DecodePlan(1, 3, NONE)),
+    (3, 1, 4, 1, 2000, CAUSAL, decode.DecodePlan(4, 2, NONE)),
+])
+def test_rewrite_is_exact(b, sq, h, hkv, sk, window, plan):
+    """Packed, split, merged = the plain attention (float32, reference as the kernel)."""
+    ks = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(ks[0], (b, sq, h, 64), jnp.float32)
+    k = jax.random.normal(ks[1], (b, sk, hkv, 64), jnp.float32)
+    v = jax.random.normal(ks[2], (b, sk, hkv, 32), jnp.float32) * 3
+    opts = _opts(window)
+    calls = []
+
+    def kernel(q_, k_, v_, o_):
+        calls.append((q_.shape, k_.shape, o_.window))
+        return ops.reference_forward(q_, k_, v_, o_)
+
+    out, lse = decode.run(q, k, v, opts, plan, kernel)
+    ref_out, ref_lse = ops.reference_forward(q, k, v, opts)
+    assert calls == [((b * plan.splits, sq * plan.group, h // plan.group, 64),
+                      (b * plan.splits, sk // plan.splits, hkv, 64), NONE)]
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    np.testing.assert_allclose(out, ref_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=2e-6, atol=2e-6)
+
+
+def test_decode_call_lowers_to_one_packed_split_kernel(shipped_cache, monkeypatch):
+    """flash_attention on a decode shape (sm90) runs one forward kernel on (B·S, g·Sq, Hkv, D)
+    inputs, and its gradient program still lowers (the backward sees the original layout)."""
+    from jax_fa4.ffi import call
+
+    monkeypatch.setenv("JAX_FA4_CACHE_DIR", str(shipped_cache.root))
+    monkeypatch.setattr(decode, "num_sms", lambda: 132)
+    call.clear_memory_cache()
+    b, h, hkv, sk, d = 8, 32, 8, 32768, 128
+    q = jax.ShapeDtypeStruct((b, 1, h, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, sk, hkv, d), jnp.bfloat16)
+    f = jax.jit(lambda q, k, v: jax_fa4.flash_attention(q, k, v, causal=True,
+                                                        implementation="sm90"))
+    text = jax.export.export(f, platforms=["cuda"],
+                             disabled_checks=jax_fa4.export_disabled_safety_checks())(
+        q, kv, kv).mlir_module()
+    assert text.count("stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2") == 1
+    assert "tensor<64x4x8x128xbf16>" in text  # q: 8 splits × 8 batch, 4 packed heads, 8 kv heads
+    assert "tensor<64x4096x8x128xbf16>" in text  # k / v: 8 chunks of 4096 keys per batch entry
+    loss = lambda q, k, v: f(q, k, v).astype(jnp.float32).sum()  # noqa: E731
+    grad = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+                             disabled_checks=jax_fa4.export_disabled_safety_checks())(q, kv, kv)
+    # forward + preprocess + backward + dQ postprocess, the backward on the original layout
+    assert grad.mlir_module().count("stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2") == 4
+    assert [a.shape for a in grad.out_avals] == [q.shape, kv.shape, kv.shape]
+    call.clear_memory_cache()
+
+
+def test_options_pass_through_with_the_plans_window():
+    opts = dataclasses.replace(_opts(CAUSAL), softcap=30.0)
+    seen = []
+    q = jnp.ones((1, 1, 4, 16), jnp.float32)
+    k = v = jnp.ones((1, 1024, 1, 16), jnp.float32)
+    decode.run(q, k, v, opts, decode.DecodePlan(4, 1, NONE),
+               lambda q_, k_, v_, o_: (seen.append(o_), ops.reference_forward(q_, k_, v_, o_))[1])
+    assert seen[0].softcap == 30.0 and seen[0].window == NONE and seen[0].softmax_scale == 0.125
