@@ -96,6 +96,19 @@ def _kernel_forward(q, k, v, opts, config=None) -> tuple[jax.Array, jax.Array]:
                     jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
 
 
+def _decode_kernel_forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
+    """The forward kernel on a rewritten decode call (unmasked): on Hopper the one-warpgroup
+    decode tile when the packed rows fit it."""
+    config = None
+    if opts.implementation == "sm90":
+        from jax_fa4.kernels.sm90.fwd_config import DECODE_TILE_M, decode_config
+
+        if q.shape[1] <= DECODE_TILE_M:
+            config = decode_config(jnp.dtype(q.dtype).name, q.shape[3], v.shape[3],
+                                   opts.softcap > 0)
+    return _kernel_forward(q, k, v, opts, config)
+
+
 def forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
     """(out, lse) of one attention call: the kernel when one serves it, else the reference.
     Decode-shaped calls run the kernel on GQA-packed, split-KV inputs (jax_fa4.decode)."""
@@ -106,7 +119,7 @@ def forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
 
             decode_plan = decode.plan(q.shape, k.shape, opts.window)
             if decode_plan is not None:
-                return decode.run(q, k, v, opts, decode_plan, _kernel_forward)
+                return decode.run(q, k, v, opts, decode_plan, _decode_kernel_forward)
             return _kernel_forward(q, k, v, opts, config)
         if opts.forced:
             raise ImplementationUnavailableError(

@@ -88,6 +88,14 @@ def test_decode_call_lowers_to_one_packed_split_kernel(shipped_cache, monkeypatc
 
     monkeypatch.setenv("JAX_FA4_CACHE_DIR", str(shipped_cache.root))
     monkeypatch.setattr(decode, "num_sms", lambda: 132)
+    configs = []
+    kernel_forward = ops._kernel_forward
+
+    def recording(q, k, v, opts, config=None):
+        configs.append(config if config is not None else ops.forward_config(q, k, v, opts))
+        return kernel_forward(q, k, v, opts, config)
+
+    monkeypatch.setattr(ops, "_kernel_forward", recording)
     call.clear_memory_cache()
     b, h, hkv, sk, d = 8, 32, 8, 32768, 128
     q = jax.ShapeDtypeStruct((b, 1, h, d), jnp.bfloat16)
@@ -100,6 +108,7 @@ def test_decode_call_lowers_to_one_packed_split_kernel(shipped_cache, monkeypatc
     assert text.count("stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2") == 1
     assert "tensor<64x4x8x128xbf16>" in text  # q: 8 splits × 8 batch, 4 packed heads, 8 kv heads
     assert "tensor<64x4096x8x128xbf16>" in text  # k / v: 8 chunks of 4096 keys per batch entry
+    assert [c.tile_m for c in configs] == [64]  # the one-warpgroup decode tile
     loss = lambda q, k, v: f(q, k, v).astype(jnp.float32).sum()  # noqa: E731
     grad = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
                              disabled_checks=jax_fa4.export_disabled_safety_checks())(q, kv, kv)
@@ -117,3 +126,17 @@ def test_options_pass_through_with_the_plans_window():
     decode.run(q, k, v, opts, decode.DecodePlan(4, 1, NONE),
                lambda q_, k_, v_, o_: (seen.append(o_), ops.reference_forward(q_, k_, v_, o_))[1])
     assert seen[0].softcap == 30.0 and seen[0].window == NONE and seen[0].softmax_scale == 0.125
+
+
+def test_decode_configs_are_shipped_one_warpgroup_tiles():
+    from jax_fa4.kernels.sm90.fwd_config import (TUNING_TABLE, FwdConfig, decode_config,
+                                                 shipped_configs)
+
+    shipped = set(shipped_configs())
+    for (d, dv) in TUNING_TABLE:
+        for dtype in ("bfloat16", "float16"):
+            cfg = decode_config(dtype, d, dv)
+            assert cfg in shipped and cfg.tile_m == 64 and cfg.num_threads == 256
+            assert cfg.mask == "none" and not cfg.pingpong and cfg.num_sms == 0
+    with pytest.raises(ValueError, match="pingpong"):
+        FwdConfig.make("bfloat16", 128, tile_m=64, pingpong=True)

@@ -29,8 +29,8 @@ import pytest
 
 from compiled import compiled_object
 from jax_fa4.kernels.common.block_info import BlockInfo
-from jax_fa4.kernels.sm90.fwd_config import (FwdConfig, TUNING_TABLE, fallback_configs,
-                                              option_test_configs)
+from jax_fa4.kernels.sm90.fwd_config import (FwdConfig, TUNING_TABLE, decode_config,
+                                              fallback_configs, option_test_configs)
 
 REPO = Path(__file__).resolve().parents[1]
 from compiled import CUBIN_REPORT, needs_cubin_report  # ../shared/tools/cubin_report.py
@@ -100,6 +100,24 @@ def test_compiles_with_clean_sass(dtype, d, dv, mask, softcap, overlap, tmp_path
     assert ops.get("MUFU.EX2", 0) > 0
     assert ops["STSM"] > 0, "O epilogue should use stmatrix"
     assert (ops["MUFU.TANH"] > 0) == softcap
+
+
+@needs_cubin_report
+@pytest.mark.parametrize("cfg", [decode_config("bfloat16", d, dv) for (d, dv) in TUNING_TABLE]
+                         + [decode_config("float16", 128, 128, has_softcap=True)],
+                         ids=lambda c: f"{c.dtype[:4]}-{c.head_dim}/{c.head_dim_v}"
+                                       f"{'-softcap' if c.has_softcap else ''}")
+def test_decode_tile_compiles_with_clean_sass(cfg, tmp_path, shipped_cache):
+    """The one-warpgroup decode tile (jax_fa4/decode.py): 256 threads, setmaxnreg 240 / 24,
+    HGMMA and TMA, no spills."""
+    r = sass_report(compiled_object(shipped_cache, cfg, ARCH), tmp_path)
+    ops = r["ops"]
+    print(f"\n{cfg.describe()}: regs {r.get('reg')}, smem {cfg.smem_bytes()} B")
+    assert cfg.num_threads == 256
+    assert ops.get("HGMMA", 0) > 0 and ops.get("UTMALDG", 0) > 0 and ops.get("UTMASTG", 0) > 0
+    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, "local-memory traffic (spills)"
+    assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, "stack frame / local memory"
+    assert r["setmaxnreg"] == [24, 240], r["setmaxnreg"]
 
 
 def _option_id(cfg: FwdConfig) -> str:

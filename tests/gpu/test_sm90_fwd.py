@@ -165,6 +165,28 @@ def test_causal_with_left_window():
 
 
 # --- softcap -------------------------------------------------------------------------------------
+# --- decode shapes: GQA packing, split-KV, the one-warpgroup decode tile (jax_fa4/decode.py) ------
+@pytest.mark.parametrize("b,sq,h,hkv,sk,causal", [
+    (4, 1, 32, 8, 8192, True),  # the decode anchor's form: 4 heads packed, 8 chunks
+    (3, 1, 8, 1, 5000, False),  # MQA: 8 heads packed, 4 chunks of 1250 keys
+    (2, 3, 16, 4, 4096, False),  # 12 packed rows, 4 chunks
+    (2, 16, 8, 2, 2048, False),  # 32 packed rows, 2 chunks
+    (1, 40, 8, 2, 3000, False),  # 80 packed rows: the 128-row training tile, 2 chunks
+    (2, 2, 4, 4, 16384, False),  # MHA: 16 chunks only
+])
+def test_decode(b, sq, h, hkv, sk, causal):
+    run_case(b, sq, sk, h, hkv, 128, causal=causal, repeat=True)
+
+
+@pytest.mark.parametrize("d,dv", HEAD_DIMS)
+def test_decode_head_dims(d, dv):
+    run_case(2, 1, 4096, 16, 4, d, dv, causal=True)
+
+
+def test_decode_fp16_softcap():
+    run_case(2, 1, 4096, 8, 2, 128, dtype=jnp.float16, softcap=30.0)
+
+
 @pytest.mark.parametrize("mask", ["none", "causal", "local"])
 @pytest.mark.parametrize("sq,sk", [(113, 203), (1023, 1024)])
 def test_softcap(mask, sq, sk):

@@ -66,7 +66,7 @@ class NamedBarrier(enum.IntEnum):
 
 
 # (consumer, producer) registers per thread after setmaxnreg, by number of consumer warpgroups.
-_REGS = {2: (240, 24), 3: (160, 32)}
+_REGS = {1: (240, 24), 2: (240, 24), 3: (160, 32)}
 
 
 @cute.jit

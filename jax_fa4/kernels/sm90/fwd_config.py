@@ -127,8 +127,11 @@ class FwdConfig(KernelConfig):
             raise ValueError("sm90 forward: head dims must be multiples of 16")
         if self.head_dim_v > self.head_dim:
             raise ValueError("sm90 forward: head_dim_v > head_dim not supported (O reuses Q's smem)")
-        if self.tile_m not in (128, 192):
-            raise ValueError(f"sm90 forward: tile_m {self.tile_m} not supported (128 or 192)")
+        if self.tile_m not in (64, 128, 192):
+            raise ValueError(f"sm90 forward: tile_m {self.tile_m} not supported (64, 128 or 192)")
+        if self.pingpong and self.tile_m == 64:
+            raise ValueError("sm90 forward: pingpong needs two or three consumer warpgroups "
+                             "(tile_m 128 or 192), not tile_m 64")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             raise ValueError(f"sm90 forward: tile_n {self.tile_n} must be a multiple of 16 in [16, 256]")
         if self.stages < 1:
@@ -168,7 +171,7 @@ class FwdConfig(KernelConfig):
     @property
     def consumer_registers(self) -> int:
         """Registers per consumer thread after setmaxnreg (flash_fwd._REGS)."""
-        return {2: 240, 3: 160}[self.num_mma_warpgroups]
+        return {1: 240, 2: 240, 3: 160}[self.num_mma_warpgroups]
 
     def accumulator_registers(self) -> int:
         """Live fp32 S, 16-bit P and fp32 O fragments per consumer thread (64 rows per
@@ -192,6 +195,21 @@ class FwdConfig(KernelConfig):
         return make_launcher(self)
 
 
+#: Query rows of the decode tile (one consumer warpgroup): the rows of a decode call after GQA
+#: packing (jax_fa4/decode.py) rarely fill more, and a 128-row tile would spend twice the GEMM
+#: time per key block on empty rows; with 64 the kernel is bound by its K/V bytes.
+DECODE_TILE_M = 64
+
+
+def decode_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
+                  has_softcap: bool = False) -> FwdConfig:
+    """The forward config for decode-shaped calls (unmasked after jax_fa4.decode's rewrite, at
+    most DECODE_TILE_M query rows): the table's unmasked row with one consumer warpgroup (so no
+    ping-pong) and no persistence."""
+    return FwdConfig.make(dtype, head_dim, head_dim_v, "none", has_softcap,
+                          tile_m=DECODE_TILE_M, pingpong=False, num_sms=0)
+
+
 def fallback_configs() -> list[FwdConfig]:
     """The simpler serial mainloop (no intra-warpgroup overlap) at hdim 128 bf16: a cross-check
     for the GPU tests, and a fallback should the overlapped mainloop misbehave."""
@@ -200,13 +218,14 @@ def fallback_configs() -> list[FwdConfig]:
 
 
 def shipped_configs() -> list[FwdConfig]:
-    """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and fp16."""
+    """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and
+    fp16, and the decode config of each row."""
     out = []
     for dtype in FLOAT_DTYPES:
         for (d, dv), row in TUNING_TABLE.items():
-            for mask in row:
-                for softcap in (False, True):
-                    out.append(FwdConfig.make(dtype, d, dv, mask, softcap))
+            for softcap in (False, True):
+                out += [FwdConfig.make(dtype, d, dv, mask, softcap) for mask in row]
+                out.append(decode_config(dtype, d, dv, softcap))
     return out
 
 
