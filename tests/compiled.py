@@ -31,3 +31,40 @@ def sass_report(obj: bytes, tmp_path: Path) -> list[dict]:
     res = subprocess.run([sys.executable, str(CUBIN_REPORT), str(path), "--json"],
                          capture_output=True, text=True, check=True)
     return json.loads(res.stdout)
+
+
+def shipped_sass_problems(cache, configs, arch: str, kernel_name: str, tmp_path: Path,
+                          must_have: tuple[str, ...]) -> list[str]:
+    """Read every config's object from ``cache`` (compiled once per session by the
+    ``shipped_cache`` fixture) and report, in one cubin_report.py run, each kernel named
+    ``kernel_name`` that spills, has a stack frame, uses over 255 registers or over 227 KB of
+    shared memory (static + ``config.smem_bytes()``), or lacks one of the ``must_have``
+    instructions. Returns one line per problem (empty: all clean)."""
+    paths = []
+    for i, cfg in enumerate(configs):
+        path = tmp_path / f"v{i}.o"
+        path.write_bytes(compiled_object(cache, cfg, arch))
+        paths.append(str(path))
+    res = subprocess.run([sys.executable, str(CUBIN_REPORT), *paths, "--json"],
+                         capture_output=True, text=True, check=True)
+    by_file: dict[str, list[dict]] = {}
+    for row in json.loads(res.stdout):
+        if kernel_name in row["kernel"]:
+            by_file.setdefault(row["file"], []).append(row)
+    problems = []
+    for i, cfg in enumerate(configs):
+        rows = by_file.get(f"v{i}.o", [])
+        if len(rows) != 1:
+            problems.append(f"{cfg.describe()}: {len(rows)} {kernel_name} kernels")
+            continue
+        r, ops = rows[0], rows[0]["ops"]
+        if ops.get("LDL", 0) or ops.get("STL", 0) or r.get("local", 0) or r.get("stack", 0):
+            problems.append(f"{cfg.describe()}: spills (LDL {ops.get('LDL', 0)}, STL "
+                            f"{ops.get('STL', 0)}, stack {r.get('stack')})")
+        if r.get("reg", 0) > 255 or r.get("shared_static", 0) + cfg.smem_bytes() > 227 * 1024:
+            problems.append(f"{cfg.describe()}: {r.get('reg')} registers, "
+                            f"{r.get('shared_static', 0) + cfg.smem_bytes()} B shared memory")
+        missing = [op for op in must_have if not ops.get(op, 0)]
+        if missing:
+            problems.append(f"{cfg.describe()}: no {', '.join(missing)}")
+    return problems

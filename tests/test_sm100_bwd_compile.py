@@ -37,7 +37,7 @@ from jax_fa4.kernels.sm100.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TMEM
                                               test_configs)
 
 REPO = Path(__file__).resolve().parents[1]
-from compiled import CUBIN_REPORT  # ../shared/tools/cubin_report.py beside the checkout
+from compiled import CUBIN_REPORT, shipped_sass_problems  # ../shared/tools/cubin_report.py
 ARCH = "sm_100a"
 
 
@@ -306,3 +306,14 @@ def test_transposed_smem_views_alias_exactly(d):
         assert len({a for a, _ in vals}) == len(vals), f"{name}: offsets not distinct"
         bad = [(a, b) for a, b in vals if a != b]
         assert not bad, f"d={d} {name}: {len(bad)} mismatches, e.g. {bad[:3]}"
+
+
+@needs_compiler
+def test_every_shipped_variant_has_clean_sass(shipped_cache, tmp_path):
+    """All 144 shipped variants (the test above reads the full SASS of a representative few):
+    tcgen05 MMAs, commits, TMEM traffic and allocation, TMA loads and dQ reduce-adds; no
+    spills, registers and shared memory within sm_100's limits."""
+    problems = shipped_sass_problems(
+        shipped_cache, shipped_configs(), ARCH, "FlashAttentionBackwardSm100", tmp_path,
+        must_have=("UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTCATOMSWS", "UTMALDG", "UTMAREDG"))
+    assert not problems, "\n".join(problems)

@@ -30,7 +30,7 @@ import pytest
 from jax_fa4.ffi.compiler import compiler_available
 from jax_fa4.kernels.sm100.fwd_config import SMEM_LIMIT_BYTES, FwdConfig, shipped_configs, test_configs
 
-from compiled import CUBIN_REPORT  # ../shared/tools/cubin_report.py beside the checkout
+from compiled import CUBIN_REPORT, shipped_sass_problems  # ../shared/tools/cubin_report.py
 ARCH = "sm_100a"
 
 pytestmark = pytest.mark.skipif(not compiler_available() or not CUBIN_REPORT.exists(),
@@ -86,10 +86,7 @@ def test_compiles_with_clean_sass(config, tmp_path):
     assert ops.get("UTCBAR", 0) > 0
     assert ops.get("LDTM", 0) > 0 and ops.get("STTM", 0) > 0
     assert ops.get("UTMALDG", 0) > 0 and ops.get("UTMASTG", 0) > 0
-    # both exp2 units: MUFU and the FFMA2 polynomial of the software exp2
-    assert ops.get("MUFU.EX2", 0) > 0
-    if config.exp2_sw_per_32:
-        assert ops.get("FFMA2", 0) > 0
+    assert ops.get("MUFU.EX2", 0) > 0  # (the software exp2's share: the test below)
     # TMEM allocation balanced (see the module docstring for the SASS names)
     alloc = len(re.findall(r"UTCATOMSWS\.FIND_AND_SET", sass))
     dealloc = len(re.findall(r"UTCATOMSWS\.AND\b", sass))
@@ -101,3 +98,31 @@ def test_compiles_with_clean_sass(config, tmp_path):
     assert rec["local"] == 0 and rec["stack"] == 0
     assert rec["reg"] <= 255
     assert rec["shared_static"] + config.smem_bytes() <= 227 * 1024
+
+
+def test_software_exp2_moves_its_share_off_mufu(tmp_path):
+    """exp2_sw_per_32 = n moves n of every 32 exponentials of a row (tile_n per thread) from
+    MUFU.EX2 to the FMA pipes: exactly tile_n·n/32 fewer MUFU.EX2, and 3 more FFMA2 per pair
+    (the degree-3 polynomial, two lanes per FFMA2) than the same kernel with n = 0."""
+    import dataclasses
+
+    config = FwdConfig.make("bfloat16", 128)
+    assert config.exp2_sw_per_32 > 0
+    for sub in ("sw", "mufu"):
+        (tmp_path / sub).mkdir()
+    with_sw, _, _ = _compile_and_report(config, tmp_path / "sw")
+    without, _, _ = _compile_and_report(dataclasses.replace(config, exp2_sw_per_32=0),
+                                        tmp_path / "mufu")
+    moved = config.tile_n * config.exp2_sw_per_32 // 32
+    assert without["ops"]["MUFU.EX2"] - with_sw["ops"]["MUFU.EX2"] == moved
+    assert with_sw["ops"]["FFMA2"] - without["ops"]["FFMA2"] == 3 * moved // 2
+
+
+def test_every_shipped_variant_has_clean_sass(shipped_cache, tmp_path):
+    """All 60 shipped variants (the test above reads the full SASS of a representative few):
+    tcgen05 MMAs, commits, TMEM loads, TMEM allocation, TMA; no spills, registers and shared
+    memory within sm_100's limits."""
+    problems = shipped_sass_problems(
+        shipped_cache, shipped_configs(), ARCH, "FlashAttentionForwardSm100", tmp_path,
+        must_have=("UTCHMMA", "UTCBAR", "LDTM", "UTCATOMSWS", "UTMALDG", "MUFU.EX2"))
+    assert not problems, "\n".join(problems)
