@@ -7,7 +7,7 @@ the dQ bulk reduce (UBLKRED), setmaxnreg both ways, no local memory (LDL/STL, st
 shared memory and compile time are printed per variant (``pytest -s``; docs/perf-log-bwd.md).
 
 Plus CPU-only checks of what would fail silently on the GPU: the query-block ranges, the
-"needs a mask" test and the per-row visible columns (BwdBlockInfo) against brute force; the config
+"needs a mask" test and the per-row visible columns (common/bwd_blocks.py) against brute force; the config
 contract (signature, alias, no compiler import, validator messages, smem budget).
 """
 
@@ -227,7 +227,7 @@ def test_every_shipped_variant_fits_shared_memory():
 
 
 # ------------------------------------------------------------------------------------------------
-# block arithmetic against brute force (pure Python: BwdBlockInfo runs on ints too)
+# block arithmetic against brute force (pure Python: BwdBlocks runs on ints too)
 # ------------------------------------------------------------------------------------------------
 def _visible(i, j, sq, sk, kind, wl, wr):
     """Row i sees key j (reference.visible_mask's rule; wl/wr None = unbounded)."""
@@ -249,14 +249,14 @@ def _clamp(w, bound):
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("tile_m,tile_n", [(64, 128), (128, 128), (64, 64)])
 def test_block_info_matches_brute_force(kind, tile_m, tile_n):
-    from jax_fa4.kernels.sm90.bwd import BwdBlockInfo
+    from jax_fa4.kernels.common.bwd_blocks import BwdBlocks
 
     seqlens = [(1, 1), (1, 300), (113, 203), (203, 113), (256, 256), (257, 129), (300, 17),
                (64, 200)]
     windows = [(None, None)] if kind != "local" else [
         (None, 0), (0, 0), (5, None), (None, 7), (37, 3), (0, 130), (300, 300), (1, 1), (64, 0)]
     for (sq, sk), (wl, wr) in itertools.product(seqlens, windows):
-        bi = BwdBlockInfo(tile_m, tile_n, kind == "causal", kind == "local", sq, sk,
+        bi = BwdBlocks(tile_m, tile_n, kind == "causal", kind == "local", sq, sk,
                           _clamp(wl, sk) if kind == "local" else 0,
                           _clamp(wr, sq) if kind == "local" else 0)
         for n in range(-(-sk // tile_n)):
@@ -272,7 +272,7 @@ def test_block_info_matches_brute_force(kind, tile_m, tile_n):
                 if any_vis:
                     assert lo_m <= m < hi_m, f"{where} m={m} not visited"
                 # the mask test is conservative: a block with an invisible pair is masked
-                cut_r, cut_l = bi.cuts_window(m, n)
+                _, cut_r, cut_l = bi.mask_reasons(m, n)
                 needs = bi.kv_tail(n) or (kind != "none" and cut_r) or (kind == "local" and cut_l)
                 if not all(all(r) for r in vis):
                     assert needs, f"{where} m={m} needs a mask"

@@ -68,7 +68,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from jax_fa4.kernels.common.convert import cvt_pack_f32x2
 from jax_fa4.kernels.common.layout import select_modes
 from jax_fa4.kernels.common.views import seq_major
-from jax_fa4.kernels.sm100.bwd_blocks import BwdBlocks
+from jax_fa4.kernels.common.bwd_blocks import BwdBlocks
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
 
 LOG2_E = math.log2(math.e)

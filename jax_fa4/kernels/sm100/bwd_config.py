@@ -31,7 +31,7 @@ elementwise op, ``jax_fa4/sm100_bwd_ops.py``); no separate postprocess kernel is
 
 Deterministic configs: CTA (n_block, h, b) adds its dQ partial of query block m only when
 dq_semaphore[b, h, m] equals its rank among the key blocks that visit m (key blocks in
-increasing order, ``bwd_blocks.dq_rank``), then increments it (release) once its reduce-adds
+increasing order, ``common/bwd_blocks.dq_rank``), then increments it (release) once its reduce-adds
 completed, so the float32 sums happen in one fixed order on every run.
 """
 
@@ -84,7 +84,7 @@ class Sm100BwdConfig(KernelConfig):
 
     kernel_name: ClassVar[str] = "sm100_bwd"
     sources: ClassVar[tuple[str, ...]] = ("spec.py", "common", "sm100/bwd_config.py",
-                                          "sm100/bwd.py", "sm100/bwd_blocks.py",
+                                          "sm100/bwd.py",
                                           "sm100/flash_fwd.py", "sm100/fwd_config.py",
                                           "sm100/tile_order.py")
 

@@ -62,6 +62,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from jax_fa4.kernels.common.bwd_blocks import BwdBlocks
 from jax_fa4.kernels.common.convert import convert_f32_pairs
 from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, select_modes,
                                             transpose_mn)
@@ -170,68 +171,6 @@ def dq_fragment_view(base: cute.Tensor, num_regs: int, tidx_in_wg: Int32) -> cut
     return chunks[None, tidx_in_wg, None]
 
 
-
-# ------------------------------------------------------------------------------------------------
-# block arithmetic (branch-free: works on Python ints, for the CPU tests, and on Int32)
-# ------------------------------------------------------------------------------------------------
-class BwdBlockInfo:
-    """Which query blocks a key block visits, which of them need a mask, and each row's visible
-    key columns.
-
-    Row i sees key j iff j < seqlen_k and, causal/local, j <= i + off + window_right and, local,
-    j >= i + off - window_left, with off = seqlen_k - seqlen_q (bottom-right alignment; causal has
-    window_right = 0). Windows arrive clamped to [0, seqlen_k] (left) / [0, seqlen_q] (right).
-    Every division below has a non-negative dividend, so truncation and floor agree.
-    """
-
-    def __init__(self, tile_m: int, tile_n: int, is_causal: bool, is_local: bool,
-                 seqlen_q, seqlen_k, window_left, window_right):
-        self.tile_m, self.tile_n = tile_m, tile_n
-        self.is_causal, self.is_local = is_causal, is_local
-        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
-        self.window_left, self.window_right = window_left, window_right
-        self.off = seqlen_k - seqlen_q
-
-    def m_block_range(self, n_block):
-        """[m_min, m_max): query blocks with a row that sees a key of block n_block."""
-        tm = self.tile_m
-        m_max = (self.seqlen_q + tm - 1) // tm
-        m_min = 0
-        if self.is_causal or self.is_local:
-            first_row = n_block * self.tile_n - self.off - self.window_right
-            m_min = cutlass.max(first_row, 0) // tm
-        if self.is_local:
-            last_row = (n_block + 1) * self.tile_n - 1 + self.window_left - self.off
-            m_max = cutlass.min(m_max, cutlass.max(last_row + tm, 0) // tm)
-        return m_min, m_max
-
-    def kv_tail(self, n_block):
-        """Block n_block holds keys past seqlen_k."""
-        return (n_block + 1) * self.tile_n > self.seqlen_k
-
-    def cuts_window(self, m_block, n_block):
-        """Block (m_block, n_block) holds a (row, key) pair outside the causal / local window."""
-        tm, tn = self.tile_m, self.tile_n
-        right = False
-        if self.is_causal or self.is_local:
-            # the block's last key lies right of its first row's last visible key
-            right = (n_block + 1) * tn - 1 > m_block * tm + self.off + self.window_right
-        left = False
-        if self.is_local:
-            # the block's first key lies left of its last row's first visible key
-            left = n_block * tn < (m_block + 1) * tm - 1 + self.off - self.window_left
-        return right, left
-
-    def visible_cols(self, row, n_block):
-        """[lo, hi): the key columns of block n_block, relative to the block, that row sees."""
-        col0 = n_block * self.tile_n
-        hi = self.seqlen_k - col0
-        if self.is_causal or self.is_local:
-            hi = cutlass.min(hi, row + self.off + self.window_right + 1 - col0)
-        lo = 0
-        if self.is_local:
-            lo = row + self.off - self.window_left - col0
-        return lo, hi
 
 # ------------------------------------------------------------------------------------------------
 # the kernel
@@ -459,7 +398,7 @@ class FlashAttentionBackwardSm90:
             n_block = (seqlen_k + self.tile_n - 1) // self.tile_n - 1 - n_block
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         head_dkv = head if const_expr(self.gqa) else head_kv
-        block_info = BwdBlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
+        block_info = BwdBlocks(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                   seqlen_q, seqlen_k, window_left, window_right)
         m_block_min, m_block_max = block_info.m_block_range(n_block)
 
@@ -520,7 +459,7 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def store_dq(self, mdQacc: cute.Tensor, sdQ: cute.Tensor, mdQsem: cute.Tensor | None,
                  n_block: Int32, head: Int32, batch: Int32, m_block_min: Int32,
-                 m_block_max: Int32, block_info: BwdBlockInfo):
+                 m_block_max: Int32, block_info: BwdBlocks):
         """The dQ warp (warp 1 of the producer warpgroup). Per visited query block: wait until
         both MMA warpgroups have put their dQ chunk in shared memory, reduce-add the two chunks
         into dq_accum (one ``cp.reduce.async.bulk`` each, issued by lane 0), and hand the buffers
@@ -590,13 +529,13 @@ class FlashAttentionBackwardSm90:
         return m_block
 
     @cute.jit
-    def dq_turn(self, block_info: BwdBlockInfo, m_block: Int32, n_block: Int32) -> Int32:
+    def dq_turn(self, block_info: BwdBlocks, m_block: Int32, n_block: Int32) -> Int32:
         """The counter value of query block m_block at which key block n_block may add: its
         predecessor's id + 1, or 0 for the first adder. Adders go in ascending key-block order
         (descending under a causal mask, see ``descending``); the key blocks that visit a query
         block form a contiguous range, so the predecessor is n_block ∓ 1 if that one visits it."""
         prev = n_block + 1 if const_expr(self.descending) else n_block - 1
-        prev_min, prev_max = BwdBlockInfo.m_block_range(block_info, prev)
+        prev_min, prev_max = BwdBlocks.m_block_range(block_info, prev)
         n_blocks = (block_info.seqlen_k + self.tile_n - 1) // self.tile_n
         has_prev = prev >= 0 and prev < n_blocks and prev_min <= m_block and m_block < prev_max
         return prev + 1 if has_prev else Int32(0)
@@ -610,7 +549,7 @@ class FlashAttentionBackwardSm90:
             mma_dq: cute.TiledMma, pipeline_kv, pipeline_q, pipeline_do, tidx: Int32,
             n_block: Int32, head: Int32, head_dkv: Int32, batch: Int32,
             m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32,
-            block_info: BwdBlockInfo):
+            block_info: BwdBlocks):
         tm, tn, D, Dv = self.tile_m, self.tile_n, self.hdim, self.hdimv
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         tidx_in_wg = tidx % 128
@@ -673,7 +612,7 @@ class FlashAttentionBackwardSm90:
             tanh_in_scale = scale
             scale_log2 = scale * LOG2_E
             inv_scale_log2 = None
-        kv_tail = BwdBlockInfo.kv_tail(block_info, n_block)  # only the last key block has a tail
+        kv_tail = BwdBlocks.kv_tail(block_info, n_block)  # only the last key block has a tail
         pds_barrier = int(NamedBarrier.PDS)
 
         if m_block_max > m_block_min:
@@ -793,7 +732,7 @@ class FlashAttentionBackwardSm90:
                      mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
                      mma_dq: cute.TiledMma, pipeline_q, pipeline_do, state, wg_idx: Int32,
                      n_block: Int32, head: Int32, batch: Int32, m_block_min: Int32,
-                     m_block_max: Int32, seqlen_q: Int32, block_info: BwdBlockInfo, kv_tail,
+                     m_block_max: Int32, seqlen_q: Int32, block_info: BwdBlocks, kv_tail,
                      scale_log2: Float32, tanh_in_scale: Float32, inv_scale_log2):
         """The query-block loop of ``swap_sdp`` configs (see BwdConfig.swap_sdp). This
         warpgroup holds Sᵀ / dPᵀ for its 64 keys × all tile_m queries; per query block:
@@ -872,11 +811,11 @@ class FlashAttentionBackwardSm90:
             state.advance()
 
     @cute.jit
-    def block_needs_mask(self, block_info: BwdBlockInfo, m_block: Int32, n_block: Int32, kv_tail):
+    def block_needs_mask(self, block_info: BwdBlocks, m_block: Int32, n_block: Int32, kv_tail):
         """Block (m_block, n_block) cuts the key tail or a causal / window edge."""
         need_mask = kv_tail
         if const_expr(self.is_causal or self.is_local):
-            cut_right, cut_left = BwdBlockInfo.cuts_window(block_info, m_block, n_block)
+            _, cut_right, cut_left = BwdBlocks.mask_reasons(block_info, m_block, n_block)
             need_mask = need_mask or cut_right
             if const_expr(self.is_local):
                 need_mask = need_mask or cut_left
@@ -930,13 +869,13 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def mask_p(self, p_mn: cute.Tensor, c_mn: cute.Tensor, m_block: Int32, n_block: Int32,
-               block_info: BwdBlockInfo, transposed: cutlass.Constexpr[bool] = False):
+               block_info: BwdBlocks, transposed: cutlass.Constexpr[bool] = False):
         """P ← 0 where row m_block·tm + r does not see key n_block·tn + c (rows past seqlen_q
         already have P = 0). ``transposed``: p_mn is Pᵀ (rows = keys, columns = queries)."""
         q_mode, k_mode = (1, 0) if const_expr(transposed) else (0, 1)
         for i in cutlass.range_constexpr(cute.size(p_mn, mode=[q_mode])):
             row = m_block * self.tile_m + c_mn[(0, i) if const_expr(transposed) else (i, 0)][q_mode]
-            lo, hi = BwdBlockInfo.visible_cols(block_info, row, n_block)
+            lo, hi = BwdBlocks.visible_cols(block_info, row, n_block)
             for j in cutlass.range_constexpr(cute.size(p_mn, mode=[k_mode])):
                 idx = (j, i) if const_expr(transposed) else (i, j)
                 col = c_mn[idx][k_mode]

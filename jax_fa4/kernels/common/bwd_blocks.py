@@ -1,11 +1,13 @@
-"""Block arithmetic of the sm100 backward: one implementation for the kernel and the CPU tests.
+"""Block arithmetic of the backward kernels (sm90 and sm100): one implementation for the kernels
+and the CPU tests.
 
 Conventions (FA4's, bottom-right aligned): query row i sees key j iff j < seqlen_k and
     i + off − window_left  <=  j  <=  i + off + window_right,      off = seqlen_k − seqlen_q
 (causal: window_right = 0, no left bound). Windows arrive clamped to [0, seqlen_k] (left) and
-[0, seqlen_q] (right), so an unbounded side covers every key / query. The kernel's tile is
-transposed (one key per TMEM lane, query rows along the columns), hence the per-*key* visible
-query range below.
+[0, seqlen_q] (right), so an unbounded side covers every key / query. The sm100 kernel's tile
+is transposed (one key per TMEM lane, query rows along the columns) and masks by each key's
+visible query rows (``visible_rows``); the sm90 kernel masks by each row's visible key columns
+(``visible_cols``).
 
 Every function uses only ``+ - * //`` and :func:`_min` / :func:`_max`, so it runs on Python ints
 (tests) and on CuTe-DSL Int32 (kernel). Every ``//`` has a non-negative dividend, so truncating
@@ -65,12 +67,16 @@ class BwdBlocks:
             n_first = _max(m_block * self.tile_m + self.off - self.window_left, 0) // self.tile_n
         return n_block - n_first
 
+    def kv_tail(self, n_block):
+        """Key block n_block holds keys past seqlen_k (only the last one can)."""
+        return (n_block + 1) * self.tile_n > self.seqlen_k
+
     def mask_reasons(self, m_block, n_block):
         """(key tail, cuts the right diagonal, cuts the left window edge) of block (m_block,
         n_block): the block needs a mask iff any is true (the kernel ORs them in jit code; each
         is False when its mask kind is off). Conservative: extra masking is harmless."""
         tm, tn = self.tile_m, self.tile_n
-        tail = (n_block + 1) * tn > self.seqlen_k
+        tail = self.kv_tail(n_block)
         right = tail if not (self.is_causal or self.is_local) else (
             (n_block + 1) * tn - 1 > m_block * tm + self.off + self.window_right)
         left = tail if not self.is_local else (
@@ -88,4 +94,16 @@ class BwdBlocks:
             lo = key - self.off - self.window_right - row0
         if self.is_local:
             hi = key - self.off + self.window_left - row0
+        return lo, hi
+
+    def visible_cols(self, row, n_block):
+        """[lo, hi): the key columns of block n_block, relative to the block, that query ``row``
+        sees (keys past seqlen_k excluded; no left bound unless local: lo is then meaningless)."""
+        col0 = n_block * self.tile_n
+        hi = self.seqlen_k - col0
+        if self.is_causal or self.is_local:
+            hi = _min(hi, row + self.off + self.window_right + 1 - col0)
+        lo = row * 0
+        if self.is_local:
+            lo = row + self.off - self.window_left - col0
         return lo, hi
