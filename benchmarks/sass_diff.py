@@ -1,0 +1,97 @@
+"""Compare the SASS of kernel variants between two checkouts (no GPU needed).
+
+    python benchmarks/sass_diff.py ../old-checkout --family sm90_bwd --head-dim 128 --dtype bfloat16
+    git worktree add /work/old HEAD~3 && python benchmarks/sass_diff.py /work/old --family sm90_fwd
+
+For a refactor that should not change the generated code, this is the proof that needs no GPU
+run: every selected shipped variant (``jax_fa4.variants``, default suite) is compiled from each
+checkout (each in its own process, importing that checkout's ``jax_fa4``) and disassembled with
+../shared/tools/cubin_report.py; instructions are compared with addresses, encodings and
+immediates stripped. Variants whose config no longer exists in one checkout are listed apart.
+Prints one line per variant (``same`` / ``DIFFERS: n lines``) and exits 1 if any differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+CUBIN_REPORT = HERE.parent / "shared" / "tools" / "cubin_report.py"
+
+
+def normalised_sass(sass: str) -> list[str]:
+    """The instructions of a SASS dump, without addresses, encodings and hex immediates."""
+    out = []
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if m:
+            out.append(re.sub(r"0x[0-9a-f]+", "X", m.group(1)))
+    return out
+
+
+def dump(root: str, out_dir: str, selection: dict) -> None:
+    """(In a child process) compile the selection from ``root``; write {describe: sass lines}."""
+    sys.path.insert(0, root)
+    from jax_fa4.ffi.compiler import compile_config
+    from jax_fa4.variants import variants
+
+    result = {}
+    for i, v in enumerate(variants(**selection)):
+        obj = Path(out_dir) / f"k{i}.o"
+        obj.write_bytes(compile_config(v.config, v.arch).object_bytes)
+        sass_dir = Path(out_dir) / f"sass{i}"
+        subprocess.run([sys.executable, str(CUBIN_REPORT), str(obj), "--json", "--sass-out",
+                        str(sass_dir)], capture_output=True, text=True, check=True)
+        sass = "".join(p.read_text() for p in sorted(sass_dir.iterdir()))
+        result[v.describe()] = normalised_sass(sass)
+        print(f"  {Path(root).name}: {v.describe()}", file=sys.stderr, flush=True)
+    (Path(out_dir) / "sass.json").write_text(json.dumps(result))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("other", help="the other checkout's root (e.g. a git worktree)")
+    p.add_argument("--family", nargs="+", help="kernel families (default: all)")
+    p.add_argument("--head-dim", type=int, nargs="+")
+    p.add_argument("--dtype", nargs="+")
+    p.add_argument("--arch", nargs="+")
+    p.add_argument("--dump", nargs=2, metavar=("ROOT", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    selection = dict(families=args.family, head_dims=args.head_dim, dtypes=args.dtype,
+                     archs=args.arch)
+    if args.dump:
+        dump(args.dump[0], args.dump[1], selection)
+        return 0
+    if not CUBIN_REPORT.is_file():
+        sys.exit(f"needs {CUBIN_REPORT}")
+    sides = {}
+    for name, root in (("other", str(Path(args.other).resolve())), ("this", str(HERE))):
+        out = tempfile.mkdtemp(prefix=f"sass-{name}-")
+        cmd = [sys.executable, __file__, args.other, "--dump", root, out]
+        for flag, values in (("--family", args.family), ("--head-dim", args.head_dim),
+                             ("--dtype", args.dtype), ("--arch", args.arch)):
+            if values:
+                cmd += [flag, *map(str, values)]
+        subprocess.run(cmd, check=True, cwd=root)
+        sides[name] = json.loads((Path(out) / "sass.json").read_text())
+    differs = 0
+    for key in sorted(set(sides["this"]) | set(sides["other"])):
+        a, b = sides["other"].get(key), sides["this"].get(key)
+        if a is None or b is None:
+            print(f"only in {'this' if a is None else 'other'}: {key}")
+            continue
+        n = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+        differs += n > 0
+        print(f"{'same' if n == 0 else f'DIFFERS: {n} lines'}  {key}")
+    return 1 if differs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
