@@ -14,6 +14,9 @@ kernel call fix that:
   chunks' outputs are merged with their log-sum-exps:
   ``lse = logsumexp_s lse_s``, ``out = Σ_s exp(lse_s − lse) · out_s`` (float32).
   Exact when no mask ties a key to a query position (no mask after the causal → none above).
+  One rounding more than the unsplit kernel: each chunk's output comes back in the input dtype
+  before the float32 merge (FA4's split kernels keep it in float32; a float32-output variant
+  of the forward kernel would remove this).
 
 ``plan`` decides (static shapes only, so it never recompiles); ``run`` applies a plan around a
 ``kernel(q, k, v, opts) -> (out, lse)`` with the API's layouts. Speed on the H200: not yet
