@@ -42,8 +42,12 @@ causal mask: descending (predecessor n + 1) with the grid launched from the last
 which is the order in which a causal schedule reaches each query block anyway. Either way a key
 block only waits on key blocks of the same (head, batch) launched before it: no deadlock.
 
-Not yet: swapAB / register-sourced P and dS, intra-iteration overlap of the dQ / dK GEMMs with
-the next S GEMM, persistence, varlen.
+``cfg.swap_sdp`` (opt-in, not yet run on a GPU): the S / dP GEMMs computed transposed, so that
+Pᵀ and dSᵀ stay in registers as the A operands of the dV / dK GEMMs (``swapped_loop``).
+Unmasked, non-deterministic, non-swapped kernels walk their query blocks from a start that
+depends on the key block (``rotate``), so that lockstep key blocks add into different dQ blocks.
+
+Not yet: intra-iteration overlap of the dQ / dK GEMMs with the next S GEMM, persistence, varlen.
 """
 
 from __future__ import annotations
