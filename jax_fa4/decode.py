@@ -21,11 +21,17 @@ kernel call fix that:
 ``plan`` decides (static shapes only, so it never recompiles); ``run`` applies a plan around a
 ``kernel(q, k, v, opts) -> (out, lse)`` with the API's layouts. Speed on the H200: not yet
 measured (issue #8).
+
+On Hopper the rewritten call can run a one-warpgroup, 64-row tile instead of the 128-row
+training tile (half the GEMM work on empty rows). That tile compiles with clean SASS but has not
+run on a GPU yet, so it is used only with ``JAX_FA4_DECODE_TILE=1`` (read at trace time) until
+the GPU tests have passed with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable
 
 import jax
@@ -38,6 +44,11 @@ MIN_CHUNK = 1024
 MAX_SPLITS = 16
 #: SM count assumed when no GPU is visible at trace time (an H100 / H200).
 DEFAULT_SMS = 132
+
+
+def decode_tile_enabled() -> bool:
+    """Whether the Hopper decode tile may serve rewritten calls (``JAX_FA4_DECODE_TILE=1``)."""
+    return os.environ.get("JAX_FA4_DECODE_TILE", "0") == "1"
 
 
 @dataclasses.dataclass(frozen=True)

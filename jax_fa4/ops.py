@@ -98,9 +98,11 @@ def _kernel_forward(q, k, v, opts, config=None) -> tuple[jax.Array, jax.Array]:
 
 def _decode_kernel_forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
     """The forward kernel on a rewritten decode call (unmasked): on Hopper the one-warpgroup
-    decode tile when the packed rows fit it."""
+    decode tile when the packed rows fit it and it is enabled (jax_fa4.decode)."""
+    from jax_fa4 import decode
+
     config = None
-    if opts.implementation == "sm90":
+    if opts.implementation == "sm90" and decode.decode_tile_enabled():
         from jax_fa4.kernels.sm90.fwd_config import DECODE_TILE_M, decode_config
 
         if q.shape[1] <= DECODE_TILE_M:

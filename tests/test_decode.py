@@ -81,13 +81,16 @@ def test_rewrite_is_exact(b, sq, h, hkv, sk, window, plan):
     np.testing.assert_allclose(lse, ref_lse, rtol=2e-6, atol=2e-6)
 
 
-def test_decode_call_lowers_to_one_packed_split_kernel(shipped_cache, monkeypatch):
+@pytest.mark.parametrize("decode_tile", [False, True])
+def test_decode_call_lowers_to_one_packed_split_kernel(shipped_cache, monkeypatch, decode_tile):
     """flash_attention on a decode shape (sm90) runs one forward kernel on (B·S, g·Sq, Hkv, D)
-    inputs, and its gradient program still lowers (the backward sees the original layout)."""
+    inputs (the 64-row decode tile only when enabled), and its gradient program still lowers
+    (the backward sees the original layout)."""
     from jax_fa4.ffi import call
 
     monkeypatch.setenv("JAX_FA4_CACHE_DIR", str(shipped_cache.root))
     monkeypatch.setattr(decode, "num_sms", lambda: 132)
+    monkeypatch.setenv("JAX_FA4_DECODE_TILE", "1" if decode_tile else "0")
     configs = []
     kernel_forward = ops._kernel_forward
 
@@ -108,7 +111,7 @@ def test_decode_call_lowers_to_one_packed_split_kernel(shipped_cache, monkeypatc
     assert text.count("stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2") == 1
     assert "tensor<64x4x8x128xbf16>" in text  # q: 8 splits × 8 batch, 4 packed heads, 8 kv heads
     assert "tensor<64x4096x8x128xbf16>" in text  # k / v: 8 chunks of 4096 keys per batch entry
-    assert [c.tile_m for c in configs] == [64]  # the one-warpgroup decode tile
+    assert [c.tile_m for c in configs] == [64 if decode_tile else 128]
     loss = lambda q, k, v: f(q, k, v).astype(jnp.float32).sum()  # noqa: E731
     grad = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
                              disabled_checks=jax_fa4.export_disabled_safety_checks())(q, kv, kv)

@@ -166,6 +166,13 @@ def test_causal_with_left_window():
 
 # --- softcap -------------------------------------------------------------------------------------
 # --- decode shapes: GQA packing, split-KV, the one-warpgroup decode tile (jax_fa4/decode.py) ------
+@pytest.fixture(params=[False, True], ids=["tile128", "decode-tile"])
+def decode_tile(request, monkeypatch):
+    """Both forward tiles behind the decode rewrite (the 64-row one is opt-in until verified)."""
+    monkeypatch.setenv("JAX_FA4_DECODE_TILE", "1" if request.param else "0")
+    return request.param
+
+
 @pytest.mark.parametrize("b,sq,h,hkv,sk,causal", [
     (4, 1, 32, 8, 8192, True),  # the decode anchor's form: 4 heads packed, 8 chunks
     (3, 1, 8, 1, 5000, False),  # MQA: 8 heads packed, 4 chunks of 1250 keys
@@ -174,16 +181,16 @@ def test_causal_with_left_window():
     (1, 40, 8, 2, 3000, False),  # 80 packed rows: the 128-row training tile, 2 chunks
     (2, 2, 4, 4, 16384, False),  # MHA: 16 chunks only
 ])
-def test_decode(b, sq, h, hkv, sk, causal):
+def test_decode(b, sq, h, hkv, sk, causal, decode_tile):
     run_case(b, sq, sk, h, hkv, 128, causal=causal, repeat=True)
 
 
 @pytest.mark.parametrize("d,dv", HEAD_DIMS)
-def test_decode_head_dims(d, dv):
+def test_decode_head_dims(d, dv, decode_tile):
     run_case(2, 1, 4096, 16, 4, d, dv, causal=True)
 
 
-def test_decode_fp16_softcap():
+def test_decode_fp16_softcap(decode_tile):
     run_case(2, 1, 4096, 8, 2, 128, dtype=jnp.float16, softcap=30.0)
 
 
