@@ -29,6 +29,7 @@ table variant × shape of TFLOP/s (ratio to cuDNN's backward).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import traceback
 from typing import Any, NamedTuple
@@ -54,36 +55,25 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[t
     """(name, BwdConfig) to time for one problem kind; the first is the table's (v1)."""
     from jax_fa4.kernels.sm90.bwd_config import BwdConfig
 
+    def valid(cfg) -> bool:  # over shared memory, GEMMs that do not split, swap_sdp limits
+        try:
+            cfg.validate()
+        except ValueError:
+            return False
+        return True
+
     base = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa)
     out = [("v1", base)]
-    for tm in (64, 128):
-        for tn in (64, 128):
-            for stages in (1, 2):
-                for pds in (1, 2):
-                    cfg = dataclasses.replace(base, tile_m=tm, tile_n=tn, stages=stages,
-                                              pds_stages=pds)
-                    try:
-                        cfg.validate()
-                    except ValueError:  # over shared memory, or the GEMMs do not split
-                        continue
-                    if cfg != base:
-                        out.append((f"m{tm}n{tn}s{stages}p{pds}", cfg))
-                    swapped = dataclasses.replace(cfg, swap_sdp=not cfg.swap_sdp)
-                    try:
-                        swapped.validate()
-                    except ValueError:  # swap_sdp: 64x128 tiles, head dims <= 128
-                        continue
-                    if swapped != base:
-                        name = f"m{tm}n{tn}s{stages}p{pds}" + ("+swap" if swapped.swap_sdp else "")
-                        out.append((name, swapped))
+    for tm, tn, stages, pds, swap in itertools.product((64, 128), (64, 128), (1, 2), (1, 2),
+                                                       (False, True)):
+        cfg = dataclasses.replace(base, tile_m=tm, tile_n=tn, stages=stages, pds_stages=pds,
+                                  swap_sdp=swap)
+        if cfg != base and valid(cfg):
+            out.append((f"m{tm}n{tn}s{stages}p{pds}" + ("+swap" if swap else ""), cfg))
     out.append(("det", dataclasses.replace(base, deterministic=True)))
-    if not base.swap_sdp:
-        try:
-            det_swap = dataclasses.replace(base, deterministic=True, swap_sdp=True)
-            det_swap.validate()
-            out.append(("det+swap", det_swap))
-        except ValueError:
-            pass
+    det_swap = dataclasses.replace(base, deterministic=True, swap_sdp=True)
+    if not base.swap_sdp and valid(det_swap):
+        out.append(("det+swap", det_swap))
     return out
 
 
