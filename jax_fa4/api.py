@@ -159,7 +159,8 @@ def flash_attention(
       learnable_sink: optional ``(H,)`` floating logits (float32 recommended), one per query
         head, that join every row's softmax denominator with no value (FA4's attention sink):
         ``lse = logaddexp(lse_scores, sink)``; a row with no visible key then has lse = sink.
-        Differentiable. Runs the reference until the kernels take it.
+        Differentiable. The kernels run the attention and the sink joins their (out, lse)
+        in float32 (its gradient too: ``jax_fa4.autodiff.attention_with_sink``).
       segment_ids: optional integer segment ids: one ``(B, S)`` array (self-attention,
         ``Sq == Sk``) or a pair ``(q_segment_ids (B, Sq), kv_segment_ids (B, Sk))``. Query
         ``i`` sees key ``j`` only if their ids are equal, on top of ``causal`` / ``window_size``
@@ -193,7 +194,13 @@ def flash_attention(
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     if learnable_sink is None and segment_ids is None:
         out, lse = autodiff.attention(q, k, v, opts)
-    else:  # the reference's custom_vjp until the kernels take these options
+    elif segment_ids is None and opts.implementation != "reference":
+        # the attention kernels, the sink joined in float32 around them (jax_fa4.autodiff)
+        from jax_fa4 import varlen  # imports this module
+
+        out, lse = autodiff.attention_with_sink(
+            q, k, v, varlen.check_learnable_sink(learnable_sink, q.shape[2]), opts)
+    else:  # the reference's custom_vjp until the kernels take segment ids
         from jax_fa4 import varlen  # imports this module
 
         out, lse = varlen.attention_with_extras(

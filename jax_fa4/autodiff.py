@@ -1,6 +1,12 @@
 """``custom_vjp`` wiring: the forward saves (q, k, v, out, lse); the backward runs the
 preprocess (``delta = rowsum(dO * O)``) and then the backward proper.
 
+With a learnable sink (:func:`attention_with_sink`) the sink joins the kernel's (out, lse)
+afterwards (:func:`jax_fa4.ops.join_sink`); the backward is the same chain on the final (out,
+lse): P computed from the lse that includes the sink is the final softmax, and the sink has no
+value, so dq, dk, dv need nothing else. The sink's gradient is
+:func:`jax_fa4.reference.sink_gradient`.
+
 Both halves are bound through :mod:`jax_fa4.sharding`, so under ``jax.jit`` with q, k, v sharded
 over batch and heads each device runs them on its own shard (see that module for the rules).
 """
@@ -11,7 +17,7 @@ import functools
 
 import jax
 
-from jax_fa4 import ops, sharding
+from jax_fa4 import ops, reference, sharding
 
 
 def forward_chain(q, k, v, opts):
@@ -49,3 +55,25 @@ def _bwd(opts, residuals, cotangents):
 
 
 attention.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def attention_with_sink(q, k, v, sink, opts):
+    """(out, lse) with a learnable sink ``(H,)`` joining every row's denominator."""
+    return ops.join_sink(*_forward(q, k, v, opts), sink)
+
+
+def _sink_fwd(q, k, v, sink, opts):
+    out, lse = ops.join_sink(*_forward(q, k, v, opts), sink)
+    return (out, lse), (q, k, v, sink, out, lse)
+
+
+def _sink_bwd(opts, residuals, cotangents):
+    q, k, v, sink, out, lse = residuals
+    dout, dlse = cotangents
+    dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, opts)
+    dsink = reference.sink_gradient(sink, lse, ops.reference_delta(out, dout) - dlse)
+    return dq, dk, dv, dsink
+
+
+attention_with_sink.defvjp(_sink_fwd, _sink_bwd)

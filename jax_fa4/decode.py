@@ -22,10 +22,9 @@ kernel call fix that:
 ``kernel(q, k, v, opts) -> (out, lse)`` with the API's layouts. Speed on the H200: not yet
 measured (issue #8).
 
-On Hopper the rewritten call can run a one-warpgroup, 64-row tile instead of the 128-row
-training tile (half the GEMM work on empty rows). That tile compiles with clean SASS but has not
-run on a GPU yet, so it is used only with ``JAX_FA4_DECODE_TILE=1`` (read at trace time) until
-the GPU tests have passed with it.
+On Hopper the rewritten call runs a one-warpgroup, 64-row tile instead of the 128-row training
+tile when the packed rows fit it (half the GEMM work on empty rows); ``JAX_FA4_DECODE_TILE=0``
+(read at trace time) selects the training tile instead, for comparisons.
 """
 
 from __future__ import annotations
@@ -47,8 +46,9 @@ DEFAULT_SMS = 132
 
 
 def decode_tile_enabled() -> bool:
-    """Whether the Hopper decode tile may serve rewritten calls (``JAX_FA4_DECODE_TILE=1``)."""
-    return os.environ.get("JAX_FA4_DECODE_TILE", "0") == "1"
+    """Whether the Hopper decode tile may serve rewritten calls (default; ``JAX_FA4_DECODE_TILE=0``
+    turns it off)."""
+    return os.environ.get("JAX_FA4_DECODE_TILE", "1") != "0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +67,15 @@ def num_sms() -> int:
     return int(getattr(gpus[0], "core_count", DEFAULT_SMS) or DEFAULT_SMS) if gpus else DEFAULT_SMS
 
 
-def plan(q_shape: tuple, k_shape: tuple, window: tuple, sms: int | None = None
-         ) -> DecodePlan | None:
+def plan(q_shape: tuple, k_shape: tuple, window: tuple, sms: int | None = None,
+         key_block: int = 1) -> DecodePlan | None:
     """The rewrite for a call of these shapes, or None to run it as it is.
 
     ``q_shape`` (B, Sq, H, D), ``k_shape`` (B, Sk, Hkv, D), ``window`` the canonical window
     ((None, None) unmasked, (None, 0) causal). Packs when H > Hkv and all ``g·Sq`` rows fit one
     tile; splits when the (packed) tiles would not give each SM two, into chunks of at least
-    ``MIN_CHUNK`` keys that divide Sk.
+    ``MIN_CHUNK`` keys that divide Sk into whole blocks of ``key_block`` keys (paged KV: a
+    chunk is whole kernel key blocks of the page table).
     """
     b, sq, h, _ = q_shape
     _, sk, hkv, _ = k_shape
@@ -86,7 +87,8 @@ def plan(q_shape: tuple, k_shape: tuple, window: tuple, sms: int | None = None
     tiles = b * (h // group)  # one query tile each (sq·group <= TILE_ROWS, or sq <= TILE_ROWS)
     splits = 1
     target = 2 * (sms or num_sms())
-    while (splits * 2 <= MAX_SPLITS and tiles * splits < target and sk % (splits * 2) == 0
+    blocks = sk // key_block
+    while (splits * 2 <= MAX_SPLITS and tiles * splits < target and blocks % (splits * 2) == 0
            and sk // (splits * 2) >= MIN_CHUNK):
         splits *= 2
     if group == 1 and splits == 1:
@@ -98,18 +100,34 @@ def run(q: jax.Array, k: jax.Array, v: jax.Array, opts, decode_plan: DecodePlan,
         kernel: Callable) -> tuple[jax.Array, jax.Array]:
     """(out (B, Sq, H, Dv), lse (B, H, Sq)) of the call, computed by ``kernel`` on the packed,
     split problem. ``opts`` is the API's options; the kernel gets them with the plan's window."""
+    b, sk, hkv, d = k.shape
+    s = decode_plan.splits
+
+    def on_packed(qp, kernel_opts):
+        # every chunk is a batch entry: (B·S, Sk/S, Hkv, ·) is a free reshape of K and V
+        return kernel(qp, k.reshape(b * s, sk // s, hkv, d),
+                      v.reshape(b * s, sk // s, hkv, v.shape[3]), kernel_opts)
+
+    return rewrite(q, opts, decode_plan, on_packed)
+
+
+def rewrite(q: jax.Array, opts, decode_plan: DecodePlan, on_packed: Callable
+            ) -> tuple[jax.Array, jax.Array]:
+    """Apply a plan around ``on_packed(qp, kernel_opts) -> (out, lse)``, which attends the
+    packed, repeated queries qp ``(B·S, Sq·g, H/g, D)`` (entry ``b·S + s`` is batch entry b's
+    query rows for key chunk s) to chunk s of batch entry b's keys, and returns
+    ``out (B·S, Sq·g, H/g, Dv)``, ``lse (B·S, H/g, Sq·g)``. Returns the call's
+    ``(out (B, Sq, H, Dv), lse (B, H, Sq))``: chunks merged by their lse in float32."""
     b, sq, h, d = q.shape
-    _, sk, hkv, dv = v.shape
     g, s = decode_plan.group, decode_plan.splits
     heads = h // g
     # (B, Sq, Hkv·g, D) -> (B, Sq·g, Hkv, D): row s·g + j of kv head c is head c·g + j
     qp = q.reshape(b, sq, heads, g, d).transpose(0, 1, 3, 2, 4).reshape(b, sq * g, heads, d)
     rows = sq * g
-    if s > 1:  # every chunk is a batch entry: (B·S, Sk/S, Hkv, ·); q repeated per chunk
+    if s > 1:  # q repeated per chunk
         qp = jnp.broadcast_to(qp[:, None], (b, s, rows, heads, d)).reshape(b * s, rows, heads, d)
-        k = k.reshape(b * s, sk // s, hkv, d)
-        v = v.reshape(b * s, sk // s, hkv, dv)
-    out, lse = kernel(qp, k, v, dataclasses.replace(opts, window=decode_plan.window))
+    out, lse = on_packed(qp, dataclasses.replace(opts, window=decode_plan.window))
+    dv = out.shape[-1]
     if s > 1:
         out = out.reshape(b, s, rows, heads, dv)
         lse = lse.reshape(b, s, heads, rows)

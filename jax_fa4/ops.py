@@ -19,7 +19,7 @@ from jax_fa4.kernels.preprocess_config import PreprocessConfig
 _NAIVE_MAX_SCORES = 4096 * 4096
 _BLOCK_K = 512
 
-_KERNEL_DTYPES = ("bfloat16", "float16")
+KERNEL_DTYPES = ("bfloat16", "float16")
 
 
 def reference_block_k(sq: int, sk: int) -> int | None:
@@ -69,7 +69,7 @@ def kernel_params(opts, head_dim: int | None = None) -> jax.Array:
 def forward_config(q, k, v, opts):
     """The forward kernel config serving this call, or the reason none does (a str)."""
     dtype = jnp.dtype(q.dtype).name
-    if dtype not in _KERNEL_DTYPES:
+    if dtype not in KERNEL_DTYPES:
         return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
     if opts.implementation == "sm90":
         from jax_fa4.kernels.sm90.fwd_config import FwdConfig
@@ -129,6 +129,18 @@ def forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
     return reference_forward(q, k, v, opts)
 
 
+def join_sink(out: jax.Array, lse: jax.Array, learnable_sink: jax.Array | None):
+    """(out, lse) with a learnable sink joining each row's denominator, in float32: ``lse' =
+    logaddexp(lse, sink)``, ``out' = out · e^{lse − lse'}`` (rows without keys: out 0, lse sink)."""
+    if learnable_sink is None:
+        return out, lse
+    sink = learnable_sink.astype(jnp.float32)[:, None]  # (H, 1) against lse (B, H, Sq)
+    lse_all = jnp.logaddexp(lse, sink)
+    factor = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - lse_all))  # (B, H, Sq)
+    out = (out.astype(jnp.float32) * factor.transpose(0, 2, 1)[..., None]).astype(out.dtype)
+    return out, lse_all
+
+
 def bwd_preprocess(out, dout, lse, implementation: str) -> tuple[jax.Array, jax.Array]:
     """``delta = rowsum(dout * out)`` (B, H, Sq) float32 and ``lse * log2(e)`` (+inf for -inf rows).
 
@@ -136,7 +148,7 @@ def bwd_preprocess(out, dout, lse, implementation: str) -> tuple[jax.Array, jax.
     """
     b, sq, h, dv = out.shape
     dtype = jnp.dtype(out.dtype).name
-    if implementation in KERNEL_ARCH and dtype in _KERNEL_DTYPES and dv % 8 == 0 and dv <= 512:
+    if implementation in KERNEL_ARCH and dtype in KERNEL_DTYPES and dv % 8 == 0 and dv <= 512:
         from jax_fa4.ffi.call import call_kernel
 
         shape = jax.ShapeDtypeStruct((b, h, sq), jnp.float32)

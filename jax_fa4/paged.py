@@ -8,7 +8,16 @@ are valid. The queries ``(B, Sq, H, D)`` are the last ``Sq`` tokens of each sequ
 windows align them bottom-right to ``seqused_k[b]`` (query ``i`` sees keys up to
 ``i + seqused_k[b] - Sq``).
 
-Until the paged kernels land, the pure-JAX reference runs, in one of two forms:
+On Hopper (``implementation="sm90"``, bf16/fp16, page_size a multiple of the kernel's key block:
+128 keys for head dims up to 192, 64 for 256) the paged forward kernel runs: each key block of a
+batch entry is one TMA load of the cache tile its page table entry names, and the kernel stops at
+``seqused_k[b]``. Decode steps are rewritten around it as for dense decode
+(:mod:`jax_fa4.decode`): the ``g`` query heads of a kv head packed into one tile's rows and, when
+the tiles would not fill the GPU, the page table split into chunks (one batch entry each, with
+its own ``seqused_k``) merged by their lse. A learnable sink joins afterwards in float32:
+``lse' = logaddexp(lse, sink)``, ``out' = out · e^{lse − lse'}``.
+
+Otherwise the pure-JAX reference runs, in one of two forms:
 
 - dense (at most 2048 key slots per batch entry, ``max_pages * page_size``): the pages are
   gathered (``jnp.take``) into ``(B, max_pages * page_size, Hkv, D)`` and keys at
@@ -32,8 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_fa4 import api, reference
-from jax_fa4.varlen import _is_array, _options, _require_reference, check_learnable_sink
+from jax_fa4 import api, decode, ops, reference
+from jax_fa4.dispatch import KERNEL_ARCH, ImplementationUnavailableError
+from jax_fa4.varlen import _is_array, _options, check_learnable_sink
 
 __all__ = ["flash_attention_paged"]
 
@@ -150,20 +160,82 @@ def _paged_reference(q, k_cache, v_cache, page_table, seqused_k, learnable_sink,
     return out.reshape(b, sq, h, dv).astype(q.dtype), reference._ungroup_lse(lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _paged(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, pages_per_block):
+def kernel_config(q, k_cache, v_cache, opts):
+    """The paged forward kernel config serving this call, or the reason none does (a str)."""
+    if opts.implementation != "sm90":
+        return f"there is no paged kernel for implementation={opts.implementation!r}"
+    dtype = jnp.dtype(q.dtype).name
+    if dtype not in ops.KERNEL_DTYPES:
+        return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
+    from jax_fa4.kernels.sm90.fwd_config import paged_config
+
+    try:
+        config = paged_config(dtype, q.shape[3], v_cache.shape[3], ops.mask_kind(opts.window),
+                              opts.softcap > 0)
+    except ValueError as err:
+        return str(err)
+    page_size = k_cache.shape[1]
+    if page_size % config.tile_n:
+        return (f"page_size {page_size} is not a multiple of the paged kernel's key block "
+                f"{config.tile_n}")
+    return config
+
+
+def _paged_kernel(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, config):
+    """(out, lse) by the paged forward kernel, with decode shapes packed / split (decode.py)."""
+    from jax_fa4.ffi.call import call_kernel
+
+    b, sq, h, d = q.shape
+    num_pages, page_size, hkv, _ = k_cache.shape
+    dv = v_cache.shape[3]
+    tile_n = config.tile_n
+    per_page = page_size // tile_n
+    # the cache as one batch entry of tile_n-key tiles; a page is per_page consecutive tiles
+    k_tiles = k_cache.reshape(1, num_pages * page_size, hkv, d)
+    v_tiles = v_cache.reshape(1, num_pages * page_size, hkv, dv)
+    table = page_table[:, :, None] * per_page + jnp.arange(per_page, dtype=jnp.int32)
+    table = table.reshape(b, -1)  # (B, blocks): the cache tile of each key block
+    blocks = table.shape[1]
+    plan = decode.plan(q.shape, (b, blocks * tile_n, hkv, d), opts.window, key_block=tile_n)
+    if plan is None:
+        plan = decode.DecodePlan(group=1, splits=1, window=opts.window)
+    s = plan.splits
+    chunk = blocks // s * tile_n  # keys per chunk
+
+    def on_packed(qp, kernel_opts):
+        # chunk c of batch entry i: table columns [c·blocks/S, (c+1)·blocks/S), its keys clipped
+        used = jnp.clip(seqused_k[:, None] - jnp.arange(s, dtype=jnp.int32) * chunk, 0, chunk)
+        rows, heads = qp.shape[1], qp.shape[2]
+        return call_kernel(
+            config, KERNEL_ARCH[opts.implementation], qp, k_tiles, v_tiles,
+            ops.kernel_params(kernel_opts, d), table.reshape(b * s, blocks // s),
+            used.reshape(b * s).astype(jnp.int32),
+            out_shapes=(jax.ShapeDtypeStruct((b * s, rows, heads, dv), q.dtype),
+                        jax.ShapeDtypeStruct((b * s, heads, rows), jnp.float32)))
+
+    out, lse = decode.rewrite(q, opts, plan, on_packed)
+    return ops.join_sink(out, lse, learnable_sink)
+
+
+def _paged_forward(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, route):
+    if route[0] == "kernel":
+        return _paged_kernel(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts,
+                             route[1])
     return _paged_reference(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts,
-                            pages_per_block)
+                            route[1])
 
 
-def _paged_fwd(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts,
-               pages_per_block):
-    out = _paged_reference(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts,
-                           pages_per_block)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _paged(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, route):
+    return _paged_forward(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, route)
+
+
+def _paged_fwd(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, route):
+    out = _paged_forward(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, route)
     return out, None
 
 
-def _paged_bwd(opts, pages_per_block, residuals, cotangents):
+def _paged_bwd(opts, route, residuals, cotangents):
     raise NotImplementedError(
         "flash_attention_paged is forward only (decode / prefill over a KV cache): it has no "
         "gradient. Wrap its inputs in jax.lax.stop_gradient if the surrounding computation is "
@@ -173,11 +245,9 @@ def _paged_bwd(opts, pages_per_block, residuals, cotangents):
 _paged.defvjp(_paged_fwd, _paged_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("opts", "pages_per_block"))
-def _paged_jit(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts,
-               pages_per_block):
-    return _paged(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts,
-                  pages_per_block)
+@functools.partial(jax.jit, static_argnames=("opts", "route"))
+def _paged_jit(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, route):
+    return _paged(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, route)
 
 
 def flash_attention_paged(
@@ -213,8 +283,9 @@ def flash_attention_paged(
       softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
       learnable_sink: optional ``(H,)`` floating logits joining every row's denominator.
       return_lse: also return lse ``(B, H, Sq)`` float32.
-      implementation: None or ``"reference"`` (the only one that serves paged attention today);
-        a forced kernel raises :class:`jax_fa4.ImplementationUnavailableError`.
+      implementation: None (the Hopper kernel on an H100/H200 when it serves the call, see the
+        module docstring; else the reference), ``"sm90"`` (the kernel or
+        :class:`jax_fa4.ImplementationUnavailableError` saying why not) or ``"reference"``.
 
     Returns:
       ``out`` ``(B, Sq, H, Dv)`` in q's dtype, and with ``return_lse`` also lse ``(B, H, Sq)``.
@@ -227,12 +298,24 @@ def flash_attention_paged(
     _check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k)
     opts = _options(q, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     softcap=softcap, implementation=implementation)
-    _require_reference(opts, "paged KV attention")
     learnable_sink = check_learnable_sink(learnable_sink, q.shape[2])
-    page_size, max_pages = k_cache.shape[1], page_table.shape[1]
-    pages_per_block = (None if max_pages * page_size <= _DENSE_MAX_KEYS
-                       else max(1, _SPLIT_KEYS // page_size))
+    route = _route(q, k_cache, v_cache, page_table, opts)
     out, lse = _paged_jit(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache),
                           jnp.asarray(page_table), jnp.asarray(seqused_k), learnable_sink, opts,
-                          pages_per_block)
+                          route)
     return (out, lse) if return_lse else out
+
+
+def _route(q, k_cache, v_cache, page_table, opts) -> tuple:
+    """("kernel", config) or ("reference", pages_per_block) (see _paged_reference)."""
+    if opts.implementation != "reference":
+        config = kernel_config(q, k_cache, v_cache, opts)
+        if not isinstance(config, str):
+            return ("kernel", config)
+        if opts.forced:
+            raise ImplementationUnavailableError(
+                f"implementation={opts.implementation!r} cannot run this paged KV attention "
+                f"call: {config}")
+    page_size, max_pages = k_cache.shape[1], page_table.shape[1]
+    return ("reference", None if max_pages * page_size <= _DENSE_MAX_KEYS
+            else max(1, _SPLIT_KEYS // page_size))

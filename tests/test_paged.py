@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,9 +103,85 @@ def test_matches_dense_per_sequence(case):
                           softcap=kwargs.get("softcap", 0.0), implementation=None)
     for pages_per_block in (1, 2):
         out_s, lse_s = paged._paged_jit(q, k_cache, v_cache, jnp.asarray(table),
-                                        jnp.asarray(seqused), sink, opts, pages_per_block)
+                                        jnp.asarray(seqused), sink, opts,
+                                        ("reference", pages_per_block))
         _assert_close(out_s, want_out, f"split({pages_per_block}) out")
         _assert_close(lse_s, want_lse, f"split({pages_per_block}) lse")
+
+
+# --- the kernel route, with the paged kernel's contract emulated on the CPU ----------------------
+def emulated_paged_kernel(config, arch, q, k_tiles, v_tiles, params, table, seqused, *,
+                          out_shapes):
+    """What the sm90 paged forward kernel computes (spec.paged_attention_forward_signature):
+    key block n of entry b is cache tile table[b, n]; entry b has seqused[b] keys, with the
+    causal / window rule aligned to them; tiles past them are never read (garbage indices)."""
+    assert config.paged and arch == "sm_90a"
+    scale, softcap, left, right = (float(x) for x in params)
+    tile_n = config.tile_n
+    b, sq, _, d = q.shape
+    blocks, hkv = table.shape[1], k_tiles.shape[2]
+    tiles = np.clip(np.asarray(table), 0, k_tiles.shape[1] // tile_n - 1)
+
+    def gather(cache):
+        t = cache[0].reshape(-1, tile_n, hkv, cache.shape[3])
+        return jnp.asarray(t[tiles]).reshape(b, blocks * tile_n, hkv, cache.shape[3])
+
+    q_ids, q_pos, kv_ids = paged._mask_data(seqused, sq, jnp.arange(blocks * tile_n))
+    out, lse = reference.attention(
+        q, gather(k_tiles), gather(v_tiles), softmax_scale=scale,
+        window=(None if left < 0 else int(left), None if right < 0 else int(right)),
+        softcap=softcap, q_segment_ids=q_ids, kv_segment_ids=kv_ids, q_positions=q_pos)
+    assert (out.shape, lse.shape) == tuple(s.shape for s in out_shapes)
+    return out.astype(out_shapes[0].dtype), lse
+
+
+@pytest.mark.parametrize("sq,h,hkv,d,page_size,max_pages,seqused,kwargs,splits", [
+    # decode step, GQA packed, 256-key pages = 2 kernel blocks each, split into 4 chunks
+    (1, 8, 2, 64, 256, 16, (3000, 1, 0), dict(), 4),
+    # a chunk of 3 queries, causal: neither packed nor split, rows without keys
+    (3, 4, 2, 64, 128, 3, (2, 300, 129), dict(causal=True), 1),
+    # head dim 256: 64-key blocks, 64-key pages; window, softcap and a sink
+    (2, 2, 1, 256, 64, 5, (70, 320), dict(window_size=(40, 3), softcap=5.0), 1),
+])
+def test_kernel_route_with_an_emulated_kernel(monkeypatch, sq, h, hkv, d, page_size, max_pages,
+                                              seqused, kwargs, splits):
+    """The wrapper around the paged kernel (page table -> tile table, decode packing/split,
+    per-chunk seqused_k, the lse merge and the sink) against each sequence's dense attention."""
+    from jax_fa4.ffi import call
+
+    monkeypatch.setattr(call, "call_kernel", emulated_paged_kernel)
+    b = len(seqused)
+    q, k_cache, v_cache, table, seqused = _cache(b, sq, h, hkv, d, d, page_size,
+                                                 num_pages=b * max_pages + 2,
+                                                 max_pages=max_pages, seqused=seqused, seed=3)
+    q, k_cache, v_cache = (x.astype(jnp.bfloat16) for x in (q, k_cache, v_cache))
+    sink = jnp.asarray(np.linspace(-1.0, 1.0, h), jnp.float32) if kwargs.get("softcap") else None
+    opts = paged._options(q, softmax_scale=None, causal=kwargs.get("causal", False),
+                          window_size=kwargs.get("window_size", (None, None)),
+                          softcap=kwargs.get("softcap", 0.0), implementation=None)
+    opts = dataclasses.replace(opts, implementation="sm90")
+    config = paged.kernel_config(q, k_cache, v_cache, opts)
+    assert not isinstance(config, str), config
+    plan = jax_fa4.decode.plan(q.shape, (b, max_pages * page_size, hkv, d), opts.window,
+                               key_block=config.tile_n)
+    assert (plan.splits if plan else 1) == splits
+    out, lse = paged._paged_kernel(q, k_cache, v_cache, jnp.asarray(table), jnp.asarray(seqused),
+                                   sink, opts, config)
+    want_out, want_lse = dense_per_sequence(q.astype(jnp.float32), k_cache.astype(jnp.float32),
+                                            v_cache.astype(jnp.float32), table, seqused, sink,
+                                            **_ref_options(kwargs))
+    _assert_close(lse, want_lse, "lse")
+    got = np.asarray(out.astype(jnp.float32))
+    np.testing.assert_allclose(got, want_out, atol=2e-2, rtol=2e-2)  # bf16 rounding (+ merge)
+
+
+def test_kernel_config_refuses_pages_smaller_than_its_key_block():
+    q = jnp.zeros((1, 1, 2, 128), jnp.bfloat16)
+    cache = jnp.zeros((4, 64, 2, 128), jnp.bfloat16)
+    opts = dataclasses.replace(
+        paged._options(q, softmax_scale=None, causal=False, window_size=(None, None),
+                       softcap=0.0, implementation=None), implementation="sm90")
+    assert "page_size 64 is not a multiple" in paged.kernel_config(q, cache, cache, opts)
 
 
 def test_long_context_takes_the_split_path(monkeypatch):

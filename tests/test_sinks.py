@@ -228,3 +228,52 @@ def test_flash_attention_learnable_sink():
     for name, got, w in zip(NAMES, vjp((dout, dlse)),
                             _brute_force_grads(case, q, k, v, sink, dout, dlse)):
         _assert_close(got, w, name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kernel_route_joins_the_sink_around_the_attention_chain(case, monkeypatch):
+    """flash_attention(learnable_sink=..., implementation="sm90") runs the kernel chain
+    (jax_fa4.autodiff.attention_with_sink) and joins the sink around it; with the reference
+    standing in for the kernels (ops.forward / bwd_preprocess / backward) the outputs and the
+    gradients of q, k, v and the sink equal the brute-force form's."""
+    import dataclasses
+
+    from jax_fa4 import ops
+
+    calls = []
+    ref_opts = lambda o: dataclasses.replace(o, implementation="reference", forced=False)  # noqa: E731
+    real_forward, real_pre, real_backward = ops.forward, ops.bwd_preprocess, ops.backward
+
+    def forward(q, k, v, opts):
+        calls.append(opts.implementation)
+        return real_forward(q, k, v, ref_opts(opts))
+
+    monkeypatch.setattr(ops, "forward", forward)
+    monkeypatch.setattr(ops, "bwd_preprocess",
+                        lambda out, dout, lse, impl: real_pre(out, dout, lse, "reference"))
+    monkeypatch.setattr(ops, "backward",
+                        lambda *a: real_backward(*a[:-1], ref_opts(a[-1])))
+    spy = []
+    real_join = ops.join_sink
+    monkeypatch.setattr(ops, "join_sink", lambda *a: spy.append(1) or real_join(*a))
+    q, k, v, sink, _, _ = _inputs(case, seed=11)
+    window, softcap, scale = case[7], case[8], case[9]
+
+    def loss(fn):
+        def f(q, k, v, s):
+            out, lse = fn(q, k, v, s)
+            return (out * jnp.cos(out)).sum() + (lse * jnp.sin(lse)).sum(), (out, lse)
+        return jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)
+
+    api_fn = lambda q, k, v, s: jax_fa4.flash_attention(  # noqa: E731
+        q, k, v, softmax_scale=scale, window_size=window, softcap=softcap, learnable_sink=s,
+        return_lse=True, implementation="sm90")
+    brute = lambda q, k, v, s: brute_force(  # noqa: E731
+        q, k, v, s, softmax_scale=scale, window=window, softcap=softcap)
+    (_, (out, lse)), grads = loss(api_fn)(q, k, v, sink)
+    (_, (want_out, want_lse)), want_grads = loss(brute)(q, k, v, sink)
+    assert calls and set(calls) == {"sm90"} and spy, "the kernel route did not run"
+    np.testing.assert_allclose(out, want_out, **TOL)
+    np.testing.assert_allclose(lse, want_lse, **TOL)
+    for name, g, w in zip("q k v sink".split(), grads, want_grads):
+        np.testing.assert_allclose(g, w, err_msg=name, atol=5e-5, rtol=5e-5)

@@ -145,6 +145,34 @@ def attention_forward_signature(dtype: str, head_dim: int, head_dim_v: int) -> K
     )
 
 
+def paged_attention_forward_signature(dtype: str, head_dim: int, head_dim_v: int,
+                                      tile_n: int) -> KernelSignature:
+    """``fn(stream, q, k_cache, v_cache, params, page_table, seqused_k, out, lse)`` of the paged
+    forward kernels: the cache as one batch entry of ``tile_n``-key tiles, k_cache
+    (1, T·tile_n, Hkv, D) and v_cache (1, T·tile_n, Hkv, Dv) (shared by the batch, so not
+    batched); page_table (B, max_blocks) int32 names the cache tile of each key block and
+    seqused_k (B,) int32 the keys of each batch entry; the rest as in
+    :func:`attention_forward_signature`."""
+    d, dv = head_dim, head_dim_v
+    b, sq, h, hkv, tiles, blocks = 2, 64, 4, 2, 8, 4
+    return KernelSignature(
+        inputs=(
+            TensorArg("q", dtype, (b, sq, h, d), (1, 1, 1, d)),
+            TensorArg("k_cache", dtype, (1, tiles * tile_n, hkv, d), (1, tile_n, 1, d),
+                      batched=False),
+            TensorArg("v_cache", dtype, (1, tiles * tile_n, hkv, dv), (1, tile_n, 1, dv),
+                      batched=False),
+            TensorArg("params", "float32", (4,), (4,), batched=False),
+            TensorArg("page_table", "int32", (b, blocks), (1, 1)),
+            TensorArg("seqused_k", "int32", (b,), (1,)),
+        ),
+        outputs=(
+            TensorArg("out", dtype, (b, sq, h, dv), (1, 1, 1, dv)),
+            TensorArg("lse", "float32", (b, h, sq), (1, 1, 1)),
+        ),
+    )
+
+
 def attention_backward_signature(dtype: str, head_dim: int, head_dim_v: int, tile_m: int,
                                  gqa: bool, counters: tuple[str, int] | None = None
                                  ) -> KernelSignature:

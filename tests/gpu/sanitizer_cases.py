@@ -4,7 +4,9 @@ tests/gpu/test_sanitizers.py (``python tests/gpu/sanitizer_cases.py`` runs them 
 Each case is ``jax.value_and_grad`` of a loss through ``flash_attention(implementation="sm90")``,
 so it launches the forward, the preprocess, the backward and its dQ postprocess kernels.
 Lengths are odd and mismatched so that every tail path (TMA clipping, masked last blocks,
-padded dQ rows) runs.
+padded dQ rows) runs. Two forward-only cases add the decode kernels: a dense decode step (the
+64-row decode tile on GQA-packed, split keys) and a paged one (page-table loads, per-chunk
+``seqused_k``, a partly used last page).
 """
 
 from __future__ import annotations
@@ -49,11 +51,30 @@ def run_case(case, seed: int) -> None:
     assert bool(jnp.isfinite(value)) and all(bool(jnp.all(jnp.isfinite(g))) for g in grads), case
 
 
+def run_decode_cases(seed: int) -> None:
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (2, 1, 8, 128), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(ks[1], (2, 2048, 2, 128), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (2, 2048, 2, 128), jnp.float32).astype(jnp.bfloat16)
+    out = jax.jit(lambda q, k, v: jax_fa4.flash_attention(q, k, v, implementation="sm90"))(
+        q, k, v)
+    k_cache = jax.random.normal(ks[3], (41, 128, 2, 128), jnp.float32).astype(jnp.bfloat16)
+    v_cache = jax.random.normal(ks[4], (41, 128, 2, 128), jnp.float32).astype(jnp.bfloat16)
+    table = jnp.arange(40, dtype=jnp.int32)[::-1].reshape(2, 20)
+    used = jnp.asarray([2500, 130], jnp.int32)
+    paged = jax.jit(lambda *a: jax_fa4.flash_attention_paged(*a, implementation="sm90"))(
+        q, k_cache, v_cache, table, used)
+    for x in (out, paged):
+        assert bool(jnp.all(jnp.isfinite(x.astype(jnp.float32))))
+
+
 def main() -> int:
     for i, case in enumerate(CASES):
         run_case(case, i)
         print(f"ran {case}", flush=True)
-    print(f"{len(CASES)} cases ran")
+    run_decode_cases(len(CASES))
+    print("ran the dense and paged decode steps", flush=True)
+    print(f"{len(CASES) + 2} cases ran")
     return 0
 
 

@@ -334,3 +334,39 @@ def test_deterministic_grads_are_bitwise_repeatable():
     second = f(q, k, v)
     for a, b_ in zip(first, second):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sink_grad_through_the_api_matches_the_reference(causal):
+    """flash_attention with a learnable sink on the kernels (the sink joined around them):
+    out, lse and the gradients of q, k, v and the sink by FA4's rule against the float32
+    reference, with the naive bf16 reference (jax.grad through reference.attention) as pt."""
+    b, sq, sk, h, hkv, d = 2, 300, 517, 4, 2, 128
+    ks = jax.random.split(jax.random.key(13), 4)
+    q = jax.random.normal(ks[0], (b, sq, h, d), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, sk, hkv, d), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(ks[3], (b, sq, h, d), jnp.float32)
+    sink = jnp.asarray([-1.0, 0.5, 2.0, 4.0], jnp.float32)
+    window = CAUSAL if causal else (None, None)
+
+    def loss(attn):
+        def f(q, k, v, s):
+            out, lse = attn(q, k, v, s)
+            return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jnp.sin(lse)), (out, lse)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))
+
+    kernel = loss(lambda q, k, v, s: jax_fa4.flash_attention(
+        q, k, v, causal=causal, learnable_sink=s, return_lse=True, implementation="sm90"))
+    assert kernel.lower(q, k, v, sink).as_text().count("CuteDSLRT_NvJaxCutlassCall_v2") == 4
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    poison_device_memory()
+    got, (out, lse) = kernel(q, k, v, sink)
+    ref, (ref_out, ref_lse) = loss(lambda q, k, v, s: reference.attention(
+        q, k, v, window=window, learnable_sink=s))(f32(q), f32(k), f32(v), sink)
+    pt, (pt_out, pt_lse) = loss(lambda q, k, v, s: reference.attention(
+        q, k, v, window=window, learnable_sink=s, compute_dtype=jnp.bfloat16))(q, k, v, sink)
+    assert_fa4_close(out, ref_out.astype(out.dtype), pt_out, name="out")
+    assert_fa4_close(lse, ref_lse, pt_lse, name="lse")
+    for name, g, r, p in zip(("dq", "dk", "dv", "dsink"), got, ref, pt):
+        assert_fa4_close(g, r.astype(g.dtype), p, name=name)

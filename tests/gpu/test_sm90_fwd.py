@@ -168,7 +168,7 @@ def test_causal_with_left_window():
 # --- decode shapes: GQA packing, split-KV, the one-warpgroup decode tile (jax_fa4/decode.py) ------
 @pytest.fixture(params=[False, True], ids=["tile128", "decode-tile"])
 def decode_tile(request, monkeypatch):
-    """Both forward tiles behind the decode rewrite (the 64-row one is opt-in until verified)."""
+    """Both forward tiles behind the decode rewrite (the 64-row decode tile is the default)."""
     monkeypatch.setenv("JAX_FA4_DECODE_TILE", "1" if request.param else "0")
     return request.param
 

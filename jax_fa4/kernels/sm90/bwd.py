@@ -200,6 +200,7 @@ class FlashAttentionBackwardSm90:
         # before n does: the order matches the schedule and nobody waits. Ascending order (the
         # only deadlock-free one in launch order otherwise) makes a wavefront there.
         self.descending = cfg.deterministic and cfg.mask == "causal"
+        self.reverse_launch = cfg.reverse_launch or self.descending
         # unmasked, not deterministic: key block n visits the query blocks from n on (mod their
         # count), so that the key blocks of a head, which run in lockstep, reduce-add into
         # different dQ blocks at any time instead of all into the same one (masked kernels
@@ -397,8 +398,9 @@ class FlashAttentionBackwardSm90:
             window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
 
         n_block, head, batch = cute.arch.block_idx()
-        if const_expr(self.descending):
-            # key blocks launch from the last one down: each waits only on earlier launches
+        if const_expr(self.reverse_launch):
+            # key blocks launch from the last one down (deterministic causal: each then waits
+            # only on earlier launches)
             n_block = (seqlen_k + self.tile_n - 1) // self.tile_n - 1 - n_block
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         head_dkv = head if const_expr(self.gqa) else head_kv

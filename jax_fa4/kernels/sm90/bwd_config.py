@@ -57,6 +57,7 @@ class Sm90BwdTuning:
     stages: int  # Q and dO pipeline depth
     pds_stages: int  # P and dS shared-memory buffers (1 or 2)
     swap_sdp: bool = False  # Sᵀ / dPᵀ GEMMs, P and dS stay in registers for dV / dK (BwdConfig)
+    reverse_launch: bool = False  # key blocks launched from the last one down (BwdConfig)
 
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Warpgroup layouts of the five
@@ -113,6 +114,10 @@ class BwdConfig(KernelConfig):
     # goes to shared memory and dV, dK read only dO, Q from it; dSᵀ still goes to shared memory
     # for dQ. Costs 16 lse + 16 delta values per thread (one per query column) instead of 2 + 2.
     swap_sdp: bool = False
+    # launch the key blocks of a (head, batch) from the last one down (the deterministic causal
+    # kernel always does: its dQ order needs it). Under a causal mask the last key blocks are the
+    # lightest, so this launches light blocks first.
+    reverse_launch: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -123,7 +128,7 @@ class BwdConfig(KernelConfig):
         cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
                   has_softcap=bool(has_softcap), gqa=bool(gqa), deterministic=bool(deterministic),
                   tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages, pds_stages=t.pds_stages,
-                  swap_sdp=t.swap_sdp and not has_softcap)
+                  swap_sdp=t.swap_sdp and not has_softcap, reverse_launch=t.reverse_launch)
         cfg.validate()
         return cfg
 

@@ -26,7 +26,13 @@ Tuning options (FwdConfig; the v1 defaults leave them off and generate v1's exac
   * rescale_threshold: FA4's conditional O rescaling (common/softmax.py);
   * num_sms: persistent grid of that many CTAs walking the tiles (common/tile_scheduler.py).
 
-Not yet: pack-GQA, varlen, split-KV, software exp2.
+Paged KV (FwdConfig.paged, not persistent): K and V are a cache of tiles viewed as one batch entry
+(1, tiles·tile_n, Hkv, ·); key block n of batch entry b is the cache tile page_table[b, n], read
+by the producer warp before it waits for the stage, and batch entry b has seqused_k[b] keys (the
+key-length tail mask and the causal/window alignment use that length).
+
+Decode shapes reach this kernel rewritten by jax_fa4/decode.py (GQA packing, split-KV).
+Not yet: varlen.
 """
 
 from __future__ import annotations
@@ -112,18 +118,27 @@ class FlashAttentionForwardSm90:
         self.num_sms = cfg.num_sms
         self.rescale_threshold = float(cfg.rescale_threshold)
         self.exp2_sw_per_32 = cfg.exp2_sw_per_32
+        self.paged = cfg.paged
 
     # ---------------------------------------------------------------------------------------------
     # Host side: views, layouts, TMA atoms, launch
     # ---------------------------------------------------------------------------------------------
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
-                 mParams: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+                 mParams: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mPageTable: cute.Tensor | None = None, mSeqUsedK: cute.Tensor | None = None):
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("out", mO)):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"{name}: expected {self.dtype}, got {t.element_type}")
         if const_expr(mLSE.element_type != Float32 or mParams.element_type != Float32):
             raise TypeError("lse and params must be float32")
+        if const_expr(self.paged != (mPageTable is not None) or
+                      self.paged != (mSeqUsedK is not None)):
+            raise TypeError("page_table and seqused_k are given exactly when the config is paged")
+        if const_expr(self.paged):
+            for name, t in (("page_table", mPageTable), ("seqused_k", mSeqUsedK)):
+                if const_expr(t.element_type != Int32):
+                    raise TypeError(f"{name}: expected Int32, got {t.element_type}")
         D, Dv = self.hdim, self.hdimv
         mQ, mK = seq_major(mQ, D), seq_major(mK, D)
         mV, mO = seq_major(mV, Dv), seq_major(mO, Dv)
@@ -170,7 +185,7 @@ class FlashAttentionForwardSm90:
         else:
             grid = SingleTileScheduler.grid_shape(num_m_blocks, mQ.shape[2], mQ.shape[3])
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE, mParams,
+            tma_Q, tma_K, tma_V, tma_O, mLSE, mParams, mPageTable, mSeqUsedK,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
@@ -181,7 +196,8 @@ class FlashAttentionForwardSm90:
     # ---------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mParams: cute.Tensor,
+               mLSE: cute.Tensor, mParams: cute.Tensor, mPageTable: cute.Tensor | None,
+               mSeqUsedK: cute.Tensor | None,
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_O: cute.CopyAtom,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -221,18 +237,10 @@ class FlashAttentionForwardSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # reuses Q's buffer
 
-        # Run-time scalars. Windows: -1 (any negative) = unbounded, clamped to a bound that covers
-        # every key so the block/mask arithmetic stays in Int32 range.
         seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
-        window_left, window_right = None, None
-        if const_expr(self.is_local):
-            wl = Int32(mParams[2])
-            wr = Int32(mParams[3])
-            window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
-            window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
-
         if const_expr(self.persistent):
+            seqlen_k = mK.shape[0]
+            window_left, window_right = self.windows(mParams, seqlen_q, seqlen_k)
             self.run_persistent(mQ, mK, mV, mO, mLSE, mParams, sQ, sK, sV, sO,
                                 tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
                                 tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v,
@@ -242,6 +250,10 @@ class FlashAttentionForwardSm90:
                                             longest_first=self.is_causal or self.is_local)
             m_block, head, batch = scheduler.work_tile()
             head_kv = head // (mQ.shape[2] // mK.shape[2])
+            # paged: the batch entry's keys are its first seqused_k[batch] (whole pages of the
+            # cache); dense: all of K
+            seqlen_k = mSeqUsedK[batch] if const_expr(self.paged) else mK.shape[0]
+            window_left, window_right = self.windows(mParams, seqlen_q, seqlen_k)
             block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                    seqlen_q, seqlen_k, window_left, window_right)
             n_block_min, n_block_max = block_info.n_block_range(m_block)
@@ -250,7 +262,7 @@ class FlashAttentionForwardSm90:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                              pipeline_q, pipeline_k, pipeline_v,
+                              pipeline_q, pipeline_k, pipeline_v, mPageTable,
                               m_block, head, head_kv, batch, n_block_min, n_block_max)
             else:  # consumer warpgroups
                 cute.arch.setmaxregister_increase(self.mma_regs)
@@ -271,6 +283,19 @@ class FlashAttentionForwardSm90:
                          pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
                          scale_log2, softcap_in_scale, mask, block_info,
                          m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx)
+
+    @cute.jit
+    def windows(self, mParams: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32):
+        """(window_left, window_right) of a local mask (None otherwise) from params[2:4]: -1 (any
+        negative) = unbounded, clamped to a bound that covers every key so the block/mask
+        arithmetic stays in Int32 range."""
+        window_left, window_right = None, None
+        if const_expr(self.is_local):
+            wl = Int32(mParams[2])
+            wr = Int32(mParams[3])
+            window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
+            window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
+        return window_left, window_right
 
     # --- persistent scheduling (num_sms > 0) -----------------------------------------------------
     # The grid is min(num_sms, tiles) CTAs; the producer warp and the consumer warpgroups walk the
@@ -440,12 +465,17 @@ class FlashAttentionForwardSm90:
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
              sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
              tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
-             pipeline_q, pipeline_k, pipeline_v,
+             pipeline_q, pipeline_k, pipeline_v, mPageTable: cute.Tensor | None,
              m_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
              n_block_min: Int32, n_block_max: Int32):
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdimv), (None, 0))
+        # paged: K and V are the whole cache as one batch entry, (1, pages·page_size, Hkv, ·), and
+        # key block n of this batch entry is the cache's tile page_table[batch, n] (kv_tile)
+        kv_batch = 0 if const_expr(self.paged) else batch
+        gK = cute.local_tile(mK[None, None, head_kv, kv_batch], (self.tile_n, self.hdim),
+                             (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, kv_batch], (self.tile_n, self.hdimv),
+                             (None, 0))
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
@@ -461,31 +491,41 @@ class FlashAttentionForwardSm90:
             v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipeline_k.producer_acquire(k_state)
-            cute.copy(tma_atom_K, tKgK[None, n_block_max - 1], tKsK[None, k_state.index],
+            cute.copy(tma_atom_K, tKgK[None, self.kv_tile(mPageTable, batch, n_block_max - 1)], tKsK[None, k_state.index],
                       tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
             k_state.advance()
             pipeline_q.producer_acquire(q_state)
             cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
             if const_expr(not self.overlap):
                 pipeline_v.producer_acquire(v_state)
-                cute.copy(tma_atom_V, tVgV[None, n_block_max - 1], tVsV[None, v_state.index],
+                cute.copy(tma_atom_V, tVgV[None, self.kv_tile(mPageTable, batch, n_block_max - 1)], tVsV[None, v_state.index],
                           tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
                 v_state.advance()
             for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                 n_block = n_block_max - 2 - i
+                k_tile = self.kv_tile(mPageTable, batch, n_block)  # (load before the wait)
+                n_block_v = n_block + 1 if const_expr(self.overlap) else n_block
+                v_tile = self.kv_tile(mPageTable, batch, n_block_v)
                 pipeline_k.producer_acquire(k_state)
-                cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, k_state.index],
+                cute.copy(tma_atom_K, tKgK[None, k_tile], tKsK[None, k_state.index],
                           tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
                 k_state.advance()
-                n_block_v = n_block + 1 if const_expr(self.overlap) else n_block
                 pipeline_v.producer_acquire(v_state)
-                cute.copy(tma_atom_V, tVgV[None, n_block_v], tVsV[None, v_state.index],
+                cute.copy(tma_atom_V, tVgV[None, v_tile], tVsV[None, v_state.index],
                           tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
                 v_state.advance()
             if const_expr(self.overlap):
                 pipeline_v.producer_acquire(v_state)
-                cute.copy(tma_atom_V, tVgV[None, n_block_min], tVsV[None, v_state.index],
+                cute.copy(tma_atom_V, tVgV[None, self.kv_tile(mPageTable, batch, n_block_min)], tVsV[None, v_state.index],
                           tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+
+    @cute.jit
+    def kv_tile(self, mPageTable: cute.Tensor | None, batch: Int32, n_block: Int32):
+        """The K/V tile holding key block ``n_block`` of ``batch``: the block itself (dense), or
+        the cache tile the page table names (paged; a page of k·tile_n keys is k table entries)."""
+        if const_expr(self.paged):
+            return mPageTable[batch, n_block]
+        return n_block
 
     @cute.jit
     def mma(self, mO: cute.Tensor, mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
@@ -714,8 +754,17 @@ class FlashAttentionForwardSm90:
 
 
 def make_launcher(cfg: FwdConfig):
-    """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config."""
+    """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config, or
+    ``fn(stream, q, k_cache, v_cache, params, page_table, seqused_k, out, lse)`` when it is paged."""
     kernel = FlashAttentionForwardSm90(cfg)
+    if cfg.paged:
+        @cute.jit
+        def sm90_fwd_paged(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                           v: cute.Tensor, params: cute.Tensor, page_table: cute.Tensor,
+                           seqused_k: cute.Tensor, out: cute.Tensor, lse: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, page_table, seqused_k)
+
+        return sm90_fwd_paged
 
     @cute.jit
     def sm90_fwd(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,

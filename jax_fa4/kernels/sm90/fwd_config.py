@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
-                                  attention_forward_signature, check_dtype_and_mask, lookup_tuning)
+                                  attention_forward_signature, check_dtype_and_mask, lookup_tuning,
+                                  paged_attention_forward_signature)
 
 
 # Shared memory per CTA that a kernel may use on sm_90 (227 KB), minus room for mbarriers.
@@ -100,6 +101,9 @@ class FwdConfig(KernelConfig):
     # scores a thread exponentiates per row, this many run the FMA-pipe polynomial of
     # common/exp2.py instead of MUFU ex2. 0 = all on MUFU (v1).
     exp2_sw_per_32: int = 0
+    # Paged KV (jax_fa4/paged.py): K/V are a cache of tile_n-key tiles, key block n of batch entry
+    # b is tile page_table[b, n], and b has seqused_k[b] keys (spec.paged_attention_forward_signature).
+    paged: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -146,6 +150,9 @@ class FwdConfig(KernelConfig):
         if not (isinstance(self.exp2_sw_per_32, int) and 0 <= self.exp2_sw_per_32 <= 32):
             raise ValueError(f"sm90 forward: exp2_sw_per_32 {self.exp2_sw_per_32!r} must be an "
                              "int in [0, 32]")
+        if self.paged and self.num_sms:
+            raise ValueError("sm90 forward: paged KV is not implemented with persistent scheduling "
+                             "(num_sms must be 0)")
         if not (isinstance(self.num_sms, int) and 0 <= self.num_sms <= 1024):
             raise ValueError(f"sm90 forward: num_sms {self.num_sms!r} must be 0 (not persistent) "
                              "or the GPU's SM count")
@@ -186,6 +193,9 @@ class FwdConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
+        if self.paged:
+            return paged_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v,
+                                                     self.tile_n)
         return attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
 
     def make_launcher(self):
@@ -210,6 +220,27 @@ def decode_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
                           tile_m=DECODE_TILE_M, pingpong=False, num_sms=0)
 
 
+#: Key-block size of the paged kernels: cache pages must hold a multiple of it (a 128-token page
+#: is one block); 64 where a 128-key block does not fit the decode tile (head dims 192/192, 256).
+PAGED_TILE_N = (128, 64)
+
+
+def paged_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
+                 has_softcap: bool = False) -> FwdConfig:
+    """The paged forward config of a problem kind: the decode tile (DECODE_TILE_M query rows,
+    enough for decode steps after GQA packing and, with more tiles, for chunked prefill) with
+    the largest key block of PAGED_TILE_N that fits. ValueError if the kind is unsupported."""
+    err = None
+    for tile_n in PAGED_TILE_N:
+        try:
+            return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap,
+                                  tile_m=DECODE_TILE_M, tile_n=tile_n, pingpong=False, num_sms=0,
+                                  paged=True)
+        except ValueError as e:
+            err = e
+    raise err
+
+
 def fallback_configs() -> list[FwdConfig]:
     """The simpler serial mainloop (no intra-warpgroup overlap) at hdim 128 bf16: a cross-check
     for the GPU tests, and a fallback should the overlapped mainloop misbehave."""
@@ -219,13 +250,14 @@ def fallback_configs() -> list[FwdConfig]:
 
 def shipped_configs() -> list[FwdConfig]:
     """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and
-    fp16, and the decode config of each row."""
+    fp16, the decode config of each row, and the paged config of each row and mask kind."""
     out = []
     for dtype in FLOAT_DTYPES:
         for (d, dv), row in TUNING_TABLE.items():
             for softcap in (False, True):
                 out += [FwdConfig.make(dtype, d, dv, mask, softcap) for mask in row]
                 out.append(decode_config(dtype, d, dv, softcap))
+                out += [paged_config(dtype, d, dv, mask, softcap) for mask in row]
     return out
 
 

@@ -1,0 +1,145 @@
+"""Decode speed on the GPU: K/V bytes read per second, dense and paged, against cuDNN.
+
+Issue #8's decode shapes: one query token (``Sq = 1``), GQA 32/8, head dim 128, bf16, batch
+32–128 and 4k–128k keys. Per shape, in one process and with ``jax_fa4.bench``'s timing (warm-up,
+rounds rotating which program opens them, median; input sets rotated so that together they
+exceed twice the L2):
+
+* ``dense``: ``jax_fa4.flash_attention(implementation="sm90")`` (decode rewrite: GQA packing,
+  split-KV, the 64-row decode tile);
+* ``dense-tile128``: the same with the 128-row training tile (``JAX_FA4_DECODE_TILE=0``);
+* ``paged``: ``jax_fa4.flash_attention_paged(implementation="sm90")`` over a cache of 128-token
+  pages in shuffled order, every sequence using all ``Sk`` keys;
+* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on the dense K/V.
+
+The figure is ``TB/s`` of K/V read: ``B·Sk·Hkv·(D + Dv)·2`` bytes over the time per call (what
+the peers reach: 4.2–4.4 TB/s on the H200, shared/anchors/README.md). Every variant's output is
+compared with cuDNN's (``rel_err``). Writes JSON with the command, GPU and date.
+
+    python benchmarks/decode_bench.py --out benchmarks/results/decode-<gpu>-<date>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fa4
+from jax_fa4 import bench
+from variant_harness import report
+
+H, HKV, D = 32, 8, 128
+PAGE = 128
+#: (B, Sk): issue #8's range, each input set 0.25–8.6 GB of K/V
+SHAPES = ((32, 4096), (64, 8192), (128, 8192), (32, 32768), (128, 32768), (32, 131072))
+VARIANTS = ("dense", "dense-tile128", "paged", "cudnn")
+
+
+def kv_bytes(b: int, sk: int) -> int:
+    return b * sk * HKV * 2 * D * 2
+
+
+def make_sets(b: int, sk: int, key: jax.Array) -> list[dict]:
+    """Input sets (dense q, k, v and the same keys as a shuffled paged cache) exceeding 2× L2."""
+    n = max(2, -(-bench.ROTATION_BYTES // kv_bytes(b, sk)))
+    sets = []
+    rng = np.random.default_rng(0)
+    pages = b * sk // PAGE
+    for set_key in jax.random.split(key, n):
+        kq, kk, kv = jax.random.split(set_key, 3)
+        q = jax.random.normal(kq, (b, 1, H, D), jnp.bfloat16)
+        k = jax.random.normal(kk, (b, sk, HKV, D), jnp.bfloat16)
+        v = jax.random.normal(kv, (b, sk, HKV, D), jnp.bfloat16)
+        perm = rng.permutation(pages).astype(np.int32)
+        table = jnp.asarray(perm.reshape(b, sk // PAGE))
+        # page p of the cache holds the keys the table says: scatter the dense keys into it
+        inv = jnp.asarray(np.argsort(perm).astype(np.int32))
+        k_cache = k.reshape(pages, PAGE, HKV, D)[inv]
+        v_cache = v.reshape(pages, PAGE, HKV, D)[inv]
+        used = jnp.full((b,), sk, jnp.int32)
+        sets.append(dict(dense=(q, k, v), paged=(q, k_cache, v_cache, table, used)))
+    jax.block_until_ready(sets)
+    return sets
+
+
+def variant_fn(name: str):
+    if name.startswith("dense"):
+        return lambda q, k, v: jax_fa4.flash_attention(q, k, v, implementation="sm90")
+    if name == "paged":
+        return lambda q, kc, vc, t, u: jax_fa4.flash_attention_paged(q, kc, vc, t, u,
+                                                                     implementation="sm90")
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+def compile_variant(name: str, args: tuple):
+    old = os.environ.get("JAX_FA4_DECODE_TILE")
+    os.environ["JAX_FA4_DECODE_TILE"] = "0" if name == "dense-tile128" else "1"
+    try:  # the switch is read while tracing
+        return jax.jit(variant_fn(name)).lower(*args).compile()
+    finally:
+        if old is None:
+            del os.environ["JAX_FA4_DECODE_TILE"]
+        else:
+            os.environ["JAX_FA4_DECODE_TILE"] = old
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--target-ms", type=float, default=60.0)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    device = jax.devices()[0]
+    print(f"jax {jax.__version__} on {device.device_kind}", flush=True)
+    t0 = time.perf_counter()
+    rows = []
+    for index, (b, sk) in enumerate(SHAPES):
+        label = f"B{b} Sk{sk} H{H}/{HKV} D{D}"
+        sets = make_sets(b, sk, jax.random.key(index))
+        programs, outs, names = [], {}, []
+        for name in VARIANTS:
+            kind = "paged" if name == "paged" else "dense"
+            arg_sets = [s[kind] for s in sets]
+            try:
+                compiled = compile_variant(name, arg_sets[0])
+                outs[name] = np.asarray(compiled(*arg_sets[0]), np.float32)
+            except Exception as err:  # noqa: BLE001 - a variant that cannot run is reported
+                rows.append(dict(shape=label, variant=name, error=f"{type(err).__name__}: "
+                                 f"{str(err).splitlines()[0][:300]}"))
+                continue
+            programs.append(bench.make_program(None, compiled, arg_sets, 1))
+            names.append(name)
+        timings = bench.time_programs(programs, repeats=args.repeats,
+                                      target_s=args.target_ms / 1e3, sync_each=False)
+        base = outs.get("cudnn")
+        for name, t in zip(names, timings):
+            rel = (float(np.linalg.norm(outs[name] - base) / np.linalg.norm(base))
+                   if base is not None else None)
+            rows.append(dict(shape=label, variant=name, B=b, Sk=sk, ms=t.ms, spread=t.spread,
+                             kv_tbps=kv_bytes(b, sk) / (t.ms * 1e-3) / 1e12, rel_err=rel))
+        mine = {r["variant"]: r for r in rows if r["shape"] == label and "ms" in r}
+        ref = mine.get("cudnn", {}).get("kv_tbps")
+        for r in mine.values():
+            r["ratio_vs_cudnn"] = r["kv_tbps"] / ref if ref else None
+        line = "  ".join(f"{n} {r['kv_tbps']:.2f} TB/s" for n, r in mine.items())
+        print(f"[{index + 1}/{len(SHAPES)}] {label}: {line}  ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+        del sets
+        if args.out:  # after every shape, so a timeout keeps what was measured
+            args.out.write_text(json.dumps(report(device, args, t0, rows), indent=1) + "\n")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
