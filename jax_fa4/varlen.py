@@ -14,7 +14,14 @@ int32 arrays, so new lengths never retrace or recompile; only the static shapes 
 static ``max_seqlen_q`` / ``max_seqlen_k`` ints (which will size the kernels' grids) enter the
 trace.
 
-Until the varlen kernels land, the pure-JAX reference runs: each token gets a segment id (its
+On Hopper (``implementation="sm90"``, bf16/fp16) the forward is the varlen forward kernel: one
+CTA per (query tile, head, sequence) of the longest sequence's grid, reading each sequence's rows
+from its offset in the packed tensors and storing only its own rows (its lse comes back as
+``(batch, H, max_seqlen_q)`` and is gathered to FA4's ``(H, total_q)``); a learnable sink joins
+afterwards in float32 (:func:`jax_fa4.ops.join_sink`). The backward is the reference's below
+until the varlen backward kernels land.
+
+Elsewhere the pure-JAX reference runs: each token gets a segment id (its
 sequence) and a position within its sequence, and :mod:`jax_fa4.reference` masks one packed
 attention with them (:func:`jax_fa4.reference.visible_mask`: equal segment ids plus the window
 rule on the positions). It is naive (one ``(total_q, total_k)`` score matrix per head) when
@@ -40,6 +47,7 @@ import numpy as np
 from jax_fa4 import api, ops, reference
 from jax_fa4.dispatch import (
     IMPLEMENTATIONS,
+    KERNEL_ARCH,
     ImplementationUnavailableError,
     resolve_implementation,
 )
@@ -291,10 +299,72 @@ def varlen_segments(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, total_q: i
     )
 
 
-@functools.partial(jax.jit, static_argnames=("opts",))
-def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, learnable_sink, opts):
+def kernel_config(q, v, opts, max_seqlen_q: int):
+    """The varlen forward kernel config serving this call (q (total_q, H, D), v (total_k, Hkv,
+    Dv)), or the reason none does (a str)."""
+    if opts.implementation != "sm90":
+        return f"there is no varlen kernel for implementation={opts.implementation!r}"
+    dtype = jnp.dtype(q.dtype).name
+    if dtype not in ops.KERNEL_DTYPES:
+        return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
+    if max_seqlen_q == 0:
+        return "max_seqlen_q is 0 (no query rows to launch)"
+    from jax_fa4.kernels.sm90.fwd_config import varlen_config
+
+    try:
+        return varlen_config(dtype, q.shape[2], v.shape[2], ops.mask_kind(opts.window),
+                             opts.softcap > 0)
+    except ValueError as err:
+        return str(err)
+
+
+def _kernel_forward(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, opts, kernel):
+    """(out (1, total_q, H, Dv), lse (1, H, total_q)) by the varlen forward kernel; ``kernel``
+    is (config, max_seqlen_q). Tokens outside every sequence: out 0, lse -inf."""
+    from jax_fa4.ffi.call import call_kernel
+
+    config, max_q = kernel
+    total_q, h, d = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    out, lse_pad = call_kernel(
+        config, KERNEL_ARCH[opts.implementation], q[None], k[None], v[None],
+        ops.kernel_params(opts, d), cu_seqlens_q, cu_seqlens_k,
+        out_shapes=(jax.ShapeDtypeStruct((1, total_q, h, v.shape[2]), q.dtype),
+                    jax.ShapeDtypeStruct((batch, h, max_q), jnp.float32)))
+    t, seq, valid, start, _ = _token_layout(cu_seqlens_q, total_q)
+    lse = lse_pad[seq, :, jnp.clip(t - start, 0, max_q - 1)].T  # (H, total_q)
+    lse = jnp.where(valid, lse, -jnp.inf)[None]
+    out = jnp.where(valid[None, :, None, None], out, 0).astype(q.dtype)  # padding: never written
+    return ops.join_sink(out, lse, sink)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _kernel_attention(q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, opts, kernel):
+    return _kernel_forward(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, opts, kernel)
+
+
+def _kernel_attention_fwd(q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, opts, kernel):
+    out, lse = _kernel_forward(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, opts, kernel)
+    return (out, lse), (q[None], k[None], v[None], sink, segments, out, lse)
+
+
+def _kernel_attention_bwd(opts, kernel, residuals, cotangents):
+    # the reference's explicit backward on the packed batch (no varlen backward kernel yet)
+    dq, dk, dv, dsink, _ = _attention_bwd(opts, residuals, cotangents)
+    return dq[0], dk[0], dv[0], dsink, None, None, None
+
+
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("opts", "kernel"))
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, learnable_sink, opts, kernel=None):
     segments = varlen_segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
-    out, lse = _attention(q[None], k[None], v[None], learnable_sink, segments, opts)
+    if kernel is not None:
+        out, lse = _kernel_attention(q, k, v, learnable_sink, segments, cu_seqlens_q,
+                                     cu_seqlens_k, opts, kernel)
+    else:
+        out, lse = _attention(q[None], k[None], v[None], learnable_sink, segments, opts)
     # Padding rows (in no sequence) have lse -inf even with a sink, and pass no cotangent on.
     lse = jnp.where(segments.q_segment_ids >= 0, lse[0], -jnp.inf)
     return out[0], lse  # (total_q, H, Dv), (H, total_q)
@@ -342,8 +412,10 @@ def flash_attention_varlen(
       learnable_sink: optional ``(H,)`` floating logits (float32 recommended), one per query
         head, joining every row's softmax denominator with no value; differentiable.
       return_lse: also return the log-sum-exp, ``(H, total_q)`` float32 (FA4's varlen layout).
-      implementation: None or ``"reference"`` (the only one that serves varlen today); a forced
-        kernel (``"sm90"``, ``"sm100"``) raises :class:`ImplementationUnavailableError`.
+      implementation: None (on an H100/H200 the Hopper varlen forward kernel when it serves
+        the call, else the reference), ``"sm90"`` (the kernel, or
+        :class:`ImplementationUnavailableError` saying why not) or ``"reference"``. The
+        backward is the reference's on the packed batch until the varlen backward kernels land.
 
     Returns:
       ``out`` ``(total_q, H, Dv)`` in q's dtype, and with ``return_lse`` also ``lse``
@@ -358,10 +430,18 @@ def flash_attention_varlen(
     _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     opts = _options(q, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     softcap=softcap, implementation=implementation)
-    _require_reference(opts, "varlen attention")
     learnable_sink = check_learnable_sink(learnable_sink, q.shape[1])
+    kernel = None
+    if opts.implementation != "reference":
+        config = kernel_config(q, v, opts, max_seqlen_q)
+        if not isinstance(config, str):
+            kernel = (config, max_seqlen_q)
+        elif opts.forced:
+            raise ImplementationUnavailableError(
+                f"implementation={opts.implementation!r} cannot run this varlen attention call: "
+                f"{config}")
     out, lse = _varlen(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(cu_seqlens_q),
-                       jnp.asarray(cu_seqlens_k), learnable_sink, opts)
+                       jnp.asarray(cu_seqlens_k), learnable_sink, opts, kernel)
     return (out, lse) if return_lse else out
 
 

@@ -342,3 +342,72 @@ def test_flash_attention_segment_ids():
     np.testing.assert_allclose(out, want, **TOL)
     for got, w in zip(vjp(dout), want_vjp(dout)):
         np.testing.assert_allclose(got, w, **TOL)
+
+
+# --- the kernel route, with the varlen forward kernel's contract emulated on the CPU ------------
+def _emulated_varlen_kernel(options):
+    """A stand-in for the sm90 varlen forward kernel (spec.varlen_attention_forward_signature):
+    the reference on the packed batch, out written only at sequence rows (NaN elsewhere, as
+    unwritten memory) and lse scattered into (batch, H, max_seqlen_q) (NaN where unwritten)."""
+    def kernel(config, arch, q, k, v, params, cu_q, cu_k, *, out_shapes):
+        assert config.varlen and arch == "sm_90a" and q.shape[0] == 1
+        seg = varlen.varlen_segments(cu_q, cu_k, q.shape[1], k.shape[1])
+        out, lse = reference.attention(q, k, v, **options, **seg._asdict())
+        t, seq, valid, start, _ = varlen._token_layout(cu_q, q.shape[1])
+        out = jnp.where(valid[None, :, None, None], out, jnp.nan).astype(out_shapes[0].dtype)
+        lse_pad = jnp.full(out_shapes[1].shape, jnp.nan, jnp.float32)
+        rows = jnp.where(valid, t - start, out_shapes[1].shape[2])  # invalid: dropped
+        lse_pad = lse_pad.at[seq, :, rows].set(lse[0].T, mode="drop")
+        return out, lse_pad
+    return kernel
+
+
+KERNEL_CASES = [  # (h, hkv, d, dv, kwargs, with_sink): head dims the kernels ship
+    (4, 2, 64, 64, dict(), False),
+    (2, 1, 128, 128, dict(causal=True, softcap=2.0), True),
+    (4, 4, 192, 128, dict(window_size=(3, 1), softmax_scale=0.5), True),
+]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+def test_kernel_route_with_an_emulated_kernel(case, monkeypatch):
+    """implementation="sm90" runs the varlen kernel route (lse gathered from the padded layout,
+    padding rows zeroed, the sink joined, the reference backward): the same forward and
+    gradients as each sequence run alone."""
+    from jax_fa4.ffi import call
+
+    h, hkv, d, dv, kwargs, with_sink = case
+    monkeypatch.setattr(call, "call_kernel", _emulated_varlen_kernel(_ref_options(kwargs)))
+    q, k, v, sink, dout, dlse = _packed(LENS_Q, LENS_K, h, hkv, d, dv, seed=4)
+    q, k, v, dout = (x.astype(jnp.bfloat16) for x in (q, k, v, dout))
+    sink = sink if with_sink else None
+    cu_q, cu_k = _cu(LENS_Q), _cu(LENS_K)
+
+    def f(q, k, v, s):
+        return flash_attention_varlen(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K),
+                                      learnable_sink=s, return_lse=True, implementation="sm90",
+                                      **kwargs)
+
+    (out, lse), vjp = jax.vjp(f, q, k, v, sink)
+    grads = vjp((dout, dlse))
+    # the same call on the reference route: the emulated kernel computes what the reference
+    # does, so everything around it must give the same numbers
+    monkeypatch.undo()
+    (want_out, want_lse), want_vjp = jax.vjp(
+        lambda q, k, v, s: flash_attention_varlen(
+            q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), learnable_sink=s, return_lse=True,
+            implementation="reference", **kwargs), q, k, v, sink)
+    want_grads = want_vjp((dout, dlse))
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dsink"),
+                               (out, lse, *grads), (want_out, want_lse, *want_grads)):
+        if want is None:
+            assert got is None, name
+            continue
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=name)
+        fin = np.isfinite(np.asarray(want, np.float32))
+        # a sink is joined around the kernel in float32 on its bfloat16 out (one rounding more
+        # than the reference's), which the gradients' dP - delta cancellation amplifies
+        got, want = np.asarray(got, np.float32)[fin], np.asarray(want, np.float32)[fin]
+        bound = (0.04 if with_sink else 0.01) * max(1.0, float(np.abs(want).max()))
+        assert float(np.abs(got - want).max()) <= bound, (name, np.abs(got - want).max())

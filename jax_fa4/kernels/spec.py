@@ -173,6 +173,31 @@ def paged_attention_forward_signature(dtype: str, head_dim: int, head_dim_v: int
     )
 
 
+def varlen_attention_forward_signature(dtype: str, head_dim: int, head_dim_v: int
+                                       ) -> KernelSignature:
+    """``fn(stream, q, k, v, params, cu_seqlens_q, cu_seqlens_k, out, lse)`` of the varlen
+    forward kernels: q (1, total_q, H, D), k (1, total_k, Hkv, D), v (1, total_k, Hkv, Dv) and
+    out (1, total_q, H, Dv) are the sequences packed as one batch entry; cu_seqlens_q / _k
+    (batch + 1,) int32 their boundaries; lse (batch, H, max_seqlen_q) float32 (its shape sets the
+    grid). Nothing is batched (``jax.vmap`` over them is refused)."""
+    d, dv = head_dim, head_dim_v
+    tq, tk, h, hkv, b, mq = 300, 400, 4, 2, 3, 128
+    return KernelSignature(
+        inputs=(
+            TensorArg("q", dtype, (1, tq, h, d), (1, 1, 1, d), batched=False),
+            TensorArg("k", dtype, (1, tk, hkv, d), (1, 1, 1, d), batched=False),
+            TensorArg("v", dtype, (1, tk, hkv, dv), (1, 1, 1, dv), batched=False),
+            TensorArg("params", "float32", (4,), (4,), batched=False),
+            TensorArg("cu_seqlens_q", "int32", (b + 1,), (1,), batched=False),
+            TensorArg("cu_seqlens_k", "int32", (b + 1,), (1,), batched=False),
+        ),
+        outputs=(
+            TensorArg("out", dtype, (1, tq, h, dv), (1, 1, 1, dv), batched=False),
+            TensorArg("lse", "float32", (b, h, mq), (1, 1, 1), batched=False),
+        ),
+    )
+
+
 def attention_backward_signature(dtype: str, head_dim: int, head_dim_v: int, tile_m: int,
                                  gqa: bool, counters: tuple[str, int] | None = None
                                  ) -> KernelSignature:

@@ -31,8 +31,14 @@ Paged KV (FwdConfig.paged, not persistent): K and V are a cache of tiles viewed 
 by the producer warp before it waits for the stage, and batch entry b has seqused_k[b] keys (the
 key-length tail mask and the causal/window alignment use that length).
 
+Varlen (FwdConfig.varlen, not persistent): q, k, v, out are packed sequences viewed as one batch
+entry (1, total, H, ·); CTA (m, h, b) reads sequence b's rows [cu_seqlens[b], cu_seqlens[b + 1])
+through TMA from that offset (rows past the sequence are loaded but masked as the key tail, or
+never stored), a tile past the sequence's end does nothing, and O is stored row by row below
+seqlen_q (16-byte pieces from the shared-memory tile) instead of by TMA, which would overwrite
+the next sequence. lse is (batch, H, max_seqlen_q): its shape sets the grid.
+
 Decode shapes reach this kernel rewritten by jax_fa4/decode.py (GQA packing, split-KV).
-Not yet: varlen.
 """
 
 from __future__ import annotations
@@ -119,6 +125,7 @@ class FlashAttentionForwardSm90:
         self.rescale_threshold = float(cfg.rescale_threshold)
         self.exp2_sw_per_32 = cfg.exp2_sw_per_32
         self.paged = cfg.paged
+        self.varlen = cfg.varlen
 
     # ---------------------------------------------------------------------------------------------
     # Host side: views, layouts, TMA atoms, launch
@@ -126,7 +133,8 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mParams: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mPageTable: cute.Tensor | None = None, mSeqUsedK: cute.Tensor | None = None):
+                 mPageTable: cute.Tensor | None = None, mSeqUsedK: cute.Tensor | None = None,
+                 mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None):
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("out", mO)):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"{name}: expected {self.dtype}, got {t.element_type}")
@@ -135,14 +143,21 @@ class FlashAttentionForwardSm90:
         if const_expr(self.paged != (mPageTable is not None) or
                       self.paged != (mSeqUsedK is not None)):
             raise TypeError("page_table and seqused_k are given exactly when the config is paged")
-        if const_expr(self.paged):
-            for name, t in (("page_table", mPageTable), ("seqused_k", mSeqUsedK)):
+        if const_expr(self.varlen != (mCuSeqlensQ is not None) or
+                      self.varlen != (mCuSeqlensK is not None)):
+            raise TypeError("cu_seqlens_q and cu_seqlens_k are given exactly when the config is "
+                            "varlen")
+        if const_expr(self.paged or self.varlen):
+            for name, t in (("page_table", mPageTable), ("seqused_k", mSeqUsedK),
+                            ("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK)):
+                if const_expr(t is None):
+                    continue
                 if const_expr(t.element_type != Int32):
                     raise TypeError(f"{name}: expected Int32, got {t.element_type}")
         D, Dv = self.hdim, self.hdimv
         mQ, mK = seq_major(mQ, D), seq_major(mK, D)
         mV, mO = seq_major(mV, Dv), seq_major(mO, Dv)
-        mLSE = select_modes(mLSE, (2, 1, 0))  # (Sq, H, B)
+        mLSE = select_modes(mLSE, (2, 1, 0))  # (Sq, H, B); varlen: (max_seqlen_q, H, batch)
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
@@ -178,15 +193,19 @@ class FlashAttentionForwardSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
-        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
-        if const_expr(self.persistent):
+        # varlen: q is (1, total_q, H, D) and the batch and the longest sequence come from lse
+        num_m_blocks = cute.ceil_div(mLSE.shape[0] if const_expr(self.varlen) else mQ.shape[0],
+                                     self.tile_m)
+        if const_expr(self.varlen):
+            grid = SingleTileScheduler.grid_shape(num_m_blocks, mQ.shape[2], mLSE.shape[2])
+        elif const_expr(self.persistent):
             grid = PersistentTileScheduler.grid_shape(self.num_sms, num_m_blocks, mQ.shape[2],
                                                       mQ.shape[3])
         else:
             grid = SingleTileScheduler.grid_shape(num_m_blocks, mQ.shape[2], mQ.shape[3])
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE, mParams, mPageTable, mSeqUsedK,
-            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            tma_Q, tma_K, tma_V, tma_O, mO if const_expr(self.varlen) else None, mLSE, mParams, mPageTable, mSeqUsedK, mCuSeqlensQ,
+            mCuSeqlensK, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -196,8 +215,9 @@ class FlashAttentionForwardSm90:
     # ---------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mParams: cute.Tensor, mPageTable: cute.Tensor | None,
-               mSeqUsedK: cute.Tensor | None,
+               mO_gmem: cute.Tensor | None, mLSE: cute.Tensor, mParams: cute.Tensor,
+               mPageTable: cute.Tensor | None, mSeqUsedK: cute.Tensor | None,
+               mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_O: cute.CopyAtom,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -246,24 +266,39 @@ class FlashAttentionForwardSm90:
                                 tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v,
                                 warp_idx, tidx, seqlen_q, seqlen_k, window_left, window_right)
         else:
-            scheduler = SingleTileScheduler(cute.ceil_div(seqlen_q, self.tile_m),
+            # varlen: the grid covers the longest sequence (lse is (batch, H, max_seqlen_q))
+            rows = mLSE.shape[0] if const_expr(self.varlen) else seqlen_q
+            scheduler = SingleTileScheduler(cute.ceil_div(rows, self.tile_m),
                                             longest_first=self.is_causal or self.is_local)
             m_block, head, batch = scheduler.work_tile()
             head_kv = head // (mQ.shape[2] // mK.shape[2])
+            # varlen: sequence `batch` is rows [cu[batch], cu[batch + 1]) of the packed q / k / v;
             # paged: the batch entry's keys are its first seqused_k[batch] (whole pages of the
             # cache); dense: all of K
-            seqlen_k = mSeqUsedK[batch] if const_expr(self.paged) else mK.shape[0]
+            q_offset, k_offset = None, None
+            if const_expr(self.varlen):
+                q_offset, k_offset = mCuSeqlensQ[batch], mCuSeqlensK[batch]
+                seqlen_q = mCuSeqlensQ[batch + 1] - q_offset
+                seqlen_k = mCuSeqlensK[batch + 1] - k_offset
+            elif const_expr(self.paged):
+                seqlen_k = mSeqUsedK[batch]
+            else:
+                seqlen_k = mK.shape[0]
             window_left, window_right = self.windows(mParams, seqlen_q, seqlen_k)
             block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                    seqlen_q, seqlen_k, window_left, window_right)
             n_block_min, n_block_max = block_info.n_block_range(m_block)
+            if const_expr(self.varlen):
+                if m_block * self.tile_m >= seqlen_q:
+                    n_block_max = n_block_min  # a tile past this sequence's end: nothing to do
 
             if warp_idx < 4:  # producer warpgroup
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                               pipeline_q, pipeline_k, pipeline_v, mPageTable,
-                              m_block, head, head_kv, batch, n_block_min, n_block_max)
+                              m_block, head, head_kv, batch, n_block_min, n_block_max,
+                              q_offset, k_offset)
             else:  # consumer warpgroups
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 scale = mParams[0]
@@ -282,7 +317,8 @@ class FlashAttentionForwardSm90:
                 self.mma(mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                          pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
                          scale_log2, softcap_in_scale, mask, block_info,
-                         m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx)
+                         m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
+                         varlen_out=(mO_gmem, q_offset) if const_expr(self.varlen) else None)
 
     @cute.jit
     def windows(self, mParams: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32):
@@ -467,15 +503,16 @@ class FlashAttentionForwardSm90:
              tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
              pipeline_q, pipeline_k, pipeline_v, mPageTable: cute.Tensor | None,
              m_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
-             n_block_min: Int32, n_block_max: Int32):
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
+             n_block_min: Int32, n_block_max: Int32, q_offset=None, k_offset=None):
+        gQ = cute.local_tile(self.sequence(mQ, head, batch, q_offset), (self.tile_m, self.hdim),
+                             (m_block, 0))
         # paged: K and V are the whole cache as one batch entry, (1, pages·page_size, Hkv, ·), and
         # key block n of this batch entry is the cache's tile page_table[batch, n] (kv_tile)
         kv_batch = 0 if const_expr(self.paged) else batch
-        gK = cute.local_tile(mK[None, None, head_kv, kv_batch], (self.tile_n, self.hdim),
-                             (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, kv_batch], (self.tile_n, self.hdimv),
-                             (None, 0))
+        gK = cute.local_tile(self.sequence(mK, head_kv, kv_batch, k_offset),
+                             (self.tile_n, self.hdim), (None, 0))
+        gV = cute.local_tile(self.sequence(mV, head_kv, kv_batch, k_offset),
+                             (self.tile_n, self.hdimv), (None, 0))
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
@@ -519,6 +556,13 @@ class FlashAttentionForwardSm90:
                 cute.copy(tma_atom_V, tVgV[None, self.kv_tile(mPageTable, batch, n_block_min)], tVsV[None, v_state.index],
                           tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
 
+    def sequence(self, mX: cute.Tensor, head, batch, offset=None) -> cute.Tensor:
+        """The (rows, dim) view of one head of one sequence of a (S, D, H, B) tensor: batch entry
+        ``batch``, or (varlen, packed as one batch entry) the rows from ``offset`` on."""
+        if const_expr(offset is None):
+            return mX[None, None, head, batch]
+        return cute.domain_offset((offset, 0), mX[None, None, head, 0])
+
     @cute.jit
     def kv_tile(self, mPageTable: cute.Tensor | None, batch: Int32, n_block: Int32):
         """The K/V tile holding key block ``n_block`` of ``batch``: the block itself (dense), or
@@ -534,9 +578,12 @@ class FlashAttentionForwardSm90:
             pipeline_q, pipeline_k, pipeline_v, tidx: Int32, warp_idx: Int32,
             scale_log2: Float32, softcap_in_scale, mask: AttentionMask, block_info: BlockInfo,
             m_block: Int32, head: Int32, batch: Int32, n_block_min: Int32, n_block_max: Int32,
-            seqlen_q: Int32, wg_idx: Int32, states: cutlass.Constexpr = None):
+            seqlen_q: Int32, wg_idx: Int32, states: cutlass.Constexpr = None,
+            varlen_out=None):
         """One tile's mainloop and epilogue. ``states`` (persistent scheduling): the consumer's
-        (k, v, q) pipeline states carried from the previous tile; returned advanced."""
+        (k, v, q) pipeline states carried from the previous tile; returned advanced.
+        ``varlen_out`` (varlen): (the packed output in global memory, the sequence's first row),
+        for the row-predicated store."""
         persistent = states is not None
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
@@ -628,6 +675,49 @@ class FlashAttentionForwardSm90:
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma_pv).get_slice(tidx)
         cute.copy(smem_thr_copy, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
+        if const_expr(varlen_out is not None):
+            # packed output: rows past the sequence belong to the next one, so no TMA store of
+            # the whole tile; every consumer thread stores 16-byte row pieces below seqlen_q
+            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                              number_of_threads=self.num_mma_threads)
+            mO_gmem, q_offset = varlen_out
+            gO = cute.local_tile(self.sequence(mO_gmem, head, 0, q_offset),
+                                 (self.tile_m, self.hdimv), (m_block, 0))
+            self.store_rows(sO, gO, tidx, seqlen_q - m_block * self.tile_m)
+        else:
+            self.store_tile_tma(sO, mO, tma_atom_O, pipeline_q, q_state, warp_idx, m_block, head,
+                                batch, persistent)
+        if const_expr(persistent):
+            q_state.advance()
+            return k_state, v_state, q_state
+
+    @cute.jit
+    def store_rows(self, sO: cute.Tensor, gO: cute.Tensor, tidx: Int32, rows: Int32):
+        """Copy the first ``rows`` rows of the (tile_m, Dv) tile sO to gO, 16 bytes a thread
+        per step, all consumer threads."""
+        chunks = self.hdimv // 8  # 16-byte pieces per row
+        per_row = math.gcd(chunks, 32)  # threads along a row (a power of two dividing chunks)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                   num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((self.num_mma_threads // per_row, per_row),
+                                           order=(1, 0)),
+            cute.make_layout((1, 8)))
+        thr = tiled.get_slice(tidx)
+        tOsO = thr.partition_S(sO)
+        tOgO = thr.partition_D(gO)
+        tOcO = thr.partition_D(cute.make_identity_tensor((self.tile_m, self.hdimv)))
+        tOrO = cute.make_fragment_like(tOsO)
+        cute.autovec_copy(tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+            if tOcO[0, m, 0][0] < rows:
+                cute.copy(tiled, tOrO[None, m, None], tOgO[None, m, None])
+
+    @cute.jit
+    def store_tile_tma(self, sO: cute.Tensor, mO: cute.Tensor, tma_atom_O: cute.CopyAtom,
+                       pipeline_q, q_state, warp_idx: Int32, m_block: Int32, head: Int32,
+                       batch: Int32, persistent: cutlass.Constexpr[bool]):
+        """TMA-store the O tile (rows past seqlen_q are clipped by TMA) by consumer warp 0."""
         cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> TMA reads
         if warp_idx == 0:
             cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
@@ -645,9 +735,6 @@ class FlashAttentionForwardSm90:
         else:
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.EPILOGUE),
                                      number_of_threads=self.num_mma_threads)
-        if const_expr(persistent):
-            q_state.advance()
-            return k_state, v_state, q_state
 
     # --- per key block -----------------------------------------------------------------------
     @cute.jit
@@ -754,8 +841,9 @@ class FlashAttentionForwardSm90:
 
 
 def make_launcher(cfg: FwdConfig):
-    """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config, or
-    ``fn(stream, q, k_cache, v_cache, params, page_table, seqused_k, out, lse)`` when it is paged."""
+    """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config,
+    ``fn(stream, q, k_cache, v_cache, params, page_table, seqused_k, out, lse)`` when it is paged,
+    ``fn(stream, q, k, v, params, cu_seqlens_q, cu_seqlens_k, out, lse)`` when it is varlen."""
     kernel = FlashAttentionForwardSm90(cfg)
     if cfg.paged:
         @cute.jit
@@ -765,6 +853,15 @@ def make_launcher(cfg: FwdConfig):
             kernel(stream, q, k, v, params, out, lse, page_table, seqused_k)
 
         return sm90_fwd_paged
+    if cfg.varlen:
+        @cute.jit
+        def sm90_fwd_varlen(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                            v: cute.Tensor, params: cute.Tensor, cu_seqlens_q: cute.Tensor,
+                            cu_seqlens_k: cute.Tensor, out: cute.Tensor, lse: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, mCuSeqlensQ=cu_seqlens_q,
+                   mCuSeqlensK=cu_seqlens_k)
+
+        return sm90_fwd_varlen
 
     @cute.jit
     def sm90_fwd(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,

@@ -21,7 +21,8 @@ from typing import ClassVar
 
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
                                   attention_forward_signature, check_dtype_and_mask, lookup_tuning,
-                                  paged_attention_forward_signature)
+                                  paged_attention_forward_signature,
+                                  varlen_attention_forward_signature)
 
 
 # Shared memory per CTA that a kernel may use on sm_90 (227 KB), minus room for mbarriers.
@@ -104,6 +105,9 @@ class FwdConfig(KernelConfig):
     # Paged KV (jax_fa4/paged.py): K/V are a cache of tile_n-key tiles, key block n of batch entry
     # b is tile page_table[b, n], and b has seqused_k[b] keys (spec.paged_attention_forward_signature).
     paged: bool = False
+    # Varlen (jax_fa4/varlen.py): q, k, v, out packed along one axis, sequence boundaries from
+    # cu_seqlens (spec.varlen_attention_forward_signature).
+    varlen: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -150,6 +154,9 @@ class FwdConfig(KernelConfig):
         if not (isinstance(self.exp2_sw_per_32, int) and 0 <= self.exp2_sw_per_32 <= 32):
             raise ValueError(f"sm90 forward: exp2_sw_per_32 {self.exp2_sw_per_32!r} must be an "
                              "int in [0, 32]")
+        if self.varlen and (self.paged or self.num_sms):
+            raise ValueError("sm90 forward: varlen is not implemented with paged KV or persistent "
+                             "scheduling")
         if self.paged and self.num_sms:
             raise ValueError("sm90 forward: paged KV is not implemented with persistent scheduling "
                              "(num_sms must be 0)")
@@ -193,6 +200,8 @@ class FwdConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
+        if self.varlen:
+            return varlen_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
         if self.paged:
             return paged_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v,
                                                      self.tile_n)
@@ -241,6 +250,12 @@ def paged_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask:
     raise err
 
 
+def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
+                  has_softcap: bool = False) -> FwdConfig:
+    """The varlen forward config of a problem kind: the table's tile, not persistent."""
+    return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, num_sms=0, varlen=True)
+
+
 def fallback_configs() -> list[FwdConfig]:
     """The simpler serial mainloop (no intra-warpgroup overlap) at hdim 128 bf16: a cross-check
     for the GPU tests, and a fallback should the overlapped mainloop misbehave."""
@@ -250,7 +265,8 @@ def fallback_configs() -> list[FwdConfig]:
 
 def shipped_configs() -> list[FwdConfig]:
     """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and
-    fp16, the decode config of each row, and the paged config of each row and mask kind."""
+    fp16, the decode config of each row, and the paged and varlen configs of each row and mask
+    kind."""
     out = []
     for dtype in FLOAT_DTYPES:
         for (d, dv), row in TUNING_TABLE.items():
@@ -258,6 +274,7 @@ def shipped_configs() -> list[FwdConfig]:
                 out += [FwdConfig.make(dtype, d, dv, mask, softcap) for mask in row]
                 out.append(decode_config(dtype, d, dv, softcap))
                 out += [paged_config(dtype, d, dv, mask, softcap) for mask in row]
+                out += [varlen_config(dtype, d, dv, mask, softcap) for mask in row]
     return out
 
 

@@ -1,0 +1,92 @@
+"""The Hopper varlen forward kernel against the float32 reference, on an H100/H200.
+
+``jax_fa4.flash_attention_varlen(..., implementation="sm90", return_lse=True)`` (the varlen
+forward kernel on packed sequences) is compared by FA4's rule (tests/numerics.py) with the
+reference on the same packed batch (segment ids and per-sequence positions: each sequence sees
+only its own keys, causal / windows aligned bottom-right per sequence). Lengths include 0, 1,
+odd ones, one above a tile and Sq != Sk per sequence; padding tokens sit before cu_seqlens[0]
+and after cu_seqlens[-1] (out 0, lse -inf). Outputs land in NaN-poisoned memory, so a row the
+kernel should write and does not is caught.
+
+Kernels needed in the cache: ``varlen_config`` of every shipped row (``--suite default``).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa4
+from jax_fa4 import reference, varlen
+from numerics import assert_fa4_close
+from tests.gpu.test_sm90_fwd import _check_lse, poison_device_memory
+
+pytestmark = pytest.mark.gpu
+
+PAD_FRONT, PAD_BACK = 3, 5
+
+
+def _cu(lengths, front):
+    return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]) + front, jnp.int32)
+
+
+def run_varlen_case(lens_q, lens_k, h, hkv, d, dv, dtype=jnp.bfloat16, causal=False,
+                    window=(None, None), softcap=0.0, sink=False):
+    seed = zlib.crc32(repr((lens_q, lens_k, h, hkv, d, dv, causal, window, softcap)).encode())
+    tq = PAD_FRONT + sum(lens_q) + PAD_BACK
+    tk = PAD_FRONT + sum(lens_k) + PAD_BACK
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (tq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (tk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (tk, hkv, dv), jnp.float32).astype(dtype)
+    cu_q, cu_k = _cu(lens_q, PAD_FRONT), _cu(lens_k, PAD_FRONT)
+    learnable_sink = jnp.linspace(-1.0, 3.0, h, dtype=jnp.float32) if sink else None
+    fn = jax.jit(lambda q, k, v, cu_q, cu_k: jax_fa4.flash_attention_varlen(
+        q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, window_size=window,
+        softcap=softcap, learnable_sink=learnable_sink, return_lse=True, implementation="sm90"))
+    poison_device_memory()
+    out, lse = jax.block_until_ready(fn(q, k, v, cu_q, cu_k))
+    seg = varlen.varlen_segments(cu_q, cu_k, tq, tk)
+    kw = dict(window=(window[0], 0) if causal else window, softcap=softcap,
+              learnable_sink=learnable_sink, **seg._asdict())
+    ref_out, ref_lse = reference.attention(q[None], k[None], v[None], **kw)
+    pt_out, pt_lse = reference.attention(q[None], k[None], v[None], compute_dtype=dtype, **kw)
+    valid = np.asarray(seg.q_segment_ids[0] >= 0)
+    name = (f"varlen lens_q={lens_q} lens_k={lens_k} h={h}/{hkv} d={d}/{dv} causal={causal} "
+            f"window={window} softcap={softcap} sink={sink}")
+    assert out.shape == (tq, h, dv) and lse.shape == (h, tq)
+    out32 = np.asarray(out, np.float32)
+    assert not np.isnan(out32).any(), f"{name}: NaN in output (an unwritten row?)"
+    assert (out32[~valid] == 0).all() and np.isneginf(np.asarray(lse)[:, ~valid]).all(), name
+    assert_fa4_close(out[valid], ref_out[0][valid], pt_out[0][valid], softcap=softcap > 0,
+                     name=name)
+    empty = _check_lse(lse[:, valid], ref_lse[0][:, valid], pt_lse[0][:, valid], softcap > 0)
+    if empty.any():  # rows with no visible key: exactly 0
+        assert (out32[valid].transpose(1, 0, 2)[empty] == 0).all(), f"{name}: empty rows not 0"
+
+
+LENS_Q = (1, 0, 300, 1023, 5, 129)
+LENS_K = (1, 7, 517, 1023, 2049, 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_hdim128(causal):
+    run_varlen_case(LENS_Q, LENS_K, 4, 2, 128, 128, causal=causal)
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (192, 128), (192, 192), (256, 256)])
+def test_varlen_head_dims(d, dv):
+    run_varlen_case(LENS_Q, LENS_K, 2, 1, d, dv, causal=d % 64 == 0)
+
+
+def test_varlen_window_softcap_fp16():
+    run_varlen_case(LENS_Q, LENS_K, 4, 4, 128, 128, dtype=jnp.float16, window=(64, 3),
+                    softcap=20.0)
+
+
+def test_varlen_sink_and_equal_lengths():
+    run_varlen_case((256, 256, 256), (256, 256, 256), 4, 2, 128, 128, causal=True, sink=True)
