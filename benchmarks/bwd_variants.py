@@ -11,7 +11,8 @@ the backward chain the library runs (preprocess kernel, ``sm90_bwd`` main kernel
 postprocess, the GQA head sum) under each main-kernel config of ``variants_for``: the tuning
 table's (``v1``), every other tile / stage combination the config validator accepts
 (``m{tile_m}n{tile_n}s{stages}p{pds_stages}``, with ``+swap`` for the swap_sdp form of the
-same tile), the table's tile launched from the last key block down (``rev``), the
+same tile), the table's tile in the other launch order (``rev``: from the last key block down;
+``fwd-launch``: from the first up), the
 deterministic kernel (``det``, and ``det+swap``). Each is
 timed as its own program on saved forward outputs (out, lse from the forward kernel), so the
 figure is the backward alone: TFLOP/s = 2.5 × forward FLOPs / time. cuDNN's backward is timed the
@@ -71,10 +72,12 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[t
                                   swap_sdp=swap)
         if cfg != base and valid(cfg):
             out.append((f"m{tm}n{tn}s{stages}p{pds}" + ("+swap" if swap else ""), cfg))
-    if not base.reverse_launch:
-        out.append(("rev", dataclasses.replace(base, reverse_launch=True)))
-    out.append(("det", dataclasses.replace(base, deterministic=True)))
-    det_swap = dataclasses.replace(base, deterministic=True, swap_sdp=True)
+    # the other launch order: "rev" (from the last key block down) or "fwd-launch"
+    out.append(("fwd-launch" if base.reverse_launch else "rev",
+                dataclasses.replace(base, reverse_launch=not base.reverse_launch)))
+    det = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa, deterministic=True)
+    out.append(("det", det))
+    det_swap = dataclasses.replace(det, swap_sdp=True)
     if not base.swap_sdp and valid(det_swap):
         out.append(("det+swap", det_swap))
     return out

@@ -18,8 +18,11 @@ On Hopper (``implementation="sm90"``, bf16/fp16) the forward is the varlen forwa
 CTA per (query tile, head, sequence) of the longest sequence's grid, reading each sequence's rows
 from its offset in the packed tensors and storing only its own rows (its lse comes back as
 ``(batch, H, max_seqlen_q)`` and is gathered to FA4's ``(H, total_q)``); a learnable sink joins
-afterwards in float32 (:func:`jax_fa4.ops.join_sink`). The backward is the reference's below
-until the varlen backward kernels land.
+afterwards in float32 (:func:`jax_fa4.ops.join_sink`). The backward runs the dense backward
+kernels on a padded batch, each sequence right-aligned in ``max_seqlen`` slots (see
+``_padded_backward``: exact, and as fast as the dense backward for equal lengths; every sequence
+costs max_seqlen_q × max_seqlen_k there, so very unequal lengths waste work until a varlen
+backward kernel skips it).
 
 Elsewhere the pure-JAX reference runs: each token gets a segment id (its
 sequence) and a position within its sequence, and :mod:`jax_fa4.reference` masks one packed
@@ -320,10 +323,10 @@ def kernel_config(q, v, opts, max_seqlen_q: int):
 
 def _kernel_forward(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, opts, kernel):
     """(out (1, total_q, H, Dv), lse (1, H, total_q)) by the varlen forward kernel; ``kernel``
-    is (config, max_seqlen_q). Tokens outside every sequence: out 0, lse -inf."""
+    is (config, max_seqlen_q, max_seqlen_k). Tokens outside every sequence: out 0, lse -inf."""
     from jax_fa4.ffi.call import call_kernel
 
-    config, max_q = kernel
+    config, max_q, _ = kernel
     total_q, h, d = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     out, lse_pad = call_kernel(
@@ -338,6 +341,72 @@ def _kernel_forward(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, opts, kernel):
     return ops.join_sink(out, lse, sink)
 
 
+# -- the backward on the dense kernels: sequences right-aligned in padded slots ------------------
+# Sequence b's queries go to the last len_q(b) of max_seqlen_q slots of padded batch entry b, its
+# keys to the last len_k(b) of max_seqlen_k slots, the rest is zeros. The dense kernels align the
+# window bottom-right on (max_q, max_k), which is each sequence's own alignment: with query slot
+# I = i + max_q - len_q and key slot J = j + max_k - len_k,
+#     J <= I + (max_k - max_q) + right   <=>   j <= i + (len_k - len_q) + right
+# (and likewise for the left edge). Padding adds nothing: padding query rows get lse = -inf
+# (P = 0) and zero dO; padding keys have K = V = 0, so their dS reaches dQ only through K = 0, and
+# their own dK, dV are dropped when the gradients are gathered back. The cost: every sequence is
+# computed as max_q × max_k (exact for equal lengths, wasteful for very unequal ones).
+def _slots(cu: jax.Array, max_len: int):
+    """(B, max_len) packed token of each right-aligned padded slot (0 where padding), and
+    whether the slot holds a token."""
+    lens = cu[1:] - cu[:-1]
+    slot = jnp.arange(max_len, dtype=jnp.int32)[None, :]
+    first = (max_len - lens)[:, None]  # first real slot
+    valid = slot >= first
+    return jnp.where(valid, cu[:-1, None] + slot - first, 0), valid
+
+
+def _pad(x: jax.Array, slots) -> jax.Array:
+    """Packed (total, ...) -> padded (B, max_len, ...), zeros in padding slots."""
+    idx, valid = slots
+    return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x[idx], 0).astype(x.dtype)
+
+
+def _unpad(xp: jax.Array, cu: jax.Array, total: int) -> jax.Array:
+    """Padded (B, max_len, ...) -> packed (total, ...); tokens outside every sequence get 0."""
+    max_len = xp.shape[1]
+    t, seq, valid, start, end = _token_layout(cu, total)
+    slot = jnp.clip(max_len - (end - start) + (t - start), 0, max_len - 1)
+    out = xp[seq, slot]
+    return jnp.where(valid.reshape(valid.shape + (1,) * (out.ndim - 1)), out, 0).astype(xp.dtype)
+
+
+def _padded_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k):
+    return _pad(q, _slots(cu_seqlens_q, max_q)), _pad(k, _slots(cu_seqlens_k, max_k)), \
+        _pad(v, _slots(cu_seqlens_k, max_k))
+
+
+def _padded_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, opts, max_q,
+                     max_k):
+    """(dq, dk, dv) packed, by the dense backward chain (preprocess, main, postprocess kernels)
+    on the right-aligned padded batch. ``lse``, ``dlse``: (H, total_q)."""
+    sq = _slots(cu_seqlens_q, max_q)
+    qp, kp, vp = _padded_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)
+    outp, doutp = _pad(out, sq), _pad(dout, sq)
+    idx, valid = sq
+    lsep = jnp.where(valid[:, None, :], lse[:, idx].transpose(1, 0, 2), -jnp.inf)  # (B, H, M)
+    dlsep = jnp.where(valid[:, None, :], dlse[:, idx].transpose(1, 0, 2), 0.0)
+    delta, lse_log2 = ops.bwd_preprocess(outp, doutp, lsep, opts.implementation)
+    dqp, dkp, dvp = ops.backward(qp, kp, vp, outp, lsep, doutp, delta - dlsep, lse_log2, opts)
+    total_q, total_k = q.shape[0], k.shape[0]
+    return (_unpad(dqp, cu_seqlens_q, total_q), _unpad(dkp, cu_seqlens_k, total_k),
+            _unpad(dvp, cu_seqlens_k, total_k))
+
+
+def padded_backward_unsupported(q, k, v, opts, max_q: int, max_k: int) -> str | None:
+    """Why the dense backward kernels cannot serve this varlen call padded (None if they can)."""
+    if max_q == 0 or max_k == 0:
+        return "an empty padded problem"
+    b = 1  # the kernels' configs do not depend on the batch
+    shape = lambda x, m: jax.ShapeDtypeStruct((b, m, *x.shape[1:]), x.dtype)  # noqa: E731
+    return ops.backward_unsupported(shape(q, max_q), shape(k, max_k), shape(v, max_k), opts)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _kernel_attention(q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, opts, kernel):
     return _kernel_forward(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, opts, kernel)
@@ -345,12 +414,22 @@ def _kernel_attention(q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, opts,
 
 def _kernel_attention_fwd(q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, opts, kernel):
     out, lse = _kernel_forward(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, opts, kernel)
-    return (out, lse), (q[None], k[None], v[None], sink, segments, out, lse)
+    return (out, lse), (q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, out, lse)
 
 
 def _kernel_attention_bwd(opts, kernel, residuals, cotangents):
-    # the reference's explicit backward on the packed batch (no varlen backward kernel yet)
-    dq, dk, dv, dsink, _ = _attention_bwd(opts, residuals, cotangents)
+    q, k, v, sink, segments, cu_q, cu_k, out, lse = residuals
+    dout, dlse = cotangents
+    _, max_q, max_k = kernel
+    if padded_backward_unsupported(q, k, v, opts, max_q, max_k) is None:
+        dq, dk, dv = _padded_backward(q, k, v, out[0], lse[0], dout[0], dlse[0], cu_q, cu_k,
+                                      opts, max_q, max_k)
+        dsink = None if sink is None else reference.sink_gradient(
+            sink, lse, ops.reference_delta(out, dout) - dlse)
+        return dq, dk, dv, dsink, None, None, None
+    # the reference's explicit backward on the packed batch
+    dq, dk, dv, dsink, _ = _attention_bwd(
+        opts, (q[None], k[None], v[None], sink, segments, out, lse), cotangents)
     return dq[0], dk[0], dv[0], dsink, None, None, None
 
 
@@ -414,8 +493,9 @@ def flash_attention_varlen(
       return_lse: also return the log-sum-exp, ``(H, total_q)`` float32 (FA4's varlen layout).
       implementation: None (on an H100/H200 the Hopper varlen forward kernel when it serves
         the call, else the reference), ``"sm90"`` (the kernel, or
-        :class:`ImplementationUnavailableError` saying why not) or ``"reference"``. The
-        backward is the reference's on the packed batch until the varlen backward kernels land.
+        :class:`ImplementationUnavailableError` saying why not) or ``"reference"``. On Hopper
+        the backward runs the dense backward kernels on the sequences padded to max_seqlen
+        (right-aligned, exact).
 
     Returns:
       ``out`` ``(total_q, H, Dv)`` in q's dtype, and with ``return_lse`` also ``lse``
@@ -435,7 +515,7 @@ def flash_attention_varlen(
     if opts.implementation != "reference":
         config = kernel_config(q, v, opts, max_seqlen_q)
         if not isinstance(config, str):
-            kernel = (config, max_seqlen_q)
+            kernel = (config, max_seqlen_q, max_seqlen_k)
         elif opts.forced:
             raise ImplementationUnavailableError(
                 f"implementation={opts.implementation!r} cannot run this varlen attention call: "

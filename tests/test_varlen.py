@@ -372,12 +372,20 @@ KERNEL_CASES = [  # (h, hkv, d, dv, kwargs, with_sink): head dims the kernels sh
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
 def test_kernel_route_with_an_emulated_kernel(case, monkeypatch):
     """implementation="sm90" runs the varlen kernel route (lse gathered from the padded layout,
-    padding rows zeroed, the sink joined, the reference backward): the same forward and
-    gradients as each sequence run alone."""
+    padding rows zeroed, the sink joined; the backward on the padded dense chain): the same
+    forward and gradients as the reference route."""
     from jax_fa4.ffi import call
+
+    import dataclasses
 
     h, hkv, d, dv, kwargs, with_sink = case
     monkeypatch.setattr(call, "call_kernel", _emulated_varlen_kernel(_ref_options(kwargs)))
+    # the backward runs the dense chain on the padded batch: the reference stands in for it
+    real_pre, real_backward = ops.bwd_preprocess, ops.backward
+    monkeypatch.setattr(ops, "bwd_preprocess",
+                        lambda out, dout, lse, impl: real_pre(out, dout, lse, "reference"))
+    monkeypatch.setattr(ops, "backward", lambda *a: real_backward(
+        *a[:-1], dataclasses.replace(a[-1], implementation="reference")))
     q, k, v, sink, dout, dlse = _packed(LENS_Q, LENS_K, h, hkv, d, dv, seed=4)
     q, k, v, dout = (x.astype(jnp.bfloat16) for x in (q, k, v, dout))
     sink = sink if with_sink else None
@@ -411,3 +419,34 @@ def test_kernel_route_with_an_emulated_kernel(case, monkeypatch):
         got, want = np.asarray(got, np.float32)[fin], np.asarray(want, np.float32)[fin]
         bound = (0.04 if with_sink else 0.01) * max(1.0, float(np.abs(want).max()))
         assert float(np.abs(got - want).max()) <= bound, (name, np.abs(got - want).max())
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+def test_padded_backward_matches_the_packed_reference(case, monkeypatch):
+    """The varlen backward on the dense kernels (sequences right-aligned in padded slots), with
+    the reference's dense backward standing in for the kernels: the same gradients as the
+    reference's packed (segment-id) backward, padding tokens included (zero gradient)."""
+    import dataclasses
+
+    h, hkv, d, dv, kwargs, _ = case
+    q, k, v, _, dout, dlse = _packed(LENS_Q, LENS_K, h, hkv, d, dv, seed=5)
+    cu_q, cu_k = jnp.asarray(_cu(LENS_Q)), jnp.asarray(_cu(LENS_K))
+    opts = varlen._options(q, softmax_scale=kwargs.get("softmax_scale"),
+                           causal=kwargs.get("causal", False),
+                           window_size=kwargs.get("window_size", (None, None)),
+                           softcap=kwargs.get("softcap", 0.0), implementation=None)
+    seg = varlen.varlen_segments(cu_q, cu_k, q.shape[0], k.shape[0])
+    out, lse = reference.attention(q[None], k[None], v[None], window=opts.window,
+                                   softcap=opts.softcap, softmax_scale=opts.softmax_scale,
+                                   **seg._asdict())
+    want = varlen._attention_bwd(opts, (q[None], k[None], v[None], None, seg, out, lse),
+                                 (dout[None], dlse[None]))[:3]
+    calls = []
+    real_backward = ops.backward
+    monkeypatch.setattr(ops, "backward", lambda *a: calls.append(a[0].shape) or real_backward(
+        *a[:-1], dataclasses.replace(a[-1], implementation="reference")))
+    got = varlen._padded_backward(q, k, v, out[0], lse[0], dout, dlse, cu_q, cu_k, opts,
+                                  max(LENS_Q) + 2, max(LENS_K) + 1)  # slack in the slots too
+    assert calls == [(len(LENS_Q), max(LENS_Q) + 2, h, d)]
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(g, w[0], err_msg=name, atol=5e-5, rtol=5e-5)

@@ -65,14 +65,16 @@ class Sm90BwdTuning:
 # (docs/SM90-NOTES.md) restricted to what the kernel implements (no swapAB, P and dS through shared
 # memory). hdim 64, 128 and 256 re-measured on the H200 over every valid tile / stage combination
 # (benchmarks/bwd_variants.py, docs/perf-log-bwd.md): with the dQ warp these start points are the
-# fastest; hdim 96 and 192 are not re-measured.
+# fastest; hdim 96 and 192 are not re-measured. Key blocks launch from the last one down
+# (reverse_launch): +1–8 % on 11 of the 12 anchor shapes (session 12, docs/perf-log-bwd.md).
 _T = Sm90BwdTuning
+_REV = dict(reverse_launch=True)
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
-    (64, 64): {k: _T(128, 128, 2, 1) for k in MASK_KINDS},
-    (96, 96): {k: _T(64, 128, 2, 2) for k in MASK_KINDS},
-    (128, 128): {k: _T(64, 128, 2, 2) for k in MASK_KINDS},
-    (192, 128): {k: _T(64, 64, 2, 2) for k in MASK_KINDS},
-    (256, 256): {k: _T(64, 64, 1, 1) for k in MASK_KINDS},
+    (64, 64): {k: _T(128, 128, 2, 1, **_REV) for k in MASK_KINDS},
+    (96, 96): {k: _T(64, 128, 2, 2, **_REV) for k in MASK_KINDS},
+    (128, 128): {k: _T(64, 128, 2, 2, **_REV) for k in MASK_KINDS},
+    (192, 128): {k: _T(64, 64, 2, 2, **_REV) for k in MASK_KINDS},
+    (256, 256): {k: _T(64, 64, 1, 1, **_REV) for k in MASK_KINDS},
 }
 
 
@@ -114,9 +116,11 @@ class BwdConfig(KernelConfig):
     # goes to shared memory and dV, dK read only dO, Q from it; dSᵀ still goes to shared memory
     # for dQ. Costs 16 lse + 16 delta values per thread (one per query column) instead of 2 + 2.
     swap_sdp: bool = False
-    # launch the key blocks of a (head, batch) from the last one down (the deterministic causal
-    # kernel always does: its dQ order needs it). Under a causal mask the last key blocks are the
-    # lightest, so this launches light blocks first.
+    # launch the key blocks of a (head, batch) from the last one down. The deterministic kernel's
+    # dQ order follows the launch order (each key block waits only on earlier launches):
+    # descending with a causal mask, which always launches reversed; ascending otherwise, which
+    # must not (validate). Under a causal mask the last key blocks are the lightest, so this
+    # launches light blocks first.
     reverse_launch: bool = False
 
     @classmethod
@@ -128,7 +132,8 @@ class BwdConfig(KernelConfig):
         cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
                   has_softcap=bool(has_softcap), gqa=bool(gqa), deterministic=bool(deterministic),
                   tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages, pds_stages=t.pds_stages,
-                  swap_sdp=t.swap_sdp and not has_softcap, reverse_launch=t.reverse_launch)
+                  swap_sdp=t.swap_sdp and not has_softcap,
+                  reverse_launch=(mask == "causal") if deterministic else t.reverse_launch)
         cfg.validate()
         return cfg
 
@@ -142,6 +147,10 @@ class BwdConfig(KernelConfig):
                              "(tile_m, tile_n in {64, 128})")
         if self.head_dim % 16 or self.head_dim_v % 16:
             raise ValueError("sm90 backward: head dims must be multiples of 16")
+        if self.deterministic and self.reverse_launch and self.mask != "causal":
+            raise ValueError("sm90 backward: a deterministic kernel adds dQ in ascending key-block "
+                             "order without a causal mask, so its key blocks must launch in that "
+                             "order (reverse_launch=False)")
         if self.stages < 1 or self.pds_stages not in (1, 2):
             raise ValueError("sm90 backward: stages >= 1 and pds_stages in {1, 2} required")
         if self.swap_sdp and (self.tile_m, self.tile_n) != (64, 128):

@@ -1,0 +1,134 @@
+"""Packed (varlen) training speed on the GPU against the dense kernels at the same total tokens.
+
+Issue #8's bar: forward and forward+backward of ``jax_fa4.flash_attention_varlen`` within 10 %
+of the dense ``jax_fa4.flash_attention`` TFLOP/s when the packed batch holds the same tokens.
+Per shape (B sequences of S tokens, H heads, hdim D, bf16; causal and not), in one process with
+``jax_fa4.bench``'s timing (warm-up, rounds rotating which program opens them, median, input
+sets rotated past the L2):
+
+* ``dense``: ``flash_attention`` on (B, S, H, D);
+* ``varlen``: ``flash_attention_varlen`` on the same tokens packed as (B·S, H, D) with
+  ``cu_seqlens = [0, S, 2S, ...]``;
+* ``varlen-mixed``: the same total tokens cut into sequences of unequal lengths (S/4 … 7S/4, so
+  max_seqlen = 7S/4): what padding the backward costs there (FLOPs counted per sequence).
+
+TFLOP/s use the anchors' convention (forward 2·Σ Sq·Sk·H·(D+Dv), halved under a causal mask,
+backward 2.5×). Writes JSON with the command, GPU and date.
+
+    python benchmarks/varlen_bench.py --out benchmarks/results/varlen-<gpu>-<date>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fa4
+from jax_fa4 import bench
+from variant_harness import report
+
+#: (B, S, H, D): the anchors' hdim-128 training shapes
+SHAPES = ((16, 2048, 16, 128), (4, 8192, 16, 128))
+
+
+def mixed_lengths(b: int, s: int) -> list[int]:
+    """B lengths summing to B·S, from S/4 to 7S/4 (pairs that add up to 2S)."""
+    lens = []
+    for i in range(b // 2):
+        short = s // 4 + (i * s) // max(1, b // 2)
+        lens += [short, 2 * s - short]
+    return lens + [s] * (b % 2)
+
+
+def flops(lens: list[int], h: int, d: int, causal: bool) -> float:
+    f = sum(2.0 * n * n * h * 2 * d for n in lens)
+    return f / 2 if causal else f
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--target-ms", type=float, default=60.0)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    device = jax.devices()[0]
+    print(f"jax {jax.__version__} on {device.device_kind}", flush=True)
+    t0 = time.perf_counter()
+    rows = []
+    for b, s, h, d in SHAPES:
+        for causal in (False, True):
+            label = f"B{b} S{s} H{h} D{d}" + (" causal" if causal else "")
+            total = b * s
+            key = jax.random.key(b * s + causal)
+            n_sets = max(2, -(-bench.ROTATION_BYTES // (4 * total * h * d * 2)))
+            sets = []
+            for set_key in jax.random.split(key, n_sets):
+                q, k, v, do = (jax.random.normal(kk, (total, h, d), jnp.bfloat16)
+                               for kk in jax.random.split(set_key, 4))
+                sets.append((q, k, v, do))
+            variants = {"dense": ([s] * b, None), "varlen": ([s] * b, s),
+                        "varlen-mixed": (mixed_lengths(b, s), None)}
+            programs, names = [], []
+            for name, (lens, _) in variants.items():
+                cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+                mx = max(lens)
+                if name == "dense":
+                    def attn(q, k, v):
+                        shape = (b, s, h, d)
+                        return jax_fa4.flash_attention(
+                            q.reshape(shape), k.reshape(shape), v.reshape(shape),
+                            causal=causal, implementation="sm90").reshape(total, h, d)
+                else:
+                    def attn(q, k, v, cu=cu, mx=mx):
+                        return jax_fa4.flash_attention_varlen(q, k, v, cu, cu, mx, mx,
+                                                              causal=causal,
+                                                              implementation="sm90")
+
+                def fwd(q, k, v, do, attn=attn):
+                    return attn(q, k, v)
+
+                def fwd_bwd(q, k, v, do, attn=attn):
+                    out, vjp = jax.vjp(attn, q, k, v)
+                    return out, vjp(do)
+
+                for kind, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+                    compiled = jax.jit(fn).lower(*sets[0]).compile()
+                    programs.append(bench.make_program(None, compiled, sets, 1))
+                    names.append((name, kind, lens))
+            timings = bench.time_programs(programs, repeats=args.repeats,
+                                          target_s=args.target_ms / 1e3, sync_each=False)
+            ms = {(n, kind): t.ms for (n, kind, _), t in zip(names, timings)}
+            for name, (lens, _) in variants.items():
+                f = flops(lens, h, d, causal)
+                t_f, t_fb = ms[(name, "fwd")], ms[(name, "fwd+bwd")]
+                rows.append(dict(shape=label, variant=name, lengths=lens, fwd_ms=t_f,
+                                 fwdbwd_ms=t_fb, fwd_tflops=f / (t_f * 1e-3) / 1e12,
+                                 bwd_tflops=2.5 * f / ((t_fb - t_f) * 1e-3) / 1e12,
+                                 fwdbwd_tflops=3.5 * f / (t_fb * 1e-3) / 1e12))
+            mine = [r for r in rows if r["shape"] == label]
+            dense = next(r for r in mine if r["variant"] == "dense")
+            for r in mine:
+                r["fwd_vs_dense"] = r["fwd_tflops"] / dense["fwd_tflops"]
+                r["fwdbwd_vs_dense"] = r["fwdbwd_tflops"] / dense["fwdbwd_tflops"]
+            line = "  ".join(f"{r['variant']} fwd {r['fwd_tflops']:.0f} ({r['fwd_vs_dense']:.2f}) "
+                             f"fwd+bwd {r['fwdbwd_tflops']:.0f} ({r['fwdbwd_vs_dense']:.2f})"
+                             for r in mine)
+            print(f"{label}: {line}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+            del sets, programs
+            if args.out:
+                args.out.write_text(json.dumps(report(device, args, t0, rows), indent=1) + "\n")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
