@@ -21,12 +21,9 @@ compared with cuDNN's (``rel_err``). Writes JSON with the command, GPU and date.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +31,7 @@ import numpy as np
 
 import jax_fa4
 from jax_fa4 import bench
-from variant_harness import report
+from variant_harness import save, start, timing_parser
 
 H, HKV, D = 32, 8, 128
 PAGE = 128
@@ -98,15 +95,8 @@ def compile_variant(name: str, args: tuple):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--target-ms", type=float, default=60.0)
-    p.add_argument("--out", type=Path)
-    args = p.parse_args(argv)
-    device = jax.devices()[0]
-    print(f"jax {jax.__version__} on {device.device_kind}", flush=True)
-    t0 = time.perf_counter()
+    args = timing_parser(__doc__).parse_args(argv)
+    device, t0 = start(args)
     rows = []
     for index, (b, sk) in enumerate(SHAPES):
         label = f"B{b} Sk{sk} H{H}/{HKV} D{D}"
@@ -140,10 +130,8 @@ def main(argv=None) -> int:
         print(f"[{index + 1}/{len(SHAPES)}] {label}: {line}  ({time.perf_counter() - t0:.0f} s)",
               flush=True)
         del sets, programs  # free the device arrays before the next shape
-        if args.out:  # after every shape, so a timeout keeps what was measured
-            args.out.write_text(json.dumps(report(device, args, t0, rows), indent=1) + "\n")
-    if args.out:
-        print(f"wrote {args.out}")
+        save(args, device, t0, rows)
+    save(args, device, t0, rows, final=True)
     return 0
 
 

@@ -14,15 +14,21 @@ from typing import Any
 SHAPE_GROUPS = {"d64": (64,), "d128": (128,), "d256": (256,), "all": (64, 128, 256)}
 
 
-def parser(doc: str) -> argparse.ArgumentParser:
-    """The flags both scripts take (each adds its own check threshold)."""
+def timing_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags every GPU benchmark script here takes: rounds, round length, output JSON."""
     p = argparse.ArgumentParser(description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", choices=sorted(SHAPE_GROUPS), default="all")
-    p.add_argument("--variants", help="comma-separated names (default: all; v1 always runs)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=60.0, help="length of one timed round")
     p.add_argument("--out", type=Path)
+    return p
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The flags fwd_variants.py and bwd_variants.py take (each adds its own check threshold)."""
+    p = timing_parser(doc)
+    p.add_argument("--shapes", choices=sorted(SHAPE_GROUPS), default="all")
+    p.add_argument("--variants", help="comma-separated names (default: all; v1 always runs)")
     p.add_argument("--list", action="store_true", help="print the configs needed and exit")
     p.add_argument("--precompile", action="store_true", help="build the configs into the cache")
     p.add_argument("--cache-dir", help="kernel cache for --precompile (default: the package's)")
@@ -45,13 +51,16 @@ def precompile(configs: list[Any], cache_dir: str | None) -> int:
     return 0
 
 
-def start(args, n_shapes: int):
-    """(device, wall-clock start); prints the run's header line."""
+def start(args, n_shapes: int | None = None):
+    """(device, wall-clock start); prints the run's header line (with the shapes and variants
+    of a variants script when ``n_shapes`` is given)."""
     import jax
 
     device = jax.devices()[0]
-    print(f"jax {jax.__version__} on {device.device_kind}; {n_shapes} shapes, variants "
-          f"{variant_names(args) or 'all'}", flush=True)
+    line = f"jax {jax.__version__} on {device.device_kind}"
+    if n_shapes is not None:
+        line += f"; {n_shapes} shapes, variants {variant_names(args) or 'all'}"
+    print(line, flush=True)
     return device, time.perf_counter()
 
 
@@ -80,6 +89,15 @@ def report(device, args, t0: float, rows: list[dict[str, Any]]) -> dict[str, Any
             "command": list(sys.orig_argv),
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
+
+
+def save(args, device, t0: float, rows: list[dict[str, Any]], final: bool = False) -> None:
+    """Write the report so far to ``args.out`` (if given): called after every shape, so that a
+    timeout keeps what was measured; ``final`` also says where it went."""
+    if args.out:
+        args.out.write_text(json.dumps(report(device, args, t0, rows), indent=1) + "\n")
+        if final:
+            print(f"wrote {args.out}")
 
 
 def write(result: dict[str, Any], prefix: str, out: Path | None) -> int:

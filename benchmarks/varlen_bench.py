@@ -20,11 +20,8 @@ backward 2.5×). Writes JSON with the command, GPU and date.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +29,7 @@ import numpy as np
 
 import jax_fa4
 from jax_fa4 import bench
-from variant_harness import report
+from variant_harness import save, start, timing_parser
 
 #: (B, S, H, D): the anchors' hdim-128 training shapes
 SHAPES = ((16, 2048, 16, 128), (4, 8192, 16, 128))
@@ -53,15 +50,8 @@ def flops(lens: list[int], h: int, d: int, causal: bool) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--target-ms", type=float, default=60.0)
-    p.add_argument("--out", type=Path)
-    args = p.parse_args(argv)
-    device = jax.devices()[0]
-    print(f"jax {jax.__version__} on {device.device_kind}", flush=True)
-    t0 = time.perf_counter()
+    args = timing_parser(__doc__).parse_args(argv)
+    device, t0 = start(args)
     rows = []
     for b, s, h, d in SHAPES:
         for causal in (False, True):
@@ -122,11 +112,9 @@ def main(argv=None) -> int:
                              f"fwd+bwd {r['fwdbwd_tflops']:.0f} ({r['fwdbwd_vs_dense']:.2f})"
                              for r in mine)
             print(f"{label}: {line}  ({time.perf_counter() - t0:.0f} s)", flush=True)
-            del sets, programs
-            if args.out:
-                args.out.write_text(json.dumps(report(device, args, t0, rows), indent=1) + "\n")
-    if args.out:
-        print(f"wrote {args.out}")
+            del sets, programs  # free the device arrays before the next shape
+            save(args, device, t0, rows)
+    save(args, device, t0, rows, final=True)
     return 0
 
 

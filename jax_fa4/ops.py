@@ -130,8 +130,9 @@ def forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
 
 
 def join_sink(out: jax.Array, lse: jax.Array, learnable_sink: jax.Array | None):
-    """(out, lse) with a learnable sink joining each row's denominator, in float32: ``lse' =
-    logaddexp(lse, sink)``, ``out' = out · e^{lse − lse'}`` (rows without keys: out 0, lse sink)."""
+    """(out, lse) with a learnable sink joining each row's denominator, in float32:
+    ``lse' = logaddexp(lse, sink)``, ``out' = out · e^{lse − lse'}`` (rows without keys: out 0,
+    lse = sink)."""
     if learnable_sink is None:
         return out, lse
     sink = learnable_sink.astype(jnp.float32)[:, None]  # (H, 1) against lse (B, H, Sq)

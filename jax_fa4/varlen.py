@@ -323,7 +323,8 @@ def kernel_config(q, v, opts, max_seqlen_q: int):
 
 def _kernel_forward(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, opts, kernel):
     """(out (1, total_q, H, Dv), lse (1, H, total_q)) by the varlen forward kernel; ``kernel``
-    is (config, max_seqlen_q, max_seqlen_k). Tokens outside every sequence: out 0, lse -inf."""
+    is (config, max_seqlen_q, max_seqlen_k). Tokens outside every sequence: out 0 (written by
+    the kernel), lse -inf."""
     from jax_fa4.ffi.call import call_kernel
 
     config, max_q, _ = kernel
@@ -336,8 +337,7 @@ def _kernel_forward(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, opts, kernel):
                     jax.ShapeDtypeStruct((batch, h, max_q), jnp.float32)))
     t, seq, valid, start, _ = _token_layout(cu_seqlens_q, total_q)
     lse = lse_pad[seq, :, jnp.clip(t - start, 0, max_q - 1)].T  # (H, total_q)
-    lse = jnp.where(valid, lse, -jnp.inf)[None]
-    out = jnp.where(valid[None, :, None, None], out, 0).astype(q.dtype)  # padding: never written
+    lse = jnp.where(valid, lse, -jnp.inf)[None]  # (the kernel wrote 0 to padding tokens' out)
     return ops.join_sink(out, lse, sink)
 
 

@@ -241,7 +241,10 @@ def test_kernel_route_joins_the_sink_around_the_attention_chain(case, monkeypatc
     from jax_fa4 import ops
 
     calls = []
-    ref_opts = lambda o: dataclasses.replace(o, implementation="reference", forced=False)  # noqa: E731
+
+    def ref_opts(o):
+        return dataclasses.replace(o, implementation="reference", forced=False)
+
     real_forward, real_pre, real_backward = ops.forward, ops.bwd_preprocess, ops.backward
 
     def forward(q, k, v, opts):

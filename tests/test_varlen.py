@@ -347,14 +347,14 @@ def test_flash_attention_segment_ids():
 # --- the kernel route, with the varlen forward kernel's contract emulated on the CPU ------------
 def _emulated_varlen_kernel(options):
     """A stand-in for the sm90 varlen forward kernel (spec.varlen_attention_forward_signature):
-    the reference on the packed batch, out written only at sequence rows (NaN elsewhere, as
-    unwritten memory) and lse scattered into (batch, H, max_seqlen_q) (NaN where unwritten)."""
+    the reference on the packed batch, out 0 at the tokens outside every sequence, lse scattered
+    into (batch, H, max_seqlen_q) (NaN where the kernel writes nothing)."""
     def kernel(config, arch, q, k, v, params, cu_q, cu_k, *, out_shapes):
         assert config.varlen and arch == "sm_90a" and q.shape[0] == 1
         seg = varlen.varlen_segments(cu_q, cu_k, q.shape[1], k.shape[1])
         out, lse = reference.attention(q, k, v, **options, **seg._asdict())
         t, seq, valid, start, _ = varlen._token_layout(cu_q, q.shape[1])
-        out = jnp.where(valid[None, :, None, None], out, jnp.nan).astype(out_shapes[0].dtype)
+        out = jnp.where(valid[None, :, None, None], out, 0).astype(out_shapes[0].dtype)
         lse_pad = jnp.full(out_shapes[1].shape, jnp.nan, jnp.float32)
         rows = jnp.where(valid, t - start, out_shapes[1].shape[2])  # invalid: dropped
         lse_pad = lse_pad.at[seq, :, rows].set(lse[0].T, mode="drop")

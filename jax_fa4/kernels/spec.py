@@ -179,7 +179,8 @@ def varlen_attention_forward_signature(dtype: str, head_dim: int, head_dim_v: in
     forward kernels: q (1, total_q, H, D), k (1, total_k, Hkv, D), v (1, total_k, Hkv, Dv) and
     out (1, total_q, H, Dv) are the sequences packed as one batch entry; cu_seqlens_q / _k
     (batch + 1,) int32 their boundaries; lse (batch, H, max_seqlen_q) float32 (its shape sets the
-    grid). Nothing is batched (``jax.vmap`` over them is refused)."""
+    grid). out rows outside every sequence are written as 0. Nothing is batched (``jax.vmap``
+    over them is refused)."""
     d, dv = head_dim, head_dim_v
     tq, tk, h, hkv, b, mq = 300, 400, 4, 2, 3, 128
     return KernelSignature(

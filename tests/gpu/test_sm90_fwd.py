@@ -71,6 +71,18 @@ def _check_lse(lse, ref_lse, pt_lse, softcap):
     return ref_inf
 
 
+def check_forward(out, lse, ref, pt, softcap: float, name: str) -> None:
+    """out (B, Sq, H, Dv) and lse (B, H, Sq) of a kernel against the float32 reference's and the
+    16-bit one's ``(out, lse)`` pairs ``ref`` and ``pt``: no NaN, FA4's rule on out, lse on its
+    finite entries with the same -inf pattern, and rows without a visible key exactly 0."""
+    assert not np.isnan(np.asarray(out, np.float32)).any(), f"{name}: NaN in output"
+    assert_fa4_close(out, ref[0], pt[0], softcap=softcap > 0, name=name)
+    empty_rows = _check_lse(lse, ref[1], pt[1], softcap > 0)  # (b, h, sq)
+    if empty_rows.any():  # rows with no visible key: exactly 0
+        o = np.asarray(out, np.float32).transpose(0, 2, 1, 3)[empty_rows]
+        assert np.all(o == 0), f"{name}: rows without visible keys are not 0"
+
+
 def run_case(b, sq, sk, h, hkv, d, dv=None, dtype=jnp.bfloat16, causal=False,
              window=(None, None), softcap=0.0, softmax_scale=None, repeat=False):
     dv = d if dv is None else dv
@@ -82,17 +94,11 @@ def run_case(b, sq, sk, h, hkv, d, dv=None, dtype=jnp.bfloat16, causal=False,
     out, lse = jax.block_until_ready((out, lse))
     ref_window = (window[0], 0) if causal else window
     kw = dict(softmax_scale=softmax_scale, window=ref_window, softcap=softcap)
-    ref_out, ref_lse = reference.attention(q, k, v, **kw)
-    pt_out, pt_lse = reference.attention(q, k, v, compute_dtype=dtype, **kw)
     name = f"out b={b} sq={sq} sk={sk} h={h}/{hkv} d={d}/{dv} {jnp.dtype(dtype).name} " \
            f"causal={causal} window={window} softcap={softcap}"
     assert out.shape == (b, sq, h, dv) and out.dtype == dtype
-    assert not np.isnan(np.asarray(out, np.float32)).any(), f"{name}: NaN in output"
-    assert_fa4_close(out, ref_out, pt_out, softcap=softcap > 0, name=name)
-    empty_rows = _check_lse(lse, ref_lse, pt_lse, softcap > 0)  # (b, h, sq)
-    if empty_rows.any():  # rows with no visible key: exactly 0
-        o = np.asarray(out, np.float32).transpose(0, 2, 1, 3)[empty_rows]
-        assert np.all(o == 0), f"{name}: rows without visible keys are not 0"
+    check_forward(out, lse, reference.attention(q, k, v, **kw),
+                  reference.attention(q, k, v, compute_dtype=dtype, **kw), softcap, name)
     if repeat:
         poison_device_memory()
         out2, lse2 = jax.block_until_ready(fn(q, k, v))
@@ -293,15 +299,9 @@ def test_v2_options(cfg, shape):
     out, lse = jax.block_until_ready(fn(q, k, v))
     ref_window = {"none": (None, None), "causal": (None, 0), "local": window}[cfg.mask]
     kw = dict(softmax_scale=scale, window=ref_window, softcap=softcap)
-    ref_out, ref_lse = reference.attention(q, k, v, **kw)
-    pt_out, pt_lse = reference.attention(q, k, v, compute_dtype=dtype, **kw)
     name = f"{_option_id(cfg)} shape={shape}"
-    assert not np.isnan(np.asarray(out, np.float32)).any(), f"{name}: NaN in output"
-    assert_fa4_close(out, ref_out, pt_out, softcap=softcap > 0, name=name)
-    empty_rows = _check_lse(lse, ref_lse, pt_lse, softcap > 0)
-    if empty_rows.any():
-        o = np.asarray(out, np.float32).transpose(0, 2, 1, 3)[empty_rows]
-        assert np.all(o == 0), f"{name}: rows without visible keys are not 0"
+    check_forward(out, lse, reference.attention(q, k, v, **kw),
+                  reference.attention(q, k, v, compute_dtype=dtype, **kw), softcap, name)
     poison_device_memory()
     out2, lse2 = jax.block_until_ready(fn(q, k, v))
     np.testing.assert_array_equal(np.asarray(out2, np.float32), np.asarray(out, np.float32),

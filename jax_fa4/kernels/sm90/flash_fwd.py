@@ -36,7 +36,8 @@ entry (1, total, H, ·); CTA (m, h, b) reads sequence b's rows [cu_seqlens[b], c
 through TMA from that offset (rows past the sequence are loaded but masked as the key tail, or
 never stored), a tile past the sequence's end does nothing, and O is stored row by row below
 seqlen_q (16-byte pieces from the shared-memory tile) instead of by TMA, which would overwrite
-the next sequence. lse is (batch, H, max_seqlen_q): its shape sets the grid.
+the next sequence. lse is (batch, H, max_seqlen_q): its shape sets the grid, plus one batch slice
+whose CTAs write 0 to the packed rows outside every sequence (zero_padding_rows).
 
 Decode shapes reach this kernel rewritten by jax_fa4/decode.py (GQA packing, split-KV).
 """
@@ -197,15 +198,16 @@ class FlashAttentionForwardSm90:
         num_m_blocks = cute.ceil_div(mLSE.shape[0] if const_expr(self.varlen) else mQ.shape[0],
                                      self.tile_m)
         if const_expr(self.varlen):
-            grid = SingleTileScheduler.grid_shape(num_m_blocks, mQ.shape[2], mLSE.shape[2])
+            # one more batch slice: its CTAs write the zeros of the tokens outside every sequence
+            grid = SingleTileScheduler.grid_shape(num_m_blocks, mQ.shape[2], mLSE.shape[2] + 1)
         elif const_expr(self.persistent):
             grid = PersistentTileScheduler.grid_shape(self.num_sms, num_m_blocks, mQ.shape[2],
                                                       mQ.shape[3])
         else:
             grid = SingleTileScheduler.grid_shape(num_m_blocks, mQ.shape[2], mQ.shape[3])
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mO if const_expr(self.varlen) else None, mLSE, mParams, mPageTable, mSeqUsedK, mCuSeqlensQ,
-            mCuSeqlensK, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            tma_Q, tma_K, tma_V, tma_O, mO if const_expr(self.varlen) else None, mLSE, mParams,
+            mPageTable, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -277,9 +279,16 @@ class FlashAttentionForwardSm90:
             # cache); dense: all of K
             q_offset, k_offset = None, None
             if const_expr(self.varlen):
-                q_offset, k_offset = mCuSeqlensQ[batch], mCuSeqlensK[batch]
-                seqlen_q = mCuSeqlensQ[batch + 1] - q_offset
-                seqlen_k = mCuSeqlensK[batch + 1] - k_offset
+                # the last batch slice (batch == number of sequences) only zeroes the padding
+                # tokens (zero_padding_rows): it runs as an empty sequence
+                num_seqs = mCuSeqlensQ.shape[0] - 1
+                seq = cutlass.min(batch, num_seqs - 1)
+                q_offset, k_offset = mCuSeqlensQ[seq], mCuSeqlensK[seq]
+                seqlen_q = mCuSeqlensQ[seq + 1] - q_offset
+                seqlen_k = mCuSeqlensK[seq + 1] - k_offset
+                if batch == num_seqs:
+                    seqlen_q = 0
+                    seqlen_k = 0
             elif const_expr(self.paged):
                 seqlen_k = mSeqUsedK[batch]
             else:
@@ -319,6 +328,11 @@ class FlashAttentionForwardSm90:
                          scale_log2, softcap_in_scale, mask, block_info,
                          m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
                          varlen_out=(mO_gmem, q_offset) if const_expr(self.varlen) else None)
+                if const_expr(self.varlen):
+                    if batch == mCuSeqlensQ.shape[0] - 1:
+                        self.zero_padding_rows(mO_gmem, mCuSeqlensQ, head, m_block,
+                                               cute.ceil_div(mLSE.shape[0], self.tile_m),
+                                               tidx - 128)
 
     @cute.jit
     def windows(self, mParams: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32):
@@ -695,15 +709,7 @@ class FlashAttentionForwardSm90:
     def store_rows(self, sO: cute.Tensor, gO: cute.Tensor, tidx: Int32, rows: Int32):
         """Copy the first ``rows`` rows of the (tile_m, Dv) tile sO to gO, 16 bytes a thread
         per step, all consumer threads."""
-        chunks = self.hdimv // 8  # 16-byte pieces per row
-        per_row = math.gcd(chunks, 32)  # threads along a row (a power of two dividing chunks)
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                   num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((self.num_mma_threads // per_row, per_row),
-                                           order=(1, 0)),
-            cute.make_layout((1, 8)))
-        thr = tiled.get_slice(tidx)
+        tiled, thr = self.row_copy(tidx)
         tOsO = thr.partition_S(sO)
         tOgO = thr.partition_D(gO)
         tOcO = thr.partition_D(cute.make_identity_tensor((self.tile_m, self.hdimv)))
@@ -712,6 +718,41 @@ class FlashAttentionForwardSm90:
         for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
             if tOcO[0, m, 0][0] < rows:
                 cute.copy(tiled, tOrO[None, m, None], tOgO[None, m, None])
+
+    def row_copy(self, tidx: Int32):
+        """The consumer threads' tiled copy of (tile_m, Dv) 16-bit tiles, 16 bytes a thread per
+        step (a power-of-two number of threads along a row)."""
+        per_row = math.gcd(self.hdimv // 8, 32)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                   num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((self.num_mma_threads // per_row, per_row),
+                                           order=(1, 0)),
+            cute.make_layout((1, 8)))
+        return tiled, tiled.get_slice(tidx)
+
+    @cute.jit
+    def zero_padding_rows(self, mO_gmem: cute.Tensor, mCuSeqlensQ: cute.Tensor, head: Int32,
+                          m_block: Int32, num_m_blocks: Int32, tidx: Int32):
+        """Varlen, last batch slice: write 0 to head ``head`` of the packed output rows outside
+        every sequence, [0, cu_seqlens_q[0]) and [cu_seqlens_q[-1], total); CTA m_block takes
+        the tiles m_block, m_block + num_m_blocks, ..."""
+        total = mO_gmem.shape[0]
+        first, last = mCuSeqlensQ[0], mCuSeqlensQ[mCuSeqlensQ.shape[0] - 1]
+        tiled, thr = self.row_copy(tidx)
+        cO = thr.partition_D(cute.make_identity_tensor((self.tile_m, self.hdimv)))
+        zeros = cute.make_fragment_like(
+            thr.partition_D(cute.make_identity_tensor((self.tile_m, self.hdimv))), self.dtype)
+        zeros.fill(0.0)
+        mO_h = mO_gmem[None, None, head, 0]
+        tile = m_block
+        while tile * self.tile_m < total:
+            tOgO = thr.partition_D(cute.local_tile(mO_h, (self.tile_m, self.hdimv), (tile, 0)))
+            for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+                row = tile * self.tile_m + cO[0, m, 0][0]
+                if row < total and (row < first or row >= last):
+                    cute.copy(tiled, zeros[None, m, None], tOgO[None, m, None])
+            tile += num_m_blocks
 
     @cute.jit
     def store_tile_tma(self, sO: cute.Tensor, mO: cute.Tensor, tma_atom_O: cute.CopyAtom,
