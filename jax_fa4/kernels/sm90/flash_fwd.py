@@ -207,7 +207,8 @@ class FlashAttentionForwardSm90:
             grid = SingleTileScheduler.grid_shape(num_m_blocks, mQ.shape[2], mQ.shape[3])
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mO if const_expr(self.varlen) else None, mLSE, mParams,
-            mPageTable, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            mPageTable, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -542,14 +543,15 @@ class FlashAttentionForwardSm90:
             v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipeline_k.producer_acquire(k_state)
-            cute.copy(tma_atom_K, tKgK[None, self.kv_tile(mPageTable, batch, n_block_max - 1)], tKsK[None, k_state.index],
+            k_tile = self.kv_tile(mPageTable, batch, n_block_max - 1)
+            cute.copy(tma_atom_K, tKgK[None, k_tile], tKsK[None, k_state.index],
                       tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
             k_state.advance()
             pipeline_q.producer_acquire(q_state)
             cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
             if const_expr(not self.overlap):
                 pipeline_v.producer_acquire(v_state)
-                cute.copy(tma_atom_V, tVgV[None, self.kv_tile(mPageTable, batch, n_block_max - 1)], tVsV[None, v_state.index],
+                cute.copy(tma_atom_V, tVgV[None, k_tile], tVsV[None, v_state.index],
                           tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
                 v_state.advance()
             for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
@@ -567,7 +569,8 @@ class FlashAttentionForwardSm90:
                 v_state.advance()
             if const_expr(self.overlap):
                 pipeline_v.producer_acquire(v_state)
-                cute.copy(tma_atom_V, tVgV[None, self.kv_tile(mPageTable, batch, n_block_min)], tVsV[None, v_state.index],
+                v_tile = self.kv_tile(mPageTable, batch, n_block_min)
+                cute.copy(tma_atom_V, tVgV[None, v_tile], tVsV[None, v_state.index],
                           tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
 
     def sequence(self, mX: cute.Tensor, head, batch, offset=None) -> cute.Tensor:

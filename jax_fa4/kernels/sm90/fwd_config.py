@@ -102,8 +102,9 @@ class FwdConfig(KernelConfig):
     # scores a thread exponentiates per row, this many run the FMA-pipe polynomial of
     # common/exp2.py instead of MUFU ex2. 0 = all on MUFU (v1).
     exp2_sw_per_32: int = 0
-    # Paged KV (jax_fa4/paged.py): K/V are a cache of tile_n-key tiles, key block n of batch entry
-    # b is tile page_table[b, n], and b has seqused_k[b] keys (spec.paged_attention_forward_signature).
+    # Paged KV (jax_fa4/paged.py): K/V are a cache of tile_n-key tiles, key block n of batch
+    # entry b is tile page_table[b, n], and b has seqused_k[b] keys
+    # (spec.paged_attention_forward_signature).
     paged: bool = False
     # Varlen (jax_fa4/varlen.py): q, k, v, out packed along one axis, sequence boundaries from
     # cu_seqlens (spec.varlen_attention_forward_signature).
