@@ -131,6 +131,23 @@ def test_validator_names_the_unsupported_feature(kwargs, word):
         BwdConfig.make(**kwargs)
 
 
+def test_launch_order_of_the_deterministic_kernels():
+    """The deterministic kernel's dQ order follows its launch order: causal launches from the
+    last key block down (descending adds), every other mask from the first up (ascending), and
+    the validator refuses a reversed launch there (a key block would wait on a later launch).
+    The default kernels launch reversed (the table's choice)."""
+    from dataclasses import replace
+
+    for mask in ("none", "causal", "local"):
+        default = BwdConfig.make("bfloat16", 128, mask=mask)
+        det = BwdConfig.make("bfloat16", 128, mask=mask, deterministic=True)
+        assert default.reverse_launch
+        assert det.reverse_launch == (mask == "causal")
+        if mask != "causal":
+            with pytest.raises(ValueError, match="reverse_launch"):
+                replace(det, reverse_launch=True).validate()
+
+
 def _deterministic_variants():
     """Ordered dQ: every head dim, each with the register-tightest options (local, softcap, GQA)
     or plain causal MHA."""

@@ -30,10 +30,12 @@ import pytest
 from compiled import compiled_object
 from jax_fa4.kernels.common.block_info import BlockInfo
 from jax_fa4.kernels.sm90.fwd_config import (FwdConfig, TUNING_TABLE, decode_config,
-                                              fallback_configs, option_test_configs)
+                                              fallback_configs, option_test_configs,
+                                              shipped_configs)
 
 REPO = Path(__file__).resolve().parents[1]
-from compiled import CUBIN_REPORT, needs_cubin_report  # ../shared/tools/cubin_report.py
+from compiled import (CUBIN_REPORT, needs_cubin_report,  # ../shared/tools/cubin_report.py
+                      shipped_sass_problems)
 ARCH = "sm_90a"
 
 
@@ -100,6 +102,18 @@ def test_compiles_with_clean_sass(dtype, d, dv, mask, softcap, overlap, tmp_path
     assert ops.get("MUFU.EX2", 0) > 0
     assert ops["STSM"] > 0, "O epilogue should use stmatrix"
     assert (ops["MUFU.TANH"] > 0) == softcap
+
+
+@needs_cubin_report
+def test_every_shipped_variant_has_clean_sass(shipped_cache, tmp_path):
+    """Every shipped sm90 forward variant (training, decode, paged and varlen configs of every
+    row, both dtypes, with and without softcap): warpgroup MMAs, TMA loads, no spills,
+    registers and shared memory within sm_90's limits."""
+    configs = shipped_configs()
+    assert {c.paged for c in configs} == {c.varlen for c in configs} == {False, True}
+    problems = shipped_sass_problems(shipped_cache, configs, ARCH, "FlashAttentionForwardSm90",
+                                     tmp_path, must_have=("HGMMA", "UTMALDG", "MUFU.EX2"))
+    assert not problems, "\n".join(problems)
 
 
 @needs_cubin_report
@@ -205,6 +219,9 @@ def test_default_rows_are_not_persistent():
     (dict(rescale_threshold=-1.0), "rescale_threshold"),
     (dict(tile_m=192), "registers"),  # hdim 128 with 3 warpgroups would spill
     (dict(tile_m=256), "tile_m"),
+    (dict(paged=True, num_sms=132), "paged KV"),
+    (dict(varlen=True, num_sms=132), "varlen"),
+    (dict(varlen=True, paged=True), "varlen"),
 ])
 def test_validator_rejects_bad_v2_options(kwargs, word):
     with pytest.raises(ValueError, match=word):
