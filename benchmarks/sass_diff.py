@@ -7,7 +7,9 @@ For a refactor that should not change the generated code, this is the proof that
 run: every selected shipped variant (``jax_fa4.variants``, default suite) is compiled from each
 checkout (each in its own process, importing that checkout's ``jax_fa4``) and disassembled with
 ../shared/tools/cubin_report.py; instructions are compared with addresses, encodings and
-immediates stripped. Variants whose config no longer exists in one checkout are listed apart.
+immediates stripped. Variants are matched by their family, arch and the config fields that differ
+from their defaults (so a new field added with a default that keeps the old code still pairs
+with the old variant); variants without a partner are listed apart.
 Prints one line per variant (``same`` / ``DIFFERS: n lines``) and exits 1 if any differs.
 """
 
@@ -35,8 +37,17 @@ def normalised_sass(sass: str) -> list[str]:
     return out
 
 
+def variant_key(v) -> str:
+    """Family, arch and the config fields that differ from their defaults."""
+    import dataclasses
+
+    fields = [f"{f.name}={getattr(v.config, f.name)!r}" for f in dataclasses.fields(v.config)
+              if getattr(v.config, f.name) != f.default]
+    return f"{v.arch} {v.config.kernel_name}({', '.join(fields)})"
+
+
 def dump(root: str, out_dir: str, selection: dict) -> None:
-    """(In a child process) compile the selection from ``root``; write {describe: sass lines}."""
+    """(In a child process) compile the selection from ``root``; write {key: sass lines}."""
     sys.path.insert(0, root)
     from jax_fa4.ffi.compiler import compile_config
     from jax_fa4.variants import variants
@@ -49,7 +60,7 @@ def dump(root: str, out_dir: str, selection: dict) -> None:
         subprocess.run([sys.executable, str(CUBIN_REPORT), str(obj), "--json", "--sass-out",
                         str(sass_dir)], capture_output=True, text=True, check=True)
         sass = "".join(p.read_text() for p in sorted(sass_dir.iterdir()))
-        result[v.describe()] = normalised_sass(sass)
+        result[variant_key(v)] = normalised_sass(sass)
         print(f"  {Path(root).name}: {v.describe()}", file=sys.stderr, flush=True)
     (Path(out_dir) / "sass.json").write_text(json.dumps(result))
 

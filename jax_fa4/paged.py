@@ -14,7 +14,9 @@ batch entry is one TMA load of the cache tile its page table entry names, and th
 ``seqused_k[b]``. Decode steps are rewritten around it as for dense decode
 (:mod:`jax_fa4.decode`): the ``g`` query heads of a kv head packed into one tile's rows and, when
 the tiles would not fill the GPU, the page table split into chunks (one batch entry each, with
-its own ``seqused_k``) merged by their lse. A learnable sink joins afterwards in float32:
+its own ``seqused_k``) merged by their lse. The Blackwell forward kernel has the same paged
+mode (compiled and SASS-checked only; used when sm100 is forced or enabled, like every sm100
+kernel). A learnable sink joins afterwards in float32:
 ``lse' = logaddexp(lse, sink)``, ``out' = out · e^{lse − lse'}``.
 
 Otherwise the pure-JAX reference runs, in one of two forms:
@@ -161,17 +163,24 @@ def _paged_reference(q, k_cache, v_cache, page_table, seqused_k, learnable_sink,
 
 
 def kernel_config(q, k_cache, v_cache, opts):
-    """The paged forward kernel config serving this call, or the reason none does (a str)."""
-    if opts.implementation != "sm90":
+    """The paged forward kernel config serving this call, or the reason none does (a str).
+    Hopper: the 64-row decode tile (``sm90.fwd_config.paged_config``); Blackwell (opt-in, never
+    run on hardware): the table's config with ``paged=True``."""
+    if opts.implementation not in KERNEL_ARCH:
         return f"there is no paged kernel for implementation={opts.implementation!r}"
     dtype = jnp.dtype(q.dtype).name
     if dtype not in ops.KERNEL_DTYPES:
         return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
-    from jax_fa4.kernels.sm90.fwd_config import paged_config
-
+    kind = (dtype, q.shape[3], v_cache.shape[3], ops.mask_kind(opts.window), opts.softcap > 0)
     try:
-        config = paged_config(dtype, q.shape[3], v_cache.shape[3], ops.mask_kind(opts.window),
-                              opts.softcap > 0)
+        if opts.implementation == "sm90":
+            from jax_fa4.kernels.sm90.fwd_config import paged_config
+
+            config = paged_config(*kind)
+        else:
+            from jax_fa4.kernels.sm100.fwd_config import FwdConfig
+
+            config = FwdConfig.make(*kind, paged=True)
     except ValueError as err:
         return str(err)
     page_size = k_cache.shape[1]

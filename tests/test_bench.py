@@ -215,3 +215,36 @@ def test_sass_diff_compares_instructions_only():
     assert sass_diff.normalised_sass(a) == sass_diff.normalised_sass(b)
     assert len(sass_diff.normalised_sass(a)) == 2
     assert sass_diff.normalised_sass(a) != sass_diff.normalised_sass(a.replace("IMAD", "IADD3"))
+
+
+def test_sass_diff_pairs_variants_across_a_new_default_field():
+    """A config field added with a default (the code it generated before) keeps the variant's
+    key, so the old and the new checkout's variants pair up; a non-default value does not."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+    from typing import ClassVar
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import sass_diff
+    finally:
+        sys.path.pop(0)
+
+    @dataclasses.dataclass(frozen=True)
+    class Old:
+        kernel_name: ClassVar[str] = "k"
+        head_dim: int = 128
+        mask: str = "none"
+
+    @dataclasses.dataclass(frozen=True)
+    class New(Old):
+        paged: bool = False
+
+    def variant(config):
+        return type("V", (), {"arch": "sm_90a", "config": config})()
+
+    old = sass_diff.variant_key(variant(Old(head_dim=64, mask="causal")))
+    assert old == sass_diff.variant_key(variant(New(head_dim=64, mask="causal")))
+    assert old != sass_diff.variant_key(variant(New(head_dim=64, mask="causal", paged=True)))
+    assert old != sass_diff.variant_key(variant(Old(head_dim=64)))

@@ -175,6 +175,25 @@ def test_kernel_route_with_an_emulated_kernel(monkeypatch, sq, h, hkv, d, page_s
     np.testing.assert_allclose(got, want_out, atol=2e-2, rtol=2e-2)  # bf16 rounding (+ merge)
 
 
+def test_kernel_config_per_architecture():
+    """Hopper: the 64-row decode tile with 128-key blocks (64 at head dim 256); Blackwell: its
+    table's config, paged; the reference: none."""
+    opts = paged._options(jnp.zeros((1, 1, 2, 128), jnp.bfloat16), softmax_scale=None,
+                          causal=True, window_size=(None, None), softcap=0.0,
+                          implementation=None)
+    for d, tile_n in ((128, 128), (256, 64)):
+        q = jnp.zeros((1, 1, 2, d), jnp.bfloat16)
+        cache = jnp.zeros((4, 128, 2, d), jnp.bfloat16)
+        sm90 = paged.kernel_config(q, cache, cache, dataclasses.replace(opts, implementation="sm90"))
+        sm100 = paged.kernel_config(q, cache, cache,
+                                    dataclasses.replace(opts, implementation="sm100"))
+        assert (sm90.kernel_name, sm90.paged, sm90.tile_m, sm90.tile_n) == (
+            "sm90_fwd", True, 64, tile_n)
+        assert (sm100.kernel_name, sm100.paged, sm100.mask) == ("sm100_fwd", True, "causal")
+    assert "no paged kernel" in paged.kernel_config(
+        q, cache, cache, dataclasses.replace(opts, implementation="reference"))
+
+
 def test_kernel_config_refuses_pages_smaller_than_its_key_block():
     q = jnp.zeros((1, 1, 2, 128), jnp.bfloat16)
     cache = jnp.zeros((4, 64, 2, 128), jnp.bfloat16)

@@ -80,6 +80,7 @@ class FlashAttentionForwardSm100:
         self.cfg = cfg
         self.dtype = cutlass.BFloat16 if cfg.dtype == "bfloat16" else cutlass.Float16
         self.is_bf16 = cfg.dtype == "bfloat16"
+        self.paged = cfg.paged
         self.hdim, self.hdimv = cfg.head_dim, cfg.head_dim_v
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.kv_stages = cfg.kv_stages
@@ -101,12 +102,20 @@ class FlashAttentionForwardSm100:
     # ---------------------------------------------------------------------------------------------
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
-                 mParams: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+                 mParams: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mPageTable: cute.Tensor | None = None, mSeqUsedK: cute.Tensor | None = None):
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("out", mO)):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"{name}: expected {self.dtype}, got {t.element_type}")
         if const_expr(mLSE.element_type != Float32 or mParams.element_type != Float32):
             raise TypeError("lse and params must be float32")
+        if const_expr(self.paged != (mPageTable is not None) or
+                      self.paged != (mSeqUsedK is not None)):
+            raise TypeError("page_table and seqused_k are given exactly when the config is paged")
+        if const_expr(self.paged):
+            for name, t in (("page_table", mPageTable), ("seqused_k", mSeqUsedK)):
+                if const_expr(t.element_type != Int32):
+                    raise TypeError(f"{name}: expected Int32, got {t.element_type}")
         D, Dv = self.hdim, self.hdimv
         mQ, mK = seq_major(mQ, D), seq_major(mK, D)
         mV, mO = dim_major(mV, Dv), seq_major(mO, Dv)
@@ -170,7 +179,7 @@ class FlashAttentionForwardSm100:
         grid = cutlass.min(total, self.cfg.num_sms)
         grid = cutlass.max(grid, 1)
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE, mParams,
+            tma_Q, tma_K, tma_V, tma_O, mLSE, mParams, mPageTable, mSeqUsedK,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             sQ_layout, sK_layout, sV_layout, sO_layout, tP_layout,
             qk_mma, pv_mma, SharedStorage,
@@ -182,7 +191,8 @@ class FlashAttentionForwardSm100:
     # ---------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mParams: cute.Tensor,
+               mLSE: cute.Tensor, mParams: cute.Tensor, mPageTable: cute.Tensor | None,
+               mSeqUsedK: cute.Tensor | None,
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_O: cute.CopyAtom,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -237,28 +247,26 @@ class FlashAttentionForwardSm100:
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         num_heads, num_batch = mQ.shape[2], mQ.shape[3]
         qhead_per_kvhead = num_heads // mK.shape[2]
-        window_left, window_right = Int32(0), Int32(0)
-        if const_expr(self.is_local):
-            wl = Int32(mParams[2])
-            wr = Int32(mParams[3])
-            window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
-            window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
+        window_left, window_right = self.windows(mParams, seqlen_q, seqlen_k)
         num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
         total_tiles = num_m_blocks * num_heads * num_batch
         bidx, _, _ = cute.arch.block_idx()
         grid_dim, _, _ = cute.arch.grid_dim()
         sched = (num_m_blocks, num_heads, num_batch, total_tiles, bidx, grid_dim)
         blk = (seqlen_q, seqlen_k, window_left, window_right)
+        # paged: each role recomputes the lengths of its tile's batch entry (tile_blk)
+        paged = (mPageTable, mSeqUsedK, mParams) if const_expr(self.paged) else None
 
         if warp_idx == LOAD_WARP:
             self.load_warp(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                           qk_mma, pv_mma, pipeline_q, pipeline_kv, sched, blk, qhead_per_kvhead)
+                           qk_mma, pv_mma, pipeline_q, pipeline_kv, sched, blk, qhead_per_kvhead,
+                           paged)
         # (the MMA warp's branch comes last: it mutates the tiled MMAs' ACCUMULATE field)
         if warp_idx < len(SOFTMAX_WARPS):
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.softmax_warps(mO, mLSE, mParams, sO, tma_atom_O, qk_mma, pv_mma, tmem_ptr,
-                               s_full, p_full, o_full, sched, blk, tidx, warp_idx)
+                               s_full, p_full, o_full, sched, blk, tidx, warp_idx, paged)
             cute.arch.fence_view_async_tmem_load()
             dealloc_barrier.arrive_and_wait()
         if warp_idx == MMA_WARP:
@@ -267,11 +275,34 @@ class FlashAttentionForwardSm100:
             tmem_ptr = tmem.retrieve_ptr(Float32)
             tmem.relinquish_alloc_permit()
             self.mma_warp(sQ, sK, sV, tP_layout, qk_mma, pv_mma, tmem_ptr, pipeline_q,
-                          pipeline_kv, s_full, p_full, o_full, sched, blk)
+                          pipeline_kv, s_full, p_full, o_full, sched, blk, paged)
             dealloc_barrier.arrive_and_wait()
             tmem.free(tmem_ptr)
 
     # --- shared by the roles ------------------------------------------------------------------
+    @cute.jit
+    def windows(self, mParams: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32):
+        """(window_left, window_right) from params[2:4] (local masks; 0 otherwise): -1 (any
+        negative) = unbounded, clamped to a bound that covers every key."""
+        window_left, window_right = Int32(0), Int32(0)
+        if const_expr(self.is_local):
+            wl = Int32(mParams[2])
+            wr = Int32(mParams[3])
+            window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
+            window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
+        return window_left, window_right
+
+    @cute.jit
+    def tile_blk(self, blk: cutlass.Constexpr, paged: cutlass.Constexpr, batch: Int32):
+        """The tile's (seqlen_q, seqlen_k, window_left, window_right): the call's, or (paged)
+        with batch entry ``batch``'s key length seqused_k[batch]."""
+        if const_expr(paged is None):
+            return blk
+        _, mSeqUsedK, mParams = paged
+        seqlen_k = mSeqUsedK[batch]
+        window_left, window_right = self.windows(mParams, blk[0], seqlen_k)
+        return blk[0], seqlen_k, window_left, window_right
+
     @cute.jit
     def n_block_range(self, m_block: Int32, blk: cutlass.Constexpr):
         """[n_min, n_max): key blocks with at least one visible key for this M tile."""
@@ -297,7 +328,8 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def load_warp(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                   qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, pipeline_q, pipeline_kv,
-                  sched: cutlass.Constexpr, blk: cutlass.Constexpr, qhead_per_kvhead: Int32):
+                  sched: cutlass.Constexpr, blk: cutlass.Constexpr, qhead_per_kvhead: Int32,
+                  paged: cutlass.Constexpr = None):
         D, Dv = self.hdim, self.hdimv
         qk_thr, pv_thr = qk_mma.get_slice(0), pv_mma.get_slice(0)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -307,10 +339,13 @@ class FlashAttentionForwardSm100:
         for idx in cutlass.range(bidx, total_tiles, grid_dim, unroll=1):
             m_block, head, batch = self.work_tile(idx, sched)
             head_kv = head // qhead_per_kvhead
-            n_min, n_max = self.n_block_range(m_block, blk)
+            n_min, n_max = self.n_block_range(m_block, self.tile_blk(blk, paged, batch))
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, D), (m_block, 0))
-            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, D), (None, 0))
-            gV = cute.local_tile(mV[None, None, head_kv, batch], (Dv, self.tile_n), (0, None))
+            # paged: K and V are the cache as one batch entry of tile_n-key tiles; key block n of
+            # this batch entry is tile page_table[batch, n] (kv_tile)
+            kv_batch = 0 if const_expr(self.paged) else batch
+            gK = cute.local_tile(mK[None, None, head_kv, kv_batch], (self.tile_n, D), (None, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, kv_batch], (Dv, self.tile_n), (0, None))
             tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 3),
                                                cute.group_modes(qk_thr.partition_A(gQ), 0, 3))
             tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 3),
@@ -325,26 +360,38 @@ class FlashAttentionForwardSm100:
                 q_state.advance()
                 # ring order = MMA order: K_0, then (K_{j+1}, V_j) for each j, V_last last
                 pipeline_kv.producer_acquire(kv_state, expected_tx=self.tx_bytes_k)
-                cute.copy(tma_atom_K, tKgK[None, n_max - 1], tKsK[None, kv_state.index],
+                cute.copy(tma_atom_K, tKgK[None, self.kv_tile(paged, batch, n_max - 1)],
+                          tKsK[None, kv_state.index],
                           tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
                 kv_state.advance()
                 for j in cutlass.range(n_blocks, unroll=1):
                     n_block = n_max - 1 - j
                     if j + 1 < n_blocks:
+                        k_tile = self.kv_tile(paged, batch, n_block - 1)
                         pipeline_kv.producer_acquire(kv_state, expected_tx=self.tx_bytes_k)
-                        cute.copy(tma_atom_K, tKgK[None, n_block - 1], tKsK[None, kv_state.index],
+                        cute.copy(tma_atom_K, tKgK[None, k_tile], tKsK[None, kv_state.index],
                                   tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
                         kv_state.advance()
+                    v_tile = self.kv_tile(paged, batch, n_block)
                     pipeline_kv.producer_acquire(kv_state, expected_tx=self.tx_bytes_v)
-                    cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
+                    cute.copy(tma_atom_V, tVgV[None, v_tile], tVsV[None, kv_state.index],
                               tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
                     kv_state.advance()
+
+    @cute.jit
+    def kv_tile(self, paged: cutlass.Constexpr, batch: Int32, n_block: Int32):
+        """The K/V tile of key block ``n_block`` of ``batch``: itself, or (paged) the cache tile
+        the page table names."""
+        if const_expr(paged is None):
+            return n_block
+        return paged[0][batch, n_block]
 
     # --- MMA warp ----------------------------------------------------------------------------
     @cute.jit
     def mma_warp(self, sQ, sK, sV, tP_layout: cute.ComposedLayout, qk_mma: cute.TiledMma,
                  pv_mma: cute.TiledMma, tmem_ptr, pipeline_q, pipeline_kv, s_full, p_full, o_full,
-                 sched: cutlass.Constexpr, blk: cutlass.Constexpr):
+                 sched: cutlass.Constexpr, blk: cutlass.Constexpr,
+                 paged: cutlass.Constexpr = None):
         qk_thr, pv_thr = qk_mma.get_slice(0), pv_mma.get_slice(0)
         tSrQ = qk_thr.make_fragment_A(sQ)
         tSrK = qk_thr.make_fragment_B(sK)
@@ -364,7 +411,7 @@ class FlashAttentionForwardSm100:
         total_tiles, bidx, grid_dim = sched[3], sched[4], sched[5]
         for idx in cutlass.range(bidx, total_tiles, grid_dim, unroll=1):
             m_block, head, batch = self.work_tile(idx, sched)
-            n_min, n_max = self.n_block_range(m_block, blk)
+            n_min, n_max = self.n_block_range(m_block, self.tile_blk(blk, paged, batch))
             n_blocks = n_max - n_min
             if n_blocks > 0:
                 pipeline_q.consumer_wait(q_state)
@@ -424,8 +471,7 @@ class FlashAttentionForwardSm100:
     def softmax_warps(self, mO, mLSE, mParams, sO, tma_atom_O, qk_mma: cute.TiledMma,
                       pv_mma: cute.TiledMma, tmem_ptr, s_full, p_full, o_full,
                       sched: cutlass.Constexpr, blk: cutlass.Constexpr, tidx: Int32,
-                      warp_idx: Int32):
-        seqlen_q, seqlen_k, window_left, window_right = blk
+                      warp_idx: Int32, paged: cutlass.Constexpr = None):
         qk_thr, pv_thr = qk_mma.get_slice(0), pv_mma.get_slice(0)
         tStS_fake = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.tile_m, self.tile_n)))
         tOtO_fake = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.tile_m, self.hdimv)))
@@ -495,7 +541,8 @@ class FlashAttentionForwardSm100:
         total_tiles, bidx, grid_dim = sched[3], sched[4], sched[5]
         for idx in cutlass.range(bidx, total_tiles, grid_dim, unroll=1):
             m_block, head, batch = self.work_tile(idx, sched)
-            n_min, n_max = self.n_block_range(m_block, blk)
+            tblk = self.tile_blk(blk, paged, batch)  # this tile's lengths and window
+            n_min, n_max = self.n_block_range(m_block, tblk)
             n_blocks = n_max - n_min
             row = m_block * self.tile_m + tTcS[0][0]  # this thread's query row
             row_max = Float32(-math.inf)  # the max actually applied to P (conditional rescale)
@@ -512,7 +559,7 @@ class FlashAttentionForwardSm100:
                 cute.arch.fence_view_async_tmem_load()
                 row_max, row_sum, acc_scale, need = self.softmax_block(
                     tSrS, tTcS, row, n_block, row_max, row_sum, scale_log2, softcap_in_scale,
-                    blk)
+                    tblk)
                 # P as 16-bit pairs into the upper half of this S buffer
                 tPr = cute.make_rmem_tensor(tTcP.shape, Float32)
                 tPr32 = cute.recast_tensor(tPr, Int32)
@@ -568,7 +615,7 @@ class FlashAttentionForwardSm100:
                 with cute.arch.elect_one():
                     cute.copy(tma_atom_O, tOsO_tma[None, 0], tOgO)
                     cute.arch.cp_async_bulk_commit_group()
-            if row < seqlen_q:
+            if row < tblk[0]:
                 lse = Float32(-math.inf)
                 if not empty:
                     lse = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2
@@ -651,8 +698,18 @@ class FlashAttentionForwardSm100:
 
 
 def make_launcher(cfg: FwdConfig):
-    """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config."""
+    """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config, or
+    ``fn(stream, q, k_cache, v_cache, params, page_table, seqused_k, out, lse)`` when it is paged
+    (spec.paged_attention_forward_signature)."""
     kernel = FlashAttentionForwardSm100(cfg)
+    if cfg.paged:
+        @cute.jit
+        def sm100_fwd_paged(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                            v: cute.Tensor, params: cute.Tensor, page_table: cute.Tensor,
+                            seqused_k: cute.Tensor, out: cute.Tensor, lse: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, page_table, seqused_k)
+
+        return sm100_fwd_paged
 
     @cute.jit
     def sm100_fwd(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,

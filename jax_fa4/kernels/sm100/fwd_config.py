@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, KernelConfig, KernelSignature,
-                                  attention_forward_signature, check_dtype_and_mask, lookup_tuning)
+                                  attention_forward_signature, check_dtype_and_mask, lookup_tuning,
+                                  paged_attention_forward_signature)
 
 
 #: Shared memory per CTA on sm_100 (227 KB), minus room for mbarriers and the TMEM address slot.
@@ -84,6 +85,9 @@ class FwdConfig(KernelConfig):
     exp2_sw_per_32: int = 4
     rescale_threshold: float = RESCALE_THRESHOLD
     num_sms: int = DEFAULT_NUM_SMS
+    # Paged KV (as on sm90, jax_fa4/paged.py): K/V are a cache of tile_n-key tiles, key block n
+    # of batch entry b is tile page_table[b, n], and b has seqused_k[b] keys.
+    paged: bool = False
 
     tile_m: ClassVar[int] = 128  # one TMEM lane (one softmax thread) per query row
 
@@ -153,6 +157,9 @@ class FwdConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
+        if self.paged:
+            return paged_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v,
+                                                     self.tile_n)
         return attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
 
     def make_launcher(self):
@@ -163,13 +170,15 @@ class FwdConfig(KernelConfig):
 
 
 def shipped_configs() -> list[FwdConfig]:
-    """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and fp16."""
+    """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and
+    fp16, each also paged."""
     out = []
     for dtype in FLOAT_DTYPES:
         for (d, dv), row in TUNING_TABLE.items():
             for mask in row:
                 for softcap in (False, True):
-                    out.append(FwdConfig.make(dtype, d, dv, mask, softcap))
+                    for paged in (False, True):
+                        out.append(FwdConfig.make(dtype, d, dv, mask, softcap, paged=paged))
     return out
 
 
