@@ -55,7 +55,7 @@ class Opts(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[tuple[str, Any]]:
     """(name, BwdConfig) to time for one problem kind; the first is the table's (v1)."""
-    from jax_fa4.kernels.sm90.bwd_config import BwdConfig
+    from jax_fa4.kernels.sm90.bwd_config import BwdConfig, with_swap_sdp
 
     def valid(cfg) -> bool:  # over shared memory, GEMMs that do not split, swap_sdp limits
         try:
@@ -68,8 +68,8 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[t
     out = [("v1", base)]
     for tm, tn, stages, pds, swap in itertools.product((64, 128), (64, 128), (1, 2), (1, 2),
                                                        (False, True)):
-        cfg = dataclasses.replace(base, tile_m=tm, tile_n=tn, stages=stages, pds_stages=pds,
-                                  swap_sdp=swap)
+        cfg = dataclasses.replace(base, tile_m=tm, tile_n=tn, stages=stages, pds_stages=pds)
+        cfg = with_swap_sdp(cfg) if swap else cfg
         if cfg != base and valid(cfg):
             out.append((f"m{tm}n{tn}s{stages}p{pds}" + ("+swap" if swap else ""), cfg))
     # the other launch order: "rev" (from the last key block down) or "fwd-launch"
@@ -77,7 +77,7 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[t
                 dataclasses.replace(base, reverse_launch=not base.reverse_launch)))
     det = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa, deterministic=True)
     out.append(("det", det))
-    det_swap = dataclasses.replace(det, swap_sdp=True)
+    det_swap = with_swap_sdp(det)
     if not base.swap_sdp and valid(det_swap):
         out.append(("det+swap", det_swap))
     return out

@@ -70,7 +70,7 @@ def test_configs_are_shipped_and_valid():
         assert cfg in shipped
         cfg.validate()
         assert cfg.smem_bytes() <= SMEM_LIMIT_BYTES
-    assert len(shipped) == 60
+    assert len(shipped) == 120 and sum(c.paged for c in shipped) == 60  # each also paged
 
 
 @pytest.mark.parametrize("config", test_configs(), ids=lambda c: (

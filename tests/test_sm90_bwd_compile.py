@@ -26,7 +26,7 @@ import pytest
 from jax_fa4.kernels.sm90.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TUNING_TABLE,
                                              BwdConfig, BwdPostprocessConfig, shipped_configs,
                                              test_variants)
-from jax_fa4.kernels.sm90.bwd_config import _GPU_TEST_SWAP
+from jax_fa4.kernels.sm90.bwd_config import _GPU_TEST_SWAP, swap_sdp_config
 
 REPO = Path(__file__).resolve().parents[1]
 from compiled import CUBIN_REPORT, needs_cubin_report  # ../shared/tools/cubin_report.py
@@ -146,6 +146,9 @@ def test_launch_order_of_the_deterministic_kernels():
         if mask != "causal":
             with pytest.raises(ValueError, match="reverse_launch"):
                 replace(det, reverse_launch=True).validate()
+    # swap_sdp (opt-in) keeps the forward launch order: reversed, it spills at hdim 128 GQA
+    with pytest.raises(ValueError, match="reverse_launch"):
+        replace(BwdConfig.make("bfloat16", 128, gqa=True), swap_sdp=True).validate()
 
 
 def _deterministic_variants():
@@ -182,8 +185,7 @@ def _swap_variants():
 def test_swap_sdp_kernel_compiles_with_clean_sass(variant, tmp_path):
     """Sᵀ / dPᵀ GEMMs with P and dS as register A operands: HGMMA, the dQ bulk reduce, and no
     spills (the per-column lse / delta loads are the register-tight part)."""
-    *problem, det = variant
-    cfg = replace(BwdConfig.make(*problem, deterministic=det), swap_sdp=True)
+    cfg = swap_sdp_config(*variant)
     r, seconds = _compile_and_report(cfg, tmp_path)
     ops = r["ops"]
     print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {r.get('reg')}, STSM {ops['STSM']}")
@@ -193,8 +195,8 @@ def test_swap_sdp_kernel_compiles_with_clean_sass(variant, tmp_path):
 
 def test_swap_sdp_validation():
     base = BwdConfig.make("bfloat16", 128, mask="causal")
-    swapped = replace(base, swap_sdp=True)
-    swapped.validate()
+    swapped = swap_sdp_config("bfloat16", 128, 128, "causal")
+    assert swapped.swap_sdp and not swapped.reverse_launch  # see validate
     assert swapped.smem_bytes() == base.smem_bytes() - base.pds_stages * 64 * 128 * 2  # no sP
     assert swapped.wg_layouts()["sdp"] == (2, 1)  # one 64-key slice of Sᵀ per warpgroup
     for bad, word in ((dict(has_softcap=True), "softcap"), (dict(tile_m=128), "64x128"),

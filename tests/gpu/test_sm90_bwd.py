@@ -12,7 +12,6 @@ Kernels come precompiled: every config used here is in ``bwd_config.test_variant
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -23,7 +22,7 @@ import pytest
 
 import jax_fa4
 from jax_fa4 import ops, reference, sm90_bwd_ops
-from jax_fa4.kernels.sm90.bwd_config import test_variants
+from jax_fa4.kernels.sm90.bwd_config import test_variants, with_swap_sdp
 from numerics import assert_fa4_close
 
 
@@ -187,8 +186,7 @@ def _run(c: Case, seed: int = 0, swap_sdp: bool = False):
     poison_device_memory()
     if swap_sdp:
         main, _ = sm90_bwd_ops.configs(q, k, v, opts)
-        got = sm90_backward_config(q, k, v, out, lse, dout, opts,
-                                   dataclasses.replace(main, swap_sdp=True))
+        got = sm90_backward_config(q, k, v, out, lse, dout, opts, with_swap_sdp(main))
     else:
         got = sm90_backward(q, k, v, out, lse, dout, opts)
     return (q, k, v, out, lse, dout, opts), got, out32, kw
@@ -204,7 +202,7 @@ def test_cases_are_precompiled():
             v = jax.ShapeDtypeStruct((c.b, c.sk, c.hkv, c.dv), c.dtype)
             main, post = sm90_bwd_ops.configs(q, k, v, opts(None, c.window, c.softcap))
             if swap:
-                main = dataclasses.replace(main, swap_sdp=True)
+                main = with_swap_sdp(main)
             assert main in available and post in available, _id(c)
 
 

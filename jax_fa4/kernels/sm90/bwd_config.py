@@ -147,6 +147,9 @@ class BwdConfig(KernelConfig):
                              "(tile_m, tile_n in {64, 128})")
         if self.head_dim % 16 or self.head_dim_v % 16:
             raise ValueError("sm90 backward: head dims must be multiples of 16")
+        if self.swap_sdp and self.reverse_launch and not self.deterministic:
+            raise ValueError("sm90 backward: swap_sdp with reverse_launch spills registers (hdim "
+                             "128 with GQA); use reverse_launch=False")
         if self.deterministic and self.reverse_launch and self.mask != "causal":
             raise ValueError("sm90 backward: a deterministic kernel adds dQ in ascending key-block "
                              "order without a causal mask, so its key blocks must launch in that "
@@ -309,9 +312,15 @@ _GPU_TEST_SWAP = [
 ]
 
 
+def with_swap_sdp(cfg: BwdConfig) -> BwdConfig:
+    """``cfg`` with swap_sdp on and, unless deterministic, the forward launch order (reversed,
+    swap_sdp spills at hdim 128 with GQA: see validate)."""
+    return replace(cfg, swap_sdp=True, reverse_launch=cfg.reverse_launch and cfg.deterministic)
+
+
 def swap_sdp_config(*problem) -> BwdConfig:
     """The table's config for ``problem`` (BwdConfig.make's arguments) with swap_sdp on."""
-    cfg = replace(BwdConfig.make(*problem), swap_sdp=True)
+    cfg = with_swap_sdp(BwdConfig.make(*problem))
     cfg.validate()
     return cfg
 
