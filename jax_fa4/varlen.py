@@ -398,6 +398,131 @@ def _padded_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, 
             _unpad(dvp, cu_seqlens_k, total_k))
 
 
+# -- the varlen backward kernel ------------------------------------------------------------------
+#: Launch order of the varlen backward's work items: "heavy_first" (the key blocks with the most
+#: query blocks to visit first, ties in sequence order) or "sequence" (sequence by sequence, each
+#: from its last key block down, as the dense kernels launch). JAX_FA4_VARLEN_BWD_ORDER overrides.
+VARLEN_BWD_ORDER = "heavy_first"
+
+
+def _work_order() -> str:
+    import os
+
+    order = os.environ.get("JAX_FA4_VARLEN_BWD_ORDER", VARLEN_BWD_ORDER)
+    if order not in ("heavy_first", "sequence"):
+        raise ValueError(f"JAX_FA4_VARLEN_BWD_ORDER must be 'heavy_first' or 'sequence', got "
+                         f"{order!r}")
+    return order
+
+
+def work_items(total_k: int, batch: int, tile_n: int) -> int:
+    """Rows of the work list: a bound on the key blocks of all sequences (sum of
+    ceil(len_k / tile_n) <= total_k // tile_n + batch)."""
+    return total_k // tile_n + batch
+
+
+def dq_accum_rows(total_q: int, batch: int, tile_m: int) -> int:
+    """Rows of the varlen dq_accum: sequence b's blocks start at tile
+    ``(cu_q[b] + b·tile_m) // tile_m`` and end by tile ``total_q // tile_m + batch``."""
+    return (total_q // tile_m + batch) * tile_m
+
+
+def visited_query_blocks(len_q, len_k, n_block, tile_m: int, tile_n: int, window):
+    """Query blocks key block ``n_block`` of a sequence visits (the kernel's block range,
+    elementwise on int32 arrays); ``window`` the canonical (left, right), None = unbounded."""
+    left, right = window
+    wl = len_k if left is None else jnp.minimum(left, len_k)
+    wr = len_q if right is None else jnp.minimum(right, len_q)
+    off = len_k - len_q
+    m_min = jnp.zeros_like(n_block)
+    m_max = (len_q + tile_m - 1) // tile_m
+    if window != (None, None):
+        m_min = jnp.maximum(n_block * tile_n - off - wr, 0) // tile_m
+    if left is not None:
+        m_max = jnp.minimum(m_max, jnp.maximum((n_block + 1) * tile_n - 1 + wl - off + tile_m,
+                                               0) // tile_m)
+    return jnp.maximum(m_max - m_min, 0)
+
+
+def work_table(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, num_items: int, tile_m: int,
+               tile_n: int, window, order: str = "heavy_first") -> jax.Array:
+    """The varlen backward's work list, (num_items, 2) int32: row x = (sequence, key block)
+    of CTA x; every key block of every sequence once, in launch ``order`` (see
+    VARLEN_BWD_ORDER), then spare rows (-1, 0)."""
+    lens_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    blocks = (lens_k + tile_n - 1) // tile_n
+    ends = jnp.cumsum(blocks)
+    x = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, x, side="right"), lens_k.shape[0] - 1)
+    used = x < ends[-1]
+    # sequence by sequence, each from its last key block down
+    n_block = (ends[seq] - 1 - x).astype(jnp.int32)
+    table = jnp.stack([jnp.where(used, seq, -1), jnp.where(used, n_block, 0)],
+                      axis=-1).astype(jnp.int32)
+    if order == "heavy_first":
+        cost = visited_query_blocks(lens_q[seq], lens_k[seq], n_block, tile_m, tile_n, window)
+        table = table[jnp.argsort(jnp.where(used, -cost, 1), stable=True)]
+    return table
+
+
+def varlen_backward_config(q, k, v, opts):
+    """The varlen backward kernel config serving this call (q (total_q, H, D), k (total_k, Hkv,
+    D), v (total_k, Hkv, Dv)), or the reason none does (a str)."""
+    if opts.implementation != "sm90":
+        return f"there is no varlen backward kernel for implementation={opts.implementation!r}"
+    dtype = jnp.dtype(q.dtype).name
+    if dtype not in ops.KERNEL_DTYPES or not (q.dtype == k.dtype == v.dtype):
+        return f"the kernels take bfloat16 or float16 inputs of one dtype, got {dtype}"
+    from jax_fa4.kernels.sm90.bwd_config import varlen_config
+
+    try:
+        return varlen_config(dtype, q.shape[2], v.shape[2], ops.mask_kind(opts.window),
+                             opts.softcap > 0, gqa=q.shape[1] != k.shape[1])
+    except ValueError as err:
+        return str(err)
+
+
+def _varlen_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, opts, config):
+    """(dq, dk, dv) packed, by the varlen backward chain: the preprocess on the packed out / dout,
+    the varlen main kernel (every sequence's own blocks only), the postprocess on its dq_accum
+    and a gather of each token's dQ row. ``lse``, ``dlse``: (H, total_q)."""
+    from jax_fa4.ffi.call import call_kernel
+
+    arch = KERNEL_ARCH[opts.implementation]
+    total_q, h, d = q.shape
+    total_k, hkv, dv = v.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    tm = config.tile_m
+    delta, lse_log2 = ops.bwd_preprocess(out[None], dout[None], lse[None], opts.implementation)
+    params = ops.kernel_params(opts, d)
+    rows = dq_accum_rows(total_q, batch, tm)
+    work = work_table(cu_seqlens_q, cu_seqlens_k, work_items(total_k, batch, config.tile_n), tm,
+                      config.tile_n, opts.window, _work_order())
+    hdk = h if config.gqa else hkv
+    dkv_dtype = jnp.float32 if config.gqa else q.dtype
+    dq_accum = jnp.zeros((1, h, rows * d), jnp.float32)
+    dq_accum, dk, dvv = call_kernel(
+        config, arch, q[None], k[None], v[None], dout[None], lse_log2, delta - dlse[None],
+        params, dq_accum, cu_seqlens_q, cu_seqlens_k, work,
+        out_shapes=(jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32),
+                    jax.ShapeDtypeStruct((1, total_k, hdk, d), dkv_dtype),
+                    jax.ShapeDtypeStruct((1, total_k, hdk, dv), dkv_dtype)))
+    (dq_rows,) = call_kernel(config.postprocess_config(), arch, dq_accum, params,
+                             out_shapes=(jax.ShapeDtypeStruct((1, rows, h, d), q.dtype),))
+    t, seq, valid_q, start, _ = _token_layout(cu_seqlens_q, total_q)
+    row = (start + seq * tm) // tm * tm + t - start  # the token's dq_accum row
+    dq = jnp.where(valid_q[:, None, None], dq_rows[0, jnp.clip(row, 0, rows - 1)], 0)
+    dk, dvv = dk[0], dvv[0]  # (only tokens inside a sequence were written)
+    if config.gqa:
+        dk = dk.reshape(total_k, hkv, h // hkv, d).sum(axis=2)
+        dvv = dvv.reshape(total_k, hkv, h // hkv, dv).sum(axis=2)
+    _, _, valid_k, _, _ = _token_layout(cu_seqlens_k, total_k)
+    keep = valid_k[:, None, None]
+    return (dq.astype(q.dtype), jnp.where(keep, dk, 0).astype(k.dtype),
+            jnp.where(keep, dvv, 0).astype(v.dtype))
+
+
 def padded_backward_unsupported(q, k, v, opts, max_q: int, max_k: int) -> str | None:
     """Why the dense backward kernels cannot serve this varlen call padded (None if they can)."""
     if max_q == 0 or max_k == 0:
@@ -421,9 +546,15 @@ def _kernel_attention_bwd(opts, kernel, residuals, cotangents):
     q, k, v, sink, segments, cu_q, cu_k, out, lse = residuals
     dout, dlse = cotangents
     _, max_q, max_k = kernel
-    if padded_backward_unsupported(q, k, v, opts, max_q, max_k) is None:
-        dq, dk, dv = _padded_backward(q, k, v, out[0], lse[0], dout[0], dlse[0], cu_q, cu_k,
-                                      opts, max_q, max_k)
+    bwd_config = varlen_backward_config(q, k, v, opts)
+    padded = padded_backward_unsupported(q, k, v, opts, max_q, max_k) is None
+    if not isinstance(bwd_config, str) or padded:
+        if not isinstance(bwd_config, str):
+            dq, dk, dv = _varlen_backward(q, k, v, out[0], lse[0], dout[0], dlse[0], cu_q, cu_k,
+                                          opts, bwd_config)
+        else:
+            dq, dk, dv = _padded_backward(q, k, v, out[0], lse[0], dout[0], dlse[0], cu_q,
+                                          cu_k, opts, max_q, max_k)
         dsink = None if sink is None else reference.sink_gradient(
             sink, lse, ops.reference_delta(out, dout) - dlse)
         return dq, dk, dv, dsink, None, None, None

@@ -362,6 +362,59 @@ def _emulated_varlen_kernel(options):
     return kernel
 
 
+def _emulated_varlen_backward(options, called):
+    """Stand-ins for the sm90 varlen backward main kernel
+    (bwd_config.varlen_attention_backward_signature) and its postprocess: the reference's packed
+    backward, written where the kernels write. dq_accum gets each token's unscaled dQ at its
+    sequence's tile row; dk / dv only the rows of the key blocks the work list names (NaN
+    elsewhere, as unwritten memory), per query head under GQA (the whole group's sum in the
+    group's first head, zeros in the others); the postprocess scales dq_accum back into rows."""
+    from jax_fa4.kernels.sm90.bwd_config import BwdConfig, BwdPostprocessConfig
+
+    def postprocess(config, dq_accum, params, out_shape):
+        _, h, n = dq_accum.shape
+        rows = dq_accum.reshape(1, h, n // config.head_dim, config.head_dim)
+        return (rows.transpose(0, 2, 1, 3) * params[0]).astype(out_shape.dtype)
+
+    def main(config, q, k, v, dout, lse_log2, delta, params, dq_accum, cu_q, cu_k, work,
+             out_shapes):
+        tq, tk, h, hkv = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+        seg = varlen.varlen_segments(cu_q, cu_k, tq, tk)
+        lse = jnp.where(jnp.isinf(lse_log2), -jnp.inf, lse_log2 / np.log2(np.e))
+        dq, dk, dv = reference.attention_backward(
+            q, k, v, jnp.zeros(dout.shape, dout.dtype), lse, dout, delta=delta, **options,
+            **seg._asdict())
+        t, seq, valid, start, _ = varlen._token_layout(cu_q, tq)
+        row = (start + seq * config.tile_m) // config.tile_m * config.tile_m + t - start
+        acc = dq_accum.reshape(h, -1, config.head_dim)
+        acc = acc.at[:, jnp.where(valid, row, acc.shape[1])].add(
+            (dq[0] / params[0]).transpose(1, 0, 2), mode="drop")
+        # key rows of the listed work items
+        nb = max(tk // config.tile_n + 1, 1)
+        listed = jnp.zeros((cu_k.shape[0] - 1, nb), bool).at[
+            jnp.where(work[:, 0] >= 0, work[:, 0], cu_k.shape[0]), work[:, 1]].set(
+                True, mode="drop")
+        tk_, seq_k, valid_k, start_k, _ = varlen._token_layout(cu_k, tk)
+        written = valid_k & listed[seq_k, (tk_ - start_k) // config.tile_n]
+        outs = []
+        for g in (dk, dv):
+            g = g[0]
+            if config.gqa:
+                g = jnp.zeros((tk, hkv, h // hkv, g.shape[-1]), jnp.float32).at[:, :, 0].set(g)
+                g = g.reshape(tk, h, -1)
+            outs.append(jnp.where(written[:, None, None], g, jnp.nan)[None].astype(
+                out_shapes[len(outs) + 1].dtype))
+        return acc.reshape(dq_accum.shape), *outs
+
+    def kernel(config, arch, *args, out_shapes):
+        called.append(config)
+        if isinstance(config, BwdPostprocessConfig):
+            return (postprocess(config, *args, out_shapes[0]),)
+        assert isinstance(config, BwdConfig) and config.varlen and arch == "sm_90a"
+        return main(config, *args, out_shapes)
+    return kernel
+
+
 KERNEL_CASES = [  # (h, hkv, d, dv, kwargs, with_sink): head dims the kernels ship
     (4, 2, 64, 64, dict(), False),
     (2, 1, 128, 128, dict(causal=True, softcap=2.0), True),
@@ -372,20 +425,20 @@ KERNEL_CASES = [  # (h, hkv, d, dv, kwargs, with_sink): head dims the kernels sh
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
 def test_kernel_route_with_an_emulated_kernel(case, monkeypatch):
     """implementation="sm90" runs the varlen kernel route (lse gathered from the padded layout,
-    padding rows zeroed, the sink joined; the backward on the padded dense chain): the same
-    forward and gradients as the reference route."""
+    padding rows zeroed, the sink joined; the backward by the varlen backward chain: dq rows
+    gathered from their tiles, GQA groups summed, padding tokens zeroed): the same forward and
+    gradients as the reference route."""
     from jax_fa4.ffi import call
 
-    import dataclasses
-
     h, hkv, d, dv, kwargs, with_sink = case
-    monkeypatch.setattr(call, "call_kernel", _emulated_varlen_kernel(_ref_options(kwargs)))
-    # the backward runs the dense chain on the padded batch: the reference stands in for it
-    real_pre, real_backward = ops.bwd_preprocess, ops.backward
+    forward = _emulated_varlen_kernel(_ref_options(kwargs))
+    called = []
+    backward = _emulated_varlen_backward(_ref_options(kwargs), called)
+    monkeypatch.setattr(call, "call_kernel", lambda config, *a, **kw: (
+        forward if config.kernel_name == "sm90_fwd" else backward)(config, *a, **kw))
+    real_pre = ops.bwd_preprocess
     monkeypatch.setattr(ops, "bwd_preprocess",
                         lambda out, dout, lse, impl: real_pre(out, dout, lse, "reference"))
-    monkeypatch.setattr(ops, "backward", lambda *a: real_backward(
-        *a[:-1], dataclasses.replace(a[-1], implementation="reference")))
     q, k, v, sink, dout, dlse = _packed(LENS_Q, LENS_K, h, hkv, d, dv, seed=4)
     q, k, v, dout = (x.astype(jnp.bfloat16) for x in (q, k, v, dout))
     sink = sink if with_sink else None
@@ -398,6 +451,8 @@ def test_kernel_route_with_an_emulated_kernel(case, monkeypatch):
 
     (out, lse), vjp = jax.vjp(f, q, k, v, sink)
     grads = vjp((dout, dlse))
+    assert [c.kernel_name for c in called] == ["sm90_bwd", "sm90_bwd_postprocess"]
+    assert called[0].gqa == (h != hkv)
     # the same call on the reference route: the emulated kernel computes what the reference
     # does, so everything around it must give the same numbers
     monkeypatch.undo()
@@ -450,3 +505,73 @@ def test_padded_backward_matches_the_packed_reference(case, monkeypatch):
     assert calls == [(len(LENS_Q), max(LENS_Q) + 2, h, d)]
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(g, w[0], err_msg=name, atol=5e-5, rtol=5e-5)
+
+
+# --- the varlen backward kernel's work list and dq_accum layout (brute force) ------------------
+def _random_lengths(rng, batch, max_len):
+    lens = rng.integers(0, max_len + 1, batch)
+    lens[rng.integers(0, batch)] = 0  # always an empty sequence
+    return lens
+
+
+@pytest.mark.parametrize("order", ["heavy_first", "sequence"])
+@pytest.mark.parametrize("window", [(None, None), (None, 0), (70, 3)], ids=str)
+def test_work_table_lists_every_key_block_once(order, window):
+    """Every key block of every sequence is one row of the work list (spare rows (-1, 0) after
+    them), within the bound work_items gives; heavy_first puts the blocks with the most query
+    blocks to visit first."""
+    from jax_fa4.kernels.common.bwd_blocks import BwdBlocks
+
+    rng = np.random.default_rng(7)
+    tm, tn = 64, 128
+    for trial in range(6):
+        batch = int(rng.integers(1, 7))
+        lens_q, lens_k = _random_lengths(rng, batch, 400), _random_lengths(rng, batch, 600)
+        total_k = int(lens_k.sum()) + int(rng.integers(0, 50))
+        n = varlen.work_items(total_k, batch, tn)
+        table = np.asarray(varlen.work_table(jnp.asarray(_cu(lens_q)), jnp.asarray(_cu(lens_k)),
+                                             n, tm, tn, window, order))
+        assert table.shape == (n, 2) and table.dtype == np.int32
+        want = [(b, j) for b in range(batch) for j in range(-(-int(lens_k[b]) // tn))]
+        used = table[table[:, 0] >= 0]
+        assert sorted(map(tuple, used.tolist())) == want
+        assert (table[len(used):] == [-1, 0]).all()  # spare rows last
+        left, right = window
+
+        def cost(b, j):
+            lq, lk = int(lens_q[b]), int(lens_k[b])
+            wl = lk if left is None else min(left, lk)
+            wr = lq if right is None else min(right, lq)
+            lo, hi = BwdBlocks(tm, tn, window == (None, 0), left is not None, lq, lk, wl,
+                               wr).m_block_range(j)
+            return max(hi - lo, 0)
+
+        costs = [cost(b, j) for b, j in used.tolist()]
+        if order == "heavy_first":
+            assert costs == sorted(costs, reverse=True), costs
+        else:  # sequence by sequence, each from its last key block down
+            assert used.tolist() == sorted(used.tolist(), key=lambda r: (r[0], -r[1]))
+        got = varlen.visited_query_blocks(jnp.asarray(lens_q[used[:, 0]]),
+                                          jnp.asarray(lens_k[used[:, 0]]),
+                                          jnp.asarray(used[:, 1]), tm, tn, window)
+        assert np.asarray(got).tolist() == costs
+
+
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_dq_accum_tiles_of_sequences_are_disjoint(tile_m):
+    """Sequence b's query blocks start at tile (cu_q[b] + b·tile_m) // tile_m: no two sequences
+    share a tile, and all fit in dq_accum_rows."""
+    rng = np.random.default_rng(8)
+    for trial in range(200):
+        batch = int(rng.integers(1, 9))
+        lens = _random_lengths(rng, batch, 3 * tile_m)
+        cu = _cu(lens)
+        total = int(cu[-1]) + int(rng.integers(0, tile_m))
+        owner = {}
+        for b in range(batch):
+            first = (cu[b] + b * tile_m) // tile_m
+            for tile in range(first, first + -(-int(lens[b]) // tile_m)):
+                assert tile not in owner, (lens, b, owner.get(tile))
+                owner[tile] = b
+        rows = varlen.dq_accum_rows(total, batch, tile_m)
+        assert rows % tile_m == 0 and all((t + 1) * tile_m <= rows for t in owner)

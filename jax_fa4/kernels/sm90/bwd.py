@@ -47,7 +47,16 @@ Pᵀ and dSᵀ stay in registers as the A operands of the dV / dK GEMMs (``swapp
 Unmasked, non-deterministic, non-swapped kernels walk their query blocks from a start that
 depends on the key block (``rotate``), so that lockstep key blocks add into different dQ blocks.
 
-Not yet: intra-iteration overlap of the dQ / dK GEMMs with the next S GEMM, persistence, varlen.
+Varlen (``cfg.varlen``, jax_fa4/varlen.py): q, k, v, dout, dk, dv are sequences packed as one
+batch entry. CTA (x, head) takes key block ``work[x, 1]`` of sequence ``work[x, 0]`` (the caller
+lists the work items, and so chooses their launch order); the sequence's offsets and lengths come
+from cu_seqlens, its loads from TMA views offset to its first row (rows past its end are the next
+sequence's: the key tail is masked and the query rows past seqlen_q have P = dS = 0 as above);
+its query block m reduce-adds into dq_accum tile ``(cu_seqlens_q[b] + b·tile_m) // tile_m + m``,
+which no other sequence touches; dK / dV are stored row by row below seqlen_k (16-byte pieces),
+since a whole-tile TMA store would overwrite the next sequence's rows.
+
+Not yet: intra-iteration overlap of the dQ / dK GEMMs with the next S GEMM, persistence.
 """
 
 from __future__ import annotations
@@ -167,6 +176,14 @@ def make_tiled_mma_dq(dtype, tile_m: int, head_dim: int):
         (wm, wn, 1), (64, head_dim // wn))
 
 
+def sequence(mX: cute.Tensor, head, batch, offset=None) -> cute.Tensor:
+    """The (rows, dim) view of one head of a (S, dim, H, B) tensor: batch entry ``batch``, or
+    (varlen: packed as one batch entry) the rows from ``offset`` on."""
+    if const_expr(offset is None):
+        return mX[None, None, head, batch]
+    return cute.domain_offset((offset, 0), mX[None, None, head, 0])
+
+
 def dq_fragment_view(base: cute.Tensor, num_regs: int, tidx_in_wg: Int32) -> cute.Tensor:
     """This thread's ``num_regs`` floats of one warpgroup's dQ chunk ``base`` (1-D, 128·num_regs
     floats), as a (4, num_regs/4) tensor: register 4c + j sits at float (c·128 + t)·4 + j."""
@@ -194,6 +211,7 @@ class FlashAttentionBackwardSm90:
         self.gqa = cfg.gqa
         self.swap = cfg.swap_sdp
         self.deterministic = cfg.deterministic
+        self.varlen = cfg.varlen
         # deterministic + causal: dQ adds in descending key-block order, key blocks launched
         # from the last one down. A causal key block's first query block is the diagonal one,
         # so the higher key block n+1 reaches each query block two (tile_n / tile_m) steps
@@ -268,9 +286,18 @@ class FlashAttentionBackwardSm90:
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mParams: cute.Tensor,
                  mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-                 mdQsem: cute.Tensor | None = None):
+                 mdQsem: cute.Tensor | None = None, mCuSeqlensQ: cute.Tensor | None = None,
+                 mCuSeqlensK: cute.Tensor | None = None, mWork: cute.Tensor | None = None):
         if const_expr(self.deterministic != (mdQsem is not None)):
             raise TypeError("dq_sem is passed exactly when the config is deterministic")
+        if const_expr(any(self.varlen != (t is not None)
+                          for t in (mCuSeqlensQ, mCuSeqlensK, mWork))):
+            raise TypeError("cu_seqlens_q, cu_seqlens_k and work are passed exactly when the "
+                            "config is varlen")
+        for name, t in (("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK),
+                        ("work", mWork)):
+            if const_expr(t is not None and t.element_type != Int32):
+                raise TypeError(f"{name} must be int32")
         if const_expr(mdQsem is not None and mdQsem.element_type != Int32):
             raise TypeError("dq_sem must be int32")
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("dout", mdO)):
@@ -301,7 +328,7 @@ class FlashAttentionBackwardSm90:
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (self.tile_n, D))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (self.tile_n, Dv))
         tma_atom_dK, tma_dK, tma_atom_dV, tma_dV = None, mdK, None, mdV
-        if const_expr(not self.gqa):
+        if const_expr(not self.gqa and not self.varlen):
             s2g = cpasync.CopyBulkTensorTileS2GOp()
             tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (self.tile_n, D))
             tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout,
@@ -327,11 +354,14 @@ class FlashAttentionBackwardSm90:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * D], 1024]
 
         grid = (cute.ceil_div(mK.shape[0], self.tile_n), mQ.shape[2], mQ.shape[3])
+        if const_expr(self.varlen):  # one CTA per (work item, query head)
+            grid = (mWork.shape[0], mQ.shape[2], 1)
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE, mDelta, mParams, mdQacc,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dK, tma_atom_dV,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout,
             mma_sdp, mma_dk, mma_dv, mma_dq, SharedStorage, mdQsem,
+            mCuSeqlensQ, mCuSeqlensK, mWork,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------------------------------------
@@ -348,13 +378,14 @@ class FlashAttentionBackwardSm90:
                sPdS_layout: cute.ComposedLayout,
                mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
                mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr,
-               mdQsem: cute.Tensor | None):
+               mdQsem: cute.Tensor | None, mCuSeqlensQ: cute.Tensor | None,
+               mCuSeqlensK: cute.Tensor | None, mWork: cute.Tensor | None):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO):
                 cpasync.prefetch_descriptor(atom)
-            if const_expr(not self.gqa):
+            if const_expr(not self.gqa and not self.varlen):
                 cpasync.prefetch_descriptor(tma_atom_dK)
                 cpasync.prefetch_descriptor(tma_atom_dV)
 
@@ -390,6 +421,22 @@ class FlashAttentionBackwardSm90:
         # every key / query so that all block arithmetic stays small and in Int32.
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
+        n_block, head, batch = cute.arch.block_idx()
+        # varlen: work item n_block is key block work[., 1] of sequence work[., 0], whose rows are
+        # [cu[seq], cu[seq + 1]) of the packed tensors (one batch entry: batch = 0 below)
+        q_offset, k_offset, dq_tile0 = None, None, None
+        if const_expr(self.varlen):
+            seq = mWork[n_block, 0]
+            n_block = mWork[n_block, 1]
+            seq_c = cutlass.max(seq, 0)  # (seq < 0: a spare item, an empty sequence)
+            q_offset, k_offset = mCuSeqlensQ[seq_c], mCuSeqlensK[seq_c]
+            seqlen_q = mCuSeqlensQ[seq_c + 1] - q_offset
+            seqlen_k = mCuSeqlensK[seq_c + 1] - k_offset
+            if seq < 0:
+                seqlen_q = Int32(0)
+                seqlen_k = Int32(0)
+            # the sequence's first dq_accum tile: its blocks never share a tile with another's
+            dq_tile0 = (q_offset + seq_c * self.tile_m) // self.tile_m
         window_left, window_right = Int32(0), Int32(0)
         if const_expr(self.is_local):
             wl = Int32(mParams[2])
@@ -397,7 +444,6 @@ class FlashAttentionBackwardSm90:
             window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
             window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
 
-        n_block, head, batch = cute.arch.block_idx()
         if const_expr(self.reverse_launch):
             # key blocks launch from the last one down (deterministic causal: each then waits
             # only on earlier launches)
@@ -413,17 +459,18 @@ class FlashAttentionBackwardSm90:
             if warp_idx == 0:
                 self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_atom_Q, tma_atom_K, tma_atom_V,
                           tma_atom_dO, pipeline_kv, pipeline_q, pipeline_do,
-                          n_block, head, head_kv, batch, m_block_min, m_block_max)
+                          n_block, head, head_kv, batch, m_block_min, m_block_max,
+                          q_offset, k_offset)
             if warp_idx == 1:
                 self.store_dq(mdQacc, sdQ, mdQsem, n_block, head, batch, m_block_min,
-                              m_block_max, block_info)
+                              m_block_max, block_info, dq_tile0)
         else:  # MMA warpgroups
             cute.arch.setmaxregister_increase(_MMA_REGS)
             self.mma(mdK, mdV, mLSE, mDelta, mParams, sQ, sK, sV, sdO, sP, sdS, sdQ,
                      tma_atom_dK, tma_atom_dV, mma_sdp, mma_dk, mma_dv, mma_dq,
                      pipeline_kv, pipeline_q, pipeline_do, tidx - 128,
                      n_block, head, head_dkv, batch, m_block_min, m_block_max,
-                     seqlen_q, seqlen_k, block_info)
+                     seqlen_q, seqlen_k, block_info, q_offset, k_offset)
 
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -431,11 +478,15 @@ class FlashAttentionBackwardSm90:
              tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
              tma_atom_dO: cute.CopyAtom, pipeline_kv, pipeline_q, pipeline_do,
              n_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
-             m_block_min: Int32, m_block_max: Int32):
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (None, 0))
-        gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdimv), (None, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdimv), (n_block, 0))
+             m_block_min: Int32, m_block_max: Int32, q_offset=None, k_offset=None):
+        gQ = cute.local_tile(sequence(mQ, head, batch, q_offset), (self.tile_m, self.hdim),
+                             (None, 0))
+        gdO = cute.local_tile(sequence(mdO, head, batch, q_offset), (self.tile_m, self.hdimv),
+                              (None, 0))
+        gK = cute.local_tile(sequence(mK, head_kv, batch, k_offset), (self.tile_n, self.hdim),
+                             (n_block, 0))
+        gV = cute.local_tile(sequence(mV, head_kv, batch, k_offset), (self.tile_n, self.hdimv),
+                             (n_block, 0))
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
@@ -465,7 +516,7 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def store_dq(self, mdQacc: cute.Tensor, sdQ: cute.Tensor, mdQsem: cute.Tensor | None,
                  n_block: Int32, head: Int32, batch: Int32, m_block_min: Int32,
-                 m_block_max: Int32, block_info: BwdBlocks):
+                 m_block_max: Int32, block_info: BwdBlocks, dq_tile0=None):
         """The dQ warp (warp 1 of the producer warpgroup). Per visited query block: wait until
         both MMA warpgroups have put their dQ chunk in shared memory, reduce-add the two chunks
         into dq_accum (one ``cp.reduce.async.bulk`` each, issued by lane 0), and hand the buffers
@@ -473,7 +524,9 @@ class FlashAttentionBackwardSm90:
 
         Deterministic: before the adds, spin until the query block's counter shows this key
         block's predecessor; publish this key block one query block later, once the adds are
-        complete (``wait_group 1``), so that the completion latency overlaps the next block."""
+        complete (``wait_group 1``), so that the completion latency overlaps the next block.
+
+        Varlen: query block m of the sequence is dq_accum tile ``dq_tile0 + m``."""
         gdQacc = mdQacc[None, head, batch]
         lane = cute.arch.lane_idx()
         bar_threads = 128 + 32
@@ -490,7 +543,8 @@ class FlashAttentionBackwardSm90:
                     cute.arch.fence_proxy("async.global")  # acquire -> bulk reduce
                 for wg in cutlass.range_constexpr(2):
                     sdQ_wg = cute.local_tile(sdQ, (self.dq_wg_elems,), (wg,))
-                    gdQ_chunk = cute.local_tile(gdQacc, (self.dq_wg_elems,), (m_block * 2 + wg,))
+                    tile = m_block if const_expr(dq_tile0 is None) else dq_tile0 + m_block
+                    gdQ_chunk = cute.local_tile(gdQacc, (self.dq_wg_elems,), (tile * 2 + wg,))
                     bulk_reduce_add_f32(sdQ_wg.iterator, gdQ_chunk.iterator,
                                         self.dq_wg_elems * 4)
                 cute.arch.cp_async_bulk_commit_group()
@@ -555,7 +609,7 @@ class FlashAttentionBackwardSm90:
             mma_dq: cute.TiledMma, pipeline_kv, pipeline_q, pipeline_do, tidx: Int32,
             n_block: Int32, head: Int32, head_dkv: Int32, batch: Int32,
             m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32,
-            block_info: BwdBlocks):
+            block_info: BwdBlocks, q_offset=None, k_offset=None):
         tm, tn, D, Dv = self.tile_m, self.tile_n, self.hdim, self.hdimv
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         tidx_in_wg = tidx % 128
@@ -643,6 +697,8 @@ class FlashAttentionBackwardSm90:
                     for r in cutlass.range_constexpr(num_rows):
                         row = m_block * tm + tScS_mn[r, 0][0]
                         row_c = cutlass.min(row, seqlen_q - 1)
+                        if const_expr(q_offset is not None):
+                            row_c = row_c + q_offset
                         lse_v = mLSE[row_c, head, batch]
                         dpsum_v = mDelta[row_c, head, batch]
                         lse[r] = lse_v if row < seqlen_q else Float32.inf
@@ -702,8 +758,10 @@ class FlashAttentionBackwardSm90:
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
             acc_dK[i] = acc_dK[i] * scale
         if const_expr(self.gqa):
-            self.store_dkv_f32(acc_dK, mdK, thr_dk, (tn, D), n_block, head_dkv, batch, seqlen_k)
-            self.store_dkv_f32(acc_dV, mdV, thr_dv, (tn, Dv), n_block, head_dkv, batch, seqlen_k)
+            self.store_dkv_f32(acc_dK, mdK, thr_dk, (tn, D), n_block, head_dkv, batch, seqlen_k,
+                               k_offset)
+            self.store_dkv_f32(acc_dV, mdV, thr_dv, (tn, Dv), n_block, head_dkv, batch, seqlen_k,
+                               k_offset)
         else:
             rdK = cute.make_rmem_tensor(acc_dK.layout, self.dtype)
             convert_f32_pairs(acc_dK, rdK, self.is_bf16)
@@ -715,20 +773,33 @@ class FlashAttentionBackwardSm90:
             for acc16, mma_x, s_x in ((rdK, mma_dk, sK), (rdV, mma_dv, sV)):
                 st = cute.make_tiled_copy_C(st_atom, mma_x).get_slice(tidx)
                 cute.copy(st, st.retile(acc16), st.partition_D(s_x))
-            cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> TMA store
-            cute.arch.barrier(barrier_id=epi_barrier, number_of_threads=self.num_mma_threads)
-            if tidx < 32:
-                one = cute.make_layout(1)
-                gdK = cute.local_tile(mdK[None, None, head_dkv, batch], (tn, D), (n_block, 0))
-                gdV = cute.local_tile(mdV[None, None, head_dkv, batch], (tn, Dv), (n_block, 0))
-                tsK, tgdK = cpasync.tma_partition(tma_atom_dK, 0, one, cute.group_modes(sK, 0, 2),
-                                                  cute.group_modes(gdK, 0, 2))
-                tsV, tgdV = cpasync.tma_partition(tma_atom_dV, 0, one, cute.group_modes(sV, 0, 2),
-                                                  cute.group_modes(gdV, 0, 2))
-                cute.copy(tma_atom_dK, tsK, tgdK)
-                cute.copy(tma_atom_dV, tsV, tgdV)
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(self.varlen):
+                # packed dK / dV: rows past the sequence belong to the next one, so no TMA
+                # store of whole tiles; 16-byte row pieces below seqlen_k
+                cute.arch.barrier(barrier_id=epi_barrier, number_of_threads=self.num_mma_threads)
+                rows = seqlen_k - n_block * tn
+                for s_x, m_x, dim in ((sK, mdK, D), (sV, mdV, Dv)):
+                    g_x = cute.local_tile(sequence(m_x, head_dkv, batch, k_offset), (tn, dim),
+                                          (n_block, 0))
+                    self.store_rows(s_x, g_x, tidx, rows, dim)
+            else:
+                cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> TMA store
+                cute.arch.barrier(barrier_id=epi_barrier, number_of_threads=self.num_mma_threads)
+                if tidx < 32:
+                    one = cute.make_layout(1)
+                    gdK = cute.local_tile(mdK[None, None, head_dkv, batch], (tn, D), (n_block, 0))
+                    gdV = cute.local_tile(mdV[None, None, head_dkv, batch], (tn, Dv),
+                                          (n_block, 0))
+                    tsK, tgdK = cpasync.tma_partition(tma_atom_dK, 0, one,
+                                                      cute.group_modes(sK, 0, 2),
+                                                      cute.group_modes(gdK, 0, 2))
+                    tsV, tgdV = cpasync.tma_partition(tma_atom_dV, 0, one,
+                                                      cute.group_modes(sV, 0, 2),
+                                                      cute.group_modes(gdV, 0, 2))
+                    cute.copy(tma_atom_dK, tsK, tgdK)
+                    cute.copy(tma_atom_dV, tsV, tgdV)
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def swapped_loop(self, mLSE: cute.Tensor, mDelta: cute.Tensor, tSrQ, tSrK, tdPrdO, tdPrV,
@@ -891,10 +962,33 @@ class FlashAttentionBackwardSm90:
                 p_mn[idx] = p_mn[idx] if visible else Float32(0.0)
 
     @cute.jit
+    def store_rows(self, s_x: cute.Tensor, g_x: cute.Tensor, tidx: Int32, rows: Int32,
+                   dim: cutlass.Constexpr[int]):
+        """Copy the first ``rows`` rows of the (tile_n, dim) shared-memory tile s_x to g_x, 16
+        bytes a thread per step, both MMA warpgroups (varlen dK / dV)."""
+        per_row = math.gcd(dim // 8, 32)  # threads along a row (a power of two)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                   num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((self.num_mma_threads // per_row, per_row),
+                                           order=(1, 0)),
+            cute.make_layout((1, 8)))
+        thr = tiled.get_slice(tidx)
+        t_s, t_g = thr.partition_S(s_x), thr.partition_D(g_x)
+        t_c = thr.partition_D(cute.make_identity_tensor((self.tile_n, dim)))
+        t_r = cute.make_fragment_like(t_s)
+        cute.autovec_copy(t_s, t_r)
+        for m in cutlass.range_constexpr(cute.size(t_g, mode=[1])):
+            if t_c[0, m, 0][0] < rows:
+                cute.copy(tiled, t_r[None, m, None], t_g[None, m, None])
+
+    @cute.jit
     def store_dkv_f32(self, acc: cute.Tensor, mX: cute.Tensor, thr_mma, tile: cutlass.Constexpr,
-                      n_block: Int32, head: Int32, batch: Int32, seqlen_k: Int32):
-        """float32 dK / dV straight from registers (GQA configs), rows past seqlen_k skipped."""
-        gX = cute.local_tile(mX[None, None, head, batch], tile, (n_block, 0))
+                      n_block: Int32, head: Int32, batch: Int32, seqlen_k: Int32,
+                      k_offset=None):
+        """float32 dK / dV straight from registers (GQA configs), rows past seqlen_k skipped
+        (varlen: the sequence's rows from k_offset on)."""
+        gX = cute.local_tile(sequence(mX, head, batch, k_offset), tile, (n_block, 0))
         tXgX = thr_mma.partition_C(gX)
         tXcX = thr_mma.partition_C(cute.make_identity_tensor(tile))
         row_limit = seqlen_k - n_block * self.tile_n
@@ -908,6 +1002,18 @@ def make_launcher(cfg: BwdConfig):
     [dq_sem,] dk, dv)`` for this config (dq_accum and dq_sem are updated in place; dq_sem only
     for deterministic configs)."""
     kernel = FlashAttentionBackwardSm90(cfg)
+
+    if cfg.varlen:
+        @cute.jit
+        def sm90_bwd_varlen(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                            v: cute.Tensor, dout: cute.Tensor, lse_log2: cute.Tensor,
+                            delta: cute.Tensor, params: cute.Tensor, dq_accum: cute.Tensor,
+                            cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor,
+                            work: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor):
+            kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dk, dv, None,
+                   cu_seqlens_q, cu_seqlens_k, work)
+
+        return sm90_bwd_varlen
 
     if cfg.deterministic:
         @cute.jit

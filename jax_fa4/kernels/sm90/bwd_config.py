@@ -26,6 +26,10 @@ Two kernels (see bwd.py and bwd_postprocess.py):
       configs (gqa=False, dtype = input dtype) and Hdk = H for GQA configs (gqa=True, float32, one
       slice per query head; the caller sums each group of H/Hkv heads).
 
+Varlen configs (``varlen=True``, jax_fa4/varlen.py) take packed sequences instead (see
+``varlen_attention_backward_signature``): one CTA per (work item, query head), a work item being
+one key block of one sequence, listed by the caller.
+
 ``sm90_bwd_postprocess`` (BwdPostprocessConfig): dq (B, Sq, H, D) = dq_accum · softmax_scale in the
 input dtype. ``fn(stream, dq_accum, params, dq)``.
 
@@ -44,6 +48,43 @@ from typing import Any, Callable, ClassVar
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
                                   TensorArg, attention_backward_signature,
                                   check_dtype_and_mask, lookup_tuning)
+
+
+def varlen_attention_backward_signature(dtype: str, head_dim: int, head_dim_v: int,
+                                        tile_m: int, gqa: bool) -> KernelSignature:
+    """``fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, cu_seqlens_q, cu_seqlens_k,
+    work, dk, dv)`` of the varlen backward main kernels (nothing batched: ``jax.vmap`` is refused).
+
+    q (1, total_q, H, D), k (1, total_k, Hkv, D), v (1, total_k, Hkv, Dv), dout (1, total_q, H,
+    Dv): the sequences packed as one batch entry; lse_log2, delta (1, H, total_q) float32 (the
+    preprocess of the packed out / dout); cu_seqlens_q / _k (batch + 1,) int32 the sequence
+    boundaries. dq_accum (1, H, R·D) float32, input 7 aliased to output 0: sequence b's query
+    block m owns tile row ``(cu_seqlens_q[b] + b·tile_m) // tile_m + m`` (the sequences' blocks
+    never share a tile); R = (total_q // tile_m + batch)·tile_m rows suffice. work (W, 2) int32:
+    CTA x takes key block ``work[x, 1]`` of sequence ``work[x, 0]`` (sequence < 0: nothing to
+    do); its shape sets the grid (W, H). dk, dv (1, total_k, Hkv, ·) in ``dtype``, or float32 per
+    query head (1, total_k, H, ·) when ``gqa``; only tokens inside a sequence are written."""
+    d, dv, tm = head_dim, head_dim_v, tile_m
+    tq, tk, h, hkv, b, w = 300, 400, 4, 2, 3, 8
+    hdk = h if gqa else hkv
+    dkv_dtype = "float32" if gqa else dtype
+    accum = TensorArg("dq_accum", "float32", (1, h, (tq // tm + b) * tm * d), (1, 1, tm * d),
+                      batched=False)
+    packed = lambda name, dt, t, hh, x: TensorArg(name, dt, (1, t, hh, x), (1, 1, 1, x),  # noqa
+                                                  batched=False)
+    inputs = (
+        packed("q", dtype, tq, h, d), packed("k", dtype, tk, hkv, d),
+        packed("v", dtype, tk, hkv, dv), packed("dout", dtype, tq, h, dv),
+        TensorArg("lse_log2", "float32", (1, h, tq), (1, 1, 1), batched=False),
+        TensorArg("delta", "float32", (1, h, tq), (1, 1, 1), batched=False),
+        TensorArg("params", "float32", (4,), (4,), batched=False),
+        accum,
+        TensorArg("cu_seqlens_q", "int32", (b + 1,), (1,), batched=False),
+        TensorArg("cu_seqlens_k", "int32", (b + 1,), (1,), batched=False),
+        TensorArg("work", "int32", (w, 2), (1, 2), batched=False),
+    )
+    outputs = (accum, packed("dk", dkv_dtype, tk, hdk, d), packed("dv", dkv_dtype, tk, hdk, dv))
+    return KernelSignature(inputs=inputs, outputs=outputs, aliases=((7, 0),))
 
 
 #: Shared memory a CTA may use on sm_90 (227 KB) minus room for mbarriers and alignment.
@@ -122,6 +163,10 @@ class BwdConfig(KernelConfig):
     # must not (validate). Under a causal mask the last key blocks are the lightest, so this
     # launches light blocks first.
     reverse_launch: bool = False
+    # packed sequences (jax_fa4/varlen.py, varlen_attention_backward_signature): per-sequence
+    # offsets and lengths from cu_seqlens, key blocks from the caller's work list (which also
+    # sets their launch order), dK / dV stored row by row inside each sequence
+    varlen: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -154,6 +199,10 @@ class BwdConfig(KernelConfig):
             raise ValueError("sm90 backward: a deterministic kernel adds dQ in ascending key-block "
                              "order without a causal mask, so its key blocks must launch in that "
                              "order (reverse_launch=False)")
+        if self.varlen and (self.deterministic or self.swap_sdp or self.reverse_launch):
+            raise ValueError("sm90 backward: varlen is not implemented with deterministic, "
+                             "swap_sdp or reverse_launch (the caller's work list orders the key "
+                             "blocks)")
         if self.stages < 1 or self.pds_stages not in (1, 2):
             raise ValueError("sm90 backward: stages >= 1 and pds_stages in {1, 2} required")
         if self.swap_sdp and (self.tile_m, self.tile_n) != (64, 128):
@@ -206,6 +255,9 @@ class BwdConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
+        if self.varlen:
+            return varlen_attention_backward_signature(self.dtype, self.head_dim,
+                                                       self.head_dim_v, self.tile_m, self.gqa)
         return attention_backward_signature(
             self.dtype, self.head_dim, self.head_dim_v, self.tile_m, self.gqa,
             counters=("dq_sem", 1) if self.deterministic else None)  # one per query block
@@ -266,7 +318,18 @@ def shipped_configs() -> list[KernelConfig]:
                         for det in (False, True):
                             out.append(BwdConfig.make(dtype, d, dv, mask, softcap, gqa,
                                                       deterministic=det))
+                        out.append(varlen_config(dtype, d, dv, mask, softcap, gqa))
     return _with_postprocess(out)
+
+
+def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
+                  has_softcap: bool = False, gqa: bool = False) -> BwdConfig:
+    """The varlen backward config of a problem kind: the table's tile and stages (its key blocks
+    launch in the work list's order)."""
+    cfg = replace(BwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, gqa),
+                  swap_sdp=False, reverse_launch=False, varlen=True)
+    cfg.validate()
+    return cfg
 
 
 def _with_postprocess(mains: list[BwdConfig]) -> list[KernelConfig]:
