@@ -10,7 +10,9 @@ sets rotated past the L2):
 * ``varlen``: ``flash_attention_varlen`` on the same tokens packed as (B·S, H, D) with
   ``cu_seqlens = [0, S, 2S, ...]``;
 * ``varlen-mixed``: the same total tokens cut into sequences of unequal lengths (S/4 … 7S/4, so
-  max_seqlen = 7S/4): what padding the backward costs there (FLOPs counted per sequence).
+  max_seqlen = 7S/4; FLOPs counted per sequence);
+* ``...-seq``: the same with the varlen backward's work items launched sequence by sequence
+  (``JAX_FA4_VARLEN_BWD_ORDER=sequence``) instead of heaviest first.
 
 TFLOP/s use the anchors' convention (forward 2·Σ Sq·Sk·H·(D+Dv), halved under a causal mask,
 backward 2.5×). Writes JSON with the command, GPU and date.
@@ -20,6 +22,7 @@ backward 2.5×). Writes JSON with the command, GPU and date.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -31,8 +34,8 @@ import jax_fa4
 from jax_fa4 import bench
 from variant_harness import save, start, timing_parser
 
-#: (B, S, H, D): the anchors' hdim-128 training shapes
-SHAPES = ((16, 2048, 16, 128), (4, 8192, 16, 128))
+#: (B, S, H, D): the anchors' hdim-128 training shapes, and many short documents
+SHAPES = ((16, 2048, 16, 128), (4, 8192, 16, 128), (64, 512, 16, 128))
 
 
 def mixed_lengths(b: int, s: int) -> list[int]:
@@ -64,10 +67,14 @@ def main(argv=None) -> int:
                 q, k, v, do = (jax.random.normal(kk, (total, h, d), jnp.bfloat16)
                                for kk in jax.random.split(set_key, 4))
                 sets.append((q, k, v, do))
-            variants = {"dense": ([s] * b, None), "varlen": ([s] * b, s),
-                        "varlen-mixed": (mixed_lengths(b, s), None)}
+            variants = {"dense": ([s] * b, None), "varlen": ([s] * b, "heavy_first"),
+                        "varlen-seq": ([s] * b, "sequence"),
+                        "varlen-mixed": (mixed_lengths(b, s), "heavy_first"),
+                        "varlen-mixed-seq": (mixed_lengths(b, s), "sequence")}
             programs, names = [], []
-            for name, (lens, _) in variants.items():
+            for name, (lens, order) in variants.items():
+                if order is not None:  # read when the backward is traced
+                    os.environ["JAX_FA4_VARLEN_BWD_ORDER"] = order
                 cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
                 mx = max(lens)
                 if name == "dense":

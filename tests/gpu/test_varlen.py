@@ -1,4 +1,4 @@
-"""The Hopper varlen forward kernel against the float32 reference, on an H100/H200.
+"""The Hopper varlen forward and backward kernels against the float32 reference, on an H100/H200.
 
 ``jax_fa4.flash_attention_varlen(..., implementation="sm90", return_lse=True)`` (the varlen
 forward kernel on packed sequences) is compared by FA4's rule (tests/numerics.py) with the
@@ -8,7 +8,11 @@ odd ones, one above a tile and Sq != Sk per sequence; padding tokens sit before 
 and after cu_seqlens[-1] (out 0, lse -inf). Outputs land in NaN-poisoned memory, so a row the
 kernel should write and does not is caught.
 
-Kernels needed in the cache: ``varlen_config`` of every shipped row (``--suite default``).
+Gradients (``run_varlen_grad_case``) run the varlen backward kernel
+(``bwd_config.varlen_config``) after the forward, likewise in poisoned memory.
+
+Kernels needed in the cache: the forward and backward ``varlen_config`` of every shipped row
+(``--suite default``).
 """
 
 from __future__ import annotations
@@ -93,43 +97,76 @@ def test_varlen_sink_and_equal_lengths():
     run_varlen_case((256, 256, 256), (256, 256, 256), 4, 2, 128, 128, causal=True, sink=True)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_varlen_grad_through_the_kernels(causal):
-    """jax.grad through flash_attention_varlen on Hopper: the varlen forward kernel, then the
-    dense backward kernels on the right-aligned padded batch (jax_fa4/varlen.py). dq, dk, dv by
-    FA4's rule against jax.grad through the float32 reference on the same packed batch (the
-    bf16 reference as pt); padding tokens get exactly zero gradient."""
-    lens_q, lens_k = (1, 0, 300, 517, 129), (7, 1, 517, 300, 129)
-    h, hkv, d = 4, 2, 128
+def run_varlen_grad_case(lens_q, lens_k, h, hkv, d, dv, dtype=jnp.bfloat16, causal=False,
+                         window=(None, None), softcap=0.0):
+    """jax.grad through flash_attention_varlen on Hopper: the varlen forward kernel, the
+    preprocess, the varlen backward kernel (only each sequence's own blocks) and the
+    postprocess, four kernels in the HLO. dq, dk, dv by FA4's rule against jax.grad through the
+    float32 reference on the same packed batch (the 16-bit reference as pt), in NaN-poisoned
+    memory; padding tokens get exactly zero gradient."""
     tq = PAD_FRONT + sum(lens_q) + PAD_BACK
     tk = PAD_FRONT + sum(lens_k) + PAD_BACK
-    ks = jax.random.split(jax.random.key(17), 4)
-    q = jax.random.normal(ks[0], (tq, h, d), jnp.float32).astype(jnp.bfloat16)
-    k = jax.random.normal(ks[1], (tk, hkv, d), jnp.float32).astype(jnp.bfloat16)
-    v = jax.random.normal(ks[2], (tk, hkv, d), jnp.float32).astype(jnp.bfloat16)
-    w = jax.random.normal(ks[3], (tq, h, d), jnp.float32)
+    seed = zlib.crc32(repr((lens_q, lens_k, h, hkv, d, dv, causal, window, softcap)).encode())
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (tq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (tk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (tk, hkv, dv), jnp.float32).astype(dtype)
+    w = jax.random.normal(ks[3], (tq, h, dv), jnp.float32)
     cu_q, cu_k = _cu(lens_q, PAD_FRONT), _cu(lens_k, PAD_FRONT)
     seg = varlen.varlen_segments(cu_q, cu_k, tq, tk)
+    ref_window = (window[0], 0) if causal else window
 
-    def grads(attn, dtype_in):
+    def grads(attn, dtype_in, poison=False):
         f = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * w)  # noqa: E731
         fn = jax.jit(jax.grad(f, argnums=(0, 1, 2)))
-        return fn, fn(*(x.astype(dtype_in) for x in (q, k, v)))
+        args = [x.astype(dtype_in) for x in (q, k, v)]
+        if poison:
+            poison_device_memory()
+        return fn, jax.block_until_ready(fn(*args))
 
     fn, got = grads(lambda q, k, v: jax_fa4.flash_attention_varlen(
-        q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, implementation="sm90"),
-        jnp.bfloat16)
+        q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, window_size=window,
+        softcap=softcap, implementation="sm90"), dtype, poison=True)
     assert fn.lower(q, k, v).as_text().count("CuteDSLRT_NvJaxCutlassCall_v2") == 4
-    window = (None, 0) if causal else (None, None)
+    kw = dict(window=ref_window, softcap=softcap, **seg._asdict())
     _, ref = grads(lambda q, k, v: reference.attention(
-        q[None], k[None], v[None], window=window, **seg._asdict())[0][0], jnp.float32)
+        q[None], k[None], v[None], **kw)[0][0], jnp.float32)
     _, pt = grads(lambda q, k, v: reference.attention(
-        q[None], k[None], v[None], window=window, compute_dtype=jnp.bfloat16,
-        **seg._asdict())[0][0], jnp.bfloat16)
+        q[None], k[None], v[None], compute_dtype=dtype, **kw)[0][0], dtype)
     valid_q = np.asarray(seg.q_segment_ids[0] >= 0)
     valid_k = np.asarray(seg.kv_segment_ids[0] >= 0)
-    for name, g, r, p, valid in zip(("dq", "dk", "dv"), got, ref, pt,
-                                    (valid_q, valid_k, valid_k)):
+    name = (f"varlen grad lens_q={lens_q} lens_k={lens_k} h={h}/{hkv} d={d}/{dv} "
+            f"causal={causal} window={window} softcap={softcap}")
+    for gname, g, r, p, valid in zip(("dq", "dk", "dv"), got, ref, pt,
+                                     (valid_q, valid_k, valid_k)):
         g32 = np.asarray(g, np.float32)
-        assert (g32[~valid] == 0).all(), f"{name}: padding tokens got a gradient"
-        assert_fa4_close(g[valid], r.astype(g.dtype)[valid], p[valid], name=name)
+        assert (g32[~valid] == 0).all(), f"{name} {gname}: padding tokens got a gradient"
+        assert_fa4_close(g[valid], r.astype(g.dtype)[valid], p[valid], name=f"{name} {gname}")
+
+
+# lengths 0 and 1, a key-only sequence (its dK, dV are 0), a query-only one (its dQ is 0),
+# odd lengths around the tiles, Sq != Sk per sequence
+GRAD_LENS_Q = (1, 0, 300, 517, 129, 64, 3)
+GRAD_LENS_K = (7, 1, 517, 300, 129, 0, 3)
+
+
+@pytest.mark.parametrize("hkv", [4, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_grad_hdim128(causal, hkv):
+    run_varlen_grad_case(GRAD_LENS_Q, GRAD_LENS_K, 4, hkv, 128, 128, causal=causal)
+
+
+@pytest.mark.parametrize("d,dv,hkv,causal", [(64, 64, 2, True), (64, 64, 2, False),
+                                             (96, 96, 2, False), (192, 128, 1, True),
+                                             (256, 256, 2, True)])
+def test_varlen_grad_head_dims(d, dv, hkv, causal):
+    run_varlen_grad_case(GRAD_LENS_Q, GRAD_LENS_K, 2, hkv, d, dv, causal=causal)
+
+
+def test_varlen_grad_window_softcap_fp16():
+    run_varlen_grad_case(GRAD_LENS_Q, GRAD_LENS_K, 4, 4, 128, 128, dtype=jnp.float16,
+                         window=(64, 3), softcap=20.0)
+
+
+def test_varlen_grad_long_unequal_gqa_local():
+    run_varlen_grad_case((2049, 5, 700), (1500, 2100, 33), 4, 1, 128, 128, window=(300, 0))

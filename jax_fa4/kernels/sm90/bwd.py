@@ -421,11 +421,11 @@ class FlashAttentionBackwardSm90:
         # every key / query so that all block arithmetic stays small and in Int32.
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
-        n_block, head, batch = cute.arch.block_idx()
-        # varlen: work item n_block is key block work[., 1] of sequence work[., 0], whose rows are
+        # varlen: work item x is key block work[x, 1] of sequence work[x, 0], whose rows are
         # [cu[seq], cu[seq + 1]) of the packed tensors (one batch entry: batch = 0 below)
         q_offset, k_offset, dq_tile0 = None, None, None
         if const_expr(self.varlen):
+            n_block, head, batch = cute.arch.block_idx()
             seq = mWork[n_block, 0]
             n_block = mWork[n_block, 1]
             seq_c = cutlass.max(seq, 0)  # (seq < 0: a spare item, an empty sequence)
@@ -444,6 +444,8 @@ class FlashAttentionBackwardSm90:
             window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
             window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
 
+        if const_expr(not self.varlen):
+            n_block, head, batch = cute.arch.block_idx()
         if const_expr(self.reverse_launch):
             # key blocks launch from the last one down (deterministic causal: each then waits
             # only on earlier launches)
