@@ -18,11 +18,11 @@ On Hopper (``implementation="sm90"``, bf16/fp16) the forward is the varlen forwa
 CTA per (query tile, head, sequence) of the longest sequence's grid, reading each sequence's rows
 from its offset in the packed tensors and storing only its own rows (its lse comes back as
 ``(batch, H, max_seqlen_q)`` and is gathered to FA4's ``(H, total_q)``); a learnable sink joins
-afterwards in float32 (:func:`jax_fa4.ops.join_sink`). The backward runs the dense backward
-kernels on a padded batch, each sequence right-aligned in ``max_seqlen`` slots (see
-``_padded_backward``: exact, and as fast as the dense backward for equal lengths; every sequence
-costs max_seqlen_q × max_seqlen_k there, so very unequal lengths waste work until a varlen
-backward kernel skips it).
+afterwards in float32 (:func:`jax_fa4.ops.join_sink`). The backward is the varlen backward
+kernel (``_varlen_backward``): one CTA per (key block of a sequence, head), listed by a work list
+built here from cu_seqlens (``work_table``: heaviest key blocks first), so every sequence costs
+only its own blocks; its dQ partial sums go to tiles no other sequence shares
+(``dq_accum_rows``), and the postprocess's rows are gathered back to the packed tokens.
 
 Elsewhere the pure-JAX reference runs: each token gets a segment id (its
 sequence) and a position within its sequence, and :mod:`jax_fa4.reference` masks one packed
@@ -625,8 +625,7 @@ def flash_attention_varlen(
       implementation: None (on an H100/H200 the Hopper varlen forward kernel when it serves
         the call, else the reference), ``"sm90"`` (the kernel, or
         :class:`ImplementationUnavailableError` saying why not) or ``"reference"``. On Hopper
-        the backward runs the dense backward kernels on the sequences padded to max_seqlen
-        (right-aligned, exact).
+        the backward runs the varlen backward kernel (each sequence's own blocks only).
 
     Returns:
       ``out`` ``(total_q, H, Dv)`` in q's dtype, and with ``return_lse`` also ``lse``

@@ -6,7 +6,9 @@ so it launches the forward, the preprocess, the backward and its dQ postprocess 
 Lengths are odd and mismatched so that every tail path (TMA clipping, masked last blocks,
 padded dQ rows) runs. Two forward-only cases add the decode kernels: a dense decode step (the
 64-row decode tile on GQA-packed, split keys) and a paged one (page-table loads, per-chunk
-``seqused_k``, a partly used last page).
+``seqused_k``, a partly used last page). Two varlen cases (MHA and GQA) run the varlen forward
+and backward kernels on packed sequences with empty, length-1 and odd lengths, and padding
+tokens around them (per-sequence TMA offsets, row-predicated stores, the work list).
 """
 
 from __future__ import annotations
@@ -68,13 +70,37 @@ def run_decode_cases(seed: int) -> None:
         assert bool(jnp.all(jnp.isfinite(x.astype(jnp.float32))))
 
 
+def run_varlen_cases(seed: int) -> None:
+    lens_q, lens_k = (1, 0, 77, 130, 5), (7, 3, 131, 64, 0)
+    tq, tk = 3 + sum(lens_q) + 4, 3 + sum(lens_k) + 4
+    cu_q = jnp.asarray([3, 4, 4, 81, 211, 216], jnp.int32)
+    cu_k = jnp.asarray([3, 10, 13, 144, 208, 208], jnp.int32)
+    for hkv, causal in ((4, False), (2, True)):
+        ks = jax.random.split(jax.random.key(seed + hkv), 4)
+        q = jax.random.normal(ks[0], (tq, 4, 128), jnp.float32).astype(jnp.bfloat16)
+        k = jax.random.normal(ks[1], (tk, hkv, 128), jnp.float32).astype(jnp.bfloat16)
+        v = jax.random.normal(ks[2], (tk, hkv, 128), jnp.float32).astype(jnp.bfloat16)
+        w = jax.random.normal(ks[3], (tq, 4, 128), jnp.float32)
+
+        def loss(q, k, v):
+            out = jax_fa4.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                 causal=causal, implementation="sm90")
+            return jnp.sum(out.astype(jnp.float32) * w)
+
+        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        jax.block_until_ready(grads)
+        assert bool(jnp.isfinite(value)) and all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+
+
 def main() -> int:
     for i, case in enumerate(CASES):
         run_case(case, i)
         print(f"ran {case}", flush=True)
     run_decode_cases(len(CASES))
     print("ran the dense and paged decode steps", flush=True)
-    print(f"{len(CASES) + 2} cases ran")
+    run_varlen_cases(len(CASES) + 1)
+    print("ran the varlen forward and backward steps", flush=True)
+    print(f"{len(CASES) + 4} cases ran")
     return 0
 
 
