@@ -10,6 +10,10 @@ exceed twice the L2):
 * ``dense-tile128``: the same with the 128-row training tile (``JAX_FA4_DECODE_TILE=0``);
 * ``paged``: ``jax_fa4.flash_attention_paged(implementation="sm90")`` over a cache of 128-token
   pages, each sequence's pages in shuffled order, every sequence using all ``Sk`` keys;
+* ``dense-<option>``, ``paged-<option>``: the same with a decode-tile option under measurement
+  (``sm90.fwd_config.DECODE_OPTIONS``: two CTAs per SM; ``JAX_FA4_DECODE_TILE=<option>``);
+* ``dense-1tile``: the shipped tile, split-KV only until the tiles give each SM one
+  (``decode.TILES_PER_SM = 1``; default 2);
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on the dense K/V.
 
 The figure is ``TB/s`` of K/V read: ``B·Sk·Hkv·(D + Dv)·2`` bytes over the time per call (what
@@ -30,14 +34,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4 import bench
+from jax_fa4 import bench, decode
+from jax_fa4.kernels.sm90.fwd_config import DECODE_OPTIONS
 from variant_harness import save, start, timing_parser
 
 H, HKV, D = 32, 8, 128
 PAGE = 128
 #: (B, Sk): issue #8's range, each input set 0.25–8.6 GB of K/V
 SHAPES = ((32, 4096), (64, 8192), (128, 8192), (32, 32768), (128, 32768), (32, 131072))
-VARIANTS = ("dense", "dense-tile128", "paged", "cudnn")
+VARIANTS = ("dense", "dense-tile128", "dense-1tile", *(f"dense-{o}" for o in DECODE_OPTIONS),
+            "paged", *(f"paged-{o}" for o in DECODE_OPTIONS), "cudnn")
 
 
 def kv_bytes(b: int, sk: int) -> int:
@@ -72,7 +78,7 @@ def make_sets(b: int, sk: int, key: jax.Array) -> list[dict]:
 def variant_fn(name: str):
     if name.startswith("dense"):
         return lambda q, k, v: jax_fa4.flash_attention(q, k, v, implementation="sm90")
-    if name == "paged":
+    if name.startswith("paged"):
         def paged(q, k, v, table, used):
             pages = k.shape[0] * k.shape[1] // PAGE
             return jax_fa4.flash_attention_paged(
@@ -84,10 +90,14 @@ def variant_fn(name: str):
 
 def compile_variant(name: str, args: tuple):
     old = os.environ.get("JAX_FA4_DECODE_TILE")
-    os.environ["JAX_FA4_DECODE_TILE"] = "0" if name == "dense-tile128" else "1"
-    try:  # the switch is read while tracing
+    option = name.split("-", 1)[1] if "-" in name else ""
+    os.environ["JAX_FA4_DECODE_TILE"] = ("0" if option == "tile128" else
+                                         option if option in DECODE_OPTIONS else "1")
+    decode.TILES_PER_SM = 1 if option == "1tile" else 2
+    try:  # the switches are read while tracing
         return jax.jit(variant_fn(name)).lower(*args).compile()
     finally:
+        decode.TILES_PER_SM = 2
         if old is None:
             del os.environ["JAX_FA4_DECODE_TILE"]
         else:
@@ -103,7 +113,7 @@ def main(argv=None) -> int:
         sets = make_sets(b, sk, jax.random.key(index))
         programs, outs, names = [], {}, []
         for name in VARIANTS:
-            kind = "paged" if name == "paged" else "dense"
+            kind = "paged" if name.startswith("paged") else "dense"
             arg_sets = [s[kind] for s in sets]
             try:
                 compiled = compile_variant(name, arg_sets[0])

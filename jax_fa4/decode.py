@@ -23,8 +23,9 @@ kernel call fix that:
 measured (issue #8).
 
 On Hopper the rewritten call runs a one-warpgroup, 64-row tile instead of the 128-row training
-tile when the packed rows fit it (half the GEMM work on empty rows); ``JAX_FA4_DECODE_TILE=0``
-(read at trace time) selects the training tile instead, for comparisons.
+tile when the packed rows fit it (half the GEMM work on empty rows); ``JAX_FA4_DECODE_TILE``
+(read at trace time, for comparisons) selects the training tile (``0``) or a decode-tile option
+under measurement (a name in ``sm90.fwd_config.DECODE_OPTIONS``, also for paged calls).
 """
 
 from __future__ import annotations
@@ -41,14 +42,33 @@ TILE_ROWS = 128
 #: Fewest keys per split-KV chunk: below this a chunk is too short to keep the pipeline full.
 MIN_CHUNK = 1024
 MAX_SPLITS = 16
+#: Split until the (packed) tiles give each SM this many (read at trace time).
+TILES_PER_SM = 2
 #: SM count assumed when no GPU is visible at trace time (an H100 / H200).
 DEFAULT_SMS = 132
+
+
+def decode_tile_option() -> dict | None:
+    """The Hopper decode tile serving rewritten calls, from ``JAX_FA4_DECODE_TILE``: None for
+    the 128-row training tile (``0``), else overrides of the decode tile's config (``{}``: the
+    shipped decode tile, ``1`` or unset; a ``DECODE_OPTIONS`` name: that option)."""
+    value = os.environ.get("JAX_FA4_DECODE_TILE", "1")
+    if value == "0":
+        return None
+    if value == "1":
+        return {}
+    from jax_fa4.kernels.sm90.fwd_config import DECODE_OPTIONS
+
+    if value not in DECODE_OPTIONS:
+        raise ValueError(f"JAX_FA4_DECODE_TILE must be 0, 1 or one of {sorted(DECODE_OPTIONS)}, "
+                         f"got {value!r}")
+    return DECODE_OPTIONS[value]
 
 
 def decode_tile_enabled() -> bool:
     """Whether the Hopper decode tile may serve rewritten calls (default; ``JAX_FA4_DECODE_TILE=0``
     turns it off)."""
-    return os.environ.get("JAX_FA4_DECODE_TILE", "1") != "0"
+    return decode_tile_option() is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +93,9 @@ def plan(q_shape: tuple, k_shape: tuple, window: tuple, sms: int | None = None,
 
     ``q_shape`` (B, Sq, H, D), ``k_shape`` (B, Sk, Hkv, D), ``window`` the canonical window
     ((None, None) unmasked, (None, 0) causal). Packs when H > Hkv and all ``g·Sq`` rows fit one
-    tile; splits when the (packed) tiles would not give each SM two, into chunks of at least
-    ``MIN_CHUNK`` keys that divide Sk into whole blocks of ``key_block`` keys (paged KV: a
-    chunk is whole kernel key blocks of the page table).
+    tile; splits when the (packed) tiles would not give each SM ``TILES_PER_SM``, into chunks
+    of at least ``MIN_CHUNK`` keys that divide Sk into whole blocks of ``key_block`` keys (paged
+    KV: a chunk is whole kernel key blocks of the page table).
     """
     b, sq, h, _ = q_shape
     _, sk, hkv, _ = k_shape
@@ -86,7 +106,7 @@ def plan(q_shape: tuple, k_shape: tuple, window: tuple, sms: int | None = None,
     group = h // hkv if h > hkv and sq * (h // hkv) <= TILE_ROWS else 1
     tiles = b * (h // group)  # one query tile each (sq·group <= TILE_ROWS, or sq <= TILE_ROWS)
     splits = 1
-    target = 2 * (sms or num_sms())
+    target = TILES_PER_SM * (sms or num_sms())
     blocks = sk // key_block
     while (splits * 2 <= MAX_SPLITS and tiles * splits < target and blocks % (splits * 2) == 0
            and sk // (splits * 2) >= MIN_CHUNK):

@@ -102,12 +102,13 @@ def _decode_kernel_forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
     from jax_fa4 import decode
 
     config = None
-    if opts.implementation == "sm90" and decode.decode_tile_enabled():
+    option = decode.decode_tile_option() if opts.implementation == "sm90" else None
+    if option is not None:
         from jax_fa4.kernels.sm90.fwd_config import DECODE_TILE_M, decode_config
 
         if q.shape[1] <= DECODE_TILE_M:
             config = decode_config(jnp.dtype(q.dtype).name, q.shape[3], v.shape[3],
-                                   opts.softcap > 0)
+                                   opts.softcap > 0, **option)
     return _kernel_forward(q, k, v, opts, config)
 
 

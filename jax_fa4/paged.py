@@ -174,9 +174,10 @@ def kernel_config(q, k_cache, v_cache, opts):
     kind = (dtype, q.shape[3], v_cache.shape[3], ops.mask_kind(opts.window), opts.softcap > 0)
     try:
         if opts.implementation == "sm90":
+            from jax_fa4 import decode
             from jax_fa4.kernels.sm90.fwd_config import paged_config
 
-            config = paged_config(*kind)
+            config = paged_config(*kind, **(decode.decode_tile_option() or {}))
         else:
             from jax_fa4.kernels.sm100.fwd_config import FwdConfig
 

@@ -143,3 +143,45 @@ def test_decode_configs_are_shipped_one_warpgroup_tiles():
             assert cfg.mask == "none" and not cfg.pingpong and cfg.num_sms == 0
     with pytest.raises(ValueError, match="pingpong"):
         FwdConfig.make("bfloat16", 128, tile_m=64, pingpong=True)
+
+
+def test_decode_tile_option_from_the_environment(monkeypatch):
+    """JAX_FA4_DECODE_TILE: 0 the training tile, 1 / unset the shipped decode tile, a
+    DECODE_OPTIONS name that option (for dense and paged calls); anything else is refused."""
+    from jax_fa4 import paged
+    from jax_fa4.kernels.sm90.fwd_config import DECODE_OPTIONS, decode_config
+
+    monkeypatch.delenv("JAX_FA4_DECODE_TILE", raising=False)
+    assert decode.decode_tile_option() == {}
+    for value, want in (("0", None), ("1", {}), *DECODE_OPTIONS.items()):
+        monkeypatch.setenv("JAX_FA4_DECODE_TILE", value)
+        assert decode.decode_tile_option() == want
+        assert decode.decode_tile_enabled() == (want is not None)
+    name, option = next(iter(DECODE_OPTIONS.items()))
+    monkeypatch.setenv("JAX_FA4_DECODE_TILE", name)
+    q = jnp.zeros((2, 1, 8, 128), jnp.bfloat16)
+    cache = jnp.zeros((4, 128, 2, 128), jnp.bfloat16)
+    cfg = paged.kernel_config(q, cache, cache,
+                              dataclasses.replace(_opts(NONE), implementation="sm90"))
+    assert cfg.paged and all(getattr(cfg, f) == v for f, v in option.items())
+    assert decode_config("bfloat16", 128, 128, **option).ctas_per_sm == option["ctas_per_sm"]
+    monkeypatch.setenv("JAX_FA4_DECODE_TILE", "fast")
+    with pytest.raises(ValueError, match="JAX_FA4_DECODE_TILE must be 0, 1 or one of"):
+        decode.decode_tile_option()
+
+
+def test_two_ctas_per_sm_limits():
+    """ctas_per_sm=2 needs one consumer warpgroup and half an SM's shared memory; its consumers
+    get 232 registers (2 CTAs × (128·232 + 128·24) = 64K)."""
+    from jax_fa4.kernels.sm90.fwd_config import DECODE_OPTIONS, FwdConfig, decode_config
+
+    for option in DECODE_OPTIONS.values():
+        cfg = decode_config("bfloat16", 128, 128, **option)
+        assert cfg.register_split() == (232, 24) and cfg.num_threads == 256
+        assert 2 * (cfg.smem_bytes() + 2048) <= 228 * 1024
+    with pytest.raises(ValueError, match="one consumer warpgroup"):
+        FwdConfig.make("bfloat16", 128, ctas_per_sm=2)
+    with pytest.raises(ValueError, match="shared memory"):
+        decode_config("bfloat16", 128, 128, ctas_per_sm=2)  # two 128-key stages: too big
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        decode_config("bfloat16", 128, 128, ctas_per_sm=3)

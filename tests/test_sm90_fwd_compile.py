@@ -30,8 +30,8 @@ import pytest
 from compiled import compiled_object
 from jax_fa4.kernels.common.block_info import BlockInfo
 from jax_fa4.kernels.sm90.fwd_config import (FwdConfig, TUNING_TABLE, decode_config,
-                                              fallback_configs, option_test_configs,
-                                              shipped_configs)
+                                              decode_option_configs, fallback_configs,
+                                              option_test_configs, shipped_configs)
 
 REPO = Path(__file__).resolve().parents[1]
 from compiled import (CUBIN_REPORT, needs_cubin_report,  # ../shared/tools/cubin_report.py
@@ -132,6 +132,26 @@ def test_decode_tile_compiles_with_clean_sass(cfg, tmp_path, shipped_cache):
     assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, "local-memory traffic (spills)"
     assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, "stack frame / local memory"
     assert r["setmaxnreg"] == [24, 240], r["setmaxnreg"]
+
+
+@needs_cubin_report
+@pytest.mark.parametrize("cfg", decode_option_configs(),
+                         ids=lambda c: f"{'paged-' if c.paged else ''}{c.tile_n}x{c.stages}")
+def test_two_ctas_per_sm_decode_options_compile(cfg, tmp_path, shipped_cache):
+    """The decode-tile options with two CTAs per SM (fwd_config.DECODE_OPTIONS): the launch
+    bound caps the entry registers at 65536 / (2·256) = 128, setmaxnreg hands the consumers
+    232 (and the producer 24), no spills, shared memory within half an SM."""
+    r = sass_report(compiled_object(shipped_cache, cfg, ARCH), tmp_path)
+    ops = r["ops"]
+    print(f"\n{cfg.describe()}: regs {r.get('reg')}, smem {cfg.smem_bytes()} B, "
+          f"setmaxnreg {r['setmaxnreg']}")
+    assert cfg.ctas_per_sm == 2 and cfg.num_threads == 256
+    assert r.get("reg") == 128, "entry register cap of two CTAs per SM"
+    assert r["setmaxnreg"] == [24, 232], r["setmaxnreg"]
+    assert ops.get("HGMMA", 0) > 0 and ops.get("UTMALDG", 0) > 0
+    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, "local-memory traffic (spills)"
+    assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, "stack frame / local memory"
+    assert 2 * (r.get("shared_static", 0) + cfg.smem_bytes() + 1024) <= 228 * 1024
 
 
 def _option_id(cfg: FwdConfig) -> str:

@@ -89,6 +89,21 @@ def test_paged_decode(b, sq, h, hkv, page_size, max_pages, seqused):
     run_paged_case(b, sq, h, hkv, 128, 128, page_size, max_pages, seqused, repeat=b == 4)
 
 
+def _decode_options():
+    from jax_fa4.kernels.sm90.fwd_config import DECODE_OPTIONS
+
+    return list(DECODE_OPTIONS)
+
+
+@pytest.mark.parametrize("option", _decode_options())
+def test_paged_decode_options(option, monkeypatch):
+    """The decode-tile options under measurement (two CTAs per SM) on paged decode: the anchor's
+    form and MQA with 256-key pages and an empty sequence."""
+    monkeypatch.setenv("JAX_FA4_DECODE_TILE", option)
+    run_paged_case(4, 1, 32, 8, 128, 128, 128, 64, (8192, 1, 4099, 777), repeat=True)
+    run_paged_case(3, 1, 8, 1, 128, 128, 256, 20, (5000, 0, 257))
+
+
 def test_paged_causal_chunk():
     """4 new queries, causal: neither packed nor split; a sequence with fewer keys than queries
     has rows without keys (out 0, lse -inf)."""

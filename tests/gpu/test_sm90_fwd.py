@@ -179,6 +179,21 @@ def decode_tile(request, monkeypatch):
     return request.param
 
 
+def _decode_options():
+    from jax_fa4.kernels.sm90.fwd_config import DECODE_OPTIONS
+
+    return list(DECODE_OPTIONS)
+
+
+@pytest.fixture(params=["0", "1", *_decode_options()],
+                ids=lambda p: {"0": "tile128", "1": "decode-tile"}.get(p, p))
+def decode_tile_or_option(request, monkeypatch):
+    """The decode tests at hdim 128 bf16 also run each decode-tile option under measurement
+    (fwd_config.DECODE_OPTIONS: two CTAs per SM)."""
+    monkeypatch.setenv("JAX_FA4_DECODE_TILE", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("b,sq,h,hkv,sk,causal", [
     (4, 1, 32, 8, 8192, True),  # the decode anchor's form: 4 heads packed, 8 chunks
     (3, 1, 8, 1, 5000, False),  # MQA: 8 heads packed, 4 chunks of 1250 keys
@@ -187,7 +202,7 @@ def decode_tile(request, monkeypatch):
     (1, 40, 8, 2, 3000, False),  # 80 packed rows: the 128-row training tile, 2 chunks
     (2, 2, 4, 4, 16384, False),  # MHA: 16 chunks only
 ])
-def test_decode(b, sq, h, hkv, sk, causal, decode_tile):
+def test_decode(b, sq, h, hkv, sk, causal, decode_tile_or_option):
     run_case(b, sq, sk, h, hkv, 128, causal=causal, repeat=True)
 
 

@@ -78,10 +78,6 @@ class NamedBarrier(enum.IntEnum):
     PINGPONG_WG0 = 2
 
 
-# (consumer, producer) registers per thread after setmaxnreg, by number of consumer warpgroups.
-_REGS = {1: (240, 24), 2: (240, 24), 3: (160, 32)}
-
-
 @cute.jit
 def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
           zero_init: cutlass.Constexpr[bool]):
@@ -119,7 +115,7 @@ class FlashAttentionForwardSm90:
         self.num_mma_wg = cfg.num_mma_warpgroups
         self.num_mma_threads = 128 * self.num_mma_wg
         self.num_threads = cfg.num_threads
-        self.mma_regs, self.producer_regs = _REGS[self.num_mma_wg]
+        self.mma_regs, self.producer_regs = cfg.register_split()
         self.pingpong = cfg.pingpong
         self.persistent = cfg.num_sms > 0
         self.num_sms = cfg.num_sms
@@ -211,7 +207,11 @@ class FlashAttentionForwardSm90:
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=self.cfg.ctas_per_sm,
+                 # two CTAs per SM: ask for the largest shared-memory carveout (given here, the
+                 # DSL would otherwise query the GPU for it while compiling)
+                 preferred_smem_carveout=100 if const_expr(self.cfg.ctas_per_sm > 1) else None)
 
     # ---------------------------------------------------------------------------------------------
     # Device side

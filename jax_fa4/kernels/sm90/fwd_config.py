@@ -27,6 +27,8 @@ from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, Kernel
 
 # Shared memory per CTA that a kernel may use on sm_90 (227 KB), minus room for mbarriers.
 SMEM_LIMIT_BYTES = 227 * 1024 - 1024
+#: Shared memory of one sm_90 SM, shared by its resident CTAs (each also reserves 1 KB).
+SMEM_PER_SM_BYTES = 228 * 1024
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,10 @@ class FwdConfig(KernelConfig):
     # Varlen (jax_fa4/varlen.py): q, k, v, out packed along one axis, sequence boundaries from
     # cu_seqlens (spec.varlen_attention_forward_signature).
     varlen: bool = False
+    # CTAs resident per SM (1 or 2): 2 halves each CTA's registers (launch bound
+    # ``min_blocks_per_mp``; one consumer warpgroup only) and must fit half the shared memory.
+    # For the decode tile: two CTAs' K/V streams overlap each other's prologue and epilogue.
+    ctas_per_sm: int = 1
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -164,15 +170,22 @@ class FwdConfig(KernelConfig):
         if not (isinstance(self.num_sms, int) and 0 <= self.num_sms <= 1024):
             raise ValueError(f"sm90 forward: num_sms {self.num_sms!r} must be 0 (not persistent) "
                              "or the GPU's SM count")
+        if self.ctas_per_sm not in (1, 2):
+            raise ValueError(f"sm90 forward: ctas_per_sm {self.ctas_per_sm!r} must be 1 or 2")
+        if self.ctas_per_sm == 2 and self.num_mma_warpgroups != 1:
+            raise ValueError("sm90 forward: two CTAs per SM need one consumer warpgroup (tile_m "
+                             f"64), not {self.num_mma_warpgroups} (registers)")
         if self.accumulator_registers() > self.consumer_registers - 24:
             raise ValueError(
                 f"sm90 forward: tile {self.tile_m}x{self.tile_n} with head_dim_v {self.head_dim_v} "
                 f"needs ~{self.accumulator_registers()} accumulator registers per thread, over the "
                 f"{self.consumer_registers} a consumer gets with {self.num_mma_warpgroups} "
                 "warpgroups (it would spill)")
-        if self.smem_bytes() > SMEM_LIMIT_BYTES:
+        limit = SMEM_LIMIT_BYTES if self.ctas_per_sm == 1 else SMEM_PER_SM_BYTES // 2 - 2048
+        if self.smem_bytes() > limit:
             raise ValueError(f"sm90 forward: {self.smem_bytes()} B of shared memory exceeds "
-                             f"{SMEM_LIMIT_BYTES} B (tile {self.tile_m}x{self.tile_n}, {self.stages} stages)")
+                             f"{limit} B (tile {self.tile_m}x{self.tile_n}, {self.stages} stages, "
+                             f"{self.ctas_per_sm} CTA(s) per SM)")
 
     # -- derived ---------------------------------------------------------------------------------
     @property
@@ -185,8 +198,16 @@ class FwdConfig(KernelConfig):
 
     @property
     def consumer_registers(self) -> int:
-        """Registers per consumer thread after setmaxnreg (flash_fwd._REGS)."""
-        return {1: 240, 2: 240, 3: 160}[self.num_mma_warpgroups]
+        """Registers per consumer thread after setmaxnreg."""
+        return self.register_split()[0]
+
+    def register_split(self) -> tuple[int, int]:
+        """(consumer, producer) registers per thread after setmaxnreg: within the SM's 64K
+        registers over all resident CTAs' threads (two CTAs of one consumer warpgroup:
+        128·232 + 128·24 = 32K each)."""
+        if self.ctas_per_sm == 2:
+            return 232, 24
+        return {1: (240, 24), 2: (240, 24), 3: (160, 32)}[self.num_mma_warpgroups]
 
     def accumulator_registers(self) -> int:
         """Live fp32 S, 16-bit P and fp32 O fragments per consumer thread (64 rows per
@@ -221,13 +242,24 @@ class FwdConfig(KernelConfig):
 DECODE_TILE_M = 64
 
 
+#: Decode-tile options under measurement (benchmarks/decode_bench.py; ``JAX_FA4_DECODE_TILE=<name>``
+#: selects one at trace time, see jax_fa4.decode): FwdConfig overrides of decode_config and
+#: paged_config. Two CTAs per SM need half the shared memory: one K/V stage of 128 keys, or two
+#: of 64.
+DECODE_OPTIONS: dict[str, dict] = {
+    "2cta-n128-s1": dict(ctas_per_sm=2, tile_n=128, stages=1),
+    "2cta-n64-s2": dict(ctas_per_sm=2, tile_n=64, stages=2),
+}
+
+
 def decode_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
-                  has_softcap: bool = False) -> FwdConfig:
+                  has_softcap: bool = False, **overrides) -> FwdConfig:
     """The forward config for decode-shaped calls (unmasked after jax_fa4.decode's rewrite, at
     most DECODE_TILE_M query rows): the table's unmasked row with one consumer warpgroup (so no
-    ping-pong) and no persistence."""
-    return FwdConfig.make(dtype, head_dim, head_dim_v, "none", has_softcap,
-                          tile_m=DECODE_TILE_M, pingpong=False, num_sms=0)
+    ping-pong) and no persistence; ``overrides`` (a DECODE_OPTIONS entry) replace fields."""
+    fields = dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0)
+    fields.update(overrides)
+    return FwdConfig.make(dtype, head_dim, head_dim_v, "none", has_softcap, **fields)
 
 
 #: Key-block size of the paged kernels: cache pages must hold a multiple of it (a 128-token page
@@ -236,16 +268,17 @@ PAGED_TILE_N = (128, 64)
 
 
 def paged_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
-                 has_softcap: bool = False) -> FwdConfig:
+                 has_softcap: bool = False, **overrides) -> FwdConfig:
     """The paged forward config of a problem kind: the decode tile (DECODE_TILE_M query rows,
     enough for decode steps after GQA packing and, with more tiles, for chunked prefill) with
-    the largest key block of PAGED_TILE_N that fits. ValueError if the kind is unsupported."""
+    the largest key block of PAGED_TILE_N that fits; ``overrides`` (a DECODE_OPTIONS entry)
+    replace fields. ValueError if the kind is unsupported."""
     err = None
-    for tile_n in PAGED_TILE_N:
+    for tile_n in (overrides["tile_n"],) if "tile_n" in overrides else PAGED_TILE_N:
+        fields = dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0, paged=True)
+        fields.update(overrides, tile_n=tile_n)
         try:
-            return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap,
-                                  tile_m=DECODE_TILE_M, tile_n=tile_n, pingpong=False, num_sms=0,
-                                  paged=True)
+            return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, **fields)
         except ValueError as e:
             err = e
     raise err
@@ -277,6 +310,14 @@ def shipped_configs() -> list[FwdConfig]:
                 out += [paged_config(dtype, d, dv, mask, softcap) for mask in row]
                 out += [varlen_config(dtype, d, dv, mask, softcap) for mask in row]
     return out
+
+
+def decode_option_configs() -> list[FwdConfig]:
+    """The dense and paged decode configs of every DECODE_OPTIONS entry at hdim 128 bf16 (what
+    the decode benchmark compares and the GPU decode tests run)."""
+    return [c for o in DECODE_OPTIONS.values()
+            for c in (decode_config("bfloat16", 128, 128, **o),
+                      paged_config("bfloat16", 128, 128, **o))]
 
 
 def option_test_configs() -> list[FwdConfig]:
