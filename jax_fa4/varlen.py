@@ -323,11 +323,11 @@ def kernel_config(q, v, opts, max_seqlen_q: int):
 
 def _kernel_forward(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, opts, kernel):
     """(out (1, total_q, H, Dv), lse (1, H, total_q)) by the varlen forward kernel; ``kernel``
-    is (config, max_seqlen_q, max_seqlen_k). Tokens outside every sequence: out 0 (written by
+    is (config, max_seqlen_q, max_seqlen_k, the backward's work order). Tokens outside every sequence: out 0 (written by
     the kernel), lse -inf."""
     from jax_fa4.ffi.call import call_kernel
 
-    config, max_q, _ = kernel
+    config, max_q = kernel[:2]
     total_q, h, d = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     out, lse_pad = call_kernel(
@@ -483,10 +483,12 @@ def varlen_backward_config(q, k, v, opts):
         return str(err)
 
 
-def _varlen_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, opts, config):
+def _varlen_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, opts, config,
+                     order: str = VARLEN_BWD_ORDER):
     """(dq, dk, dv) packed, by the varlen backward chain: the preprocess on the packed out / dout,
     the varlen main kernel (every sequence's own blocks only), the postprocess on its dq_accum
-    and a gather of each token's dQ row. ``lse``, ``dlse``: (H, total_q)."""
+    and a gather of each token's dQ row. ``lse``, ``dlse``: (H, total_q); ``order``: the work
+    list's launch order (VARLEN_BWD_ORDER)."""
     from jax_fa4.ffi.call import call_kernel
 
     arch = KERNEL_ARCH[opts.implementation]
@@ -498,7 +500,7 @@ def _varlen_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, 
     params = ops.kernel_params(opts, d)
     rows = dq_accum_rows(total_q, batch, tm)
     work = work_table(cu_seqlens_q, cu_seqlens_k, work_items(total_k, batch, config.tile_n), tm,
-                      config.tile_n, opts.window, _work_order())
+                      config.tile_n, opts.window, order)
     hdk = h if config.gqa else hkv
     dkv_dtype = jnp.float32 if config.gqa else q.dtype
     dq_accum = jnp.zeros((1, h, rows * d), jnp.float32)
@@ -545,13 +547,13 @@ def _kernel_attention_fwd(q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, o
 def _kernel_attention_bwd(opts, kernel, residuals, cotangents):
     q, k, v, sink, segments, cu_q, cu_k, out, lse = residuals
     dout, dlse = cotangents
-    _, max_q, max_k = kernel
+    _, max_q, max_k, order = kernel
     bwd_config = varlen_backward_config(q, k, v, opts)
     padded = padded_backward_unsupported(q, k, v, opts, max_q, max_k) is None
     if not isinstance(bwd_config, str) or padded:
         if not isinstance(bwd_config, str):
             dq, dk, dv = _varlen_backward(q, k, v, out[0], lse[0], dout[0], dlse[0], cu_q, cu_k,
-                                          opts, bwd_config)
+                                          opts, bwd_config, order)
         else:
             dq, dk, dv = _padded_backward(q, k, v, out[0], lse[0], dout[0], dlse[0], cu_q,
                                           cu_k, opts, max_q, max_k)
@@ -645,7 +647,8 @@ def flash_attention_varlen(
     if opts.implementation != "reference":
         config = kernel_config(q, v, opts, max_seqlen_q)
         if not isinstance(config, str):
-            kernel = (config, max_seqlen_q, max_seqlen_k)
+            # (the work order is read here, outside the jitted core, so that it keys its cache)
+            kernel = (config, max_seqlen_q, max_seqlen_k, _work_order())
         elif opts.forced:
             raise ImplementationUnavailableError(
                 f"implementation={opts.implementation!r} cannot run this varlen attention call: "
