@@ -24,6 +24,11 @@ built here from cu_seqlens (``work_table``: heaviest key blocks first), so every
 only its own blocks; its dQ partial sums go to tiles no other sequence shares
 (``dq_accum_rows``), and the postprocess's rows are gathered back to the packed tokens.
 
+The Blackwell forward kernel has the same varlen mode (``implementation="sm100"``, same call and
+results contract; compiled and SASS-checked only, never run on hardware, so opt-in like every
+sm100 kernel). Its backward is the reference's packed backward (no sm100 backward kernel is
+enabled).
+
 Elsewhere the pure-JAX reference runs: each token gets a segment id (its
 sequence) and a position within its sequence, and :mod:`jax_fa4.reference` masks one packed
 attention with them (:func:`jax_fa4.reference.visible_mask`: equal segment ids plus the window
@@ -304,15 +309,20 @@ def varlen_segments(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, total_q: i
 
 def kernel_config(q, v, opts, max_seqlen_q: int):
     """The varlen forward kernel config serving this call (q (total_q, H, D), v (total_k, Hkv,
-    Dv)), or the reason none does (a str)."""
-    if opts.implementation != "sm90":
+    Dv)), or the reason none does (a str). Hopper: ``sm90.fwd_config.varlen_config``;
+    Blackwell (opt-in, compiled and SASS-checked, never run on hardware):
+    ``sm100.fwd_config.varlen_config``."""
+    if opts.implementation not in KERNEL_ARCH:
         return f"there is no varlen kernel for implementation={opts.implementation!r}"
     dtype = jnp.dtype(q.dtype).name
     if dtype not in ops.KERNEL_DTYPES:
         return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
     if max_seqlen_q == 0:
         return "max_seqlen_q is 0 (no query rows to launch)"
-    from jax_fa4.kernels.sm90.fwd_config import varlen_config
+    if opts.implementation == "sm90":
+        from jax_fa4.kernels.sm90.fwd_config import varlen_config
+    else:
+        from jax_fa4.kernels.sm100.fwd_config import varlen_config
 
     try:
         return varlen_config(dtype, q.shape[2], v.shape[2], ops.mask_kind(opts.window),
@@ -625,9 +635,11 @@ def flash_attention_varlen(
         head, joining every row's softmax denominator with no value; differentiable.
       return_lse: also return the log-sum-exp, ``(H, total_q)`` float32 (FA4's varlen layout).
       implementation: None (on an H100/H200 the Hopper varlen forward kernel when it serves
-        the call, else the reference), ``"sm90"`` (the kernel, or
-        :class:`ImplementationUnavailableError` saying why not) or ``"reference"``. On Hopper
-        the backward runs the varlen backward kernel (each sequence's own blocks only).
+        the call, else the reference), ``"sm90"`` or ``"sm100"`` (that architecture's varlen
+        forward kernel, or :class:`ImplementationUnavailableError` saying why not; the sm100
+        kernel is opt-in, never run on hardware here) or ``"reference"``. On Hopper the
+        backward runs the varlen backward kernel (each sequence's own blocks only); with
+        sm100, the reference's backward.
 
     Returns:
       ``out`` ``(total_q, H, Dv)`` in q's dtype, and with ``return_lse`` also ``lse``

@@ -7,7 +7,8 @@ needs. Each config of ``fwd_config.test_configs()`` is compiled through the proj
 ../shared/tools/cubin_report.py:
 
   * tcgen05 MMAs (UTCHMMA for bf16/fp16), tcgen05.commit (UTCBAR), TMEM loads/stores (LDTM/STTM),
-    TMA loads and stores (UTMALDG/UTMASTG), MUFU.EX2 *and* the software exp2's FFMA2 polynomial;
+    TMA loads and stores (UTMALDG/UTMASTG; varlen: no TMA store but exactly the 16-byte row
+    stores of O), MUFU.EX2 *and* the software exp2's FFMA2 polynomial;
   * TMEM allocation balanced: on sm_100a ``tcgen05.alloc`` assembles to
     ``UTCATOMSWS.FIND_AND_SET`` (twice per allocation site: the first try and the retry loop),
     ``tcgen05.relinquish_alloc_permit`` to ``UVIRTCOUNT.DEALLOC.SMPOOL`` and ``tcgen05.dealloc`` to
@@ -70,11 +71,32 @@ def test_configs_are_shipped_and_valid():
         assert cfg in shipped
         cfg.validate()
         assert cfg.smem_bytes() <= SMEM_LIMIT_BYTES
-    assert len(shipped) == 120 and sum(c.paged for c in shipped) == 60  # each also paged
+    # each dense variant also paged and varlen
+    assert len(shipped) == 180 and sum(c.paged for c in shipped) == 60
+    assert sum(c.varlen for c in shipped) == 60 and not any(c.paged and c.varlen for c in shipped)
+    assert {(c.dtype, c.head_dim, c.head_dim_v, c.mask, c.has_softcap) for c in shipped
+            if c.varlen} == {(c.dtype, c.head_dim, c.head_dim_v, c.mask, c.has_softcap)
+                             for c in shipped if not (c.paged or c.varlen)}
+    assert sum(c.varlen for c in test_configs()) == 7
+
+
+def test_varlen_config_validation():
+    """varlen: the varlen call signature; never combined with paged KV."""
+    from jax_fa4.kernels.sm100.fwd_config import varlen_config
+
+    cfg = varlen_config("bfloat16", 128, 128, "causal")
+    sig = cfg.signature()
+    assert [a.name for a in sig.inputs] == ["q", "k", "v", "params", "cu_seqlens_q",
+                                            "cu_seqlens_k"]
+    assert [a.name for a in sig.outputs] == ["out", "lse"]
+    assert cfg.num_sms == FwdConfig.make("bfloat16", 128).num_sms  # persistent, as dense
+    with pytest.raises(ValueError, match="varlen and paged"):
+        FwdConfig.make("bfloat16", 128, varlen=True, paged=True)
 
 
 @pytest.mark.parametrize("config", test_configs(), ids=lambda c: (
-    f"{c.dtype}-d{c.head_dim}-dv{c.head_dim_v}-{c.mask}{'-softcap' if c.has_softcap else ''}"))
+    f"{c.dtype}-d{c.head_dim}-dv{c.head_dim_v}-{c.mask}{'-softcap' if c.has_softcap else ''}"
+    f"{'-varlen' if c.varlen else ''}{'-paged' if c.paged else ''}"))
 def test_compiles_with_clean_sass(config, tmp_path):
     rec, sass, seconds = _compile_and_report(config, tmp_path)
     ops = rec["ops"]
@@ -85,7 +107,19 @@ def test_compiles_with_clean_sass(config, tmp_path):
     assert ops.get("UTCHMMA", 0) > 0
     assert ops.get("UTCBAR", 0) > 0
     assert ops.get("LDTM", 0) > 0 and ops.get("STTM", 0) > 0
-    assert ops.get("UTMALDG", 0) > 0 and ops.get("UTMASTG", 0) > 0
+    assert ops.get("UTMALDG", 0) > 0
+    if config.varlen:
+        # O goes out row-predicated from registers, 16 bytes a store: no TMA store of a tile
+        # (it would overwrite the next sequence's rows): each thread writes its row in
+        # 16-column chunks, two 16-byte stores each, in the epilogue and in the padding zeros;
+        # the one other global store is lse's (32-bit)
+        assert ops.get("UTMASTG", 0) == 0
+        stores = re.findall(r"\bSTG(?:\.[A-Z0-9]+)*", sass)
+        wide = stores.count("STG.E.128")
+        assert wide == 2 * 2 * (config.head_dim_v // 16), stores
+        assert sorted(set(stores)) == ["STG.E", "STG.E.128"] and len(stores) == wide + 1, stores
+    else:
+        assert ops.get("UTMASTG", 0) > 0
     assert ops.get("MUFU.EX2", 0) > 0  # (the software exp2's share: the test below)
     # TMEM allocation balanced (see the module docstring for the SASS names)
     alloc = len(re.findall(r"UTCATOMSWS\.FIND_AND_SET", sass))
@@ -119,7 +153,7 @@ def test_software_exp2_moves_its_share_off_mufu(tmp_path):
 
 
 def test_every_shipped_variant_has_clean_sass(shipped_cache, tmp_path):
-    """All 60 shipped variants (the test above reads the full SASS of a representative few):
+    """All 180 shipped variants (the test above reads the full SASS of a representative few):
     tcgen05 MMAs, commits, TMEM loads, TMEM allocation, TMA; no spills, registers and shared
     memory within sm_100's limits."""
     problems = shipped_sass_problems(

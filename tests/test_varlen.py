@@ -3,6 +3,7 @@ of ``jax_fa4.reference.attention`` (CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -345,12 +346,18 @@ def test_flash_attention_segment_ids():
 
 
 # --- the kernel route, with the varlen forward kernel's contract emulated on the CPU ------------
-def _emulated_varlen_kernel(options):
-    """A stand-in for the sm90 varlen forward kernel (spec.varlen_attention_forward_signature):
-    the reference on the packed batch, out 0 at the tokens outside every sequence, lse scattered
-    into (batch, H, max_seqlen_q) (NaN where the kernel writes nothing)."""
+def _emulated_varlen_kernel(options, implementation="sm90", calls=None):
+    """A stand-in for the ``implementation``'s varlen forward kernel
+    (spec.varlen_attention_forward_signature): the reference on the packed batch, out 0 at the
+    tokens outside every sequence, lse scattered into (batch, H, max_seqlen_q) (NaN where the
+    kernel writes nothing). Each call's config is appended to ``calls``."""
+    from jax_fa4.dispatch import KERNEL_ARCH
+
     def kernel(config, arch, q, k, v, params, cu_q, cu_k, *, out_shapes):
-        assert config.varlen and arch == "sm_90a" and q.shape[0] == 1
+        assert config.varlen and q.shape[0] == 1
+        assert (config.kernel_name, arch) == (f"{implementation}_fwd", KERNEL_ARCH[implementation])
+        if calls is not None:
+            calls.append(config)
         seg = varlen.varlen_segments(cu_q, cu_k, q.shape[1], k.shape[1])
         out, lse = reference.attention(q, k, v, **options, **seg._asdict())
         t, seq, valid, start, _ = varlen._token_layout(cu_q, q.shape[1])
@@ -422,20 +429,23 @@ KERNEL_CASES = [  # (h, hkv, d, dv, kwargs, with_sink): head dims the kernels sh
 ]
 
 
+@pytest.mark.parametrize("implementation", ["sm90", "sm100"])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
-def test_kernel_route_with_an_emulated_kernel(case, monkeypatch):
-    """implementation="sm90" runs the varlen kernel route (lse gathered from the padded layout,
-    padding rows zeroed, the sink joined; the backward by the varlen backward chain: dq rows
-    gathered from their tiles, GQA groups summed, padding tokens zeroed): the same forward and
-    gradients as the reference route."""
+def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch):
+    """implementation="sm90" / "sm100" runs that architecture's varlen kernel route (lse
+    gathered from the padded layout, padding rows zeroed, the sink joined; for sm90 the backward
+    by the varlen backward chain: dq rows gathered from their tiles, GQA groups summed, padding
+    tokens zeroed; for sm100 the reference's): the same forward and gradients as the reference
+    route."""
     from jax_fa4.ffi import call
 
     h, hkv, d, dv, kwargs, with_sink = case
-    forward = _emulated_varlen_kernel(_ref_options(kwargs))
+    calls = []
+    forward = _emulated_varlen_kernel(_ref_options(kwargs), implementation, calls)
     called = []
     backward = _emulated_varlen_backward(_ref_options(kwargs), called)
     monkeypatch.setattr(call, "call_kernel", lambda config, *a, **kw: (
-        forward if config.kernel_name == "sm90_fwd" else backward)(config, *a, **kw))
+        forward if config.kernel_name.endswith("_fwd") else backward)(config, *a, **kw))
     real_pre = ops.bwd_preprocess
     monkeypatch.setattr(ops, "bwd_preprocess",
                         lambda out, dout, lse, impl: real_pre(out, dout, lse, "reference"))
@@ -446,13 +456,23 @@ def test_kernel_route_with_an_emulated_kernel(case, monkeypatch):
 
     def f(q, k, v, s):
         return flash_attention_varlen(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K),
-                                      learnable_sink=s, return_lse=True, implementation="sm90",
-                                      **kwargs)
+                                      learnable_sink=s, return_lse=True,
+                                      implementation=implementation, **kwargs)
 
     (out, lse), vjp = jax.vjp(f, q, k, v, sink)
     grads = vjp((dout, dlse))
-    assert [c.kernel_name for c in called] == ["sm90_bwd", "sm90_bwd_postprocess"]
-    assert called[0].gqa == (h != hkv)
+    want_config = varlen.kernel_config(
+        q, v, varlen._options(q, softmax_scale=kwargs.get("softmax_scale"),
+                              causal=kwargs.get("causal", False),
+                              window_size=kwargs.get("window_size", (None, None)),
+                              softcap=kwargs.get("softcap", 0.0), implementation=implementation),
+        max(LENS_Q))
+    assert calls and all(c == want_config for c in calls), calls  # (traced per custom_vjp rule)
+    if implementation == "sm90":
+        assert [c.kernel_name for c in called] == ["sm90_bwd", "sm90_bwd_postprocess"]
+        assert called[0].gqa == (h != hkv)
+    else:
+        assert called == []  # the reference's backward
     # the same call on the reference route: the emulated kernel computes what the reference
     # does, so everything around it must give the same numbers
     monkeypatch.undo()
@@ -476,13 +496,39 @@ def test_kernel_route_with_an_emulated_kernel(case, monkeypatch):
         assert float(np.abs(got - want).max()) <= bound, (name, np.abs(got - want).max())
 
 
+def test_kernel_config_per_architecture():
+    """Hopper: its varlen config (not persistent); Blackwell: the sm100 table's config with
+    varlen=True (persistent, never paged); the reference: none; unsupported kinds: the reason,
+    naming the architecture's kernel, and a forced implementation raises it."""
+    q = jnp.zeros((10, 4, 128), jnp.bfloat16)
+    opts = varlen._options(q, softmax_scale=None, causal=True, window_size=(None, None),
+                           softcap=1.5, implementation=None)
+    impl = lambda name: dataclasses.replace(opts, implementation=name)  # noqa: E731
+    sm90 = varlen.kernel_config(q, q, impl("sm90"), 8)
+    sm100 = varlen.kernel_config(q, q, impl("sm100"), 8)
+    assert (sm90.kernel_name, sm90.varlen, sm90.num_sms) == ("sm90_fwd", True, 0)
+    assert (sm100.kernel_name, sm100.varlen, sm100.paged) == ("sm100_fwd", True, False)
+    assert (sm100.mask, sm100.has_softcap, sm100.head_dim, sm100.dtype) == (
+        "causal", True, 128, "bfloat16")
+    from jax_fa4.kernels.sm100.fwd_config import shipped_configs
+
+    assert sm100 in shipped_configs() and sm100.num_sms > 0
+    assert "no varlen kernel" in varlen.kernel_config(q, q, impl("reference"), 8)
+    assert "max_seqlen_q is 0" in varlen.kernel_config(q, q, impl("sm100"), 0)
+    q192 = jnp.zeros((10, 4, 192), jnp.bfloat16)  # 192/192: an sm90 row, not an sm100 one
+    assert varlen.kernel_config(q192, q192, impl("sm90"), 8).varlen
+    why = varlen.kernel_config(q192, q192, impl("sm100"), 8)
+    assert isinstance(why, str) and "sm100 forward" in why and "192/192" in why
+    cu = np.array([0, 4, 10], np.int32)
+    with pytest.raises(jax_fa4.ImplementationUnavailableError, match="192/192"):
+        flash_attention_varlen(q192, q192, q192, cu, cu, 6, 6, implementation="sm100")
+
+
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
 def test_padded_backward_matches_the_packed_reference(case, monkeypatch):
     """The varlen backward on the dense kernels (sequences right-aligned in padded slots), with
     the reference's dense backward standing in for the kernels: the same gradients as the
     reference's packed (segment-id) backward, padding tokens included (zero gradient)."""
-    import dataclasses
-
     h, hkv, d, dv, kwargs, _ = case
     q, k, v, _, dout, dlse = _packed(LENS_Q, LENS_K, h, hkv, d, dv, seed=5)
     cu_q, cu_k = jnp.asarray(_cu(LENS_Q)), jnp.asarray(_cu(LENS_K))

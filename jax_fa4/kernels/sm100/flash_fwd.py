@@ -33,6 +33,20 @@ Synchronisation (raw mbarriers; phases from per-CTA counters carried across pers
   permit relinquished right after; freed by the MMA warp after all TMEM users (softmax warps,
   after their last tcgen05.wait::ld) and itself pass the dealloc named barrier.
 
+Varlen (FwdConfig.varlen; spec.varlen_attention_forward_signature): q, k, v, out are packed
+sequences viewed as one batch entry (1, total, H, ·). lse (batch, H, max_seqlen_q) sets the work
+tiles: ceil(max_seqlen_q / 128) M tiles × H × (batch + 1), walked by the same persistent loop
+(heavy tiles first under causal / local masks, ordered by M tile index, a proxy only: a
+sequence's real length is read in the kernel). Every role derives the tile's sequence
+(q_offset, k_offset, seqlen_q, seqlen_k) from cu_seqlens itself (tile_seq), so all three agree on
+the tile's key-block count; a tile past its sequence's end has zero key blocks in every role (no
+Q/K/V load, no MMA, no barrier traffic) and stores nothing. TMA loads start at the sequence's
+offset (keys past it are masked as the key tail; queries past it are never stored). O is not
+TMA-stored (a whole tile would overwrite the next sequence's rows): each softmax thread writes
+its own row (its TMEM lane) from registers to global memory, 16 bytes per store, when the row is
+below seqlen_q. The extra batch slice (batch == number of sequences) writes zeros to the packed
+output rows outside every sequence (zero_padding_rows); its tiles have no key blocks either.
+
 Missing relative to FA4 (see docs/perf-log-sm100.md): two Q tiles with ping-ponging softmax
 warpgroups, a separate correction warpgroup and epilogue warp, 2-CTA MMA, the L2 head swizzle,
 the "last quarter of P" early PV start, register reallocation.
@@ -81,6 +95,7 @@ class FlashAttentionForwardSm100:
         self.dtype = cutlass.BFloat16 if cfg.dtype == "bfloat16" else cutlass.Float16
         self.is_bf16 = cfg.dtype == "bfloat16"
         self.paged = cfg.paged
+        self.varlen = cfg.varlen
         self.hdim, self.hdimv = cfg.head_dim, cfg.head_dim_v
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.kv_stages = cfg.kv_stages
@@ -103,7 +118,8 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mParams: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mPageTable: cute.Tensor | None = None, mSeqUsedK: cute.Tensor | None = None):
+                 mPageTable: cute.Tensor | None = None, mSeqUsedK: cute.Tensor | None = None,
+                 mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None):
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("out", mO)):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"{name}: expected {self.dtype}, got {t.element_type}")
@@ -112,14 +128,18 @@ class FlashAttentionForwardSm100:
         if const_expr(self.paged != (mPageTable is not None) or
                       self.paged != (mSeqUsedK is not None)):
             raise TypeError("page_table and seqused_k are given exactly when the config is paged")
-        if const_expr(self.paged):
-            for name, t in (("page_table", mPageTable), ("seqused_k", mSeqUsedK)):
-                if const_expr(t.element_type != Int32):
-                    raise TypeError(f"{name}: expected Int32, got {t.element_type}")
+        if const_expr(self.varlen != (mCuSeqlensQ is not None) or
+                      self.varlen != (mCuSeqlensK is not None)):
+            raise TypeError("cu_seqlens_q and cu_seqlens_k are given exactly when the config is "
+                            "varlen")
+        for name, t in (("page_table", mPageTable), ("seqused_k", mSeqUsedK),
+                        ("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK)):
+            if const_expr(t is not None and t.element_type != Int32):
+                raise TypeError(f"{name}: expected Int32, got {t.element_type}")
         D, Dv = self.hdim, self.hdimv
         mQ, mK = seq_major(mQ, D), seq_major(mK, D)
         mV, mO = dim_major(mV, Dv), seq_major(mO, Dv)
-        mLSE = select_modes(mLSE, (2, 1, 0))  # (Sq, H, B)
+        mLSE = select_modes(mLSE, (2, 1, 0))  # (Sq, H, B); varlen: (max_seqlen_q, H, batch)
 
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         cta_group = tcgen05.CtaGroup.ONE
@@ -174,12 +194,19 @@ class FlashAttentionForwardSm100:
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, stage_elems * self.kv_stages],
                                    1024]
 
-        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
-        total = num_m_blocks * mQ.shape[2] * mQ.shape[3]
+        if const_expr(self.varlen):
+            # the longest sequence and the batch come from lse; one more batch slice zeroes
+            # the packed rows outside every sequence
+            num_m_blocks = cute.ceil_div(mLSE.shape[0], self.tile_m)
+            total = num_m_blocks * mQ.shape[2] * (mLSE.shape[2] + 1)
+        else:
+            num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+            total = num_m_blocks * mQ.shape[2] * mQ.shape[3]
         grid = cutlass.min(total, self.cfg.num_sms)
         grid = cutlass.max(grid, 1)
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mLSE, mParams, mPageTable, mSeqUsedK,
+            mCuSeqlensQ, mCuSeqlensK, mO if const_expr(self.varlen) else None,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             sQ_layout, sK_layout, sV_layout, sO_layout, tP_layout,
             qk_mma, pv_mma, SharedStorage,
@@ -192,7 +219,8 @@ class FlashAttentionForwardSm100:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, mParams: cute.Tensor, mPageTable: cute.Tensor | None,
-               mSeqUsedK: cute.Tensor | None,
+               mSeqUsedK: cute.Tensor | None, mCuSeqlensQ: cute.Tensor | None,
+               mCuSeqlensK: cute.Tensor | None, mO_gmem: cute.Tensor | None,
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_O: cute.CopyAtom,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -249,6 +277,13 @@ class FlashAttentionForwardSm100:
         qhead_per_kvhead = num_heads // mK.shape[2]
         window_left, window_right = self.windows(mParams, seqlen_q, seqlen_k)
         num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+        # varlen: each role derives its tile's sequence from cu_seqlens (tile_seq); the grid is
+        # lse's (max_seqlen_q, H, batch) plus the padding slice batch == batch count
+        varlen = None
+        if const_expr(self.varlen):
+            num_m_blocks = cute.ceil_div(mLSE.shape[0], self.tile_m)
+            num_batch = mLSE.shape[2] + 1
+            varlen = (mCuSeqlensQ, mCuSeqlensK, mParams, mLSE.shape[2], mO_gmem)
         total_tiles = num_m_blocks * num_heads * num_batch
         bidx, _, _ = cute.arch.block_idx()
         grid_dim, _, _ = cute.arch.grid_dim()
@@ -260,13 +295,13 @@ class FlashAttentionForwardSm100:
         if warp_idx == LOAD_WARP:
             self.load_warp(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                            qk_mma, pv_mma, pipeline_q, pipeline_kv, sched, blk, qhead_per_kvhead,
-                           paged)
+                           paged, varlen)
         # (the MMA warp's branch comes last: it mutates the tiled MMAs' ACCUMULATE field)
         if warp_idx < len(SOFTMAX_WARPS):
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.softmax_warps(mO, mLSE, mParams, sO, tma_atom_O, qk_mma, pv_mma, tmem_ptr,
-                               s_full, p_full, o_full, sched, blk, tidx, warp_idx, paged)
+                               s_full, p_full, o_full, sched, blk, tidx, warp_idx, paged, varlen)
             cute.arch.fence_view_async_tmem_load()
             dealloc_barrier.arrive_and_wait()
         if warp_idx == MMA_WARP:
@@ -275,7 +310,7 @@ class FlashAttentionForwardSm100:
             tmem_ptr = tmem.retrieve_ptr(Float32)
             tmem.relinquish_alloc_permit()
             self.mma_warp(sQ, sK, sV, tP_layout, qk_mma, pv_mma, tmem_ptr, pipeline_q,
-                          pipeline_kv, s_full, p_full, o_full, sched, blk, paged)
+                          pipeline_kv, s_full, p_full, o_full, sched, blk, paged, varlen)
             dealloc_barrier.arrive_and_wait()
             tmem.free(tmem_ptr)
 
@@ -304,6 +339,35 @@ class FlashAttentionForwardSm100:
         return blk[0], seqlen_k, window_left, window_right
 
     @cute.jit
+    def tile_seq(self, blk: cutlass.Constexpr, paged: cutlass.Constexpr,
+                 varlen: cutlass.Constexpr, batch: Int32):
+        """(q_offset, k_offset, the tile's blk) of batch entry ``batch``. Dense and paged: no
+        offsets (None) and tile_blk. Varlen: sequence ``batch``'s first packed query and key
+        rows and its lengths from cu_seqlens; the padding slice (batch == number of sequences)
+        is an empty sequence."""
+        if const_expr(varlen is None):
+            return None, None, self.tile_blk(blk, paged, batch)
+        mCuSeqlensQ, mCuSeqlensK, mParams, num_seqs, _ = varlen
+        seq = cutlass.max(cutlass.min(batch, num_seqs - 1), 0)
+        q_offset, k_offset = mCuSeqlensQ[seq], mCuSeqlensK[seq]
+        seqlen_q = mCuSeqlensQ[seq + 1] - q_offset
+        seqlen_k = mCuSeqlensK[seq + 1] - k_offset
+        if batch == num_seqs:
+            seqlen_q = Int32(0)
+            seqlen_k = Int32(0)
+        window_left, window_right = self.windows(mParams, seqlen_q, seqlen_k)
+        return q_offset, k_offset, (seqlen_q, seqlen_k, window_left, window_right)
+
+    def sequence(self, mX: cute.Tensor, head, batch, offset=None, seq_mode: int = 0):
+        """One head of one batch entry of a (S, D, H, B) tensor (``seq_mode`` 0) or a (D, S, H,
+        B) one (1): ``mX[:, :, head, batch]``, or (varlen, packed as one batch entry) the rows
+        from ``offset`` on."""
+        if const_expr(offset is None):
+            return mX[None, None, head, batch]
+        coord = (offset, 0) if seq_mode == 0 else (0, offset)
+        return cute.domain_offset(coord, mX[None, None, head, 0])
+
+    @cute.jit
     def n_block_range(self, m_block: Int32, blk: cutlass.Constexpr):
         """[n_min, n_max): key blocks with at least one visible key for this M tile."""
         seqlen_q, seqlen_k, window_left, window_right = blk
@@ -317,6 +381,10 @@ class FlashAttentionForwardSm100:
         if const_expr(self.is_local):
             col_begin = m_block * self.tile_m + seqlen_k - seqlen_q - window_left
             n_min = cutlass.max(col_begin, 0) // self.tile_n
+        if const_expr(self.varlen):
+            # a tile past its sequence's end (or of the padding slice): no work in any role
+            if m_block * self.tile_m >= seqlen_q:
+                n_max = n_min
         return n_min, n_max
 
     def work_tile(self, idx: Int32, sched):
@@ -329,7 +397,7 @@ class FlashAttentionForwardSm100:
     def load_warp(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                   qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, pipeline_q, pipeline_kv,
                   sched: cutlass.Constexpr, blk: cutlass.Constexpr, qhead_per_kvhead: Int32,
-                  paged: cutlass.Constexpr = None):
+                  paged: cutlass.Constexpr = None, varlen: cutlass.Constexpr = None):
         D, Dv = self.hdim, self.hdimv
         qk_thr, pv_thr = qk_mma.get_slice(0), pv_mma.get_slice(0)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -339,13 +407,17 @@ class FlashAttentionForwardSm100:
         for idx in cutlass.range(bidx, total_tiles, grid_dim, unroll=1):
             m_block, head, batch = self.work_tile(idx, sched)
             head_kv = head // qhead_per_kvhead
-            n_min, n_max = self.n_block_range(m_block, self.tile_blk(blk, paged, batch))
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, D), (m_block, 0))
+            q_offset, k_offset, tblk = self.tile_seq(blk, paged, varlen, batch)
+            n_min, n_max = self.n_block_range(m_block, tblk)
+            gQ = cute.local_tile(self.sequence(mQ, head, batch, q_offset), (self.tile_m, D),
+                                 (m_block, 0))
             # paged: K and V are the cache as one batch entry of tile_n-key tiles; key block n of
-            # this batch entry is tile page_table[batch, n] (kv_tile)
+            # this batch entry is tile page_table[batch, n] (kv_tile); varlen: from k_offset on
             kv_batch = 0 if const_expr(self.paged) else batch
-            gK = cute.local_tile(mK[None, None, head_kv, kv_batch], (self.tile_n, D), (None, 0))
-            gV = cute.local_tile(mV[None, None, head_kv, kv_batch], (Dv, self.tile_n), (0, None))
+            gK = cute.local_tile(self.sequence(mK, head_kv, kv_batch, k_offset),
+                                 (self.tile_n, D), (None, 0))
+            gV = cute.local_tile(self.sequence(mV, head_kv, kv_batch, k_offset, seq_mode=1),
+                                 (Dv, self.tile_n), (0, None))
             tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 3),
                                                cute.group_modes(qk_thr.partition_A(gQ), 0, 3))
             tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 3),
@@ -391,7 +463,7 @@ class FlashAttentionForwardSm100:
     def mma_warp(self, sQ, sK, sV, tP_layout: cute.ComposedLayout, qk_mma: cute.TiledMma,
                  pv_mma: cute.TiledMma, tmem_ptr, pipeline_q, pipeline_kv, s_full, p_full, o_full,
                  sched: cutlass.Constexpr, blk: cutlass.Constexpr,
-                 paged: cutlass.Constexpr = None):
+                 paged: cutlass.Constexpr = None, varlen: cutlass.Constexpr = None):
         qk_thr, pv_thr = qk_mma.get_slice(0), pv_mma.get_slice(0)
         tSrQ = qk_thr.make_fragment_A(sQ)
         tSrK = qk_thr.make_fragment_B(sK)
@@ -411,7 +483,8 @@ class FlashAttentionForwardSm100:
         total_tiles, bidx, grid_dim = sched[3], sched[4], sched[5]
         for idx in cutlass.range(bidx, total_tiles, grid_dim, unroll=1):
             m_block, head, batch = self.work_tile(idx, sched)
-            n_min, n_max = self.n_block_range(m_block, self.tile_blk(blk, paged, batch))
+            n_min, n_max = self.n_block_range(m_block,
+                                              self.tile_seq(blk, paged, varlen, batch)[2])
             n_blocks = n_max - n_min
             if n_blocks > 0:
                 pipeline_q.consumer_wait(q_state)
@@ -471,7 +544,8 @@ class FlashAttentionForwardSm100:
     def softmax_warps(self, mO, mLSE, mParams, sO, tma_atom_O, qk_mma: cute.TiledMma,
                       pv_mma: cute.TiledMma, tmem_ptr, s_full, p_full, o_full,
                       sched: cutlass.Constexpr, blk: cutlass.Constexpr, tidx: Int32,
-                      warp_idx: Int32, paged: cutlass.Constexpr = None):
+                      warp_idx: Int32, paged: cutlass.Constexpr = None,
+                      varlen: cutlass.Constexpr = None):
         qk_thr, pv_thr = qk_mma.get_slice(0), pv_mma.get_slice(0)
         tStS_fake = qk_thr.make_fragment_C(qk_thr.partition_shape_C((self.tile_m, self.tile_n)))
         tOtO_fake = pv_thr.make_fragment_C(pv_thr.partition_shape_C((self.tile_m, self.hdimv)))
@@ -524,6 +598,11 @@ class FlashAttentionForwardSm100:
         smem_store = cute.make_tiled_copy_D(
             sm100_utils.get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, self.dtype, Float32, ld_o),
             ld_o)
+        if const_expr(self.varlen):
+            # varlen: each thread stores its own row (the TMEM lane it loaded) to global memory
+            gmem_store = cute.make_tiled_copy_D(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                    num_bits_per_copy=128), ld_o)
 
         scale = mParams[0]
         softcap_in_scale = Float32(0.0)
@@ -541,7 +620,7 @@ class FlashAttentionForwardSm100:
         total_tiles, bidx, grid_dim = sched[3], sched[4], sched[5]
         for idx in cutlass.range(bidx, total_tiles, grid_dim, unroll=1):
             m_block, head, batch = self.work_tile(idx, sched)
-            tblk = self.tile_blk(blk, paged, batch)  # this tile's lengths and window
+            q_offset, _, tblk = self.tile_seq(blk, paged, varlen, batch)  # lengths and window
             n_min, n_max = self.n_block_range(m_block, tblk)
             n_blocks = n_max - n_min
             row = m_block * self.tile_m + tTcS[0][0]  # this thread's query row
@@ -586,10 +665,16 @@ class FlashAttentionForwardSm100:
                 pv_count += 1
             empty = row_sum == 0.0 or row_sum != row_sum
             inv_sum = Float32(1.0) if empty else cute.arch.rcp_approx(row_sum)
-            # the previous tile's TMA store has finished reading sO
-            if warp_idx == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            epi_barrier.arrive_and_wait()
+            if const_expr(self.varlen):
+                # this thread's row of the sequence's output tile (no shared-memory staging)
+                mO_seq = self.sequence(varlen[4], head, 0, q_offset)
+                tTgO = self.thread_rows(cute.local_tile(mO_seq, (self.tile_m, self.hdimv),
+                                                        (m_block, 0)), pv_thr, thr_ld_o)
+            else:
+                # the previous tile's TMA store has finished reading sO
+                if warp_idx == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                epi_barrier.arrive_and_wait()
             for c in cutlass.range_constexpr(num_o_chunks):
                 tOr = cute.make_rmem_tensor(tTcO[None, 0, 0, c].shape, Float32)
                 if n_blocks > 0:
@@ -602,26 +687,78 @@ class FlashAttentionForwardSm100:
                     tOr.fill(0.0)
                 tOr16 = cute.make_rmem_tensor(tOr.shape, self.dtype)
                 tOr16.store(tOr.load().to(self.dtype))
-                cute.copy(smem_store, tOr16, tTsO[None, 0, 0, c])
+                if const_expr(self.varlen):
+                    if row < tblk[0]:  # rows past the sequence belong to the next one
+                        cute.copy(gmem_store, tOr16, tTgO[None, 0, 0, c])
+                else:
+                    cute.copy(smem_store, tOr16, tTsO[None, 0, 0, c])
             cute.arch.fence_view_async_tmem_load()  # O read: the next tile's PV may overwrite it
-            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> TMA reads
-            epi_barrier.arrive_and_wait()
-            if warp_idx == 0:
-                gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.hdimv),
-                                     (m_block, 0))
-                tOsO_tma, tOgO = cpasync.tma_partition(
-                    tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                    cute.group_modes(gO, 0, 2))
-                with cute.arch.elect_one():
-                    cute.copy(tma_atom_O, tOsO_tma[None, 0], tOgO)
-                    cute.arch.cp_async_bulk_commit_group()
+            if const_expr(not self.varlen):
+                self.store_o_tma(mO, sO, tma_atom_O, epi_barrier, warp_idx, m_block, head, batch)
             if row < tblk[0]:
                 lse = Float32(-math.inf)
                 if not empty:
                     lse = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2
                 mLSE[row, head, batch] = lse
+            if const_expr(self.varlen):
+                if batch == varlen[3]:
+                    zeros = cute.make_rmem_tensor(tTcO[None, 0, 0, 0].shape, self.dtype)
+                    zeros.fill(0.0)
+                    self.zero_padding_rows(varlen, head, m_block, sched[0], tTcS[0][0], zeros,
+                                           gmem_store, pv_thr, thr_ld_o)
         if warp_idx == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def store_o_tma(self, mO, sO, tma_atom_O, epi_barrier, warp_idx: Int32, m_block: Int32,
+                    head: Int32, batch: Int32):
+        """Dense / paged epilogue: O staged in sO by all softmax threads -> one TMA store (rows
+        past seqlen_q clipped by TMA)."""
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> TMA reads
+        epi_barrier.arrive_and_wait()
+        if warp_idx == 0:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.hdimv),
+                                 (m_block, 0))
+            tOsO_tma, tOgO = cpasync.tma_partition(
+                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                cute.group_modes(gO, 0, 2))
+            with cute.arch.elect_one():
+                cute.copy(tma_atom_O, tOsO_tma[None, 0], tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+
+    def thread_rows(self, gO: cute.Tensor, pv_thr, thr_ld_o) -> cute.Tensor:
+        """Varlen: this softmax thread's part of a (tile_m, Dv) global tile, in o_chunk-column
+        chunks, as its epilogue TMEM loads hold it (thread t: row t): index [None, 0, 0, c]."""
+        tOgO_i = cute.logical_divide(pv_thr.partition_C(gO),
+                                     cute.make_layout((self.tile_m, self.o_chunk)))
+        return thr_ld_o.partition_D(tOgO_i[(None, None), None])
+
+    @cute.jit
+    def zero_padding_rows(self, varlen: cutlass.Constexpr, head: Int32, m_block: Int32,
+                          num_m_blocks: Int32, lane_row: Int32, zeros: cute.Tensor,
+                          gmem_store: cute.TiledCopy, pv_thr, thr_ld_o):
+        """Varlen, padding slice: write 0 to head ``head`` of the packed output rows outside
+        every sequence, [0, cu_seqlens_q[0]) and [cu_seqlens_q[-1], total). The row tiles
+        meeting those ranges are numbered 0, 1, ...; work tile ``m_block`` takes m_block,
+        m_block + num_m_blocks, ...; thread ``lane_row`` writes that row of each (whole rows,
+        ``zeros`` is one o_chunk)."""
+        mCuSeqlensQ, _, _, num_seqs, mO_gmem = varlen
+        total = mO_gmem.shape[0]
+        first, last = mCuSeqlensQ[0], mCuSeqlensQ[num_seqs]
+        head_tiles = cute.ceil_div(first, self.tile_m)  # tiles meeting [0, first)
+        tail_begin = cutlass.max(last // self.tile_m, head_tiles)  # then [last, total)
+        num_tiles = head_tiles + cute.ceil_div(total, self.tile_m) - tail_begin
+        mO_h = mO_gmem[None, None, head, 0]
+        i = m_block
+        while i < num_tiles:
+            tile = i if i < head_tiles else tail_begin + i - head_tiles
+            row = tile * self.tile_m + lane_row
+            if row < total and (row < first or row >= last):
+                tTgO = self.thread_rows(cute.local_tile(mO_h, (self.tile_m, self.hdimv),
+                                                        (tile, 0)), pv_thr, thr_ld_o)
+                for c in cutlass.range_constexpr(self.hdimv // self.o_chunk):
+                    cute.copy(gmem_store, zeros, tTgO[None, 0, 0, c])
+            i += num_m_blocks
 
     @cute.jit
     def softmax_block(self, tSrS: cute.Tensor, tTcS: cute.Tensor, row: Int32, n_block: Int32,
@@ -698,9 +835,10 @@ class FlashAttentionForwardSm100:
 
 
 def make_launcher(cfg: FwdConfig):
-    """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config, or
+    """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config,
     ``fn(stream, q, k_cache, v_cache, params, page_table, seqused_k, out, lse)`` when it is paged
-    (spec.paged_attention_forward_signature)."""
+    (spec.paged_attention_forward_signature), or ``fn(stream, q, k, v, params, cu_seqlens_q,
+    cu_seqlens_k, out, lse)`` when it is varlen (spec.varlen_attention_forward_signature)."""
     kernel = FlashAttentionForwardSm100(cfg)
     if cfg.paged:
         @cute.jit
@@ -710,6 +848,15 @@ def make_launcher(cfg: FwdConfig):
             kernel(stream, q, k, v, params, out, lse, page_table, seqused_k)
 
         return sm100_fwd_paged
+    if cfg.varlen:
+        @cute.jit
+        def sm100_fwd_varlen(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                             v: cute.Tensor, params: cute.Tensor, cu_seqlens_q: cute.Tensor,
+                             cu_seqlens_k: cute.Tensor, out: cute.Tensor, lse: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, mCuSeqlensQ=cu_seqlens_q,
+                   mCuSeqlensK=cu_seqlens_k)
+
+        return sm100_fwd_varlen
 
     @cute.jit
     def sm100_fwd(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,

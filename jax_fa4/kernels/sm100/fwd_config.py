@@ -13,6 +13,8 @@ Call: ``fn(stream, q, k, v, params, out, lse)`` with
     q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), params float32 (4,) =
     [softmax_scale, softcap (0 = off), window_left, window_right], out (B, Sq, H, Dv) (q's dtype),
     lse (B, H, Sq) float32. B, S, H dynamic; D, Dv fixed by the config.
+Paged (``paged``) and varlen (``varlen``, packed sequences) configs take the calls of
+``spec.paged_attention_forward_signature`` and ``spec.varlen_attention_forward_signature``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import ClassVar
 
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, KernelConfig, KernelSignature,
                                   attention_forward_signature, check_dtype_and_mask, lookup_tuning,
-                                  paged_attention_forward_signature)
+                                  paged_attention_forward_signature,
+                                  varlen_attention_forward_signature)
 
 
 #: Shared memory per CTA on sm_100 (227 KB), minus room for mbarriers and the TMEM address slot.
@@ -88,6 +91,9 @@ class FwdConfig(KernelConfig):
     # Paged KV (as on sm90, jax_fa4/paged.py): K/V are a cache of tile_n-key tiles, key block n
     # of batch entry b is tile page_table[b, n], and b has seqused_k[b] keys.
     paged: bool = False
+    # Varlen (as on sm90, jax_fa4/varlen.py): q, k, v, out packed along one axis, sequence b's
+    # rows [cu_seqlens[b], cu_seqlens[b + 1]); lse (batch, H, max_seqlen_q) sets the tile count.
+    varlen: bool = False
 
     tile_m: ClassVar[int] = 128  # one TMEM lane (one softmax thread) per query row
 
@@ -124,6 +130,9 @@ class FwdConfig(KernelConfig):
             raise ValueError("sm100 forward: rescale_threshold must be >= 0")
         if self.rescale_threshold > 12.0 and self.dtype == "float16":
             raise ValueError("sm100 forward: fp16 P overflows past 2^15; keep the threshold <= 12")
+        if self.varlen and self.paged:
+            raise ValueError("sm100 forward: varlen and paged KV cannot be combined (packed "
+                             "sequences read K/V from cu_seqlens offsets, not from a page table)")
         if self.num_sms < 1:
             raise ValueError("sm100 forward: num_sms must be >= 1")
         if self.tmem_columns() > TMEM_COLUMNS:
@@ -157,6 +166,8 @@ class FwdConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
+        if self.varlen:
+            return varlen_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
         if self.paged:
             return paged_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v,
                                                      self.tile_n)
@@ -169,9 +180,17 @@ class FwdConfig(KernelConfig):
         return make_launcher(self)
 
 
+def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
+                  has_softcap: bool = False) -> FwdConfig:
+    """The varlen forward config of a problem kind: the table's tuning, persistent like every
+    sm100 forward (the tile count comes from lse's (batch, H, max_seqlen_q) shape). Raises
+    ValueError if the kind is unsupported."""
+    return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, varlen=True)
+
+
 def shipped_configs() -> list[FwdConfig]:
     """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and
-    fp16, each also paged."""
+    fp16, each also paged and varlen."""
     out = []
     for dtype in FLOAT_DTYPES:
         for (d, dv), row in TUNING_TABLE.items():
@@ -179,14 +198,21 @@ def shipped_configs() -> list[FwdConfig]:
                 for softcap in (False, True):
                     for paged in (False, True):
                         out.append(FwdConfig.make(dtype, d, dv, mask, softcap, paged=paged))
+                    out.append(varlen_config(dtype, d, dv, mask, softcap))
     return out
 
 
 def test_configs() -> list[FwdConfig]:
     """The subset the compile test builds on every run: each head-dim row once (bf16, no mask),
-    each mask kind and softcap once (bf16, hdim 128), fp16 once. The rest: precompile."""
+    each mask kind and softcap once (bf16, hdim 128), fp16 once; varlen: bf16 hdim 64 and 128
+    unmasked and causal, fp16 local + softcap, hdim 192/128 causal and 256. The rest:
+    precompile."""
     out = [FwdConfig.make("bfloat16", d, dv) for (d, dv) in TUNING_TABLE]
     out += [FwdConfig.make("bfloat16", 128, 128, "causal"),
             FwdConfig.make("bfloat16", 128, 128, "local", True),
             FwdConfig.make("float16", 64, 64, "causal", True)]
+    out += [varlen_config("bfloat16", d, d, mask) for d in (64, 128) for mask in ("none", "causal")]
+    out += [varlen_config("float16", 128, 128, "local", True),
+            varlen_config("bfloat16", 192, 128, "causal"),
+            varlen_config("bfloat16", 256, 256)]
     return out
