@@ -425,10 +425,14 @@ def _work_order() -> str:
     return order
 
 
+#: The work list's sequence value of the item that zeroes dK / dV outside every sequence.
+ZERO_PADDING = -2
+
+
 def work_items(total_k: int, batch: int, tile_n: int) -> int:
     """Rows of the work list: a bound on the key blocks of all sequences (sum of
-    ceil(len_k / tile_n) <= total_k // tile_n + batch)."""
-    return total_k // tile_n + batch
+    ceil(len_k / tile_n) <= total_k // tile_n + batch), and the ZERO_PADDING item."""
+    return total_k // tile_n + batch + 1
 
 
 def dq_accum_rows(total_q: int, batch: int, tile_m: int) -> int:
@@ -458,12 +462,13 @@ def work_table(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, num_items: int,
                tile_n: int, window, order: str = "heavy_first") -> jax.Array:
     """The varlen backward's work list, (num_items, 2) int32: row x = (sequence, key block)
     of CTA x; every key block of every sequence once, in launch ``order`` (see
-    VARLEN_BWD_ORDER), then spare rows (-1, 0)."""
+    VARLEN_BWD_ORDER), then spare rows (-1, 0), and last (ZERO_PADDING, 0), the item that
+    writes the zero gradient of the keys outside every sequence."""
     lens_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     blocks = (lens_k + tile_n - 1) // tile_n
     ends = jnp.cumsum(blocks)
-    x = jnp.arange(num_items, dtype=jnp.int32)
+    x = jnp.arange(num_items - 1, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(ends, x, side="right"), lens_k.shape[0] - 1)
     used = x < ends[-1]
     # sequence by sequence, each from its last key block down
@@ -473,7 +478,7 @@ def work_table(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, num_items: int,
     if order == "heavy_first":
         cost = visited_query_blocks(lens_q[seq], lens_k[seq], n_block, tile_m, tile_n, window)
         table = table[jnp.argsort(jnp.where(used, -cost, 1), stable=True)]
-    return table
+    return jnp.concatenate([table, jnp.asarray([[ZERO_PADDING, 0]], jnp.int32)])
 
 
 def varlen_backward_config(q, k, v, opts):
@@ -525,14 +530,11 @@ def _varlen_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, 
     t, seq, valid_q, start, _ = _token_layout(cu_seqlens_q, total_q)
     row = (start + seq * tm) // tm * tm + t - start  # the token's dq_accum row
     dq = jnp.where(valid_q[:, None, None], dq_rows[0, jnp.clip(row, 0, rows - 1)], 0)
-    dk, dvv = dk[0], dvv[0]  # (only tokens inside a sequence were written)
+    dk, dvv = dk[0], dvv[0]  # (the kernel wrote zeros to the keys outside every sequence)
     if config.gqa:
         dk = dk.reshape(total_k, hkv, h // hkv, d).sum(axis=2)
         dvv = dvv.reshape(total_k, hkv, h // hkv, dv).sum(axis=2)
-    _, _, valid_k, _, _ = _token_layout(cu_seqlens_k, total_k)
-    keep = valid_k[:, None, None]
-    return (dq.astype(q.dtype), jnp.where(keep, dk, 0).astype(k.dtype),
-            jnp.where(keep, dvv, 0).astype(v.dtype))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dvv.astype(v.dtype)
 
 
 def padded_backward_unsupported(q, k, v, opts, max_q: int, max_k: int) -> str | None:

@@ -373,8 +373,9 @@ def _emulated_varlen_backward(options, called):
     """Stand-ins for the sm90 varlen backward main kernel
     (bwd_config.varlen_attention_backward_signature) and its postprocess: the reference's packed
     backward, written where the kernels write. dq_accum gets each token's unscaled dQ at its
-    sequence's tile row; dk / dv only the rows of the key blocks the work list names (NaN
-    elsewhere, as unwritten memory), per query head under GQA (the whole group's sum in the
+    sequence's tile row; dk / dv only the rows of the key blocks the work list names and, with
+    its ZERO_PADDING item, zeros outside every sequence (NaN elsewhere, as unwritten memory),
+    per query head under GQA (the whole group's sum in the
     group's first head, zeros in the others); the postprocess scales dq_accum back into rows."""
     from jax_fa4.kernels.sm90.bwd_config import BwdConfig, BwdPostprocessConfig
 
@@ -403,14 +404,15 @@ def _emulated_varlen_backward(options, called):
                 True, mode="drop")
         tk_, seq_k, valid_k, start_k, _ = varlen._token_layout(cu_k, tk)
         written = valid_k & listed[seq_k, (tk_ - start_k) // config.tile_n]
+        zeroed = ~valid_k & (work[:, 0] == varlen.ZERO_PADDING).any()  # the padding item
         outs = []
         for g in (dk, dv):
             g = g[0]
             if config.gqa:
                 g = jnp.zeros((tk, hkv, h // hkv, g.shape[-1]), jnp.float32).at[:, :, 0].set(g)
                 g = g.reshape(tk, h, -1)
-            outs.append(jnp.where(written[:, None, None], g, jnp.nan)[None].astype(
-                out_shapes[len(outs) + 1].dtype))
+            g = jnp.where(written[:, None, None], g, jnp.where(zeroed[:, None, None], 0, jnp.nan))
+            outs.append(g[None].astype(out_shapes[len(outs) + 1].dtype))
         return acc.reshape(dq_accum.shape), *outs
 
     def kernel(config, arch, *args, out_shapes):
@@ -564,8 +566,8 @@ def _random_lengths(rng, batch, max_len):
 @pytest.mark.parametrize("window", [(None, None), (None, 0), (70, 3)], ids=str)
 def test_work_table_lists_every_key_block_once(order, window):
     """Every key block of every sequence is one row of the work list (spare rows (-1, 0) after
-    them), within the bound work_items gives; heavy_first puts the blocks with the most query
-    blocks to visit first."""
+    them, the ZERO_PADDING item last), within the bound work_items gives; heavy_first puts the
+    blocks with the most query blocks to visit first."""
     from jax_fa4.kernels.common.bwd_blocks import BwdBlocks
 
     rng = np.random.default_rng(7)
@@ -581,7 +583,8 @@ def test_work_table_lists_every_key_block_once(order, window):
         want = [(b, j) for b in range(batch) for j in range(-(-int(lens_k[b]) // tn))]
         used = table[table[:, 0] >= 0]
         assert sorted(map(tuple, used.tolist())) == want
-        assert (table[len(used):] == [-1, 0]).all()  # spare rows last
+        assert (table[len(used):-1] == [-1, 0]).all()  # spare rows, then the padding item
+        assert table[-1].tolist() == [varlen.ZERO_PADDING, 0]
         left, right = window
 
         def cost(b, j):

@@ -53,8 +53,9 @@ lists the work items, and so chooses their launch order); the sequence's offsets
 from cu_seqlens, its loads from TMA views offset to its first row (rows past its end are the next
 sequence's: the key tail is masked and the query rows past seqlen_q have P = dS = 0 as above);
 its query block m reduce-adds into dq_accum tile ``(cu_seqlens_q[b] + b·tile_m) // tile_m + m``,
-which no other sequence touches; dK / dV are stored row by row below seqlen_k (16-byte pieces),
-since a whole-tile TMA store would overwrite the next sequence's rows.
+which no other sequence touches; dK / dV of a key block inside the sequence are TMA-stored from the
+sequence's first row on, those of its last, partial block row by row below seqlen_k (16-byte
+pieces: a whole-tile TMA store would overwrite the next sequence's rows).
 
 Not yet: intra-iteration overlap of the dQ / dK GEMMs with the next S GEMM, persistence.
 """
@@ -97,6 +98,9 @@ class NamedBarrier(enum.IntEnum):
 
 
 _MMA_REGS, _PRODUCER_REGS = 240, 24
+#: The varlen work list's sequence value of the item that zeroes dK / dV outside every sequence
+#: (bwd_config.varlen_attention_backward_signature).
+ZERO_PADDING = -2
 
 
 # ------------------------------------------------------------------------------------------------
@@ -328,7 +332,7 @@ class FlashAttentionBackwardSm90:
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (self.tile_n, D))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (self.tile_n, Dv))
         tma_atom_dK, tma_dK, tma_atom_dV, tma_dV = None, mdK, None, mdV
-        if const_expr(not self.gqa and not self.varlen):
+        if const_expr(not self.gqa):
             s2g = cpasync.CopyBulkTensorTileS2GOp()
             tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (self.tile_n, D))
             tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout,
@@ -354,14 +358,17 @@ class FlashAttentionBackwardSm90:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * D], 1024]
 
         grid = (cute.ceil_div(mK.shape[0], self.tile_n), mQ.shape[2], mQ.shape[3])
+        mdK_rows, mdV_rows = None, None  # varlen, 16-bit dK / dV: the tensors for row stores
         if const_expr(self.varlen):  # one CTA per (work item, query head)
             grid = (mWork.shape[0], mQ.shape[2], 1)
+            if const_expr(not self.gqa):
+                mdK_rows, mdV_rows = mdK, mdV
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE, mDelta, mParams, mdQacc,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dK, tma_atom_dV,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout,
             mma_sdp, mma_dk, mma_dv, mma_dq, SharedStorage, mdQsem,
-            mCuSeqlensQ, mCuSeqlensK, mWork,
+            mCuSeqlensQ, mCuSeqlensK, mWork, mdK_rows, mdV_rows,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------------------------------------
@@ -379,13 +386,14 @@ class FlashAttentionBackwardSm90:
                mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
                mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr,
                mdQsem: cute.Tensor | None, mCuSeqlensQ: cute.Tensor | None,
-               mCuSeqlensK: cute.Tensor | None, mWork: cute.Tensor | None):
+               mCuSeqlensK: cute.Tensor | None, mWork: cute.Tensor | None,
+               mdK_rows: cute.Tensor | None, mdV_rows: cute.Tensor | None):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO):
                 cpasync.prefetch_descriptor(atom)
-            if const_expr(not self.gqa and not self.varlen):
+            if const_expr(not self.gqa):
                 cpasync.prefetch_descriptor(tma_atom_dK)
                 cpasync.prefetch_descriptor(tma_atom_dV)
 
@@ -423,7 +431,7 @@ class FlashAttentionBackwardSm90:
         seqlen_k = mK.shape[0]
         # varlen: work item x is key block work[x, 1] of sequence work[x, 0], whose rows are
         # [cu[seq], cu[seq + 1]) of the packed tensors (one batch entry: batch = 0 below)
-        q_offset, k_offset, dq_tile0 = None, None, None
+        q_offset, k_offset, dq_tile0, seq = None, None, None, None
         if const_expr(self.varlen):
             n_block, head, batch = cute.arch.block_idx()
             seq = mWork[n_block, 0]
@@ -472,7 +480,8 @@ class FlashAttentionBackwardSm90:
                      tma_atom_dK, tma_atom_dV, mma_sdp, mma_dk, mma_dv, mma_dq,
                      pipeline_kv, pipeline_q, pipeline_do, tidx - 128,
                      n_block, head, head_dkv, batch, m_block_min, m_block_max,
-                     seqlen_q, seqlen_k, block_info, q_offset, k_offset)
+                     seqlen_q, seqlen_k, block_info, q_offset, k_offset, mdK_rows, mdV_rows,
+                     seq, mCuSeqlensK)
 
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -611,7 +620,8 @@ class FlashAttentionBackwardSm90:
             mma_dq: cute.TiledMma, pipeline_kv, pipeline_q, pipeline_do, tidx: Int32,
             n_block: Int32, head: Int32, head_dkv: Int32, batch: Int32,
             m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32,
-            block_info: BwdBlocks, q_offset=None, k_offset=None):
+            block_info: BwdBlocks, q_offset=None, k_offset=None, mdK_rows=None,
+            mdV_rows=None, seq=None, mCuSeqlensK=None):
         tm, tn, D, Dv = self.tile_m, self.tile_n, self.hdim, self.hdimv
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         tidx_in_wg = tidx % 128
@@ -760,10 +770,20 @@ class FlashAttentionBackwardSm90:
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
             acc_dK[i] = acc_dK[i] * scale
         if const_expr(self.gqa):
-            self.store_dkv_f32(acc_dK, mdK, thr_dk, (tn, D), n_block, head_dkv, batch, seqlen_k,
-                               k_offset)
-            self.store_dkv_f32(acc_dV, mdV, thr_dv, (tn, Dv), n_block, head_dkv, batch, seqlen_k,
-                               k_offset)
+            if const_expr(self.varlen):
+                if seq == ZERO_PADDING:
+                    self.zero_padding_rows(mdK, mCuSeqlensK, head_dkv, D, Float32, tidx)
+                    self.zero_padding_rows(mdV, mCuSeqlensK, head_dkv, Dv, Float32, tidx)
+                else:
+                    self.store_dkv_f32(acc_dK, mdK, thr_dk, (tn, D), n_block, head_dkv, batch,
+                                       seqlen_k, k_offset)
+                    self.store_dkv_f32(acc_dV, mdV, thr_dv, (tn, Dv), n_block, head_dkv, batch,
+                                       seqlen_k, k_offset)
+            else:
+                self.store_dkv_f32(acc_dK, mdK, thr_dk, (tn, D), n_block, head_dkv, batch,
+                                   seqlen_k)
+                self.store_dkv_f32(acc_dV, mdV, thr_dv, (tn, Dv), n_block, head_dkv, batch,
+                                   seqlen_k)
         else:
             rdK = cute.make_rmem_tensor(acc_dK.layout, self.dtype)
             convert_f32_pairs(acc_dK, rdK, self.is_bf16)
@@ -776,32 +796,50 @@ class FlashAttentionBackwardSm90:
                 st = cute.make_tiled_copy_C(st_atom, mma_x).get_slice(tidx)
                 cute.copy(st, st.retile(acc16), st.partition_D(s_x))
             if const_expr(self.varlen):
-                # packed dK / dV: rows past the sequence belong to the next one, so no TMA
-                # store of whole tiles; 16-byte row pieces below seqlen_k
-                cute.arch.barrier(barrier_id=epi_barrier, number_of_threads=self.num_mma_threads)
+                # packed dK / dV: a key block inside the sequence is TMA-stored from the
+                # sequence's first row on; in its last, partial block the rows past the sequence
+                # belong to the next one: 16-byte row pieces below seqlen_k instead
                 rows = seqlen_k - n_block * tn
-                for s_x, m_x, dim in ((sK, mdK, D), (sV, mdV, Dv)):
-                    g_x = cute.local_tile(sequence(m_x, head_dkv, batch, k_offset), (tn, dim),
-                                          (n_block, 0))
-                    self.store_rows(s_x, g_x, tidx, rows, dim)
+                if seq == ZERO_PADDING:
+                    self.zero_padding_rows(mdK_rows, mCuSeqlensK, head_dkv, D, self.dtype, tidx)
+                    self.zero_padding_rows(mdV_rows, mCuSeqlensK, head_dkv, Dv, self.dtype, tidx)
+                elif rows >= tn:
+                    self.store_dkv_tma(sK, sV, mdK, mdV, tma_atom_dK, tma_atom_dV, tidx,
+                                       n_block, head_dkv, batch, k_offset)
+                else:
+                    cute.arch.barrier(barrier_id=epi_barrier,
+                                      number_of_threads=self.num_mma_threads)
+                    for s_x, m_x, dim in ((sK, mdK_rows, D), (sV, mdV_rows, Dv)):
+                        g_x = cute.local_tile(sequence(m_x, head_dkv, batch, k_offset),
+                                              (tn, dim), (n_block, 0))
+                        self.store_rows(s_x, g_x, tidx, rows, dim)
             else:
-                cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> TMA store
-                cute.arch.barrier(barrier_id=epi_barrier, number_of_threads=self.num_mma_threads)
-                if tidx < 32:
-                    one = cute.make_layout(1)
-                    gdK = cute.local_tile(mdK[None, None, head_dkv, batch], (tn, D), (n_block, 0))
-                    gdV = cute.local_tile(mdV[None, None, head_dkv, batch], (tn, Dv),
-                                          (n_block, 0))
-                    tsK, tgdK = cpasync.tma_partition(tma_atom_dK, 0, one,
-                                                      cute.group_modes(sK, 0, 2),
-                                                      cute.group_modes(gdK, 0, 2))
-                    tsV, tgdV = cpasync.tma_partition(tma_atom_dV, 0, one,
-                                                      cute.group_modes(sV, 0, 2),
-                                                      cute.group_modes(gdV, 0, 2))
-                    cute.copy(tma_atom_dK, tsK, tgdK)
-                    cute.copy(tma_atom_dV, tsV, tgdV)
-                    cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                self.store_dkv_tma(sK, sV, mdK, mdV, tma_atom_dK, tma_atom_dV, tidx, n_block,
+                                   head_dkv, batch)
+
+    @cute.jit
+    def store_dkv_tma(self, sK: cute.Tensor, sV: cute.Tensor, mdK: cute.Tensor,
+                      mdV: cute.Tensor, tma_atom_dK, tma_atom_dV, tidx: Int32, n_block: Int32,
+                      head_dkv: Int32, batch: Int32, k_offset=None):
+        """TMA-store the dK / dV tiles from K's / V's shared memory (rows past seqlen_k clipped
+        by TMA; varlen: into the packed tensors from the sequence's row ``k_offset`` on)."""
+        tn, D, Dv = self.tile_n, self.hdim, self.hdimv
+        cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> TMA store
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                          number_of_threads=self.num_mma_threads)
+        if tidx < 32:
+            one = cute.make_layout(1)
+            gdK = cute.local_tile(sequence(mdK, head_dkv, batch, k_offset), (tn, D), (n_block, 0))
+            gdV = cute.local_tile(sequence(mdV, head_dkv, batch, k_offset), (tn, Dv),
+                                  (n_block, 0))
+            tsK, tgdK = cpasync.tma_partition(tma_atom_dK, 0, one, cute.group_modes(sK, 0, 2),
+                                              cute.group_modes(gdK, 0, 2))
+            tsV, tgdV = cpasync.tma_partition(tma_atom_dV, 0, one, cute.group_modes(sV, 0, 2),
+                                              cute.group_modes(gdV, 0, 2))
+            cute.copy(tma_atom_dK, tsK, tgdK)
+            cute.copy(tma_atom_dV, tsV, tgdV)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def swapped_loop(self, mLSE: cute.Tensor, mDelta: cute.Tensor, tSrQ, tSrK, tdPrdO, tdPrV,
@@ -963,19 +1001,48 @@ class FlashAttentionBackwardSm90:
                     visible = visible and col >= lo
                 p_mn[idx] = p_mn[idx] if visible else Float32(0.0)
 
+    def row_copy(self, dtype, dim: int, tidx: Int32):
+        """Both MMA warpgroups' tiled copy of (rows, dim) tiles of ``dtype``, 16 bytes a thread
+        per step (a power-of-two number of threads along a row)."""
+        elems = 128 // dtype.width
+        per_row = math.gcd(dim // elems, 32)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((self.num_mma_threads // per_row, per_row),
+                                           order=(1, 0)),
+            cute.make_layout((1, elems)))
+        return tiled, tiled.get_slice(tidx)
+
+    @cute.jit
+    def zero_padding_rows(self, mX: cute.Tensor, mCuSeqlensK: cute.Tensor, head: Int32,
+                          dim: cutlass.Constexpr[int], dtype: cutlass.Constexpr, tidx: Int32):
+        """Varlen, the work list's ZERO_PADDING item: write 0 to head ``head`` of the packed
+        rows of mX (total_k, dim, ·, 1) outside every sequence, [0, cu_seqlens_k[0]) and
+        [cu_seqlens_k[-1], total_k) (their gradient), tile_n rows a step."""
+        tn = self.tile_n
+        total = mX.shape[0]
+        first, last = mCuSeqlensK[0], mCuSeqlensK[mCuSeqlensK.shape[0] - 1]
+        tiled, thr = self.row_copy(dtype, dim, tidx)
+        t_c = thr.partition_D(cute.make_identity_tensor((tn, dim)))
+        zeros = cute.make_fragment_like(t_c, dtype)
+        zeros.fill(0.0)
+        mX_h = mX[None, None, head, 0]
+        for part in cutlass.range_constexpr(2):  # the tiles before first, from last on
+            lo = Int32(0) if const_expr(part == 0) else last // tn
+            hi = (first + tn - 1) // tn if const_expr(part == 0) else (total + tn - 1) // tn
+            for tile in cutlass.range(lo, hi, unroll=1):
+                t_g = thr.partition_D(cute.local_tile(mX_h, (tn, dim), (tile, 0)))
+                for m in cutlass.range_constexpr(cute.size(t_g, mode=[1])):
+                    row = tile * tn + t_c[0, m, 0][0]
+                    if row < total and (row < first or row >= last):
+                        cute.copy(tiled, zeros[None, m, None], t_g[None, m, None])
+
     @cute.jit
     def store_rows(self, s_x: cute.Tensor, g_x: cute.Tensor, tidx: Int32, rows: Int32,
                    dim: cutlass.Constexpr[int]):
         """Copy the first ``rows`` rows of the (tile_n, dim) shared-memory tile s_x to g_x, 16
         bytes a thread per step, both MMA warpgroups (varlen dK / dV)."""
-        per_row = math.gcd(dim // 8, 32)  # threads along a row (a power of two)
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                   num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((self.num_mma_threads // per_row, per_row),
-                                           order=(1, 0)),
-            cute.make_layout((1, 8)))
-        thr = tiled.get_slice(tidx)
+        tiled, thr = self.row_copy(self.dtype, dim, tidx)
         t_s, t_g = thr.partition_S(s_x), thr.partition_D(g_x)
         t_c = thr.partition_D(cute.make_identity_tensor((self.tile_n, dim)))
         t_r = cute.make_fragment_like(t_s)

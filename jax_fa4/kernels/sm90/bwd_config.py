@@ -61,9 +61,10 @@ def varlen_attention_backward_signature(dtype: str, head_dim: int, head_dim_v: i
     boundaries. dq_accum (1, H, R·D) float32, input 7 aliased to output 0: sequence b's query
     block m owns tile row ``(cu_seqlens_q[b] + b·tile_m) // tile_m + m`` (the sequences' blocks
     never share a tile); R = (total_q // tile_m + batch)·tile_m rows suffice. work (W, 2) int32:
-    CTA x takes key block ``work[x, 1]`` of sequence ``work[x, 0]`` (sequence < 0: nothing to
-    do); its shape sets the grid (W, H). dk, dv (1, total_k, Hkv, ·) in ``dtype``, or float32 per
-    query head (1, total_k, H, ·) when ``gqa``; only tokens inside a sequence are written."""
+    CTA x takes key block ``work[x, 1]`` of sequence ``work[x, 0]``; sequence -1: nothing to do,
+    -2 (bwd.ZERO_PADDING): write zeros to the dk / dv rows outside every sequence; its shape sets
+    the grid (W, H). dk, dv (1, total_k, Hkv, ·) in ``dtype``, or float32 per query head
+    (1, total_k, H, ·) when ``gqa``."""
     d, dv, tm = head_dim, head_dim_v, tile_m
     tq, tk, h, hkv, b, w = 300, 400, 4, 2, 3, 8
     hdk = h if gqa else hkv

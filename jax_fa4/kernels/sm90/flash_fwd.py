@@ -693,14 +693,20 @@ class FlashAttentionForwardSm90:
         smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma_pv).get_slice(tidx)
         cute.copy(smem_thr_copy, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
         if const_expr(varlen_out is not None):
-            # packed output: rows past the sequence belong to the next one, so no TMA store of
-            # the whole tile; every consumer thread stores 16-byte row pieces below seqlen_q
-            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
-                              number_of_threads=self.num_mma_threads)
+            # packed output: a tile inside the sequence is TMA-stored from the sequence's first
+            # row on; in the last, partial tile the rows past the sequence belong to the next
+            # one, so every consumer thread stores 16-byte row pieces below seqlen_q instead
             mO_gmem, q_offset = varlen_out
-            gO = cute.local_tile(self.sequence(mO_gmem, head, 0, q_offset),
-                                 (self.tile_m, self.hdimv), (m_block, 0))
-            self.store_rows(sO, gO, tidx, seqlen_q - m_block * self.tile_m)
+            rows = seqlen_q - m_block * self.tile_m
+            if rows >= self.tile_m:
+                self.store_tile_tma(sO, mO, tma_atom_O, pipeline_q, q_state, warp_idx, m_block,
+                                    head, batch, persistent, q_offset)
+            else:
+                cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                                  number_of_threads=self.num_mma_threads)
+                gO = cute.local_tile(self.sequence(mO_gmem, head, 0, q_offset),
+                                     (self.tile_m, self.hdimv), (m_block, 0))
+                self.store_rows(sO, gO, tidx, rows)
         else:
             self.store_tile_tma(sO, mO, tma_atom_O, pipeline_q, q_state, warp_idx, m_block, head,
                                 batch, persistent)
@@ -760,14 +766,15 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def store_tile_tma(self, sO: cute.Tensor, mO: cute.Tensor, tma_atom_O: cute.CopyAtom,
                        pipeline_q, q_state, warp_idx: Int32, m_block: Int32, head: Int32,
-                       batch: Int32, persistent: cutlass.Constexpr[bool]):
-        """TMA-store the O tile (rows past seqlen_q are clipped by TMA) by consumer warp 0."""
+                       batch: Int32, persistent: cutlass.Constexpr[bool], q_offset=None):
+        """TMA-store the O tile (rows past seqlen_q are clipped by TMA) by consumer warp 0
+        (varlen: into the packed output from the sequence's row ``q_offset`` on)."""
         cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> TMA reads
         if warp_idx == 0:
             cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
                               number_of_threads=self.num_mma_threads)
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.hdimv),
-                                 (m_block, 0))
+            gO = cute.local_tile(self.sequence(mO, head, batch, q_offset),
+                                 (self.tile_m, self.hdimv), (m_block, 0))
             tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
                                                cute.group_modes(sO, 0, 2),
                                                cute.group_modes(gO, 0, 2))
