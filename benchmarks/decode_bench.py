@@ -12,8 +12,8 @@ exceed twice the L2):
   pages, each sequence's pages in shuffled order, every sequence using all ``Sk`` keys;
 * ``dense-<option>``, ``paged-<option>``: the same with a decode-tile option under measurement
   (``sm90.fwd_config.DECODE_OPTIONS``: two CTAs per SM; ``JAX_FA4_DECODE_TILE=<option>``);
-* ``dense-1tile``: the shipped tile, split-KV only until the tiles give each SM one
-  (``decode.TILES_PER_SM = 1``; default 2);
+* ``...-1tile``: split-KV only until the tiles give each SM one (``decode.TILES_PER_SM = 1``;
+  default 2);
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on the dense K/V.
 
 The figure is ``TB/s`` of K/V read: ``B·Sk·Hkv·(D + Dv)·2`` bytes over the time per call (what
@@ -42,8 +42,10 @@ H, HKV, D = 32, 8, 128
 PAGE = 128
 #: (B, Sk): issue #8's range, each input set 0.25–8.6 GB of K/V
 SHAPES = ((32, 4096), (64, 8192), (128, 8192), (32, 32768), (128, 32768), (32, 131072))
-VARIANTS = ("dense", "dense-tile128", "dense-1tile", *(f"dense-{o}" for o in DECODE_OPTIONS),
-            "paged", *(f"paged-{o}" for o in DECODE_OPTIONS), "cudnn")
+VARIANTS = ("dense", "dense-tile128", "dense-1tile",
+            *(f"dense-{o}{t}" for o in DECODE_OPTIONS for t in ("", "-1tile")),
+            "paged", "paged-1tile",
+            *(f"paged-{o}{t}" for o in DECODE_OPTIONS for t in ("", "-1tile")), "cudnn")
 
 
 def kv_bytes(b: int, sk: int) -> int:
@@ -91,9 +93,11 @@ def variant_fn(name: str):
 def compile_variant(name: str, args: tuple):
     old = os.environ.get("JAX_FA4_DECODE_TILE")
     option = name.split("-", 1)[1] if "-" in name else ""
+    one_tile = option.endswith("1tile")
+    option = option.removesuffix("1tile").removesuffix("-")
     os.environ["JAX_FA4_DECODE_TILE"] = ("0" if option == "tile128" else
                                          option if option in DECODE_OPTIONS else "1")
-    decode.TILES_PER_SM = 1 if option == "1tile" else 2
+    decode.TILES_PER_SM = 1 if one_tile else 2
     try:  # the switches are read while tracing
         return jax.jit(variant_fn(name)).lower(*args).compile()
     finally:

@@ -22,7 +22,7 @@ afterwards in float32 (:func:`jax_fa4.ops.join_sink`). The backward is the varle
 kernel (``_varlen_backward``): one CTA per (key block of a sequence, head), listed by a work list
 built here from cu_seqlens (``work_table``: heaviest key blocks first), so every sequence costs
 only its own blocks; its dQ partial sums go to tiles no other sequence shares
-(``dq_accum_rows``), and the postprocess's rows are gathered back to the packed tokens.
+(``dq_accum_rows``), which the varlen postprocess turns into the packed dq (``tile_owners``).
 
 The Blackwell forward kernel has the same varlen mode (``implementation="sm100"``, same call and
 results contract; compiled and SASS-checked only, never run on hardware, so opt-in like every
@@ -441,6 +441,19 @@ def dq_accum_rows(total_q: int, batch: int, tile_m: int) -> int:
     return (total_q // tile_m + batch) * tile_m
 
 
+def tile_owners(cu_seqlens_q: jax.Array, num_tiles: int, tile_m: int) -> jax.Array:
+    """(num_tiles,) int32: the sequence owning each dq_accum tile, -1 for none (sequence b owns
+    the ceil(len_q(b) / tile_m) tiles from (cu_q[b] + b·tile_m) // tile_m on)."""
+    batch = cu_seqlens_q.shape[0] - 1
+    lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    first = (cu_seqlens_q[:-1] + jnp.arange(batch, dtype=jnp.int32) * tile_m) // tile_m
+    end = first + (lens + tile_m - 1) // tile_m
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    # the last sequence starting at or before t (empty sequences own no tile)
+    seq = jnp.clip(jnp.searchsorted(first, t, side="right") - 1, 0, batch - 1)
+    return jnp.where((first[seq] <= t) & (t < end[seq]), seq, -1).astype(jnp.int32)
+
+
 def visited_query_blocks(len_q, len_k, n_block, tile_m: int, tile_n: int, window):
     """Query blocks key block ``n_block`` of a sequence visits (the kernel's block range,
     elementwise on int32 arrays); ``window`` the canonical (left, right), None = unbounded."""
@@ -501,8 +514,8 @@ def varlen_backward_config(q, k, v, opts):
 def _varlen_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, opts, config,
                      order: str = VARLEN_BWD_ORDER):
     """(dq, dk, dv) packed, by the varlen backward chain: the preprocess on the packed out / dout,
-    the varlen main kernel (every sequence's own blocks only), the postprocess on its dq_accum
-    and a gather of each token's dQ row. ``lse``, ``dlse``: (H, total_q); ``order``: the work
+    the varlen main kernel (every sequence's own blocks only) and the varlen postprocess, which
+    writes each sequence's dQ rows in place. ``lse``, ``dlse``: (H, total_q); ``order``: the work
     list's launch order (VARLEN_BWD_ORDER)."""
     from jax_fa4.ffi.call import call_kernel
 
@@ -525,11 +538,11 @@ def _varlen_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, 
         out_shapes=(jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32),
                     jax.ShapeDtypeStruct((1, total_k, hdk, d), dkv_dtype),
                     jax.ShapeDtypeStruct((1, total_k, hdk, dv), dkv_dtype)))
-    (dq_rows,) = call_kernel(config.postprocess_config(), arch, dq_accum, params,
-                             out_shapes=(jax.ShapeDtypeStruct((1, rows, h, d), q.dtype),))
-    t, seq, valid_q, start, _ = _token_layout(cu_seqlens_q, total_q)
-    row = (start + seq * tm) // tm * tm + t - start  # the token's dq_accum row
-    dq = jnp.where(valid_q[:, None, None], dq_rows[0, jnp.clip(row, 0, rows - 1)], 0)
+    # the postprocess writes each sequence's dQ rows in place and zeros outside them
+    (dq,) = call_kernel(config.postprocess_config(), arch, dq_accum, params, cu_seqlens_q,
+                        tile_owners(cu_seqlens_q, rows // tm, tm),
+                        out_shapes=(jax.ShapeDtypeStruct((1, total_q, h, d), q.dtype),))
+    dq = dq[0]
     dk, dvv = dk[0], dvv[0]  # (the kernel wrote zeros to the keys outside every sequence)
     if config.gqa:
         dk = dk.reshape(total_k, hkv, h // hkv, d).sum(axis=2)

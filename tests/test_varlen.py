@@ -379,10 +379,24 @@ def _emulated_varlen_backward(options, called):
     group's first head, zeros in the others); the postprocess scales dq_accum back into rows."""
     from jax_fa4.kernels.sm90.bwd_config import BwdConfig, BwdPostprocessConfig
 
-    def postprocess(config, dq_accum, params, out_shape):
+    def postprocess(config, dq_accum, params, cu_q, tile_seq, out_shape):
+        """Tile t's rows go to sequence tile_seq[t]'s rows of its query block; padding rows 0;
+        rows no tile names stay NaN."""
+        assert config.varlen
         _, h, n = dq_accum.shape
-        rows = dq_accum.reshape(1, h, n // config.head_dim, config.head_dim)
-        return (rows.transpose(0, 2, 1, 3) * params[0]).astype(out_shape.dtype)
+        tm, d = config.tile_m, config.head_dim
+        acc = dq_accum.reshape(h, n // (tm * d), tm, d) * params[0]
+        total = out_shape.shape[1]
+        t, seq, valid, start, _ = varlen._token_layout(cu_q, total)
+        owner = tile_seq[None, :] == seq[:, None]  # (token, tile): the tile's sequence
+        first = jnp.argmax(owner, axis=1)  # the sequence's first tile
+        named = valid & owner.any(axis=1)
+        local = t - start
+        tile = jnp.clip(first + local // tm, 0, tile_seq.shape[0] - 1)
+        named &= tile_seq[tile] == seq
+        rows = acc[:, tile, local % tm].transpose(1, 0, 2)  # (token, H, D)
+        dq = jnp.where(named[:, None, None], rows, jnp.where(valid[:, None, None], jnp.nan, 0))
+        return dq[None].astype(out_shape.dtype)
 
     def main(config, q, k, v, dout, lse_log2, delta, params, dq_accum, cu_q, cu_k, work,
              out_shapes):
@@ -609,7 +623,7 @@ def test_work_table_lists_every_key_block_once(order, window):
 @pytest.mark.parametrize("tile_m", [64, 128])
 def test_dq_accum_tiles_of_sequences_are_disjoint(tile_m):
     """Sequence b's query blocks start at tile (cu_q[b] + b·tile_m) // tile_m: no two sequences
-    share a tile, and all fit in dq_accum_rows."""
+    share a tile, all fit in dq_accum_rows, and tile_owners names each tile's sequence."""
     rng = np.random.default_rng(8)
     for trial in range(200):
         batch = int(rng.integers(1, 9))
@@ -624,3 +638,5 @@ def test_dq_accum_tiles_of_sequences_are_disjoint(tile_m):
                 owner[tile] = b
         rows = varlen.dq_accum_rows(total, batch, tile_m)
         assert rows % tile_m == 0 and all((t + 1) * tile_m <= rows for t in owner)
+        got = np.asarray(varlen.tile_owners(jnp.asarray(cu), rows // tile_m, tile_m))
+        assert got.tolist() == [owner.get(t, -1) for t in range(rows // tile_m)], (lens, got)

@@ -188,6 +188,59 @@ def sequence(mX: cute.Tensor, head, batch, offset=None) -> cute.Tensor:
     return cute.domain_offset((offset, 0), mX[None, None, head, 0])
 
 
+def row_copy(dtype, dim: int, num_threads: int, tidx: Int32):
+    """A tiled copy of (rows, dim) tiles of ``dtype`` by ``num_threads`` threads, 16 bytes a
+    thread per step (a power-of-two number of threads along a row), and thread tidx's slice."""
+    elems = 128 // dtype.width
+    per_row = math.gcd(dim // elems, 32)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    tiled = cute.make_tiled_copy_tv(
+        atom, cute.make_ordered_layout((num_threads // per_row, per_row), order=(1, 0)),
+        cute.make_layout((1, elems)))
+    return tiled, tiled.get_slice(tidx)
+
+
+@cute.jit
+def store_rows(s_x: cute.Tensor, g_x: cute.Tensor, rows: Int32, num_threads: cutlass.Constexpr,
+               tidx: Int32):
+    """Copy the first ``rows`` rows of the shared-memory tile s_x to g_x (same shape), 16 bytes
+    a thread per step (varlen: the part of a tile inside its sequence)."""
+    tile = (cute.size(s_x, mode=[0]), cute.size(s_x, mode=[1]))
+    tiled, thr = row_copy(s_x.element_type, tile[1], num_threads, tidx)
+    t_s, t_g = thr.partition_S(s_x), thr.partition_D(g_x)
+    t_c = thr.partition_D(cute.make_identity_tensor(tile))
+    t_r = cute.make_fragment_like(t_s)
+    cute.autovec_copy(t_s, t_r)
+    for m in cutlass.range_constexpr(cute.size(t_g, mode=[1])):
+        if t_c[0, m, 0][0] < rows:
+            cute.copy(tiled, t_r[None, m, None], t_g[None, m, None])
+
+
+@cute.jit
+def zero_padding_rows(mX: cute.Tensor, mCuSeqlens: cute.Tensor, head: Int32,
+                      tile: cutlass.Constexpr, num_threads: cutlass.Constexpr, tidx: Int32):
+    """Write 0 to head ``head`` of the rows of the packed mX (total, dim, H, 1) outside every
+    sequence, [0, cu_seqlens[0]) and [cu_seqlens[-1], total), a ``tile`` = (rows, dim) a step
+    (varlen: the gradient of the padding tokens)."""
+    tm, dim = tile
+    total = mX.shape[0]
+    first, last = mCuSeqlens[0], mCuSeqlens[mCuSeqlens.shape[0] - 1]
+    tiled, thr = row_copy(mX.element_type, dim, num_threads, tidx)
+    t_c = thr.partition_D(cute.make_identity_tensor(tile))
+    zeros = cute.make_fragment_like(t_c, mX.element_type)
+    zeros.fill(0.0)
+    mX_h = mX[None, None, head, 0]
+    for part in cutlass.range_constexpr(2):  # the tiles before first, from last on
+        lo = Int32(0) if const_expr(part == 0) else last // tm
+        hi = (first + tm - 1) // tm if const_expr(part == 0) else (total + tm - 1) // tm
+        for t in cutlass.range(lo, hi, unroll=1):
+            t_g = thr.partition_D(cute.local_tile(mX_h, tile, (t, 0)))
+            for m in cutlass.range_constexpr(cute.size(t_g, mode=[1])):
+                row = t * tm + t_c[0, m, 0][0]
+                if row < total and (row < first or row >= last):
+                    cute.copy(tiled, zeros[None, m, None], t_g[None, m, None])
+
+
 def dq_fragment_view(base: cute.Tensor, num_regs: int, tidx_in_wg: Int32) -> cute.Tensor:
     """This thread's ``num_regs`` floats of one warpgroup's dQ chunk ``base`` (1-D, 128·num_regs
     floats), as a (4, num_regs/4) tensor: register 4c + j sits at float (c·128 + t)·4 + j."""
@@ -772,8 +825,10 @@ class FlashAttentionBackwardSm90:
         if const_expr(self.gqa):
             if const_expr(self.varlen):
                 if seq == ZERO_PADDING:
-                    self.zero_padding_rows(mdK, mCuSeqlensK, head_dkv, D, Float32, tidx)
-                    self.zero_padding_rows(mdV, mCuSeqlensK, head_dkv, Dv, Float32, tidx)
+                    zero_padding_rows(mdK, mCuSeqlensK, head_dkv, (tn, D), self.num_mma_threads,
+                                      tidx)
+                    zero_padding_rows(mdV, mCuSeqlensK, head_dkv, (tn, Dv), self.num_mma_threads,
+                                      tidx)
                 else:
                     self.store_dkv_f32(acc_dK, mdK, thr_dk, (tn, D), n_block, head_dkv, batch,
                                        seqlen_k, k_offset)
@@ -801,8 +856,10 @@ class FlashAttentionBackwardSm90:
                 # belong to the next one: 16-byte row pieces below seqlen_k instead
                 rows = seqlen_k - n_block * tn
                 if seq == ZERO_PADDING:
-                    self.zero_padding_rows(mdK_rows, mCuSeqlensK, head_dkv, D, self.dtype, tidx)
-                    self.zero_padding_rows(mdV_rows, mCuSeqlensK, head_dkv, Dv, self.dtype, tidx)
+                    zero_padding_rows(mdK_rows, mCuSeqlensK, head_dkv, (tn, D),
+                                      self.num_mma_threads, tidx)
+                    zero_padding_rows(mdV_rows, mCuSeqlensK, head_dkv, (tn, Dv),
+                                      self.num_mma_threads, tidx)
                 elif rows >= tn:
                     self.store_dkv_tma(sK, sV, mdK, mdV, tma_atom_dK, tma_atom_dV, tidx,
                                        n_block, head_dkv, batch, k_offset)
@@ -812,7 +869,7 @@ class FlashAttentionBackwardSm90:
                     for s_x, m_x, dim in ((sK, mdK_rows, D), (sV, mdV_rows, Dv)):
                         g_x = cute.local_tile(sequence(m_x, head_dkv, batch, k_offset),
                                               (tn, dim), (n_block, 0))
-                        self.store_rows(s_x, g_x, tidx, rows, dim)
+                        store_rows(s_x, g_x, rows, self.num_mma_threads, tidx)
             else:
                 self.store_dkv_tma(sK, sV, mdK, mdV, tma_atom_dK, tma_atom_dV, tidx, n_block,
                                    head_dkv, batch)
@@ -1000,56 +1057,6 @@ class FlashAttentionBackwardSm90:
                 if const_expr(self.is_local):
                     visible = visible and col >= lo
                 p_mn[idx] = p_mn[idx] if visible else Float32(0.0)
-
-    def row_copy(self, dtype, dim: int, tidx: Int32):
-        """Both MMA warpgroups' tiled copy of (rows, dim) tiles of ``dtype``, 16 bytes a thread
-        per step (a power-of-two number of threads along a row)."""
-        elems = 128 // dtype.width
-        per_row = math.gcd(dim // elems, 32)
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((self.num_mma_threads // per_row, per_row),
-                                           order=(1, 0)),
-            cute.make_layout((1, elems)))
-        return tiled, tiled.get_slice(tidx)
-
-    @cute.jit
-    def zero_padding_rows(self, mX: cute.Tensor, mCuSeqlensK: cute.Tensor, head: Int32,
-                          dim: cutlass.Constexpr[int], dtype: cutlass.Constexpr, tidx: Int32):
-        """Varlen, the work list's ZERO_PADDING item: write 0 to head ``head`` of the packed
-        rows of mX (total_k, dim, ·, 1) outside every sequence, [0, cu_seqlens_k[0]) and
-        [cu_seqlens_k[-1], total_k) (their gradient), tile_n rows a step."""
-        tn = self.tile_n
-        total = mX.shape[0]
-        first, last = mCuSeqlensK[0], mCuSeqlensK[mCuSeqlensK.shape[0] - 1]
-        tiled, thr = self.row_copy(dtype, dim, tidx)
-        t_c = thr.partition_D(cute.make_identity_tensor((tn, dim)))
-        zeros = cute.make_fragment_like(t_c, dtype)
-        zeros.fill(0.0)
-        mX_h = mX[None, None, head, 0]
-        for part in cutlass.range_constexpr(2):  # the tiles before first, from last on
-            lo = Int32(0) if const_expr(part == 0) else last // tn
-            hi = (first + tn - 1) // tn if const_expr(part == 0) else (total + tn - 1) // tn
-            for tile in cutlass.range(lo, hi, unroll=1):
-                t_g = thr.partition_D(cute.local_tile(mX_h, (tn, dim), (tile, 0)))
-                for m in cutlass.range_constexpr(cute.size(t_g, mode=[1])):
-                    row = tile * tn + t_c[0, m, 0][0]
-                    if row < total and (row < first or row >= last):
-                        cute.copy(tiled, zeros[None, m, None], t_g[None, m, None])
-
-    @cute.jit
-    def store_rows(self, s_x: cute.Tensor, g_x: cute.Tensor, tidx: Int32, rows: Int32,
-                   dim: cutlass.Constexpr[int]):
-        """Copy the first ``rows`` rows of the (tile_n, dim) shared-memory tile s_x to g_x, 16
-        bytes a thread per step, both MMA warpgroups (varlen dK / dV)."""
-        tiled, thr = self.row_copy(self.dtype, dim, tidx)
-        t_s, t_g = thr.partition_S(s_x), thr.partition_D(g_x)
-        t_c = thr.partition_D(cute.make_identity_tensor((self.tile_n, dim)))
-        t_r = cute.make_fragment_like(t_s)
-        cute.autovec_copy(t_s, t_r)
-        for m in cutlass.range_constexpr(cute.size(t_g, mode=[1])):
-            if t_c[0, m, 0][0] < rows:
-                cute.copy(tiled, t_r[None, m, None], t_g[None, m, None])
 
     @cute.jit
     def store_dkv_f32(self, acc: cute.Tensor, mX: cute.Tensor, thr_mma, tile: cutlass.Constexpr,

@@ -252,7 +252,8 @@ class BwdConfig(KernelConfig):
         return q + do + k + v + pds + dq
 
     def postprocess_config(self) -> "BwdPostprocessConfig":
-        return BwdPostprocessConfig(dtype=self.dtype, head_dim=self.head_dim, tile_m=self.tile_m)
+        return BwdPostprocessConfig(dtype=self.dtype, head_dim=self.head_dim, tile_m=self.tile_m,
+                                    varlen=self.varlen)
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
@@ -272,7 +273,13 @@ class BwdConfig(KernelConfig):
 
 @dataclass(frozen=True)
 class BwdPostprocessConfig(KernelConfig):
-    """dq = dq_accum (fragment order, see module docstring) · softmax_scale, in the input dtype."""
+    """dq = dq_accum (fragment order, see module docstring) · softmax_scale, in the input dtype.
+
+    Varlen (``varlen=True``): ``fn(stream, dq_accum, params, cu_seqlens_q, tile_seq, dq)`` with
+    dq_accum (1, H, R·D) of the varlen main kernel, tile_seq (R / tile_m,) int32 the sequence
+    owning each dq_accum tile (-1: none; sequence b owns the ceil(len_q(b) / tile_m) tiles from
+    ``(cu_seqlens_q[b] + b·tile_m) // tile_m`` on) and dq (1, total_q, H, D) packed: each
+    sequence's rows written in place, the rows outside every sequence zeros."""
 
     kernel_name: ClassVar[str] = "sm90_bwd_postprocess"
     sources: ClassVar[tuple[str, ...]] = _SOURCES
@@ -280,6 +287,7 @@ class BwdPostprocessConfig(KernelConfig):
     dtype: str = "bfloat16"
     head_dim: int = 128
     tile_m: int = 64
+    varlen: bool = False
 
     def validate(self) -> None:
         if self.dtype not in FLOAT_DTYPES:
@@ -295,6 +303,17 @@ class BwdPostprocessConfig(KernelConfig):
     def signature(self) -> KernelSignature:
         d, tm = self.head_dim, self.tile_m
         b, sq, h = 2, 256, 4
+        if self.varlen:
+            tq, tiles = 300, 300 // tm + b
+            return KernelSignature(
+                inputs=(TensorArg("dq_accum", "float32", (1, h, tiles * tm * d), (1, 1, tm * d),
+                                  batched=False),
+                        TensorArg("params", "float32", (4,), (4,), batched=False),
+                        TensorArg("cu_seqlens_q", "int32", (b + 1,), (1,), batched=False),
+                        TensorArg("tile_seq", "int32", (tiles,), (1,), batched=False)),
+                outputs=(TensorArg("dq", self.dtype, (1, tq, h, d), (1, 1, 1, d),
+                                   batched=False),),
+            )
         return KernelSignature(
             inputs=(TensorArg("dq_accum", "float32", (b, h, sq * d), (1, 1, tm * d)),
                     TensorArg("params", "float32", (4,), (4,), batched=False)),
