@@ -333,8 +333,8 @@ def kernel_config(q, v, opts, max_seqlen_q: int):
 
 def _kernel_forward(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, opts, kernel):
     """(out (1, total_q, H, Dv), lse (1, H, total_q)) by the varlen forward kernel; ``kernel``
-    is (config, max_seqlen_q, max_seqlen_k, the backward's work order). Tokens outside every sequence: out 0 (written by
-    the kernel), lse -inf."""
+    is (config, max_seqlen_q, max_seqlen_k, the backward's work order). Tokens outside every
+    sequence: out 0 (written by the kernel), lse -inf."""
     from jax_fa4.ffi.call import call_kernel
 
     config, max_q = kernel[:2]
@@ -349,63 +349,6 @@ def _kernel_forward(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, opts, kernel):
     lse = lse_pad[seq, :, jnp.clip(t - start, 0, max_q - 1)].T  # (H, total_q)
     lse = jnp.where(valid, lse, -jnp.inf)[None]  # (the kernel wrote 0 to padding tokens' out)
     return ops.join_sink(out, lse, sink)
-
-
-# -- the backward on the dense kernels: sequences right-aligned in padded slots ------------------
-# Sequence b's queries go to the last len_q(b) of max_seqlen_q slots of padded batch entry b, its
-# keys to the last len_k(b) of max_seqlen_k slots, the rest is zeros. The dense kernels align the
-# window bottom-right on (max_q, max_k), which is each sequence's own alignment: with query slot
-# I = i + max_q - len_q and key slot J = j + max_k - len_k,
-#     J <= I + (max_k - max_q) + right   <=>   j <= i + (len_k - len_q) + right
-# (and likewise for the left edge). Padding adds nothing: padding query rows get lse = -inf
-# (P = 0) and zero dO; padding keys have K = V = 0, so their dS reaches dQ only through K = 0, and
-# their own dK, dV are dropped when the gradients are gathered back. The cost: every sequence is
-# computed as max_q × max_k (exact for equal lengths, wasteful for very unequal ones).
-def _slots(cu: jax.Array, max_len: int):
-    """(B, max_len) packed token of each right-aligned padded slot (0 where padding), and
-    whether the slot holds a token."""
-    lens = cu[1:] - cu[:-1]
-    slot = jnp.arange(max_len, dtype=jnp.int32)[None, :]
-    first = (max_len - lens)[:, None]  # first real slot
-    valid = slot >= first
-    return jnp.where(valid, cu[:-1, None] + slot - first, 0), valid
-
-
-def _pad(x: jax.Array, slots) -> jax.Array:
-    """Packed (total, ...) -> padded (B, max_len, ...), zeros in padding slots."""
-    idx, valid = slots
-    return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x[idx], 0).astype(x.dtype)
-
-
-def _unpad(xp: jax.Array, cu: jax.Array, total: int) -> jax.Array:
-    """Padded (B, max_len, ...) -> packed (total, ...); tokens outside every sequence get 0."""
-    max_len = xp.shape[1]
-    t, seq, valid, start, end = _token_layout(cu, total)
-    slot = jnp.clip(max_len - (end - start) + (t - start), 0, max_len - 1)
-    out = xp[seq, slot]
-    return jnp.where(valid.reshape(valid.shape + (1,) * (out.ndim - 1)), out, 0).astype(xp.dtype)
-
-
-def _padded_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k):
-    return _pad(q, _slots(cu_seqlens_q, max_q)), _pad(k, _slots(cu_seqlens_k, max_k)), \
-        _pad(v, _slots(cu_seqlens_k, max_k))
-
-
-def _padded_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, opts, max_q,
-                     max_k):
-    """(dq, dk, dv) packed, by the dense backward chain (preprocess, main, postprocess kernels)
-    on the right-aligned padded batch. ``lse``, ``dlse``: (H, total_q)."""
-    sq = _slots(cu_seqlens_q, max_q)
-    qp, kp, vp = _padded_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)
-    outp, doutp = _pad(out, sq), _pad(dout, sq)
-    idx, valid = sq
-    lsep = jnp.where(valid[:, None, :], lse[:, idx].transpose(1, 0, 2), -jnp.inf)  # (B, H, M)
-    dlsep = jnp.where(valid[:, None, :], dlse[:, idx].transpose(1, 0, 2), 0.0)
-    delta, lse_log2 = ops.bwd_preprocess(outp, doutp, lsep, opts.implementation)
-    dqp, dkp, dvp = ops.backward(qp, kp, vp, outp, lsep, doutp, delta - dlsep, lse_log2, opts)
-    total_q, total_k = q.shape[0], k.shape[0]
-    return (_unpad(dqp, cu_seqlens_q, total_q), _unpad(dkp, cu_seqlens_k, total_k),
-            _unpad(dvp, cu_seqlens_k, total_k))
 
 
 # -- the varlen backward kernel ------------------------------------------------------------------
@@ -550,15 +493,6 @@ def _varlen_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, 
     return dq.astype(q.dtype), dk.astype(k.dtype), dvv.astype(v.dtype)
 
 
-def padded_backward_unsupported(q, k, v, opts, max_q: int, max_k: int) -> str | None:
-    """Why the dense backward kernels cannot serve this varlen call padded (None if they can)."""
-    if max_q == 0 or max_k == 0:
-        return "an empty padded problem"
-    b = 1  # the kernels' configs do not depend on the batch
-    shape = lambda x, m: jax.ShapeDtypeStruct((b, m, *x.shape[1:]), x.dtype)  # noqa: E731
-    return ops.backward_unsupported(shape(q, max_q), shape(k, max_k), shape(v, max_k), opts)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _kernel_attention(q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, opts, kernel):
     return _kernel_forward(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, opts, kernel)
@@ -572,16 +506,11 @@ def _kernel_attention_fwd(q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, o
 def _kernel_attention_bwd(opts, kernel, residuals, cotangents):
     q, k, v, sink, segments, cu_q, cu_k, out, lse = residuals
     dout, dlse = cotangents
-    _, max_q, max_k, order = kernel
+    order = kernel[3]
     bwd_config = varlen_backward_config(q, k, v, opts)
-    padded = padded_backward_unsupported(q, k, v, opts, max_q, max_k) is None
-    if not isinstance(bwd_config, str) or padded:
-        if not isinstance(bwd_config, str):
-            dq, dk, dv = _varlen_backward(q, k, v, out[0], lse[0], dout[0], dlse[0], cu_q, cu_k,
-                                          opts, bwd_config, order)
-        else:
-            dq, dk, dv = _padded_backward(q, k, v, out[0], lse[0], dout[0], dlse[0], cu_q,
-                                          cu_k, opts, max_q, max_k)
+    if not isinstance(bwd_config, str):
+        dq, dk, dv = _varlen_backward(q, k, v, out[0], lse[0], dout[0], dlse[0], cu_q, cu_k,
+                                      opts, bwd_config, order)
         dsink = None if sink is None else reference.sink_gradient(
             sink, lse, ops.reference_delta(out, dout) - dlse)
         return dq, dk, dv, dsink, None, None, None

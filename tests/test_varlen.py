@@ -540,35 +540,6 @@ def test_kernel_config_per_architecture():
         flash_attention_varlen(q192, q192, q192, cu, cu, 6, 6, implementation="sm100")
 
 
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
-def test_padded_backward_matches_the_packed_reference(case, monkeypatch):
-    """The varlen backward on the dense kernels (sequences right-aligned in padded slots), with
-    the reference's dense backward standing in for the kernels: the same gradients as the
-    reference's packed (segment-id) backward, padding tokens included (zero gradient)."""
-    h, hkv, d, dv, kwargs, _ = case
-    q, k, v, _, dout, dlse = _packed(LENS_Q, LENS_K, h, hkv, d, dv, seed=5)
-    cu_q, cu_k = jnp.asarray(_cu(LENS_Q)), jnp.asarray(_cu(LENS_K))
-    opts = varlen._options(q, softmax_scale=kwargs.get("softmax_scale"),
-                           causal=kwargs.get("causal", False),
-                           window_size=kwargs.get("window_size", (None, None)),
-                           softcap=kwargs.get("softcap", 0.0), implementation=None)
-    seg = varlen.varlen_segments(cu_q, cu_k, q.shape[0], k.shape[0])
-    out, lse = reference.attention(q[None], k[None], v[None], window=opts.window,
-                                   softcap=opts.softcap, softmax_scale=opts.softmax_scale,
-                                   **seg._asdict())
-    want = varlen._attention_bwd(opts, (q[None], k[None], v[None], None, seg, out, lse),
-                                 (dout[None], dlse[None]))[:3]
-    calls = []
-    real_backward = ops.backward
-    monkeypatch.setattr(ops, "backward", lambda *a: calls.append(a[0].shape) or real_backward(
-        *a[:-1], dataclasses.replace(a[-1], implementation="reference")))
-    got = varlen._padded_backward(q, k, v, out[0], lse[0], dout, dlse, cu_q, cu_k, opts,
-                                  max(LENS_Q) + 2, max(LENS_K) + 1)  # slack in the slots too
-    assert calls == [(len(LENS_Q), max(LENS_Q) + 2, h, d)]
-    for name, g, w in zip(("dq", "dk", "dv"), got, want):
-        np.testing.assert_allclose(g, w[0], err_msg=name, atol=5e-5, rtol=5e-5)
-
-
 # --- the varlen backward kernel's work list and dq_accum layout (brute force) ------------------
 def _random_lengths(rng, batch, max_len):
     lens = rng.integers(0, max_len + 1, batch)
