@@ -92,15 +92,32 @@ def run_varlen_cases(seed: int) -> None:
         assert bool(jnp.isfinite(value)) and all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
 
 
-def main() -> int:
-    for i, case in enumerate(CASES):
-        run_case(case, i)
-        print(f"ran {case}", flush=True)
-    run_decode_cases(len(CASES))
-    print("ran the dense and paged decode steps", flush=True)
-    run_varlen_cases(len(CASES) + 1)
-    print("ran the varlen forward and backward steps", flush=True)
-    print(f"{len(CASES) + 4} cases ran")
+#: Case groups, each run in its own process by tests/gpu/test_sanitizers.py (on the H200,
+#: compute-sanitizer's host process crashed, rc 139, when the varlen steps ran after all the
+#: others in one process; each group alone is clean, and without the sanitizer all run in one
+#: process: session 13, docs/NOTES.md).
+GROUPS = ("dense", "varlen")
+
+
+def main(argv: list[str] | None = None) -> int:
+    groups = (argv if argv is not None else sys.argv[1:]) or list(GROUPS)
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        print(f"unknown case groups {sorted(unknown)}; known: {GROUPS}", file=sys.stderr)
+        return 2
+    count = 0
+    if "dense" in groups:
+        for i, case in enumerate(CASES):
+            run_case(case, i)
+            print(f"ran {case}", flush=True)
+        run_decode_cases(len(CASES))
+        print("ran the dense and paged decode steps", flush=True)
+        count += len(CASES) + 2
+    if "varlen" in groups:
+        run_varlen_cases(len(CASES) + 1)
+        print("ran the varlen forward and backward steps", flush=True)
+        count += 2
+    print(f"{count} cases ran")
     return 0
 
 

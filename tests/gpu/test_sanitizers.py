@@ -18,16 +18,17 @@ import pytest
 CASES = Path(__file__).with_name("sanitizer_cases.py")
 
 
+@pytest.mark.parametrize("group", ["dense", "varlen"])
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
-def test_kernels_are_clean_under_compute_sanitizer(tool):
+def test_kernels_are_clean_under_compute_sanitizer(tool, group):
     exe = shutil.which("compute-sanitizer")
     if exe is None:
         pytest.skip("compute-sanitizer is not on PATH")
     env = dict(os.environ, XLA_PYTHON_CLIENT_ALLOCATOR="platform",
                XLA_PYTHON_CLIENT_PREALLOCATE="false")
     res = subprocess.run([exe, "--tool", tool, "--error-exitcode", "3", "--print-limit", "20",
-                          sys.executable, str(CASES)], capture_output=True, text=True, env=env,
-                         timeout=900)
+                          sys.executable, str(CASES), group], capture_output=True, text=True,
+                         env=env, timeout=900)
     tail = (res.stdout + res.stderr)[-6000:]
     assert res.returncode == 0, tail
     assert "cases ran" in res.stdout, tail
