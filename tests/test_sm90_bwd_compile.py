@@ -237,10 +237,16 @@ def test_signature_alias_and_shapes():
 
 def test_every_shipped_variant_fits_shared_memory():
     mains = [c for c in shipped_configs() if isinstance(c, BwdConfig)]
-    # dtypes × rows × masks × softcap × gqa × deterministic
-    assert len(mains) == 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 2 * 2 * 2
-    assert sum(c.deterministic for c in mains) == len(mains) // 2
+    # dtypes × rows × masks × softcap × gqa × (default, deterministic, varlen)
+    assert len(mains) == 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 2 * 2 * 3
+    assert sum(c.deterministic for c in mains) == len(mains) // 3
+    varlen = [c for c in mains if c.varlen]
+    assert len(varlen) == len(mains) // 3
+    # every varlen variant is the table's default kernel of its kind, launched by the work list
+    assert all(replace(c, varlen=False, reverse_launch=True) in mains for c in varlen)
     assert all(c.smem_bytes() <= SMEM_LIMIT_BYTES for c in mains)
+    posts = [c for c in shipped_configs() if isinstance(c, BwdPostprocessConfig)]
+    assert all(c.postprocess_config() in posts for c in mains)
     tv = test_variants()
     assert all(c.postprocess_config() in tv for c in tv if isinstance(c, BwdConfig))
 
