@@ -98,7 +98,8 @@ def _kernel_forward(q, k, v, opts, config=None) -> tuple[jax.Array, jax.Array]:
 
 def _decode_kernel_forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
     """The forward kernel on a rewritten decode call (unmasked): on Hopper the one-warpgroup
-    decode tile when the packed rows fit it and it is enabled (jax_fa4.decode)."""
+    decode tile (or the decode-tile option ``JAX_FA4_DECODE_TILE`` names) when the packed rows
+    fit it and it is not turned off (jax_fa4.decode.decode_tile_option)."""
     from jax_fa4 import decode
 
     config = None
