@@ -456,10 +456,11 @@ def varlen_backward_config(q, k, v, opts):
 
 def _varlen_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, opts, config,
                      order: str = VARLEN_BWD_ORDER):
-    """(dq, dk, dv) packed, by the varlen backward chain: the preprocess on the packed out / dout,
-    the varlen main kernel (every sequence's own blocks only) and the varlen postprocess, which
-    writes each sequence's dQ rows in place. ``lse``, ``dlse``: (H, total_q); ``order``: the work
-    list's launch order (VARLEN_BWD_ORDER)."""
+    """(dq, dk, dv) packed and ``delta = rowsum(dout * out) - dlse`` (1, H, total_q), by the varlen
+    backward chain: the preprocess on the packed out / dout, the varlen main kernel (every
+    sequence's own blocks only) and the varlen postprocess, which writes each sequence's dQ rows
+    in place. ``lse``, ``dlse``: (H, total_q); ``order``: the work list's launch order
+    (VARLEN_BWD_ORDER)."""
     from jax_fa4.ffi.call import call_kernel
 
     arch = KERNEL_ARCH[opts.implementation]
@@ -468,6 +469,7 @@ def _varlen_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, 
     batch = cu_seqlens_q.shape[0] - 1
     tm = config.tile_m
     delta, lse_log2 = ops.bwd_preprocess(out[None], dout[None], lse[None], opts.implementation)
+    delta = delta - dlse[None]  # a cotangent on lse enters as -dlse (jax_fa4.autodiff)
     params = ops.kernel_params(opts, d)
     rows = dq_accum_rows(total_q, batch, tm)
     work = work_table(cu_seqlens_q, cu_seqlens_k, work_items(total_k, batch, config.tile_n), tm,
@@ -476,8 +478,8 @@ def _varlen_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, 
     dkv_dtype = jnp.float32 if config.gqa else q.dtype
     dq_accum = jnp.zeros((1, h, rows * d), jnp.float32)
     dq_accum, dk, dvv = call_kernel(
-        config, arch, q[None], k[None], v[None], dout[None], lse_log2, delta - dlse[None],
-        params, dq_accum, cu_seqlens_q, cu_seqlens_k, work,
+        config, arch, q[None], k[None], v[None], dout[None], lse_log2, delta, params, dq_accum,
+        cu_seqlens_q, cu_seqlens_k, work,
         out_shapes=(jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32),
                     jax.ShapeDtypeStruct((1, total_k, hdk, d), dkv_dtype),
                     jax.ShapeDtypeStruct((1, total_k, hdk, dv), dkv_dtype)))
@@ -490,7 +492,7 @@ def _varlen_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, 
     if config.gqa:
         dk = dk.reshape(total_k, hkv, h // hkv, d).sum(axis=2)
         dvv = dvv.reshape(total_k, hkv, h // hkv, dv).sum(axis=2)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dvv.astype(v.dtype)
+    return dq, dk.astype(k.dtype), dvv.astype(v.dtype), delta
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
@@ -509,10 +511,10 @@ def _kernel_attention_bwd(opts, kernel, residuals, cotangents):
     order = kernel[3]
     bwd_config = varlen_backward_config(q, k, v, opts)
     if not isinstance(bwd_config, str):
-        dq, dk, dv = _varlen_backward(q, k, v, out[0], lse[0], dout[0], dlse[0], cu_q, cu_k,
-                                      opts, bwd_config, order)
-        dsink = None if sink is None else reference.sink_gradient(
-            sink, lse, ops.reference_delta(out, dout) - dlse)
+        dq, dk, dv, delta = _varlen_backward(q, k, v, out[0], lse[0], dout[0], dlse[0], cu_q,
+                                             cu_k, opts, bwd_config, order)
+        # (the preprocess's delta: no second pass over out and dout for the sink)
+        dsink = None if sink is None else reference.sink_gradient(sink, lse, delta)
         return dq, dk, dv, dsink, None, None, None
     # the reference's explicit backward on the packed batch
     dq, dk, dv, dsink, _ = _attention_bwd(
