@@ -65,11 +65,6 @@ def decode_tile_option() -> dict | None:
     return DECODE_OPTIONS[value]
 
 
-def decode_tile_enabled() -> bool:
-    """Whether the Hopper decode tile may serve rewritten calls (default; ``JAX_FA4_DECODE_TILE=0``
-    turns it off)."""
-    return decode_tile_option() is not None
-
 
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
