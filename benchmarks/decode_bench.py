@@ -6,14 +6,15 @@ rounds rotating which program opens them, median; input sets rotated so that tog
 exceed twice the L2):
 
 * ``dense``: ``jax_fa4.flash_attention(implementation="sm90")`` (decode rewrite: GQA packing,
-  split-KV, the 64-row decode tile);
+  split-KV, the shipped decode tile: two CTAs per SM, head-major q and out);
 * ``dense-tile128``: the same with the 128-row training tile (``JAX_FA4_DECODE_TILE=0``);
 * ``paged``: ``jax_fa4.flash_attention_paged(implementation="sm90")`` over a cache of 128-token
   pages, each sequence's pages in shuffled order, every sequence using all ``Sk`` keys;
-* ``dense-<option>``, ``paged-<option>``: the same with a decode-tile option under measurement
-  (``sm90.fwd_config.DECODE_OPTIONS``: two CTAs per SM; ``JAX_FA4_DECODE_TILE=<option>``);
-* ``...-1tile``: split-KV only until the tiles give each SM one (``decode.TILES_PER_SM = 1``;
-  default 2);
+* ``dense-<option>``, ``paged-<option>``: the same with a decode-tile alternative
+  (``sm90.fwd_config.DECODE_OPTIONS``; ``JAX_FA4_DECODE_TILE=<option>``): ``1cta`` the decode
+  tile shipped before (one CTA per SM), ``2cta-n128-s1`` one 128-key stage;
+* ``...-2tile``: split-KV until the tiles give each SM two (``decode.TILES_PER_SM = 2``;
+  default 1);
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on the dense K/V.
 
 The figure is ``TB/s`` of K/V read: ``B·Sk·Hkv·(D + Dv)·2`` bytes over the time per call (what
@@ -42,10 +43,8 @@ H, HKV, D = 32, 8, 128
 PAGE = 128
 #: (B, Sk): issue #8's range, each input set 0.25–8.6 GB of K/V
 SHAPES = ((32, 4096), (64, 8192), (128, 8192), (32, 32768), (128, 32768), (32, 131072))
-VARIANTS = ("dense", "dense-tile128", "dense-1tile",
-            *(f"dense-{o}{t}" for o in DECODE_OPTIONS for t in ("", "-1tile")),
-            "paged", "paged-1tile",
-            *(f"paged-{o}{t}" for o in DECODE_OPTIONS for t in ("", "-1tile")), "cudnn")
+VARIANTS = ("dense", "dense-2tile", "dense-tile128", *(f"dense-{o}" for o in DECODE_OPTIONS),
+            "paged", "paged-2tile", *(f"paged-{o}" for o in DECODE_OPTIONS), "cudnn")
 
 
 def kv_bytes(b: int, sk: int) -> int:
@@ -93,15 +92,15 @@ def variant_fn(name: str):
 def compile_variant(name: str, args: tuple):
     old = os.environ.get("JAX_FA4_DECODE_TILE")
     option = name.split("-", 1)[1] if "-" in name else ""
-    one_tile = option.endswith("1tile")
-    option = option.removesuffix("1tile").removesuffix("-")
+    two_tiles = option == "2tile"
     os.environ["JAX_FA4_DECODE_TILE"] = ("0" if option == "tile128" else
                                          option if option in DECODE_OPTIONS else "1")
-    decode.TILES_PER_SM = 1 if one_tile else 2
+    default_tiles = decode.TILES_PER_SM
+    decode.TILES_PER_SM = 2 if two_tiles else default_tiles
     try:  # the switches are read while tracing
         return jax.jit(variant_fn(name)).lower(*args).compile()
     finally:
-        decode.TILES_PER_SM = 2
+        decode.TILES_PER_SM = default_tiles
         if old is None:
             del os.environ["JAX_FA4_DECODE_TILE"]
         else:

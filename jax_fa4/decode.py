@@ -19,13 +19,14 @@ kernel call fix that:
   of the forward kernel would remove this).
 
 ``plan`` decides (static shapes only, so it never recompiles); ``run`` applies a plan around a
-``kernel(q, k, v, opts) -> (out, lse)`` with the API's layouts. Speed on the H200: not yet
-measured (issue #8).
+``kernel(qp, k, v, opts) -> (out, lse)`` on head-major packed queries (see ``rewrite``).
 
-On Hopper the rewritten call runs a one-warpgroup, 64-row tile instead of the 128-row training
-tile when the packed rows fit it (half the GEMM work on empty rows); ``JAX_FA4_DECODE_TILE``
-(read at trace time, for comparisons) selects the training tile (``0``) or a decode-tile option
-under measurement (a name in ``sm90.fwd_config.DECODE_OPTIONS``, also for paged calls).
+On Hopper the rewritten call runs the decode tile (``sm90.fwd_config.decode_config``: 64 rows,
+one consumer warpgroup, two CTAs per SM where they fit, q and out head-major so that a decode
+step's packing is a free reshape) instead of the 128-row training tile when the packed rows fit
+it. ``JAX_FA4_DECODE_TILE`` (read at trace time, for comparisons) selects the training tile
+(``0``) or a decode-tile alternative (a name in ``sm90.fwd_config.DECODE_OPTIONS``, also for
+paged calls). Speed: docs/perf-log.md (decode).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ TILE_ROWS = 128
 #: Fewest keys per split-KV chunk: below this a chunk is too short to keep the pipeline full.
 MIN_CHUNK = 1024
 MAX_SPLITS = 16
-#: Split until the (packed) tiles give each SM this many (read at trace time).
-TILES_PER_SM = 2
+#: Split until the (packed) tiles give each SM this many (read at trace time). One: a split
+#: costs its merge (a float32 pass over every chunk's output) and the q repeat, which a second
+#: wave of tiles did not repay (B32·Sk4096: 4.09 against 3.95 TB/s at two, docs/perf-log.md).
+TILES_PER_SM = 1
 #: SM count assumed when no GPU is visible at trace time (an H100 / H200).
 DEFAULT_SMS = 132
 
@@ -113,8 +116,11 @@ def plan(q_shape: tuple, k_shape: tuple, window: tuple, sms: int | None = None,
 
 def run(q: jax.Array, k: jax.Array, v: jax.Array, opts, decode_plan: DecodePlan,
         kernel: Callable) -> tuple[jax.Array, jax.Array]:
-    """(out (B, Sq, H, Dv), lse (B, H, Sq)) of the call, computed by ``kernel`` on the packed,
-    split problem. ``opts`` is the API's options; the kernel gets them with the plan's window."""
+    """(out (B, Sq, H, Dv), lse (B, H, Sq)) of the call, computed by ``kernel(qp, k, v, opts)``
+    on the packed, split problem: qp head-major (B·S, H/g, Sq·g, D) (see :func:`rewrite`), k and
+    v (B·S, Sk/S, Hkv, ·); it returns out head-major (B·S, H/g, Sq·g, Dv) and lse
+    (B·S, H/g, Sq·g). ``opts`` is the API's options; the kernel gets them with the plan's
+    window."""
     b, sk, hkv, d = k.shape
     s = decode_plan.splits
 
@@ -129,30 +135,36 @@ def run(q: jax.Array, k: jax.Array, v: jax.Array, opts, decode_plan: DecodePlan,
 def rewrite(q: jax.Array, opts, decode_plan: DecodePlan, on_packed: Callable
             ) -> tuple[jax.Array, jax.Array]:
     """Apply a plan around ``on_packed(qp, kernel_opts) -> (out, lse)``, which attends the
-    packed, repeated queries qp ``(B·S, Sq·g, H/g, D)`` (entry ``b·S + s`` is batch entry b's
-    query rows for key chunk s) to chunk s of batch entry b's keys, and returns
-    ``out (B·S, Sq·g, H/g, Dv)``, ``lse (B·S, H/g, Sq·g)``. Returns the call's
-    ``(out (B, Sq, H, Dv), lse (B, H, Sq))``: chunks merged by their lse in float32."""
+    packed, repeated queries qp, head-major ``(B·S, H/g, Sq·g, D)`` (entry ``b·S + s`` is batch
+    entry b's query rows for key chunk s; row ``t·g + j`` of kv head c is query t of head
+    ``c·g + j``), to chunk s of batch entry b's keys, and returns out head-major
+    ``(B·S, H/g, Sq·g, Dv)`` and ``lse (B·S, H/g, Sq·g)``. Returns the call's
+    ``(out (B, Sq, H, Dv), lse (B, H, Sq))``: chunks merged by their lse in float32.
+
+    With one query token and no split, qp and the returned out are free reshapes of q and out
+    (no copy runs around the kernel)."""
     b, sq, h, d = q.shape
     g, s = decode_plan.group, decode_plan.splits
     heads = h // g
-    # (B, Sq, Hkv·g, D) -> (B, Sq·g, Hkv, D): row s·g + j of kv head c is head c·g + j
-    qp = q.reshape(b, sq, heads, g, d).transpose(0, 1, 3, 2, 4).reshape(b, sq * g, heads, d)
     rows = sq * g
+    # (B, Sq, Hkv·g, D) -> (B, Hkv, Sq·g, D); one query token: a reshape
+    qp = (q.reshape(b, heads, g, d) if sq == 1 else
+          q.reshape(b, sq, heads, g, d).transpose(0, 2, 1, 3, 4).reshape(b, heads, rows, d))
     if s > 1:  # q repeated per chunk
-        qp = jnp.broadcast_to(qp[:, None], (b, s, rows, heads, d)).reshape(b * s, rows, heads, d)
+        qp = jnp.broadcast_to(qp[:, None], (b, s, heads, rows, d)).reshape(b * s, heads, rows, d)
     out, lse = on_packed(qp, dataclasses.replace(opts, window=decode_plan.window))
     dv = out.shape[-1]
     if s > 1:
-        out = out.reshape(b, s, rows, heads, dv)
+        out = out.reshape(b, s, heads, rows, dv)
         lse = lse.reshape(b, s, heads, rows)
         lse_all = jax.nn.logsumexp(lse, axis=1)  # (B, Hkv, rows); -inf if no chunk saw a key
         weight = jnp.where(jnp.isneginf(lse_all)[:, None], 0.0,
                            jnp.exp(lse - lse_all[:, None]))  # (B, S, Hkv, rows)
-        out = jnp.einsum("bshr,bsrhd->brhd", weight, out.astype(jnp.float32),
+        out = jnp.einsum("bshr,bshrd->bhrd", weight, out.astype(jnp.float32),
                          precision=jax.lax.Precision.HIGHEST).astype(q.dtype)
         lse = lse_all
     # back to the API's layouts
-    out = out.reshape(b, sq, g, heads, dv).transpose(0, 1, 3, 2, 4).reshape(b, sq, h, dv)
+    out = (out.reshape(b, sq, h, dv) if sq == 1 else
+           out.reshape(b, heads, sq, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, sq, h, dv))
     lse = lse.reshape(b, heads, sq, g).transpose(0, 1, 3, 2).reshape(b, h, sq)
     return out, lse

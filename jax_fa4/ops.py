@@ -96,10 +96,11 @@ def _kernel_forward(q, k, v, opts, config=None) -> tuple[jax.Array, jax.Array]:
                     jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
 
 
-def _decode_kernel_forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
-    """The forward kernel on a rewritten decode call (unmasked): on Hopper the one-warpgroup
-    decode tile (or the decode-tile option ``JAX_FA4_DECODE_TILE`` names) when the packed rows
-    fit it and it is not turned off (jax_fa4.decode.decode_tile_option)."""
+def _decode_kernel_forward(qp, k, v, opts) -> tuple[jax.Array, jax.Array]:
+    """The forward kernel on a rewritten decode call (unmasked; qp, out head-major as
+    jax_fa4.decode.run passes and takes them): on Hopper the decode tile (or the alternative
+    ``JAX_FA4_DECODE_TILE`` names) when the packed rows fit it and it is not turned off
+    (jax_fa4.decode.decode_tile_option), else the training tile on transposed q and out."""
     from jax_fa4 import decode
 
     config = None
@@ -107,10 +108,19 @@ def _decode_kernel_forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
     if option is not None:
         from jax_fa4.kernels.sm90.fwd_config import DECODE_TILE_M, decode_config
 
-        if q.shape[1] <= DECODE_TILE_M:
-            config = decode_config(jnp.dtype(q.dtype).name, q.shape[3], v.shape[3],
+        if qp.shape[2] <= DECODE_TILE_M:
+            config = decode_config(jnp.dtype(qp.dtype).name, qp.shape[3], v.shape[3],
                                    opts.softcap > 0, **option)
-    return _kernel_forward(q, k, v, opts, config)
+    if config is not None and config.qo_head_major:
+        from jax_fa4.ffi.call import call_kernel
+
+        b, h, rows, _ = qp.shape
+        return call_kernel(
+            config, KERNEL_ARCH[opts.implementation], qp, k, v, kernel_params(opts, qp.shape[3]),
+            out_shapes=(jax.ShapeDtypeStruct((b, h, rows, v.shape[3]), qp.dtype),
+                        jax.ShapeDtypeStruct((b, h, rows), jnp.float32)))
+    out, lse = _kernel_forward(qp.transpose(0, 2, 1, 3), k, v, opts, config)
+    return out.transpose(0, 2, 1, 3), lse
 
 
 def forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:

@@ -8,9 +8,9 @@ are valid. The queries ``(B, Sq, H, D)`` are the last ``Sq`` tokens of each sequ
 windows align them bottom-right to ``seqused_k[b]`` (query ``i`` sees keys up to
 ``i + seqused_k[b] - Sq``).
 
-On Hopper (``implementation="sm90"``, bf16/fp16, page_size a multiple of the kernel's key block:
-128 keys for head dims up to 192, 64 for 256) the paged forward kernel runs: each key block of a
-batch entry is one TMA load of the cache tile its page table entry names, and the kernel stops at
+On Hopper (``implementation="sm90"``, bf16/fp16, page_size a multiple of the kernel's key block,
+64 keys: the decode tile's) the paged forward kernel runs: each key block of a batch entry is one
+TMA load of the cache tile its page table entry names, and the kernel stops at
 ``seqused_k[b]``. Decode steps are rewritten around it as for dense decode
 (:mod:`jax_fa4.decode`): the ``g`` query heads of a kv head packed into one tile's rows and, when
 the tiles would not fill the GPU, the page table split into chunks (one batch entry each, with
@@ -203,8 +203,10 @@ def _paged_kernel(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, op
     # the cache as one batch entry of tile_n-key tiles; a page is per_page consecutive tiles
     k_tiles = k_cache.reshape(1, num_pages * page_size, hkv, d)
     v_tiles = v_cache.reshape(1, num_pages * page_size, hkv, dv)
-    table = page_table[:, :, None] * per_page + jnp.arange(per_page, dtype=jnp.int32)
-    table = table.reshape(b, -1)  # (B, blocks): the cache tile of each key block
+    table = page_table  # (B, blocks): the cache tile of each key block
+    if per_page > 1:
+        table = (page_table[:, :, None] * per_page
+                 + jnp.arange(per_page, dtype=jnp.int32)).reshape(b, -1)
     blocks = table.shape[1]
     plan = decode.plan(q.shape, (b, blocks * tile_n, hkv, d), opts.window, key_block=tile_n)
     if plan is None:
@@ -215,13 +217,17 @@ def _paged_kernel(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, op
     def on_packed(qp, kernel_opts):
         # chunk c of batch entry i: table columns [c·blocks/S, (c+1)·blocks/S), its keys clipped
         used = jnp.clip(seqused_k[:, None] - jnp.arange(s, dtype=jnp.int32) * chunk, 0, chunk)
-        rows, heads = qp.shape[1], qp.shape[2]
-        return call_kernel(
-            config, KERNEL_ARCH[opts.implementation], qp, k_tiles, v_tiles,
+        head_major = getattr(config, "qo_head_major", False)  # else (B, S, H, D)
+        heads, rows = qp.shape[1], qp.shape[2]
+        out_shape = (b * s, heads, rows, dv) if head_major else (b * s, rows, heads, dv)
+        out, lse = call_kernel(
+            config, KERNEL_ARCH[opts.implementation],
+            qp if head_major else qp.transpose(0, 2, 1, 3), k_tiles, v_tiles,
             ops.kernel_params(kernel_opts, d), table.reshape(b * s, blocks // s),
             used.reshape(b * s).astype(jnp.int32),
-            out_shapes=(jax.ShapeDtypeStruct((b * s, rows, heads, dv), q.dtype),
+            out_shapes=(jax.ShapeDtypeStruct(out_shape, q.dtype),
                         jax.ShapeDtypeStruct((b * s, heads, rows), jnp.float32)))
+        return (out if head_major else out.transpose(0, 2, 1, 3)), lse
 
     out, lse = decode.rewrite(q, opts, plan, on_packed)
     return ops.join_sink(out, lse, learnable_sink)

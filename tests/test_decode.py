@@ -22,14 +22,14 @@ NONE, CAUSAL = (None, None), (None, 0)
 
 
 @pytest.mark.parametrize("q_shape,k_shape,window,expected", [
-    # the decode anchor: 512 packed tiles fill 132 SMs twice: pack only
+    # the decode anchor: 512 packed tiles fill 132 SMs: pack only
     ((64, 1, 32, 128), (64, 8192, 8, 128), NONE, decode.DecodePlan(4, 1, NONE)),
     # causal with one query = unmasked
     ((64, 1, 32, 128), (64, 8192, 8, 128), CAUSAL, decode.DecodePlan(4, 1, NONE)),
-    # few tiles, long keys: pack and split until 2 tiles per SM (8 × 8 × 8 = 512 >= 264)
-    ((8, 1, 32, 128), (8, 32768, 8, 128), NONE, decode.DecodePlan(4, 8, NONE)),
-    # MHA: split only
-    ((2, 4, 16, 64), (2, 16384, 16, 64), NONE, decode.DecodePlan(1, 16, NONE)),
+    # few tiles, long keys: pack and split until a tile per SM (8 × 8 × 4 = 256 >= 132)
+    ((8, 1, 32, 128), (8, 32768, 8, 128), NONE, decode.DecodePlan(4, 4, NONE)),
+    # MHA: split only (2 × 16 × 8 = 256)
+    ((2, 4, 16, 64), (2, 16384, 16, 64), NONE, decode.DecodePlan(1, 8, NONE)),
     # chunks never shorter than MIN_CHUNK keys, and they divide Sk
     ((1, 1, 8, 128), (1, 2048, 1, 128), NONE, decode.DecodePlan(8, 2, NONE)),
     ((1, 1, 8, 128), (1, 2047, 1, 128), NONE, decode.DecodePlan(8, 1, NONE)),
@@ -68,13 +68,14 @@ def test_rewrite_is_exact(b, sq, h, hkv, sk, window, plan):
     opts = _opts(window)
     calls = []
 
-    def kernel(q_, k_, v_, o_):
+    def kernel(q_, k_, v_, o_):  # q and out head-major
         calls.append((q_.shape, k_.shape, o_.window))
-        return ops.reference_forward(q_, k_, v_, o_)
+        out_, lse_ = ops.reference_forward(q_.transpose(0, 2, 1, 3), k_, v_, o_)
+        return out_.transpose(0, 2, 1, 3), lse_
 
     out, lse = decode.run(q, k, v, opts, plan, kernel)
     ref_out, ref_lse = ops.reference_forward(q, k, v, opts)
-    assert calls == [((b * plan.splits, sq * plan.group, h // plan.group, 64),
+    assert calls == [((b * plan.splits, h // plan.group, sq * plan.group, 64),
                       (b * plan.splits, sk // plan.splits, hkv, 64), NONE)]
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
     np.testing.assert_allclose(out, ref_out, rtol=2e-5, atol=2e-5)
@@ -108,10 +109,16 @@ def test_decode_call_lowers_to_one_packed_split_kernel(shipped_cache, monkeypatc
     text = jax.export.export(f, platforms=["cuda"],
                              disabled_checks=jax_fa4.export_disabled_safety_checks())(
         q, kv, kv).mlir_module()
-    assert text.count("stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2") == 1
-    assert "tensor<64x4x8x128xbf16>" in text  # q: 8 splits × 8 batch, 4 packed heads, 8 kv heads
-    assert "tensor<64x4096x8x128xbf16>" in text  # k / v: 8 chunks of 4096 keys per batch entry
+    calls = [line for line in text.splitlines()
+             if "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2" in line]
+    assert len(calls) == 1
+    # 64 tiles on 132 SMs: 4 splits. q: 4 splits × 8 batch entries, 8 kv heads, 4 packed heads
+    # as rows: head-major for the decode tile, (B, S, H, D) for the training tile
+    q_type = "tensor<32x8x4x128xbf16>" if decode_tile else "tensor<32x4x8x128xbf16>"
+    # k / v: 4 chunks of 8192 keys per batch entry
+    assert f"({q_type}, tensor<32x8192x8x128xbf16>, tensor<32x8192x8x128xbf16>" in calls[0]
     assert [c.tile_m for c in configs] == [64 if decode_tile else 128]
+    assert [c.qo_head_major for c in configs] == [decode_tile]
     loss = lambda q, k, v: f(q, k, v).astype(jnp.float32).sum()  # noqa: E731
     grad = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
                              disabled_checks=jax_fa4.export_disabled_safety_checks())(q, kv, kv)
@@ -121,13 +128,38 @@ def test_decode_call_lowers_to_one_packed_split_kernel(shipped_cache, monkeypatc
     call.clear_memory_cache()
 
 
+def test_a_decode_step_reaches_the_kernel_without_copies(shipped_cache, monkeypatch):
+    """One query token, enough tiles not to split (B·Hkv = 512 on 132 SMs): q and out are
+    reshaped, never transposed, around the head-major decode tile."""
+    from jax_fa4.ffi import call
+
+    monkeypatch.setenv("JAX_FA4_CACHE_DIR", str(shipped_cache.root))
+    monkeypatch.setattr(decode, "num_sms", lambda: 132)
+    monkeypatch.delenv("JAX_FA4_DECODE_TILE", raising=False)
+    call.clear_memory_cache()
+    q = jax.ShapeDtypeStruct((64, 1, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((64, 8192, 8, 128), jnp.bfloat16)
+    text = jax.export.export(
+        jax.jit(lambda q, k, v: jax_fa4.flash_attention(q, k, v, implementation="sm90")),
+        platforms=["cuda"], disabled_checks=jax_fa4.export_disabled_safety_checks())(
+        q, kv, kv).mlir_module()
+    assert text.count("stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2") == 1
+    assert "tensor<64x8x4x128xbf16>" in text  # (B, Hkv, g, D): q's free reshape
+    assert "stablehlo.transpose" not in text
+    call.clear_memory_cache()
+
+
 def test_options_pass_through_with_the_plans_window():
     opts = dataclasses.replace(_opts(CAUSAL), softcap=30.0)
     seen = []
     q = jnp.ones((1, 1, 4, 16), jnp.float32)
     k = v = jnp.ones((1, 1024, 1, 16), jnp.float32)
-    decode.run(q, k, v, opts, decode.DecodePlan(4, 1, NONE),
-               lambda q_, k_, v_, o_: (seen.append(o_), ops.reference_forward(q_, k_, v_, o_))[1])
+    def kernel(q_, k_, v_, o_):
+        seen.append(o_)
+        out_, lse_ = ops.reference_forward(q_.transpose(0, 2, 1, 3), k_, v_, o_)
+        return out_.transpose(0, 2, 1, 3), lse_
+
+    decode.run(q, k, v, opts, decode.DecodePlan(4, 1, NONE), kernel)
     assert seen[0].softcap == 30.0 and seen[0].window == NONE and seen[0].softmax_scale == 0.125
 
 
@@ -141,6 +173,11 @@ def test_decode_configs_are_shipped_one_warpgroup_tiles():
             cfg = decode_config(dtype, d, dv)
             assert cfg in shipped and cfg.tile_m == 64 and cfg.num_threads == 256
             assert cfg.mask == "none" and not cfg.pingpong and cfg.num_sms == 0
+            assert cfg.qo_head_major
+            # two CTAs per SM with two 64-key stages, one at 192/192 (shared memory); one CTA
+            # with the table's key block at 256 (registers)
+            want = {(192, 192): (2, 64, 1), (256, 256): (1, 80, 2)}.get((d, dv), (2, 64, 2))
+            assert (cfg.ctas_per_sm, cfg.tile_n, cfg.stages) == want
     with pytest.raises(ValueError, match="pingpong"):
         FwdConfig.make("bfloat16", 128, tile_m=64, pingpong=True)
 
@@ -174,13 +211,20 @@ def test_two_ctas_per_sm_limits():
     get 232 registers (2 CTAs × (128·232 + 128·24) = 64K)."""
     from jax_fa4.kernels.sm90.fwd_config import DECODE_OPTIONS, FwdConfig, decode_config
 
-    for option in DECODE_OPTIONS.values():
-        cfg = decode_config("bfloat16", 128, 128, **option)
+    two_cta = [decode_config("bfloat16", 128, 128)] + [
+        decode_config("bfloat16", 128, 128, **o) for o in DECODE_OPTIONS.values()
+        if o["ctas_per_sm"] == 2]
+    assert len(two_cta) == 2
+    for cfg in two_cta:
         assert cfg.register_split() == (232, 24) and cfg.num_threads == 256
         assert 2 * (cfg.smem_bytes() + 2048) <= 228 * 1024
+    assert decode_config("bfloat16", 128, 128, **DECODE_OPTIONS["1cta"]).register_split() == (
+        240, 24)
     with pytest.raises(ValueError, match="one consumer warpgroup"):
         FwdConfig.make("bfloat16", 128, ctas_per_sm=2)
     with pytest.raises(ValueError, match="shared memory"):
         decode_config("bfloat16", 128, 128, ctas_per_sm=2)  # two 128-key stages: too big
+    with pytest.raises(ValueError, match="128-register entry cap"):
+        decode_config("bfloat16", 256, 256, ctas_per_sm=2, tile_n=64, stages=1)
     with pytest.raises(ValueError, match="ctas_per_sm"):
         decode_config("bfloat16", 128, 128, ctas_per_sm=3)

@@ -116,6 +116,11 @@ def emulated_paged_kernel(config, arch, q, k_tiles, v_tiles, params, table, sequ
     key block n of entry b is cache tile table[b, n]; entry b has seqused[b] keys, with the
     causal / window rule aligned to them; tiles past them are never read (garbage indices)."""
     assert config.paged and arch == "sm_90a"
+    if config.qo_head_major:  # q (B, H, Sq, D) in, out (B, H, Sq, Dv) back
+        q = q.transpose(0, 2, 1, 3)
+        out_shapes = (jax.ShapeDtypeStruct(out_shapes[0].shape[:1] + out_shapes[0].shape[2:3]
+                                           + out_shapes[0].shape[1:2] + out_shapes[0].shape[3:],
+                                           out_shapes[0].dtype), out_shapes[1])
     scale, softcap, left, right = (float(x) for x in params)
     tile_n = config.tile_n
     b, sq, _, d = q.shape
@@ -132,11 +137,12 @@ def emulated_paged_kernel(config, arch, q, k_tiles, v_tiles, params, table, sequ
         window=(None if left < 0 else int(left), None if right < 0 else int(right)),
         softcap=softcap, q_segment_ids=q_ids, kv_segment_ids=kv_ids, q_positions=q_pos)
     assert (out.shape, lse.shape) == tuple(s.shape for s in out_shapes)
-    return out.astype(out_shapes[0].dtype), lse
+    out = out.astype(out_shapes[0].dtype)
+    return (out.transpose(0, 2, 1, 3) if config.qo_head_major else out), lse
 
 
 @pytest.mark.parametrize("sq,h,hkv,d,page_size,max_pages,seqused,kwargs,splits", [
-    # decode step, GQA packed, 256-key pages = 2 kernel blocks each, split into 4 chunks
+    # decode step, GQA packed, 256-key pages = 4 kernel blocks each, split into 4 chunks
     (1, 8, 2, 64, 256, 16, (3000, 1, 0), dict(), 4),
     # a chunk of 3 queries, causal: neither packed nor split, rows without keys
     (3, 4, 2, 64, 128, 3, (2, 300, 129), dict(causal=True), 1),
@@ -176,12 +182,12 @@ def test_kernel_route_with_an_emulated_kernel(monkeypatch, sq, h, hkv, d, page_s
 
 
 def test_kernel_config_per_architecture():
-    """Hopper: the 64-row decode tile with 128-key blocks (64 at head dim 256); Blackwell: its
-    table's config, paged; the reference: none."""
+    """Hopper: the 64-row, head-major decode tile with 64-key blocks, two CTAs per SM (one at
+    head dim 256); Blackwell: its table's config, paged; the reference: none."""
     opts = paged._options(jnp.zeros((1, 1, 2, 128), jnp.bfloat16), softmax_scale=None,
                           causal=True, window_size=(None, None), softcap=0.0,
                           implementation=None)
-    for d, tile_n in ((128, 128), (256, 64)):
+    for d, tile_n in ((128, 64), (256, 64)):
         q = jnp.zeros((1, 1, 2, d), jnp.bfloat16)
         cache = jnp.zeros((4, 128, 2, d), jnp.bfloat16)
         sm90 = paged.kernel_config(q, cache, cache, dataclasses.replace(opts, implementation="sm90"))
@@ -189,6 +195,7 @@ def test_kernel_config_per_architecture():
                                     dataclasses.replace(opts, implementation="sm100"))
         assert (sm90.kernel_name, sm90.paged, sm90.tile_m, sm90.tile_n) == (
             "sm90_fwd", True, 64, tile_n)
+        assert sm90.qo_head_major and sm90.ctas_per_sm == (1 if d == 256 else 2)
         assert (sm100.kernel_name, sm100.paged, sm100.mask) == ("sm100_fwd", True, "causal")
     assert "no paged kernel" in paged.kernel_config(
         q, cache, cache, dataclasses.replace(opts, implementation="reference"))
@@ -196,11 +203,11 @@ def test_kernel_config_per_architecture():
 
 def test_kernel_config_refuses_pages_smaller_than_its_key_block():
     q = jnp.zeros((1, 1, 2, 128), jnp.bfloat16)
-    cache = jnp.zeros((4, 64, 2, 128), jnp.bfloat16)
+    cache = jnp.zeros((4, 32, 2, 128), jnp.bfloat16)
     opts = dataclasses.replace(
         paged._options(q, softmax_scale=None, causal=False, window_size=(None, None),
                        softcap=0.0, implementation=None), implementation="sm90")
-    assert "page_size 64 is not a multiple" in paged.kernel_config(q, cache, cache, opts)
+    assert "page_size 32 is not a multiple" in paged.kernel_config(q, cache, cache, opts)
 
 
 def test_long_context_takes_the_split_path(monkeypatch):

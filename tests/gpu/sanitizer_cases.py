@@ -14,6 +14,7 @@ tokens around them (per-sequence TMA offsets, row-predicated stores, the work li
 from __future__ import annotations
 
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,9 @@ def run_decode_cases(seed: int) -> None:
         assert bool(jnp.all(jnp.isfinite(x.astype(jnp.float32))))
 
 
+_START = time.monotonic()
+
+
 def run_varlen_cases(seed: int) -> None:
     lens_q, lens_k = (1, 0, 77, 130, 5), (7, 3, 131, 64, 0)
     tq, tk = 3 + sum(lens_q) + 4, 3 + sum(lens_k) + 4
@@ -87,9 +91,17 @@ def run_varlen_cases(seed: int) -> None:
                                                  causal=causal, implementation="sm90")
             return jnp.sum(out.astype(jnp.float32) * w)
 
-        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+        _progress(f"varlen hkv={hkv} causal={causal}: compiled")
+        value, grads = step(q, k, v)
         jax.block_until_ready(grads)
+        _progress(f"varlen hkv={hkv} causal={causal}: ran")
         assert bool(jnp.isfinite(value)) and all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+
+
+def _progress(what: str) -> None:
+    """A timestamped line (where a sanitizer run spends its time, or stops)."""
+    print(f"[{time.monotonic() - _START:7.1f} s] {what}", flush=True)
 
 
 #: Case groups, each run in its own process by tests/gpu/test_sanitizers.py (on the H200,
@@ -109,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if "dense" in groups:
         for i, case in enumerate(CASES):
             run_case(case, i)
-            print(f"ran {case}", flush=True)
+            _progress(f"ran {case}")
         run_decode_cases(len(CASES))
         print("ran the dense and paged decode steps", flush=True)
         count += len(CASES) + 2

@@ -78,7 +78,7 @@ def run_paged_case(b, sq, h, hkv, d, dv, page_size, max_pages, seqused, dtype=jn
 @pytest.mark.parametrize("b,sq,h,hkv,page_size,max_pages,seqused", [
     # the decode anchor's form: 4 heads packed, split; one sequence uses every page, one 1 key
     (4, 1, 32, 8, 128, 64, (8192, 1, 4099, 777)),
-    # MQA, 256-key pages (two kernel blocks each), an empty sequence
+    # MQA, 256-key pages (four kernel blocks each), an empty sequence
     (3, 1, 8, 1, 256, 20, (5000, 0, 257)),
     # 16 queries × 4 heads = 64 packed rows: the decode tile full
     (2, 16, 32, 8, 128, 24, (3000, 2049)),
@@ -97,7 +97,7 @@ def _decode_options():
 
 @pytest.mark.parametrize("option", _decode_options())
 def test_paged_decode_options(option, monkeypatch):
-    """The decode-tile options under measurement (two CTAs per SM) on paged decode: the anchor's
+    """The decode-tile alternatives (fwd_config.DECODE_OPTIONS) on paged decode: the anchor's
     form and MQA with 256-key pages and an empty sequence."""
     monkeypatch.setenv("JAX_FA4_DECODE_TILE", option)
     run_paged_case(4, 1, 32, 8, 128, 128, 128, 64, (8192, 1, 4099, 777), repeat=True)

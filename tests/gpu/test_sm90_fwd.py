@@ -171,7 +171,7 @@ def test_causal_with_left_window():
 
 
 # --- softcap -------------------------------------------------------------------------------------
-# --- decode shapes: GQA packing, split-KV, the one-warpgroup decode tile (jax_fa4/decode.py) ------
+# --- decode shapes: GQA packing, split-KV, the head-major decode tile (jax_fa4/decode.py) --------
 @pytest.fixture(params=[False, True], ids=["tile128", "decode-tile"])
 def decode_tile(request, monkeypatch):
     """Both forward tiles behind the decode rewrite (the 64-row decode tile is the default)."""
@@ -188,8 +188,8 @@ def _decode_options():
 @pytest.fixture(params=["0", "1", *_decode_options()],
                 ids=lambda p: {"0": "tile128", "1": "decode-tile"}.get(p, p))
 def decode_tile_or_option(request, monkeypatch):
-    """The decode tests at hdim 128 bf16 also run each decode-tile option under measurement
-    (fwd_config.DECODE_OPTIONS: two CTAs per SM)."""
+    """The decode tests at hdim 128 bf16 also run each decode-tile alternative
+    (fwd_config.DECODE_OPTIONS: one CTA per SM; two with one 128-key stage)."""
     monkeypatch.setenv("JAX_FA4_DECODE_TILE", request.param)
     return request.param
 

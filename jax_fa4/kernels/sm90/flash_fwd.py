@@ -39,7 +39,10 @@ seqlen_q (16-byte pieces from the shared-memory tile) instead of by TMA, which w
 the next sequence. lse is (batch, H, max_seqlen_q): its shape sets the grid, plus one batch slice
 whose CTAs write 0 to the packed rows outside every sequence (zero_padding_rows).
 
-Decode shapes reach this kernel rewritten by jax_fa4/decode.py (GQA packing, split-KV).
+Decode shapes reach this kernel rewritten by jax_fa4/decode.py (GQA packing, split-KV), in the
+decode tile's configs (fwd_config.decode_config / paged_config): 64 rows, often two CTAs per SM
+(ctas_per_sm), and q / out head-major, (B, H, S, D) (qo_head_major: one query token's packed
+rows are then a free reshape of the caller's q and out).
 """
 
 from __future__ import annotations
@@ -152,8 +155,8 @@ class FlashAttentionForwardSm90:
                 if const_expr(t.element_type != Int32):
                     raise TypeError(f"{name}: expected Int32, got {t.element_type}")
         D, Dv = self.hdim, self.hdimv
-        mQ, mK = seq_major(mQ, D), seq_major(mK, D)
-        mV, mO = seq_major(mV, Dv), seq_major(mO, Dv)
+        mQ, mK = self.qo_view(mQ, D), seq_major(mK, D)
+        mV, mO = seq_major(mV, Dv), self.qo_view(mO, Dv)
         mLSE = select_modes(mLSE, (2, 1, 0))  # (Sq, H, B); varlen: (max_seqlen_q, H, batch)
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -212,6 +215,15 @@ class FlashAttentionForwardSm90:
                  # two CTAs per SM: ask for the largest shared-memory carveout (given here, the
                  # DSL would otherwise query the GPU for it while compiling)
                  preferred_smem_carveout=100 if const_expr(self.cfg.ctas_per_sm > 1) else None)
+
+    def qo_view(self, t: cute.Tensor, d: int) -> cute.Tensor:
+        """q or out as the kernel's (S, D, H, B) view: from (B, S, H, D), or from (B, H, S, D)
+        when the config is head-major (FwdConfig.qo_head_major)."""
+        if const_expr(not self.cfg.qo_head_major):
+            return seq_major(t, d)
+        layout = cute.make_layout((t.shape[2], d, t.shape[1], t.shape[0]),
+                                  stride=(t.stride[2], 1, t.stride[1], t.stride[0]))
+        return cute.make_tensor(t.iterator, layout)
 
     # ---------------------------------------------------------------------------------------------
     # Device side

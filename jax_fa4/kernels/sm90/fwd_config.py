@@ -11,16 +11,18 @@ Rows with no visible key give out = 0, lse = -inf.
 Call: ``fn(stream, q, k, v, params, out, lse)`` with
     q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), params float32 (4,) =
     [softmax_scale, softcap (0 = off), window_left, window_right], out (B, Sq, H, Dv) (q's dtype),
-    lse (B, H, Sq) float32. B, S, H dynamic; D, Dv fixed by the config.
+    lse (B, H, Sq) float32. B, S, H dynamic; D, Dv fixed by the config. Head-major configs
+    (qo_head_major: the decode tiles) take q (B, H, Sq, D) and give out (B, H, Sq, Dv).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
-                                  attention_forward_signature, check_dtype_and_mask, lookup_tuning,
+                                  TensorArg, attention_forward_signature, check_dtype_and_mask, lookup_tuning,
                                   paged_attention_forward_signature,
                                   varlen_attention_forward_signature)
 
@@ -115,6 +117,11 @@ class FwdConfig(KernelConfig):
     # ``min_blocks_per_mp``; one consumer warpgroup only) and must fit half the shared memory.
     # For the decode tile: two CTAs' K/V streams overlap each other's prologue and epilogue.
     ctas_per_sm: int = 1
+    # q and out arrive head-major, (B, H, S, D), instead of (B, S, H, D) (lse is (B, H, S)
+    # either way): the decode tiles' layout. jax_fa4.decode packs the g query heads of a kv head
+    # as the rows of one tile; with one query token that packing is a free reshape of q and out
+    # in this layout, and a transpose in the other.
+    qo_head_major: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -161,6 +168,9 @@ class FwdConfig(KernelConfig):
         if not (isinstance(self.exp2_sw_per_32, int) and 0 <= self.exp2_sw_per_32 <= 32):
             raise ValueError(f"sm90 forward: exp2_sw_per_32 {self.exp2_sw_per_32!r} must be an "
                              "int in [0, 32]")
+        if self.qo_head_major and self.varlen:
+            raise ValueError("sm90 forward: varlen q and out are packed (1, total, H, D), not "
+                             "head-major")
         if self.varlen and (self.paged or self.num_sms):
             raise ValueError("sm90 forward: varlen is not implemented with paged KV or persistent "
                              "scheduling")
@@ -175,6 +185,13 @@ class FwdConfig(KernelConfig):
         if self.ctas_per_sm == 2 and self.num_mma_warpgroups != 1:
             raise ValueError("sm90 forward: two CTAs per SM need one consumer warpgroup (tile_m "
                              f"64), not {self.num_mma_warpgroups} (registers)")
+        if self.ctas_per_sm == 2 and self.head_dim_v > 192:
+            # ptxas allocates every instruction within the launch bound's entry cap of 128
+            # registers (setmaxnreg raises it only at run time); the P·V WGMMA alone holds
+            # head_dim_v / 2 accumulators per thread (ptxas asked for 158 at 256)
+            raise ValueError(f"sm90 forward: head_dim_v {self.head_dim_v} does not fit two CTAs "
+                             "per SM (the P·V WGMMA's accumulators exceed the 128-register "
+                             "entry cap; at most 192)")
         if self.accumulator_registers() > self.consumer_registers - 24:
             raise ValueError(
                 f"sm90 forward: tile {self.tile_m}x{self.tile_n} with head_dim_v {self.head_dim_v} "
@@ -225,9 +242,21 @@ class FwdConfig(KernelConfig):
         if self.varlen:
             return varlen_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
         if self.paged:
-            return paged_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v,
-                                                     self.tile_n)
-        return attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
+            sig = paged_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v,
+                                                    self.tile_n)
+        else:
+            sig = attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
+        if not self.qo_head_major:
+            return sig
+
+        def head_major(arg: TensorArg) -> TensorArg:  # (B, S, H, D) -> (B, H, S, D)
+            if arg.name not in ("q", "out"):
+                return arg
+            b, s, h, d = arg.sample_shape
+            return dataclasses.replace(arg, sample_shape=(b, h, s, d))
+
+        return dataclasses.replace(sig, inputs=tuple(map(head_major, sig.inputs)),
+                                   outputs=tuple(map(head_major, sig.outputs)))
 
     def make_launcher(self):
         self.validate()
@@ -242,46 +271,68 @@ class FwdConfig(KernelConfig):
 DECODE_TILE_M = 64
 
 
-#: Decode-tile options under measurement (benchmarks/decode_bench.py; ``JAX_FA4_DECODE_TILE=<name>``
-#: selects one at trace time, see jax_fa4.decode): FwdConfig overrides of decode_config and
-#: paged_config. Two CTAs per SM need half the shared memory: one K/V stage of 128 keys, or two
-#: of 64.
+#: The decode tile's shapes, best first (the first that fits a head dim is shipped): two CTAs per
+#: SM, each with two stages of 64 keys (one CTA's K/V stream runs through the other's prologue
+#: and epilogue: 4.13 against 3.95 TB/s for one CTA per SM at B32·Sk4096, docs/perf-log.md);
+#: one stage where two do not fit half an SM's shared memory (head dims 192/192); one CTA per
+#: SM with the table's key block where two CTAs do not fit at all (head dim 256: registers).
+DECODE_TILES: tuple[dict, ...] = (
+    dict(ctas_per_sm=2, tile_n=64, stages=2),
+    dict(ctas_per_sm=2, tile_n=64, stages=1),
+    dict(ctas_per_sm=1),
+)
+
+#: Decode-tile alternatives for comparisons (benchmarks/decode_bench.py;
+#: ``JAX_FA4_DECODE_TILE=<name>`` selects one at trace time, see jax_fa4.decode): FwdConfig
+#: overrides of decode_config and paged_config. "1cta" is the decode tile shipped before the
+#: two-CTA one.
 DECODE_OPTIONS: dict[str, dict] = {
+    "1cta": dict(ctas_per_sm=1),
     "2cta-n128-s1": dict(ctas_per_sm=2, tile_n=128, stages=1),
-    "2cta-n64-s2": dict(ctas_per_sm=2, tile_n=64, stages=2),
 }
+
+#: Key-block sizes a paged kernel may take where its tile shape leaves it open: cache pages must
+#: hold a multiple of the key block (a 128-token page is one block of 128 or two of 64).
+PAGED_TILE_N = (128, 64)
+
+
+def _first_fitting(dtype: str, head_dim: int, head_dim_v: int | None, mask: str,
+                   has_softcap: bool, base: dict, candidates) -> FwdConfig:
+    """The config of the first candidate overrides (on top of ``base``) that validates; the
+    last candidate's ValueError if none does."""
+    err = None
+    for overrides in candidates:
+        try:
+            return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap,
+                                  **{**base, **overrides})
+        except ValueError as e:
+            err = e
+    raise err
 
 
 def decode_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
                   has_softcap: bool = False, **overrides) -> FwdConfig:
     """The forward config for decode-shaped calls (unmasked after jax_fa4.decode's rewrite, at
-    most DECODE_TILE_M query rows): the table's unmasked row with one consumer warpgroup (so no
-    ping-pong) and no persistence; ``overrides`` (a DECODE_OPTIONS entry) replace fields."""
-    fields = dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0)
-    fields.update(overrides)
-    return FwdConfig.make(dtype, head_dim, head_dim_v, "none", has_softcap, **fields)
-
-
-#: Key-block size of the paged kernels: cache pages must hold a multiple of it (a 128-token page
-#: is one block); 64 where a 128-key block does not fit the decode tile (head dims 192/192, 256).
-PAGED_TILE_N = (128, 64)
+    most DECODE_TILE_M query rows, head-major q and out): one consumer warpgroup (so no
+    ping-pong), no persistence, the first of DECODE_TILES that fits; ``overrides`` (a
+    DECODE_OPTIONS entry) replace DECODE_TILES. ValueError if the kind is unsupported."""
+    base = dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0, qo_head_major=True)
+    return _first_fitting(dtype, head_dim, head_dim_v, "none", has_softcap, base,
+                          [overrides] if overrides else DECODE_TILES)
 
 
 def paged_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
                  has_softcap: bool = False, **overrides) -> FwdConfig:
     """The paged forward config of a problem kind: the decode tile (DECODE_TILE_M query rows,
-    enough for decode steps after GQA packing and, with more tiles, for chunked prefill) with
-    the largest key block of PAGED_TILE_N that fits; ``overrides`` (a DECODE_OPTIONS entry)
-    replace fields. ValueError if the kind is unsupported."""
-    err = None
-    for tile_n in (overrides["tile_n"],) if "tile_n" in overrides else PAGED_TILE_N:
-        fields = dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0, paged=True)
-        fields.update(overrides, tile_n=tile_n)
-        try:
-            return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, **fields)
-        except ValueError as e:
-            err = e
-    raise err
+    enough for decode steps after GQA packing and, with more tiles, for chunked prefill; the
+    first of DECODE_TILES that fits, a key block of PAGED_TILE_N where it names none);
+    ``overrides`` (a DECODE_OPTIONS entry) replace DECODE_TILES. ValueError if the kind is
+    unsupported."""
+    base = dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0, paged=True, qo_head_major=True)
+    candidates = [c if "tile_n" in c else {**c, "tile_n": n}
+                  for c in ([overrides] if overrides else DECODE_TILES)
+                  for n in ((None,) if "tile_n" in c else PAGED_TILE_N)]
+    return _first_fitting(dtype, head_dim, head_dim_v, mask, has_softcap, base, candidates)
 
 
 def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
