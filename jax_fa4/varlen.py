@@ -384,12 +384,18 @@ def dq_accum_rows(total_q: int, batch: int, tile_m: int) -> int:
     return (total_q // tile_m + batch) * tile_m
 
 
+def first_tiles(cu_seqlens_q: jax.Array, tile_m: int) -> jax.Array:
+    """(batch,) int32: sequence b's first dq_accum tile, ``(cu_q[b] + b·tile_m) // tile_m``."""
+    batch = cu_seqlens_q.shape[0] - 1
+    return (cu_seqlens_q[:-1] + jnp.arange(batch, dtype=jnp.int32) * tile_m) // tile_m
+
+
 def tile_owners(cu_seqlens_q: jax.Array, num_tiles: int, tile_m: int) -> jax.Array:
     """(num_tiles,) int32: the sequence owning each dq_accum tile, -1 for none (sequence b owns
     the ceil(len_q(b) / tile_m) tiles from (cu_q[b] + b·tile_m) // tile_m on)."""
     batch = cu_seqlens_q.shape[0] - 1
     lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    first = (cu_seqlens_q[:-1] + jnp.arange(batch, dtype=jnp.int32) * tile_m) // tile_m
+    first = first_tiles(cu_seqlens_q, tile_m)
     end = first + (lens + tile_m - 1) // tile_m
     t = jnp.arange(num_tiles, dtype=jnp.int32)
     # the last sequence starting at or before t (empty sequences own no tile)
@@ -416,25 +422,32 @@ def visited_query_blocks(len_q, len_k, n_block, tile_m: int, tile_n: int, window
 
 def work_table(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, num_items: int, tile_m: int,
                tile_n: int, window, order: str = "heavy_first") -> jax.Array:
-    """The varlen backward's work list, (num_items, 2) int32: row x = (sequence, key block)
-    of CTA x; every key block of every sequence once, in launch ``order`` (see
-    VARLEN_BWD_ORDER), then spare rows (-1, 0), and last (ZERO_PADDING, 0), the item that
-    writes the zero gradient of the keys outside every sequence."""
+    """The varlen backward's work list, (num_items, 8) int32: row x of CTA x is (sequence b, key
+    block, cu_seqlens_q[b], cu_seqlens_k[b], len_q(b), len_k(b), b's first dq_accum tile, 0)
+    (sm90.bwd_config.varlen_attention_backward_signature): every key block of every sequence
+    once, in launch ``order`` (see VARLEN_BWD_ORDER), then spare rows (-1, 0, …) with lengths
+    0, and last (ZERO_PADDING, 0, …), the item that writes the zero gradient of the keys
+    outside every sequence."""
     lens_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    batch = lens_k.shape[0]
     blocks = (lens_k + tile_n - 1) // tile_n
     ends = jnp.cumsum(blocks)
     x = jnp.arange(num_items - 1, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, x, side="right"), lens_k.shape[0] - 1)
+    seq = jnp.minimum(jnp.searchsorted(ends, x, side="right"), batch - 1)
     used = x < ends[-1]
     # sequence by sequence, each from its last key block down
     n_block = (ends[seq] - 1 - x).astype(jnp.int32)
-    table = jnp.stack([jnp.where(used, seq, -1), jnp.where(used, n_block, 0)],
+    columns = (seq, n_block, cu_seqlens_q[seq], cu_seqlens_k[seq], lens_q[seq], lens_k[seq],
+               first_tiles(cu_seqlens_q, tile_m)[seq], jnp.zeros_like(seq))
+    spare = (-1,) + (0,) * (len(columns) - 1)
+    table = jnp.stack([jnp.where(used, c, fill) for c, fill in zip(columns, spare)],
                       axis=-1).astype(jnp.int32)
     if order == "heavy_first":
         cost = visited_query_blocks(lens_q[seq], lens_k[seq], n_block, tile_m, tile_n, window)
         table = table[jnp.argsort(jnp.where(used, -cost, 1), stable=True)]
-    return jnp.concatenate([table, jnp.asarray([[ZERO_PADDING, 0]], jnp.int32)])
+    padding = jnp.asarray([[ZERO_PADDING] + [0] * (len(columns) - 1)], jnp.int32)
+    return jnp.concatenate([table, padding])
 
 
 def varlen_backward_config(q, k, v, opts):

@@ -550,9 +550,10 @@ def _random_lengths(rng, batch, max_len):
 @pytest.mark.parametrize("order", ["heavy_first", "sequence"])
 @pytest.mark.parametrize("window", [(None, None), (None, 0), (70, 3)], ids=str)
 def test_work_table_lists_every_key_block_once(order, window):
-    """Every key block of every sequence is one row of the work list (spare rows (-1, 0) after
-    them, the ZERO_PADDING item last), within the bound work_items gives; heavy_first puts the
-    blocks with the most query blocks to visit first."""
+    """Every key block of every sequence is one row of the work list, with its sequence's
+    offsets, lengths and first dq tile (spare rows (-1, 0, …) after them, the ZERO_PADDING item
+    last), within the bound work_items gives; heavy_first puts the blocks with the most query
+    blocks to visit first."""
     from jax_fa4.kernels.common.bwd_blocks import BwdBlocks
 
     rng = np.random.default_rng(7)
@@ -564,12 +565,16 @@ def test_work_table_lists_every_key_block_once(order, window):
         n = varlen.work_items(total_k, batch, tn)
         table = np.asarray(varlen.work_table(jnp.asarray(_cu(lens_q)), jnp.asarray(_cu(lens_k)),
                                              n, tm, tn, window, order))
-        assert table.shape == (n, 2) and table.dtype == np.int32
-        want = [(b, j) for b in range(batch) for j in range(-(-int(lens_k[b]) // tn))]
-        used = table[table[:, 0] >= 0]
-        assert sorted(map(tuple, used.tolist())) == want
-        assert (table[len(used):-1] == [-1, 0]).all()  # spare rows, then the padding item
-        assert table[-1].tolist() == [varlen.ZERO_PADDING, 0]
+        assert table.shape == (n, 8) and table.dtype == np.int32
+        cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+        want = [(b, j, cu_q[b], cu_k[b], lens_q[b], lens_k[b], (cu_q[b] + b * tm) // tm, 0)
+                for b in range(batch) for j in range(-(-int(lens_k[b]) // tn))]
+        rows = table[table[:, 0] >= 0]
+        assert sorted(map(tuple, rows.tolist())) == sorted(tuple(map(int, w)) for w in want)
+        # spare rows, then the padding item
+        assert (table[len(rows):-1] == [-1, 0, 0, 0, 0, 0, 0, 0]).all()
+        assert table[-1].tolist() == [varlen.ZERO_PADDING] + [0] * 7
+        used = rows[:, :2]
         left, right = window
 
         def cost(b, j):

@@ -49,9 +49,11 @@ depends on the key block (``rotate``), so that lockstep key blocks add into diff
 
 Varlen (``cfg.varlen``, jax_fa4/varlen.py): q, k, v, dout, dk, dv are sequences packed as one
 batch entry. CTA (x, head) takes key block ``work[x, 1]`` of sequence ``work[x, 0]`` (the caller
-lists the work items, and so chooses their launch order); the sequence's offsets and lengths come
-from cu_seqlens, its loads from TMA views offset to its first row (rows past its end are the next
-sequence's: the key tail is masked and the query rows past seqlen_q have P = dS = 0 as above);
+lists the work items, and so chooses their launch order); the sequence's offsets, lengths and
+first dq_accum tile come in the same work row (one round of loads; cu_seqlens_k is read only by
+the item that zeroes the padding keys), its loads from TMA views offset to its first row (rows
+past its end are the next sequence's: the key tail is masked and the query rows past seqlen_q
+have P = dS = 0 as above);
 its query block m reduce-adds into dq_accum tile ``(cu_seqlens_q[b] + b·tile_m) // tile_m + m``,
 which no other sequence touches; dK / dV of a key block inside the sequence are TMA-stored from the
 sequence's first row on, those of its last, partial block row by row below seqlen_k (16-byte
@@ -482,22 +484,17 @@ class FlashAttentionBackwardSm90:
         # every key / query so that all block arithmetic stays small and in Int32.
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
-        # varlen: work item x is key block work[x, 1] of sequence work[x, 0], whose rows are
-        # [cu[seq], cu[seq + 1]) of the packed tensors (one batch entry: batch = 0 below)
+        # varlen: work row x = (sequence, key block, its rows' offsets in the packed q and k,
+        # its lengths, its first dq_accum tile) (one batch entry: batch = 0 below); spare and
+        # padding rows have lengths 0. Seven independent loads: one round trip.
         q_offset, k_offset, dq_tile0, seq = None, None, None, None
         if const_expr(self.varlen):
-            n_block, head, batch = cute.arch.block_idx()
-            seq = mWork[n_block, 0]
-            n_block = mWork[n_block, 1]
-            seq_c = cutlass.max(seq, 0)  # (seq < 0: a spare item, an empty sequence)
-            q_offset, k_offset = mCuSeqlensQ[seq_c], mCuSeqlensK[seq_c]
-            seqlen_q = mCuSeqlensQ[seq_c + 1] - q_offset
-            seqlen_k = mCuSeqlensK[seq_c + 1] - k_offset
-            if seq < 0:
-                seqlen_q = Int32(0)
-                seqlen_k = Int32(0)
+            x, head, batch = cute.arch.block_idx()
+            seq, n_block = mWork[x, 0], mWork[x, 1]
+            q_offset, k_offset = mWork[x, 2], mWork[x, 3]
+            seqlen_q, seqlen_k = mWork[x, 4], mWork[x, 5]
             # the sequence's first dq_accum tile: its blocks never share a tile with another's
-            dq_tile0 = (q_offset + seq_c * self.tile_m) // self.tile_m
+            dq_tile0 = mWork[x, 6]
         window_left, window_right = Int32(0), Int32(0)
         if const_expr(self.is_local):
             wl = Int32(mParams[2])

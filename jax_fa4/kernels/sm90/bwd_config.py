@@ -50,6 +50,10 @@ from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, Kernel
                                   check_dtype_and_mask, lookup_tuning)
 
 
+#: Columns of a varlen backward work row (varlen_attention_backward_signature).
+WORK_COLUMNS = 8
+
+
 def varlen_attention_backward_signature(dtype: str, head_dim: int, head_dim_v: int,
                                         tile_m: int, gqa: bool) -> KernelSignature:
     """``fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, cu_seqlens_q, cu_seqlens_k,
@@ -60,9 +64,12 @@ def varlen_attention_backward_signature(dtype: str, head_dim: int, head_dim_v: i
     preprocess of the packed out / dout); cu_seqlens_q / _k (batch + 1,) int32 the sequence
     boundaries. dq_accum (1, H, R·D) float32, input 7 aliased to output 0: sequence b's query
     block m owns tile row ``(cu_seqlens_q[b] + b·tile_m) // tile_m + m`` (the sequences' blocks
-    never share a tile); R = (total_q // tile_m + batch)·tile_m rows suffice. work (W, 2) int32:
-    CTA x takes key block ``work[x, 1]`` of sequence ``work[x, 0]``; sequence -1: nothing to do,
-    -2 (bwd.ZERO_PADDING): write zeros to the dk / dv rows outside every sequence; its shape sets
+    never share a tile); R = (total_q // tile_m + batch)·tile_m rows suffice. work (W, 8) int32:
+    CTA x takes work row x = (sequence b, key block n, cu_seqlens_q[b], cu_seqlens_k[b],
+    seqlen_q(b), seqlen_k(b), b's first dq_accum tile, 0) (one row holds everything the CTA
+    needs before its first load: a single round of independent loads, no dependent
+    cu_seqlens read); sequence -1: nothing to do (lengths 0), -2 (bwd.ZERO_PADDING): write
+    zeros to the dk / dv rows outside every sequence (it reads cu_seqlens_k); its shape sets
     the grid (W, H). dk, dv (1, total_k, Hkv, ·) in ``dtype``, or float32 per query head
     (1, total_k, H, ·) when ``gqa``."""
     d, dv, tm = head_dim, head_dim_v, tile_m
@@ -82,7 +89,7 @@ def varlen_attention_backward_signature(dtype: str, head_dim: int, head_dim_v: i
         accum,
         TensorArg("cu_seqlens_q", "int32", (b + 1,), (1,), batched=False),
         TensorArg("cu_seqlens_k", "int32", (b + 1,), (1,), batched=False),
-        TensorArg("work", "int32", (w, 2), (1, 2), batched=False),
+        TensorArg("work", "int32", (w, WORK_COLUMNS), (1, WORK_COLUMNS), batched=False),
     )
     outputs = (accum, packed("dk", dkv_dtype, tk, hdk, d), packed("dv", dkv_dtype, tk, hdk, dv))
     return KernelSignature(inputs=inputs, outputs=outputs, aliases=((7, 0),))
