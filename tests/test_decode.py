@@ -93,13 +93,13 @@ def test_decode_call_lowers_to_one_packed_split_kernel(shipped_cache, monkeypatc
     monkeypatch.setattr(decode, "num_sms", lambda: 132)
     monkeypatch.setenv("JAX_FA4_DECODE_TILE", "1" if decode_tile else "0")
     configs = []
-    kernel_forward = ops._kernel_forward
+    call_kernel = call.call_kernel
 
-    def recording(q, k, v, opts, config=None):
-        configs.append(config if config is not None else ops.forward_config(q, k, v, opts))
-        return kernel_forward(q, k, v, opts, config)
+    def recording(config, *args, **kwargs):
+        configs.append(config)
+        return call_kernel(config, *args, **kwargs)
 
-    monkeypatch.setattr(ops, "_kernel_forward", recording)
+    monkeypatch.setattr(call, "call_kernel", recording)
     call.clear_memory_cache()
     b, h, hkv, sk, d = 8, 32, 8, 32768, 128
     q = jax.ShapeDtypeStruct((b, 1, h, d), jnp.bfloat16)

@@ -113,8 +113,9 @@ def test_matches_dense_per_sequence(case):
 def emulated_paged_kernel(config, arch, q, k_tiles, v_tiles, params, table, seqused, *,
                           out_shapes):
     """What the sm90 paged forward kernel computes (spec.paged_attention_forward_signature):
-    key block n of entry b is cache tile table[b, n]; entry b has seqused[b] keys, with the
-    causal / window rule aligned to them; tiles past them are never read (garbage indices)."""
+    key block n of entry b is cache tile table[b, n]; entry b has seqused[b] keys (clamped to
+    its table row's), with the causal / window rule aligned to them; tiles past them are never
+    read (garbage indices)."""
     assert config.paged and arch == "sm_90a"
     if config.qo_head_major:  # q (B, H, Sq, D) in, out (B, H, Sq, Dv) back
         q = q.transpose(0, 2, 1, 3)
@@ -125,6 +126,7 @@ def emulated_paged_kernel(config, arch, q, k_tiles, v_tiles, params, table, sequ
     tile_n = config.tile_n
     b, sq, _, d = q.shape
     blocks, hkv = table.shape[1], k_tiles.shape[2]
+    seqused = jnp.clip(seqused, 0, blocks * tile_n)  # the kernel clamps to its table row
     tiles = np.clip(np.asarray(table), 0, k_tiles.shape[1] // tile_n - 1)
 
     def gather(cache):

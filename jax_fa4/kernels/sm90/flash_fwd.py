@@ -28,8 +28,9 @@ Tuning options (FwdConfig; the v1 defaults leave them off and generate v1's exac
 
 Paged KV (FwdConfig.paged, not persistent): K and V are a cache of tiles viewed as one batch entry
 (1, tiles·tile_n, Hkv, ·); key block n of batch entry b is the cache tile page_table[b, n], read
-by the producer warp before it waits for the stage, and batch entry b has seqused_k[b] keys (the
-key-length tail mask and the causal/window alignment use that length).
+by the producer warp one block ahead of its load (V reuses K's entry), and batch entry b has
+seqused_k[b] keys, clamped to [0, the table row's keys] (the key-length tail mask and the
+causal/window alignment use that length).
 
 Varlen (FwdConfig.varlen, not persistent): q, k, v, out are packed sequences viewed as one batch
 entry (1, total, H, ·); CTA (m, h, b) reads sequence b's rows [cu_seqlens[b], cu_seqlens[b + 1])
@@ -303,7 +304,9 @@ class FlashAttentionForwardSm90:
                     seqlen_q = 0
                     seqlen_k = 0
             elif const_expr(self.paged):
-                seqlen_k = mSeqUsedK[batch]
+                # at most the keys of the entry's page-table row (the caller need not clip)
+                seqlen_k = cutlass.max(cutlass.min(mSeqUsedK[batch],
+                                                   mPageTable.shape[1] * self.tile_n), 0)
             else:
                 seqlen_k = mK.shape[0]
             window_left, window_right = self.windows(mParams, seqlen_q, seqlen_k)
@@ -566,24 +569,48 @@ class FlashAttentionForwardSm90:
                 cute.copy(tma_atom_V, tVgV[None, k_tile], tVsV[None, v_state.index],
                           tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
                 v_state.advance()
-            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                n_block = n_block_max - 2 - i
-                k_tile = self.kv_tile(mPageTable, batch, n_block)  # (load before the wait)
-                n_block_v = n_block + 1 if const_expr(self.overlap) else n_block
-                v_tile = self.kv_tile(mPageTable, batch, n_block_v)
-                pipeline_k.producer_acquire(k_state)
-                cute.copy(tma_atom_K, tKgK[None, k_tile], tKsK[None, k_state.index],
-                          tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
-                k_state.advance()
+            if const_expr(self.paged and self.overlap):
+                # paged: each block's page-table entry is loaded one block ahead (its latency
+                # hides behind a whole block's wait), and V[n + 1] reuses K[n + 1]'s entry
+                v_tile = k_tile
+                k_tile = self.kv_tile(mPageTable, batch,
+                                      cutlass.max(n_block_max - 2, n_block_min))
+                for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                    n_block = n_block_max - 2 - i
+                    next_tile = self.kv_tile(mPageTable, batch,
+                                             cutlass.max(n_block - 1, n_block_min))
+                    pipeline_k.producer_acquire(k_state)
+                    cute.copy(tma_atom_K, tKgK[None, k_tile], tKsK[None, k_state.index],
+                              tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
+                    k_state.advance()
+                    pipeline_v.producer_acquire(v_state)
+                    cute.copy(tma_atom_V, tVgV[None, v_tile], tVsV[None, v_state.index],
+                              tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+                    v_state.advance()
+                    v_tile = k_tile
+                    k_tile = next_tile
                 pipeline_v.producer_acquire(v_state)
                 cute.copy(tma_atom_V, tVgV[None, v_tile], tVsV[None, v_state.index],
                           tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
-                v_state.advance()
-            if const_expr(self.overlap):
-                pipeline_v.producer_acquire(v_state)
-                v_tile = self.kv_tile(mPageTable, batch, n_block_min)
-                cute.copy(tma_atom_V, tVgV[None, v_tile], tVsV[None, v_state.index],
-                          tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+            else:
+                for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                    n_block = n_block_max - 2 - i
+                    k_tile = self.kv_tile(mPageTable, batch, n_block)  # (load before the wait)
+                    n_block_v = n_block + 1 if const_expr(self.overlap) else n_block
+                    v_tile = self.kv_tile(mPageTable, batch, n_block_v)
+                    pipeline_k.producer_acquire(k_state)
+                    cute.copy(tma_atom_K, tKgK[None, k_tile], tKsK[None, k_state.index],
+                              tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
+                    k_state.advance()
+                    pipeline_v.producer_acquire(v_state)
+                    cute.copy(tma_atom_V, tVgV[None, v_tile], tVsV[None, v_state.index],
+                              tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+                    v_state.advance()
+                if const_expr(self.overlap):
+                    pipeline_v.producer_acquire(v_state)
+                    v_tile = self.kv_tile(mPageTable, batch, n_block_min)
+                    cute.copy(tma_atom_V, tVgV[None, v_tile], tVsV[None, v_state.index],
+                              tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
 
     def sequence(self, mX: cute.Tensor, head, batch, offset=None) -> cute.Tensor:
         """The (rows, dim) view of one head of one sequence of a (S, D, H, B) tensor: batch entry
