@@ -216,8 +216,9 @@ def _paged_kernel(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, op
 
     def on_packed(qp, kernel_opts):
         # chunk c of batch entry i: table columns [c·blocks/S, (c+1)·blocks/S), its keys clipped
-        # (the kernel clamps seqused_k to its table row's keys: unsplit, it takes it as it is)
-        used = seqused_k if s == 1 else jnp.clip(
+        # (the Hopper kernel clamps seqused_k to its table row's keys: unsplit, it takes it as
+        # it is)
+        used = seqused_k if s == 1 and opts.implementation == "sm90" else jnp.clip(
             seqused_k[:, None] - jnp.arange(s, dtype=jnp.int32) * chunk, 0, chunk)
         head_major = getattr(config, "qo_head_major", False)  # else (B, S, H, D)
         heads, rows = qp.shape[1], qp.shape[2]
