@@ -11,8 +11,8 @@ sets rotated past the L2):
   ``cu_seqlens = [0, S, 2S, ...]``;
 * ``varlen-mixed``: the same total tokens cut into sequences of unequal lengths (S/4 … 7S/4, so
   max_seqlen = 7S/4; FLOPs counted per sequence);
-* ``...-seq``: the same with the varlen backward's work items launched sequence by sequence
-  (``JAX_FA4_VARLEN_BWD_ORDER=sequence``) instead of heaviest first.
+* ``...-heavy``: the same with the varlen backward's work items launched heaviest first
+  (``JAX_FA4_VARLEN_BWD_ORDER=heavy_first``) instead of sequence by sequence (the default).
 
 TFLOP/s use the anchors' convention (forward 2·Σ Sq·Sk·H·(D+Dv), halved under a causal mask,
 backward 2.5×). Writes JSON with the command, GPU and date.
@@ -67,10 +67,10 @@ def main(argv=None) -> int:
                 q, k, v, do = (jax.random.normal(kk, (total, h, d), jnp.bfloat16)
                                for kk in jax.random.split(set_key, 4))
                 sets.append((q, k, v, do))
-            variants = {"dense": ([s] * b, None), "varlen": ([s] * b, "heavy_first"),
-                        "varlen-seq": ([s] * b, "sequence"),
-                        "varlen-mixed": (mixed_lengths(b, s), "heavy_first"),
-                        "varlen-mixed-seq": (mixed_lengths(b, s), "sequence")}
+            variants = {"dense": ([s] * b, None), "varlen": ([s] * b, "sequence"),
+                        "varlen-heavy": ([s] * b, "heavy_first"),
+                        "varlen-mixed": (mixed_lengths(b, s), "sequence"),
+                        "varlen-mixed-heavy": (mixed_lengths(b, s), "heavy_first")}
             programs, names = [], []
             for name, (lens, order) in variants.items():
                 if order is not None:  # read when the backward is traced

@@ -352,10 +352,12 @@ def _kernel_forward(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, opts, kernel):
 
 
 # -- the varlen backward kernel ------------------------------------------------------------------
-#: Launch order of the varlen backward's work items: "heavy_first" (the key blocks with the most
-#: query blocks to visit first, ties in sequence order) or "sequence" (sequence by sequence, each
-#: from its last key block down, as the dense kernels launch). JAX_FA4_VARLEN_BWD_ORDER overrides.
-VARLEN_BWD_ORDER = "heavy_first"
+#: Launch order of the varlen backward's work items: "sequence" (sequence by sequence, each
+#: from its last key block down, as the dense kernels launch: a sequence's CTAs run together and
+#: share its Q / dO / K / V in L2) or "heavy_first" (the key blocks with the most query blocks to
+#: visit first, ties in sequence order). On the H200 "sequence" was 6 % ahead at 64 × 512 causal
+#: and within ±2 % elsewhere (docs/perf-log.md). JAX_FA4_VARLEN_BWD_ORDER overrides.
+VARLEN_BWD_ORDER = "sequence"
 
 
 def _work_order() -> str:
