@@ -13,6 +13,8 @@ exceed twice the L2):
 * ``dense-<option>``, ``paged-<option>``: the same with a decode-tile alternative
   (``sm90.fwd_config.DECODE_OPTIONS``; ``JAX_FA4_DECODE_TILE=<option>``): ``1cta`` the decode
   tile shipped before (one CTA per SM), ``2cta-n128-s1`` one 128-key stage;
+* ``paged-inorder``: the shipped paged call with each sequence's pages in order (DRAM-page
+  locality between consecutive key blocks, as dense has);
 * ``...-2tile``: split-KV until the tiles give each SM two (``decode.TILES_PER_SM = 2``;
   default 1);
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on the dense K/V.
@@ -44,7 +46,8 @@ PAGE = 128
 #: (B, Sk): issue #8's range, each input set 0.25–8.6 GB of K/V
 SHAPES = ((32, 4096), (64, 8192), (128, 8192), (32, 32768), (128, 32768), (32, 131072))
 VARIANTS = ("dense", "dense-2tile", "dense-tile128", *(f"dense-{o}" for o in DECODE_OPTIONS),
-            "paged", "paged-2tile", *(f"paged-{o}" for o in DECODE_OPTIONS), "cudnn")
+            "paged", "paged-inorder", "paged-2tile", *(f"paged-{o}" for o in DECODE_OPTIONS),
+            "cudnn")
 
 
 def kv_bytes(b: int, sk: int) -> int:
@@ -70,8 +73,10 @@ def make_sets(b: int, sk: int, key: jax.Array) -> list[dict]:
         k = jax.random.normal(kk, (b, sk, HKV, D), jnp.bfloat16)
         v = jax.random.normal(kv, (b, sk, HKV, D), jnp.bfloat16)
         table = np.stack([i * per_seq + rng.permutation(per_seq) for i in range(b)])
-        paged = (q, k, v, jnp.asarray(table, jnp.int32), jnp.full((b,), sk, jnp.int32))
-        sets.append(dict(dense=(q, k, v), paged=paged))
+        used = jnp.full((b,), sk, jnp.int32)
+        paged = (q, k, v, jnp.asarray(table, jnp.int32), used)
+        inorder = (q, k, v, jnp.arange(b * per_seq, dtype=jnp.int32).reshape(b, per_seq), used)
+        sets.append(dict(dense=(q, k, v), paged=paged, inorder=inorder))
     jax.block_until_ready(sets)
     return sets
 
@@ -116,7 +121,8 @@ def main(argv=None) -> int:
         sets = make_sets(b, sk, jax.random.key(index))
         programs, outs, names = [], {}, []
         for name in VARIANTS:
-            kind = "paged" if name.startswith("paged") else "dense"
+            kind = ("inorder" if name == "paged-inorder" else
+                    "paged" if name.startswith("paged") else "dense")
             arg_sets = [s[kind] for s in sets]
             try:
                 compiled = compile_variant(name, arg_sets[0])
