@@ -39,6 +39,23 @@ for b, s, h, d in ((16, 2048, 16, 128), (64, 512, 16, 128)):
     dcfg = FwdConfig.make("bfloat16", d, d, "none")
     vcfg = varlen_config("bfloat16", d, d, "none")
     shape = (b, s, h, d)
+
+    def varlen_kernel(q, k, v):
+        return call_kernel(
+            vcfg,
+            ARCH,
+            q[None],
+            k[None],
+            v[None],
+            params,
+            cu,
+            cu,
+            out_shapes=(
+                jax.ShapeDtypeStruct((1, total, h, d), q.dtype),
+                jax.ShapeDtypeStruct((b, h, s), jnp.float32),
+            ),
+        )
+
     fns = {
         "dense_api": lambda q, k, v: jax_fa4.flash_attention(
             q.reshape(shape), k.reshape(shape), v.reshape(shape), implementation="sm90"
@@ -58,34 +75,8 @@ for b, s, h, d in ((16, 2048, 16, 128), (64, 512, 16, 128)):
         "varlen_api": lambda q, k, v: jax_fa4.flash_attention_varlen(
             q, k, v, cu, cu, s, s, implementation="sm90"
         ),
-        "varlen_bare": lambda q, k, v: call_kernel(
-            vcfg,
-            ARCH,
-            q[None],
-            k[None],
-            v[None],
-            params,
-            cu,
-            cu,
-            out_shapes=(
-                jax.ShapeDtypeStruct((1, total, h, d), q.dtype),
-                jax.ShapeDtypeStruct((b, h, s), jnp.float32),
-            ),
-        )[0],
-        "varlen_bare_lse": lambda q, k, v: call_kernel(
-            vcfg,
-            ARCH,
-            q[None],
-            k[None],
-            v[None],
-            params,
-            cu,
-            cu,
-            out_shapes=(
-                jax.ShapeDtypeStruct((1, total, h, d), q.dtype),
-                jax.ShapeDtypeStruct((b, h, s), jnp.float32),
-            ),
-        ),
+        "varlen_bare": lambda q, k, v: varlen_kernel(q, k, v)[0],
+        "varlen_bare_lse": varlen_kernel,
     }
     progs, names = [], []
     for nm, fn in fns.items():
