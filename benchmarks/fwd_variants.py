@@ -62,8 +62,9 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str) -> list[tuple[str, A
     add("pp", pingpong=True)
     add("pp+rs8", pingpong=True, rescale_threshold=8.0)
     add("pp+persist", pingpong=True, num_sms=H200_SMS)
-    if head_dim == 64:
+    if head_dim in (64, 128):
         add("rs8", rescale_threshold=8.0)
+    if head_dim == 64:
         add("3wg", tile_m=192)
         add("3wg+pp", tile_m=192, pingpong=True)
         add("3wg+pp+rs8", tile_m=192, pingpong=True, rescale_threshold=8.0)
