@@ -582,7 +582,9 @@ def flash_attention_varlen(
         ``[cu_seqlens_q[0], cu_seqlens_q[-1])`` are padding: output 0, lse ``-inf`` (even with a
         sink), no gradient.
       cu_seqlens_k: int32 ``(batch + 1,)``, likewise for k and v (keys outside
-        ``[cu_seqlens_k[0], cu_seqlens_k[-1])`` are never seen).
+        ``[cu_seqlens_k[0], cu_seqlens_k[-1])`` are never seen). Padding tokens must still hold
+        finite values (zeros, say) in q, k and v: the kernels load the padding after the last
+        sequence with its last block and mask it out, and a masked ``0 · inf`` is NaN.
       max_seqlen_q: static int >= every query length (sizes the kernels' grid; part of the
         compile key, so keep it fixed, e.g. a bucket).
       max_seqlen_k: static int >= every key length.
