@@ -26,11 +26,12 @@ def forward_chain(q, k, v, opts):
 
 
 def backward_chain(q, k, v, out, lse, dout, dlse, opts):
-    """(dq, dk, dv) from the saved forward and the cotangents of (out, lse)."""
+    """(dq, dk, dv, delta) from the saved forward and the cotangents of (out, lse), with
+    ``delta = rowsum(dout * out) - dlse`` (B, H, Sq) float32 (what a sink's gradient needs)."""
     delta, lse_log2 = ops.bwd_preprocess(out, dout, lse, opts.implementation)
     # d lse / d S = P, so a cotangent on lse enters dS = P * (dP - delta) as -dlse on delta.
     delta = delta - dlse
-    return ops.backward(q, k, v, out, lse, dout, delta, lse_log2, opts)
+    return (*ops.backward(q, k, v, out, lse, dout, delta, lse_log2, opts), delta)
 
 
 _forward = sharding.partitioned_forward(forward_chain)
@@ -51,7 +52,7 @@ def _fwd(q, k, v, opts):
 def _bwd(opts, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout, dlse = cotangents
-    return _backward(q, k, v, out, lse, dout, dlse, opts)
+    return _backward(q, k, v, out, lse, dout, dlse, opts)[:3]
 
 
 attention.defvjp(_fwd, _bwd)
@@ -71,9 +72,9 @@ def _sink_fwd(q, k, v, sink, opts):
 def _sink_bwd(opts, residuals, cotangents):
     q, k, v, sink, out, lse = residuals
     dout, dlse = cotangents
-    dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, opts)
-    dsink = reference.sink_gradient(sink, lse, ops.reference_delta(out, dout) - dlse)
-    return dq, dk, dv, dsink
+    dq, dk, dv, delta = _backward(q, k, v, out, lse, dout, dlse, opts)
+    # (the preprocess's delta: no second pass over out and dout)
+    return dq, dk, dv, reference.sink_gradient(sink, lse, delta)
 
 
 attention_with_sink.defvjp(_sink_fwd, _sink_bwd)

@@ -225,7 +225,9 @@ def _ring_fwd(q, k, v, cfg: _Ring):
 def _block_backward(q, kb, vb, out, lse, dout, dlse, step: int, src, me, cfg: _Ring):
     """(dq, dk, dv) contributions of this device's queries and the K/V block of ``src``."""
 
-    grads = autodiff.backward_chain  # the library's backward: preprocess, then dq/dk/dv
+    def grads(*args):  # the library's backward: preprocess, then dq/dk/dv (delta unused)
+        return autodiff.backward_chain(*args)[:3]
+
     args = (q, kb, vb, out, lse, dout, dlse)
     if step == 0:
         return grads(*args, cfg.diagonal)

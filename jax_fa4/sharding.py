@@ -66,7 +66,7 @@ _REPLICATED_FACTORS = ("sq", "sk", "d", "dv")
 _BSHX, _BHS = "bshx", "bhs"
 _FORWARD_IN, _FORWARD_OUT = (_BSHX,) * 3, (_BSHX, _BHS)
 _BACKWARD_IN = (_BSHX, _BSHX, _BSHX, _BSHX, _BHS, _BSHX, _BHS)
-_BACKWARD_OUT = (_BSHX,) * 3
+_BACKWARD_OUT = (_BSHX, _BSHX, _BSHX, _BHS)
 
 
 # -- folding extra leading batch dims (from vmap) into B, on each device -----------------------
@@ -102,8 +102,9 @@ def _forward_avals(q, k, v):
 
 
 def _backward_avals(q, k, v, out, lse, dout, dlse):
-    del out, lse, dout, dlse
-    return tuple(x.update(weak_type=False) for x in (q, k, v))
+    """dq, dk, dv like q, k, v; delta like lse."""
+    del out, dout, dlse
+    return tuple(x.update(weak_type=False) for x in (q, k, v, lse))
 
 
 def _check_explicit_sharding(q, k, v) -> None:
@@ -192,7 +193,7 @@ def _backward_rule(opts, mesh, value_types, result_types) -> SdyShardingRule:
     del opts, mesh, result_types
     n_lead = len(value_types[0].shape) - 3
     operands = _mappings(_BACKWARD_IN, (_Q, _K, _V, _O, _LSE, _O, _LSE), n_lead)
-    results = _mappings(_BACKWARD_OUT, (_Q, _K, _V), n_lead)
+    results = _mappings(_BACKWARD_OUT, (_Q, _K, _V, _LSE), n_lead)
     return SdyShardingRule(operands, results,
                            need_replication_factors=_replicated(operands + results))
 
@@ -283,7 +284,8 @@ def partitioned_forward(impl: Callable) -> Callable:
 
 
 def partitioned_backward(impl: Callable) -> Callable:
-    """``impl(q, k, v, out, lse, dout, dlse, opts) -> (dq, dk, dv)``, sharded like the forward."""
+    """``impl(q, k, v, out, lse, dout, dlse, opts) -> (dq, dk, dv, delta)``, sharded like the
+    forward (delta like lse)."""
     prim = _make_primitive("jax_fa4_attention_bwd", impl, _BACKWARD_IN, _BACKWARD_OUT,
                            _backward_avals, _backward_rule)
 
