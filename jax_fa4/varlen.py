@@ -423,7 +423,7 @@ def visited_query_blocks(len_q, len_k, n_block, tile_m: int, tile_n: int, window
 
 
 def work_table(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, num_items: int, tile_m: int,
-               tile_n: int, window, order: str = "heavy_first") -> jax.Array:
+               tile_n: int, window, order: str = VARLEN_BWD_ORDER) -> jax.Array:
     """The varlen backward's work list, (num_items, 8) int32: row x of CTA x is (sequence b, key
     block, cu_seqlens_q[b], cu_seqlens_k[b], len_q(b), len_k(b), b's first dq_accum tile, 0)
     (sm90.bwd_config.varlen_attention_backward_signature): every key block of every sequence

@@ -555,6 +555,7 @@ def test_work_table_lists_every_key_block_once(order, window):
     last), within the bound work_items gives; heavy_first puts the blocks with the most query
     blocks to visit first."""
     from jax_fa4.kernels.common.bwd_blocks import BwdBlocks
+    from jax_fa4.kernels.sm90.bwd_config import WORK_COLUMNS
 
     rng = np.random.default_rng(7)
     tm, tn = 64, 128
@@ -565,7 +566,7 @@ def test_work_table_lists_every_key_block_once(order, window):
         n = varlen.work_items(total_k, batch, tn)
         table = np.asarray(varlen.work_table(jnp.asarray(_cu(lens_q)), jnp.asarray(_cu(lens_k)),
                                              n, tm, tn, window, order))
-        assert table.shape == (n, 8) and table.dtype == np.int32
+        assert table.shape == (n, WORK_COLUMNS) and table.dtype == np.int32
         cu_q, cu_k = _cu(lens_q), _cu(lens_k)
         want = [(b, j, cu_q[b], cu_k[b], lens_q[b], lens_k[b], (cu_q[b] + b * tm) // tm, 0)
                 for b in range(batch) for j in range(-(-int(lens_k[b]) // tn))]
