@@ -84,15 +84,21 @@ def forward_config(q, k, v, opts):
 
 
 def _kernel_forward(q, k, v, opts, config=None) -> tuple[jax.Array, jax.Array]:
-    """(out, lse) by the forward kernel (``config``: forward_config's, which must serve)."""
+    """(out, lse) by the forward kernel (``config``: forward_config's, which must serve). q and
+    out are (B, S, H, ·), or (B, H, S, ·) for a head-major config (the decode tiles)."""
     from jax_fa4.ffi.call import call_kernel
 
     config = forward_config(q, k, v, opts) if config is None else config
     assert not isinstance(config, str), config
-    b, sq, h, _ = q.shape
+    if getattr(config, "qo_head_major", False):
+        b, h, sq, _ = q.shape
+        out_shape = (b, h, sq, v.shape[3])
+    else:
+        b, sq, h, _ = q.shape
+        out_shape = (b, sq, h, v.shape[3])
     return call_kernel(
         config, KERNEL_ARCH[opts.implementation], q, k, v, kernel_params(opts, q.shape[3]),
-        out_shapes=(jax.ShapeDtypeStruct((b, sq, h, v.shape[3]), q.dtype),
+        out_shapes=(jax.ShapeDtypeStruct(out_shape, q.dtype),
                     jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
 
 
@@ -112,13 +118,7 @@ def _decode_kernel_forward(qp, k, v, opts) -> tuple[jax.Array, jax.Array]:
             config = decode_config(jnp.dtype(qp.dtype).name, qp.shape[3], v.shape[3],
                                    opts.softcap > 0, **option)
     if config is not None and config.qo_head_major:
-        from jax_fa4.ffi.call import call_kernel
-
-        b, h, rows, _ = qp.shape
-        return call_kernel(
-            config, KERNEL_ARCH[opts.implementation], qp, k, v, kernel_params(opts, qp.shape[3]),
-            out_shapes=(jax.ShapeDtypeStruct((b, h, rows, v.shape[3]), qp.dtype),
-                        jax.ShapeDtypeStruct((b, h, rows), jnp.float32)))
+        return _kernel_forward(qp, k, v, opts, config)
     out, lse = _kernel_forward(qp.transpose(0, 2, 1, 3), k, v, opts, config)
     return out.transpose(0, 2, 1, 3), lse
 
