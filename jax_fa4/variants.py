@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from jax_fa4.ffi.compiler import SUPPORTED_ARCHS
+from jax_fa4.kernels.exp2_probe_config import Exp2ProbeConfig
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.kernels.sm90 import bwd_config, fwd_config
 from jax_fa4.kernels.sm100 import bwd_config as sm100_bwd_config
@@ -73,6 +74,10 @@ def _none(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelCon
     return ()
 
 
+def _exp2_probe_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
+    yield Exp2ProbeConfig(packed=False)  # the f32x2 form does not lower for sm_90a
+
+
 #: family name -> (archs it is shipped for, config enumerator, the tests suite's enumerator)
 FAMILIES: dict[str, tuple[tuple[str, ...], Callable[..., Iterable[KernelConfig]],
                           Callable[..., Iterable[KernelConfig]]]] = {
@@ -83,6 +88,9 @@ FAMILIES: dict[str, tuple[tuple[str, ...], Callable[..., Iterable[KernelConfig]]
     # the GPU test suite needs none of them.
     "sm100_fwd": (("sm_100a",), _filtered(sm100_fwd_config.shipped_configs), _none),
     "sm100_bwd": (("sm_100a",), _filtered(sm100_bwd_config.shipped_configs), _none),
+    # Test-only: runs the arch-independent software exp2 (common/exp2.py) on the H200
+    # (tests/gpu/test_exp2_device.py); never shipped.
+    "exp2_probe": (("sm_90a",), _none, _exp2_probe_tests),
 }
 
 #: what the GPU tests need: (dtypes, head dims) per suite
