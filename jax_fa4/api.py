@@ -171,7 +171,8 @@ def flash_attention(
       deterministic: make the gradients bitwise reproducible from run to run. The default
         Hopper backward kernel reduce-adds dQ across key blocks in arrival order, so its dq is
         not; ``deterministic=True`` runs a kernel that adds them in a fixed order (0.7–1.05×
-        the default kernel's speed on the H200, slowest without a mask at head dim 64).
+        the default kernel's speed on the H200, slowest without a mask at head dim 64). The
+        sm100 backward kernel has the same ordered mode (compile-verified only).
       implementation: ``None`` picks the kernel for this GPU and falls back to the pure-JAX
         reference elsewhere; ``"reference"``, ``"sm90"`` or ``"sm100"`` force one (a forced
         kernel that cannot run raises an error saying why).
@@ -184,9 +185,12 @@ def flash_attention(
     ``jax.vmap`` (mapped axes are folded into the batch) and ``jax.export``.
 
     Backward: on Hopper (``implementation="sm90"``, the default there) the preprocess, main and
-    dQ postprocess kernels; elsewhere, and for ``"sm100"`` (its backward kernels compile but have
-    not run on hardware, so they are not used yet), the preprocess (a kernel on GPUs) and the
-    reference's explicit FlashAttention backward.
+    dQ postprocess kernels; with ``"sm100"`` (opt-in: forced, or ``JAX_FA4_ENABLE_SM100=1``) the
+    preprocess and the Blackwell backward kernel (head dims 64, 96, 128 with ``Dv == D``; it
+    compiles but has never run on hardware), else the reference's backward with a one-time
+    ``RuntimeWarning`` naming the reason (e.g. head dims 192/256, which need a 2-CTA kernel);
+    elsewhere the preprocess (a kernel on GPUs) and the reference's explicit FlashAttention
+    backward (also for calls the Hopper backward kernels do not cover).
     """
     opts = canonicalize(q, k, v, softmax_scale=softmax_scale, causal=causal,
                         window_size=window_size, softcap=softcap, implementation=implementation,

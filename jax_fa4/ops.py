@@ -1,12 +1,14 @@
 """The attention building blocks, each run by a kernel or by the reference.
 
-``forward`` and ``bwd_preprocess`` take an already resolved implementation (see
+``forward``, ``bwd_preprocess`` and ``backward`` take an already resolved implementation (see
 :mod:`jax_fa4.dispatch`) and decide, per call, whether a kernel covers the request.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -195,29 +197,57 @@ def config_refusal(configs, q, k, v, opts) -> str | None:
     return None
 
 
+def backward_ops(implementation: str):
+    """The JAX side of ``implementation``'s backward kernels (``sm90_bwd_ops`` /
+    ``sm100_bwd_ops``: the same ``unsupported`` / ``backward`` contract), None for the
+    reference."""
+    if implementation == "sm90":
+        from jax_fa4 import sm90_bwd_ops
+
+        return sm90_bwd_ops
+    if implementation == "sm100":
+        from jax_fa4 import sm100_bwd_ops
+
+        return sm100_bwd_ops
+    return None
+
+
 def backward_unsupported(q, k, v, opts) -> str | None:
     """Why no backward kernel serves this call (None when one does)."""
-    if opts.implementation != "sm90":
-        # The sm100 backward kernels compile but have never run: the reference serves sm100.
+    kernels = backward_ops(opts.implementation)
+    if kernels is None:
         return f"no backward kernel is enabled for implementation={opts.implementation!r}"
-    from jax_fa4 import sm90_bwd_ops
+    return kernels.unsupported(q, k, v, opts)
 
-    return sm90_bwd_ops.unsupported(q, k, v, opts)
+
+@functools.cache
+def warn_reference_backward(implementation: str, reason: str) -> None:
+    """Say (once per reason) that an sm100 forward kernel's gradient runs the reference
+    backward: sm100 is opt-in, so a silent switch of families would mislead."""
+    warnings.warn(
+        f"jax_fa4: the {implementation} forward kernel serves this call but no {implementation} "
+        f"backward kernel does ({reason}); the gradient runs the pure-JAX reference backward.",
+        RuntimeWarning, stacklevel=2)
 
 
 def backward(q, k, v, out, lse, dout, delta, lse_log2, opts
              ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """dq, dk, dv from the saved forward, ``delta`` and ``lse_log2`` (see :func:`bwd_preprocess`).
 
-    The Hopper backward kernels serve ``implementation="sm90"`` calls they cover (with
-    ``deterministic=True``, the kernel that adds dQ in a fixed order); everything else (other
-    implementations, unsupported shapes or options) runs the reference's explicit backward,
-    which is deterministic too.
+    The backward kernels of ``opts.implementation`` serve the calls they cover: on Hopper
+    (``"sm90"``) the main and dQ postprocess kernels, on Blackwell (``"sm100"``, compiled only,
+    never run on hardware) the main kernel with the dQ scale done by XLA; with
+    ``deterministic=True`` the kernel that adds dQ in a fixed order. Everything else (the
+    reference, unsupported shapes or options, e.g. head dims 192/256 on sm100) runs the
+    reference's explicit backward, which is deterministic too; an sm100 call whose forward ran a
+    kernel says so with a one-time :class:`RuntimeWarning` naming the reason.
     """
-    if backward_unsupported(q, k, v, opts) is None:
-        from jax_fa4 import sm90_bwd_ops
-
-        return sm90_bwd_ops.backward(q, k, v, out, lse, dout, delta, lse_log2, opts)
+    reason = backward_unsupported(q, k, v, opts)
+    if reason is None:
+        return backward_ops(opts.implementation).backward(q, k, v, out, lse, dout, delta,
+                                                          lse_log2, opts)
+    if opts.implementation == "sm100" and not isinstance(forward_config(q, k, v, opts), str):
+        warn_reference_backward(opts.implementation, reason)
     return reference.attention_backward(
         q, k, v, out, lse, dout, delta=delta, softmax_scale=opts.softmax_scale,
         window=opts.window, softcap=opts.softcap,

@@ -1,6 +1,7 @@
 """JAX side of the Blackwell backward: picks the config, allocates dq_accum, calls the kernel.
 
-Mirrors ``sm90_bwd_ops`` (same inputs, same outputs) so the API can switch families by arch:
+Mirrors ``sm90_bwd_ops`` (same inputs, same outputs) so the API switches families by arch
+(``ops.backward`` runs it for ``implementation="sm100"`` calls its config accepts):
 ``backward(q, k, v, out, lse, dout, delta, lse_log2, opts)`` -> (dq, dk, dv), with ``delta`` and
 ``lse_log2`` from the preprocess kernel (``ops.bwd_preprocess``). ``opts`` needs
 ``.softmax_scale`` (None = 1/sqrt(D)), ``.window`` ((left, right), None = unbounded; causal is
@@ -19,8 +20,6 @@ Compile-verified only: no Blackwell GPU has run this kernel yet.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +51,7 @@ def backward(q, k, v, out, lse, dout, delta, lse_log2, opts):
     cfg, _ = configs(q, k, v, opts)
     b, sq, h, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
-    params = kernel_params(opts, q.shape[3])
+    params = kernel_params(opts, d)
     num_m = cfg.num_m_blocks(sq)
     sq_pad = num_m * cfg.tile_m
     dq_accum = jnp.zeros((b, h, sq_pad * d), jnp.float32)
@@ -69,8 +68,8 @@ def backward(q, k, v, out, lse, dout, delta, lse_log2, opts):
         out_shapes.append(jax.ShapeDtypeStruct(sem.shape, jnp.int32))
     outs = call_kernel(cfg, ARCH, *inputs, out_shapes=tuple(out_shapes))
     dq_accum, dk, dvv = outs[0], outs[1], outs[2]
-    scale = opts.softmax_scale if opts.softmax_scale is not None else 1.0 / math.sqrt(d)
-    dq = (dq_accum.reshape(b, h, sq_pad, d)[:, :, :sq] * jnp.float32(scale))
+    # the sm90 postprocess kernel's rule: dq = dq_accum · params[0] (softmax_scale) in float32
+    dq = dq_accum.reshape(b, h, sq_pad, d)[:, :, :sq] * params[0]
     dq = dq.transpose(0, 2, 1, 3).astype(q.dtype)
     if cfg.gqa:
         g = h // hkv

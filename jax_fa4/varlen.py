@@ -26,8 +26,9 @@ only its own blocks; its dQ partial sums go to tiles no other sequence shares
 
 The Blackwell forward kernel has the same varlen mode (``implementation="sm100"``, same call and
 results contract; compiled and SASS-checked only, never run on hardware, so opt-in like every
-sm100 kernel). Its backward is the reference's packed backward (no sm100 backward kernel is
-enabled).
+sm100 kernel). Its backward is the reference's packed backward, with a one-time
+``RuntimeWarning`` saying so: the sm100 backward kernel (used by dense calls) has no varlen mode
+yet.
 
 Elsewhere the pure-JAX reference runs: each token gets a segment id (its
 sequence) and a position within its sequence, and :mod:`jax_fa4.reference` masks one packed
@@ -525,6 +526,8 @@ def _kernel_attention_bwd(opts, kernel, residuals, cotangents):
     dout, dlse = cotangents
     order = kernel[3]
     bwd_config = varlen_backward_config(q, k, v, opts)
+    if isinstance(bwd_config, str) and opts.implementation == "sm100":
+        ops.warn_reference_backward(opts.implementation, bwd_config)  # the forward was a kernel
     if not isinstance(bwd_config, str):
         dq, dk, dv, delta = _varlen_backward(q, k, v, out[0], lse[0], dout[0], dlse[0], cu_q,
                                              cu_k, opts, bwd_config, order)
@@ -602,7 +605,8 @@ def flash_attention_varlen(
         forward kernel, or :class:`ImplementationUnavailableError` saying why not; the sm100
         kernel is opt-in, never run on hardware here) or ``"reference"``. On Hopper the
         backward runs the varlen backward kernel (each sequence's own blocks only); with
-        sm100, the reference's backward.
+        sm100, the reference's backward (the sm100 backward kernel has no varlen mode yet; a
+        one-time ``RuntimeWarning`` says so).
 
     Returns:
       ``out`` ``(total_q, H, Dv)`` in q's dtype, and with ``return_lse`` also ``lse``

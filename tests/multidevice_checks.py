@@ -1,12 +1,12 @@
 """Multi-device checks on a CPU with 4 simulated devices, run in a subprocess by the tests.
 
-    python tests/multidevice_checks.py sharding|ring
+    python tests/multidevice_checks.py sharding|ring|sm100_bwd
 
 The test process has already initialised JAX with one CPU device, so these checks run in a fresh
 interpreter with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (set below, before JAX is
 imported). Each suite prints one JSON object: check name -> measurements (errors, collectives in
 the compiled HLO, shardings, error messages); ``tests/test_sharding.py`` and
-``tests/test_ring.py`` assert on them.
+``tests/test_ring.py`` (and ``tests/test_sm100_bwd_wiring.py``) assert on them.
 """
 
 from __future__ import annotations
@@ -202,6 +202,84 @@ def ring_suite() -> dict:
     return {name: _run(fn) for name, fn in cases.items()}
 
 
+# -- the sm100 backward on shards, with the kernels emulated (tests/sm100_emulation.py) ---------
+def _emulating_sm100(fn, **options):
+    """Run ``fn(calls)`` with the sm100 kernels replaced by their CPU stand-ins; ``calls`` lists
+    each kernel call's (config, arch, input shapes)."""
+    from sm100_emulation import emulated_call_kernel
+
+    from jax_fa4.ffi import call
+
+    calls: list = []
+    real = call.call_kernel
+    call.call_kernel = emulated_call_kernel({"window": (None, None), **options}, calls)
+    try:
+        return fn(calls)
+    finally:
+        call.call_kernel = real
+
+
+def _sm100_sharded_case(calls) -> dict:
+    """jax.grad of flash_attention(implementation="sm100") with q, k, v sharded over batch and
+    heads: each device's backward runs the sm100 backward kernel on its own shard."""
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    spec = P("data", None, "model", None)
+    q, k, v, ct = qkv(b=4, h=4, hkv=2, d=64, dtype=jnp.bfloat16)
+
+    def loss(implementation):
+        def f(q, k, v):
+            out = jax_fa4.flash_attention(q, k, v, causal=True, implementation=implementation)
+            return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+    grad = loss("sm100").lower(*placed).compile()
+    grads = grad(*placed)
+    want = loss("reference")(q, k, v)
+    return {"grad_err": max(max_err(g, w) for g, w in zip(grads, want)),
+            "grad_scale": max(float(jnp.max(jnp.abs(w.astype(jnp.float32)))) for w in want),
+            "grad_specs": [str(g.sharding.spec) for g in grads],
+            "grad_collectives": collectives(grad.as_text()),
+            "bwd_q_shapes": sorted({c[2][0] for c in calls if c[0].kernel_name == "sm100_bwd"}),
+            "kernels": sorted({c[0].kernel_name for c in calls})}
+
+
+def _sm100_ring_case(calls) -> dict:
+    """jax.grad of causal zigzag ring attention with implementation="sm100": every hop's
+    backward runs the sm100 backward kernel (diagonal causal, full and half blocks)."""
+    n = 4
+    mesh = jax.make_mesh((n,), ("sp",), axis_types=(AxisType.Auto,))
+    q, k, v, ct = qkv(b=2, s=64, h=4, hkv=4, d=64, dtype=jnp.bfloat16, seed=1)
+    f = jax.shard_map(
+        lambda q, k, v: ring.ring_attention(q, k, v, axis_name="sp", causal=True,
+                                            implementation="sm100"),
+        mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+
+    def ring_loss(q, k, v):
+        out = ring.unzigzag(f(*(ring.zigzag(x, n) for x in (q, k, v))), n)
+        return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+
+    def ref_loss(q, k, v):
+        out = jax_fa4.flash_attention(q, k, v, causal=True, implementation="reference")
+        return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(ring_loss, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(ref_loss, argnums=(0, 1, 2)))(q, k, v)
+    bwd = [c[0] for c in calls if c[0].kernel_name == "sm100_bwd"]
+    return {"grad_err": max(max_err(g, w) for g, w in zip(grads, want)),
+            "grad_scale": max(float(jnp.max(jnp.abs(w.astype(jnp.float32)))) for w in want),
+            "bwd_masks": sorted({c.mask for c in bwd}), "bwd_calls": len(bwd)}
+
+
+def sm100_bwd_suite() -> dict:
+    cases = {
+        "sharded": lambda: _emulating_sm100(_sm100_sharded_case, softmax_scale=0.125,
+                                            softcap=0.0),
+        "ring": lambda: _emulating_sm100(_sm100_ring_case, softmax_scale=0.125, softcap=0.0),
+    }
+    return {name: _run(fn) for name, fn in cases.items()}
+
+
 def _run(fn) -> dict:
     try:
         return fn()
@@ -210,5 +288,6 @@ def _run(fn) -> dict:
 
 
 if __name__ == "__main__":
-    suite = {"sharding": sharding_suite, "ring": ring_suite}[sys.argv[1]]
+    suite = {"sharding": sharding_suite, "ring": ring_suite,
+             "sm100_bwd": sm100_bwd_suite}[sys.argv[1]]
     print("RESULT " + json.dumps(suite()))

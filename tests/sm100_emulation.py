@@ -1,0 +1,75 @@
+"""CPU stand-ins for the sm100 dense kernels, written to their documented call contracts.
+
+``emulated_call_kernel(options, calls)`` replaces ``jax_fa4.ffi.call.call_kernel``: the sm100
+forward and the preprocess are the reference; the sm100 backward
+(``jax_fa4/kernels/sm100/bwd_config.py``) returns dq_accum as the kernel leaves it (row-major
+(Sq_pad, D) per (b, h), unscaled, the rows past Sq NaN so that the caller must drop them) and, for
+GQA configs, dK / dV per *query* head in float32. With them the sm100 route's JAX side (ops,
+sm100_bwd_ops, autodiff, sharding) runs on the CPU and must give the reference's numbers.
+Shared by tests/test_sm100_bwd_wiring.py and tests/multidevice_checks.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from jax_fa4 import ops, reference
+
+
+def _check_signature(config, inputs, out_shapes) -> None:
+    """What the real call_kernel checks before binding: operand count, ranks, dtypes, aliases."""
+    sig = config.signature()
+    assert len(inputs) == len(sig.inputs) and len(out_shapes) == len(sig.outputs), config
+    for arg, x in zip(sig.inputs, inputs):
+        assert x.ndim == arg.rank and jnp.dtype(x.dtype) == jnp.dtype(arg.dtype), (arg, x.shape)
+    for i, o in sig.aliases:
+        assert inputs[i].shape == tuple(out_shapes[o].shape), (i, o)
+
+
+def emulated_call_kernel(options: dict, calls: list):
+    """A call_kernel for the sm100 forward, the preprocess and the sm100 backward. ``options``:
+    the reference's ``softmax_scale`` (a float), ``softcap`` and ``window`` (used by configs of
+    mask kind "local"; "none" and "causal" configs have their own); every call appends
+    ``(config, arch, input shapes)`` to ``calls``."""
+    scale = options["softmax_scale"]
+
+    def reference_options(config):
+        window = {"none": (None, None), "causal": (None, 0)}.get(config.mask, options["window"])
+        return dict(options, window=window)
+
+    def call_kernel(config, arch, *inputs, out_shapes):
+        _check_signature(config, inputs, out_shapes)
+        calls.append((config, arch, tuple(tuple(x.shape) for x in inputs)))
+        name = config.kernel_name
+        if name == "sm100_fwd":
+            q, k, v, _ = inputs
+            out, lse = reference.attention(q, k, v, **reference_options(config))
+            return out.astype(out_shapes[0].dtype), lse
+        if name == "bwd_preprocess":
+            out, dout, lse = inputs
+            lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * math.log2(math.e))
+            return ops.reference_delta(out, dout), lse_log2
+        assert name == "sm100_bwd" and arch == "sm_100a", (name, arch)
+        q, k, v, dout, lse_log2, delta, _, dq_accum = inputs[:8]
+        b, sq, h, d = q.shape
+        sq_pad = -(-sq // config.tile_m) * config.tile_m
+        assert dq_accum.shape == (b, h, sq_pad * d)
+        if config.deterministic:
+            assert inputs[8].shape == (b, h, sq_pad // config.tile_m)
+        g = h // k.shape[2]
+        if config.gqa:  # per query head: k and v repeated over each group
+            k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+        lse = jnp.where(jnp.isinf(lse_log2), -jnp.inf, lse_log2 / math.log2(math.e))
+        f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
+        dq, dk, dv = reference.attention_backward(
+            f32[0], f32[1], f32[2], jnp.zeros(dout.shape, jnp.float32), lse, f32[3],
+            delta=delta, **reference_options(config))
+        rows = (dq / scale).transpose(0, 2, 1, 3)  # (B, H, Sq, D), unscaled
+        rows = jnp.concatenate([rows, jnp.full((b, h, sq_pad - sq, d), jnp.nan)], axis=2)
+        outs = (dq_accum + rows.reshape(dq_accum.shape), dk.astype(out_shapes[1].dtype),
+                dv.astype(out_shapes[2].dtype))
+        return outs + ((inputs[8] + 1,) if config.deterministic else ())
+
+    return call_kernel

@@ -1,0 +1,261 @@
+"""The sm100 backward kernel behind jax.grad (CPU only: lowered and exported for CUDA, or run
+with the kernels emulated by tests/sm100_emulation.py; no Blackwell GPU has run it).
+
+``implementation="sm100"`` (forced, or enabled by ``JAX_FA4_ENABLE_SM100``) runs the sm100
+backward kernel for the calls its config accepts, and the reference backward with a one-time
+warning for the others; the sm90 route is unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from sm100_emulation import emulated_call_kernel
+
+import jax_fa4
+from jax_fa4 import dispatch, ops
+from jax_fa4.ffi import call
+
+CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
+
+
+def _qkv(b=2, sq=77, sk=77, h=4, hkv=4, d=128, dv=None, dtype=jnp.bfloat16, seed=1):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (b, sq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, sk, hkv, dv or d), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def _grad_fn(implementation, **kwargs):
+    def loss(q, k, v):
+        out = jax_fa4.flash_attention(q, k, v, implementation=implementation, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _export_for_cuda(f, *args):
+    return jax.export.export(f, platforms=["cuda"],
+                             disabled_checks=jax_fa4.export_disabled_safety_checks())(*args)
+
+
+@pytest.fixture
+def lowered(monkeypatch):
+    """Records the (kernel config, arch) of every kernel a program lowers to, with placeholder
+    objects instead of compiled ones (what is checked is the dispatch, not the code)."""
+    seen = []
+
+    def kernel_object(config, arch, cache=None):
+        seen.append((config, arch))
+        return b"placeholder " + config.kernel_name.encode()
+
+    monkeypatch.setattr(call, "kernel_object", kernel_object)
+    return seen
+
+
+@pytest.fixture
+def fresh_warning():
+    """The once-per-reason fallback warning forgets what it said (before and after a test)."""
+    warn = getattr(ops, "warn_reference_backward", None)
+    clear = warn.cache_clear if warn is not None else (lambda: None)
+    clear()
+    yield
+    clear()
+
+
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory):
+    """A private kernel cache shared by this module's compiling tests (3-4 kernels, ~10 s)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAX_FA4_CACHE_DIR", str(tmp_path_factory.mktemp("sm100-bwd-wiring")))
+        call.clear_memory_cache()
+        yield
+        call.clear_memory_cache()
+
+
+# -- lowering: which kernels a gradient program carries ---------------------------------------
+@pytest.mark.parametrize("deterministic, hkv", [(False, 4), (True, 2)])
+def test_forced_sm100_gradient_lowers_to_the_sm100_backward_kernel(module_cache, monkeypatch,
+                                                                   deterministic, hkv):
+    """jax.grad through flash_attention(implementation="sm100") exports for CUDA with the sm100
+    forward, the preprocess and the sm100 backward kernel, compiled here for sm_100a (no
+    reference backward; deterministic=True: the ordered-dQ config and its int32 counters)."""
+    real = call.kernel_object
+    seen = []
+    monkeypatch.setattr(call, "kernel_object",
+                        lambda config, arch, cache=None: seen.append((config, arch))
+                        or real(config, arch, cache))
+    q, k, v = _qkv(hkv=hkv)
+    exported = _export_for_cuda(_grad_fn("sm100", causal=True, deterministic=deterministic),
+                                q, k, v)
+    text = exported.mlir_module()
+    assert sorted(c.kernel_name for c, _ in seen) == ["bwd_preprocess", "sm100_bwd", "sm100_fwd"]
+    assert {arch for _, arch in seen} == {"sm_100a"}
+    (bwd,) = [c for c, _ in seen if c.kernel_name == "sm100_bwd"]
+    assert (bwd.mask, bwd.gqa, bwd.deterministic, bwd.head_dim) == (
+        "causal", hkv != 4, deterministic, 128)
+    assert text.count(CUSTOM_CALL) == 3
+    # dq_accum (B, H, ceil(77/128)·128·D) float32; with deterministic, one counter per block
+    assert "tensor<2x4x16384xf32>" in text
+    assert ("tensor<2x4x1xi32>" in text) == deterministic
+    assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
+
+
+def test_enabled_sm100_gradient_uses_the_sm100_backward(lowered, monkeypatch):
+    """implementation=None on a Blackwell GPU with JAX_FA4_ENABLE_SM100=1 (GPU faked) takes the
+    same backward kernel as a forced sm100."""
+    monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: "10.0")
+    monkeypatch.setenv(dispatch.ENV_ENABLE_SM100, "1")
+    _export_for_cuda(_grad_fn(None, window_size=(16, 0)), *_qkv(d=64))
+    kernels = {c.kernel_name: c for c, _ in lowered}
+    assert set(kernels) == {"sm100_fwd", "bwd_preprocess", "sm100_bwd"}
+    assert kernels["sm100_bwd"].mask == "local" and kernels["sm100_bwd"].head_dim == 64
+
+
+@pytest.mark.parametrize("d, dv", [(192, 128), (256, 256)])
+def test_sm100_backward_the_kernel_rejects_falls_back_with_a_warning(lowered, fresh_warning, d,
+                                                                      dv):
+    """Head dims the 1-CTA sm100 backward does not take (192/128, 256: TMEM) keep the sm100
+    forward kernel and run the reference backward, saying so once, with the config's reason."""
+    q, k, v = _qkv(d=d, dv=dv)
+    opts = jax_fa4.api.canonicalize(q, k, v, softmax_scale=None, causal=True,
+                                    window_size=(None, None), softcap=0.0,
+                                    implementation="sm100")
+    assert not isinstance(ops.forward_config(q, k, v, opts), str)  # the forward kernel serves
+    reason = ops.backward_unsupported(q, k, v, opts)
+    assert reason is not None and "2-CTA" in reason
+    with pytest.warns(RuntimeWarning, match="reference backward") as record:
+        _export_for_cuda(_grad_fn("sm100", causal=True), q, k, v)
+    assert any(reason in str(w.message) for w in record)
+    assert sorted(c.kernel_name for c, _ in lowered) == ["bwd_preprocess", "sm100_fwd"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason
+        _export_for_cuda(_grad_fn("sm100", causal=True, softcap=1.0), q, k, v)
+
+
+def test_no_warning_when_the_sm100_forward_kernel_does_not_run_either(monkeypatch,
+                                                                     fresh_warning):
+    """sm100 enabled by the env var but float32 inputs: forward and backward both run the
+    reference, as silently as the forward's fallback (the warning is about a split between a
+    kernel forward and a reference backward)."""
+    monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: "10.0")
+    monkeypatch.setenv(dispatch.ENV_ENABLE_SM100, "1")
+    q, k, v = _qkv(sq=9, sk=9, d=64, dtype=jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grads = jax.jit(jax.grad(lambda q, k, v: jax_fa4.flash_attention(q, k, v).sum(),
+                                 argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(lambda q, k, v: jax_fa4.flash_attention(
+        q, k, v, implementation="reference").sum(), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+# -- sm90 unchanged -----------------------------------------------------------------------------
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sm90_gradient_still_lowers_to_the_sm90_backward_kernels(lowered, fresh_warning,
+                                                                  deterministic):
+    _export_for_cuda(_grad_fn("sm90", causal=True, deterministic=deterministic), *_qkv(hkv=2))
+    names = sorted(c.kernel_name for c, _ in lowered)
+    assert names == ["bwd_preprocess", "sm90_bwd", "sm90_bwd_postprocess", "sm90_fwd"]
+    assert {arch for _, arch in lowered} == {"sm_90a"}
+    (bwd,) = [c for c, _ in lowered if c.kernel_name == "sm90_bwd"]
+    assert bwd.deterministic == deterministic and bwd.gqa
+
+
+def test_sm90_backward_fallback_is_unchanged(lowered, fresh_warning):
+    """Head dim 192/192: the sm90 forward kernel serves it, its backward kernels do not; the
+    reference backward runs, silently as before, for the sm90_bwd_ops reason."""
+    from jax_fa4 import sm90_bwd_ops
+
+    q, k, v = _qkv(d=192)
+    opts = jax_fa4.api.canonicalize(q, k, v, softmax_scale=None, causal=False,
+                                    window_size=(None, None), softcap=0.0, implementation="sm90")
+    reason = ops.backward_unsupported(q, k, v, opts)
+    assert reason is not None and reason == sm90_bwd_ops.unsupported(q, k, v, opts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _export_for_cuda(_grad_fn("sm90", causal=True), q, k, v)
+    assert sorted(c.kernel_name for c, _ in lowered) == ["bwd_preprocess", "sm90_fwd"]
+
+
+# -- numbers: the sm100 route with emulated kernels equals the reference route -----------------
+NUMERIC_CASES = [  # (b, sq, sk, h, hkv, d, flash_attention kwargs, learnable sink)
+    (2, 77, 150, 4, 4, 64, {"causal": True}, False),
+    (1, 130, 90, 4, 2, 128, {"window_size": (5, 3), "softcap": 2.0, "softmax_scale": 0.3},
+     False),
+    (2, 61, 61, 4, 1, 96, {"causal": True, "deterministic": True}, False),
+    (2, 40, 70, 4, 2, 64, {"causal": True}, True),
+]
+
+
+@pytest.mark.parametrize("case", NUMERIC_CASES, ids=str)
+def test_sm100_backward_contract_gives_the_reference_gradients(case, monkeypatch, fresh_warning):
+    """With the kernels replaced by contract-exact stand-ins, jax.grad through
+    implementation="sm100" (dq_accum rows past Sq dropped and scaled by softmax_scale, GQA/MQA
+    dK/dV summed per group, the ordered-dQ counters passed, a sink's gradient from the
+    backward's delta) gives the reference route's out and gradients."""
+    b, sq, sk, h, hkv, d, kwargs, with_sink = case
+    q, k, v = _qkv(b, sq, sk, h, hkv, d, seed=3)
+    sink = jnp.linspace(-1.0, 1.0, h, dtype=jnp.float32) if with_sink else None
+    window = (None, 0) if kwargs.get("causal") else kwargs.get("window_size", (None, None))
+    options = {"softmax_scale": kwargs.get("softmax_scale", 1 / math.sqrt(d)), "window": window,
+               "softcap": kwargs.get("softcap", 0.0)}
+    calls = []
+    monkeypatch.setattr(call, "call_kernel", emulated_call_kernel(options, calls))
+    ct = jax.random.normal(jax.random.key(7), (b, sq, h, d), jnp.float32)
+
+    def loss(implementation):
+        def f(q, k, v, s):
+            out = jax_fa4.flash_attention(q, k, v, learnable_sink=s,
+                                          implementation=implementation, **kwargs)
+            return jnp.sum(out.astype(jnp.float32) * ct)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3) if with_sink else (0, 1, 2)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernel serves: no fallback warning
+        got = loss("sm100")(q, k, v, sink)
+    want = loss("reference")(q, k, v, sink)
+    (bwd,) = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
+    assert (bwd.gqa, bwd.deterministic, bwd.head_dim) == (
+        h != hkv, kwargs.get("deterministic", False), d)
+    for name, g, w in zip(["q", "k", "v", "sink"], got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.isfinite(g).all(), name
+        np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max(), rtol=0, err_msg=name)
+
+
+# -- callers on several devices (4 simulated CPU devices, in a subprocess) ----------------------
+@pytest.fixture(scope="module")
+def multidevice():
+    from test_sharding import run_suite
+
+    return run_suite("sm100_bwd")
+
+
+def test_sharded_gradient_runs_the_sm100_backward_on_each_shard(multidevice):
+    """q, k, v sharded over batch and heads (GQA): the partitioned backward runs the sm100
+    backward kernel on each device's (B/2, S, H/2) shard, without communication, and gives the
+    reference's gradients."""
+    r = multidevice["sharded"]
+    assert "error" not in r, r.get("traceback")
+    assert r["kernels"] == ["bwd_preprocess", "sm100_bwd", "sm100_fwd"]
+    assert [2, 32, 2, 64] in r["bwd_q_shapes"]  # the shard-local call the program runs
+    assert r["grad_specs"] == ["P('data', None, 'model', None)"] * 3
+    assert r["grad_collectives"] == {}
+    assert r["grad_err"] <= 2 ** -7 * max(1.0, r["grad_scale"]), r
+
+
+def test_ring_gradient_runs_the_sm100_backward_on_every_hop(multidevice):
+    """Causal zigzag ring attention with implementation="sm100": each hop's backward (the
+    causal diagonal, then both cond branches of 3 hops) is the sm100 backward kernel."""
+    r = multidevice["ring"]
+    assert "error" not in r, r.get("traceback")
+    assert r["bwd_masks"] == ["causal", "none"] and r["bwd_calls"] == 1 + 2 * 3, r
+    assert r["grad_err"] <= 3e-2 * max(1.0, r["grad_scale"]), r
