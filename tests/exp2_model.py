@@ -1,54 +1,25 @@
-"""The software exp2's device arithmetic as a numpy model, the probe's inputs and its checks.
+"""The exp2 probe's inputs and its checks, shared by tests/test_exp2_probe.py (CPU) and
+tests/gpu/test_exp2_device.py (the H200 run of the exp2 probe kernel,
+``jax_fa4/kernels/exp2_probe.py``).
 
-Shared by tests/test_exp2_probe.py (CPU) and tests/gpu/test_exp2_device.py (the H200 run of the
-exp2 probe kernel, ``jax_fa4/kernels/exp2_probe.py``).
-
-Why a model beside the numpy twin (``exp2_sw_numpy`` in ``common/exp2.py``): the twin emulates
-the range reduction's ``add.rm`` by a float64 add rounded down to float32, but that float64 add
-is itself rounded (to nearest) and, for ``-2^-30 <= x < 0``, lands on 2^23 + 2^22: the twin then
-takes floor(x) = 0 where ``add.rm`` gives -1. The device result there is p(1)/2 = 0.99991...
-(the twin: 1.0); both are within the error bound. The model takes ``floor(x)`` directly (the
-round-down sum 2^23 + 2^22 + x is exactly 2^23 + 2^22 + floor(x)).
-
-The scalar ``exp2_sw`` uses ``add.rm.ftz.f32`` (SASS: ``FADD.FTZ.RM``), which flushes a subnormal
-x to zero before the reduction (floor 0); the packed ``exp2_sw_x2`` uses ``add.rm.f32x2``
-(``FADD2.RM``, no flush). They therefore differ on negative subnormal x (scalar 1.0, packed
-0.99991...): ``ftz_reduction`` picks the scalar behaviour. Everything after the reduction
-(subtract, FMAs, integer add) runs without flushing in both forms, as in the twin.
+The reference for the device's bits is the numpy twin ``exp2_sw_numpy`` of ``common/exp2.py``
+itself: it performs the device function's float32 operations one for one (range reduction
+``add.rm`` as ``2^23 + 2^22 + floor(x)``, exact subtractions, correctly rounded FMAs, the integer
+exponent add), and both device forms (scalar ``add.rm.f32``, packed ``add.rm.f32x2``, neither
+flushing subnormals) compute exactly that. The inputs here therefore include the cases where an
+emulation or a reduction most easily goes wrong: tiny negative x (-2^-30 <= x <= -2^-126, where
+a float64 sum rounds to 2^23 + 2^22 before any round-down) and negative subnormals (which an
+``.ftz`` reduction flushes to zero). All of them have floor(x) = -1 and give p(1)/2 = 0.99991...
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from jax_fa4.kernels.common.exp2 import CLAMP_LO, POLY_COEFFS, ROUND_MAGIC, fma_f32
-
 F32_TINY = float(np.finfo(np.float32).tiny)  # 2^-126, the smallest normal float32
-#: Where exp2_sw_numpy departs from add.rm (see the module docstring), for the scalar form.
-TWIN_GAP = (-(2.0 ** -30), -F32_TINY)
 #: MUFU ex2.approx.ftz's relative error is not what is under test: a loose bound (the PTX ISA
 #: gives about 2 ulp), checked where its result is a normal float32.
 MUFU_REL_BOUND = 2.0 ** -20
-
-
-def exp2_device_model(x, ftz_reduction: bool = True) -> np.ndarray:
-    """2^x exactly as the device function computes it (``ftz_reduction``: the scalar form)."""
-    x = np.asarray(x, np.float32)
-    xc = np.fmax(x, np.float32(CLAMP_LO))  # max.f32: NaN -> -127
-    xr = np.where(np.abs(xc) < F32_TINY, np.float32(0), xc) if ftz_reduction else xc
-    j = np.floor(xr)  # add.rm.f32(x, 2^23 + 2^22) = 2^23 + 2^22 + floor(x), exactly
-    r = np.float32(ROUND_MAGIC) + j  # exact
-    f = xc - j  # sub.f32, round to nearest (exact but for tiny negative x)
-    c0, c1, c2, c3 = (np.float32(c) for c in POLY_COEFFS)
-    p = fma_f32(fma_f32(fma_f32(c3, f, c2), f, c1), f, c0)
-    shifted = (r.view(np.int32).astype(np.int64) << 23) & 0xFFFFFFFF  # shl.b32
-    out = (p.view(np.int32).astype(np.int64) + shifted) & 0xFFFFFFFF  # add.s32
-    return out.astype(np.uint32).view(np.float32)
-
-
-def in_twin_gap(x) -> np.ndarray:
-    x = np.asarray(x, np.float32)
-    return (x >= np.float32(TWIN_GAP[0])) & (x <= np.float32(TWIN_GAP[1]))
 
 
 def _around(values: np.ndarray, ulps: int) -> np.ndarray:
@@ -70,8 +41,8 @@ def probe_inputs(size: int = 1 << 24, seed: int = 0, f_stride: int = 1) -> np.nd
       on the 2^-23 grid through the polynomial; every ``f_stride``-th one for smaller sets);
     * each integer in [-130, 8] (f = 0, exact) and its 64 float32 neighbours on each side (values
       just below integers: f just below 1), plus j - 1e-6, j - 2e-7, j + 2e-7;
-    * magnitudes from 2^-149 to 8 of both signs (logarithmic), including the twin's gap, ±0,
-      the subnormals;
+    * magnitudes from 2^-149 to 8 of both signs (logarithmic): the tiny negative x of
+      [-2^-30, -2^-126] and the subnormals; ±0, ±2^-126, -2^-30 and its neighbours;
     * -inf, NaNs (quiet and signalling, both signs), very negative values (-FLT_MAX, -1e30, -1000).
     """
     rng = np.random.default_rng(seed)
@@ -88,7 +59,7 @@ def probe_inputs(size: int = 1 << 24, seed: int = 0, f_stride: int = 1) -> np.nd
         nans,
         np.uint32([1, 2, 0x007FFFFF, 0x00800000]).view(np.float32),  # ± subnormals, 2^-126
         -np.uint32([1, 2, 0x007FFFFF, 0x00800000]).view(np.float32),
-        np.float32(TWIN_GAP),
+        _around(np.float32([-(2.0 ** -30)]), 2),  # where a float64 sum stops rounding to 2^23+2^22
     ])
     parts = [
         special, denormal_results, one_f, _around(ints, 64),

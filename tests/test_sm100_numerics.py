@@ -111,6 +111,27 @@ def test_exp2_matches_rounded_polynomial_structure():
     np.testing.assert_array_equal(exp2_sw_numpy(x), np.ldexp(exp2_sw_numpy(f), np.floor(x).astype(int)))
 
 
+def test_exp2_tiny_negative_inputs_have_floor_minus_one():
+    """Regression: for -2^-30 <= x < 0 (tiny negative normals and negative subnormals) the device's
+    add.rm.f32(x, 2^23 + 2^22) is 2^23 + 2^22 - 1 (floor -1; no flush-to-zero in either form), so
+    f = x + 1 rounds to 1 and the result is p(1)/2 ≈ 0.99991. An earlier twin emulated add.rm by
+    a float64 sum rounded down, which rounds these x to 2^23 + 2^22 first and gave 1.0."""
+    c0, c1, c2, c3 = (np.float32(c) for c in POLY_COEFFS)
+    one = np.float32(1.0)
+    p1_half = fma_f32(fma_f32(fma_f32(c3, one, c2), one, c1), one, c0) / np.float32(2.0)
+    assert abs(float(p1_half) - 0.99991) < 1e-5
+    x = np.concatenate([
+        _f32([-(2.0 ** -30), -(2.0 ** -40), -1e-20, -(2.0 ** -126)]),
+        -np.uint32([0x007FFFFF, 1]).view(np.float32),  # largest negative subnormal, -2^-149
+    ])
+    assert x[-1] == _f32(-(2.0 ** -149)) and np.all(x < 0)
+    got = exp2_sw_numpy(x)
+    np.testing.assert_array_equal(got.view(np.uint32), np.full(x.shape, p1_half).view(np.uint32))
+    # +0.0 (and -0.0) have floor 0: p(0) = 1 exactly
+    zeros = exp2_sw_numpy(_f32([0.0, -0.0]))
+    np.testing.assert_array_equal(zeros.view(np.uint32), _f32([1.0, 1.0]).view(np.uint32))
+
+
 # ---------------------------------------------------------------------------------------------
 # conditional rescaling
 # ---------------------------------------------------------------------------------------------

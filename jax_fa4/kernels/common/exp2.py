@@ -22,6 +22,9 @@ Edge cases (tested by ``tests/test_sm100_numerics.py`` on the numpy twin):
   * −127 < x < −126: a denormal bit pattern with absolute error < 2^-126 (MUFU ``ex2.approx.ftz``
     flushes these to 0; both are negligible against a softmax row sum ≥ 1).
   * NaN: the clamp (``max``, which returns the non-NaN operand) maps it to −127, i.e. +0.0.
+  * Subnormal x is not flushed (the round-down add has no ``.ftz``, like the packed
+    ``add.rm.f32x2``): a negative subnormal x has floor −1 and gives p(1)/2 ≈ 0.99991, both forms
+    alike.
   * x must be < 128 (softmax feeds x ≤ 8 with the conditional rescale threshold 8).
 
 This module holds the pure numpy twin (:func:`exp2_sw_numpy`, the exact same float32 operations
@@ -54,13 +57,6 @@ def exp2_is_software(i: int, per_32: int) -> bool:
 # ---------------------------------------------------------------------------------------------
 # numpy twin (exactly the device arithmetic)
 # ---------------------------------------------------------------------------------------------
-def _round_f64_to_f32_down(v: np.ndarray) -> np.ndarray:
-    """Round float64 values toward −∞ to float32."""
-    r = v.astype(np.float32)
-    too_big = r.astype(np.float64) > v
-    return np.where(too_big, np.nextafter(r, np.float32(-np.inf)), r)
-
-
 def fma_f32(a, b, c) -> np.ndarray:
     """Correctly rounded float32 fused multiply-add (round to nearest even), vectorised.
 
@@ -87,7 +83,9 @@ def exp2_sw_numpy(x) -> np.ndarray:
     """2^x, float32, computed with exactly the device function's float32 operations."""
     x = np.asarray(x, np.float32)
     xc = np.fmax(x, np.float32(CLAMP_LO))  # fmax: NaN -> the other operand, like max.f32
-    r = _round_f64_to_f32_down(xc.astype(np.float64) + ROUND_MAGIC)  # add.rm.f32 (exact sum in f64)
+    # add.rm.f32(x, 2^23 + 2^22) is exactly 2^23 + 2^22 + floor(x) (the spacing there is 1);
+    # a float64 sum would round tiny negative x to the magic itself before any round-down
+    r = np.float32(ROUND_MAGIC) + np.floor(xc)
     j = r - np.float32(ROUND_MAGIC)  # exact
     f = xc - j  # exact, in [0, 1)
     c0, c1, c2, c3 = (np.float32(c) for c in POLY_COEFFS)
@@ -115,7 +113,7 @@ if cutlass is not None:
     def _add_round_down(x: Float32, y: Float32, *, loc=None, ip=None) -> Float32:
         return Float32(llvm.inline_asm(
             T.f32(), [Float32(x).ir_value(loc=loc, ip=ip), Float32(y).ir_value(loc=loc, ip=ip)],
-            "add.rm.ftz.f32 $0, $1, $2;", "=f,f,f",
+            "add.rm.f32 $0, $1, $2;", "=f,f,f",
             has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
             loc=loc, ip=ip))
 

@@ -28,13 +28,16 @@ from jax_fa4.kernels.spec import (FLOAT_DTYPES, KernelConfig, KernelSignature,
                                   varlen_attention_forward_signature)
 
 
-#: Shared memory per CTA on sm_100 (227 KB), minus room for mbarriers and the TMEM address slot.
-SMEM_LIMIT_BYTES = 227 * 1024 - 1024
+#: Dynamic shared memory a CTA may use on sm_100: 227 KB (the SM's 228 KB minus the 1 KB the
+#: system reserves per CTA, which the cubin lists as `.nv.shared.reserved` static memory).
+SMEM_LIMIT_BYTES = 227 * 1024
 #: Tensor memory columns per SM (128 lanes × 512 columns × 32 bit).
 TMEM_COLUMNS = 512
 #: SM count of a B200: the persistent grid size. A configuration value, never queried from the
 #: device (compiling needs no GPU). A GPU with fewer SMs still runs correctly (more CTAs than SMs).
 DEFAULT_NUM_SMS = 148
+#: Software-exp2 share (of 32) at most, with softcap (FwdConfig.make).
+SOFTCAP_EXP2_SW_PER_32 = 2
 #: Conditional rescaling threshold in log2 units (FA4): P may reach 2^8 before the 16-bit cast.
 RESCALE_THRESHOLD = 8.0
 
@@ -47,21 +50,27 @@ class Sm100FwdTuning:
     kv_stages: int = 2  # stages of the shared K/V shared-memory ring
     exp2_sw_per_32: int = 4  # of every 32 scores of a row, this many use the FMA-pipe exp2
     rescale_threshold: float = RESCALE_THRESHOLD
+    q_tiles: int = 2  # Q tiles of 128 rows per CTA: 2 = two ping-ponging softmax warpgroups
 
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Start points from FA4's B200
-# choices (docs/SM100-NOTES.md: 16/128 emulated exps, 8/128 in some causal cases), sized for this
-# v1 kernel's shared memory (Q + O staging + the K/V ring); not measured (no Blackwell GPU yet).
-# Same for both 16-bit dtypes. Only the rows listed here are supported.
+# choices (docs/SM100-NOTES.md: 16/128 emulated exps, 8/128 in some causal cases; 8/128 for
+# local masks too, whose softmax with softcap spills at 16/128 in 184 registers), sized for the
+# shared memory of this kernel (q_tiles × (Q + O staging) + the K/V ring + 2-3 KB of row
+# statistics); not measured (no Blackwell GPU yet). Same for both 16-bit dtypes. Only the rows
+# listed here are supported.
 _T = Sm100FwdTuning
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm100FwdTuning]] = {
-    (64, 64): {"none": _T(128, 8), "causal": _T(128, 8, 2), "local": _T(128, 8)},
-    (96, 96): {"none": _T(128, 6), "causal": _T(128, 6, 2), "local": _T(128, 6)},
-    (128, 128): {"none": _T(128, 5), "causal": _T(128, 5, 2), "local": _T(128, 5)},
-    (192, 128): {"none": _T(128, 3), "causal": _T(128, 3, 2), "local": _T(128, 3)},
-    # hdim 256: TMEM is full (S0, S1 at 128 columns each + O 256), a 64-wide key block keeps 3
-    # stages. FA4 has a dedicated 2-CTA kernel for 256; this row is the generic kernel's fallback.
-    (256, 256): {"none": _T(64, 3), "causal": _T(64, 3, 2), "local": _T(64, 3)},
+    (64, 64): {"none": _T(128, 10), "causal": _T(128, 10, 2), "local": _T(128, 10, 2)},
+    (96, 96): {"none": _T(128, 5), "causal": _T(128, 5, 2), "local": _T(128, 5, 2)},
+    (128, 128): {"none": _T(128, 3), "causal": _T(128, 3, 2), "local": _T(128, 3, 2)},
+    # two O tiles of 128 columns next to two 128-column S buffers fill TMEM: one Q tile here
+    (192, 128): {"none": _T(128, 3, q_tiles=1), "causal": _T(128, 3, 2, q_tiles=1),
+                 "local": _T(128, 3, 2, q_tiles=1)},
+    # hdim 256: one Q tile, S buffers of 64 keys (O alone is 256 columns). FA4 has a dedicated
+    # 2-CTA kernel for 256; this row is the generic kernel's fallback.
+    (256, 256): {"none": _T(64, 3, q_tiles=1), "causal": _T(64, 3, 2, q_tiles=1),
+                 "local": _T(64, 3, 2, q_tiles=1)},
 }
 
 
@@ -87,6 +96,7 @@ class FwdConfig(KernelConfig):
     kv_stages: int = 2
     exp2_sw_per_32: int = 4
     rescale_threshold: float = RESCALE_THRESHOLD
+    q_tiles: int = 2
     num_sms: int = DEFAULT_NUM_SMS
     # Paged KV (as on sm90, jax_fa4/paged.py): K/V are a cache of tile_n-key tiles, key block n
     # of batch entry b is tile page_table[b, n], and b has seqused_k[b] keys.
@@ -104,8 +114,11 @@ class FwdConfig(KernelConfig):
         fields, for experiments). Raises ValueError if unsupported."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         t = tuning_for(head_dim, head_dim_v, mask)
-        fields = dict(tile_n=t.tile_n, kv_stages=t.kv_stages, exp2_sw_per_32=t.exp2_sw_per_32,
-                      rescale_threshold=t.rescale_threshold)
+        # softcap: the tanh of every score keeps more of the row in flight; at the table's
+        # software-exp2 share the softmax spills in its 184 registers, at 2 of 32 it does not
+        sw = min(t.exp2_sw_per_32, SOFTCAP_EXP2_SW_PER_32) if has_softcap else t.exp2_sw_per_32
+        fields = dict(tile_n=t.tile_n, kv_stages=t.kv_stages, exp2_sw_per_32=sw,
+                      rescale_threshold=t.rescale_threshold, q_tiles=t.q_tiles)
         fields.update(overrides)
         cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
                   has_softcap=bool(has_softcap), **fields)
@@ -121,6 +134,8 @@ class FwdConfig(KernelConfig):
             raise ValueError("sm100 forward: head dims must be multiples of 16")
         if self.tile_n not in (64, 128):
             raise ValueError(f"sm100 forward: tile_n {self.tile_n} not supported (64 or 128)")
+        if self.q_tiles not in (1, 2):
+            raise ValueError(f"sm100 forward: q_tiles {self.q_tiles} not supported (1 or 2)")
         if self.kv_stages < 2:
             raise ValueError("sm100 forward: kv_stages must be >= 2 (K and V share the ring)")
         if self.exp2_sw_per_32 % 2 or not 0 <= self.exp2_sw_per_32 <= 32:
@@ -135,6 +150,11 @@ class FwdConfig(KernelConfig):
                              "sequences read K/V from cu_seqlens offsets, not from a page table)")
         if self.num_sms < 1:
             raise ValueError("sm100 forward: num_sms must be >= 1")
+        softmax, correction, other = self.registers()
+        if not (softmax >= self.launch_registers() >= max(correction, other)
+                and 128 * (self.q_tiles * softmax + correction + other) <= 65536):
+            raise ValueError(f"sm100 forward: register split {self.registers()} does not fit "
+                             f"{self.launch_registers()} registers per thread at launch")
         if self.tmem_columns() > TMEM_COLUMNS:
             raise ValueError(f"sm100 forward: {self.tmem_columns()} TMEM columns exceed {TMEM_COLUMNS}")
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
@@ -144,11 +164,32 @@ class FwdConfig(KernelConfig):
     # -- derived ---------------------------------------------------------------------------------
     @property
     def num_threads(self) -> int:
-        return 32 * 6  # 4 softmax/correction/epilogue warps, 1 MMA warp, 1 load warp
+        """q_tiles softmax warpgroups, a correction warpgroup, and MMA / epilogue / load / idle."""
+        return 32 * (4 * self.q_tiles + 8)
+
+    def registers(self) -> tuple[int, int, int]:
+        """setmaxnreg counts (softmax, correction, MMA / epilogue / load warps): per thread of
+        each warpgroup, summing to the register file (64 K) over the CTA's warpgroups. With two
+        Q tiles: the fewest that compile without spills (sm_100a, nvcc 13 ptxas): the MMA warp
+        spills at 72 (64-bit shared-memory descriptors of both Q tiles), the correction warps
+        at 56 (but for local + softcap, where 56 / 88 is the split that compiles clean), which
+        leaves 184 for the softmax (FA4 runs 192 / 80 / 48 with hand-written MMA issue). ptxas
+        is sensitive here: re-check every shipped variant after any change (the compile tests
+        do)."""
+        if self.q_tiles == 1:
+            return 240, 160, 112
+        if self.mask == "local" and self.has_softcap:
+            return 184, 56, 88  # the MMA warp's window bookkeeping: it spills at 80
+        return 184, 64, 80
+
+    def launch_registers(self) -> int:
+        """Registers per thread at launch (the register file over the CTA's threads, in steps of
+        8): the softmax's setmaxnreg raises from it, the other warpgroups' lower from it."""
+        return 65536 // self.num_threads // 8 * 8
 
     def tmem_columns(self) -> int:
-        """Two S buffers (P aliases their upper half) + O."""
-        return 2 * self.tile_n + self.head_dim_v
+        """Two S buffers (P aliases their upper half) + one O per Q tile."""
+        return 2 * self.tile_n + self.q_tiles * self.head_dim_v
 
     def tmem_alloc_columns(self) -> int:
         """Allocation size: a power of two in [32, 512]."""
@@ -161,8 +202,14 @@ class FwdConfig(KernelConfig):
         return 2 * self.tile_n * max(self.head_dim, self.head_dim_v)
 
     def smem_bytes(self) -> int:
-        """Q + O staging + the K/V ring, 16-bit elements."""
-        return 2 * self.tile_m * (self.head_dim + self.head_dim_v) + self.kv_stages * self.kv_stage_bytes()
+        """The kernel's shared storage, byte for byte: mbarriers, the TMEM address slot and the
+        float32 row statistics (rescale factors per S buffer, 1/Σ per Q tile), padded to 1 KB;
+        then O staging and Q per Q tile and the K/V ring (16-bit elements)."""
+        barriers = 2 * self.q_tiles + 2 * self.kv_stages + 6 + 5 * self.q_tiles
+        header = 8 * barriers + 4 + 4 * self.tile_m * (2 + self.q_tiles)
+        header = -(-header // 1024) * 1024
+        return (header + 2 * self.q_tiles * self.tile_m * (self.head_dim + self.head_dim_v)
+                + self.kv_stages * self.kv_stage_bytes())
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
