@@ -24,6 +24,21 @@ def compiled_object(cache, config, arch: str) -> bytes:
     return entry.object_bytes if entry is not None else compile_config(config, arch).object_bytes
 
 
+def shipped_object(cache, config, arch: str) -> tuple[bytes, float]:
+    """(object, compile seconds) of ``config`` for ``arch``, like :func:`compiled_object` (the
+    seconds are the precompile's when the ``shipped_cache`` fixture has it)."""
+    import time
+
+    from jax_fa4.ffi.compiler import compile_config, dsl_version
+
+    entry = cache.get(config, arch, dsl_version())
+    if entry is not None:
+        return entry.object_bytes, float(entry.meta.get("compile_seconds", float("nan")))
+    t0 = time.perf_counter()
+    obj = compile_config(config, arch).object_bytes
+    return obj, time.perf_counter() - t0
+
+
 def sass_report(obj: bytes, tmp_path: Path) -> list[dict]:
     """``cubin_report.py --json`` of an object: one dict per kernel (reg, stack, local, ops...)."""
     path = tmp_path / "kernel.o"

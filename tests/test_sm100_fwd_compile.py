@@ -3,7 +3,8 @@
 Nothing here runs a kernel (no Blackwell GPU exists in this project): it proves the kernel
 traces, lowers and assembles for sm_100a, and that the machine code has the structure the design
 needs. Each config of ``fwd_config.test_configs()`` is compiled through the project's own
-``compile_config(config, "sm_100a")`` (the binding's path: dynamic B/S/H) and its SASS read with
+``compile_config(config, "sm_100a")`` (the binding's path: dynamic B/S/H; objects from the
+session's ``shipped_cache``, every shipped variant compiled once) and its SASS read with
 ../shared/tools/cubin_report.py:
 
   * tcgen05 MMAs (UTCHMMA for bf16/fp16), tcgen05.commit (UTCBAR), TMEM loads/stores (LDTM/STTM),
@@ -13,10 +14,12 @@ needs. Each config of ``fwd_config.test_configs()`` is compiled through the proj
     ``UTCATOMSWS.FIND_AND_SET`` (twice per allocation site: the first try and the retry loop),
     ``tcgen05.relinquish_alloc_permit`` to ``UVIRTCOUNT.DEALLOC.SMPOOL`` and ``tcgen05.dealloc`` to
     ``UTCATOMSWS.AND`` (read from the dumped SASS: cubin_report.py --sass-out);
-  * no local memory (LDL/STL), no stack, registers <= 255, shared memory within 227 KB.
+  * no local memory (LDL/STL), no stack, shared memory within 227 KB; warp specialisation:
+    launched at 65536 / threads registers, ``USETMAXREG`` to exactly the config's split.
 
 Registers, shared memory and compile time per variant are printed (pytest -s) and recorded in
-docs/perf-log-sm100.md. The remaining shipped variants are compiled by precompile.
+docs/perf-log-sm100.md. ``test_tmem_fragment_maps`` checks the TMEM register maps at trace time;
+tests/test_sm100_fwd_protocol.py model-checks the synchronisation.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import pytest
 from jax_fa4.ffi.compiler import compiler_available
 from jax_fa4.kernels.sm100.fwd_config import SMEM_LIMIT_BYTES, FwdConfig, shipped_configs, test_configs
 
-from compiled import CUBIN_REPORT, shipped_sass_problems  # ../shared/tools/cubin_report.py
+from compiled import CUBIN_REPORT, shipped_object, shipped_sass_problems  # ../shared/tools/cubin_report.py
 ARCH = "sm_100a"
 
 pytestmark = pytest.mark.skipif(not compiler_available() or not CUBIN_REPORT.exists(),
@@ -46,23 +49,22 @@ def _report_module():
     return cubin_report
 
 
-def _compile_and_report(config: FwdConfig, tmp_path: Path) -> tuple[dict, str, float]:
-    """(cubin_report's JSON record of the kernel, its SASS text, compile seconds)."""
+def _compile_and_report(config: FwdConfig, tmp_path: Path, cache) -> tuple[dict, str, float]:
+    """(cubin_report's JSON record of the kernel, its SASS text, compile seconds); the object
+    comes from the session's ``shipped_cache`` when the config is shipped."""
     import json
     import subprocess
 
-    from jax_fa4.ffi.compiler import compile_config
-
-    compiled = compile_config(config, ARCH)
+    object_bytes, seconds = shipped_object(cache, config, ARCH)
     obj = tmp_path / "kernel.o"
-    obj.write_bytes(compiled.object_bytes)
+    obj.write_bytes(object_bytes)
     sass_dir = tmp_path / "sass"
     res = subprocess.run([sys.executable, str(CUBIN_REPORT), str(obj), "--json",
                           "--sass-out", str(sass_dir)], capture_output=True, text=True, check=True)
     records = [r for r in json.loads(res.stdout) if "FlashAttentionForwardSm100" in r["kernel"]]
     assert len(records) == 1, res.stdout
     sass = "\n".join(p.read_text() for p in sorted(sass_dir.iterdir()))
-    return records[0], sass, compiled.seconds
+    return records[0], sass, seconds
 
 
 def test_configs_are_shipped_and_valid():
@@ -97,8 +99,8 @@ def test_varlen_config_validation():
 @pytest.mark.parametrize("config", test_configs(), ids=lambda c: (
     f"{c.dtype}-d{c.head_dim}-dv{c.head_dim_v}-{c.mask}{'-softcap' if c.has_softcap else ''}"
     f"{'-varlen' if c.varlen else ''}{'-paged' if c.paged else ''}"))
-def test_compiles_with_clean_sass(config, tmp_path):
-    rec, sass, seconds = _compile_and_report(config, tmp_path)
+def test_compiles_with_clean_sass(config, tmp_path, shipped_cache):
+    rec, sass, seconds = _compile_and_report(config, tmp_path, shipped_cache)
     ops = rec["ops"]
     print(f"\n{config.describe()}: {rec['reg']} regs, {config.smem_bytes() / 1024:.0f} KB smem "
           f"(static {rec['shared_static']} B), {seconds:.1f} s; ops {dict(sorted(ops.items()))}")
@@ -143,7 +145,7 @@ def test_compiles_with_clean_sass(config, tmp_path):
     assert rec["shared_static"] <= 1024 and config.smem_bytes() <= SMEM_LIMIT_BYTES
 
 
-def test_software_exp2_moves_its_share_off_mufu(tmp_path):
+def test_software_exp2_moves_its_share_off_mufu(tmp_path, shipped_cache):
     """exp2_sw_per_32 = n moves n of every 32 exponentials of a row (tile_n per thread) from
     MUFU.EX2 to the FMA pipes: exactly tile_n·n/32 fewer MUFU.EX2, and 3 more FFMA2 per pair
     (the degree-3 polynomial, two lanes per FFMA2) than the same kernel with n = 0."""
@@ -153,9 +155,9 @@ def test_software_exp2_moves_its_share_off_mufu(tmp_path):
     assert config.exp2_sw_per_32 > 0
     for sub in ("sw", "mufu"):
         (tmp_path / sub).mkdir()
-    with_sw, _, _ = _compile_and_report(config, tmp_path / "sw")
+    with_sw, _, _ = _compile_and_report(config, tmp_path / "sw", shipped_cache)
     without, _, _ = _compile_and_report(dataclasses.replace(config, exp2_sw_per_32=0),
-                                        tmp_path / "mufu")
+                                        tmp_path / "mufu", shipped_cache)
     moved = config.tile_n * config.exp2_sw_per_32 // 32
     assert without["ops"]["MUFU.EX2"] - with_sw["ops"]["MUFU.EX2"] == moved
     assert with_sw["ops"]["FFMA2"] - without["ops"]["FFMA2"] == 3 * moved // 2
