@@ -7,10 +7,22 @@ same naive attention computed in the low precision. A result passes when
 
 with ``m = 2`` (``3`` with softcap). ``atol`` is evaluated in ``ref``'s own dtype, so it is
 the rounding granularity of that dtype near 0.3. The same rule applies to dq, dk and dv.
+Also: :func:`random_qkv`, fresh normal q, k, v of given shapes.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def random_qkv(b, sq, sk, h, hkv, d, dv=None, dtype=jnp.float32, seed=0):
+    """q (b, sq, h, d), k (b, sk, hkv, d), v (b, sk, hkv, dv or d): standard normal, drawn in
+    float32 and cast to ``dtype``."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (b, sq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, sk, hkv, dv or d), jnp.float32).astype(dtype)
+    return q, k, v
 
 
 def assert_fa4_close(out, ref, pt, *, softcap: bool = False, name: str = "out") -> None:

@@ -10,14 +10,11 @@ import pytest
 import jax_fa4
 from jax_fa4 import reference
 from jax_fa4.dispatch import ImplementationUnavailableError
+from numerics import random_qkv
 
 
 def _qkv(b=2, sq=37, sk=53, h=4, hkv=2, d=32, dv=None, dtype=jnp.float32, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(ks[0], (b, sq, h, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, sk, hkv, dv or d), jnp.float32).astype(dtype)
-    return q, k, v
+    return random_qkv(b, sq, sk, h, hkv, d, dv, dtype, seed)
 
 
 # -- bad input: each error names the argument and says what was expected ------------------------

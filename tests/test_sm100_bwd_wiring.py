@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import random_qkv
 from sm100_emulation import emulated_call_kernel
 
 import jax_fa4
@@ -25,11 +26,7 @@ CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
 
 
 def _qkv(b=2, sq=77, sk=77, h=4, hkv=4, d=128, dv=None, dtype=jnp.bfloat16, seed=1):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(ks[0], (b, sq, h, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, sk, hkv, dv or d), jnp.float32).astype(dtype)
-    return q, k, v
+    return random_qkv(b, sq, sk, h, hkv, d, dv, dtype, seed)
 
 
 def _grad_fn(implementation, **kwargs):
