@@ -129,8 +129,14 @@ class Sm100BwdConfig(KernelConfig):
         if self.head_dim % 32:
             raise ValueError("sm100 backward: head_dim must be a multiple of 32 (each compute "
                              "warpgroup takes half of dK / dV in 16-column chunks)")
-        if self.q_stages < 1 or self.do_stages < 1 or self.dq_stages < 1:
-            raise ValueError("sm100 backward: q_stages, do_stages, dq_stages must be >= 1")
+        if self.q_stages < 2:
+            # the MMA warp waits for Q_{j+1} (Sᵀ_{j+1}) before the commit after dK_j releases
+            # Q_j's stage: with one stage the load warp can never refill it (deadlock found by
+            # tests/test_sm100_bwd_protocol.py)
+            raise ValueError("sm100 backward: q_stages must be >= 2 (Q_{j+1} is loaded while "
+                             "Q_j is still in use)")
+        if self.do_stages < 1 or self.dq_stages < 1:
+            raise ValueError("sm100 backward: do_stages, dq_stages must be >= 1")
         if self.dq_cols not in (16, 32) or self.head_dim % self.dq_cols:
             raise ValueError(f"sm100 backward: dq_cols {self.dq_cols} must be 16 or 32 and divide "
                              f"head_dim {self.head_dim}")
