@@ -274,17 +274,7 @@ class BwdSim(Sim):
             self._arrive(bar, 1, self.arrives[actor, bar], actor, tx=op[2] if len(op) > 2 else 1)
             self.arrives[actor, bar] += 1
         elif kind == "mma":
-            _, reads, writes, what = op
-            for res, _ in reads:
-                self._check_free(res, "tensor", False)
-            for res, _ in writes:
-                self._check_free(res, "tensor", True)
-            for res, _ in reads:
-                res.inflight.append(("tensor", False))
-            for res, _ in writes:
-                res.inflight.append(("tensor", True))
-            cta.tensor_queue.append((reads, writes, what))
-            cta.mma_issued += 1
+            self._issue_mma(cta, *op[1:])
         elif kind == "commit":
             bar = op[1]
             cta.commits[bar].append((cta.mma_issued, self.arrives["commit", bar]))
@@ -312,20 +302,10 @@ class BwdSim(Sim):
 
     # --- asynchronous units -------------------------------------------------------------------
     def complete_mma_of(self, cta):
-        reads, writes, what = cta.tensor_queue.popleft()
-        self.log.append(f"c{cta.id}.tensor: completes {what}")
-        for res, expected in reads:
-            self._check_tag(res, expected, f"c{cta.id}.tensor ({what})")
-            res.inflight.remove(("tensor", False))
-        for res, tag in writes:
-            res.tag = tag
-            res.inflight.remove(("tensor", True))
-        cta.mma_done += 1
+        self.complete_mma(cta, f"c{cta.id}.tensor")
 
     def fire_commit_of(self, cta, bar: Barrier):
-        _, phase = cta.commits[bar].popleft()
-        self.log.append(f"c{cta.id}.commit: arrives on {bar.name}")
-        self._arrive(bar, 1, phase, "tcgen05.commit")
+        self.fire_commit(bar, cta, f"c{cta.id}.commit")
 
     def complete_reduce_read(self, r: Reduce):
         self.log.append(f"tma: reduce-add of {r.key} from {r.actor} has read {r.stage[0].name}")

@@ -151,6 +151,21 @@ class Sim:
                       f"{bar.completed} phases have completed: parity alias")
 
     # --- resources ----------------------------------------------------------------------------
+    def _issue_mma(self, unit, reads, writes, what) -> None:
+        """tcgen05.mma issued on ``unit``'s tensor pipe (anything with ``tensor_queue`` and
+        ``mma_issued``: the CTA here, one CTA of a grid in the backward model): its operands
+        are busy until it completes, in issue order."""
+        for res, _ in reads:
+            self._check_free(res, "tensor", False)
+        for res, _ in writes:
+            self._check_free(res, "tensor", True)
+        for res, _ in reads:
+            res.inflight.append(("tensor", False))
+        for res, _ in writes:
+            res.inflight.append(("tensor", True))
+        unit.tensor_queue.append((reads, writes, what))
+        unit.mma_issued += 1
+
     def _check_free(self, res: Resource, unit: str, write: bool):
         if res.tmem and self.tmem_freed:
             self.fail(f"{unit}: {res} accessed after the TMEM was freed")
@@ -201,17 +216,7 @@ class Sim:
             self._check_free(res, actor, True)
             res.tag = tag
         elif kind == "mma":  # tcgen05.mma issue
-            _, reads, writes, what = op
-            for res, _ in reads:
-                self._check_free(res, "tensor", False)
-            for res, _ in writes:
-                self._check_free(res, "tensor", True)
-            for res, _ in reads:
-                res.inflight.append(("tensor", False))
-            for res, _ in writes:
-                res.inflight.append(("tensor", True))
-            self.tensor_queue.append((reads, writes, what))
-            self.mma_issued += 1
+            self._issue_mma(self, *op[1:])
         elif kind == "commit":  # tcgen05.commit: arrives once the MMAs issued so far complete
             bar = op[1]
             self.commits[bar].append((self.mma_issued, self.arrives["commit", bar]))
@@ -240,20 +245,24 @@ class Sim:
             raise ValueError(kind)
 
     # --- asynchronous units -------------------------------------------------------------------
-    def complete_mma(self):
-        reads, writes, what = self.tensor_queue.popleft()
-        self.log.append(f"tensor: completes {what}")
+    def complete_mma(self, unit=None, label: str = "tensor"):
+        """The oldest MMA of ``unit``'s tensor pipe (default: this CTA's) completes."""
+        unit = self if unit is None else unit
+        reads, writes, what = unit.tensor_queue.popleft()
+        self.log.append(f"{label}: completes {what}")
         for res, expected in reads:
-            self._check_tag(res, expected, f"tensor ({what})")
+            self._check_tag(res, expected, f"{label} ({what})")
             res.inflight.remove(("tensor", False))
         for res, tag in writes:
             res.tag = tag
             res.inflight.remove(("tensor", True))
-        self.mma_done += 1
+        unit.mma_done += 1
 
-    def fire_commit(self, bar: Barrier):
-        _, phase = self.commits[bar].popleft()
-        self.log.append(f"commit: arrives on {bar.name}")
+    def fire_commit(self, bar: Barrier, unit=None, label: str = "commit"):
+        """The oldest pending tcgen05.commit of ``unit`` onto ``bar`` arrives."""
+        unit = self if unit is None else unit
+        _, phase = unit.commits[bar].popleft()
+        self.log.append(f"{label}: arrives on {bar.name}")
         self._arrive(bar, 1, phase, "tcgen05.commit")
 
     def complete_tma_load(self, i: int):
