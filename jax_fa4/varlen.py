@@ -526,14 +526,14 @@ def _kernel_attention_bwd(opts, kernel, residuals, cotangents):
     dout, dlse = cotangents
     order = kernel[3]
     bwd_config = varlen_backward_config(q, k, v, opts)
-    if isinstance(bwd_config, str) and opts.implementation == "sm100":
-        ops.warn_reference_backward(opts.implementation, bwd_config)  # the forward was a kernel
     if not isinstance(bwd_config, str):
         dq, dk, dv, delta = _varlen_backward(q, k, v, out[0], lse[0], dout[0], dlse[0], cu_q,
                                              cu_k, opts, bwd_config, order)
         # (the preprocess's delta: no second pass over out and dout for the sink)
         dsink = None if sink is None else reference.sink_gradient(sink, lse, delta)
         return dq, dk, dv, dsink, None, None, None
+    if opts.implementation == "sm100":
+        ops.warn_reference_backward(opts.implementation, bwd_config)  # the forward was a kernel
     # the reference's explicit backward on the packed batch
     dq, dk, dv, dsink, _ = _attention_bwd(
         opts, (q[None], k[None], v[None], sink, segments, out, lse), cotangents)

@@ -18,25 +18,19 @@ needs_cubin_report = pytest.mark.skipif(not CUBIN_REPORT.is_file(),
 def compiled_object(cache, config, arch: str) -> bytes:
     """The object of ``config`` for ``arch``: from the ``shipped_cache`` fixture when it is a
     shipped variant (compiled once per session), else compiled now."""
-    from jax_fa4.ffi.compiler import compile_config, dsl_version
-
-    entry = cache.get(config, arch, dsl_version())
-    return entry.object_bytes if entry is not None else compile_config(config, arch).object_bytes
+    return shipped_object(cache, config, arch)[0]
 
 
 def shipped_object(cache, config, arch: str) -> tuple[bytes, float]:
     """(object, compile seconds) of ``config`` for ``arch``, like :func:`compiled_object` (the
     seconds are the precompile's when the ``shipped_cache`` fixture has it)."""
-    import time
-
     from jax_fa4.ffi.compiler import compile_config, dsl_version
 
     entry = cache.get(config, arch, dsl_version())
     if entry is not None:
         return entry.object_bytes, float(entry.meta.get("compile_seconds", float("nan")))
-    t0 = time.perf_counter()
-    obj = compile_config(config, arch).object_bytes
-    return obj, time.perf_counter() - t0
+    compiled = compile_config(config, arch)
+    return compiled.object_bytes, compiled.seconds
 
 
 def sass_report(obj: bytes, tmp_path: Path) -> list[dict]:

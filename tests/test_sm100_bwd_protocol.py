@@ -292,9 +292,7 @@ class BwdSim(Sim):
                 if other[0] == "sem_wait" and other[1] == op[1]:
                     self._check_sem(name, other)
         elif kind == "tmem_free":
-            if cta.tensor_queue:
-                self.fail(f"{actor}: TMEM freed with {len(cta.tensor_queue)} MMAs in flight")
-            cta.tmem_freed = True
+            self._free_tmem(cta, actor)
         elif kind in ("bulk_wait", "sem_wait"):
             pass
         else:

@@ -151,6 +151,13 @@ class Sim:
                       f"{bar.completed} phases have completed: parity alias")
 
     # --- resources ----------------------------------------------------------------------------
+    def _free_tmem(self, unit, actor: str) -> None:
+        """tcgen05.dealloc by ``actor`` on ``unit`` (this CTA, or one CTA of a grid): every MMA
+        issued there must have completed."""
+        if unit.tensor_queue:
+            self.fail(f"{actor}: TMEM freed with {len(unit.tensor_queue)} MMAs in flight")
+        unit.tmem_freed = True
+
     def _issue_mma(self, unit, reads, writes, what) -> None:
         """tcgen05.mma issued on ``unit``'s tensor pipe (anything with ``tensor_queue`` and
         ``mma_issued``: the CTA here, one CTA of a grid in the backward model): its operands
@@ -234,9 +241,7 @@ class Sim:
         elif kind == "bar_arrive":
             self.named[op[1]] += 1
         elif kind == "tmem_free":
-            if self.tensor_queue:
-                self.fail(f"{actor}: TMEM freed with {len(self.tensor_queue)} MMAs in flight")
-            self.tmem_freed = True
+            self._free_tmem(self, actor)
         elif kind in ("store_wait_read", "bar_wait"):
             pass
         elif kind == "record":  # bookkeeping of the model (no kernel operation)
