@@ -9,7 +9,8 @@ Mirrors ``sm90_bwd_ops`` (same inputs, same outputs) so the API switches familie
 
 Kernel (jax_fa4/kernels/sm100/bwd_config.py): ``sm100_bwd`` with dq_accum (zeros, float32,
 (B, H, Sq_pad·D), row-major, updated in place through an input/output alias) and, for
-deterministic calls, dq_semaphore (zeros, int32, (B, H, ceil(Sq/128)), aliased too). The dQ
+deterministic calls, dq_semaphore (zeros, int32, (B, H, ceil(Sq/128)·slots), aliased too;
+2 slots per query block for the 2-CTA kernel). The dQ
 postprocess is a plain scale-and-cast of dq_accum's rows, left to XLA (one fused elementwise op):
 the sm100 kernel's dq_accum is row-major, so no fragment reordering kernel is needed.
 
@@ -63,7 +64,7 @@ def backward(q, k, v, out, lse, dout, delta, lse_log2, opts):
                   jax.ShapeDtypeStruct((b, sk, hdk, d), dkv_dtype),
                   jax.ShapeDtypeStruct((b, sk, hdk, dv), dkv_dtype)]
     if cfg.deterministic:
-        sem = jnp.zeros((b, h, num_m), jnp.int32)
+        sem = jnp.zeros((b, h, num_m * cfg.semaphore_slots), jnp.int32)
         inputs.append(sem)
         out_shapes.append(jax.ShapeDtypeStruct(sem.shape, jnp.int32))
     outs = call_kernel(cfg, ARCH, *inputs, out_shapes=tuple(out_shapes))

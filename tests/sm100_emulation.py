@@ -57,7 +57,7 @@ def emulated_call_kernel(options: dict, calls: list):
         sq_pad = -(-sq // config.tile_m) * config.tile_m
         assert dq_accum.shape == (b, h, sq_pad * d)
         if config.deterministic:
-            assert inputs[8].shape == (b, h, sq_pad // config.tile_m)
+            assert inputs[8].shape == (b, h, sq_pad // config.tile_m * config.semaphore_slots)
         g = h // k.shape[2]
         if config.gqa:  # per query head: k and v repeated over each group
             k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)

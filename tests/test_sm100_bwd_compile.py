@@ -81,17 +81,28 @@ def test_compiles_with_clean_sass(cfg, tmp_path, shipped_cache):
           f"{cfg.tmem_alloc_columns()} cols; ops {dict(sorted(ops.items()))}")
     assert rec["arch"] == ARCH
     d, tm, tn = cfg.head_dim, cfg.tile_m, cfg.tile_n
-    # Sᵀ, dPᵀ (K = D), dV, dK (K = tile_m), dQ (K = tile_n): one UTCHMMA per 16-deep k-block
-    assert ops.get("UTCHMMA", 0) == 2 * d // 16 + 2 * tm // 16 + tn // 16
+    # Sᵀ, dPᵀ (K = D), dV, dK (K = tile_m), dQ (K = the keys of the CTA, or of the pair):
+    # one UTCHMMA per 16-deep k-block; the 2-CTA kernel's are all cta_group::2
+    keys = 2 * tn if cfg.two_cta else tn
+    assert ops.get("UTCHMMA", 0) == 2 * d // 16 + 2 * tm // 16 + keys // 16
+    assert n(r"UTCHMMA\.2CTA") == (ops["UTCHMMA"] if cfg.two_cta else 0)
     assert ops.get("UTCBAR", 0) > 0
+    assert n(r"UTCBAR\.2CTA\.MULTICAST") == (ops["UTCBAR"] if cfg.two_cta else 0)
     assert ops.get("LDTM", 0) > 0 and ops.get("STTM", 0) > 0
-    assert ops.get("UTMALDG", 0) >= 4  # K, V, Q, dO
-    assert ops.get("UTMAREDG", 0) == d // cfg.dq_cols  # dQ reduce-adds, one per column chunk
+    assert ops.get("UTMALDG", 0) >= (7 if cfg.two_cta else 4)  # K, V, Q, dO (+ Kᵀ, Qᵀ, dOᵀ)
+    assert n(r"UTMALDG\.\w+\.2CTA") == (ops["UTMALDG"] if cfg.two_cta else 0)
+    # dQ reduce-adds, one per column chunk (2-CTA: two (64, dq_cols) boxes per chunk of the
+    # folded D/2 columns)
+    assert ops.get("UTMAREDG", 0) == d // cfg.dq_cols
+    # 2-CTA: the dS half sent to the peer (one DSMEM bulk copy), cluster barriers at start / end
+    assert n(r"UBLKCP\.S\.S") == (1 if cfg.two_cta else 0)
+    assert n(r"UCGABAR_ARV") == n(r"UCGABAR_WAIT") == (2 if cfg.two_cta else 0)
     assert ops.get("MUFU.EX2", 0) > 0
     assert (n(r"MUFU\.TANH") > 0) == cfg.has_softcap
     assert n(r"USETMAXREG\.DEALLOC") > 0 and n(r"USETMAXREG\.TRY_ALLOC") > 0
     # TMEM allocation balanced (see the module docstring for the SASS names)
-    alloc, dealloc = n(r"UTCATOMSWS\.FIND_AND_SET"), n(r"UTCATOMSWS\.AND\b")
+    alloc, dealloc = n(r"UTCATOMSWS\.(?:2CTA\.)?FIND_AND_SET"), n(r"UTCATOMSWS\.AND\b")
+    assert n(r"UTCATOMSWS\.2CTA\.FIND_AND_SET") == (alloc if cfg.two_cta else 0)
     relinquish = n(r"UVIRTCOUNT\.DEALLOC\.SMPOOL")
     assert dealloc == 1 and alloc == 2 * dealloc and relinquish == dealloc, (alloc, dealloc,
                                                                            relinquish)
@@ -154,10 +165,18 @@ def test_every_shipped_variant_fits():
         assert c.tmem_columns() <= TMEM_COLUMNS, c.describe()
         assert c.tmem_alloc_columns() in (32, 64, 128, 256, 512)
         off = c.tmem_offsets()
-        # dK | dV | Sᵀ | dPᵀ (= dQ) do not overlap, dQ fits in dPᵀ's columns
+        # dK | dV | Sᵀ | dPᵀ do not overlap; dQ lies in dPᵀ's columns (1-CTA: all D of them
+        # from dPᵀ's first; 2-CTA: the folded D/2 in dPᵀ's upper half, past both warpgroups'
+        # 16-bit dSᵀ at [0, 32) and [64, 96) of which only [64, 96) overlaps: dK_j, which reads
+        # it, is issued before dQ_j)
         assert off["dv"] >= off["dk"] + c.head_dim and off["s"] >= off["dv"] + c.head_dim_v
-        assert off["dp"] >= off["s"] + c.tile_m and off["dq"] == off["dp"]
-        assert off["dq"] + c.head_dim <= c.tmem_alloc_columns()
+        assert off["dp"] >= off["s"] + c.tile_m
+        if c.two_cta:
+            assert off["dq"] == off["dp"] + c.tile_m // 2
+            assert off["dq"] + c.head_dim // 2 == off["dp"] + c.tile_m <= c.tmem_alloc_columns()
+        else:
+            assert off["dq"] == off["dp"]
+            assert off["dq"] + c.head_dim <= c.tmem_alloc_columns()
     assert set(test_configs()) <= set(shipped)
 
 
@@ -187,9 +206,12 @@ _WINDOWS = [(None, 0), (0, 0), (5, None), (None, 7), (37, 3), (0, 130), (300, 30
             (64, 0), (200, 5)]
 
 
+@pytest.mark.parametrize("tn", [128, 256], ids=["key-block", "key-pair"])
 @pytest.mark.parametrize("kind", MASK_KINDS)
-def test_block_arithmetic_matches_brute_force(kind):
-    tm = tn = 128
+def test_block_arithmetic_matches_brute_force(kind, tn):
+    """tn = 128: the 1-CTA kernel's key blocks (and the 2-CTA kernel's element masks); tn = 256:
+    the 2-CTA kernel's pairs (query-block range and dQ turn of a cluster)."""
+    tm = 128
     windows = [(None, None)] if kind != "local" else _WINDOWS
     for (sq, sk), (wl, wr) in itertools.product(_SEQLENS, windows):
         blk = BwdBlocks(tm, tn, kind == "causal", kind == "local", sq, sk,
@@ -244,7 +266,8 @@ def test_block_arithmetic_matches_brute_force(kind):
 # shared-memory aliasing: each buffer's transposed operand view addresses the same bytes
 # ------------------------------------------------------------------------------------------------
 @needs_compiler
-@pytest.mark.parametrize("d", sorted({d for d, _ in TUNING_TABLE}))
+@pytest.mark.parametrize("d", sorted({d for (d, dv), row in TUNING_TABLE.items()
+                                      if not row["none"].two_cta}))
 def test_transposed_smem_views_alias_exactly(d):
     """Q / dO (B operand of Sᵀ / dPᵀ, K-major) vs their MN-major views in dK / dV; K (A of Sᵀ) vs
     its MN-major view in dQ; dS (m-major A of dQ) vs dSᵀ (K-major A of dK): the swizzled offset
@@ -314,3 +337,103 @@ def test_every_shipped_variant_has_clean_sass(shipped_cache, tmp_path):
         shipped_cache, shipped_configs(), ARCH, "FlashAttentionBackwardSm100", tmp_path,
         must_have=("UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTCATOMSWS", "UTMALDG", "UTMAREDG"))
     assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2-CTA kernel: what each CTA of a pair holds (trace time, no GPU)
+# ------------------------------------------------------------------------------------------------
+@needs_compiler
+def test_two_cta_operand_and_accumulator_maps():
+    """The pair MMAs of ``FlashAttentionBackwardSm100TwoCta.tiled_mmas`` split their operands and
+    accumulators the way the kernel's roles assume (bwd_2cta.py docstring), for both ranks r:
+
+    * Sᵀ (and dPᵀ, dV, dK: same M split): A rows = keys 128r + i, accumulator lane i = key
+      128r + i, column c = query c (the compute warps' and epilogue's lane = own key);
+    * Sᵀ / dPᵀ B = queries [64r, 64r + 64) (what sQ / sdO hold), dK / dV B = D columns
+      [64r, 64r + 64) of all queries (sQᵀ / sdOᵀ);
+    * dQ: A = queries [64r, 64r + 64) × all 256 pair keys (sdS), B = D columns [64r, 64r + 64)
+      × all 256 keys (sKᵀ); accumulator (query 64r + i, column c) at TMEM lane i + 64·(c // 64),
+      column c % 64 (the reduce warps' folded rows and boxes);
+    * sdS: the keys of CTA h are the bytes [16 KB·h, 16 KB·(h + 1)) (what the DSMEM copy moves
+      and the exchange buffer mirrors), query-contiguous per key (the compute warps' row store).
+    """
+    import os
+
+    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+
+    from jax_fa4.kernels.sm100.bwd_2cta import FlashAttentionBackwardSm100TwoCta
+
+    cfg = Sm100BwdConfig.make("bfloat16", 128)
+    assert cfg.two_cta
+    kernel = FlashAttentionBackwardSm100TwoCta(cfg)
+    D = cfg.head_dim
+    found: dict = {}
+
+    def coords(t, idx):
+        return [t[i] for i in idx]
+
+    @cute.jit
+    def trace():
+        (st_t, st), (dpt_t, dpt), (dv_t, dv), (dk_t, dk), (dq_t, dq) = kernel.tiled_mmas()
+        for r in (0, 1):
+            for name, mma, tiler in (("st", st, st_t), ("dpt", dpt, dpt_t), ("dv", dv, dv_t),
+                                     ("dk", dk, dk_t)):
+                thr = mma.get_slice(r)
+                cA = thr.partition_A(cute.make_identity_tensor((tiler[0], tiler[2])))
+                cB = thr.partition_B(cute.make_identity_tensor((tiler[1], tiler[2])))
+                cC = thr.partition_C(cute.make_identity_tensor((tiler[0], tiler[1])))
+                found[(name, r, "A")] = coords(cA, range(0, 128, 7))
+                found[(name, r, "B")] = coords(cB, range(0, 64, 5))
+                found[(name, r, "C")] = [cC[((i, c), 0, 0)] for i in (0, 5, 127)
+                                         for c in (0, 9, tiler[1] - 1)]
+            thr = dq.get_slice(r)
+            found[("dq", r, "A")] = [thr.partition_A(cute.make_identity_tensor((128, 256)))[
+                ((i, k % 16), 0, k // 16)] for i in (0, 17, 63) for k in (0, 127, 128, 255)]
+            found[("dq", r, "B")] = [thr.partition_B(cute.make_identity_tensor((D, 256)))[
+                ((i, k % 16), 0, k // 16)] for i in (0, 17, 63) for k in (0, 127, 128, 255)]
+            cC = thr.partition_C(cute.make_identity_tensor((128, D)))
+            found[("dq", r, "C")] = [cC[((i, c), 0, 0)] for i in (0, 33, 63)
+                                     for c in (0, 63, 64, D - 1)]
+        th = dq.get_slice(0)
+        frag = th.make_fragment_C(th.partition_shape_C((128, D)))
+        found["dq_tmem"] = [cute.crd2idx(((i, c), 0, 0), frag.layout)
+                            for i in (0, 33, 63) for c in (0, 63, 64, D - 1)]
+        sdS_l = sm100_utils.make_smem_layout_a(dq, dq_t, cutlass.BFloat16, 1)
+        flat = cute.composition(cute.select(sdS_l, mode=[0, 1, 2]), cute.make_layout((64, 256)))
+        found["sdS"] = [(q, k, cute.crd2idx((q, k), flat)) for q in range(64)
+                        for k in (0, 1, 77, 127, 128, 129, 205, 255)]
+        found["sdS_cosize"] = cute.cosize(sdS_l)
+
+    from jax_fa4.ffi.compiler import _lock, set_target_arch
+
+    with _lock:
+        set_target_arch(ARCH)
+        cute.compile(trace)
+    for r in (0, 1):
+        for name in ("st", "dpt", "dv", "dk"):
+            assert found[(name, r, "A")] == [(128 * r + i, 0) for i in range(0, 128, 7)], name
+            assert [row for row, _ in found[(name, r, "C")]] == [128 * r + i for i in (0, 5, 127)
+                                                                 for _ in range(3)], name
+        for name in ("st", "dpt", "dv", "dk"):  # Sᵀ/dPᵀ: query half; dV/dK: D-column half
+            assert found[(name, r, "B")] == [(64 * r + i, 0) for i in range(0, 64, 5)], name
+        assert found[("dq", r, "A")] == [(64 * r + i, k) for i in (0, 17, 63)
+                                         for k in (0, 127, 128, 255)]
+        assert found[("dq", r, "B")] == [(64 * r + i, k) for i in (0, 17, 63)
+                                         for k in (0, 127, 128, 255)]
+        assert found[("dq", r, "C")] == [(64 * r + i, c) for i in (0, 33, 63)
+                                         for c in (0, 63, 64, D - 1)]
+    lane = 2 ** 16  # TMEM address: lane in the upper 16 bits, column in the lower
+    assert found["dq_tmem"] == [(i + 64 * (c // 64)) * lane + c % 64 for i in (0, 33, 63)
+                                for c in (0, 63, 64, D - 1)]
+    assert found["sdS_cosize"] == 64 * 256
+    offsets = {(q, k): off for q, k, off in found["sdS"]}
+    for (q, k), off in offsets.items():
+        assert (off < 64 * 128) == (k < 128), (q, k, off)  # key half h = bytes of half h
+        if k >= 128:
+            assert off == offsets[(q, k - 128)] + 64 * 128, (q, k)
+        # a key's 64 queries: 8 runs of 8 consecutive elements (16-byte stores), 16-byte aligned
+        assert off - offsets[(q - q % 8, k)] == q % 8 and offsets[(q - q % 8, k)] % 8 == 0, \
+            (q, k)

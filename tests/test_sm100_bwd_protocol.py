@@ -779,7 +779,12 @@ def _configs() -> list[Sm100BwdConfig]:
     ≠ do_stages among them: the Q / lse and dO rings must not share stage indices)."""
     out = []
     for (d, dv) in TUNING_TABLE:
-        out.append(Sm100BwdConfig.make("bfloat16", d, dv))
+        cfg = Sm100BwdConfig.make("bfloat16", d, dv)
+        if cfg.two_cta:  # served by the 2-CTA kernel (test_sm100_bwd_2cta_protocol.py): this
+            # model checks the 1-CTA kernel at that head dim (q_stages >= 2, D-column dQ boxes)
+            cfg = Sm100BwdConfig.make("bfloat16", d, dv, two_cta=False, q_stages=2,
+                                      do_stages=1, dq_cols=16, dq_stages=2)
+        out.append(cfg)
     for d, over in ((64, {"q_stages": 3, "do_stages": 3, "dq_stages": 3}),
                     (64, {"q_stages": 3, "do_stages": 2}),
                     (64, {"do_stages": 3, "dq_stages": 1, "dq_cols": 16}),
@@ -802,7 +807,8 @@ def random_case(rng: random.Random, mask: str, deterministic: bool):
     cfg = Sm100BwdConfig.make("bfloat16", base.head_dim, base.head_dim_v, mask,
                               has_softcap=rng.random() < 0.3, deterministic=deterministic,
                               q_stages=base.q_stages, do_stages=base.do_stages,
-                              dq_cols=base.dq_cols, dq_stages=base.dq_stages)
+                              dq_cols=base.dq_cols, dq_stages=base.dq_stages,
+                              two_cta=base.two_cta)
     seqlen_q = rng.choice((rng.randint(1, 3 * TILE), rng.choice((TILE, 2 * TILE, 3 * TILE))))
     seqlen_k = rng.choice((rng.randint(1, 4 * TILE), rng.choice((TILE, 2 * TILE, 3 * TILE))))
     wl = rng.choice((-1, 0, rng.randint(0, 300)))

@@ -94,12 +94,13 @@ def test_forced_sm100_gradient_lowers_to_the_sm100_backward_kernel(module_cache,
     assert sorted(c.kernel_name for c, _ in seen) == ["bwd_preprocess", "sm100_bwd", "sm100_fwd"]
     assert {arch for _, arch in seen} == {"sm_100a"}
     (bwd,) = [c for c, _ in seen if c.kernel_name == "sm100_bwd"]
-    assert (bwd.mask, bwd.gqa, bwd.deterministic, bwd.head_dim) == (
-        "causal", hkv != 4, deterministic, 128)
+    assert (bwd.mask, bwd.gqa, bwd.deterministic, bwd.head_dim, bwd.two_cta) == (
+        "causal", hkv != 4, deterministic, 128, True)
     assert text.count(CUSTOM_CALL) == 3
-    # dq_accum (B, H, ceil(77/128)·128·D) float32; with deterministic, one counter per block
+    # dq_accum (B, H, ceil(77/128)·128·D) float32; with deterministic, one counter per 64-row
+    # half of each query block (the 2-CTA kernel's two slots)
     assert "tensor<2x4x16384xf32>" in text
-    assert ("tensor<2x4x1xi32>" in text) == deterministic
+    assert ("tensor<2x4x2xi32>" in text) == deterministic
     assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
 
 

@@ -3,7 +3,9 @@
 Computes dK, dV and a float32 partial dQ reduce-added into dq_accum (call contract, dq_accum
 layout and the deterministic mode in bwd_config.py; dq = dq_accum · scale is done in JAX).
 
-Features: bf16/fp16, head dims 64, 96, 128 (bwd_config.TUNING_TABLE), dynamic batch / sequence
+Features: bf16/fp16, head dims 64 and 96 (head dim 128 ships as the 2-CTA kernel, bwd_2cta.py,
+which reuses this class's compute-warp pieces and epilogue; this kernel still builds for 128
+with ``two_cta=False``), dynamic batch / sequence
 lengths / head counts, GQA/MQA (query head h reads kv head h // (H / Hkv); GQA configs write
 float32 dK/dV per query head, summed by the caller), key-length tail, bottom-right causal and
 sliding-window masks with query-block skipping (only blocks that cut a boundary are masked),
@@ -44,9 +46,9 @@ MMA order per iteration j: Sᵀ_j; [dQ_{j-1}, dK_{j-1}]; wait dq_empty_{j-1}; dP
 dV_j. TMEM: allocated by the MMA warp, permit relinquished right after, freed by it after every
 TMEM user passed the dealloc barrier (each after its last tcgen05.wait::ld).
 
-Not yet (docs/perf-log-sm100.md): 2-CTA MMAs (hdim >= 128, DSMEM exchange of dS), head dims
-192/128 and 256 (TMEM), dSᵀ in TMEM for a TS dK MMA, persistence / scheduler, overlap of the dQ
-TMEM drain with the next dPᵀ (the reduce warps hold dPᵀ's columns until their last chunk load).
+Not yet (docs/perf-log-sm100.md): head dims 192/128 and 256 (TMEM: FA4's overlapped 2-CTA map
+and its split kernels), persistence / scheduler, overlap of the dQ TMEM drain with the next dPᵀ
+(the reduce warps hold dPᵀ's columns until their last chunk load).
 """
 
 from __future__ import annotations
@@ -142,10 +144,10 @@ class FlashAttentionBackwardSm100:
     # ---------------------------------------------------------------------------------------------
     # Host side
     # ---------------------------------------------------------------------------------------------
-    @cute.jit
-    def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
-                 mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mParams: cute.Tensor,
-                 mdQacc: cute.Tensor, mSem: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor):
+    def input_views(self, mQ, mK, mV, mdO, mLSE, mDelta, mParams, mdQacc, mSem, mdK, mdV):
+        """Check the operands' dtypes (trace time) and return the kernel's views: q/k/v/dout/dk/
+        dv (S, D, H, B), lse_log2 / delta (S, H, B), dq_accum (Sq_pad, D, H, B) row-major,
+        dq_semaphore (slots, H, B) when deterministic."""
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("dout", mdO)):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"{name}: expected {self.dtype}, got {t.element_type}")
@@ -156,8 +158,7 @@ class FlashAttentionBackwardSm100:
                         ("dq_accum", mdQacc)):
             if const_expr(t.element_type != Float32):
                 raise TypeError(f"{name} must be float32")
-        D, Dv, tm, tn = self.hdim, self.hdimv, self.tile_m, self.tile_n
-        dt = self.dtype
+        D, Dv = self.hdim, self.hdimv
         mQ, mK, mdK = seq_major(mQ, D), seq_major(mK, D), seq_major(mdK, D)
         mV, mdO, mdV = seq_major(mV, Dv), seq_major(mdO, Dv), seq_major(mdV, Dv)
         mLSE, mDelta = [select_modes(t, (2, 1, 0)) for t in (mLSE, mDelta)]  # (Sq, H, B)
@@ -166,7 +167,17 @@ class FlashAttentionBackwardSm100:
             (mdQacc.shape[2] // D, D, mdQacc.shape[1], mdQacc.shape[0]),
             stride=(D, 1, mdQacc.stride[1], mdQacc.stride[0])))
         if const_expr(self.deterministic):
-            mSem = select_modes(mSem, (2, 1, 0))  # (M, H, B)
+            mSem = select_modes(mSem, (2, 1, 0))  # (slots, H, B)
+        return mQ, mK, mV, mdO, mLSE, mDelta, mdQacc, mSem, mdK, mdV
+
+    @cute.jit
+    def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                 mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mParams: cute.Tensor,
+                 mdQacc: cute.Tensor, mSem: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor):
+        mQ, mK, mV, mdO, mLSE, mDelta, mdQacc, mSem, mdK, mdV = self.input_views(
+            mQ, mK, mV, mdO, mLSE, mDelta, mParams, mdQacc, mSem, mdK, mdV)
+        D, Dv, tm, tn = self.hdim, self.hdimv, self.tile_m, self.tile_n
+        dt = self.dtype
 
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         cta = tcgen05.CtaGroup.ONE
@@ -327,12 +338,7 @@ class FlashAttentionBackwardSm100:
 
         # run-time scalars, identical in every role
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        window_left, window_right = Int32(0), Int32(0)
-        if const_expr(self.is_local):
-            wl = Int32(mParams[2])
-            wr = Int32(mParams[3])
-            window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
-            window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
+        window_left, window_right = self.clamped_windows(mParams, seqlen_q, seqlen_k)
         n_block, head, batch = cute.arch.block_idx()
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         blocks = BwdBlocks(self.tile_m, self.tile_n, self.is_causal, self.is_local,
@@ -379,6 +385,58 @@ class FlashAttentionBackwardSm100:
                 dealloc_barrier.arrive_and_wait()
                 tmem.free(tmem_ptr)
 
+    @cute.jit
+    def clamped_windows(self, mParams: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32):
+        """(window_left, window_right) of a local mask from params (-1 or too wide: the whole
+        side, i.e. seqlen_k / seqlen_q); (0, 0) for the other masks (unused there)."""
+        window_left, window_right = Int32(0), Int32(0)
+        if const_expr(self.is_local):
+            wl = Int32(mParams[2])
+            wr = Int32(mParams[3])
+            window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
+            window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
+        return window_left, window_right
+
+    @cute.jit
+    def gemm_ts_halves(self, mma: cute.TiledMma, acc: cute.Tensor, a_lo: cute.Tensor,
+                       a_hi: cute.Tensor, b: cute.Tensor, stage: Int32, accumulate):
+        """acc (+)= A·B[stage] for a TMEM A operand of 128 query columns (K) whose 16-bit
+        halves sit in two views (query columns [0, 64): ``a_lo``'s k-blocks, [64, 128):
+        ``a_hi``'s: each compute warpgroup's columns, see store_16bit); the first k-block
+        overwrites acc unless ``accumulate``."""
+        num_kb = cute.size(a_lo, mode=[2])
+        for k in cutlass.range_constexpr(num_kb):
+            mma.set(tcgen05.Field.ACCUMULATE, accumulate or k > 0)
+            if const_expr(k < num_kb // 2):
+                cute.gemm(mma, acc, a_lo[None, None, k], b[None, None, k, stage], acc)
+            else:
+                cute.gemm(mma, acc, a_hi[None, None, k], b[None, None, k, stage], acc)
+
+    @cute.jit
+    def tma_load(self, pipe, state, atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor):
+        """Acquire ``state``'s stage of the TMA pipeline ``pipe`` and copy ``src`` into its slot
+        of ``dst`` (the whole warp calls: the pipeline and the copy elect one thread inside)."""
+        pipe.producer_acquire(state)
+        cute.copy(atom, src, dst[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    @cute.jit
+    def stage_stats(self, mLSE: cute.Tensor, mDelta: cute.Tensor, sLSE: cute.Tensor,
+                    sDelta: cute.Tensor, pipeline_lse, state, m_block: Int32, head: Int32,
+                    batch: Int32, seqlen_q: Int32, lane: Int32):
+        """-lse_log2 and -delta of query block m_block's 128 rows into stage ``state`` (the load
+        warp's 32 threads; rows past seqlen_q: -inf and 0, so that P = dS = 0 there without a
+        row mask)."""
+        tm = self.tile_m
+        pipeline_lse.producer_acquire(state)
+        for r in cutlass.range_constexpr(tm // 32):
+            row = m_block * tm + r * 32 + lane
+            row_c = cutlass.min(row, seqlen_q - 1)
+            lse = mLSE[row_c, head, batch]
+            dlt = mDelta[row_c, head, batch]
+            sLSE[r * 32 + lane, state.index] = -lse if row < seqlen_q else -Float32.inf
+            sDelta[r * 32 + lane, state.index] = -dlt if row < seqlen_q else Float32(0.0)
+        pipeline_lse.producer_commit(state)
+
     # --- load warp ---------------------------------------------------------------------------
     @cute.jit
     def load_warp(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
@@ -415,23 +473,11 @@ class FlashAttentionBackwardSm100:
                       tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
         for j in cutlass.range(count, unroll=1):
             m_block = m_min + j
-            pipeline_q.producer_acquire(q_state)
-            cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, q_state.index],
-                      tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-            pipeline_do.producer_acquire(do_state)
-            cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, do_state.index],
-                      tma_bar_ptr=pipeline_do.producer_get_barrier(do_state))
-            # -lse_log2 and -delta of the block's rows (rows past seqlen_q: -inf and 0, so that
-            # P = dS = 0 there without a row mask); the lse stage follows the Q stage
-            pipeline_lse.producer_acquire(q_state)
-            for r in cutlass.range_constexpr(tm // 32):
-                row = m_block * tm + r * 32 + lane
-                row_c = cutlass.min(row, seqlen_q - 1)
-                lse = mLSE[row_c, head, batch]
-                dlt = mDelta[row_c, head, batch]
-                sLSE[r * 32 + lane, q_state.index] = -lse if row < seqlen_q else -Float32.inf
-                sDelta[r * 32 + lane, q_state.index] = -dlt if row < seqlen_q else Float32(0.0)
-            pipeline_lse.producer_commit(q_state)
+            self.tma_load(pipeline_q, q_state, tma_atom_Q, tQgQ[None, m_block], tQsQ)
+            self.tma_load(pipeline_do, do_state, tma_atom_dO, tdOgdO[None, m_block], tdOsdO)
+            # the lse stage follows the Q stage
+            self.stage_stats(mLSE, mDelta, sLSE, sDelta, pipeline_lse, q_state, m_block, head,
+                             batch, seqlen_q, lane)
             q_state.advance()
             do_state.advance()
 
@@ -477,7 +523,6 @@ class FlashAttentionBackwardSm100:
         tVrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_s + off,
                                                  dtype=tVrP_fake.element_type), tVrP_fake.layout)
                 for off in (0, self.cols_per_wg // 2)]
-        num_kb_p = cute.size(tVrP_fake, mode=[2])
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         q_release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -530,14 +575,8 @@ class FlashAttentionBackwardSm100:
                     tcgen05.commit(dp_full)
                 # dV += Pᵀ_j·dO_j once Pᵀ_j is in TMEM
                 cute.arch.mbarrier_wait(p_full, j % 2)
-                for k in cutlass.range_constexpr(num_kb_p):
-                    dv_mma.set(tcgen05.Field.ACCUMULATE, j > 0 or k > 0)
-                    if const_expr(k < num_kb_p // 2):
-                        cute.gemm(dv_mma, tVtV, tVrP[0][None, None, k],
-                                  tVrdOt[None, None, k, do_state.index], tVtV)
-                    else:
-                        cute.gemm(dv_mma, tVtV, tVrP[1][None, None, k],
-                                  tVrdOt[None, None, k, do_state.index], tVtV)
+                self.gemm_ts_halves(dv_mma, tVtV, tVrP[0], tVrP[1], tVrdOt, do_state.index,
+                                    j > 0)
                 pipeline_do.consumer_release(do_state)
                 do_state.advance()
         if count > 0:
@@ -557,127 +596,27 @@ class FlashAttentionBackwardSm100:
         lane_row = tidx % 128  # this thread's key row (TMEM lane)
         st_thr = st_mma.get_slice(0)
         acc_layout = st_thr.make_fragment_C(st_thr.partition_shape_C((tn, tm))).layout
-
-        # Sᵀ / dPᵀ: this warpgroup's cw columns, in chunks of 32 (32x32b.x32 loads)
-        ld32 = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32),
-            tmem_cols(tmem_ptr, acc_layout, 0, 32))
-        thr_ld32 = ld32.get_slice(lane_row)
-        num_chunks = cw // 32
-        tTtS = [thr_ld32.partition_S(tmem_cols(tmem_ptr, acc_layout,
-                                               self.tmem_s + cw * 0 + 32 * c, 32))
-                for c in range(num_chunks)]
-        tTtS1 = [thr_ld32.partition_S(tmem_cols(tmem_ptr, acc_layout,
-                                                self.tmem_s + cw * 1 + 32 * c, 32))
-                 for c in range(num_chunks)]
-        tTtP = [thr_ld32.partition_S(tmem_cols(tmem_ptr, acc_layout,
-                                               self.tmem_dp + cw * 0 + 32 * c, 32))
-                for c in range(num_chunks)]
-        tTtP1 = [thr_ld32.partition_S(tmem_cols(tmem_ptr, acc_layout,
-                                                self.tmem_dp + cw * 1 + 32 * c, 32))
-                 for c in range(num_chunks)]
-        tTcS = thr_ld32.partition_D(cute.make_identity_tensor((128, 32)))
-        # Pᵀ store: cw/2 32-bit columns (16-bit pairs) at Sᵀ + cw·wg
-        st_p = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(cw // 2)),
-                                Float32), tmem_cols(tmem_ptr, acc_layout, 0, cw // 2))
-        thr_st_p = st_p.get_slice(lane_row)
-        tTtPst = [thr_st_p.partition_D(tmem_cols(tmem_ptr, acc_layout, self.tmem_s + cw * w,
-                                                 cw // 2)) for w in range(2)]
-        tTcP = thr_st_p.partition_S(cute.make_identity_tensor((128, cw // 2)))
-
         scale = mParams[0]
-        if const_expr(self.has_softcap):
-            softcap = mParams[1]
-            tanh_in_scale = scale / softcap
-            scale_log2 = softcap * LOG2_E
-            inv_scale_log2 = Float32(1.0) / scale_log2
-        else:
-            scale_log2 = scale * LOG2_E
-
+        scale_log2, tanh_in_scale, inv_scale_log2 = self.softmax_scales(mParams)
         key = n_block * tn + lane_row
         lse_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  self.q_stages)
         for j in cutlass.range(count, unroll=1):
             m_block = m_min + j
-            tail, cut_right, cut_left = BwdBlocks.mask_reasons(blocks, m_block, n_block)
-            need_mask = tail or cut_right or cut_left
-            lo, hi = BwdBlocks.visible_rows(blocks, key, m_block)
-            lo = lo - cw * wg
-            hi = hi - cw * wg
-            if key >= blocks.seqlen_k:
-                lo = Int32(tm)
             pipeline_lse.consumer_wait(lse_state)
-            col0 = cw * wg  # first query column of this warpgroup in the lse / delta rows
             # ---- Pᵀ = exp2(Sᵀ·scale_log2 − lse) ----
             cute.arch.mbarrier_wait(s_full, j % 2)
             rP = cute.make_rmem_tensor((cw,), Float32)
-            for c in cutlass.range_constexpr(num_chunks):
-                rc = cute.make_rmem_tensor(tTcS.shape, Float32)
-                if wg == 0:
-                    cute.copy(ld32, tTtS[c], rc)
-                else:
-                    cute.copy(ld32, tTtS1[c], rc)
-                for i in cutlass.range_constexpr(32):
-                    rP[32 * c + i] = rc[i]
-            cute.arch.fence_view_async_tmem_load()
-            if const_expr(self.has_softcap):
-                for i in cutlass.range_constexpr(cw):
-                    rP[i] = cute.math.tanh(rP[i] * tanh_in_scale, fastmath=True)
-            if need_mask:
-                for c in cutlass.range_constexpr(num_chunks):
-                    for i in cutlass.range_constexpr(32):
-                        col = 32 * c + tTcS[i][1]
-                        visible = col >= lo
-                        if const_expr(self.is_local):
-                            visible = visible and col <= hi
-                        rP[32 * c + i] = rP[32 * c + i] if visible else -Float32.inf
-            for i in cutlass.range_constexpr(0, cw, 2):
-                rP[i], rP[i + 1] = cute.arch.fma_packed_f32x2(
-                    (rP[i], rP[i + 1]), (scale_log2, scale_log2),
-                    (sLSE[col0 + i, lse_state.index], sLSE[col0 + i + 1, lse_state.index]))
-                rP[i] = cute.math.exp2(rP[i], fastmath=True)
-                rP[i + 1] = cute.math.exp2(rP[i + 1], fastmath=True)
-            rP16 = cute.make_rmem_tensor(tTcP.shape, Float32)
-            rP16_i = cute.recast_tensor(rP16, Int32)
-            for i in cutlass.range_constexpr(cute.size(rP16_i)):
-                rP16_i[i] = cvt_pack_f32x2(rP[2 * i], rP[2 * i + 1], self.is_bf16)
-            if wg == 0:
-                cute.copy(st_p, rP16, tTtPst[0])
-            else:
-                cute.copy(st_p, rP16, tTtPst[1])
+            self.softmax_p(rP, tmem_ptr, acc_layout, blocks, m_block, n_block, key, wg,
+                           lane_row, scale_log2, tanh_in_scale, sLSE, lse_state.index)
+            self.store_16bit(rP, tmem_ptr, acc_layout, self.tmem_s, wg, lane_row)
             cute.arch.fence_view_async_tmem_store()
             cute.arch.mbarrier_arrive(p_full)
             # ---- dSᵀ = Pᵀ∘(dPᵀ − delta) [∘ (1 − t²)] ----
             cute.arch.mbarrier_wait(dp_full, j % 2)
-            # in 32-column chunks (keeps the live registers at Pᵀ + one dPᵀ chunk)
             rdS = cute.make_rmem_tensor((cw,), self.dtype)
-            rdS_i = cute.recast_tensor(rdS, Int32)
-            for c in cutlass.range_constexpr(num_chunks):
-                rdP = cute.make_rmem_tensor(tTcS.shape, Float32)
-                if wg == 0:
-                    cute.copy(ld32, tTtP[c], rdP)
-                else:
-                    cute.copy(ld32, tTtP1[c], rdP)
-                cute.arch.fence_view_async_tmem_load()
-                for i in cutlass.range_constexpr(0, 32, 2):
-                    q = 32 * c + i
-                    rdP[i], rdP[i + 1] = cute.arch.add_packed_f32x2(
-                        (rdP[i], rdP[i + 1]),
-                        (sDelta[col0 + q, lse_state.index], sDelta[col0 + q + 1, lse_state.index]))
-                    rdP[i], rdP[i + 1] = cute.arch.mul_packed_f32x2((rdP[i], rdP[i + 1]),
-                                                                    (rP[q], rP[q + 1]))
-                if const_expr(self.has_softcap):
-                    for i in cutlass.range_constexpr(32):
-                        # tanh' = 1 − t², t recovered from P = exp2(t·scale_log2 − lse); P below
-                        # the smallest normal float (masked, empty row) gives dS = 0
-                        p = rP[32 * c + i]
-                        t = (cute.math.log2(p, fastmath=True)
-                             - sLSE[col0 + 32 * c + i, lse_state.index]) * inv_scale_log2
-                        rdP[i] = rdP[i] * (Float32(1.0) - t * t) if p >= Float32(_FLT_MIN_NORMAL) \
-                            else Float32(0.0)
-                for i in cutlass.range_constexpr(16):
-                    rdS_i[16 * c + i] = cvt_pack_f32x2(rdP[2 * i], rdP[2 * i + 1], self.is_bf16)
+            self.softmax_ds(rdS, rP, tmem_ptr, acc_layout, wg, lane_row, inv_scale_log2, sLSE,
+                            sDelta, lse_state.index)
             pipeline_lse.consumer_release(lse_state)
             lse_state.advance()
             if j > 0:
@@ -694,6 +633,135 @@ class FlashAttentionBackwardSm100:
         # ---- epilogue: dK · scale, dV -> global (rows past seqlen_k skipped) ----
         self.epilogue(mdK, mdV, tmem_ptr, acc_layout, dkv_full, scale, head, head_kv, batch,
                       n_block, count, key, lane_row, wg)
+
+    # --- compute-warp pieces (shared with the 2-CTA kernel, bwd_2cta.py) ---------------------
+    @cute.jit
+    def softmax_scales(self, mParams: cute.Tensor):
+        """(scale_log2, tanh_in_scale, inv_scale_log2) from params (the last two only with
+        softcap: S = softcap·tanh(q·kᵀ·scale/softcap), so P = exp2(t·softcap·log2 e − lse))."""
+        scale = mParams[0]
+        tanh_in_scale, inv_scale_log2 = Float32(0.0), Float32(0.0)
+        if const_expr(self.has_softcap):
+            softcap = mParams[1]
+            tanh_in_scale = scale / softcap
+            scale_log2 = softcap * LOG2_E
+            inv_scale_log2 = Float32(1.0) / scale_log2
+        else:
+            scale_log2 = scale * LOG2_E
+        return scale_log2, tanh_in_scale, inv_scale_log2
+
+    @cute.jit
+    def load_wg_cols(self, dst: cute.Tensor, tmem_ptr, acc_layout, base: int, wg: Int32,
+                     lane_row: Int32, col: int, num: int):
+        """dst[0 .. num) = this thread's lane of TMEM columns base + cw·wg + col … + num, in
+        the order of the columns (32x32b loads of 32 columns; ends with tcgen05.wait::ld)."""
+        cw = self.cols_per_wg
+        ld32 = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32),
+            tmem_cols(tmem_ptr, acc_layout, 0, 32))
+        thr = ld32.get_slice(lane_row)
+        # the column of each loaded value (the same for every lane: take lane 0's, static)
+        tTc = ld32.get_slice(0).partition_D(cute.make_identity_tensor((128, 32)))
+        for c in cutlass.range_constexpr(num // 32):
+            rc = cute.make_rmem_tensor(tTc.shape, Float32)
+            if wg == 0:
+                cute.copy(ld32, thr.partition_S(
+                    tmem_cols(tmem_ptr, acc_layout, base + col + 32 * c, 32)), rc)
+            else:
+                cute.copy(ld32, thr.partition_S(
+                    tmem_cols(tmem_ptr, acc_layout, base + cw + col + 32 * c, 32)), rc)
+            for i in cutlass.range_constexpr(32):
+                dst[32 * c + tTc[i][1]] = rc[i]
+        cute.arch.fence_view_async_tmem_load()
+
+    @cute.jit
+    def softmax_p(self, rP: cute.Tensor, tmem_ptr, acc_layout, blocks: BwdBlocks,
+                  m_block: Int32, n_block: Int32, key: Int32, wg: Int32, lane_row: Int32,
+                  scale_log2: Float32, tanh_in_scale: Float32, sLSE: cute.Tensor, stage: Int32):
+        """rP = Pᵀ of this thread's key and the warpgroup's cw query columns: Sᵀ from TMEM,
+        [softcap,] masked (query-block skipping: only tiles ``blocks`` says are cut), exp2."""
+        cw, tm = self.cols_per_wg, self.tile_m
+        tail, cut_right, cut_left = BwdBlocks.mask_reasons(blocks, m_block, n_block)
+        need_mask = tail or cut_right or cut_left
+        lo, hi = BwdBlocks.visible_rows(blocks, key, m_block)
+        lo = lo - cw * wg
+        hi = hi - cw * wg
+        if key >= blocks.seqlen_k:
+            lo = Int32(tm)
+        col0 = cw * wg  # first query column of this warpgroup in the lse / delta rows
+        self.load_wg_cols(rP, tmem_ptr, acc_layout, self.tmem_s, wg, lane_row, 0, cw)
+        if const_expr(self.has_softcap):
+            for i in cutlass.range_constexpr(cw):
+                rP[i] = cute.math.tanh(rP[i] * tanh_in_scale, fastmath=True)
+        if need_mask:
+            for i in cutlass.range_constexpr(cw):
+                visible = i >= lo  # rP[i] is query column cw·wg + i (load_wg_cols)
+                if const_expr(self.is_local):
+                    visible = visible and i <= hi
+                rP[i] = rP[i] if visible else -Float32.inf
+        for i in cutlass.range_constexpr(0, cw, 2):
+            rP[i], rP[i + 1] = cute.arch.fma_packed_f32x2(
+                (rP[i], rP[i + 1]), (scale_log2, scale_log2),
+                (sLSE[col0 + i, stage], sLSE[col0 + i + 1, stage]))
+            rP[i] = cute.math.exp2(rP[i], fastmath=True)
+            rP[i + 1] = cute.math.exp2(rP[i + 1], fastmath=True)
+
+    @cute.jit
+    def store_16bit(self, r: cute.Tensor, tmem_ptr, acc_layout, base: int, wg: Int32,
+                    lane_row: Int32):
+        """Store r (cw values: float32, packed here to 16-bit pairs, or already 16-bit) in this
+        thread's lane of TMEM columns base + cw·wg … + cw/2 (columns the warpgroup has read
+        itself). The caller fences (tcgen05.wait::st) before signalling."""
+        cw = self.cols_per_wg
+        st = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(cw // 2)),
+                                Float32), tmem_cols(tmem_ptr, acc_layout, 0, cw // 2))
+        thr = st.get_slice(lane_row)
+        r16 = cute.make_rmem_tensor(
+            thr.partition_S(cute.make_identity_tensor((128, cw // 2))).shape, Float32)
+        r16_i = cute.recast_tensor(r16, Int32)
+        if const_expr(r.element_type == Float32):
+            for i in cutlass.range_constexpr(cute.size(r16_i)):
+                r16_i[i] = cvt_pack_f32x2(r[2 * i], r[2 * i + 1], self.is_bf16)
+        else:
+            r_i = cute.recast_tensor(r, Int32)
+            for i in cutlass.range_constexpr(cute.size(r16_i)):
+                r16_i[i] = r_i[i]
+        if wg == 0:
+            cute.copy(st, r16, thr.partition_D(tmem_cols(tmem_ptr, acc_layout, base, cw // 2)))
+        else:
+            cute.copy(st, r16, thr.partition_D(tmem_cols(tmem_ptr, acc_layout, base + cw,
+                                                         cw // 2)))
+
+    @cute.jit
+    def softmax_ds(self, rdS: cute.Tensor, rP: cute.Tensor, tmem_ptr, acc_layout, wg: Int32,
+                   lane_row: Int32, inv_scale_log2: Float32, sLSE: cute.Tensor,
+                   sDelta: cute.Tensor, stage: Int32):
+        """rdS (16-bit) = Pᵀ∘(dPᵀ − delta) [∘ (1 − t²)] for the warpgroup's cw query columns,
+        dPᵀ loaded from TMEM in 32-column chunks (live registers: Pᵀ + one dPᵀ chunk)."""
+        cw = self.cols_per_wg
+        col0 = cw * wg
+        rdS_i = cute.recast_tensor(rdS, Int32)
+        for c in cutlass.range_constexpr(cw // 32):
+            rdP = cute.make_rmem_tensor((32,), Float32)
+            self.load_wg_cols(rdP, tmem_ptr, acc_layout, self.tmem_dp, wg, lane_row, 32 * c, 32)
+            for i in cutlass.range_constexpr(0, 32, 2):
+                q = 32 * c + i
+                rdP[i], rdP[i + 1] = cute.arch.add_packed_f32x2(
+                    (rdP[i], rdP[i + 1]), (sDelta[col0 + q, stage], sDelta[col0 + q + 1, stage]))
+                rdP[i], rdP[i + 1] = cute.arch.mul_packed_f32x2((rdP[i], rdP[i + 1]),
+                                                                (rP[q], rP[q + 1]))
+            if const_expr(self.has_softcap):
+                for i in cutlass.range_constexpr(32):
+                    # tanh' = 1 − t², t recovered from P = exp2(t·scale_log2 − lse); P below
+                    # the smallest normal float (masked, empty row) gives dS = 0
+                    p = rP[32 * c + i]
+                    t = (cute.math.log2(p, fastmath=True)
+                         - sLSE[col0 + 32 * c + i, stage]) * inv_scale_log2
+                    rdP[i] = rdP[i] * (Float32(1.0) - t * t) if p >= Float32(_FLT_MIN_NORMAL) \
+                        else Float32(0.0)
+            for i in cutlass.range_constexpr(16):
+                rdS_i[16 * c + i] = cvt_pack_f32x2(rdP[2 * i], rdP[2 * i + 1], self.is_bf16)
 
     @cute.jit
     def epilogue(self, mdK, mdV, tmem_ptr, acc_layout, dkv_full, scale: Float32, head: Int32,

@@ -18,7 +18,7 @@ families by arch only. Per (batch b, query head h, key block n):
                                             window_right] (-1 = unbounded), batched=False
       dq_accum (B, H, Sq_pad·D)   float32  zero-filled by the caller, Sq_pad = ceil(Sq/128)·128.
                                             Input 7, aliased to output 0 (updated in place).
-      dq_semaphore (B, H, ceil(Sq/128)) int32, deterministic configs only: zero-filled by the
+      dq_semaphore (B, H, slots·ceil(Sq/128)) int32, deterministic configs only: zero-filled by the
                                             caller; input 8, aliased to output 3.
     outputs (after the aliases): dk (B, Sk, Hdk, D), dv (B, Sk, Hdk, Dv) with Hdk = Hkv for MHA
       configs (gqa=False, dtype = input dtype) and Hdk = H for GQA configs (gqa=True, float32,
@@ -32,7 +32,9 @@ elementwise op, ``jax_fa4/sm100_bwd_ops.py``); no separate postprocess kernel is
 Deterministic configs: CTA (n_block, h, b) adds its dQ partial of query block m only when
 dq_semaphore[b, h, m] equals its rank among the key blocks that visit m (key blocks in
 increasing order, ``common/bwd_blocks.dq_rank``), then increments it (release) once its reduce-adds
-completed, so the float32 sums happen in one fixed order on every run.
+completed, so the float32 sums happen in one fixed order on every run. The 2-CTA kernel
+(``two_cta``) orders each 64-row half of a query block on its own slot, dq_semaphore
+(B, H, 2·ceil(Sq/128)) slot 2m + r, by the rank of the key *pair* among the pairs that visit m.
 """
 
 from __future__ import annotations
@@ -57,25 +59,32 @@ class Sm100BwdTuning:
     do_stages: int = 1  # dO pipeline depth
     dq_cols: int = 32  # columns of one dQ reduce-add tile (128 rows × dq_cols float32)
     dq_stages: int = 2  # shared-memory staging buffers of the dQ reduce-adds
+    two_cta: bool = False  # 2-CTA MMAs: a cluster of two CTAs per 256 keys (bwd_2cta.py)
 
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. tile_m = tile_n = 128 (one
 # TMEM lane per key row, one MMA per tile). Sized by shared memory (bwd_config.smem_bytes);
 # start points only: nothing here was measured (no Blackwell GPU in this project).
-# Not supported by this 1-CTA v1 design, and why (docs/perf-log-sm100.md):
-#   (192, 128), (256, 256): the TMEM accumulators dK + dV + Sᵀ + dPᵀ(=dQ) need
-#   192+128+128+192 = 640 / 256+256+128+256 = 896 columns > 512; FA4 serves these head dims with
-#   2-CTA MMAs (each CTA keeps half of dK/dV), not implemented here yet.
+# Head dim 128 runs the 2-CTA kernel (FA4's choice there): each CTA reads half of the Q / dO
+# operand bytes per FLOP and adds half of the dQ rows; its shared memory holds one stage of Q, Qᵀ,
+# dO and dOᵀ (sQ/sdO are query halves, sQᵀ/sdOᵀ column halves) and 8-column dQ boxes.
+# Not supported, and why (docs/perf-log-sm100.md): (192, 128), (256, 256): the 1-CTA TMEM
+# accumulators dK + dV + Sᵀ + dPᵀ(=dQ) need 192+128+128+192 = 640 / 256+256+128+256 = 896
+# columns > 512; 192/128 needs the 2-CTA kernel with FA4's overlapped TMEM map and its shared
+# buffers reused for Q / Qᵀ and dO / dOᵀ (not implemented), 256 FA4's separate dQ and dK/dV
+# kernels (not implemented).
 _T = Sm100BwdTuning
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm100BwdTuning]] = {
     (64, 64): {k: _T(2, 2, 32, 2) for k in MASK_KINDS},
     (96, 96): {k: _T(2, 2, 32, 2) for k in MASK_KINDS},
-    (128, 128): {k: _T(2, 1, 16, 2) for k in MASK_KINDS},
+    (128, 128): {k: _T(1, 1, 8, 2, two_cta=True) for k in MASK_KINDS},
 }
 
 
 def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm100BwdTuning:
-    return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm100 backward", unsupported_hint="; 192/128 and 256 need the 2-CTA kernel, not implemented")
+    return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm100 backward",
+                         unsupported_hint="; 192/128 needs FA4's overlapped 2-CTA layout and 256 "
+                         "its split 2-CTA kernels, not implemented")
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,7 @@ class Sm100BwdConfig(KernelConfig):
 
     kernel_name: ClassVar[str] = "sm100_bwd"
     sources: ClassVar[tuple[str, ...]] = ("spec.py", "common", "sm100/bwd_config.py",
-                                          "sm100/bwd.py",
+                                          "sm100/bwd.py", "sm100/bwd_2cta.py",
                                           "sm100/flash_fwd.py", "sm100/fwd_config.py",
                                           "sm100/tile_order.py")
 
@@ -100,6 +109,7 @@ class Sm100BwdConfig(KernelConfig):
     do_stages: int = 1
     dq_cols: int = 32
     dq_stages: int = 2
+    two_cta: bool = False
 
     tile_m: ClassVar[int] = 128  # query rows per iteration (the N of Sᵀ = K·Qᵀ)
     tile_n: ClassVar[int] = 128  # keys per CTA (the M of Sᵀ: one TMEM lane per key)
@@ -111,7 +121,7 @@ class Sm100BwdConfig(KernelConfig):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         t = tuning_for(head_dim, head_dim_v, mask)
         fields = dict(q_stages=t.q_stages, do_stages=t.do_stages, dq_cols=t.dq_cols,
-                      dq_stages=t.dq_stages)
+                      dq_stages=t.dq_stages, two_cta=t.two_cta)
         fields.update(overrides)
         cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
                   has_softcap=bool(has_softcap), gqa=bool(gqa), deterministic=bool(deterministic),
@@ -129,17 +139,28 @@ class Sm100BwdConfig(KernelConfig):
         if self.head_dim % 32:
             raise ValueError("sm100 backward: head_dim must be a multiple of 32 (each compute "
                              "warpgroup takes half of dK / dV in 16-column chunks)")
-        if self.q_stages < 2:
-            # the MMA warp waits for Q_{j+1} (Sᵀ_{j+1}) before the commit after dK_j releases
-            # Q_j's stage: with one stage the load warp can never refill it (deadlock found by
-            # tests/test_sm100_bwd_protocol.py)
-            raise ValueError("sm100 backward: q_stages must be >= 2 (Q_{j+1} is loaded while "
-                             "Q_j is still in use)")
-        if self.do_stages < 1 or self.dq_stages < 1:
-            raise ValueError("sm100 backward: do_stages, dq_stages must be >= 1")
-        if self.dq_cols not in (16, 32) or self.head_dim % self.dq_cols:
-            raise ValueError(f"sm100 backward: dq_cols {self.dq_cols} must be 16 or 32 and divide "
-                             f"head_dim {self.head_dim}")
+        if self.two_cta:
+            if (self.head_dim, self.head_dim_v) != (128, 128):
+                raise ValueError("sm100 backward: the 2-CTA kernel serves head_dim = head_dim_v "
+                                 f"= 128 only, got {self.head_dim}/{self.head_dim_v}")
+            if min(self.q_stages, self.do_stages, self.dq_stages) < 1:
+                raise ValueError("sm100 backward: q_stages, do_stages, dq_stages must be >= 1")
+            if self.dq_cols not in (8, 16, 32) or (self.head_dim // 2) % self.dq_cols:
+                raise ValueError(f"sm100 backward: dq_cols {self.dq_cols} must be 8, 16 or 32 "
+                                 f"and divide head_dim / 2 = {self.head_dim // 2} (2-CTA dQ is "
+                                 "folded: each lane half holds half of the columns)")
+        else:
+            if self.q_stages < 2:
+                # the MMA warp waits for Q_{j+1} (Sᵀ_{j+1}) before the commit after dK_j
+                # releases Q_j's stage: with one stage the load warp can never refill it
+                # (deadlock found by tests/test_sm100_bwd_protocol.py)
+                raise ValueError("sm100 backward: q_stages must be >= 2 (Q_{j+1} is loaded "
+                                 "while Q_j is still in use)")
+            if self.do_stages < 1 or self.dq_stages < 1:
+                raise ValueError("sm100 backward: do_stages, dq_stages must be >= 1")
+            if self.dq_cols not in (16, 32) or self.head_dim % self.dq_cols:
+                raise ValueError(f"sm100 backward: dq_cols {self.dq_cols} must be 16 or 32 and "
+                                 f"divide head_dim {self.head_dim}")
         if self.tmem_columns() > TMEM_COLUMNS:
             raise ValueError(f"sm100 backward: {self.tmem_columns()} TMEM columns exceed {TMEM_COLUMNS}")
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
@@ -148,16 +169,23 @@ class Sm100BwdConfig(KernelConfig):
 
     # -- derived ---------------------------------------------------------------------------------
     #: 16 warps: 0-3 dQ reduce, 4-11 compute (two warpgroups, each half of the query columns),
-    #: 12 MMA (+ TMEM allocation), 13 load, 14-15 idle (setmaxnreg acts per warpgroup).
+    #: 12 MMA (+ TMEM allocation), 13 load, 14 relay (2-CTA) or idle, 15 idle (setmaxnreg acts
+    #: per warpgroup).
     num_threads: ClassVar[int] = 512
 
     def tmem_offsets(self) -> dict[str, int]:
-        """Column offsets of the TMEM accumulators: dK, dV, Sᵀ (Pᵀ in its columns), dPᵀ (dQ
-        reuses dPᵀ's columns once dS has been computed from it)."""
+        """Column offsets of the TMEM accumulators: dK, dV, Sᵀ (Pᵀ in its columns), dPᵀ, dQ.
+        1-CTA: dQ (128 lanes × D) reuses dPᵀ's columns once dS has been computed from it.
+        2-CTA: dSᵀ (16-bit) goes into dPᵀ's columns too, and the folded dQ (D/2 columns) into
+        dPᵀ's upper 64 (bwd_2cta.py)."""
         d, dv = self.head_dim, self.head_dim_v
-        return {"dk": 0, "dv": d, "s": d + dv, "dp": d + dv + self.tile_m, "dq": d + dv + self.tile_m}
+        dp = d + dv + self.tile_m
+        return {"dk": 0, "dv": d, "s": d + dv, "dp": dp,
+                "dq": dp + self.tile_m // 2 if self.two_cta else dp}
 
     def tmem_columns(self) -> int:
+        if self.two_cta:
+            return self.head_dim + self.head_dim_v + 2 * self.tile_m
         return self.head_dim + self.head_dim_v + self.tile_m + max(self.tile_m, self.head_dim)
 
     def tmem_alloc_columns(self) -> int:
@@ -166,14 +194,32 @@ class Sm100BwdConfig(KernelConfig):
             n *= 2
         return n
 
+    @property
+    def lse_stages(self) -> int:
+        """Stages of the -lse_log2 / -delta rows (1-CTA: they follow the Q stage)."""
+        return 2 if self.two_cta else self.q_stages
+
+    @property
+    def semaphore_slots(self) -> int:
+        """dq_semaphore slots per query block (2-CTA: one per 64-row half of the block)."""
+        return 2 if self.two_cta else 1
+
     def smem_bytes(self) -> int:
         e = 2
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        stats = 2 * self.lse_stages * tm * 4  # -lse_log2, -delta per query row
+        staging = self.dq_stages * tm * self.dq_cols * 4  # dQ reduce staging
+        if self.two_cta:
+            # per CTA: K, V (own keys), Kᵀ (D/2 columns × 256 keys); Q, dO (a query half × D)
+            # and Qᵀ, dOᵀ (D/2 columns × all rows) per stage; sdS (a query half × 256 keys),
+            # sdS_xchg (a query half × own keys)
+            return (tn * (d + dv) * e + tn * d * e
+                    + self.q_stages * tm * d * e + self.do_stages * tm * dv * e
+                    + tm * tn * e + tm // 2 * tn * e + staging + stats)
         return (tn * (d + dv) * e  # K, V
                 + self.q_stages * tm * d * e + self.do_stages * tm * dv * e  # Q, dO rings
                 + tm * tn * e  # dS
-                + self.dq_stages * tm * self.dq_cols * 4  # dQ reduce staging
-                + 2 * self.q_stages * tm * 4)  # -lse_log2, -delta per query row
+                + staging + stats)
 
     def num_m_blocks(self, seqlen_q: int) -> int:
         return -(-seqlen_q // self.tile_m)
@@ -182,12 +228,14 @@ class Sm100BwdConfig(KernelConfig):
     def signature(self) -> KernelSignature:
         return attention_backward_signature(
             self.dtype, self.head_dim, self.head_dim_v, self.tile_m, self.gqa,
-            counters=("dq_semaphore", 1) if self.deterministic else None)
+            counters=("dq_semaphore", self.semaphore_slots) if self.deterministic else None)
 
     def make_launcher(self) -> Callable[..., Any]:
         self.validate()
-        from jax_fa4.kernels.sm100.bwd import make_launcher  # imports the compiler
-
+        if self.two_cta:
+            from jax_fa4.kernels.sm100.bwd_2cta import make_launcher  # imports the compiler
+        else:
+            from jax_fa4.kernels.sm100.bwd import make_launcher
         return make_launcher(self)
 
 
