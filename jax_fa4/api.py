@@ -186,9 +186,10 @@ def flash_attention(
 
     Backward: on Hopper (``implementation="sm90"``, the default there) the preprocess, main and
     dQ postprocess kernels; with ``"sm100"`` (opt-in: forced, or ``JAX_FA4_ENABLE_SM100=1``) the
-    preprocess and the Blackwell backward kernel (head dims 64, 96, 128 with ``Dv == D``; it
-    compiles but has never run on hardware), else the reference's backward with a one-time
-    ``RuntimeWarning`` naming the reason (e.g. head dims 192/256, which need a 2-CTA kernel);
+    preprocess and the Blackwell backward kernel (head dims 64, 96, 128 with ``Dv == D`` and
+    192 with ``Dv`` 128, the last two with 2-CTA MMAs; it compiles but has never run on
+    hardware), else the reference's backward with a one-time ``RuntimeWarning`` naming the
+    reason (e.g. head dim 256, which needs FA4's split 2-CTA kernels);
     elsewhere the preprocess (a kernel on GPUs) and the reference's explicit FlashAttention
     backward (also for calls the Hopper backward kernels do not cover).
     """

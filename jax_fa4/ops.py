@@ -238,7 +238,7 @@ def backward(q, k, v, out, lse, dout, delta, lse_log2, opts
     (``"sm90"``) the main and dQ postprocess kernels, on Blackwell (``"sm100"``, compiled only,
     never run on hardware) the main kernel with the dQ scale done by XLA; with
     ``deterministic=True`` the kernel that adds dQ in a fixed order. Everything else (the
-    reference, unsupported shapes or options, e.g. head dims 192/256 on sm100) runs the
+    reference, unsupported shapes or options, e.g. head dim 256 on sm100) runs the
     reference's explicit backward, which is deterministic too; an sm100 call whose forward ran a
     kernel says so with a one-time :class:`RuntimeWarning` naming the reason.
     """

@@ -84,7 +84,7 @@ def test_compiles_with_clean_sass(cfg, tmp_path, shipped_cache):
     # Sᵀ, dPᵀ (K = D), dV, dK (K = tile_m), dQ (K = the keys of the CTA, or of the pair):
     # one UTCHMMA per 16-deep k-block; the 2-CTA kernel's are all cta_group::2
     keys = 2 * tn if cfg.two_cta else tn
-    assert ops.get("UTCHMMA", 0) == 2 * d // 16 + 2 * tm // 16 + keys // 16
+    assert ops.get("UTCHMMA", 0) == (d + cfg.head_dim_v) // 16 + 2 * tm // 16 + keys // 16
     assert n(r"UTCHMMA\.2CTA") == (ops["UTCHMMA"] if cfg.two_cta else 0)
     assert ops.get("UTCBAR", 0) > 0
     assert n(r"UTCBAR\.2CTA\.MULTICAST") == (ops["UTCBAR"] if cfg.two_cta else 0)
@@ -131,8 +131,9 @@ def test_config_modules_do_not_import_the_compiler():
 @pytest.mark.parametrize("kwargs,word", [
     (dict(dtype="float32", head_dim=128), "dtype"),
     (dict(dtype="bfloat16", head_dim=80), "head_dim"),
-    (dict(dtype="bfloat16", head_dim=192, head_dim_v=128), "2-CTA"),
+    (dict(dtype="bfloat16", head_dim=192, head_dim_v=192), "head_dim"),
     (dict(dtype="bfloat16", head_dim=256), "2-CTA"),
+    (dict(dtype="bfloat16", head_dim=192, head_dim_v=128, two_cta=False), "1-CTA"),
     (dict(dtype="bfloat16", head_dim=128, mask="alibi"), "mask"),
 ])
 def test_validator_names_the_unsupported_feature(kwargs, word):
@@ -165,6 +166,15 @@ def test_every_shipped_variant_fits():
         assert c.tmem_columns() <= TMEM_COLUMNS, c.describe()
         assert c.tmem_alloc_columns() in (32, 64, 128, 256, 512)
         off = c.tmem_offsets()
+        if c.serial:
+            # dV | dK | Sᵀ; dPᵀ over Sᵀ's upper half (after the s_read signal); dQ (D/2, folded)
+            # over dPᵀ's columns [32, 128): over the upper half of the contiguous 16-bit dSᵀ
+            # (dK_j reads it, issued before dQ_j) and up to the last allocated column
+            assert off["dv"] == 0 and off["dk"] == c.head_dim_v
+            assert off["s"] == off["dk"] + c.head_dim and off["dp"] == off["s"] + c.tile_m // 2
+            assert off["dq"] == off["dp"] + c.tile_m // 4
+            assert off["dq"] + c.head_dim // 2 == off["dp"] + c.tile_m == c.tmem_alloc_columns()
+            continue
         # dK | dV | Sᵀ | dPᵀ do not overlap; dQ lies in dPᵀ's columns (1-CTA: all D of them
         # from dPᵀ's first; 2-CTA: the folded D/2 in dPᵀ's upper half, past both warpgroups'
         # 16-bit dSᵀ at [0, 32) and [64, 96) of which only [64, 96) overlaps: dK_j, which reads
@@ -343,17 +353,18 @@ def test_every_shipped_variant_has_clean_sass(shipped_cache, tmp_path):
 # 2-CTA kernel: what each CTA of a pair holds (trace time, no GPU)
 # ------------------------------------------------------------------------------------------------
 @needs_compiler
-def test_two_cta_operand_and_accumulator_maps():
+@pytest.mark.parametrize("d, dv", [(128, 128), (192, 128)])
+def test_two_cta_operand_and_accumulator_maps(d, dv):
     """The pair MMAs of ``FlashAttentionBackwardSm100TwoCta.tiled_mmas`` split their operands and
     accumulators the way the kernel's roles assume (bwd_2cta.py docstring), for both ranks r:
 
     * Sᵀ (and dPᵀ, dV, dK: same M split): A rows = keys 128r + i, accumulator lane i = key
       128r + i, column c = query c (the compute warps' and epilogue's lane = own key);
-    * Sᵀ / dPᵀ B = queries [64r, 64r + 64) (what sQ / sdO hold), dK / dV B = D columns
-      [64r, 64r + 64) of all queries (sQᵀ / sdOᵀ);
-    * dQ: A = queries [64r, 64r + 64) × all 256 pair keys (sdS), B = D columns [64r, 64r + 64)
-      × all 256 keys (sKᵀ); accumulator (query 64r + i, column c) at TMEM lane i + 64·(c // 64),
-      column c % 64 (the reduce warps' folded rows and boxes);
+    * Sᵀ / dPᵀ B = queries [64r, 64r + 64) (what sQ / sdO hold), dK / dV B = D / Dv columns
+      [r·D/2, (r + 1)·D/2) of all queries (sQᵀ / sdOᵀ);
+    * dQ: A = queries [64r, 64r + 64) × all 256 pair keys (sdS), B = D columns
+      [r·D/2, (r + 1)·D/2) × all 256 keys (sKᵀ); accumulator (query 64r + i, column c) at TMEM
+      lane i + 64·(c // (D/2)), column c % (D/2) (the reduce warps' folded rows and boxes);
     * sdS: the keys of CTA h are the bytes [16 KB·h, 16 KB·(h + 1)) (what the DSMEM copy moves
       and the exchange buffer mirrors), query-contiguous per key (the compute warps' row store).
     """
@@ -366,10 +377,11 @@ def test_two_cta_operand_and_accumulator_maps():
 
     from jax_fa4.kernels.sm100.bwd_2cta import FlashAttentionBackwardSm100TwoCta
 
-    cfg = Sm100BwdConfig.make("bfloat16", 128)
+    cfg = Sm100BwdConfig.make("bfloat16", d, dv)
     assert cfg.two_cta
     kernel = FlashAttentionBackwardSm100TwoCta(cfg)
-    D = cfg.head_dim
+    D, half = cfg.head_dim, cfg.head_dim // 2
+    b_half = {"st": 64, "dpt": 64, "dv": dv // 2, "dk": half}  # B columns per CTA
     found: dict = {}
 
     def coords(t, idx):
@@ -393,14 +405,15 @@ def test_two_cta_operand_and_accumulator_maps():
             found[("dq", r, "A")] = [thr.partition_A(cute.make_identity_tensor((128, 256)))[
                 ((i, k % 16), 0, k // 16)] for i in (0, 17, 63) for k in (0, 127, 128, 255)]
             found[("dq", r, "B")] = [thr.partition_B(cute.make_identity_tensor((D, 256)))[
-                ((i, k % 16), 0, k // 16)] for i in (0, 17, 63) for k in (0, 127, 128, 255)]
+                ((i, k % 16), 0, k // 16)] for i in (0, 17, half - 1)
+                for k in (0, 127, 128, 255)]
             cC = thr.partition_C(cute.make_identity_tensor((128, D)))
             found[("dq", r, "C")] = [cC[((i, c), 0, 0)] for i in (0, 33, 63)
-                                     for c in (0, 63, 64, D - 1)]
+                                     for c in (0, half - 1, half, D - 1)]
         th = dq.get_slice(0)
         frag = th.make_fragment_C(th.partition_shape_C((128, D)))
         found["dq_tmem"] = [cute.crd2idx(((i, c), 0, 0), frag.layout)
-                            for i in (0, 33, 63) for c in (0, 63, 64, D - 1)]
+                            for i in (0, 33, 63) for c in (0, half - 1, half, D - 1)]
         sdS_l = sm100_utils.make_smem_layout_a(dq, dq_t, cutlass.BFloat16, 1)
         flat = cute.composition(cute.select(sdS_l, mode=[0, 1, 2]), cute.make_layout((64, 256)))
         found["sdS"] = [(q, k, cute.crd2idx((q, k), flat)) for q in range(64)
@@ -417,17 +430,17 @@ def test_two_cta_operand_and_accumulator_maps():
             assert found[(name, r, "A")] == [(128 * r + i, 0) for i in range(0, 128, 7)], name
             assert [row for row, _ in found[(name, r, "C")]] == [128 * r + i for i in (0, 5, 127)
                                                                  for _ in range(3)], name
-        for name in ("st", "dpt", "dv", "dk"):  # Sᵀ/dPᵀ: query half; dV/dK: D-column half
-            assert found[(name, r, "B")] == [(64 * r + i, 0) for i in range(0, 64, 5)], name
+        for name, w in b_half.items():  # Sᵀ/dPᵀ: query half; dV/dK: Dv / D column half
+            assert found[(name, r, "B")] == [(w * r + i, 0) for i in range(0, 64, 5)], name
         assert found[("dq", r, "A")] == [(64 * r + i, k) for i in (0, 17, 63)
                                          for k in (0, 127, 128, 255)]
-        assert found[("dq", r, "B")] == [(64 * r + i, k) for i in (0, 17, 63)
+        assert found[("dq", r, "B")] == [(half * r + i, k) for i in (0, 17, half - 1)
                                          for k in (0, 127, 128, 255)]
         assert found[("dq", r, "C")] == [(64 * r + i, c) for i in (0, 33, 63)
-                                         for c in (0, 63, 64, D - 1)]
+                                         for c in (0, half - 1, half, D - 1)]
     lane = 2 ** 16  # TMEM address: lane in the upper 16 bits, column in the lower
-    assert found["dq_tmem"] == [(i + 64 * (c // 64)) * lane + c % 64 for i in (0, 33, 63)
-                                for c in (0, 63, 64, D - 1)]
+    assert found["dq_tmem"] == [(i + 64 * (c // half)) * lane + c % half for i in (0, 33, 63)
+                                for c in (0, half - 1, half, D - 1)]
     assert found["sdS_cosize"] == 64 * 256
     offsets = {(q, k): off for q, k, off in found["sdS"]}
     for (q, k), off in offsets.items():

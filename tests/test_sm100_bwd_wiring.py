@@ -115,11 +115,24 @@ def test_enabled_sm100_gradient_uses_the_sm100_backward(lowered, monkeypatch):
     assert kernels["sm100_bwd"].mask == "local" and kernels["sm100_bwd"].head_dim == 64
 
 
-@pytest.mark.parametrize("d, dv", [(192, 128), (256, 256)])
+def test_sm100_gradient_at_head_dim_192_128_lowers_to_the_serial_2cta_kernel(lowered,
+                                                                             fresh_warning):
+    """Head dim 192 / Dv 128: the 2-CTA backward in its serial layout (dPᵀ over Sᵀ's upper half),
+    no fallback warning."""
+    q, k, v = _qkv(d=192, dv=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _export_for_cuda(_grad_fn("sm100", causal=True), q, k, v)
+    (bwd,) = [c for c, _ in lowered if c.kernel_name == "sm100_bwd"]
+    assert (bwd.head_dim, bwd.head_dim_v, bwd.two_cta, bwd.serial) == (192, 128, True, True)
+
+
+@pytest.mark.parametrize("d, dv", [(256, 256)])
 def test_sm100_backward_the_kernel_rejects_falls_back_with_a_warning(lowered, fresh_warning, d,
                                                                       dv):
-    """Head dims the 1-CTA sm100 backward does not take (192/128, 256: TMEM) keep the sm100
-    forward kernel and run the reference backward, saying so once, with the config's reason."""
+    """Head dims the sm100 backward does not take (256: FA4's split kernels, not written) keep
+    the sm100 forward kernel and run the reference backward, saying so once, with the config's
+    reason."""
     q, k, v = _qkv(d=d, dv=dv)
     opts = jax_fa4.api.canonicalize(q, k, v, softmax_scale=None, causal=True,
                                     window_size=(None, None), softcap=0.0,

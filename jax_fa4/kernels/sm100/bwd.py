@@ -140,6 +140,10 @@ class FlashAttentionBackwardSm100:
         self.tmem_dp, self.tmem_dq = off["dp"], off["dq"]
         self.cols_per_wg = self.tile_m // 2  # query columns of Sᵀ / dPᵀ per compute warpgroup
         self.epi_chunk = 16  # dK / dV columns per TMEM load in the epilogue
+        # TMEM column of warpgroup 1's 16-bit Pᵀ / dSᵀ relative to warpgroup 0's: its own
+        # Sᵀ / dPᵀ columns (no cross-warpgroup ordering needed; bwd_2cta's serial layout packs
+        # them contiguously instead)
+        self.p16_stride = self.cols_per_wg
 
     # ---------------------------------------------------------------------------------------------
     # Host side
@@ -607,6 +611,7 @@ class FlashAttentionBackwardSm100:
             # ---- Pᵀ = exp2(Sᵀ·scale_log2 − lse) ----
             cute.arch.mbarrier_wait(s_full, j % 2)
             rP = cute.make_rmem_tensor((cw,), Float32)
+            self.load_wg_cols(rP, tmem_ptr, acc_layout, self.tmem_s, wg, lane_row, 0, cw)
             self.softmax_p(rP, tmem_ptr, acc_layout, blocks, m_block, n_block, key, wg,
                            lane_row, scale_log2, tanh_in_scale, sLSE, lse_state.index)
             self.store_16bit(rP, tmem_ptr, acc_layout, self.tmem_s, wg, lane_row)
@@ -678,8 +683,9 @@ class FlashAttentionBackwardSm100:
     def softmax_p(self, rP: cute.Tensor, tmem_ptr, acc_layout, blocks: BwdBlocks,
                   m_block: Int32, n_block: Int32, key: Int32, wg: Int32, lane_row: Int32,
                   scale_log2: Float32, tanh_in_scale: Float32, sLSE: cute.Tensor, stage: Int32):
-        """rP = Pᵀ of this thread's key and the warpgroup's cw query columns: Sᵀ from TMEM,
-        [softcap,] masked (query-block skipping: only tiles ``blocks`` says are cut), exp2."""
+        """rP (Sᵀ of this thread's key and the warpgroup's cw query columns, loaded by the
+        caller with load_wg_cols) → Pᵀ: [softcap,] masked (query-block skipping: only tiles
+        ``blocks`` says are cut), exp2."""
         cw, tm = self.cols_per_wg, self.tile_m
         tail, cut_right, cut_left = BwdBlocks.mask_reasons(blocks, m_block, n_block)
         need_mask = tail or cut_right or cut_left
@@ -689,7 +695,6 @@ class FlashAttentionBackwardSm100:
         if key >= blocks.seqlen_k:
             lo = Int32(tm)
         col0 = cw * wg  # first query column of this warpgroup in the lse / delta rows
-        self.load_wg_cols(rP, tmem_ptr, acc_layout, self.tmem_s, wg, lane_row, 0, cw)
         if const_expr(self.has_softcap):
             for i in cutlass.range_constexpr(cw):
                 rP[i] = cute.math.tanh(rP[i] * tanh_in_scale, fastmath=True)
@@ -710,8 +715,9 @@ class FlashAttentionBackwardSm100:
     def store_16bit(self, r: cute.Tensor, tmem_ptr, acc_layout, base: int, wg: Int32,
                     lane_row: Int32):
         """Store r (cw values: float32, packed here to 16-bit pairs, or already 16-bit) in this
-        thread's lane of TMEM columns base + cw·wg … + cw/2 (columns the warpgroup has read
-        itself). The caller fences (tcgen05.wait::st) before signalling."""
+        thread's lane of TMEM columns base + p16_stride·wg … + cw/2 (p16_stride = cw: columns
+        the warpgroup has read itself). The caller fences (tcgen05.wait::st) before
+        signalling."""
         cw = self.cols_per_wg
         st = tcgen05.make_tmem_copy(
             cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(cw // 2)),
@@ -730,8 +736,8 @@ class FlashAttentionBackwardSm100:
         if wg == 0:
             cute.copy(st, r16, thr.partition_D(tmem_cols(tmem_ptr, acc_layout, base, cw // 2)))
         else:
-            cute.copy(st, r16, thr.partition_D(tmem_cols(tmem_ptr, acc_layout, base + cw,
-                                                         cw // 2)))
+            cute.copy(st, r16, thr.partition_D(tmem_cols(
+                tmem_ptr, acc_layout, base + self.p16_stride, cw // 2)))
 
     @cute.jit
     def softmax_ds(self, rdS: cute.Tensor, rP: cute.Tensor, tmem_ptr, acc_layout, wg: Int32,

@@ -1,6 +1,7 @@
 """FlashAttention backward for Blackwell (sm_100a) with 2-CTA MMAs (tcgen05 ``cta_group::2``).
 
-The head-dim-128 backward of FA4's design: a cluster of two CTAs (a *pair*) owns 256 consecutive
+The head-dim-128 and 192/128 backward of FA4's design (192: the "serial" layout at the end of
+this docstring): a cluster of two CTAs (a *pair*) owns 256 consecutive
 keys of one (batch, query head), each CTA 128 of them (its *own* key block n = blockIdx.x), and
 both walk the same query blocks m of 128 rows. Same call contract, dq_accum layout and dK/dV
 epilogue as the 1-CTA kernel (``bwd.py``, ``bwd_config.py``); deterministic configs use two
@@ -101,6 +102,31 @@ freed after the dealloc barrier with the allocator's peer handshake. End: the lo
 the last phase of its q / qt / do / dot empty barriers and the relay warp the last ds_empty
 (commits nobody else waits for, whose arrivals need not keep issue order), then a cluster
 barrier, so no CTA exits while its peer may still signal it.
+
+Head dim 192 / Dv 128 (``serial``: FA4's layout, built from the same pieces). TMEM per CTA: dV
+[0, 128), dK [128, 320), Sᵀ [320, 448) with Pᵀ (16-bit) *contiguous* in Sᵀ's first 64 columns
+(warpgroup w at [32w, 32w + 32)), dPᵀ [384, 512) *overlapping Sᵀ's upper 64 columns*, dSᵀ (16-bit)
+contiguous in dPᵀ's first 64 columns, dQ (96 columns, folded) at [416, 512) = dPᵀ's columns
+[32, 128). Shared memory: one buffer holds Q_j, then Qᵀ_j (same size), one holds dO_j, then dOᵀ_j
+(pipelines ``q`` and ``do``, one stage, two uses per iteration; no qt / dot pipelines); the rest
+as head dim 128. Changes to the protocol:
+  s_read   compute → leader, 16 warp arrivals   Sᵀ_j fully loaded (tcgen05.wait::ld): dPᵀ_j may
+                                                 overwrite Sᵀ's upper half
+  compute: after loading Sᵀ_j → s_read; a 256-thread named barrier (both warpgroups) before the
+    Pᵀ stores (warpgroup 1 writes Sᵀ columns [32, 64) that warpgroup 0 loads) and another before
+    the dSᵀ stores (likewise for dPᵀ's columns [32, 64)).
+  Leader's MMA order, iteration j = 0 … count − 1 (no skew):
+    j > 0: wait dq_empty_{j−1} (dQ_{j−1} drained: Sᵀ_j overwrites its columns [416, 448));
+    wait q full (Q_j);   Sᵀ_j; commit s_full; release q
+    wait s_read_j, do full (dO_j);  dPᵀ_j; commit dp_full; release do
+    wait p_full_j, do full (dOᵀ_j); dV += Pᵀ_j·dOᵀ_j; release do
+    wait ds_full_j, q full (Qᵀ_j);  dK += dSᵀ_j·Qᵀ_j; release q
+    wait xchg_leader_j;             dQ_j; commit dq_full, ds_empty
+    after: count > 0: commit dkv_full
+  Load order per iteration: Q, dO, lse, Qᵀ, dOᵀ (through the q and do stages: Qᵀ_j waits the
+  release after Sᵀ_j, dOᵀ_j the one after dPᵀ_j, Q_{j+1} the one after dK_j, dO_{j+1} the one
+  after dV_j). dQ_j overwrites dSᵀ_j's upper half, read by dK_j (issued before it); dPᵀ_{j+1} and
+  Sᵀ_{j+1} come after dQ_j and the dq_empty_j wait.
 """
 
 from __future__ import annotations
@@ -127,8 +153,9 @@ RELAY_WARP = 14
 LEADER = 0  # cluster rank of the CTA that issues the MMAs
 BOTH_CTAS = 0b11  # multicast mask of the leader's commits
 CLUSTER = nvvm.MemScopeKind.CLUSTER
-#: named barrier of the warpgroup that sends its dS half to the peer (ids 1-3: bwd.Barrier)
-XCHG_BARRIER = 4
+#: named barriers (ids 1-3: bwd.Barrier): the warpgroup that sends its dS half to the peer;
+#: both compute warpgroups (serial layout)
+XCHG_BARRIER, COMPUTE_BARRIER = 4, 5
 #: per-iteration warp arrivals on the leader's compute → MMA barriers (8 warps × 2 CTAs)
 COMPUTE_ARRIVALS = 2 * len(COMPUTE_WARPS)
 REDUCE_ARRIVALS = 2 * len(REDUCE_WARPS)
@@ -208,6 +235,9 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         self.xchg_bytes = self.q_half * self.tile_n * 2  # the dS half sent to the peer
         # setmaxnreg per warpgroup: 4·reduce + 8·compute + 4·other = 2048 (64K registers / 32)
         self.reduce_regs, self.compute_regs, self.other_regs = 72, 160, 120
+        self.serial = cfg.serial
+        if self.serial:  # 16-bit Pᵀ / dSᵀ contiguous in their region's first 64 columns
+            self.p16_stride = self.cols_per_wg // 2
 
     # ---------------------------------------------------------------------------------------------
     # Host side
@@ -234,13 +264,53 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
             out.append((tiler, mma))
         return out
 
+    def shared_storage(self, sQ_l, sQt_l, sK_l, sKt_l, sV_l, sdO_l, sdOt_l, sdS_l, sdQ_l):
+        """The kernel's shared storage (a ``cute.struct``): barriers, the lse / delta stages,
+        then the 1 KB-aligned operand buffers. Serial: Qᵀ lives in sQ's buffer and dOᵀ in sdO's
+        (no sQt / sdOt, no qt / dot pipelines)."""
+        dt, tm = self.dtype, self.tile_m
+        MemRange, Align = cute.struct.MemRange, cute.struct.Align
+        I64 = cutlass.Int64
+
+        def buf(dtype, n):
+            return Align[MemRange[dtype, n], 1024]
+
+        fields = {"mbar_kv": MemRange[I64, 2], "mbar_q": MemRange[I64, 2 * self.q_stages],
+                  "mbar_do": MemRange[I64, 2 * self.do_stages]}
+        if not self.serial:
+            fields.update(mbar_qt=MemRange[I64, 2 * self.q_stages],
+                          mbar_dot=MemRange[I64, 2 * self.do_stages])
+        fields.update(
+            mbar_lse=MemRange[I64, 2 * self.lse_stages], mbar_sig=MemRange[I64, 11],
+            mbar_dealloc=I64, tmem_holding_buf=Int32,
+            smem_anchor=Int32,  # sK's address, re-read by the MMA warp (operand_view)
+            sLSE=Align[MemRange[Float32, tm * self.lse_stages], 16],
+            sDelta=Align[MemRange[Float32, tm * self.lse_stages], 16],
+            sK=buf(dt, cute.cosize(sK_l)), sV=buf(dt, cute.cosize(sV_l)),
+            sKt=buf(dt, cute.cosize(sKt_l)))
+        if self.serial:
+            fields.update(sQ=buf(dt, max(cute.cosize(sQ_l), cute.cosize(sQt_l))),
+                          sdO=buf(dt, max(cute.cosize(sdO_l), cute.cosize(sdOt_l))))
+        else:
+            fields.update(sQ=buf(dt, cute.cosize(sQ_l)), sQt=buf(dt, cute.cosize(sQt_l)),
+                          sdO=buf(dt, cute.cosize(sdO_l)), sdOt=buf(dt, cute.cosize(sdOt_l)))
+        fields.update(sdS=buf(dt, cute.cosize(sdS_l)), sXchg=buf(dt, cute.cosize(sdS_l) // 2),
+                      sdQ=buf(Float32, cute.cosize(sdQ_l)))
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def transposed_buffers(self, storage):
+        """The shared buffers of Qᵀ and dOᵀ (serial: Q's and dO's)."""
+        if self.serial:
+            return storage.sQ, storage.sdO
+        return storage.sQt, storage.sdOt
+
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mParams: cute.Tensor,
                  mdQacc: cute.Tensor, mSem: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor):
         mQ, mK, mV, mdO, mLSE, mDelta, mdQacc, mSem, mdK, mdV = self.input_views(
             mQ, mK, mV, mdO, mLSE, mDelta, mParams, mdQacc, mSem, mdK, mdV)
-        tm, tn, nc = self.tile_m, self.tile_n, self.dq_cols
+        tn, nc = self.tile_n, self.dq_cols
         dt = self.dtype
         (st_tiler, st_mma), (dpt_tiler, dpt_mma), (dv_tiler, dv_mma), (dk_tiler, dk_mma), \
             (dq_tiler, dq_mma) = self.tiled_mmas()
@@ -293,32 +363,11 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         self.tx_kv = pair_bytes(sK_l) + pair_bytes(sV_l) + pair_bytes(sKt_l)
         self.tx_q, self.tx_qt = pair_bytes(sQ_l), pair_bytes(sQt_l)
         self.tx_do, self.tx_dot = pair_bytes(sdO_l), pair_bytes(sdOt_l)
+        if const_expr(self.serial and (self.tx_q != self.tx_qt or self.tx_do != self.tx_dot)):
+            raise ValueError("serial layout: Qᵀ / dOᵀ must fill the Q / dO stages exactly")
 
-        @cute.struct
-        class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
-            mbar_qt: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages]
-            mbar_dot: cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages]
-            mbar_lse: cute.struct.MemRange[cutlass.Int64, 2 * self.lse_stages]
-            mbar_sig: cute.struct.MemRange[cutlass.Int64, 10]
-            mbar_dealloc: cutlass.Int64
-            tmem_holding_buf: Int32
-            smem_anchor: Int32  # sK's address, re-read by the MMA warp (operand_view)
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.lse_stages], 16]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.lse_stages], 16]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_l)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_l)], 1024]
-            sKt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKt_l)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_l)], 1024]
-            sQt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQt_l)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_l)], 1024]
-            sdOt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdOt_l)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_l)], 1024]
-            sXchg: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_l) // 2], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_l)], 1024]
-
+        SharedStorage = self.shared_storage(sQ_l, sQt_l, sK_l, sKt_l, sV_l, sdO_l, sdOt_l,
+                                            sdS_l, sdQ_l)
         if const_expr(SharedStorage.__sizeof__() > SMEM_LIMIT_BYTES + 1024):
             raise ValueError(f"sm100 2-CTA backward: {SharedStorage.__sizeof__()} B of shared "
                              f"storage exceed {SMEM_LIMIT_BYTES + 1024} B")
@@ -382,9 +431,12 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
 
         pipeline_kv = tma_pipeline(storage.mbar_kv, 1, self.tx_kv)
         pipeline_q = tma_pipeline(storage.mbar_q, self.q_stages, self.tx_q)
-        pipeline_qt = tma_pipeline(storage.mbar_qt, self.q_stages, self.tx_qt)
         pipeline_do = tma_pipeline(storage.mbar_do, self.do_stages, self.tx_do)
-        pipeline_dot = tma_pipeline(storage.mbar_dot, self.do_stages, self.tx_dot)
+        if const_expr(self.serial):  # Qᵀ / dOᵀ through the Q / dO stages (same byte counts)
+            pipeline_qt, pipeline_dot = pipeline_q, pipeline_do
+        else:
+            pipeline_qt = tma_pipeline(storage.mbar_qt, self.q_stages, self.tx_qt)
+            pipeline_dot = tma_pipeline(storage.mbar_dot, self.do_stages, self.tx_dot)
         pipeline_lse = pipeline.PipelineAsync.create(
             barrier_storage=storage.mbar_lse.data_ptr(), num_stages=self.lse_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
@@ -395,12 +447,13 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         s_full, p_full, dp_full, ds_full, ds_empty = sig, sig + 1, sig + 2, sig + 3, sig + 4
         dq_full, dq_empty, dkv_full, xchg_full, xchg_leader = (sig + 5, sig + 6, sig + 7,
                                                                sig + 8, sig + 9)
+        s_read = sig + 10  # serial only
         if warp_idx == 0:
             with cute.arch.elect_one():
                 for bar, count in ((s_full, 1), (p_full, COMPUTE_ARRIVALS), (dp_full, 1),
                                    (ds_full, COMPUTE_ARRIVALS), (ds_empty, 1), (dq_full, 1),
                                    (dq_empty, REDUCE_ARRIVALS), (dkv_full, 1), (xchg_full, 1),
-                                   (xchg_leader, 2)):
+                                   (xchg_leader, 2), (s_read, COMPUTE_ARRIVALS)):
                     cute.arch.mbarrier_init(bar, count)
         tmem_users = 32 * (len(COMPUTE_WARPS) + len(REDUCE_WARPS) + 1)
         tmem = utils.TmemAllocator(
@@ -417,12 +470,13 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         cute.arch.cluster_wait()
 
         sQ = storage.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)
-        sQt = storage.sQt.get_tensor(sQt_l.outer, swizzle=sQt_l.inner)
+        qt_mem, dot_mem = self.transposed_buffers(storage)
+        sQt = qt_mem.get_tensor(sQt_l.outer, swizzle=sQt_l.inner)
         sK = storage.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)
         sKt = storage.sKt.get_tensor(sKt_l.outer, swizzle=sKt_l.inner)
         sV = storage.sV.get_tensor(sV_l.outer, swizzle=sV_l.inner)
         sdO = storage.sdO.get_tensor(sdO_l.outer, swizzle=sdO_l.inner)
-        sdOt = storage.sdOt.get_tensor(sdOt_l.outer, swizzle=sdOt_l.inner)
+        sdOt = dot_mem.get_tensor(sdOt_l.outer, swizzle=sdOt_l.inner)
         sdS = storage.sdS.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)
         # the exchange buffer holds sdS's first key half only (its layout, its swizzle phase)
         sXchg = storage.sXchg.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)
@@ -458,8 +512,8 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.compute_warps_2cta(mdK, mdV, mParams, sdS, sXchg, storage, sLSE, sDelta,
                                     st_mma, tmem_ptr, pipeline_lse, s_full, p_full, dp_full,
-                                    ds_full, ds_empty, dkv_full, xchg_full, head, head_kv,
-                                    batch, n_block, rank, m_min, count, blocks, tidx,
+                                    ds_full, ds_empty, dkv_full, xchg_full, s_read, head,
+                                    head_kv, batch, n_block, rank, m_min, count, blocks, tidx,
                                     warp_idx)
             cute.arch.fence_view_async_tmem_load()
             dealloc_barrier.arrive_and_wait()
@@ -480,10 +534,11 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                 tmem.relinquish_alloc_permit()
                 if rank == LEADER:
                     self.mma_warp_2cta(storage, sQ_l, sQt_l, sK_l, sKt_l, sV_l, sdO_l, sdOt_l,
-                                       sdS_l, tP_l, st_mma, dpt_mma, dv_mma, dk_mma, dq_mma, tmem_ptr, pipeline_kv,
+                                       sdS_l, tP_l, st_mma, dpt_mma, dv_mma, dk_mma, dq_mma,
+                                       tmem_ptr, pipeline_kv,
                                        pipeline_q, pipeline_qt, pipeline_do, pipeline_dot,
                                        s_full, p_full, dp_full, ds_full, ds_empty, dq_full,
-                                       dq_empty, dkv_full, xchg_leader, count)
+                                       dq_empty, dkv_full, xchg_leader, s_read, count)
                 dealloc_barrier.arrive_and_wait()
                 tmem.free(tmem_ptr)
             if warp_idx == RELAY_WARP:
@@ -552,24 +607,33 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         for j in cutlass.range(count, unroll=1):
             m_block = m_min + j
             self.tma_load(pipeline_q, q_state, tma_atom_Q, tQgQ[None, m_block], tQsQ)
+            q_state.advance()
             self.tma_load(pipeline_do, do_state, tma_atom_dO, tdOgdO[None, m_block], tdOsdO)
+            do_state.advance()
             self.stage_stats(mLSE, mDelta, sLSE, sDelta, pipeline_lse, lse_state, m_block, head,
                              batch, seqlen_q, lane)
-            self.tma_load(pipeline_qt, qt_state, tma_atom_Qt, tQtgQt[None, m_block], tQtsQt)
-            self.tma_load(pipeline_dot, dot_state, tma_atom_dOt, tdOtgdOt[None, m_block],
-                          tdOtsdOt)
-            q_state.advance()
-            qt_state.advance()
-            do_state.advance()
-            dot_state.advance()
             lse_state.advance()
+            if const_expr(self.serial):  # Qᵀ / dOᵀ into the Q / dO buffers, next stage uses
+                self.tma_load(pipeline_q, q_state, tma_atom_Qt, tQtgQt[None, m_block], tQtsQt)
+                q_state.advance()
+                self.tma_load(pipeline_do, do_state, tma_atom_dOt, tdOtgdOt[None, m_block],
+                              tdOtsdOt)
+                do_state.advance()
+            else:
+                self.tma_load(pipeline_qt, qt_state, tma_atom_Qt, tQtgQt[None, m_block],
+                              tQtsQt)
+                qt_state.advance()
+                self.tma_load(pipeline_dot, dot_state, tma_atom_dOt, tdOtgdOt[None, m_block],
+                              tdOtsdOt)
+                dot_state.advance()
         # the last releases (the leader's commits) are waited by nobody else: wait them here,
         # so that no commit can reach this CTA's barriers after it exits (the final cluster
         # barrier orders only what its threads have seen)
-        for pipe, st, stages in ((pipeline_q, q_state, self.q_stages),
-                                 (pipeline_qt, qt_state, self.q_stages),
-                                 (pipeline_do, do_state, self.do_stages),
-                                 (pipeline_dot, dot_state, self.do_stages)):
+        drain = [(pipeline_q, q_state, self.q_stages), (pipeline_do, do_state, self.do_stages)]
+        if const_expr(not self.serial):
+            drain += [(pipeline_qt, qt_state, self.q_stages),
+                      (pipeline_dot, dot_state, self.do_stages)]
+        for pipe, st, stages in drain:
             for _ in cutlass.range_constexpr(stages):
                 pipe.sync_object_empty.wait(st.index, st.phase)
                 st.advance()
@@ -581,7 +645,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                       dpt_mma: cute.TiledMma, dv_mma: cute.TiledMma, dk_mma: cute.TiledMma,
                       dq_mma: cute.TiledMma, tmem_ptr, pipeline_kv, pipeline_q, pipeline_qt,
                       pipeline_do, pipeline_dot, s_full, p_full, dp_full, ds_full, ds_empty,
-                      dq_full, dq_empty, dkv_full, xchg_leader, count: Int32):
+                      dq_full, dq_empty, dkv_full, xchg_leader, s_read, count: Int32):
         """The pair's MMAs, in the order of the module docstring; every commit arrives in both
         CTAs. The descriptors address this CTA's shared / tensor memory; the peer's operands
         and accumulators sit at the same offsets."""
@@ -589,14 +653,9 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         st_thr, dpt_thr = st_mma.get_slice(0), dpt_mma.get_slice(0)
         dv_thr, dk_thr, dq_thr = dv_mma.get_slice(0), dk_mma.get_slice(0), dq_mma.get_slice(0)
         dt = self.dtype
+        # operand fragments (smem descriptors) are rebuilt from a re-read address at each GEMM
         st_shared_u32(storage.smem_anchor.ptr, storage.sK.data_ptr().toint())
-        # operand fragments (smem descriptors): rebuilt from a re-read address at each GEMM
-        tSrK = st_thr.make_fragment_A(operand_view(storage, storage.sK, sK_l, dt))
-        num_kb_s = cute.size(tSrK, mode=[2])
-        num_kb_dp = cute.size(dpt_thr.make_fragment_A(operand_view(storage, storage.sV, sV_l, dt)),
-                              mode=[2])
-        num_kb_dq = cute.size(dq_thr.make_fragment_A(operand_view(storage, storage.sdS, sdS_l, dt)),
-                              mode=[2])
+
         def acc(thr, shape, offset):
             fake = thr.make_fragment_C(thr.partition_shape_C(shape))
             return cute.make_tensor(tmem_ptr + offset, fake.layout)
@@ -615,7 +674,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                 None, None, None, 0]
             return [cute.make_tensor(cute.recast_ptr(tmem_ptr + base + off,
                                                      dtype=fake.element_type), fake.layout)
-                    for off in (0, half)]
+                    for off in (0, self.p16_stride - half)]
 
         tVrP, tKrdS = a_views(dv_thr, self.tmem_s), a_views(dk_thr, self.tmem_dp)
 
@@ -624,75 +683,115 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         qt_state = pipeline.make_pipeline_state(Consumer, self.q_stages)
         do_state = pipeline.make_pipeline_state(Consumer, self.do_stages)
         dot_state = pipeline.make_pipeline_state(Consumer, self.do_stages)
+        qt_mem, dot_mem = self.transposed_buffers(storage)
         if count > 0:
             kv_state = pipeline.make_pipeline_state(Consumer, 1)
             pipeline_kv.consumer_wait(kv_state)
-        for j in cutlass.range(count + 1, unroll=1):
-            if j < count:
-                # Sᵀ_j = K·Q_jᵀ
+        if const_expr(self.serial):
+            # one iteration at a time (dPᵀ overlaps Sᵀ's upper half, dQ dSᵀ's and Sᵀ's);
+            # Qᵀ / dOᵀ come through the Q / dO stages right after Q / dO
+            for j in cutlass.range(count, unroll=1):
+                if j > 0:
+                    cute.arch.mbarrier_wait(dq_empty, (j - 1) % 2)  # Sᵀ_j overwrites dQ_{j-1}
                 pipeline_q.consumer_wait(q_state)
-                tSrK = st_thr.make_fragment_A(operand_view(storage, storage.sK, sK_l, dt))
-                tSrQ = st_thr.make_fragment_B(operand_view(storage, storage.sQ, sQ_l, dt))
-                for k in cutlass.range_constexpr(num_kb_s):
-                    st_mma.set(tcgen05.Field.ACCUMULATE, k > 0)
-                    cute.gemm(st_mma, tStS, tSrK[None, None, k, 0],
-                              tSrQ[None, None, k, q_state.index], tStS)
+                self.gemm_ss(st_mma, tStS, st_thr.make_fragment_A(
+                    operand_view(storage, storage.sK, sK_l, dt)), st_thr.make_fragment_B(
+                    operand_view(storage, storage.sQ, sQ_l, dt)), q_state.index)
                 commit(s_full)
                 pipeline_q.consumer_release(q_state)
                 q_state.advance()
-            if j > 0:
-                # dK += dSᵀ_{j-1}·Q_{j-1} (dSᵀ in TMEM, both CTAs' compute warps done with
-                # dPᵀ_{j-1}); then dQ_{j-1} = dS·K once both dS halves landed in both CTAs
-                cute.arch.mbarrier_wait(ds_full, (j - 1) % 2)
-                pipeline_qt.consumer_wait(qt_state)
-                tKrQt = dk_thr.make_fragment_B(operand_view(storage, storage.sQt, sQt_l, dt))
-                self.gemm_ts_halves(dk_mma, tKtK, tKrdS[0], tKrdS[1], tKrQt, qt_state.index,
-                                    j > 1)
-                pipeline_qt.consumer_release(qt_state)
-                qt_state.advance()
-                cute.arch.mbarrier_wait(xchg_leader, (j - 1) % 2)
-                tQrdS = dq_thr.make_fragment_A(operand_view(storage, storage.sdS, sdS_l, dt))
-                tQrKt = dq_thr.make_fragment_B(operand_view(storage, storage.sKt, sKt_l, dt))
-                for k in cutlass.range_constexpr(num_kb_dq):
-                    dq_mma.set(tcgen05.Field.ACCUMULATE, k > 0)
-                    cute.gemm(dq_mma, tQtQ, tQrdS[None, None, k, 0], tQrKt[None, None, k, 0],
-                              tQtQ)
-                commit(dq_full)
-                commit(ds_empty)
-            if j < count:
-                if j > 0:
-                    # the reduce warps of both CTAs drained dQ_{j-1} from dPᵀ's columns
-                    cute.arch.mbarrier_wait(dq_empty, (j - 1) % 2)
-                # dPᵀ_j = V·dO_jᵀ
+                cute.arch.mbarrier_wait(s_read, j % 2)  # Sᵀ_j loaded: dPᵀ_j may overwrite
                 pipeline_do.consumer_wait(do_state)
-                tPrV = dpt_thr.make_fragment_A(operand_view(storage, storage.sV, sV_l, dt))
-                tPrdO = dpt_thr.make_fragment_B(operand_view(storage, storage.sdO, sdO_l, dt))
-                for k in cutlass.range_constexpr(num_kb_dp):
-                    dpt_mma.set(tcgen05.Field.ACCUMULATE, k > 0)
-                    cute.gemm(dpt_mma, tPtP, tPrV[None, None, k, 0],
-                              tPrdO[None, None, k, do_state.index], tPtP)
+                self.gemm_ss(dpt_mma, tPtP, dpt_thr.make_fragment_A(
+                    operand_view(storage, storage.sV, sV_l, dt)), dpt_thr.make_fragment_B(
+                    operand_view(storage, storage.sdO, sdO_l, dt)), do_state.index)
                 commit(dp_full)
                 pipeline_do.consumer_release(do_state)
                 do_state.advance()
-                # dV += Pᵀ_j·dO_j once Pᵀ_j is in both CTAs' TMEM
                 cute.arch.mbarrier_wait(p_full, j % 2)
-                pipeline_dot.consumer_wait(dot_state)
-                tVrdOt = dv_thr.make_fragment_B(operand_view(storage, storage.sdOt, sdOt_l, dt))
-                self.gemm_ts_halves(dv_mma, tVtV, tVrP[0], tVrP[1], tVrdOt, dot_state.index,
-                                    j > 0)
-                pipeline_dot.consumer_release(dot_state)
-                dot_state.advance()
+                pipeline_do.consumer_wait(do_state)
+                self.gemm_ts_halves(dv_mma, tVtV, tVrP[0], tVrP[1], dv_thr.make_fragment_B(
+                    operand_view(storage, dot_mem, sdOt_l, dt)), do_state.index, j > 0)
+                pipeline_do.consumer_release(do_state)
+                do_state.advance()
+                cute.arch.mbarrier_wait(ds_full, j % 2)
+                pipeline_q.consumer_wait(q_state)
+                self.gemm_ts_halves(dk_mma, tKtK, tKrdS[0], tKrdS[1], dk_thr.make_fragment_B(
+                    operand_view(storage, qt_mem, sQt_l, dt)), q_state.index, j > 0)
+                pipeline_q.consumer_release(q_state)
+                q_state.advance()
+                cute.arch.mbarrier_wait(xchg_leader, j % 2)
+                self.gemm_ss(dq_mma, tQtQ, dq_thr.make_fragment_A(
+                    operand_view(storage, storage.sdS, sdS_l, dt)), dq_thr.make_fragment_B(
+                    operand_view(storage, storage.sKt, sKt_l, dt)), 0)
+                commit(dq_full)
+                commit(ds_empty)
+        else:
+            for j in cutlass.range(count + 1, unroll=1):
+                if j < count:
+                    # Sᵀ_j = K·Q_jᵀ
+                    pipeline_q.consumer_wait(q_state)
+                    self.gemm_ss(st_mma, tStS, st_thr.make_fragment_A(
+                        operand_view(storage, storage.sK, sK_l, dt)), st_thr.make_fragment_B(
+                        operand_view(storage, storage.sQ, sQ_l, dt)), q_state.index)
+                    commit(s_full)
+                    pipeline_q.consumer_release(q_state)
+                    q_state.advance()
+                if j > 0:
+                    # dK += dSᵀ_{j-1}·Q_{j-1} (dSᵀ in TMEM, both CTAs' compute warps done with
+                    # dPᵀ_{j-1}); then dQ_{j-1} = dS·K once both dS halves landed in both CTAs
+                    cute.arch.mbarrier_wait(ds_full, (j - 1) % 2)
+                    pipeline_qt.consumer_wait(qt_state)
+                    self.gemm_ts_halves(dk_mma, tKtK, tKrdS[0], tKrdS[1],
+                                        dk_thr.make_fragment_B(
+                                            operand_view(storage, qt_mem, sQt_l, dt)),
+                                        qt_state.index, j > 1)
+                    pipeline_qt.consumer_release(qt_state)
+                    qt_state.advance()
+                    cute.arch.mbarrier_wait(xchg_leader, (j - 1) % 2)
+                    self.gemm_ss(dq_mma, tQtQ, dq_thr.make_fragment_A(
+                        operand_view(storage, storage.sdS, sdS_l, dt)), dq_thr.make_fragment_B(
+                        operand_view(storage, storage.sKt, sKt_l, dt)), 0)
+                    commit(dq_full)
+                    commit(ds_empty)
+                if j < count:
+                    if j > 0:
+                        # the reduce warps of both CTAs drained dQ_{j-1} from dPᵀ's columns
+                        cute.arch.mbarrier_wait(dq_empty, (j - 1) % 2)
+                    # dPᵀ_j = V·dO_jᵀ
+                    pipeline_do.consumer_wait(do_state)
+                    self.gemm_ss(dpt_mma, tPtP, dpt_thr.make_fragment_A(
+                        operand_view(storage, storage.sV, sV_l, dt)), dpt_thr.make_fragment_B(
+                        operand_view(storage, storage.sdO, sdO_l, dt)), do_state.index)
+                    commit(dp_full)
+                    pipeline_do.consumer_release(do_state)
+                    do_state.advance()
+                    # dV += Pᵀ_j·dO_j once Pᵀ_j is in both CTAs' TMEM
+                    cute.arch.mbarrier_wait(p_full, j % 2)
+                    pipeline_dot.consumer_wait(dot_state)
+                    self.gemm_ts_halves(dv_mma, tVtV, tVrP[0], tVrP[1], dv_thr.make_fragment_B(
+                        operand_view(storage, dot_mem, sdOt_l, dt)), dot_state.index, j > 0)
+                    pipeline_dot.consumer_release(dot_state)
+                    dot_state.advance()
         if count > 0:
             commit(dkv_full)
+
+    @cute.jit
+    def gemm_ss(self, mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+                stage: Int32):
+        """acc = A·B[stage] over all k-blocks (A: one stage; the first k-block overwrites)."""
+        for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
+            mma.set(tcgen05.Field.ACCUMULATE, k > 0)
+            cute.gemm(mma, acc, a[None, None, k, 0], b[None, None, k, stage], acc)
 
     # --- compute warps (both CTAs) -----------------------------------------------------------
     @cute.jit
     def compute_warps_2cta(self, mdK, mdV, mParams, sdS, sXchg, storage, sLSE, sDelta,
                            st_mma: cute.TiledMma, tmem_ptr, pipeline_lse, s_full, p_full,
-                           dp_full, ds_full, ds_empty, dkv_full, xchg_full, head: Int32,
-                           head_kv: Int32, batch: Int32, n_block: Int32, rank: Int32,
-                           m_min: Int32, count: Int32, blocks: BwdBlocks, tidx: Int32,
-                           warp_idx: Int32):
+                           dp_full, ds_full, ds_empty, dkv_full, xchg_full, s_read,
+                           head: Int32, head_kv: Int32, batch: Int32, n_block: Int32,
+                           rank: Int32, m_min: Int32, count: Int32, blocks: BwdBlocks,
+                           tidx: Int32, warp_idx: Int32):
         """Pᵀ and dSᵀ of the own keys (as the 1-CTA kernel), dSᵀ also into TMEM (the dK MMA's
         A operand); warpgroup w == rank writes its dS (the own query half) into sdS's own key
         half, the other warpgroup sends its dS to the peer through sdS_xchg."""
@@ -710,6 +809,8 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         ds_layout = cute.composition(sdS0.layout, cute.make_layout((self.q_half, 2 * tn)))
         sdS_qk = cute.make_tensor(sdS0.iterator, ds_layout)
         sXchg_qk = cute.make_tensor(sXchg[None, None, None, 0].iterator, ds_layout)
+        compute_barrier = pipeline.NamedBarrier(barrier_id=COMPUTE_BARRIER,
+                                                num_threads=32 * len(COMPUTE_WARPS))
         lse_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  self.lse_stages)
         for j in cutlass.range(count, unroll=1):
@@ -718,8 +819,14 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
             # ---- Pᵀ = exp2(Sᵀ·scale_log2 − lse) → TMEM (Sᵀ's columns) ----
             cute.arch.mbarrier_wait(s_full, j % 2)
             rP = cute.make_rmem_tensor((cw,), Float32)
+            self.load_wg_cols(rP, tmem_ptr, acc_layout, self.tmem_s, wg, lane_row, 0, cw)
+            if const_expr(self.serial):
+                arrive_leader(s_read)  # dPᵀ_j may now overwrite Sᵀ_j's upper half
             self.softmax_p(rP, tmem_ptr, acc_layout, blocks, m_block, n_block, key, wg,
                            lane_row, scale_log2, tanh_in_scale, sLSE, lse_state.index)
+            if const_expr(self.serial):
+                # warpgroup 1's Pᵀ goes to Sᵀ columns [32, 64), which warpgroup 0 loads
+                compute_barrier.arrive_and_wait()
             self.store_16bit(rP, tmem_ptr, acc_layout, self.tmem_s, wg, lane_row)
             cute.arch.fence_view_async_tmem_store()
             arrive_leader(p_full)
@@ -730,6 +837,9 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                             sDelta, lse_state.index)
             pipeline_lse.consumer_release(lse_state)
             lse_state.advance()
+            if const_expr(self.serial):
+                # warpgroup 1's dSᵀ goes to dPᵀ columns [32, 64), which warpgroup 0 loads
+                compute_barrier.arrive_and_wait()
             self.store_16bit(rdS, tmem_ptr, acc_layout, self.tmem_dp, wg, lane_row)
             cute.arch.fence_view_async_tmem_store()
             # ---- dS → shared memory: own query half here, the other one to the peer ----

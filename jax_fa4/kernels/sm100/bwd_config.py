@@ -65,26 +65,26 @@ class Sm100BwdTuning:
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. tile_m = tile_n = 128 (one
 # TMEM lane per key row, one MMA per tile). Sized by shared memory (bwd_config.smem_bytes);
 # start points only: nothing here was measured (no Blackwell GPU in this project).
-# Head dim 128 runs the 2-CTA kernel (FA4's choice there): each CTA reads half of the Q / dO
-# operand bytes per FLOP and adds half of the dQ rows; its shared memory holds one stage of Q, Qᵀ,
-# dO and dOᵀ (sQ/sdO are query halves, sQᵀ/sdOᵀ column halves) and 8-column dQ boxes.
-# Not supported, and why (docs/perf-log-sm100.md): (192, 128), (256, 256): the 1-CTA TMEM
-# accumulators dK + dV + Sᵀ + dPᵀ(=dQ) need 192+128+128+192 = 640 / 256+256+128+256 = 896
-# columns > 512; 192/128 needs the 2-CTA kernel with FA4's overlapped TMEM map and its shared
-# buffers reused for Q / Qᵀ and dO / dOᵀ (not implemented), 256 FA4's separate dQ and dK/dV
-# kernels (not implemented).
+# Head dims 128 and 192/128 run the 2-CTA kernel (FA4's choice there): each CTA reads half of
+# the Q / dO operand bytes per FLOP and adds half of the dQ rows; its shared memory holds one
+# stage of Q, Qᵀ, dO and dOᵀ (sQ/sdO are query halves, sQᵀ/sdOᵀ column halves; at 192 Q and Qᵀ
+# share one buffer, dO and dOᵀ another) and 8-column dQ boxes. 192/128 needs 2-CTA: the 1-CTA
+# TMEM accumulators dK + dV + Sᵀ + dPᵀ(=dQ) would take 192+128+128+192 = 640 columns > 512; the
+# 2-CTA layout overlaps dPᵀ with Sᵀ's upper half (bwd_2cta.py, "serial").
+# Not supported: (256, 256) (FA4 runs separate dQ and dK/dV 2-CTA kernels; not implemented).
 _T = Sm100BwdTuning
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm100BwdTuning]] = {
     (64, 64): {k: _T(2, 2, 32, 2) for k in MASK_KINDS},
     (96, 96): {k: _T(2, 2, 32, 2) for k in MASK_KINDS},
     (128, 128): {k: _T(1, 1, 8, 2, two_cta=True) for k in MASK_KINDS},
+    (192, 128): {k: _T(1, 1, 8, 2, two_cta=True) for k in MASK_KINDS},
 }
 
 
 def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm100BwdTuning:
     return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm100 backward",
-                         unsupported_hint="; 192/128 needs FA4's overlapped 2-CTA layout and 256 "
-                         "its split 2-CTA kernels, not implemented")
+                         unsupported_hint="; 256 needs FA4's split 2-CTA kernels (a dQ kernel "
+                         "and a dK/dV kernel), not implemented")
 
 
 @dataclass(frozen=True)
@@ -134,15 +134,15 @@ class Sm100BwdConfig(KernelConfig):
         """Raise ValueError naming the first unsupported feature."""
         check_dtype_and_mask("sm100 backward", self.dtype, self.mask)
         tuning_for(self.head_dim, self.head_dim_v, self.mask)
-        if self.head_dim != self.head_dim_v:
-            raise ValueError("sm100 backward: head_dim_v must equal head_dim in v1")
+        if self.head_dim != self.head_dim_v and not self.two_cta:
+            raise ValueError("sm100 backward: head_dim_v must equal head_dim (1-CTA kernel)")
         if self.head_dim % 32:
             raise ValueError("sm100 backward: head_dim must be a multiple of 32 (each compute "
                              "warpgroup takes half of dK / dV in 16-column chunks)")
         if self.two_cta:
-            if (self.head_dim, self.head_dim_v) != (128, 128):
-                raise ValueError("sm100 backward: the 2-CTA kernel serves head_dim = head_dim_v "
-                                 f"= 128 only, got {self.head_dim}/{self.head_dim_v}")
+            if (self.head_dim, self.head_dim_v) not in ((128, 128), (192, 128)):
+                raise ValueError("sm100 backward: the 2-CTA kernel serves head dims 128 and "
+                                 f"192/128, got {self.head_dim}/{self.head_dim_v}")
             if min(self.q_stages, self.do_stages, self.dq_stages) < 1:
                 raise ValueError("sm100 backward: q_stages, do_stages, dq_stages must be >= 1")
             if self.dq_cols not in (8, 16, 32) or (self.head_dim // 2) % self.dq_cols:
@@ -178,12 +178,26 @@ class Sm100BwdConfig(KernelConfig):
         1-CTA: dQ (128 lanes × D) reuses dPᵀ's columns once dS has been computed from it.
         2-CTA: dSᵀ (16-bit) goes into dPᵀ's columns too, and the folded dQ (D/2 columns) into
         dPᵀ's upper 64 (bwd_2cta.py)."""
-        d, dv = self.head_dim, self.head_dim_v
-        dp = d + dv + self.tile_m
+        d, dv, tm = self.head_dim, self.head_dim_v, self.tile_m
+        if self.serial:
+            # dV | dK | Sᵀ, with dPᵀ over Sᵀ's upper half and the folded dQ (D/2) at the end
+            s = dv + d
+            return {"dv": 0, "dk": dv, "s": s, "dp": s + tm // 2,
+                    "dq": s + tm // 2 + tm - d // 2}
+        dp = d + dv + tm
         return {"dk": 0, "dv": d, "s": d + dv, "dp": dp,
-                "dq": dp + self.tile_m // 2 if self.two_cta else dp}
+                "dq": dp + tm // 2 if self.two_cta else dp}
+
+    @property
+    def serial(self) -> bool:
+        """2-CTA layout with dPᵀ over Sᵀ's upper half (head dim 192): one iteration at a time,
+        contiguous 16-bit Pᵀ / dSᵀ, Q / Qᵀ and dO / dOᵀ sharing their buffers (bwd_2cta.py)."""
+        return self.two_cta and self.head_dim + self.head_dim_v + 2 * self.tile_m > TMEM_COLUMNS
 
     def tmem_columns(self) -> int:
+        if self.serial:
+            off = self.tmem_offsets()
+            return off["dq"] + self.head_dim // 2
         if self.two_cta:
             return self.head_dim + self.head_dim_v + 2 * self.tile_m
         return self.head_dim + self.head_dim_v + self.tile_m + max(self.tile_m, self.head_dim)
@@ -211,10 +225,11 @@ class Sm100BwdConfig(KernelConfig):
         staging = self.dq_stages * tm * self.dq_cols * 4  # dQ reduce staging
         if self.two_cta:
             # per CTA: K, V (own keys), Kᵀ (D/2 columns × 256 keys); Q, dO (a query half × D)
-            # and Qᵀ, dOᵀ (D/2 columns × all rows) per stage; sdS (a query half × 256 keys),
-            # sdS_xchg (a query half × own keys)
-            return (tn * (d + dv) * e + tn * d * e
-                    + self.q_stages * tm * d * e + self.do_stages * tm * dv * e
+            # and Qᵀ, dOᵀ (D/2 columns × all rows) per stage, one buffer for both when serial;
+            # sdS (a query half × 256 keys), sdS_xchg (a query half × own keys)
+            qdo = (self.q_stages * tm * d * e + self.do_stages * tm * dv * e) // (
+                2 if self.serial else 1)
+            return (tn * (d + dv) * e + tn * d * e + qdo
                     + tm * tn * e + tm // 2 * tn * e + staging + stats)
         return (tn * (d + dv) * e  # K, V
                 + self.q_stages * tm * d * e + self.do_stages * tm * dv * e  # Q, dO rings
