@@ -1,13 +1,15 @@
 """The sm100 2-CTA backward kernel's synchronisation protocol, checked on a CPU by a discrete-event
 model.
 
-jax_fa4/kernels/sm100/bwd_2cta.py (head dim 128, tcgen05 ``cta_group::2``) can be compiled here
-but never run (no Blackwell GPU): its protocol across the two CTAs of a cluster must be right by
+jax_fa4/kernels/sm100/bwd_2cta.py (head dims 128 and 192 / Dv 128, tcgen05 ``cta_group::2``) can
+be compiled here but never run (no Blackwell GPU): its protocol across the two CTAs of a cluster must be right by
 construction. Its specification is the module docstring of bwd_2cta.py (warp roles, the leader's
 MMA order, every barrier with its count and arrivers, the DSMEM exchange of dS, the relay warp,
 TMEM offsets, the deterministic dQ order); this file transcribes it role by role as Python
 generators (load_warp, mma_warp, compute_warps + epilogue, relay_warp, reduce_warps) and runs
-whole grids of clusters under random schedules.
+whole grids of clusters under random schedules. Both variants of the docstring are modelled,
+selected by the config: head dim 128 (below) and the *serial* layout of head dim 192 / Dv 128
+(``Sm100BwdConfig.serial``, see "Serial layout" further down).
 
 The machine is the 1-CTA backward model's (tests/test_sm100_bwd_protocol.py: BwdSim, with the
 forward model's Barrier, Resource, PipelineState, PipelineTmaUmma; PipelineAsync, Reduce,
@@ -79,6 +81,48 @@ windows, odd lengths up to 3 query × 4 key blocks, an odd key-block count: a CT
 dq_stages pairs that fit shared memory, every load order with Q before Qᵀ). Mutation tests: each
 protocol element the kernel relies on, removed, makes the model fail (see the tests at the end).
 
+Serial layout (head dim 192 / Dv 128, ``cfg.serial``; PairCta.mma_warp_serial and the serial
+branches of load_warp / compute_warps / check_end), as the docstring's last section specifies:
+  * TMEM at ``cfg.tmem_offsets()``: dV [0, 128), dK [128, 320), Sᵀ [320, 448) with 16-bit Pᵀ
+    contiguous in its first 64 columns (warpgroup w stores [32w, 32w + 32)), dPᵀ [384, 512) over
+    Sᵀ's upper 64 columns, dSᵀ contiguous in dPᵀ's first 64 columns, the folded dQ (96 columns,
+    8-column cells) at [416, 512) = dPᵀ's [32, 128); the dV / dK TS MMAs read Pᵀ / dSᵀ from the
+    contiguous 64 columns; the epilogue reads Dv / 2 = 64 dV and D / 2 = 96 dK columns per
+    warpgroup;
+  * s_read (compute → leader, 16 warp arrivals after the Sᵀ_j loads), the 256-thread COMPUTE
+    named barrier before the Pᵀ stores and before the dSᵀ stores (by cumulative count);
+  * the leader's serialized order (no skew): j > 0: dq_empty_{j−1}; Q_j, Sᵀ_j, s_full, release q;
+    s_read_j, dO_j, dPᵀ_j, dp_full, release do; p_full_j, dOᵀ_j, dV_j, release do; ds_full_j,
+    Qᵀ_j, dK_j, release q; xchg_leader_j, dQ_j, dq_full + ds_empty; then dkv_full;
+  * one q and one do pipeline, each used twice per iteration (Q_j then Qᵀ_j into one buffer,
+    dO_j then dOᵀ_j into another: the same stage ring, consecutive PipelineStates; tags tell the
+    two uses apart), no qt / dot pipelines; load order Q, dO, lse, Qᵀ, dOᵀ (the kernel's,
+    SERIAL_LOAD_ORDER; the random tests use every order that runs, SERIAL_LOAD_ORDERS); the
+    exit drain waits the last phase of every stage of q / do.empty (each released 2·count
+    times) and the relay warp the last ds_empty, as for head dim 128;
+  * the dQ reduce over D / 2 = 96 folded columns in dq_cols chunks (8: 12 chunks, two boxes
+    each), dq_accum checked over all 192 columns.
+Checked by the same machinery and end checks under random schedules (all masks, deterministic
+on / off, softcap, every (dq_cols, dq_stages) the config accepts: (8, 1), (8, 2), (16, 1)), with
+reordered and lagging commit arrivals, and by mutations: no s_read wait (dPᵀ_j overwrites Sᵀ_j's
+upper half before warpgroup 1 loaded it), no named barrier before the Pᵀ / dSᵀ stores
+(warpgroup 1 overwrites Sᵀ / dPᵀ columns [32, 64) that warpgroup 0 has not loaded), the
+dq_empty wait moved after Sᵀ_j or removed (Sᵀ_j overwrites dQ_{j−1}'s columns [416, 448) while
+the reduce warps drain them), each of the four q / do releases issued before its MMA, the
+exit drain removed, and the head-dim-128 mutations of shared elements (2 × tx, multicast, relay,
+pair-uniform m range, ds_empty wait). No deadlock or hazard in the unmutated serial protocol
+(also not in ~3000 further random runs, a quarter with reordered commit arrivals, while the
+model was written). Findings:
+  * the load warp must issue dOᵀ_j after Q_j and lse_j, or every schedule deadlocks: dOᵀ_j's
+    stage is freed by the commit after dPᵀ_j, issued after s_read_j, which needs the compute
+    warps to have loaded Sᵀ_j (Q_j) after waiting lse_j
+    (test_serial_load_order_dot_after_q_and_lse); the kernel's order satisfies it;
+  * as for head dim 128, the ds_empty wait is redundant (dp_full_j's commit follows dQ_{j−1}),
+    and with the kernel's load order so is the placement of the release after dV_j (dO_{j+1}'s
+    load follows Q_{j+1}'s, which waits the release after dK_j): the mutation is caught only
+    with dO loaded before Q; a missing relay shows as a hazard only on few schedules (dQ_j
+    follows dK_j, by then the DSMEM copy has mostly landed).
+
 Found while the model was written (each now in the kernel's docstring or code):
   * Q_j must be loaded before Qᵀ_j, or the pair deadlocks (test_load_order_q_before_qt); the
     kernel's order is Q, dO, lse, Qᵀ, dOᵀ;
@@ -123,11 +167,21 @@ CELL = 32  # elsewhere
 #: The load warp's order of the per-block loads (one of LOAD_ORDERS: Q before Qᵀ).
 LOAD_ORDER = ("q", "lse", "do", "qt", "dot")
 LOAD_ORDERS = [o for o in itertools.permutations(LOAD_ORDER) if o.index("q") < o.index("qt")]
+#: Serial layout (head dim 192): the kernel's order; "qt" / "dot" are the q / do pipelines'
+#: second use of each iteration (Qᵀ_j into Q_j's buffer, dOᵀ_j into dO_j's).
+SERIAL_LOAD_ORDER = ("q", "do", "lse", "qt", "dot")
+#: The serial orders that run: Q before Qᵀ, dO before dOᵀ (the stage's next use), and dOᵀ
+#: after Q and lse (test_serial_load_order_dot_after_q_and_lse).
+SERIAL_LOAD_ORDERS = [o for o in itertools.permutations(SERIAL_LOAD_ORDER)
+                      if o.index("q") < o.index("qt") and o.index("do") < o.index("dot")
+                      and max(o.index("q"), o.index("lse")) < o.index("dot")]
 
 #: Mutations of the protocol (each must make the model fail, see the tests).
 MUTATIONS = ("tx_single", "no_multicast", "no_relay", "own_m_range", "no_dq_empty_wait",
              "no_cluster_sync", "xchg_no_ds_empty_wait", "early_release_q",
-             "early_release_qt", "early_release_do", "early_release_dot", "no_exit_drain")
+             "early_release_qt", "early_release_do", "early_release_dot", "no_exit_drain",
+             # serial layout only
+             "no_s_read_wait", "no_p_barrier", "no_ds_barrier", "late_dq_empty_wait")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,8 +436,9 @@ class PairCta:
         self.n_block = 2 * pair + rank
         self.head, self.batch, self.mut = head, batch, mut
         self.m_min, self.count, self.in_range, self.turn = m_min, count, in_range, turn
-        self.load_order = load_order or LOAD_ORDER
-        self.D = cfg.head_dim
+        self.load_order = load_order or (SERIAL_LOAD_ORDER if cfg.serial else LOAD_ORDER)
+        self.D, self.Dv = cfg.head_dim, cfg.head_dim_v
+        self.serial = cfg.serial  # head dim 192: the serial layout and MMA order
         self.off = cfg.tmem_offsets()
         self.live, self.retired, self.initialised = 0, False, False
         self.tmem_allocated = self.tmem_freed = False
@@ -393,6 +448,7 @@ class PairCta:
         self.stored: dict = defaultdict(int)
         self.reduce_syncs = [0] * N_REDUCE_WARPS
         self.xchg_syncs = [0] * 4
+        self.compute_syncs = [0] * N_COMPUTE_WARPS  # the serial layout's COMPUTE barrier
         p = self.p = f"c{cta_id}"
 
         def bar(name, count):
@@ -411,9 +467,15 @@ class PairCta:
         self.bars = [self.s_full, self.p_full, self.dp_full, self.ds_full, self.xchg_full,
                      self.xchg_leader, self.ds_empty, self.dq_full, self.dq_empty, self.dkv_full,
                      self.tmem_dealloc]
+        if self.serial:  # Sᵀ_j loaded by all 16 compute warps of the pair
+            self.s_read = bar("s_read", 2 * N_COMPUTE_WARPS)
+            self.bars.append(self.s_read)
+        # serial: no qt / dot pipelines (Qᵀ / dOᵀ go through the q / do stages)
+        self.tma_names = ("q", "do") if self.serial else ("q", "qt", "do", "dot")
         self.tma = {name: PipelineTmaUmma(f"{p}.{name}", stages) for name, stages in
                     (("kv", 1), ("q", cfg.q_stages), ("qt", cfg.q_stages),
-                     ("do", cfg.do_stages), ("dot", cfg.do_stages))}
+                     ("do", cfg.do_stages), ("dot", cfg.do_stages))
+                    if name == "kv" or name in self.tma_names}
         self.pipeline_lse = PipelineAsync(f"{p}.lse", cfg.lse_stages, WARP,
                                           N_COMPUTE_WARPS * WARP)
         for pl in list(self.tma.values()) + [self.pipeline_lse]:
@@ -429,6 +491,8 @@ class PairCta:
         self.sQt = [R(f"{p}.sQt[{s}]") for s in range(cfg.q_stages)]
         self.sdO = [R(f"{p}.sdO[{s}]") for s in range(cfg.do_stages)]
         self.sdOt = [R(f"{p}.sdOt[{s}]") for s in range(cfg.do_stages)]
+        if self.serial:  # one buffer holds Q_j, then Qᵀ_j; one dO_j, then dOᵀ_j
+            self.sQt, self.sdOt = self.sQ, self.sdO
         self.sLSE = [R(f"{p}.sLSE[:, {s}]") for s in range(cfg.lse_stages)]
         self.sDelta = [R(f"{p}.sDelta[:, {s}]") for s in range(cfg.lse_stages)]
         # sdS half h = keys of CTA h (× this CTA's q-half); key quarter q = rows a warp stores
@@ -492,7 +556,8 @@ class PairCta:
     # --- load warp (13) -----------------------------------------------------------------------
     def load_warp(self):
         """The docstring fixes no order of the per-block loads: ``load_order`` (Q before Qᵀ:
-        the commit that frees Qᵀ_{j−1}'s stage follows Sᵀ_j, which needs Q_j)."""
+        the commit that frees Qᵀ_{j−1}'s stage follows Sᵀ_j, which needs Q_j). Serial: Qᵀ_j /
+        dOᵀ_j through the q / do pipelines, the use after Q_j / dO_j (same PipelineState)."""
         cfg, r = self.cfg, self.rank
         lse = self.pipeline_lse
         if self.count > 0:
@@ -504,7 +569,10 @@ class PairCta:
                              (self.sKt, ("Kt", self.pair, r))):
                 yield ("tma_load_at", res, tag, bar, 0)
         bufs = {"q": self.sQ, "do": self.sdO, "qt": self.sQt, "dot": self.sdOt}
-        pipes = {n: (self.pair_pipe(n), make_pipeline_state(True, len(bufs[n]))) for n in bufs}
+        pipes = {n: (self.pair_pipe(n), make_pipeline_state(True, len(bufs[n])))
+                 for n in self.tma_names}
+        if self.serial:  # one pipeline (and producer state) per buffer, two uses
+            pipes["qt"], pipes["dot"] = pipes["q"], pipes["do"]
         lse_state = make_pipeline_state(True, cfg.lse_stages)
         for j in range(self.count):
             m = self.m_min + j
@@ -525,9 +593,9 @@ class PairCta:
                     lse_state.advance()
         if "no_exit_drain" in self.mut:
             return
-        # the kernel's drain: wait the last phase of every stage of the four empty barriers
-        # (the last releases are commits nobody else waits for)
-        for name in ("q", "qt", "do", "dot"):
+        # the kernel's drain: wait the last phase of every stage of the four (serial: two)
+        # empty barriers (the last releases are commits nobody else waits for)
+        for name in self.tma_names:
             pl, st = pipes[name]
             for _ in range(st.stages):
                 yield ("wait", pl.per_cta[r].empty[st.index], st.phase,
@@ -536,6 +604,9 @@ class PairCta:
 
     # --- MMA warp (12): the leader's issue order ----------------------------------------------
     def mma_warp(self):
+        if self.serial:
+            yield from self.mma_warp_serial()
+            return
         cfg, off, D, mut = self.cfg, self.off, self.D, self.mut
         L, F = self.both
         pq, pqt, pdo, pdot = (self.pair_pipe(n) for n in ("q", "qt", "do", "dot"))
@@ -609,13 +680,89 @@ class PairCta:
                     yield from pdot.consumer_release(sdot)
                 p_t = [(r, t) for lo in (0, 64) for r, t in
                        self.pair_cells(off["s"] + lo, off["s"] + lo + 32, ("P", j))]
-                acc = self.pair_cells(off["dv"], off["dv"] + D, ("dV", j - 1)) if j > 0 else []
+                acc = (self.pair_cells(off["dv"], off["dv"] + self.Dv, ("dV", j - 1)) if j > 0
+                       else [])
                 yield ("mma", p_t + smem("sdOt", sdot, "dot", m) + acc,
-                       self.pair_cells(off["dv"], off["dv"] + D, ("dV", j)),
+                       self.pair_cells(off["dv"], off["dv"] + self.Dv, ("dV", j)),
                        f"dV += P{j}ᵀ·dOᵀ")
                 if "early_release_dot" not in mut:
                     yield from pdot.consumer_release(sdot)
                 sdot.advance()
+        if count > 0:
+            yield from self.commit("dkv_full")
+
+    def mma_warp_serial(self):
+        """Serial layout (head dim 192): one iteration at a time, no skew. dPᵀ_j overwrites Sᵀ_j's
+        upper half (after s_read_j), dQ_j dSᵀ_j's upper half (dK_j, issued before it, read it),
+        Sᵀ_{j+1} dQ_j's columns [416, 448) (after dq_empty_j). Qᵀ_j / dOᵀ_j are the q / do
+        pipelines' next use after Q_j / dO_j (same stage ring, consecutive states)."""
+        cfg, off, D, Dv, mut = self.cfg, self.off, self.D, self.Dv, self.mut
+        L, F = both = self.both
+        pq, pdo = self.pair_pipe("q"), self.pair_pipe("do")
+        sq = make_pipeline_state(False, cfg.q_stages)
+        sdo = make_pipeline_state(False, cfg.do_stages)
+        n0, n1 = L.n_block, F.n_block
+
+        def smem(attr, st, name, m_block):
+            return [(getattr(c, attr)[st.index], (name, m_block, c.rank)) for c in both]
+
+        def operand(pl, st, early):
+            """consumer_wait; the ``early`` mutation releases before the MMA is issued."""
+            yield from pl.consumer_wait(st)
+            if early in mut:
+                yield from pl.consumer_release(st)
+
+        def release(pl, st, early):
+            if early not in mut:
+                yield from pl.consumer_release(st)
+            st.advance()
+
+        count = self.count
+        if count > 0:
+            kv = self.pair_pipe("kv")
+            yield from kv.consumer_wait(make_pipeline_state(False, 1))
+        for j in range(count):
+            m = self.m_min + j
+            dq_wait = (j > 0 and not {"no_dq_empty_wait", "late_dq_empty_wait"} & mut,
+                       j > 0 and "late_dq_empty_wait" in mut)
+            if dq_wait[0]:  # dQ_{j−1} drained: Sᵀ_j overwrites its columns [416, 448)
+                yield ("wait", L.dq_empty, (j - 1) % 2, j - 1)
+            yield from operand(pq, sq, "early_release_q")  # Q_j
+            yield ("mma", [(L.sK, ("K", n0)), (F.sK, ("K", n1))] + smem("sQ", sq, "q", m),
+                   self.pair_cells(off["s"], off["s"] + TILE, ("S", j)), f"S{j} = K·Q{j}ᵀ")
+            yield from self.commit("s_full")
+            yield from release(pq, sq, "early_release_q")
+            if dq_wait[1]:
+                yield ("wait", L.dq_empty, (j - 1) % 2, j - 1)
+            if "no_s_read_wait" not in mut:  # Sᵀ_j loaded: dPᵀ_j may overwrite its upper half
+                yield ("wait", L.s_read, j % 2, j)
+            yield from operand(pdo, sdo, "early_release_do")  # dO_j
+            yield ("mma", [(L.sV, ("V", n0)), (F.sV, ("V", n1))] + smem("sdO", sdo, "do", m),
+                   self.pair_cells(off["dp"], off["dp"] + TILE, ("dP", j)),
+                   f"dP{j} = V·dO{j}ᵀ")
+            yield from self.commit("dp_full")
+            yield from release(pdo, sdo, "early_release_do")
+            yield ("wait", L.p_full, j % 2, j)
+            yield from operand(pdo, sdo, "early_release_dot")  # dOᵀ_j
+            acc = self.pair_cells(off["dv"], off["dv"] + Dv, ("dV", j - 1)) if j > 0 else []
+            yield ("mma", self.pair_cells(off["s"], off["s"] + 64, ("P", j))  # contiguous Pᵀ
+                   + smem("sdOt", sdo, "dot", m) + acc,
+                   self.pair_cells(off["dv"], off["dv"] + Dv, ("dV", j)), f"dV += P{j}ᵀ·dOᵀ")
+            yield from release(pdo, sdo, "early_release_dot")
+            yield ("wait", L.ds_full, j % 2, j)
+            yield from operand(pq, sq, "early_release_qt")  # Qᵀ_j
+            acc = self.pair_cells(off["dk"], off["dk"] + D, ("dK", j - 1)) if j > 0 else []
+            yield ("mma", self.pair_cells(off["dp"], off["dp"] + 64, ("dSt", j))  # dSᵀ
+                   + smem("sQt", sq, "qt", m) + acc,
+                   self.pair_cells(off["dk"], off["dk"] + D, ("dK", j)), f"dK += dSᵀ{j}·Qᵀ")
+            yield from release(pq, sq, "early_release_qt")
+            if "no_relay" not in mut:
+                yield ("wait", L.xchg_leader, j % 2, j)
+            sds = [(c.sdS[h][q], ("dS", j, h, c.rank))
+                   for c in both for h in range(2) for q in range(4)]
+            yield ("mma", sds + [(L.sKt, ("Kt", self.pair, 0)), (F.sKt, ("Kt", self.pair, 1))],
+                   self.pair_cells(off["dq"], off["dq"] + D // 2, ("dQ", j)), f"dQ{j} = dS·K")
+            yield from self.commit("dq_full", "ds_empty")
         if count > 0:
             yield from self.commit("dkv_full")
 
@@ -626,7 +773,11 @@ class PairCta:
         lse = self.pipeline_lse
         lane = (quarter,)
         lse_state = make_pipeline_state(False, cfg.lse_stages)
-        col = 64 * wg
+        serial, mut = self.serial, self.mut
+        col = 64 * wg  # the warpgroup's query columns of Sᵀ / dPᵀ
+        # 16-bit Pᵀ / dSᵀ: serial contiguous in the region's first 64 columns, else in the
+        # warpgroup's own columns
+        col16 = 32 * wg if serial else col
         for j in range(self.count):
             m = self.m_min + j
             yield from lse.consumer_wait(lse_state)
@@ -635,8 +786,12 @@ class PairCta:
             yield ("access", [(c, ("S", j), False) for c in
                               self.cells(lane, off["s"] + col, off["s"] + col + 64)]
                    + [(self.sLSE[s], ("lse", m), False)], f"ld Sᵀ{j}; sLSE")
+            if serial:
+                yield ("arrive", L.s_read, 1)  # dPᵀ_j may overwrite Sᵀ_j's upper half
+                if "no_p_barrier" not in mut:  # warpgroup 1's Pᵀ: Sᵀ columns [32, 64)
+                    yield from self.compute_sync(wg, quarter)
             yield ("access", [(c, ("P", j), True) for c in
-                              self.cells(lane, off["s"] + col, off["s"] + col + 32)],
+                              self.cells(lane, off["s"] + col16, off["s"] + col16 + 32)],
                    f"st Pᵀ{j}")
             yield ("arrive", L.p_full, 1)
             yield ("wait", self.dp_full, j % 2, j)
@@ -648,8 +803,10 @@ class PairCta:
             yield ("access", reads, f"ld dPᵀ{j}; sDelta")
             yield from lse.consumer_release(lse_state, WARP)
             lse_state.advance()
+            if serial and "no_ds_barrier" not in mut:  # warpgroup 1's dSᵀ: dPᵀ columns [32, 64)
+                yield from self.compute_sync(wg, quarter)
             yield ("access", [(c, ("dSt", j), True) for c in
-                              self.cells(lane, off["dp"] + col, off["dp"] + col + 32)],
+                              self.cells(lane, off["dp"] + col16, off["dp"] + col16 + 32)],
                    f"st dSᵀ{j}")
             if j > 0 and not (wg != r and "xchg_no_ds_empty_wait" in self.mut):
                 yield ("wait", self.ds_empty, (j - 1) % 2, j - 1)
@@ -670,14 +827,21 @@ class PairCta:
             yield ("arrive", L.ds_full, 1)
         yield from self.epilogue(wg, quarter)
 
+    def compute_sync(self, wg: int, quarter: int):
+        """The serial layout's 256-thread named barrier of both compute warpgroups."""
+        w = 4 * wg + quarter
+        self.compute_syncs[w] += 1
+        yield ("bar_arrive", (self.id, "COMPUTE"))
+        yield ("bar_wait", (self.id, "COMPUTE"), N_COMPUTE_WARPS * self.compute_syncs[w])
+
     def epilogue(self, wg: int, quarter: int):
-        D, off = self.D, self.off
+        off = self.off
         if self.count > 0:
             yield ("wait", self.dkv_full, 0, 0)
-            for which in ("dv", "dk"):
-                base = off[which] + D // 2 * wg
+            for which, width in (("dv", self.Dv), ("dk", self.D)):
+                base = off[which] + width // 2 * wg
                 yield ("access", [(c, (which[0] + which[1].upper(), self.count - 1), False)
-                                  for c in self.cells((quarter,), base, base + D // 2)],
+                                  for c in self.cells((quarter,), base, base + width // 2)],
                        f"ld {which}")
         if self.in_range:  # a CTA past seqlen_k skips its stores
             yield ("record", "dK / dV stored", self._record_store(wg, quarter))
@@ -804,8 +968,8 @@ class PairCta:
         c1 = min(c, 1)
         drain = int("no_exit_drain" not in self.mut)  # the load / relay warps' exit waits
 
-        def per_stage(stages):
-            return [len(range(i, c, stages)) for i in range(stages)]
+        def per_stage(stages, uses=c):
+            return [len(range(i, uses, stages)) for i in range(stages)]
 
         # barrier -> (phases completed, {warp: waits}); leader-only barriers stay idle in the
         # follower
@@ -824,10 +988,13 @@ class PairCta:
             self.tma["kv"].full[0]: (c1 if lead else 0, {mma: c1} if lead else {}),
             self.tma["kv"].empty[0]: (0, {load: c1}),
         }
-        for name, stages in (("q", cfg.q_stages), ("qt", cfg.q_stages), ("do", cfg.do_stages),
-                             ("dot", cfg.do_stages)):
+        if self.serial:
+            want[self.s_read] = (c if lead else 0, {mma: c} if lead else {})
+        uses = 2 * c if self.serial else c  # serial: Q_j, Qᵀ_j (dO_j, dOᵀ_j) through one ring
+        for name in self.tma_names:
+            stages = cfg.q_stages if name in ("q", "qt") else cfg.do_stages
             pl = self.tma[name]
-            for i, k in enumerate(per_stage(stages)):
+            for i, k in enumerate(per_stage(stages, uses)):
                 want[pl.full[i]] = (k if lead else 0, {mma: k} if lead else {})
                 want[pl.empty[i]] = (k, {load: k + drain})
         for i, k in enumerate(per_stage(cfg.lse_stages)):
@@ -1157,3 +1324,180 @@ def test_load_order_q_before_qt():
     with pytest.raises(ProtocolError, match="deadlock"):
         simulate(cfg, 2 * TILE, 2 * TILE, 1, 2, 0, load_order=("qt", "q", "lse", "do", "dot"))
     simulate(cfg, 2 * TILE, 2 * TILE, 1, 2, 0, load_order=("q", "qt", "lse", "do", "dot"))
+
+
+# --- head dim 192 / Dv 128: the serial layout ---------------------------------------------------
+def make_serial_cfg(mask="none", deterministic=False, softcap=False, **over) -> Sm100BwdConfig:
+    cfg = Sm100BwdConfig.make("bfloat16", 192, 128, mask, softcap, deterministic=deterministic,
+                              **over)
+    assert cfg.two_cta and cfg.serial
+    return cfg
+
+
+def _serial_dq_tunings() -> tuple:
+    """(dq_cols, dq_stages) the serial config accepts (dq_cols divides D/2 = 96, shared memory)."""
+    out = []
+    for dq_cols, dq_stages in itertools.product((8, 16, 32), (1, 2, 3, 4)):
+        try:
+            make_serial_cfg(dq_cols=dq_cols, dq_stages=dq_stages)
+        except ValueError:
+            continue
+        out.append((dq_cols, dq_stages))
+    return tuple(out)
+
+
+SERIAL_DQ_TUNINGS = _serial_dq_tunings()
+SERIAL_RUNS = 6  # per (mask, deterministic) case
+
+
+def serial_random_case(rng: random.Random, mask: str, deterministic: bool):
+    dq_cols, dq_stages = rng.choice(SERIAL_DQ_TUNINGS)
+    cfg = make_serial_cfg(mask, deterministic, rng.random() < 0.3, dq_cols=dq_cols,
+                          dq_stages=dq_stages)
+    _, seqlen_q, seqlen_k, heads, slots, wl, wr, _ = random_case(rng, mask, deterministic)
+    return cfg, seqlen_q, seqlen_k, heads, slots, wl, wr, rng.choice(SERIAL_LOAD_ORDERS)
+
+
+def serial_wait_sites(deterministic: bool) -> set:
+    """As wait_sites, for the serial layout: no qt / dot pipelines; s_read (the leader) and the
+    COMPUTE named barrier added."""
+    sites = wait_sites(deterministic) - {("load", "qt.empty"), ("load", "dot.empty")}
+    return sites | {("mma", "s_read"), ("compute", "bar.COMPUTE")}
+
+
+def test_serial_config():
+    """The config the serial model runs: head dim 192 / Dv 128, 2-CTA, the docstring's TMEM map
+    (dV, dK, Sᵀ, dPᵀ over Sᵀ's upper half, the folded dQ at dPᵀ's columns [32, 128)), one q and
+    one do stage, and the dQ tunings that fit shared memory."""
+    cfg = make_serial_cfg()
+    assert cfg.tmem_offsets() == {"dv": 0, "dk": 128, "s": 320, "dp": 384, "dq": 416}
+    assert cfg.tmem_columns() == 512 and (cfg.q_stages, cfg.do_stages) == (1, 1)
+    assert (cfg.dq_cols, cfg.dq_stages) in SERIAL_DQ_TUNINGS and (8, 1) in SERIAL_DQ_TUNINGS
+    assert not make_cfg().serial
+    cta = PairCta(PairSim(random.Random(0), 2, False), cfg, 0, 0, 0, 0, 0, 1, True,
+                  lambda m: 0, frozenset())
+    assert set(cta.tma) == {"kv", "q", "do"} and cta.sQt is cta.sQ and cta.sdOt is cta.sdO
+
+
+@pytest.mark.parametrize("deterministic", (False, True), ids=("nondet", "det"))
+@pytest.mark.parametrize("mask", MASKS)
+def test_serial_protocol_random_schedules(mask, deterministic):
+    """test_protocol_random_schedules for head dim 192 (the serial layout and MMA order), over
+    the dq_cols / dq_stages pairs that fit shared memory and the load orders that run."""
+    rng = random.Random(f"2cta-serial-{mask}-{deterministic}")
+    blocked = set()
+    for _ in range(SERIAL_RUNS):
+        cfg, sq, sk, heads, slots, wl, wr, order = serial_random_case(rng, mask, deterministic)
+        blocked |= simulate(cfg, sq, sk, heads, slots, rng.getrandbits(32), wl, wr,
+                            load_order=order).blocked
+    missing = serial_wait_sites(deterministic) - blocked
+    assert not missing, missing
+
+
+def test_serial_protocol_long_sequence():
+    """Serial layout, several query blocks per pair (the q / do stages wrap 2 × count times,
+    the dQ staging too), causal, one key block past seqlen_k."""
+    simulate(make_serial_cfg("causal", dq_cols=16, dq_stages=1), 5 * TILE - 3, 3 * TILE - 5,
+             1, 2, 0)
+
+
+def test_serial_load_order_dot_after_q_and_lse():
+    """Serial layout: the load warp must issue dOᵀ_j after Q_j and lse_j. dOᵀ_j's stage is freed
+    by the commit after dPᵀ_j, which the leader issues after s_read_j: the compute warps load
+    Sᵀ_j (which needs Q_j) after waiting lse_j. The kernel's order Q, dO, lse, Qᵀ, dOᵀ runs."""
+    cfg = make_serial_cfg()
+    for order in (("q", "do", "dot", "lse", "qt"), ("do", "lse", "dot", "q", "qt")):
+        assert order not in SERIAL_LOAD_ORDERS
+        with pytest.raises(ProtocolError, match="deadlock"):
+            simulate(cfg, 2 * TILE, 2 * TILE, 1, 2, 0, load_order=order)
+    assert SERIAL_LOAD_ORDER in SERIAL_LOAD_ORDERS
+    simulate(cfg, 2 * TILE, 2 * TILE, 1, 2, 0, load_order=SERIAL_LOAD_ORDER)
+
+
+def test_serial_reordered_commit_arrivals():
+    """test_reordered_commit_arrivals for the serial layout."""
+    for seed in range(2):
+        try:
+            simulate(make_serial_cfg("causal", True), 3 * TILE, 4 * TILE, 1, 4, seed,
+                     in_order_commits=False)
+        except ProtocolError as e:
+            assert "exits while a commit" in str(e), e
+
+
+def test_serial_exit_with_lagging_commit_arrivals(monkeypatch):
+    """test_exit_with_lagging_commit_arrivals for the serial layout: the drain waits the last
+    phase of q / do.empty (each released twice per iteration) and the last ds_empty."""
+    import test_sm100_bwd_2cta_protocol as this
+
+    monkeypatch.setattr(this, "PairSim", LaggingCommitSim)
+    cfg = make_serial_cfg("causal")
+    for seed in range(5):
+        simulate(cfg, 2 * TILE, 2 * TILE, 1, 2, seed, in_order_commits=False)
+    failed = 0
+    for seed in range(5):
+        try:
+            simulate(cfg, 2 * TILE, 2 * TILE, 1, 2, seed, in_order_commits=False,
+                     mut=frozenset({"no_exit_drain"}))
+        except ProtocolError as e:
+            assert "exits while a commit" in str(e), e
+            failed += 1
+    assert failed > 0
+
+
+def test_serial_mutation_missing_s_read_wait():
+    """The leader issues dPᵀ_j without waiting s_read_j: dPᵀ_j overwrites Sᵀ_j's upper half
+    (columns [64, 128) = dPᵀ's [0, 64)) before warpgroup 1 loaded it."""
+    err = fails("no_s_read_wait", cfg=make_serial_cfg(), match=("expecting ('S'",
+                                                                  "in-flight tensor write"))
+    assert "compute1" in err and "TMEM[dp+" in err, err
+
+
+def test_serial_mutation_missing_p_barrier():
+    """No named barrier before the Pᵀ stores: warpgroup 1's Pᵀ_j (Sᵀ columns [32, 64))
+    overwrites Sᵀ_j columns that warpgroup 0 has not loaded yet."""
+    err = fails("no_p_barrier", cfg=make_serial_cfg(), match=("expecting ('S'",))
+    assert "compute0" in err and "TMEM[s+32:64" in err and "holds ('P'" in err, err
+
+
+def test_serial_mutation_missing_ds_barrier():
+    """No named barrier before the dSᵀ stores: warpgroup 1's dSᵀ_j (dPᵀ columns [32, 64))
+    overwrites dPᵀ_j columns that warpgroup 0 has not loaded yet."""
+    err = fails("no_ds_barrier", cfg=make_serial_cfg(), match=("expecting ('dP'",))
+    assert "compute0" in err and "holds ('dSt'" in err, err
+
+
+@pytest.mark.parametrize("mut", ("late_dq_empty_wait", "no_dq_empty_wait"))
+def test_serial_mutation_dq_empty_wait(mut):
+    """dq_empty_{j−1} waited only after Sᵀ_j (before dPᵀ_j), or not at all: Sᵀ_j overwrites dQ_{j−1}'s
+    columns [416, 448) while the reduce warps still drain them."""
+    err = fails(mut, cfg=make_serial_cfg(), sq=3 * TILE, match=("TMEM[dq", "expecting ('dQ'"))
+    assert "reduce" in err or "tensor" in err, err
+
+
+@pytest.mark.parametrize("which", ("q", "qt", "do", "dot"))
+def test_serial_mutation_operand_released_before_its_mma(which):
+    """Serial layout: a release of the q / do stage issued before the MMA reading it (q: Sᵀ_j's
+    Q_j, qt: dK_j's Qᵀ_j, do: dPᵀ_j's dO_j, dot: dV_j's dOᵀ_j): the load warp's next TMA into
+    the buffer (Qᵀ_j, Q_{j+1}, dOᵀ_j, dO_{j+1}) overwrites it while the MMA reads it."""
+    # dO_{j+1} loaded before Q_{j+1}: with the kernel's order, dO_{j+1} follows Q_{j+1}, whose
+    # load waits the commit after dK_j (after dV_j), and the early release goes unseen
+    order = ("do", "q", "lse", "qt", "dot") if which == "dot" else None
+    fails(f"early_release_{which}", cfg=make_serial_cfg(), sq=3 * TILE,
+          match=("while an in-flight", "expecting"), load_order=order)
+
+
+@pytest.mark.parametrize("mut, match, kw", [
+    ("tx_single", ("land in phase", "while an in-flight tma", "expecting"), {}),
+    ("no_multicast", ("deadlock",), {}),
+    # dQ_j follows dK_j here: the copy has mostly landed, few schedules show the race
+    ("no_relay", ("dsmem", "expecting"), {"seeds": range(12, 40)}),
+    ("own_m_range", ("deadlock", "phases completed", "expecting", "too many arrivals"),
+     {"mask": "causal"}),
+    ("xchg_no_ds_empty_wait", ("ds_empty(",), {"sq": 3 * TILE, "seeds": range(4)}),
+], ids=("tx_single", "no_multicast", "no_relay", "own_m_range", "xchg_no_ds_empty_wait"))
+def test_serial_mutations_shared_with_d128(mut, match, kw):
+    """The head-dim-128 mutations of elements the serial layout shares (2-CTA TMA bytes,
+    multicast commits, the relay, the pair-uniform query-block range; the ds_empty wait,
+    redundant here too: caught only by the end checks)."""
+    kw = dict(kw)
+    fails(mut, cfg=make_serial_cfg(kw.pop("mask", "none")), match=match, **kw)

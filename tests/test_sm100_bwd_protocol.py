@@ -779,6 +779,8 @@ def _configs() -> list[Sm100BwdConfig]:
     ≠ do_stages among them: the Q / lse and dO rings must not share stage indices)."""
     out = []
     for (d, dv) in TUNING_TABLE:
+        if d != dv:  # 2-CTA only (192/128, the serial layout: test_sm100_bwd_2cta_protocol.py)
+            continue
         cfg = Sm100BwdConfig.make("bfloat16", d, dv)
         if cfg.two_cta:  # served by the 2-CTA kernel (test_sm100_bwd_2cta_protocol.py): this
             # model checks the 1-CTA kernel at that head dim (q_stages >= 2, D-column dQ boxes)

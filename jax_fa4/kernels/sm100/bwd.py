@@ -882,8 +882,14 @@ class FlashAttentionBackwardSm100:
 
 def make_launcher(cfg: Sm100BwdConfig):
     """The `@cute.jit` launcher ``fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum,
-    [dq_semaphore,] dk, dv)`` for this config (dq_accum / dq_semaphore updated in place)."""
-    kernel = FlashAttentionBackwardSm100(cfg)
+    [dq_semaphore,] dk, dv)`` for this config (dq_accum / dq_semaphore updated in place): the
+    2-CTA kernel (bwd_2cta.py) for ``two_cta`` configs, else this module's."""
+    if cfg.two_cta:
+        from jax_fa4.kernels.sm100.bwd_2cta import FlashAttentionBackwardSm100TwoCta
+
+        kernel = FlashAttentionBackwardSm100TwoCta(cfg)
+    else:
+        kernel = FlashAttentionBackwardSm100(cfg)
 
     if cfg.deterministic:
         @cute.jit

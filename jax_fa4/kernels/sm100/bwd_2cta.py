@@ -125,7 +125,8 @@ as head dim 128. Changes to the protocol:
     after: count > 0: commit dkv_full
   Load order per iteration: Q, dO, lse, Qᵀ, dOᵀ (through the q and do stages: Qᵀ_j waits the
   release after Sᵀ_j, dOᵀ_j the one after dPᵀ_j, Q_{j+1} the one after dK_j, dO_{j+1} the one
-  after dV_j). dQ_j overwrites dSᵀ_j's upper half, read by dK_j (issued before it); dPᵀ_{j+1} and
+  after dV_j). dOᵀ_j must come after Q_j and lse_j: its stage is freed after dPᵀ_j, which waits
+  s_read_j, i.e. the compute warps' Sᵀ_j loads (the other orders deadlock). dQ_j overwrites dSᵀ_j's upper half, read by dK_j (issued before it); dPᵀ_{j+1} and
   Sᵀ_{j+1} come after dQ_j and the dq_empty_j wait.
 """
 
@@ -939,28 +940,3 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         if warp_idx == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-
-def make_launcher(cfg: Sm100BwdConfig):
-    """The `@cute.jit` launcher ``fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum,
-    [dq_semaphore,] dk, dv)`` of the 2-CTA kernel (dq_accum / dq_semaphore updated in place)."""
-    kernel = FlashAttentionBackwardSm100TwoCta(cfg)
-
-    if cfg.deterministic:
-        @cute.jit
-        def sm100_bwd_2cta_det(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
-                               v: cute.Tensor, dout: cute.Tensor, lse_log2: cute.Tensor,
-                               delta: cute.Tensor, params: cute.Tensor, dq_accum: cute.Tensor,
-                               dq_semaphore: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor):
-            kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dq_semaphore, dk,
-                   dv)
-
-        return sm100_bwd_2cta_det
-
-    @cute.jit
-    def sm100_bwd_2cta(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
-                       dout: cute.Tensor, lse_log2: cute.Tensor, delta: cute.Tensor,
-                       params: cute.Tensor, dq_accum: cute.Tensor, dk: cute.Tensor,
-                       dv: cute.Tensor):
-        kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, params, dk, dv)
-
-    return sm100_bwd_2cta

@@ -247,10 +247,8 @@ class Sm100BwdConfig(KernelConfig):
 
     def make_launcher(self) -> Callable[..., Any]:
         self.validate()
-        if self.two_cta:
-            from jax_fa4.kernels.sm100.bwd_2cta import make_launcher  # imports the compiler
-        else:
-            from jax_fa4.kernels.sm100.bwd import make_launcher
+        from jax_fa4.kernels.sm100.bwd import make_launcher  # imports the compiler
+
         return make_launcher(self)
 
 
