@@ -126,8 +126,9 @@ as head dim 128. Changes to the protocol:
   Load order per iteration: Q, dO, lse, Qᵀ, dOᵀ (through the q and do stages: Qᵀ_j waits the
   release after Sᵀ_j, dOᵀ_j the one after dPᵀ_j, Q_{j+1} the one after dK_j, dO_{j+1} the one
   after dV_j). dOᵀ_j must come after Q_j and lse_j: its stage is freed after dPᵀ_j, which waits
-  s_read_j, i.e. the compute warps' Sᵀ_j loads (the other orders deadlock). dQ_j overwrites dSᵀ_j's upper half, read by dK_j (issued before it); dPᵀ_{j+1} and
-  Sᵀ_{j+1} come after dQ_j and the dq_empty_j wait.
+  s_read_j, i.e. the compute warps' Sᵀ_j loads (the other orders deadlock). dQ_j overwrites
+  dSᵀ_j's upper half, read by dK_j (issued before it); dPᵀ_{j+1} and Sᵀ_{j+1} come after dQ_j
+  and the dq_empty_j wait.
 """
 
 from __future__ import annotations
