@@ -791,11 +791,12 @@ def _configs() -> list[Sm100BwdConfig]:
                     (64, {"q_stages": 3, "do_stages": 2}),
                     (64, {"do_stages": 3, "dq_stages": 1, "dq_cols": 16}),
                     (96, {"q_stages": 3, "do_stages": 1, "dq_stages": 1}),
-                    (128, {"dq_cols": 32, "dq_stages": 3})):
+                    (128, {"two_cta": False, "q_stages": 2, "dq_cols": 32, "dq_stages": 3})):
         try:
             out.append(Sm100BwdConfig.make("bfloat16", d, d, **over))
         except ValueError:
             pass
+    assert not any(c.two_cta for c in out)  # this model is the 1-CTA kernel's
     return out
 
 
