@@ -140,6 +140,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections import defaultdict, deque
+from functools import partial
 
 import pytest
 from test_sm100_bwd_protocol import WARP, BwdSim, PipelineAsync, Reduce
@@ -348,81 +349,48 @@ class PairSim(BwdSim):
         self._maybe_complete(bar)
 
     # --- scheduler ----------------------------------------------------------------------------
-    def run(self, max_steps: int = 400_000):
-        rng = self.rng
-        w = self.weights
-        self._draw_weights()
-        while True:
-            self.steps += 1
-            if self.steps > max_steps:
-                self.fail("no progress bound reached (livelock?)")
-            if rng.random() < 0.01:
-                self._draw_weights()
-            events, weights = [], []
-            for name, (_, op) in self.actors.items():
-                if self.enabled(name, op):
-                    events.append((0, name))
-                    weights.append(w[name])
-            for cta in self.launched:
-                if cta.rank:
-                    continue
-                if cta.tensor_queue:
-                    events.append((1, cta))
-                    weights.append(w[f"tensor{cta.id}"])
-                for i in self.ready_commits(cta):
-                    events.append((2, (cta, i)))
-                    weights.append(self.commit_weight(cta.commitq[i][1]))
-            for i in range(len(self.tma_loads)):
-                events.append((3, i))
-                weights.append(w["tma"])
-            for i in range(len(self.copies)):
-                events.append((7, i))
-                weights.append(w["dsmem"])
-            for r in self.reduces:
-                events.append((5 if r.read_done else 4, r))
-                weights.append(w["reduce_write" if r.read_done else "reduce_read"])
-            if self.pending and len(self.resident) + 2 <= self.slots:
-                events.append((6, None))
-                weights.append(w["launch"])
-            for cta in self.starting:
-                events.append((8, cta))
-                weights.append(w[f"start{cta.id}"])
-            if not events:
-                break
-            kind, arg = rng.choices(events, weights=weights)[0]
-            if kind == 0:
-                self.execute(arg, self.actors[arg][1])
-                self._advance(arg)
-            elif kind == 1:
-                self.complete_mma_of(arg)
-            elif kind == 2:
-                self.fire_commit2(*arg)
-            elif kind == 3:
-                self.complete_tma_load(arg)
-            elif kind == 4:
-                self.complete_reduce_read(arg)
-            elif kind == 5:
-                self.complete_reduce_write(arg)
-            elif kind == 7:
-                self.complete_copy(arg)
-            elif kind == 8:  # the CTA's warps start (the two CTAs of a cluster skewed)
-                self.log.append(f"CTA {arg.id} starts")
-                self.starting.remove(arg)
-                arg.spawn()
-            else:  # the cluster takes two SM slots at once
-                pair = self.pending.popleft()
-                self.log.append(f"launch cluster of CTAs {[c.id for c in pair]}")
-                for cta in pair:
-                    self.resident.append(cta)
-                    self.launched.append(cta)
-                    self.starting.append(cta)
-                    self.weights[f"start{cta.id}"] = 10 ** rng.uniform(-3, 0)
-                self.weights[f"tensor{pair[0].id}"] = 10 ** rng.uniform(-2.5, 0)
-        if self.actors or self.pending or self.starting:
-            self.fail("deadlock: " + "; ".join(
-                f"{n} at {op[0]} {', '.join(map(repr, op[1:3]))}"
-                for n, (_, op) in self.actors.items())
-                + (f"; {len(self.pending)} clusters never launched" if self.pending else ""))
+    # --- event kinds beyond the 1-CTA model's (BwdSim.run fires them) -------------------------
+    launch_unit = "cluster"
+
+    def pipe_events(self, cta, events: list):
+        """Only the leader has a tensor pipe (it issues the pair's MMAs and commits)."""
+        if cta.rank:
+            return
+        if cta.tensor_queue:
+            events.append((self.weights[f"tensor{cta.id}"], partial(self.complete_mma_of, cta)))
+        for i in self.ready_commits(cta):
+            events.append((self.commit_weight(cta.commitq[i][1]),
+                           partial(self.fire_commit2, cta, i)))
+
+    def copy_events(self, events: list):
+        for i in range(len(self.copies)):
+            events.append((self.weights["dsmem"], partial(self.complete_copy, i)))
+
+    def launch_events(self, events: list):
+        if self.pending and len(self.resident) + 2 <= self.slots:
+            events.append((self.weights["launch"], self.launch_next))
+        for cta in self.starting:
+            events.append((self.weights[f"start{cta.id}"], partial(self.start_cta, cta)))
+
+    def launch_next(self):
+        """The cluster takes two SM slots at once; its CTAs start at their own later times."""
+        pair = self.pending.popleft()
+        self.log.append(f"launch cluster of CTAs {[c.id for c in pair]}")
+        for cta in pair:
+            self.resident.append(cta)
+            self.launched.append(cta)
+            self.starting.append(cta)
+            self.weights[f"start{cta.id}"] = 10 ** self.rng.uniform(-3, 0)
+        self.weights[f"tensor{pair[0].id}"] = 10 ** self.rng.uniform(-2.5, 0)
+
+    def start_cta(self, cta):
+        """The CTA's warps start (the two CTAs of a cluster skewed)."""
+        self.log.append(f"CTA {cta.id} starts")
+        self.starting.remove(cta)
+        cta.spawn()
+
+    def unfinished(self) -> bool:
+        return bool(self.actors or self.pending or self.starting)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1200,14 +1168,15 @@ def test_pair_m_range_and_rank_cover_both_ctas():
                 assert pairs.dq_rank(m, p) == k, (mask, sq, sk, wl, wr, m, p)
 
 
-def test_reordered_commit_arrivals():
+@pytest.mark.parametrize("serial, seeds", [(False, 4), (True, 2)], ids=("d128", "serial"))
+def test_reordered_commit_arrivals(serial, seeds):
     """With commit arrivals onto different barriers in any order (instead of the pipe's issue
     order), the protocol still runs without deadlock, alias or hazard, up to the exit (see
     test_exit_with_lagging_commit_arrivals)."""
-    for seed in range(4):
+    cfg = (make_serial_cfg if serial else make_cfg)("causal", True)
+    for seed in range(seeds):
         try:
-            simulate(make_cfg("causal", True), 3 * TILE, 4 * TILE, 1, 4, seed,
-                     in_order_commits=False)
+            simulate(cfg, 3 * TILE, 4 * TILE, 1, 4, seed, in_order_commits=False)
         except ProtocolError as e:
             assert "exits while a commit" in str(e), e
 
@@ -1220,21 +1189,24 @@ class LaggingCommitSim(PairSim):
         return self.weights["commit"] * (1e-4 if "empty" in bars[0].family else 1)
 
 
-def test_exit_with_lagging_commit_arrivals(monkeypatch):
+@pytest.mark.parametrize("serial, seeds", [(False, 10), (True, 5)], ids=("d128", "serial"))
+def test_exit_with_lagging_commit_arrivals(monkeypatch, serial, seeds):
     """Commit arrivals out of issue order, the empty barriers' far behind: the kernel's exit
-    drain (the load warp waits the last phase of q / qt / do / dot.empty, the relay warp the last
-    ds_empty) keeps every CTA alive until the last commit reached it. Without the drain a CTA
-    exits while a trailing multicast commit may still arrive on its barriers."""
+    drain (the load warp waits the last phase of its TMA pipelines' empty barriers: q / qt / do /
+    dot, serial: q / do, each released twice per iteration; the relay warp the last ds_empty)
+    keeps every CTA alive until the last commit reached it. Without the drain a CTA exits while
+    a trailing multicast commit may still arrive on its barriers."""
     import test_sm100_bwd_2cta_protocol as this
 
     monkeypatch.setattr(this, "PairSim", LaggingCommitSim)
-    for seed in range(10):
-        simulate(make_cfg("causal"), 2 * TILE, 2 * TILE, 1, 2, seed, in_order_commits=False)
+    cfg = (make_serial_cfg if serial else make_cfg)("causal")
+    for seed in range(seeds):
+        simulate(cfg, 2 * TILE, 2 * TILE, 1, 2, seed, in_order_commits=False)
     failed = 0
-    for seed in range(10):
+    for seed in range(seeds):
         try:
-            simulate(make_cfg("causal"), 2 * TILE, 2 * TILE, 1, 2, seed,
-                     in_order_commits=False, mut=frozenset({"no_exit_drain"}))
+            simulate(cfg, 2 * TILE, 2 * TILE, 1, 2, seed, in_order_commits=False,
+                     mut=frozenset({"no_exit_drain"}))
         except ProtocolError as e:
             assert "exits while a commit" in str(e), e
             failed += 1
@@ -1412,36 +1384,6 @@ def test_serial_load_order_dot_after_q_and_lse():
             simulate(cfg, 2 * TILE, 2 * TILE, 1, 2, 0, load_order=order)
     assert SERIAL_LOAD_ORDER in SERIAL_LOAD_ORDERS
     simulate(cfg, 2 * TILE, 2 * TILE, 1, 2, 0, load_order=SERIAL_LOAD_ORDER)
-
-
-def test_serial_reordered_commit_arrivals():
-    """test_reordered_commit_arrivals for the serial layout."""
-    for seed in range(2):
-        try:
-            simulate(make_serial_cfg("causal", True), 3 * TILE, 4 * TILE, 1, 4, seed,
-                     in_order_commits=False)
-        except ProtocolError as e:
-            assert "exits while a commit" in str(e), e
-
-
-def test_serial_exit_with_lagging_commit_arrivals(monkeypatch):
-    """test_exit_with_lagging_commit_arrivals for the serial layout: the drain waits the last
-    phase of q / do.empty (each released twice per iteration) and the last ds_empty."""
-    import test_sm100_bwd_2cta_protocol as this
-
-    monkeypatch.setattr(this, "PairSim", LaggingCommitSim)
-    cfg = make_serial_cfg("causal")
-    for seed in range(5):
-        simulate(cfg, 2 * TILE, 2 * TILE, 1, 2, seed, in_order_commits=False)
-    failed = 0
-    for seed in range(5):
-        try:
-            simulate(cfg, 2 * TILE, 2 * TILE, 1, 2, seed, in_order_commits=False,
-                     mut=frozenset({"no_exit_drain"}))
-        except ProtocolError as e:
-            assert "exits while a commit" in str(e), e
-            failed += 1
-    assert failed > 0
 
 
 def test_serial_mutation_missing_s_read_wait():

@@ -79,6 +79,7 @@ import itertools
 import random
 import re
 from collections import defaultdict, deque
+from functools import partial
 
 import pytest
 from test_sm100_fwd_protocol import (
@@ -327,8 +328,9 @@ class BwdSim(Sim):
 
     # --- scheduler ----------------------------------------------------------------------------
     def run(self, max_steps: int = 400_000):
+        """Fire one enabled event at a time, drawn by the (re-drawn now and then) weights, until
+        none is left; then fail unless every actor finished (deadlock)."""
         rng = self.rng
-        w = self.weights
         self._draw_weights()
         while True:
             self.steps += 1
@@ -336,56 +338,65 @@ class BwdSim(Sim):
                 self.fail("no progress bound reached (livelock?)")
             if rng.random() < 0.01:
                 self._draw_weights()
-            events, weights = [], []
+            events: list = []  # (weight, fire)
             for name, (_, op) in self.actors.items():
                 if self.enabled(name, op):
-                    events.append((0, name))
-                    weights.append(w[name])
+                    events.append((self.weights[name], partial(self.step_actor, name)))
             for cta in self.launched:
-                if cta.tensor_queue:
-                    events.append((1, cta))
-                    weights.append(w[f"tensor{cta.id}"])
-                for bar, q in cta.commits.items():
-                    if q and q[0][0] <= cta.mma_done:
-                        events.append((2, (cta, bar)))
-                        weights.append(w["commit"])
+                self.pipe_events(cta, events)
             for i in range(len(self.tma_loads)):
-                events.append((3, i))
-                weights.append(w["tma"])
+                events.append((self.weights["tma"], partial(self.complete_tma_load, i)))
+            self.copy_events(events)
             for r in self.reduces:
-                events.append((5 if r.read_done else 4, r))
-                weights.append(w["reduce_write" if r.read_done else "reduce_read"])
-            if self.pending and len(self.resident) < self.slots:
-                events.append((6, None))
-                weights.append(w["launch"])
+                if r.read_done:
+                    events.append((self.weights["reduce_write"],
+                                   partial(self.complete_reduce_write, r)))
+                else:
+                    events.append((self.weights["reduce_read"],
+                                   partial(self.complete_reduce_read, r)))
+            self.launch_events(events)
             if not events:
                 break
-            kind, arg = rng.choices(events, weights=weights)[0]
-            if kind == 0:
-                self.execute(arg, self.actors[arg][1])
-                self._advance(arg)
-            elif kind == 1:
-                self.complete_mma_of(arg)
-            elif kind == 2:
-                self.fire_commit_of(*arg)
-            elif kind == 3:
-                self.complete_tma_load(arg)
-            elif kind == 4:
-                self.complete_reduce_read(arg)
-            elif kind == 5:
-                self.complete_reduce_write(arg)
-            else:
-                cta = self.pending.popleft()
-                self.log.append(f"launch CTA {cta.id} (n_block {cta.n_block}, head {cta.head})")
-                self.resident.append(cta)
-                self.launched.append(cta)
-                self.weights[f"tensor{cta.id}"] = 10 ** rng.uniform(-2.5, 0)
-                cta.spawn()
-        if self.actors or self.pending:
+            rng.choices([fire for _, fire in events], weights=[w for w, _ in events])[0]()
+        if self.unfinished():
             self.fail("deadlock: " + "; ".join(
                 f"{n} at {op[0]} {', '.join(map(repr, op[1:3]))}"
                 for n, (_, op) in self.actors.items())
-                + (f"; {len(self.pending)} CTAs never launched" if self.pending else ""))
+                + (f"; {len(self.pending)} {self.launch_unit}s never launched"
+                   if self.pending else ""))
+
+    # --- the event kinds (PairSim, the 2-CTA model, overrides these) ---------------------------
+    launch_unit = "CTA"
+
+    def step_actor(self, name: str):
+        self.execute(name, self.actors[name][1])
+        self._advance(name)
+
+    def pipe_events(self, cta, events: list):
+        """The CTA's tensor pipe: complete its oldest MMA; fire a commit whose MMAs are done."""
+        if cta.tensor_queue:
+            events.append((self.weights[f"tensor{cta.id}"], partial(self.complete_mma_of, cta)))
+        for bar, q in cta.commits.items():
+            if q and q[0][0] <= cta.mma_done:
+                events.append((self.weights["commit"], partial(self.fire_commit_of, cta, bar)))
+
+    def copy_events(self, events: list):
+        """Shared-memory copies between CTAs (none in the 1-CTA kernel)."""
+
+    def launch_events(self, events: list):
+        if self.pending and len(self.resident) < self.slots:
+            events.append((self.weights["launch"], self.launch_next))
+
+    def launch_next(self):
+        cta = self.pending.popleft()
+        self.log.append(f"launch CTA {cta.id} (n_block {cta.n_block}, head {cta.head})")
+        self.resident.append(cta)
+        self.launched.append(cta)
+        self.weights[f"tensor{cta.id}"] = 10 ** self.rng.uniform(-2.5, 0)
+        cta.spawn()
+
+    def unfinished(self) -> bool:
+        return bool(self.actors or self.pending)
 
 
 # ---------------------------------------------------------------------------------------------
