@@ -48,7 +48,12 @@ def test_shape_flags_need_custom_and_sweep_a_product():
     assert {(s.B, s.Hkv, s.causal) for s in shapes} == {
         (b, h, c) for b in (1, 2) for h in (8, 2) for c in (False, True)}
     assert all(s.Sk == 256 and s.D == s.Dv == 128 and s.window == (64, 0) for s in shapes)
-    assert len(bench.PRESETS["default"]) == 14
+    assert len(bench.PRESETS["default"]) == 19
+    assert bench.preset_shapes("anchors-main,anchors-more,latency") == bench.PRESETS["default"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--shapes", "anchors-main,nope"])
+    assert bench.parse_args(["--shapes", "anchors-more, latency"]).shapes == "anchors-more,latency"
+    assert bench.parse_args(["--impls", "jax-fa4-det,cudnn"]).impls == ["jax-fa4-det", "cudnn"]
 
 
 def test_static_skip_reasons_on_a_gpu():
@@ -99,9 +104,12 @@ def test_rounds_rotate_which_program_goes_first(monkeypatch):
         return {"a": 1.0, "b": 2.0, "c": 3.0}[program]
 
     monkeypatch.setattr(bench, "_round_ms", fake_round)
-    timings = bench.time_programs(["a", "b", "c"], repeats=3, target_s=0.01, sync_each=False)
+    log: list[list[int]] = []
+    timings = bench.time_programs(["a", "b", "c"], repeats=3, target_s=0.01, sync_each=False,
+                                  order_log=log)
     rounds = [calls[i:i + 3] for i in range(0, len(calls), 3)]
     assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert log == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
     assert [t.ms for t in timings] == [1.0, 2.0, 3.0]  # each program keeps its own samples
 
 
@@ -109,7 +117,9 @@ def test_jax_fa4_row_probes_the_forced_kernel():
     shape = bench.Shape(1, 16, 16, 2, 1, 8, 8, True)
     inputs = bench.make_inputs(shape, jnp.bfloat16, jax.random.key(0), multiple_of=1)[0]
     # A forced implementation that lowers: the row times implementation=None and names it.
-    assert bench.lower_impl("jax-fa4", shape, "reference", inputs, False)[3] == "reference"
+    for impl in ("jax-fa4", "jax-fa4-det"):
+        lowered = bench.lower_impl(impl, shape, "reference", inputs, False)
+        assert lowered.resolved == "reference" and lowered.train_fwd is not None
     # One that cannot (no kernel lowers for the CPU): the row is skipped with the reason.
     with pytest.raises(bench.SkipRow, match="sm90"):
         bench.lower_impl("jax-fa4", shape, "sm90", inputs, False)
@@ -118,7 +128,7 @@ def test_jax_fa4_row_probes_the_forced_kernel():
 @pytest.mark.skipif(not ON_CPU, reason="checks the CPU sweep's rows")
 def test_tiny_sweep_on_cpu(tmp_path, capsys):
     out = tmp_path / "tiny.json"
-    assert bench.main(["--shapes", "tiny", "--repeats", "3", "--target-ms", "10",
+    assert bench.main(["--shapes", "tiny", "--repeats", "1", "--target-ms", "5",
                        "--out", str(out)]) == 0
 
     report = json.loads(out.read_text())
@@ -127,6 +137,10 @@ def test_tiny_sweep_on_cpu(tmp_path, capsys):
     assert report["versions"]["jax"] == jax.__version__
     assert report["command"][-2:] == ["--out", str(out)]
     assert report["complete"] is True and not out.with_suffix(".json.tmp").exists()
+    assert report["bwd_method"] == bench.BWD_METHOD and report["bwd_method_text"]
+    assert report["gpu_state"] == {"before": None, "after": None}  # no nvidia-smi here
+    assert "cute_dsl" in report["versions"]
+    assert report["timing"]["rotation"] == bench.TIMING_ROTATION
     shapes = bench.PRESETS["tiny"]
     rows = report["rows"]
     assert len(rows) == len(shapes) * len(bench.IMPLS)
@@ -142,11 +156,17 @@ def test_tiny_sweep_on_cpu(tmp_path, capsys):
             assert isinstance(row["skipped"], str) and "GPU" in row["skipped"]
             assert row["fwd_ms"] is None and row["fwd_tflops"] is None
             continue
+        if row["impl"] == "jax-fa4-det" and row["Sq"] == 1:
+            assert "training shapes only" in row["skipped"] and row["fwd_ms"] is None
+            continue
         assert row["skipped"] is None, row
         for key in ("fwd_ms", "fwdbwd_ms", "fwd_tflops", "fwd_tbps", "fwd_us"):
             assert isinstance(row[key], float) and row[key] > 0, (key, row)
         assert row["fwd_tflops"] == pytest.approx(row["fwd_flops"] / row["fwd_ms"] / 1e9)
-        assert row["bwd_ms"] == pytest.approx(row["fwdbwd_ms"] - row["fwd_ms"])
+        assert row["bwd_ms"] == pytest.approx(row["fwdbwd_ms"] - row["train_fwd_ms"])
+        assert isinstance(row["train_fwd_ms"], float) and row["residual_bytes"] > 0
+        assert row["deterministic"] is (row["impl"] == "jax-fa4-det")
+        assert row["measures"] == bench.row_shape(row).measures()
         # On a loaded CPU, noise can exceed these tiny backwards: no rate then, never a negative.
         if row["bwd_ms"] > 0:
             assert row["bwd_tflops"] == pytest.approx(
@@ -156,8 +176,19 @@ def test_tiny_sweep_on_cpu(tmp_path, capsys):
         assert row["input_sets"] >= 2 and row["iters"] >= 1 and row["calls_per_dispatch"] == 1
         assert row["fwd_rel_err_vs"] == "reference" and row["fwd_rel_err"] < 1e-6
         assert row["xla_mem_bytes"] > 0
-        if row["impl"] == "jax-fa4":
+        if row["impl"] in ("jax-fa4", "jax-fa4-det"):
             assert row["resolved_impl"] == "reference"  # no kernel on the CPU
+
+    # One timing record per shape: every timed impl's three programs, each opening a round.
+    records = report["timing"]["shapes"]
+    assert len(records) == len(shapes)
+    for record, first in zip(records, rows[::len(bench.IMPLS)]):
+        timed_impls = [r["impl"] for r in rows if r["fwd_ms"] is not None
+                       and bench._shape_key(r) == bench._shape_key(first)]
+        assert record["programs"] == [f"{i} {k}" for i in timed_impls for k in bench.PROGRAM_KINDS]
+        n = len(record["programs"])
+        assert sorted(o[0] for o in record["round_orders"][1:]) == list(range(n))
+        assert all(sorted(o) == list(range(n)) for o in record["round_orders"])
 
     timed = [r for r in rows if r["skipped"] is None]
     assert sum(r["bwd_tflops"] is not None for r in timed) >= len(timed) // 2
@@ -248,3 +279,208 @@ def test_sass_diff_pairs_variants_across_a_new_default_field():
     assert old == sass_diff.variant_key(variant(New(head_dim=64, mask="causal")))
     assert old != sass_diff.variant_key(variant(New(head_dim=64, mask="causal", paged=True)))
     assert old != sass_diff.variant_key(variant(Old(head_dim=64)))
+
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def _fake_prepared(impl: str, shape: "bench.Shape", kinds: tuple[str, ...]) -> "bench.Prepared":
+    row = bench._empty_row(impl, shape, "bf16")
+    return bench.Prepared(row, {kind: f"{impl} {kind}" for kind in kinds})
+
+
+def test_one_rotation_times_every_implementations_programs(monkeypatch):
+    """Per shape, all impls' programs share one time_programs call: each opens a timed round,
+    the record lists the programs and every round's order, and bwd = fwd+bwd - training fwd."""
+    shape = bench.Shape(4, 8192, 8192, 16, 16, 128, 128, True)
+    ms = {"fwd": 2.0, "train_fwd": 2.5, "fwdbwd": 9.0}
+    calls: list[str] = []
+    monkeypatch.setattr(bench, "_round_iters", lambda program, target_s: 1)
+
+    def fake_round(program, iters, first, sync_each):
+        calls.append(program)
+        impl, kind = program.split()
+        return ms[kind] * (2 if impl == "cudnn" else 1)
+
+    monkeypatch.setattr(bench, "_round_ms", fake_round)
+    prepared = [_fake_prepared("jax-fa4", shape, bench.PROGRAM_KINDS),
+                _fake_prepared("cudnn", shape, bench.PROGRAM_KINDS),
+                _fake_prepared("xla", shape, ("fwd",)),  # its backward failed
+                bench.Prepared(bench._empty_row("reference", shape, "bf16"), {})]  # skipped
+    ctx = bench.BenchContext(argparse.Namespace(repeats=5, target_ms=10.0), jax.devices()[0],
+                             None, jnp.bfloat16, "bf16")
+    record = bench.time_shape(prepared, ctx)
+    n = 7
+    assert record["programs"] == ["jax-fa4 fwd", "jax-fa4 train_fwd", "jax-fa4 fwdbwd",
+                                  "cudnn fwd", "cudnn train_fwd", "cudnn fwdbwd", "xla fwd"]
+    orders = record["round_orders"]
+    assert len(orders) == 1 + bench.timed_rounds(5, n) == 1 + n
+    assert [o[0] for o in orders[1:]] == [r % n for r in range(1, n + 1)]  # each opens a round
+    assert calls == [record["programs"][i] for o in orders for i in o]
+    fa4, cudnn, xla, ref = (p.row for p in prepared)
+    assert fa4["train_fwd_ms"] == 2.5 and fa4["fwd_ms"] == 2.0
+    assert fa4["bwd_ms"] == pytest.approx(9.0 - 2.5)  # the training forward, not the inference one
+    assert cudnn["bwd_ms"] == pytest.approx(18.0 - 5.0)
+    assert fa4["bwd_tflops"] == pytest.approx(2.5 * shape.fwd_flops() / 6.5 / 1e9)
+    assert fa4["rounds"] == n and xla["fwd_ms"] == 2.0 and xla["bwd_ms"] is None
+    assert ref["fwd_ms"] is None and ref["rounds"] is None
+    assert bench.timed_rounds(5, 3) == 6 and bench.timed_rounds(1, 4) == 4
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_training_forward_returns_the_residuals(impl):
+    """The training-forward program returns more than out: the residuals the backward reads (for
+    the reference its float32 lse), and none of q, k, v, out (no copies of them are timed)."""
+    shape = bench.Shape(1, 32, 32, 2, 1, 16, 16, True)
+    q, k, v, _ = bench.make_inputs(shape, jnp.bfloat16, jax.random.key(2), multiple_of=1)[0]
+    fn = (bench._fa4_fn(shape, "reference") if impl == "reference"
+          else bench._jax_nn_fn(shape, "xla"))
+    out_shape = jax.eval_shape(fn, q, k, v)
+    out, residuals = jax.eval_shape(bench._train_fwd(fn), q, k, v)
+    assert out == out_shape and len(residuals) >= 1
+    if impl == "reference":
+        assert any(r.shape == (1, 2, 32) and r.dtype == jnp.float32 for r in residuals)
+    lowered = jax.jit(bench._train_fwd(fn)).lower(q, k, v)
+    assert len(jax.tree.leaves(lowered.out_info)) == 1 + len(residuals) > 1
+    assert bench.residual_bytes(fn, q, k, v) == sum(r.size * r.dtype.itemsize for r in residuals)
+    mem = lowered.compile().memory_analysis()
+    if mem is not None:
+        assert mem.output_size_in_bytes > out_shape.size * out_shape.dtype.itemsize
+    # Run: the outputs are new buffers (no input is returned, so none is copied), and the
+    # pullback built from the same forward gives the same gradient as the fwd+bwd program.
+    got_out, got_res = jax.jit(bench._train_fwd(fn))(q, k, v)
+    pointers = {x.unsafe_buffer_pointer() for x in (q, k, v)}
+    assert all(r.unsafe_buffer_pointer() not in pointers for r in got_res)
+    np.testing.assert_array_equal(np.asarray(got_out, np.float32), np.asarray(fn(q, k, v),
+                                                                              np.float32))
+
+
+def test_rows_say_what_they_measure():
+    latency = bench.Shape(1, 128, 128, 16, 16, 128, 128, False)
+    decode = bench.Shape(64, 1, 8192, 32, 8, 128, 128, False)
+    assert latency.measures() == "launch overhead"
+    assert decode.measures() == "K/V bandwidth"
+    assert all(s.measures() == "attention speed" for s in bench.ANCHOR_SHAPES)
+    assert {s.measures() for s in bench.PRESETS["default"]} == set(bench.MEASURES)
+    row = bench._empty_row("jax-fa4", latency, "bf16")
+    row.update(fwd_ms=0.008, fwd_tflops=16.75, bwd_tflops=13.25)
+    assert row["measures"] == "launch overhead"
+    assert bench._rate(row, "fwd_tflops") == "(latency)"  # no TFLOP/s presented as speed
+    line = bench._row_line(row)
+    assert "16.8" not in line and "13.2" not in line and "launch overhead" in line
+    drow = bench._empty_row("cudnn", decode, "bf16")
+    drow.update(fwd_ms=0.5, fwd_tflops=17.0, fwd_tbps=4.3)
+    assert bench._rate(drow, "fwd_tflops") == "4.3 TB/s"
+
+
+def test_deterministic_rows_on_training_shapes_only():
+    args = argparse.Namespace(reference_max_gb=4.0, xla_max_gb=20.0, fwd_only=False)
+    skip = lambda shape: bench.static_skip_reason("jax-fa4-det", shape, "gpu", args)  # noqa
+    training = [s for s in bench.PRESETS["default"] if s.measures() == "attention speed"]
+    assert len(training) == 16 and all(skip(s) is None for s in training)
+    others = [s for s in bench.PRESETS["default"] if s not in training]
+    assert others and all(skip(s) for s in others)
+    assert bench.static_skip_reason("jax-fa4-det", training[0], "gpu",
+                                    argparse.Namespace(**{**vars(args), "fwd_only": True}))
+    assert bench._empty_row("jax-fa4-det", training[0], "bf16")["deterministic"] is True
+    assert bench._empty_row("jax-fa4", training[0], "bf16")["deterministic"] is False
+
+
+def test_default_preset_holds_every_anchor_shape():
+    anchors = json.loads((REPO / "benchmarks" / "anchors.json").read_text())["rows"]
+    assert len(anchors) == 18
+    keys = {(a["B"], a["Sq"], a["Sk"], a["H"], a["Hkv"], a["D"], a["Dv"], a["causal"])
+            for a in anchors}
+    default = {(s.B, s.Sq, s.Sk, s.H, s.Hkv, s.D, s.Dv, s.causal) for s in
+               bench.PRESETS["default"] if s.window == (None, None)}
+    assert keys <= default
+    assert keys == {(s.B, s.Sq, s.Sk, s.H, s.Hkv, s.D, s.Dv, s.causal)
+                    for s in bench.preset_shapes("anchors-main,anchors-more")}
+    assert set(bench.LATENCY_SHAPES) <= set(bench.PRESETS["default"])
+
+
+def _fake_report(spec: str, **changes) -> dict:
+    rows = []
+    for shape in bench.preset_shapes(spec):
+        for impl in ("jax-fa4", "cudnn"):
+            row = bench._empty_row(impl, shape, "bf16")
+            row.update(fwd_ms=1.0)
+            rows.append(row)
+    report = {"gpu": "NVIDIA H200", "platform": "gpu", "driver": "580", "versions": {"jax": "x"},
+              "gpu_state": {"before": None, "after": None}, "command": ["python"],
+              "date": "2026-12-02T10:00:00+00:00", "bwd_method": bench.BWD_METHOD,
+              "settings": {"shapes": spec, "dtype": "bf16", "impls": ["jax-fa4", "cudnn"],
+                           "repeats": 5, "target_ms": 25.0, "fwd_only": False,
+                           "rotation_bytes": 1, "backward_flop_factor": 2.5},
+              "timing": {"method": "m", "rotation": bench.TIMING_ROTATION,
+                         "shapes": [{"shape": spec}]},
+              "complete": True, "wall_s": 100.0, "rows": rows}
+    report.update(changes)
+    return report
+
+
+def test_merge_joins_a_split_default_sweep(tmp_path):
+    a, b = _fake_report("anchors-more,latency"), _fake_report("anchors-main",
+                                                              date="2026-12-02T11:00:00+00:00")
+    merged = bench.merge_reports([a, b], ["a.json", "b.json"])
+    assert merged["settings"]["shapes"] == "default" and merged["complete"] is True
+    assert merged["date"] == "2026-12-02T11:00:00+00:00" and merged["wall_s"] == 200.0
+    got = [bench._shape_key(r) for r in merged["rows"][::2]]
+    assert got == [bench._shape_key(bench._empty_row("x", s, "bf16"))
+                   for s in bench.PRESETS["default"]]  # in the preset's order
+    assert len(merged["timing"]["shapes"]) == 2 and len(merged["merged_from"]) == 2
+    with pytest.raises(ValueError, match="versions"):
+        bench.merge_reports([a, _fake_report("anchors-main", versions={"jax": "y"})], ["a", "b"])
+    with pytest.raises(ValueError, match="both"):
+        bench.merge_reports([a, a], ["a", "b"])
+    with pytest.raises(ValueError, match="complete"):
+        bench.merge_reports([a, _fake_report("anchors-main", complete=False)], ["a", "b"])
+    part = bench.merge_reports([_fake_report("anchors-main"), _fake_report("latency")], ["a", "b"])
+    assert part["settings"]["shapes"] == "anchors-main+latency"
+    for name, rep in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(rep))
+    out = tmp_path / "c.json"
+    assert bench.main(["merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                       "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["settings"]["shapes"] == "default"
+
+
+def test_gpu_state_falls_back_field_by_field(monkeypatch):
+    """A driver that refuses one field: the joint query fails, the others are still read."""
+    import subprocess
+
+    monkeypatch.setattr(bench.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+
+    def fake_run(cmd, **kwargs):
+        fields = cmd[1].split("=", 1)[1].split(",")
+        if "clocks_throttle_reasons.active" in fields:
+            raise subprocess.CalledProcessError(2, cmd)
+        values = {"name": "NVIDIA H200", "driver_version": "580.1", "clocks.sm": "1980",
+                  "power.draw": "[N/A]", "clocks_event_reasons.active": "0x0000000000000000"}
+        line = ", ".join(values.get(f, "7") for f in fields)
+        return subprocess.CompletedProcess(cmd, 0, stdout=line + "\n" + line + "\n")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    state = bench.gpu_state()
+    assert len(state) == 2 and state[0]["name"] == "NVIDIA H200"
+    assert state[0]["clocks.sm"] == 1980.0 and state[0]["power.draw"] is None
+    assert state[0]["clocks_throttle_reasons.active"] == "0x0000000000000000"
+    assert set(state[0]) == set(bench.GPU_QUERY_FIELDS)
+    assert bench.driver_version(state) == "580.1"
+    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
+    assert bench.gpu_state() is None and bench.driver_version() is None
+
+
+def test_cute_dsl_versions_come_from_the_kernel_cache(tmp_path, monkeypatch):
+    """Without nvidia-cutlass-dsl (the GPU machine), the DSL versions of the cached kernels and
+    the runtime library named by the environment are recorded."""
+    entry = tmp_path / "sm_90a"
+    entry.mkdir()
+    (entry / "k1.json").write_text(json.dumps({"dsl_version": "4.8.1"}))
+    (entry / "k2.json").write_text(json.dumps({"dsl_version": "4.8.1"}))
+    monkeypatch.setenv("JAX_FA4_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("JAX_FA4_CUTE_RUNTIME_LIB", "/opt/lib/libcute_dsl_runtime.so")
+    found = bench.cute_dsl_versions()
+    assert found["kernel_cache"] == str(tmp_path)
+    assert found["kernel_cache_dsl_versions"] == {"4.8.1": 2}
+    assert found["runtime_library"] == "/opt/lib/libcute_dsl_runtime.so"
