@@ -1264,6 +1264,16 @@ def _shape_key(row: Row) -> tuple:
             row["causal"], tuple(row["window"]))
 
 
+def _merge_view(key: str, value: Any) -> Any:
+    """What must agree between merged runs: the versions, with the CuTe-DSL entry reduced to its
+    versions (the kernel cache's entry counts may differ between two machines)."""
+    if key != "versions" or not isinstance(value, dict) or "cute_dsl" not in value:
+        return value
+    dsl = value["cute_dsl"] or {}
+    return {**value, "cute_dsl": (dsl.get("nvidia-cutlass-dsl"),
+                                  sorted(dsl.get("kernel_cache_dsl_versions") or {}))}
+
+
 def merge_reports(reports: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
     """One result file from several runs of the same stack that split a sweep's shapes.
 
@@ -1279,7 +1289,7 @@ def merge_reports(reports: Sequence[dict[str, Any]], names: Sequence[str]) -> di
         if not rep.get("complete"):
             raise ValueError(f"{name} is not complete (a stopped run)")
         for key in ("gpu", "platform", "driver", "versions", "bwd_method"):
-            if rep.get(key) != first.get(key):
+            if _merge_view(key, rep.get(key)) != _merge_view(key, first.get(key)):
                 raise ValueError(f"{name} differs from {names[0]} in {key!r}: "
                                  f"{rep.get(key)!r} vs {first.get(key)!r}")
         for key in MERGE_SAME_SETTINGS:
