@@ -6,7 +6,7 @@
 For a refactor that should not change the generated code, this is the proof that needs no GPU
 run: every selected shipped variant (``jax_fa4.variants``, default suite) is compiled from each
 checkout (each in its own process, importing that checkout's ``jax_fa4``) and disassembled with
-../shared/tools/cubin_report.py; instructions are compared with addresses, encodings and
+this checkout's ``jax_fa4/sass.py``; instructions are compared with addresses, encodings and
 immediates stripped. Variants are matched by their family, arch and the config fields that differ
 from their defaults (so a new field added with a default that keeps the old code still pairs
 with the old variant); variants without a partner are listed apart.
@@ -17,24 +17,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
+import importlib.util
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
-CUBIN_REPORT = HERE.parent / "shared" / "tools" / "cubin_report.py"
 
 
-def normalised_sass(sass: str) -> list[str]:
-    """The instructions of a SASS dump, without addresses, encodings and hex immediates."""
-    out = []
-    for line in sass.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
-        if m:
-            out.append(re.sub(r"0x[0-9a-f]+", "X", m.group(1)))
-    return out
+def sass_module():
+    """This checkout's jax_fa4/sass.py (stdlib only), whichever ``jax_fa4`` is imported."""
+    spec = importlib.util.spec_from_file_location("jax_fa4_sass", HERE / "jax_fa4" / "sass.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def variant_key(v) -> str:
@@ -52,15 +50,11 @@ def dump(root: str, out_dir: str, selection: dict) -> None:
     from jax_fa4.ffi.compiler import compile_config
     from jax_fa4.variants import variants
 
+    sass = sass_module()
     result = {}
-    for i, v in enumerate(variants(**selection)):
-        obj = Path(out_dir) / f"k{i}.o"
-        obj.write_bytes(compile_config(v.config, v.arch).object_bytes)
-        sass_dir = Path(out_dir) / f"sass{i}"
-        subprocess.run([sys.executable, str(CUBIN_REPORT), str(obj), "--json", "--sass-out",
-                        str(sass_dir)], capture_output=True, text=True, check=True)
-        sass = "".join(p.read_text() for p in sorted(sass_dir.iterdir()))
-        result[variant_key(v)] = normalised_sass(sass)
+    for v in variants(**selection):
+        kernels = sass.kernels(compile_config(v.config, v.arch).object_bytes)
+        result[variant_key(v)] = [line for k in kernels for line in k.normalised()]
         print(f"  {Path(root).name}: {v.describe()}", file=sys.stderr, flush=True)
     (Path(out_dir) / "sass.json").write_text(json.dumps(result))
 
@@ -80,8 +74,7 @@ def main(argv=None) -> int:
     if args.dump:
         dump(args.dump[0], args.dump[1], selection)
         return 0
-    if not CUBIN_REPORT.is_file():
-        sys.exit(f"needs {CUBIN_REPORT}")
+    sass_module().cuobjdump_path()  # fail early when the disassembler is missing
     sides = {}
     for name, root in (("other", str(Path(args.other).resolve())), ("this", str(HERE))):
         out = tempfile.mkdtemp(prefix=f"sass-{name}-")

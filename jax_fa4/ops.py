@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import warnings
 
@@ -22,6 +23,17 @@ _NAIVE_MAX_SCORES = 4096 * 4096
 _BLOCK_K = 512
 
 KERNEL_DTYPES = ("bfloat16", "float16")
+
+_log = logging.getLogger("jax_fa4")
+
+
+def reference_fallback(what: str, implementation: str, reason: str) -> None:
+    """Record that ``what`` (``"forward"``, ``"backward"``, ...) of a call on a kernel
+    ``implementation`` runs the pure-JAX reference, and why: logged on the ``jax_fa4`` logger
+    (level INFO: ``logging.getLogger("jax_fa4").setLevel("INFO")`` shows which calls miss the
+    kernels). Called while tracing, once per traced call; the GPU test suite makes it raise
+    (``JAX_FA4_REQUIRE_GPU=1``) where a test expects a kernel."""
+    _log.info("%s on %s runs the pure-JAX reference: %s", what, implementation, reason)
 
 
 def reference_block_k(sq: int, sk: int) -> int | None:
@@ -140,6 +152,7 @@ def forward(q, k, v, opts) -> tuple[jax.Array, jax.Array]:
         if opts.forced:
             raise ImplementationUnavailableError(
                 f"implementation={opts.implementation!r} cannot run this call: {config}")
+        reference_fallback("forward", opts.implementation, config)
     return reference_forward(q, k, v, opts)
 
 
@@ -170,6 +183,10 @@ def bwd_preprocess(out, dout, lse, implementation: str) -> tuple[jax.Array, jax.
         delta, lse_log2 = call_kernel(PreprocessConfig(dtype, dv), KERNEL_ARCH[implementation],
                                       out, dout, lse, out_shapes=(shape, shape))
         return delta, lse_log2
+    if implementation in KERNEL_ARCH:
+        reference_fallback("backward preprocess", implementation,
+                           f"dtype {dtype}, head_dim_v {dv} (the kernel takes bfloat16 / float16 "
+                           "and a multiple of 8 up to 512)")
     delta = reference_delta(out, dout)
     lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * math.log2(math.e))
     return delta, lse_log2
@@ -248,6 +265,8 @@ def backward(q, k, v, out, lse, dout, delta, lse_log2, opts
                                                           lse_log2, opts)
     if opts.implementation == "sm100" and not isinstance(forward_config(q, k, v, opts), str):
         warn_reference_backward(opts.implementation, reason)
+    if opts.implementation != "reference":
+        reference_fallback("backward", opts.implementation, reason)
     return reference.attention_backward(
         q, k, v, out, lse, dout, delta=delta, softmax_scale=opts.softmax_scale,
         window=opts.window, softcap=opts.softcap,

@@ -335,6 +335,7 @@ def _route(q, k_cache, v_cache, page_table, opts) -> tuple:
             raise ImplementationUnavailableError(
                 f"implementation={opts.implementation!r} cannot run this paged KV attention "
                 f"call: {config}")
+        ops.reference_fallback("paged KV attention", opts.implementation, config)
     page_size, max_pages = k_cache.shape[1], page_table.shape[1]
     return ("reference", None if max_pages * page_size <= _DENSE_MAX_KEYS
             else max(1, _SPLIT_KEYS // page_size))

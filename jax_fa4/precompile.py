@@ -4,6 +4,13 @@
     python -m jax_fa4.precompile --suite tests --arch sm_90a --cache-dir .device/kernel-cache
     python -m jax_fa4.precompile --dtype bfloat16 --head-dim 128 --family bwd_preprocess
     python -m jax_fa4.precompile --list                  # what the cache holds
+    python -m jax_fa4.precompile --check                 # ... and SASS-check every variant
+
+``--check`` is the exhaustive kernel check (run it after any change under ``jax_fa4/kernels/``):
+every selected variant compiled (or read from the cache) and its SASS inspected
+(:mod:`jax_fa4.sass`): no local memory, at most 255 registers, shared memory within 227 KB, the
+instructions its kernel kind is built on (``variants.REQUIRED_SASS``). ``--representative``
+narrows any selection to the quick test tier's variants (``variants.representative``).
 
 Copy the cache directory to the GPU machines and point ``JAX_FA4_CACHE_DIR`` at it: they then run
 with only the CuTe-DSL runtime library, no compiler. Also installed as ``jax-fa4-precompile``.
@@ -22,7 +29,8 @@ from collections.abc import Sequence
 from jax_fa4.ffi.cache import KernelCache
 from jax_fa4.ffi.compiler import SUPPORTED_ARCHS, compile_config, dsl_version
 from jax_fa4.kernels.spec import FLOAT_DTYPES
-from jax_fa4.variants import FAMILIES, HEAD_DIMS, SUITES, Variant, variants
+from jax_fa4.variants import (FAMILIES, HEAD_DIMS, REQUIRED_SASS, SUITES, Variant,
+                              representative, variants)
 
 
 def _compile_one(variant: Variant) -> tuple[Variant, bytes, float]:
@@ -84,6 +92,46 @@ def build(selected: Sequence[Variant], cache: KernelCache, *, force: bool = Fals
     return records
 
 
+def variant_problems(variant: Variant, object_bytes: bytes) -> list[str]:
+    """What keeps one compiled variant from shipping (:func:`jax_fa4.sass.problems` on each
+    kernel function of its object, with its config's shared memory and its kind's required
+    instructions); an object without exactly one kernel function is a problem too."""
+    from jax_fa4 import sass
+
+    label = variant.describe()
+    found = sass.kernels(object_bytes)
+    if len(found) != 1:
+        return [f"{label}: {len(found)} kernel functions in its object (expected 1)"]
+    smem = variant.config.smem_bytes() if hasattr(variant.config, "smem_bytes") else 0
+    return sass.problems(found[0], dynamic_smem_bytes=smem, label=label,
+                         must_have=REQUIRED_SASS.get(variant.config.kernel_name, ()))
+
+
+def check(selected: Sequence[Variant], cache: KernelCache, *, progress: bool = True,
+          jobs: int = 1) -> list[str]:
+    """SASS-check every variant of ``selected`` (each must be in ``cache``: :func:`build`
+    first); one line per problem, empty when all are clean. Disassembly runs ``jobs`` at a
+    time (separate processes: cuobjdump / nvdisasm)."""
+    from tqdm import tqdm
+
+    version = dsl_version()
+
+    def one(variant: Variant) -> list[str]:
+        entry = cache.get(variant.config, variant.arch, version)
+        if entry is None:
+            return [f"{variant.describe()}: not in the cache {cache.root}"]
+        return variant_problems(variant, entry.object_bytes)
+
+    found: list[str] = []
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool, \
+            tqdm(total=len(selected), desc="checking SASS", unit="kernel", file=sys.stderr,
+                 disable=not progress or not selected) as bar:
+        for lines in pool.map(one, selected):
+            found.extend(lines)
+            bar.update()
+    return found
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jax_fa4.precompile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,6 +145,12 @@ def _parser() -> argparse.ArgumentParser:
                                        "~/.cache/jax_fa4)")
     p.add_argument("--force", action="store_true", help="rebuild entries already cached")
     p.add_argument("--list", action="store_true", help="list the cache's entries and exit")
+    p.add_argument("--check", action="store_true",
+                   help="after building, SASS-check every selected variant (no spills, "
+                        "registers and shared memory within limits, required instructions); "
+                        "exit 1 on any problem")
+    p.add_argument("--representative", action="store_true",
+                   help="only the quick test tier's representative variants of the selection")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="compile in this many processes (default: one per CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -113,13 +167,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     selected = variants(args.suite, archs=args.arch, dtypes=args.dtype, head_dims=args.head_dim,
                         families=args.family)
+    if args.representative:
+        selected = representative(selected)
     start = time.perf_counter()
     records = build(selected, cache, force=args.force, progress=not args.quiet, jobs=args.jobs)
     compiled = [r for r in records if r["status"] == "compiled"]
     print(f"{len(records)} kernels in {cache.root}: {len(compiled)} compiled, "
           f"{len(records) - len(compiled)} already cached; "
           f"{time.perf_counter() - start:.1f} s")
-    return 0
+    if not args.check:
+        return 0
+    start = time.perf_counter()
+    problems = check(selected, cache, progress=not args.quiet, jobs=args.jobs)
+    for line in problems:
+        print(f"PROBLEM {line}")
+    print(f"SASS of {len(selected)} kernels checked: {len(problems)} problems; "
+          f"{time.perf_counter() - start:.1f} s")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -5,11 +5,15 @@ head dims asked for; a suite picks the families and the grid:
 
 * ``tests``: exactly what the GPU test suite runs (small, for the device workflow);
 * ``default``: every shipped variant for the common head dims.
+
+:func:`representative` picks, by a fixed rule, the few variants of a set that the quick test
+tier compiles and SASS-checks in place of all of them (see its docstring).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import dataclasses
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from jax_fa4.ffi.compiler import SUPPORTED_ARCHS
@@ -93,6 +97,18 @@ FAMILIES: dict[str, tuple[tuple[str, ...], Callable[..., Iterable[KernelConfig]]
     "exp2_probe": (("sm_90a",), _none, _exp2_probe_tests),
 }
 
+#: Instructions (SASS opcode prefixes) every variant of a kernel kind must contain: the tensor
+#: cores and TMA it is built on (``precompile --check`` and the compile tests check them).
+REQUIRED_SASS: dict[str, tuple[str, ...]] = {
+    "bwd_preprocess": (),
+    "sm90_fwd": ("HGMMA", "UTMALDG", "MUFU.EX2"),
+    "sm90_bwd": ("HGMMA", "UTMALDG", "UBLKRED", "MUFU.EX2"),
+    "sm90_bwd_postprocess": (),
+    "sm100_fwd": ("UTCHMMA", "UTCBAR", "LDTM", "UTCATOMSWS", "UTMALDG", "MUFU.EX2"),
+    "sm100_bwd": ("UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTCATOMSWS", "UTMALDG", "UTMAREDG"),
+    "exp2_probe": (),
+}
+
 #: what the GPU tests need: (dtypes, head dims) per suite
 _SUITE_GRID = {
     "tests": (FLOAT_DTYPES, HEAD_DIMS),
@@ -126,3 +142,80 @@ def variants(suite: str = "default", *, archs: Sequence[str] | None = None,
                 continue
             out.extend(Variant(c, arch) for c in configs)
     return out
+
+
+#: Config flags that make a mode, in precedence order (a paged decode tile counts as paged).
+_MODE_FLAGS = (("paged", "paged"), ("qo_head_major", "decode"), ("varlen", "varlen"),
+               ("deterministic", "deterministic"))
+
+
+def variant_mode(config: KernelConfig) -> str:
+    """``"paged"``, ``"decode"`` (a head-major decode tile), ``"varlen"``, ``"deterministic"``
+    or ``"dense"``: the first of the config's mode flags that is set."""
+    for field, mode in _MODE_FLAGS:
+        if getattr(config, field, False):
+            return mode
+    return "dense"
+
+
+def head_dim_class(config: KernelConfig) -> str:
+    """``"128"``, or ``"192/128"`` when the value head dim differs from the query/key one."""
+    d, dv = getattr(config, "head_dim", None), getattr(config, "head_dim_v", None)
+    if d is not None and dv is not None and d != dv:
+        return f"{d}/{dv}"
+    return str(d if d is not None else dv)
+
+
+def variant_class(variant: Variant) -> tuple[str, str, str, str]:
+    """(arch, kernel kind, head-dim class, mode): the classes :func:`representative` covers."""
+    config = variant.config
+    return variant.arch, config.kernel_name, head_dim_class(config), variant_mode(config)
+
+
+def _features(variant: Variant) -> frozenset[tuple[str, object]]:
+    """(field, value) of every config field but the head dims (those make the class)."""
+    config = variant.config
+    return frozenset((f.name, getattr(config, f.name)) for f in dataclasses.fields(config)
+                     if f.name not in ("head_dim", "head_dim_v"))
+
+
+def representative(selected: Sequence[Variant],
+                   prefer: Collection[Variant] = ()) -> list[Variant]:
+    """A small subset of ``selected`` that still exercises every kernel family's code paths.
+
+    The rule (deterministic, in ``selected``'s order):
+
+    1. one variant of every class of :func:`variant_class` (arch × kernel kind × head-dim class ×
+       mode: dense, varlen, paged, decode, deterministic), the one that adds the most
+       (field, value) pairs of its config not yet covered within its (arch, kernel kind),
+       a variant of ``prefer`` (already compiled elsewhere) winning over any other;
+    2. then, per (arch, kernel kind), more variants until every value that any config field
+       takes in ``selected`` (dtype, mask, softcap, GQA, tile shapes, options...) appears in at
+       least one chosen variant: each time the one that covers the most missing pairs.
+
+    So a change that breaks one head dim, one mode, or one value of any option of a family breaks
+    a chosen variant, while the set stays ~8 % of the shipped one.
+    """
+    prefer = set(prefer)
+    by_kind: dict[tuple[str, str], list[Variant]] = {}
+    for v in dict.fromkeys(selected):
+        by_kind.setdefault(variant_class(v)[:2], []).append(v)
+    chosen: list[Variant] = []
+    for members in by_kind.values():
+        covered: set = set()
+        picked: list[Variant] = []
+
+        def take(v: Variant) -> None:
+            picked.append(v)
+            covered.update(_features(v))
+
+        classes: dict[tuple, list[Variant]] = {}
+        for v in members:
+            classes.setdefault(variant_class(v), []).append(v)
+        for candidates in classes.values():
+            take(max(candidates, key=lambda v: (v in prefer, len(_features(v) - covered))))
+        needed = set().union(*(_features(v) for v in members))
+        while needed - covered:
+            take(max(members, key=lambda v: (len(_features(v) - covered), v in prefer)))
+        chosen.extend(sorted(picked, key=members.index))
+    return chosen

@@ -146,6 +146,9 @@ def attention_with_extras(
     what = " and ".join(name for name, x in (("learnable_sink", learnable_sink),
                                              ("segment_ids", segment_ids)) if x is not None)
     _require_reference(opts, what or "this call")
+    if opts.implementation != "reference":
+        ops.reference_fallback("attention with " + (what or "extras"), opts.implementation,
+                               f"no {opts.implementation} kernel takes {what or 'them'} yet")
     q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
     return _attention(q, k, v, learnable_sink, Segments(q_ids, kv_ids), opts)
 
@@ -534,6 +537,7 @@ def _kernel_attention_bwd(opts, kernel, residuals, cotangents):
         return dq, dk, dv, dsink, None, None, None
     if opts.implementation == "sm100":
         ops.warn_reference_backward(opts.implementation, bwd_config)  # the forward was a kernel
+    ops.reference_fallback("varlen backward", opts.implementation, bwd_config)
     # the reference's explicit backward on the packed batch
     dq, dk, dv, dsink, _ = _attention_bwd(
         opts, (q[None], k[None], v[None], sink, segments, out, lse), cotangents)
@@ -632,6 +636,8 @@ def flash_attention_varlen(
             raise ImplementationUnavailableError(
                 f"implementation={opts.implementation!r} cannot run this varlen attention call: "
                 f"{config}")
+        else:
+            ops.reference_fallback("varlen attention", opts.implementation, config)
     out, lse = _varlen(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(cu_seqlens_q),
                        jnp.asarray(cu_seqlens_k), learnable_sink, opts, kernel)
     return (out, lse) if return_lse else out

@@ -1,86 +1,131 @@
-"""Reading compiled kernels in tests: objects from the session's shipped cache, SASS reports."""
+"""Compiled kernels in tests: the test tiers, the session's kernel cache, SASS reports.
+
+Two tiers (README, "Development"):
+
+* **quick** (``python -m pytest``, what CI runs): the compile tests run over
+  :func:`tiered` lists, i.e. the representative variants of ``jax_fa4.variants.representative``
+  (one per arch × kernel kind × head-dim class × mode, plus enough to cover every config
+  option's values), and the shipped-variant check over the representative set;
+* **exhaustive** (``python -m pytest --exhaustive``; run it after any change under
+  ``jax_fa4/kernels/``): every listed and every shipped variant.
+
+Objects come from one kernel cache per checkout (``.pytest_cache/d/jax-fa4-kernels``, keyed by
+config, arch, kernel sources and DSL version like any jax-fa4 cache), so a variant is compiled
+once, not once per test or per run; the session fixture ``shipped_cache`` fills it in parallel.
+Disassembly is :mod:`jax_fa4.sass` (NVIDIA's cuobjdump / nvdisasm wheels, the test extra).
+"""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+import functools
+import hashlib
+from collections.abc import Iterable, Sequence
 
 import pytest
 
-CUBIN_REPORT = Path(__file__).resolve().parent.parent.parent / "shared" / "tools" / "cubin_report.py"
-#: SASS checks need ../shared/tools/cubin_report.py beside the checkout
-needs_cubin_report = pytest.mark.skipif(not CUBIN_REPORT.is_file(),
-                                        reason="../shared/tools/cubin_report.py missing")
+from jax_fa4 import sass
+from jax_fa4.variants import Variant, representative, variants
+
+#: Set from ``--exhaustive`` by tests/conftest.py before any test module is collected.
+EXHAUSTIVE = False
+#: The archs of every config a :func:`tiered` list holds (filled while tests are collected).
+_TIERED_ARCHS: dict = {}
+#: The variants the selected tests take as parameters (tests/conftest.py fills it once
+#: collection is done, so the session fixture compiles them all in parallel up front).
+REQUESTED: list[Variant] = []
 
 
-def compiled_object(cache, config, arch: str) -> bytes:
-    """The object of ``config`` for ``arch``: from the ``shipped_cache`` fixture when it is a
-    shipped variant (compiled once per session), else compiled now."""
-    return shipped_object(cache, config, arch)[0]
+def requested_variants(items) -> list[Variant]:
+    """The :func:`tiered` variants among the parameters of the collected test ``items``."""
+    found = []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        for value in (callspec.params.values() if callspec else ()):
+            try:
+                archs = _TIERED_ARCHS.get(value, ())
+            except TypeError:  # an unhashable parameter
+                continue
+            found.extend(Variant(value, arch) for arch in sorted(archs))
+    return list(dict.fromkeys(found))
+
+
+def _disassembler_missing() -> str | None:
+    try:
+        sass.cuobjdump_path()
+    except sass.DisassemblerNotFoundError as err:
+        return str(err)
+    return None
+
+
+#: SASS checks need NVIDIA's disassembler wheels (``pip install -e '.[test]'``)
+needs_disassembler = pytest.mark.skipif(_disassembler_missing() is not None,
+                                        reason=_disassembler_missing() or "")
+
+
+@functools.cache
+def shipped_representatives() -> tuple[Variant, ...]:
+    """The quick tier's shipped variants (every arch and family)."""
+    return tuple(representative(variants("default")))
+
+
+def tiered(configs: Iterable, arch: str) -> list:
+    """``configs`` in the exhaustive tier; in the quick tier the representative few of them
+    (the same rule as the shipped set, preferring configs the shipped set compiles anyway)."""
+    listed = [Variant(c, arch) for c in dict.fromkeys(configs)]
+    chosen = listed if EXHAUSTIVE else representative(listed, prefer=shipped_representatives())
+    for v in chosen:
+        _TIERED_ARCHS.setdefault(v.config, set()).add(v.arch)
+    return [v.config for v in chosen]
 
 
 def shipped_object(cache, config, arch: str) -> tuple[bytes, float]:
-    """(object, compile seconds) of ``config`` for ``arch``, like :func:`compiled_object` (the
-    seconds are the precompile's when the ``shipped_cache`` fixture has it)."""
+    """(object, compile seconds) of ``config`` for ``arch`` from ``cache`` (the session's),
+    compiled and stored there first when missing."""
     from jax_fa4.ffi.compiler import compile_config, dsl_version
 
-    entry = cache.get(config, arch, dsl_version())
-    if entry is not None:
-        return entry.object_bytes, float(entry.meta.get("compile_seconds", float("nan")))
-    compiled = compile_config(config, arch)
-    return compiled.object_bytes, compiled.seconds
+    version = dsl_version()
+    entry = cache.get(config, arch, version)
+    if entry is None:
+        compiled = compile_config(config, arch)
+        with cache.lock(config, arch, version):
+            cache.put(config, arch, version, compiled.object_bytes,
+                      extra={"compile_seconds": round(compiled.seconds, 3)})
+        return compiled.object_bytes, compiled.seconds
+    return entry.object_bytes, float(entry.meta.get("compile_seconds", float("nan")))
 
 
-def sass_report(obj: bytes, tmp_path: Path) -> list[dict]:
-    """``cubin_report.py --json`` of an object: one dict per kernel (reg, stack, local, ops...)."""
-    path = tmp_path / "kernel.o"
-    path.write_bytes(obj)
-    res = subprocess.run([sys.executable, str(CUBIN_REPORT), str(path), "--json"],
-                         capture_output=True, text=True, check=True)
-    return json.loads(res.stdout)
+def compiled_object(cache, config, arch: str) -> bytes:
+    """The object of ``config`` for ``arch`` (see :func:`shipped_object`)."""
+    return shipped_object(cache, config, arch)[0]
 
 
-#: Static shared memory every cubin lists: the system's per-CTA reservation.
-RESERVED_SMEM_BYTES = 1024
+_DISASSEMBLED: dict[str, tuple[sass.Kernel, ...]] = {}  # object sha256 -> its kernels
 
 
-def shipped_sass_problems(cache, configs, arch: str, kernel_name: str, tmp_path: Path,
-                          must_have: tuple[str, ...]) -> list[str]:
-    """Read every config's object from ``cache`` (compiled once per session by the
-    ``shipped_cache`` fixture) and report, in one cubin_report.py run, each kernel named
-    ``kernel_name`` that spills, has a stack frame, uses over 255 registers or over 227 KB of
-    shared memory (``config.smem_bytes()`` plus any static beyond the reserved 1 KB), or lacks one of the ``must_have``
-    instructions. Returns one line per problem (empty: all clean)."""
-    paths = []
-    for i, cfg in enumerate(configs):
-        path = tmp_path / f"v{i}.o"
-        path.write_bytes(compiled_object(cache, cfg, arch))
-        paths.append(str(path))
-    res = subprocess.run([sys.executable, str(CUBIN_REPORT), *paths, "--json"],
-                         capture_output=True, text=True, check=True)
-    by_file: dict[str, list[dict]] = {}
-    for row in json.loads(res.stdout):
-        if kernel_name in row["kernel"]:
-            by_file.setdefault(row["file"], []).append(row)
-    problems = []
-    for i, cfg in enumerate(configs):
-        rows = by_file.get(f"v{i}.o", [])
-        if len(rows) != 1:
-            problems.append(f"{cfg.describe()}: {len(rows)} {kernel_name} kernels")
-            continue
-        r, ops = rows[0], rows[0]["ops"]
-        if ops.get("LDL", 0) or ops.get("STL", 0) or r.get("local", 0) or r.get("stack", 0):
-            problems.append(f"{cfg.describe()}: spills (LDL {ops.get('LDL', 0)}, STL "
-                            f"{ops.get('STL', 0)}, stack {r.get('stack')})")
-        # the cubin's 1 KB of static shared memory is the system's per-CTA reservation
-        # (.nv.shared.reserved), outside the 227 KB a CTA may use
-        shared = max(r.get("shared_static", 0) - RESERVED_SMEM_BYTES, 0) + cfg.smem_bytes()
-        if r.get("reg", 0) > 255 or shared > 227 * 1024:
-            problems.append(f"{cfg.describe()}: {r.get('reg')} registers, {shared} B shared "
-                            "memory")
-        missing = [op for op in must_have if not ops.get(op, 0)]
-        if missing:
-            problems.append(f"{cfg.describe()}: no {', '.join(missing)}")
-    return problems
+def kernel_sass(obj: bytes, name_contains: str | None = None) -> sass.Kernel:
+    """The one kernel function of ``obj`` (whose name contains ``name_contains``), disassembled
+    (once per object and process)."""
+    digest = hashlib.sha256(obj).hexdigest()
+    if digest not in _DISASSEMBLED:
+        _DISASSEMBLED[digest] = tuple(sass.kernels(obj))
+    found = [k for k in _DISASSEMBLED[digest] if name_contains is None or name_contains in k.name]
+    assert len(found) == 1, f"expected one kernel function, found {[k.name for k in found]}"
+    return found[0]
+
+
+def compiled_sass(cache, config, arch: str) -> sass.Kernel:
+    """:func:`kernel_sass` of ``config``'s object from the session cache."""
+    return kernel_sass(compiled_object(cache, config, arch))
+
+
+def assert_no_local_memory(k: sass.Kernel) -> None:
+    assert k.count("LDL") == 0 and k.count("STL") == 0, "local-memory traffic (spills)"
+    assert k.local == 0 and k.stack == 0, "stack frame / local memory"
+
+
+def shipped_problems(cache, selected: Sequence[Variant], jobs: int) -> list[str]:
+    """``precompile.check`` over ``selected`` (each compiled into ``cache`` first)."""
+    from jax_fa4 import precompile
+
+    precompile.build(selected, cache, progress=False, jobs=jobs)
+    return precompile.check(selected, cache, progress=False, jobs=jobs)

@@ -1,10 +1,36 @@
-"""Shared test setup: the ``gpu`` marker skips cleanly without a Hopper GPU."""
+"""Shared test setup: the test tiers, the session's kernel cache, the ``gpu`` marker.
+
+* ``--exhaustive``: every shipped kernel variant compiled and SASS-checked (tests/compiled.py);
+  without it, the quick tier's representative variants.
+* ``gpu`` tests skip cleanly without a Hopper GPU, unless ``JAX_FA4_REQUIRE_GPU=1`` (the GPU
+  machine's runs set it): then a missing Hopper GPU fails them, and so does a call that would
+  run the pure-JAX reference where a kernel was expected (tests/gpu/conftest.py).
+"""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+import compiled
+
+ENV_REQUIRE_GPU = "JAX_FA4_REQUIRE_GPU"
+
+
+def require_gpu() -> bool:
+    """``JAX_FA4_REQUIRE_GPU=1``: GPU tests must run, not skip."""
+    return os.environ.get(ENV_REQUIRE_GPU, "") not in ("", "0")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--exhaustive", action="store_true",
+                     help="compile and SASS-check every shipped kernel variant (run after any "
+                          "change under jax_fa4/kernels/); default: the representative ones")
+
+
+def pytest_configure(config):
+    compiled.EXHAUSTIVE = config.getoption("--exhaustive")
 
 
 def _skip_xla_gemm_autotuning() -> None:
@@ -34,8 +60,15 @@ def hopper_available() -> bool:
     return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 
 
+def pytest_collection_finish(session):
+    compiled.REQUESTED[:] = compiled.requested_variants(session.items)
+
+
 def pytest_collection_modifyitems(config, items):
     if any("gpu" in item.keywords for item in items) and not hopper_available():
+        if require_gpu():
+            raise pytest.UsageError(f"{ENV_REQUIRE_GPU}=1 but no NVIDIA Hopper GPU (compute "
+                                    "capability 9.0) is the default JAX device")
         skip = pytest.mark.skip(reason="needs an NVIDIA Hopper GPU (compute capability 9.0)")
         for item in items:
             if "gpu" in item.keywords:
@@ -55,16 +88,25 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def shipped_cache(tmp_path_factory):
-    """Every shipped kernel variant, for sm_90a and sm_100a, compiled once per test session.
-
-    Compile tests read their objects from here instead of compiling again (CI time)."""
+def shipped_cache(request):
+    """The checkout's test kernel cache, holding the tier's shipped variants for sm_90a and
+    sm_100a (the quick tier's representatives, or every one with ``--exhaustive``) and every
+    variant a collected test's ``tiered`` list names, compiled in parallel on first use;
+    compile tests read their objects from it (and add what else they compile). It persists in ``.pytest_cache`` (keys hash the kernel sources, so edits rekey)."""
     from jax_fa4 import precompile
     from jax_fa4.ffi.cache import KernelCache
+    from jax_fa4.variants import variants
 
-    root = tmp_path_factory.mktemp("shipped-kernels")
-    assert precompile.main(["--cache-dir", str(root), "--quiet"]) == 0
-    return KernelCache(root)
+    if request.config.cache is not None:
+        root = request.config.cache.mkdir("jax-fa4-kernels")
+    else:  # -p no:cacheprovider
+        root = request.getfixturevalue("tmp_path_factory").mktemp("jax-fa4-kernels")
+    cache = KernelCache(root)
+    selected = (variants("default") if compiled.EXHAUSTIVE
+                else list(compiled.shipped_representatives()))
+    selected = list(dict.fromkeys(selected + compiled.REQUESTED))
+    precompile.build(selected, cache, progress=False, jobs=os.cpu_count() or 1)
+    return cache
 
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -16,7 +16,8 @@ from jax_fa4.ffi import runtime
 from jax_fa4.ffi.cache import KernelCache
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.variants import variants
-from compiled import needs_cubin_report, sass_report, compiled_object
+import compiled
+from compiled import assert_no_local_memory, compiled_sass, needs_disassembler
 
 
 
@@ -77,16 +78,23 @@ def test_registration_loads_the_handlers_without_the_compiler(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_precompile_builds_every_shipped_variant(shipped_cache, arch, capsys):
-    want = variants("default", archs=[arch])
-    metas = [json.loads(p.read_text()) for p in (shipped_cache.root / arch).glob("*.json")]
-    assert sorted(json.dumps(m["config"], sort_keys=True) for m in metas) == sorted(
-        json.dumps(v.config.key_dict(), sort_keys=True) for v in want)
-    assert all(m["arch"] == arch and m["compile_seconds"] > 0 for m in metas)
-    # a second run finds everything cached
-    assert precompile.main(["--arch", arch, "--cache-dir", str(shipped_cache.root),
-                            "--quiet"]) == 0
-    assert f"0 compiled, {len(want)} already cached" in capsys.readouterr().out
+def test_precompile_builds_the_tiers_shipped_variants(shipped_cache, arch, capsys):
+    """The session cache holds the tier's shipped variants (all with --exhaustive, else the
+    representative ones), each with its arch and compile time; a second precompile of the same
+    selection compiles nothing."""
+    exhaustive = compiled.EXHAUSTIVE
+    want = [v for v in (variants("default") if exhaustive else compiled.shipped_representatives())
+            if v.arch == arch]
+    metas = {json.dumps(m["config"], sort_keys=True): m
+             for m in (json.loads(p.read_text()) for p in (shipped_cache.root / arch).glob("*.json"))}
+    for v in want:
+        meta = metas.get(json.dumps(v.config.key_dict(), sort_keys=True))
+        assert meta is not None, v.describe()
+        assert meta["arch"] == arch and meta["compile_seconds"] > 0
+    args = ["--arch", arch, "--cache-dir", str(shipped_cache.root), "--quiet"]
+    assert precompile.main(args + ([] if exhaustive else ["--representative"])) == 0
+    assert f"{len(want)} kernels in {shipped_cache.root}: 0 compiled, {len(want)} already " \
+           "cached" in capsys.readouterr().out
 
 
 def test_precompile_in_parallel_matches_serial(tmp_path):
@@ -99,14 +107,12 @@ def test_precompile_in_parallel_matches_serial(tmp_path):
     assert names[0] == names[1] and len(names[0]) == 4
 
 
-@needs_cubin_report
+@needs_disassembler
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_preprocess_sass_has_no_local_memory(shipped_cache, tmp_path, arch):
-    obj = compiled_object(shipped_cache, PreprocessConfig("bfloat16", 128), arch)
-    (kernel,) = sass_report(obj, tmp_path)
-    assert kernel["arch"] == arch
-    assert kernel["local"] == 0 and kernel["stack"] == 0
-    assert kernel["ops"].get("LDL", 0) == 0 and kernel["ops"].get("STL", 0) == 0
+def test_preprocess_sass_has_no_local_memory(shipped_cache, arch):
+    kernel = compiled_sass(shipped_cache, PreprocessConfig("bfloat16", 128), arch)
+    assert kernel.arch == arch
+    assert_no_local_memory(kernel)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

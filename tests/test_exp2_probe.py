@@ -12,11 +12,7 @@
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,12 +22,11 @@ from jax_fa4.kernels.common.exp2 import POLY_COEFFS, exp2_sw_numpy, fma_f32
 from jax_fa4.kernels.exp2_probe_config import Exp2ProbeConfig
 from jax_fa4.variants import Variant, variants
 
-from compiled import CUBIN_REPORT
+from compiled import compiled_sass, needs_disassembler
 from exp2_model import check_exp2, probe_inputs
 from test_sm100_numerics import EXP2_REL_BOUND
 
-needs_compiler = pytest.mark.skipif(not compiler_available() or not CUBIN_REPORT.is_file(),
-                                    reason="needs nvidia-cutlass-dsl and cubin_report.py")
+needs_compiler = pytest.mark.skipif(not compiler_available(), reason="needs nvidia-cutlass-dsl")
 
 
 def test_registered_for_the_tests_suite_only():
@@ -59,47 +54,40 @@ def test_twin_passes_the_device_checks():
     assert np.all(twin[tiny_negative] == p1_half) and abs(float(p1_half) - 0.99991) < 1e-5
 
 
-def _sass(config: Exp2ProbeConfig, arch: str, tmp_path: Path) -> tuple[dict, str]:
-    from jax_fa4.ffi.compiler import compile_config
-
-    obj = tmp_path / "probe.o"
-    obj.write_bytes(compile_config(config, arch).object_bytes)
-    sass_dir = tmp_path / "sass"
-    res = subprocess.run([sys.executable, str(CUBIN_REPORT), str(obj), "--json",
-                          "--sass-out", str(sass_dir)], capture_output=True, text=True, check=True)
-    records = [r for r in json.loads(res.stdout) if "Exp2Probe" in r["kernel"]]
-    assert len(records) == 1, res.stdout
-    return records[0], "\n".join(p.read_text() for p in sorted(sass_dir.iterdir()))
+def _sass(config: Exp2ProbeConfig, arch: str, cache):
+    k = compiled_sass(cache, config, arch)
+    assert "Exp2Probe" in k.name, k.name
+    return k, k.sass
 
 
 @needs_compiler
+@needs_disassembler
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_scalar_form_compiles(arch, tmp_path):
+def test_scalar_form_compiles(arch, shipped_cache):
     """Two elements per thread: per element three FFMA (the polynomial), one FADD.RM (the
     round-down reduction, no flush-to-zero: subnormal x keeps floor -1, as in the packed form and
     the twin), one MUFU.EX2 (the comparison); no packed instructions, no FTZ on any FADD."""
-    rec, sass = _sass(Exp2ProbeConfig(packed=False), arch, tmp_path)
-    ops = rec["ops"]
-    print(f"\n{arch} scalar: {rec['reg']} regs, ops {dict(sorted(ops.items()))}")
-    assert rec["arch"] == arch
-    assert ops.get("FFMA", 0) == 6 and ops.get("MUFU.EX2", 0) == 2
-    assert ops.get("FFMA2", 0) == 0 and ops.get("FADD2", 0) == 0
+    k, sass = _sass(Exp2ProbeConfig(packed=False), arch, shipped_cache)
+    print(f"\n{arch} scalar: {k.registers} regs, ops {dict(sorted(k.opcodes.items()))}")
+    assert k.arch == arch
+    assert k.count("FFMA") == 6 and k.count("MUFU.EX2") == 2
+    assert k.count("FFMA2") == 0 and k.count("FADD2") == 0
     assert len(re.findall(r"\bFADD\.RM\b", sass)) == 2 and "FADD.FTZ.RM" not in sass
     assert not re.search(r"\bFADD2?\.\S*FTZ", sass)
-    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0 and rec["stack"] == 0
+    assert k.count("LDL") == 0 and k.count("STL") == 0 and k.stack == 0
 
 
 @needs_compiler
-def test_packed_form_compiles_for_sm100_with_ffma2(tmp_path):
+@needs_disassembler
+def test_packed_form_compiles_for_sm100_with_ffma2(shipped_cache):
     """exp2_sw_x2 for sm_100a: the polynomial of both elements in three FFMA2, the reduction in
     FADD2 (the round-down one without flush-to-zero), no scalar FFMA."""
-    rec, sass = _sass(Exp2ProbeConfig(packed=True), "sm_100a", tmp_path)
-    ops = rec["ops"]
-    print(f"\nsm_100a packed: {rec['reg']} regs, ops {dict(sorted(ops.items()))}")
-    assert ops.get("FFMA2", 0) == 3 and ops.get("FFMA", 0) == 0
-    assert ops.get("FADD2", 0) == 3 and ops.get("MUFU.EX2", 0) == 2
+    k, sass = _sass(Exp2ProbeConfig(packed=True), "sm_100a", shipped_cache)
+    print(f"\nsm_100a packed: {k.registers} regs, ops {dict(sorted(k.opcodes.items()))}")
+    assert k.count("FFMA2") == 3 and k.count("FFMA") == 0
+    assert k.count("FADD2") == 3 and k.count("MUFU.EX2") == 2
     assert len(re.findall(r"\bFADD2\.RM\b", sass)) == 1 and "FADD2.FTZ" not in sass
-    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0 and rec["stack"] == 0
+    assert k.count("LDL") == 0 and k.count("STL") == 0 and k.stack == 0
 
 
 @needs_compiler

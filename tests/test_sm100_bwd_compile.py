@@ -3,7 +3,8 @@
 Nothing here runs a kernel (no Blackwell GPU exists in this project). Each config of
 ``bwd_config.test_configs()`` (every head dim, every mask kind, softcap, GQA, deterministic, fp16)
 is compiled through the binding's own path (``compile_config(config, "sm_100a")``: dynamic B/S/H)
-and its SASS read with ../shared/tools/cubin_report.py:
+and its SASS read with jax_fa4.sass (the quick tier: the representative configs, tests/compiled.py;
+``--exhaustive``: all of them; every shipped variant: tests/test_shipped_kernels.py):
 
   * tcgen05 MMAs (UTCHMMA: 5 GEMMs × their k-blocks), commits (UTCBAR), TMEM loads / stores
     (LDTM / STTM), TMA loads (UTMALDG), the dQ TMA reduce-adds (UTMAREDG), MUFU.EX2 (MUFU.TANH
@@ -22,7 +23,6 @@ force; the config contract (signature, aliases, no compiler import, validator me
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import subprocess
 import sys
@@ -36,33 +36,25 @@ from jax_fa4.kernels.sm100.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TMEM
                                               test_configs)
 
 REPO = Path(__file__).resolve().parents[1]
-from compiled import CUBIN_REPORT, shipped_object, shipped_sass_problems  # cubin_report.py
+from compiled import compiled_sass, needs_disassembler, shipped_object, tiered
 ARCH = "sm_100a"
 
 
 def _compiler_available() -> bool:
     from jax_fa4.ffi.compiler import compiler_available
 
-    return compiler_available() and CUBIN_REPORT.exists()
+    return compiler_available()
 
 
-needs_compiler = pytest.mark.skipif(not _compiler_available(),
-                                    reason="needs nvidia-cutlass-dsl and cubin_report.py")
+needs_compiler = pytest.mark.skipif(not _compiler_available(), reason="needs nvidia-cutlass-dsl")
 
 
-def _compile_and_report(cfg, tmp_path: Path, cache) -> tuple[dict, str, float]:
-    """(cubin_report's record, SASS text, compile seconds); the object from the session's
-    ``shipped_cache`` when the config is shipped (compiled once per session)."""
-    obj, seconds = shipped_object(cache, cfg, ARCH)
-    path = tmp_path / "kernel.o"
-    path.write_bytes(obj)
-    sass_dir = tmp_path / "sass"
-    res = subprocess.run([sys.executable, str(CUBIN_REPORT), str(path), "--json", "--sass-out",
-                          str(sass_dir)], capture_output=True, text=True, check=True)
-    rows = [r for r in json.loads(res.stdout) if "FlashAttentionBackwardSm100" in r["kernel"]]
-    assert len(rows) == 1, res.stdout
-    sass = "\n".join(p.read_text() for p in sorted(sass_dir.iterdir()))
-    return rows[0], sass, seconds
+def _compile_and_report(cfg, cache):
+    """(the kernel's SASS, its listing, compile seconds); the object from the session cache."""
+    _, seconds = shipped_object(cache, cfg, ARCH)
+    k = compiled_sass(cache, cfg, ARCH)
+    assert "FlashAttentionBackwardSm100" in k.name, k.name
+    return k, k.sass, seconds
 
 
 def _id(c: Sm100BwdConfig) -> str:
@@ -71,33 +63,33 @@ def _id(c: Sm100BwdConfig) -> str:
 
 
 @needs_compiler
-@pytest.mark.parametrize("cfg", test_configs(), ids=_id)
-def test_compiles_with_clean_sass(cfg, tmp_path, shipped_cache):
-    rec, sass, seconds = _compile_and_report(cfg, tmp_path, shipped_cache)
-    ops = rec["ops"]
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered(test_configs(), ARCH), ids=_id)
+def test_compiles_with_clean_sass(cfg, shipped_cache):
+    k, sass, seconds = _compile_and_report(cfg, shipped_cache)
     n = lambda pat: len(re.findall(pat, sass))  # noqa: E731
-    print(f"\n{cfg.describe()}: {seconds:.1f} s, {rec['reg']} regs (launch; setmaxnreg "
+    print(f"\n{cfg.describe()}: {seconds:.1f} s, {k.registers} regs (launch; setmaxnreg "
           f"72/160/120), smem {cfg.smem_bytes()} B, TMEM {cfg.tmem_columns()} -> "
-          f"{cfg.tmem_alloc_columns()} cols; ops {dict(sorted(ops.items()))}")
-    assert rec["arch"] == ARCH
+          f"{cfg.tmem_alloc_columns()} cols; UTCHMMA {k.count('UTCHMMA')}")
+    assert k.arch == ARCH
     d, tm, tn = cfg.head_dim, cfg.tile_m, cfg.tile_n
     # Sᵀ, dPᵀ (K = D), dV, dK (K = tile_m), dQ (K = the keys of the CTA, or of the pair):
     # one UTCHMMA per 16-deep k-block; the 2-CTA kernel's are all cta_group::2
     keys = 2 * tn if cfg.two_cta else tn
-    assert ops.get("UTCHMMA", 0) == (d + cfg.head_dim_v) // 16 + 2 * tm // 16 + keys // 16
-    assert n(r"UTCHMMA\.2CTA") == (ops["UTCHMMA"] if cfg.two_cta else 0)
-    assert ops.get("UTCBAR", 0) > 0
-    assert n(r"UTCBAR\.2CTA\.MULTICAST") == (ops["UTCBAR"] if cfg.two_cta else 0)
-    assert ops.get("LDTM", 0) > 0 and ops.get("STTM", 0) > 0
-    assert ops.get("UTMALDG", 0) >= (7 if cfg.two_cta else 4)  # K, V, Q, dO (+ Kᵀ, Qᵀ, dOᵀ)
-    assert n(r"UTMALDG\.\w+\.2CTA") == (ops["UTMALDG"] if cfg.two_cta else 0)
+    assert k.count("UTCHMMA") == (d + cfg.head_dim_v) // 16 + 2 * tm // 16 + keys // 16
+    assert n(r"UTCHMMA\.2CTA") == (k.count("UTCHMMA") if cfg.two_cta else 0)
+    assert k.count("UTCBAR") > 0
+    assert n(r"UTCBAR\.2CTA\.MULTICAST") == (k.count("UTCBAR") if cfg.two_cta else 0)
+    assert k.count("LDTM") > 0 and k.count("STTM") > 0
+    assert k.count("UTMALDG") >= (7 if cfg.two_cta else 4)  # K, V, Q, dO (+ Kᵀ, Qᵀ, dOᵀ)
+    assert n(r"UTMALDG\.\w+\.2CTA") == (k.count("UTMALDG") if cfg.two_cta else 0)
     # dQ reduce-adds, one per column chunk (2-CTA: two (64, dq_cols) boxes per chunk of the
     # folded D/2 columns)
-    assert ops.get("UTMAREDG", 0) == d // cfg.dq_cols
+    assert k.count("UTMAREDG") == d // cfg.dq_cols
     # 2-CTA: the dS half sent to the peer (one DSMEM bulk copy), cluster barriers at start / end
     assert n(r"UBLKCP\.S\.S") == (1 if cfg.two_cta else 0)
     assert n(r"UCGABAR_ARV") == n(r"UCGABAR_WAIT") == (2 if cfg.two_cta else 0)
-    assert ops.get("MUFU.EX2", 0) > 0
+    assert k.count("MUFU.EX2") > 0
     assert (n(r"MUFU\.TANH") > 0) == cfg.has_softcap
     assert n(r"USETMAXREG\.DEALLOC") > 0 and n(r"USETMAXREG\.TRY_ALLOC") > 0
     # TMEM allocation balanced (see the module docstring for the SASS names)
@@ -110,10 +102,10 @@ def test_compiles_with_clean_sass(cfg, tmp_path, shipped_cache):
     assert (n(r"REDG\.E\.ADD\.S32\.STRONG\.GPU") > 0) == cfg.deterministic, "semaphore release"
     assert (n(r"LDG\.E\.STRONG\.GPU") > 0) == cfg.deterministic, "semaphore acquire"
     # no spills, no stack, registers and shared memory within sm_100's limits
-    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
-    assert rec["local"] == 0 and rec["stack"] == 0
-    assert rec["reg"] <= 255
-    assert rec["shared_static"] + cfg.smem_bytes() <= 227 * 1024
+    assert k.count("LDL") == 0 and k.count("STL") == 0
+    assert k.local == 0 and k.stack == 0
+    assert k.registers <= 255
+    assert k.shared_static + cfg.smem_bytes() <= 227 * 1024
 
 
 # ------------------------------------------------------------------------------------------------
@@ -336,17 +328,6 @@ def test_transposed_smem_views_alias_exactly(d):
         assert len({a for a, _ in vals}) == len(vals), f"{name}: offsets not distinct"
         bad = [(a, b) for a, b in vals if a != b]
         assert not bad, f"d={d} {name}: {len(bad)} mismatches, e.g. {bad[:3]}"
-
-
-@needs_compiler
-def test_every_shipped_variant_has_clean_sass(shipped_cache, tmp_path):
-    """All 144 shipped variants (the test above reads the full SASS of a representative few):
-    tcgen05 MMAs, commits, TMEM traffic and allocation, TMA loads and dQ reduce-adds; no
-    spills, registers and shared memory within sm_100's limits."""
-    problems = shipped_sass_problems(
-        shipped_cache, shipped_configs(), ARCH, "FlashAttentionBackwardSm100", tmp_path,
-        must_have=("UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTCATOMSWS", "UTMALDG", "UTMAREDG"))
-    assert not problems, "\n".join(problems)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ Nothing here runs a kernel (no Blackwell GPU exists in this project): it proves 
 traces, lowers and assembles for sm_100a, and that the machine code has the structure the design
 needs. Each config of ``fwd_config.test_configs()`` is compiled through the project's own
 ``compile_config(config, "sm_100a")`` (the binding's path: dynamic B/S/H; objects from the
-session's ``shipped_cache``, every shipped variant compiled once) and its SASS read with
-../shared/tools/cubin_report.py:
+session's ``shipped_cache``; the quick tier: the representative configs, tests/compiled.py;
+``--exhaustive``: all of them; every shipped variant: tests/test_shipped_kernels.py) and its SASS
+read with jax_fa4.sass:
 
   * tcgen05 MMAs (UTCHMMA for bf16/fp16), tcgen05.commit (UTCBAR), TMEM loads/stores (LDTM/STTM),
     TMA loads and stores (UTMALDG/UTMASTG; varlen: no TMA store but exactly the 16-byte row
@@ -13,7 +14,7 @@ session's ``shipped_cache``, every shipped variant compiled once) and its SASS r
   * TMEM allocation balanced: on sm_100a ``tcgen05.alloc`` assembles to
     ``UTCATOMSWS.FIND_AND_SET`` (twice per allocation site: the first try and the retry loop),
     ``tcgen05.relinquish_alloc_permit`` to ``UVIRTCOUNT.DEALLOC.SMPOOL`` and ``tcgen05.dealloc`` to
-    ``UTCATOMSWS.AND`` (read from the dumped SASS: cubin_report.py --sass-out);
+    ``UTCATOMSWS.AND`` (read from the SASS listing: ``python -m jax_fa4.sass --sass-out``);
   * no local memory (LDL/STL), no stack, shared memory within 227 KB; warp specialisation:
     launched at 65536 / threads registers, ``USETMAXREG`` to exactly the config's split.
 
@@ -24,47 +25,25 @@ tests/test_sm100_fwd_protocol.py model-checks the synchronisation.
 
 from __future__ import annotations
 
-import functools
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
+from compiled import compiled_sass, needs_disassembler, shipped_object, tiered
 from jax_fa4.ffi.compiler import compiler_available
 from jax_fa4.kernels.sm100.fwd_config import SMEM_LIMIT_BYTES, FwdConfig, shipped_configs, test_configs
 
-from compiled import CUBIN_REPORT, shipped_object, shipped_sass_problems  # ../shared/tools/cubin_report.py
 ARCH = "sm_100a"
 
-pytestmark = pytest.mark.skipif(not compiler_available() or not CUBIN_REPORT.exists(),
-                                reason="needs nvidia-cutlass-dsl and cubin_report.py")
+pytestmark = pytest.mark.skipif(not compiler_available(), reason="needs nvidia-cutlass-dsl")
 
 
-@functools.lru_cache(maxsize=None)
-def _report_module():
-    sys.path.insert(0, str(CUBIN_REPORT.parent))
-    import cubin_report
-
-    return cubin_report
-
-
-def _compile_and_report(config: FwdConfig, tmp_path: Path, cache) -> tuple[dict, str, float]:
-    """(cubin_report's JSON record of the kernel, its SASS text, compile seconds); the object
-    comes from the session's ``shipped_cache`` when the config is shipped."""
-    import json
-    import subprocess
-
-    object_bytes, seconds = shipped_object(cache, config, ARCH)
-    obj = tmp_path / "kernel.o"
-    obj.write_bytes(object_bytes)
-    sass_dir = tmp_path / "sass"
-    res = subprocess.run([sys.executable, str(CUBIN_REPORT), str(obj), "--json",
-                          "--sass-out", str(sass_dir)], capture_output=True, text=True, check=True)
-    records = [r for r in json.loads(res.stdout) if "FlashAttentionForwardSm100" in r["kernel"]]
-    assert len(records) == 1, res.stdout
-    sass = "\n".join(p.read_text() for p in sorted(sass_dir.iterdir()))
-    return records[0], sass, seconds
+def _compile_and_report(config: FwdConfig, cache):
+    """(the kernel's SASS, its listing, compile seconds); the object from the session cache."""
+    _, seconds = shipped_object(cache, config, ARCH)
+    k = compiled_sass(cache, config, ARCH)
+    assert "FlashAttentionForwardSm100" in k.name, k.name
+    return k, k.sass, seconds
 
 
 def test_configs_are_shipped_and_valid():
@@ -96,33 +75,33 @@ def test_varlen_config_validation():
         FwdConfig.make("bfloat16", 128, varlen=True, paged=True)
 
 
-@pytest.mark.parametrize("config", test_configs(), ids=lambda c: (
+@needs_disassembler
+@pytest.mark.parametrize("config", tiered(test_configs(), ARCH), ids=lambda c: (
     f"{c.dtype}-d{c.head_dim}-dv{c.head_dim_v}-{c.mask}{'-softcap' if c.has_softcap else ''}"
     f"{'-varlen' if c.varlen else ''}{'-paged' if c.paged else ''}"))
-def test_compiles_with_clean_sass(config, tmp_path, shipped_cache):
-    rec, sass, seconds = _compile_and_report(config, tmp_path, shipped_cache)
-    ops = rec["ops"]
-    print(f"\n{config.describe()}: {rec['reg']} regs, {config.smem_bytes() / 1024:.0f} KB smem "
-          f"(static {rec['shared_static']} B), {seconds:.1f} s; ops {dict(sorted(ops.items()))}")
-    assert rec["arch"] == ARCH
+def test_compiles_with_clean_sass(config, shipped_cache):
+    k, sass, seconds = _compile_and_report(config, shipped_cache)
+    print(f"\n{config.describe()}: {k.registers} regs, {config.smem_bytes() / 1024:.0f} KB smem "
+          f"(static {k.shared_static} B), {seconds:.1f} s; UTCHMMA {k.count('UTCHMMA')}")
+    assert k.arch == ARCH
     # tcgen05 MMAs (16-bit inputs: UTCHMMA), their commits, TMEM traffic, TMA both ways
-    assert ops.get("UTCHMMA", 0) > 0
-    assert ops.get("UTCBAR", 0) > 0
-    assert ops.get("LDTM", 0) > 0 and ops.get("STTM", 0) > 0
-    assert ops.get("UTMALDG", 0) > 0
+    assert k.count("UTCHMMA") > 0
+    assert k.count("UTCBAR") > 0
+    assert k.count("LDTM") > 0 and k.count("STTM") > 0
+    assert k.count("UTMALDG") > 0
     if config.varlen:
         # O goes out row-predicated from registers, 16 bytes a store: no TMA store of a tile
         # (it would overwrite the next sequence's rows): each thread writes its row in
         # 16-column chunks, two 16-byte stores each, in the epilogue and in the padding zeros;
         # the one other global store is lse's (32-bit)
-        assert ops.get("UTMASTG", 0) == 0
+        assert k.count("UTMASTG") == 0
         stores = re.findall(r"\bSTG(?:\.[A-Z0-9]+)*", sass)
         wide = stores.count("STG.E.128")
         assert wide == 2 * 2 * config.q_tiles * (config.head_dim_v // 16), stores
         assert sorted(set(stores)) == ["STG.E", "STG.E.128"] and len(stores) == wide + 1, stores
     else:
-        assert ops.get("UTMASTG", 0) > 0
-    assert ops.get("MUFU.EX2", 0) > 0  # (the software exp2's share: the test below)
+        assert k.count("UTMASTG") > 0
+    assert k.count("MUFU.EX2") > 0  # (the software exp2's share: the test below)
     # TMEM allocation balanced (see the module docstring for the SASS names)
     alloc = len(re.findall(r"UTCATOMSWS\.FIND_AND_SET", sass))
     dealloc = len(re.findall(r"UTCATOMSWS\.AND\b", sass))
@@ -130,11 +109,11 @@ def test_compiles_with_clean_sass(config, tmp_path, shipped_cache):
     assert dealloc >= 1 and alloc == 2 * dealloc and relinquish == dealloc, (alloc, dealloc,
                                                                             relinquish)
     # no spills, no stack, registers and shared memory within sm_100's limits
-    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
-    assert rec["local"] == 0 and rec["stack"] == 0
+    assert k.count("LDL") == 0 and k.count("STL") == 0
+    assert k.local == 0 and k.stack == 0
     # warp specialisation: launched at the register file / threads, then the softmax warpgroups
     # raise their count and the correction and MMA / epilogue / load warpgroup lower theirs
-    assert rec["reg"] == config.launch_registers()
+    assert k.registers == config.launch_registers()
     softmax, correction, other = config.registers()
     assert re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d+, (0x[0-9a-f]+)", sass) == [
         hex(softmax)]
@@ -142,10 +121,11 @@ def test_compiles_with_clean_sass(config, tmp_path, shipped_cache):
                                                  sass)) == sorted([correction, other])
     # the reserved 1 KB is the system's (.nv.shared.reserved); the kernel checks while tracing
     # that its shared storage is exactly config.smem_bytes(), which validate() bounds
-    assert rec["shared_static"] <= 1024 and config.smem_bytes() <= SMEM_LIMIT_BYTES
+    assert k.shared_static <= 1024 and config.smem_bytes() <= SMEM_LIMIT_BYTES
 
 
-def test_software_exp2_moves_its_share_off_mufu(tmp_path, shipped_cache):
+@needs_disassembler
+def test_software_exp2_moves_its_share_off_mufu(shipped_cache):
     """exp2_sw_per_32 = n moves n of every 32 exponentials of a row (tile_n per thread) from
     MUFU.EX2 to the FMA pipes: exactly tile_n·n/32 fewer MUFU.EX2, and 3 more FFMA2 per pair
     (the degree-3 polynomial, two lanes per FFMA2) than the same kernel with n = 0."""
@@ -153,24 +133,12 @@ def test_software_exp2_moves_its_share_off_mufu(tmp_path, shipped_cache):
 
     config = FwdConfig.make("bfloat16", 128)
     assert config.exp2_sw_per_32 > 0
-    for sub in ("sw", "mufu"):
-        (tmp_path / sub).mkdir()
-    with_sw, _, _ = _compile_and_report(config, tmp_path / "sw", shipped_cache)
+    with_sw, _, _ = _compile_and_report(config, shipped_cache)
     without, _, _ = _compile_and_report(dataclasses.replace(config, exp2_sw_per_32=0),
-                                        tmp_path / "mufu", shipped_cache)
+                                        shipped_cache)
     moved = config.tile_n * config.exp2_sw_per_32 // 32
-    assert without["ops"]["MUFU.EX2"] - with_sw["ops"]["MUFU.EX2"] == moved
-    assert with_sw["ops"]["FFMA2"] - without["ops"]["FFMA2"] == 3 * moved // 2
-
-
-def test_every_shipped_variant_has_clean_sass(shipped_cache, tmp_path):
-    """All 180 shipped variants (the test above reads the full SASS of a representative few):
-    tcgen05 MMAs, commits, TMEM loads, TMEM allocation, TMA; no spills, registers and shared
-    memory within sm_100's limits."""
-    problems = shipped_sass_problems(
-        shipped_cache, shipped_configs(), ARCH, "FlashAttentionForwardSm100", tmp_path,
-        must_have=("UTCHMMA", "UTCBAR", "LDTM", "UTCATOMSWS", "UTMALDG", "MUFU.EX2"))
-    assert not problems, "\n".join(problems)
+    assert without.count("MUFU.EX2") - with_sw.count("MUFU.EX2") == moved
+    assert with_sw.count("FFMA2") - without.count("FFMA2") == 3 * moved // 2
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v", [(128, 128), (64, 64), (256, 256)])

@@ -1,10 +1,13 @@
 """The sm90 backward kernels compile for sm_90a on a CPU-only machine, with clean SASS.
 
-Representative variants of the main kernel (every head dim × mask kind, softcap, GQA, fp16) and
-every postprocess are compiled through the binding's own path (``compile_config``: dynamic B/S/H)
-and their cubins inspected with ../shared/tools/cubin_report.py: HGMMA, TMA loads (UTMALDG),
-the dQ bulk reduce (UBLKRED), setmaxnreg both ways, no local memory (LDL/STL, stack). Registers,
-shared memory and compile time are printed per variant (``pytest -s``; docs/perf-log-bwd.md).
+Variants of the main kernel (every head dim × mask kind, softcap, GQA, fp16, deterministic,
+swap_sdp) and every postprocess are compiled through the binding's own path
+(``compile_config``: dynamic B/S/H) and their SASS inspected (jax_fa4.sass): HGMMA, TMA loads
+(UTMALDG), the dQ bulk reduce (UBLKRED), setmaxnreg both ways, no local memory (LDL/STL,
+stack). Registers, shared memory and compile time are printed per variant (``pytest -s``;
+docs/perf-log-bwd.md). The quick tier runs the representative configs of each list
+(tests/compiled.py), ``--exhaustive`` all of them; every shipped variant's SASS:
+tests/test_shipped_kernels.py.
 
 Plus CPU-only checks of what would fail silently on the GPU: the query-block ranges, the
 "needs a mask" test and the per-row visible columns (common/bwd_blocks.py) against brute force; the config
@@ -14,100 +17,78 @@ contract (signature, alias, no compiler import, validator messages, smem budget)
 from __future__ import annotations
 
 import itertools
-import json
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from compiled import (assert_no_local_memory, compiled_sass, needs_disassembler, shipped_object,
+                      tiered)
 from jax_fa4.kernels.sm90.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TUNING_TABLE,
                                              BwdConfig, BwdPostprocessConfig, shipped_configs,
                                              test_variants)
 from jax_fa4.kernels.sm90.bwd_config import _GPU_TEST_SWAP, swap_sdp_config
 
 REPO = Path(__file__).resolve().parents[1]
-from compiled import CUBIN_REPORT, needs_cubin_report  # ../shared/tools/cubin_report.py
 ARCH = "sm_90a"
 
 
-def _compile_and_report(cfg, tmp_path: Path) -> tuple[dict, float]:
-    from jax_fa4.ffi.compiler import compile_config
-
-    t0 = time.perf_counter()
-    obj = compile_config(cfg, ARCH).object_bytes
-    seconds = time.perf_counter() - t0
-    path = tmp_path / "kernel.o"
-    path.write_bytes(obj)
-    sass_dir = tmp_path / "sass"
-    res = subprocess.run([sys.executable, str(CUBIN_REPORT), "--json", "--sass-out",
-                          str(sass_dir), str(path)], capture_output=True, text=True, check=True)
-    rows = json.loads(res.stdout)
-    assert len(rows) == 1, f"expected one kernel, found {len(rows)}"
-    row = rows[0]
-    sass = "".join(p.read_text() for p in sass_dir.iterdir())
-    for extra in ("MUFU.TANH", "MUFU.LG2", "USETMAXREG.DEALLOC", "USETMAXREG.TRY_ALLOC", "STSM",
-                  "UBLKRED", "LDL", "STL", "LDG.E.STRONG.GPU", "STG.E.STRONG.GPU"):
-        row["ops"][extra] = sass.count(extra)
-    return row, seconds
+def _main_configs() -> list[BwdConfig]:
+    out = [BwdConfig.make("bfloat16", d, dv, mask) for (d, dv) in TUNING_TABLE
+           for mask in MASK_KINDS]
+    out += [BwdConfig.make("bfloat16", d, dv, "causal", True) for (d, dv) in TUNING_TABLE]
+    out += [BwdConfig.make("bfloat16", d, dv, "local", gqa=True) for (d, dv) in TUNING_TABLE]
+    out += [BwdConfig.make("float16", 128, 128, mask) for mask in MASK_KINDS]
+    return out + [BwdConfig.make("float16", 64, 64, "local", True, True)]
 
 
-def _assert_no_local_memory(r: dict) -> None:
-    ops = r["ops"]
-    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, "local-memory traffic (spills)"
-    assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, "stack frame / local memory"
+def _id(c) -> str:
+    text = f"{c.dtype[:4]}-{c.head_dim}x{getattr(c, 'head_dim_v', c.head_dim)}"
+    if isinstance(c, BwdPostprocessConfig):
+        return f"{text}-tm{c.tile_m}{'-varlen' if c.varlen else ''}"
+    return (f"{text}-{c.mask}{'-cap' if c.has_softcap else ''}{'-gqa' if c.gqa else ''}"
+            f"{'-det' if c.deterministic else ''}{'-swap' if c.swap_sdp else ''}")
 
 
-def _main_variants():
-    out = [("bfloat16", d, dv, mask, False, False)
-           for (d, dv) in TUNING_TABLE for mask in MASK_KINDS]
-    out += [("bfloat16", d, dv, "causal", True, False) for (d, dv) in TUNING_TABLE]
-    out += [("bfloat16", d, dv, "local", False, True) for (d, dv) in TUNING_TABLE]
-    out += [("float16", 128, 128, mask, False, False) for mask in MASK_KINDS]
-    out += [("float16", 64, 64, "local", True, True)]
-    return out
+def _report(cfg, cache):
+    obj, seconds = shipped_object(cache, cfg, ARCH)
+    return compiled_sass(cache, cfg, ARCH), seconds
 
 
-def _id(v):
-    dtype, d, dv, mask, cap, gqa = v
-    return f"{dtype[:4]}-{d}x{dv}-{mask}{'-cap' if cap else ''}{'-gqa' if gqa else ''}"
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered(_main_configs(), ARCH), ids=_id)
+def test_main_kernel_compiles_with_clean_sass(cfg, shipped_cache):
+    k, seconds = _report(cfg, shipped_cache)
+    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {k.registers} (setmaxnreg 240/24), "
+          f"smem {cfg.smem_bytes()} B, HGMMA {k.count('HGMMA')}, MUFU.EX2 {k.count('MUFU.EX2')}, "
+          f"STSM {k.count('STSM')}, UBLKRED {k.count('UBLKRED')}")
+    assert k.arch == ARCH
+    assert k.count("HGMMA") > 0, "no warpgroup MMA in SASS"
+    assert k.count("UTMALDG") > 0, "no TMA loads"
+    assert (k.count("UTMASTG") > 0) == (not cfg.gqa), "dK/dV TMA store iff not GQA"
+    assert k.count("UBLKRED") > 0, "dQ bulk reduce-add missing"
+    assert k.count("USETMAXREG.DEALLOC") > 0 and k.count("USETMAXREG.TRY_ALLOC") > 0, \
+        "setmaxnreg ignored"
+    assert k.count("MUFU.EX2") > 0 and k.count("STSM") > 0
+    assert (k.count("MUFU.TANH") > 0) == cfg.has_softcap
+    assert_no_local_memory(k)
 
 
-@needs_cubin_report
-@pytest.mark.parametrize("variant", _main_variants(), ids=_id)
-def test_main_kernel_compiles_with_clean_sass(variant, tmp_path):
-    dtype, d, dv, mask, cap, gqa = variant
-    cfg = BwdConfig.make(dtype, d, dv, mask, cap, gqa)
-    r, seconds = _compile_and_report(cfg, tmp_path)
-    ops = r["ops"]
-    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {r.get('reg')} (setmaxnreg 240/24), "
-          f"smem {cfg.smem_bytes()} B, HGMMA {ops.get('HGMMA')}, MUFU.EX2 {ops.get('MUFU.EX2')}, "
-          f"STSM {ops['STSM']}, UBLKRED {ops['UBLKRED']}")
-    assert r["arch"] == ARCH
-    assert ops.get("HGMMA", 0) > 0, "no warpgroup MMA in SASS"
-    assert ops.get("UTMALDG", 0) > 0, "no TMA loads"
-    assert (ops.get("UTMASTG", 0) > 0) == (not gqa), "dK/dV TMA store iff not GQA"
-    assert ops["UBLKRED"] > 0, "dQ bulk reduce-add missing"
-    assert ops["USETMAXREG.DEALLOC"] > 0 and ops["USETMAXREG.TRY_ALLOC"] > 0, "setmaxnreg ignored"
-    assert ops.get("MUFU.EX2", 0) > 0 and ops["STSM"] > 0
-    assert (ops["MUFU.TANH"] > 0) == cap
-    _assert_no_local_memory(r)
-
-
-@needs_cubin_report
-@pytest.mark.parametrize("cfg", sorted({c.postprocess_config() for c in
-                                        (BwdConfig.make(dt, d, dv) for dt in ("bfloat16", "float16")
-                                         for (d, dv) in TUNING_TABLE)},
-                                       key=lambda c: (c.dtype, c.head_dim)),
-                         ids=lambda c: f"{c.dtype[:4]}-{c.head_dim}-tm{c.tile_m}")
-def test_postprocess_compiles_with_clean_sass(cfg, tmp_path):
-    r, seconds = _compile_and_report(cfg, tmp_path)
-    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {r.get('reg')}")
-    assert r["arch"] == ARCH
-    assert r["ops"].get("UTMASTG", 0) > 0 and r["ops"]["STSM"] > 0
-    _assert_no_local_memory(r)
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered(sorted({c.postprocess_config() for c in
+                                               (BwdConfig.make(dt, d, dv)
+                                                for dt in ("bfloat16", "float16")
+                                                for (d, dv) in TUNING_TABLE)},
+                                              key=lambda c: (c.dtype, c.head_dim)), ARCH),
+                         ids=_id)
+def test_postprocess_compiles_with_clean_sass(cfg, shipped_cache):
+    k, seconds = _report(cfg, shipped_cache)
+    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {k.registers}")
+    assert k.arch == ARCH
+    assert k.count("UTMASTG") > 0 and k.count("STSM") > 0
+    assert_no_local_memory(k)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -158,39 +139,35 @@ def _deterministic_variants():
             + [("bfloat16", d, dv, "causal", False, False) for (d, dv) in TUNING_TABLE])
 
 
-@needs_cubin_report
-@pytest.mark.parametrize("variant", _deterministic_variants(), ids=_id)
-def test_deterministic_kernel_compiles_with_clean_sass(variant, tmp_path):
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered([BwdConfig.make(*v, deterministic=True)
+                                        for v in _deterministic_variants()], ARCH), ids=_id)
+def test_deterministic_kernel_compiles_with_clean_sass(cfg, shipped_cache):
     """The ordered-dQ handshake is in the SASS (an acquire spin before the two bulk reduces of a
     query block, a release store inside the loop and one after it) and costs no spills."""
-    cfg = BwdConfig.make(*variant, deterministic=True)
-    r, seconds = _compile_and_report(cfg, tmp_path)
-    ops = r["ops"]
-    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {r.get('reg')}")
-    assert ops["UBLKRED"] == 2
-    assert ops["LDG.E.STRONG.GPU"] >= 1 and ops["STG.E.STRONG.GPU"] == 2, ops
-    _assert_no_local_memory(r)
+    k, seconds = _report(cfg, shipped_cache)
+    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {k.registers}")
+    assert k.count("UBLKRED") == 2
+    assert k.count("LDG.E.STRONG.GPU") >= 1 and k.count("STG.E.STRONG.GPU") == 2
+    assert_no_local_memory(k)
 
 
-def _swap_variants():
+def _swap_configs() -> list[BwdConfig]:
     """swap_sdp (opt-in, not in the table yet): what the GPU test runs, plus deterministic."""
-    return [(*v, False) for v in _GPU_TEST_SWAP] + [
-        ("bfloat16", 128, 128, "causal", False, False, True),
-        ("bfloat16", 128, 128, "none", False, True, True)]
+    return [swap_sdp_config(*v) for v in _GPU_TEST_SWAP] + [
+        swap_sdp_config("bfloat16", 128, 128, "causal", False, False, True),
+        swap_sdp_config("bfloat16", 128, 128, "none", False, True, True)]
 
 
-@needs_cubin_report
-@pytest.mark.parametrize("variant", _swap_variants(),
-                         ids=lambda v: _id(v[:6]) + ("-det" if v[6] else ""))
-def test_swap_sdp_kernel_compiles_with_clean_sass(variant, tmp_path):
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered(_swap_configs(), ARCH), ids=_id)
+def test_swap_sdp_kernel_compiles_with_clean_sass(cfg, shipped_cache):
     """Sᵀ / dPᵀ GEMMs with P and dS as register A operands: HGMMA, the dQ bulk reduce, and no
     spills (the per-column lse / delta loads are the register-tight part)."""
-    cfg = swap_sdp_config(*variant)
-    r, seconds = _compile_and_report(cfg, tmp_path)
-    ops = r["ops"]
-    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {r.get('reg')}, STSM {ops['STSM']}")
-    assert ops.get("HGMMA", 0) > 0 and ops["UBLKRED"] > 0
-    _assert_no_local_memory(r)
+    k, seconds = _report(cfg, shipped_cache)
+    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {k.registers}, STSM {k.count('STSM')}")
+    assert k.count("HGMMA") > 0 and k.count("UBLKRED") > 0
+    assert_no_local_memory(k)
 
 
 def test_swap_sdp_validation():

@@ -1,138 +1,87 @@
 """The sm90 forward kernel compiles for sm_90a on a CPU-only machine, with clean SASS.
 
-Every shipped variant is compiled with dynamic B/S/H (symbolic dims) and its cubin inspected:
-HGMMA (warpgroup MMA), UTMALDG/UTMASTG (TMA), setmaxnreg in both directions, MUFU.EX2, no local
-memory (LDL/STL, stack). Registers, shared memory and compile time are printed per variant
-(run with -s to see them; docs/perf-log.md records them).
+Variants are compiled with dynamic B/S/H (symbolic dims) and their cubins inspected
+(jax_fa4.sass): HGMMA (warpgroup MMA), UTMALDG/UTMASTG (TMA), setmaxnreg in both directions,
+MUFU.EX2, no local memory (LDL/STL, stack). Registers, shared memory and compile time are
+printed per variant (run with -s to see them; docs/perf-log.md records them). The quick tier
+runs the representative configs of each list (tests/compiled.py), ``--exhaustive`` all of them;
+every shipped variant's SASS: tests/test_shipped_kernels.py.
 
 Plus CPU-only checks of the pieces whose mistakes would be silent on the GPU:
   * the key-block ranges and mask regions (common/block_info.py) against brute force;
   * the accumulator views (common/layout.py) against the MMA's own thread/value layouts, for
     every thread: rows/columns of the softmax view, the P register operand of the PV GEMM.
-
-Objects come from the session's ``shipped_cache`` (every shipped variant compiled once through
-the binding's ``compile_config``); the other configs the tests name are compiled on demand.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import functools
 import itertools
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from compiled import compiled_object
+from compiled import assert_no_local_memory, compiled_sass, needs_disassembler, tiered
 from jax_fa4.kernels.common.block_info import BlockInfo
 from jax_fa4.kernels.sm90.fwd_config import (FwdConfig, TUNING_TABLE, decode_config,
                                               decode_option_configs, fallback_configs,
-                                              option_test_configs, shipped_configs)
+                                              option_test_configs)
 
 REPO = Path(__file__).resolve().parents[1]
-from compiled import (CUBIN_REPORT, needs_cubin_report,  # ../shared/tools/cubin_report.py
-                      shipped_sass_problems)
 ARCH = "sm_90a"
 
 
-@functools.lru_cache(maxsize=None)
-def _report_module():
-    sys.path.insert(0, str(CUBIN_REPORT.parent))
-    import cubin_report
-
-    return cubin_report, cubin_report.find_cuobjdump()
-
-
-def sass_report(obj: bytes, tmp_path: Path) -> dict:
-    cubin_report, cuobjdump = _report_module()
-    path = tmp_path / "kernel.o"
-    path.write_bytes(obj)
-    sass_dir = tmp_path / "sass"
-    rows = cubin_report.report(str(path), cuobjdump, str(sass_dir))
-    assert len(rows) == 1, f"expected one kernel, found {len(rows)}"
-    row = rows[0]
-    sass = "".join(p.read_text() for p in sass_dir.iterdir())
-    for extra in ("MUFU.TANH", "USETMAXREG.DEALLOC", "USETMAXREG.TRY_ALLOC", "STSM",
-                  "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "BAR.ARV", "BAR.SYNC", "VOTE.ANY"):
-        row["ops"][extra] = sass.count(extra)
-    # setmaxnreg targets: USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 / USETMAXREG.DEALLOC.CTAPOOL 0x18
-    row["setmaxnreg"] = sorted({int(m, 16) for m in
-                                re.findall(r"USETMAXREG\.\w+(?:\.\w+)?\s+(?:UP\d+,\s*)?0x([0-9a-f]+)",
-                                           sass)})
-    return row
-
-
-def _variants():
-    out = []
-    for (d, dv), masks in TUNING_TABLE.items():
-        for mask in masks:
-            for softcap in (False, True):
-                out.append(("bfloat16", d, dv, mask, softcap))
-    out += [("float16", 128, 128, mask, softcap)
+def _training_configs() -> list[FwdConfig]:
+    """Every table row and mask kind, with and without softcap (bf16), fp16 at head dim 128,
+    and the serial-mainloop fallbacks."""
+    out = [FwdConfig.make("bfloat16", d, dv, mask, softcap)
+           for (d, dv), masks in TUNING_TABLE.items() for mask in masks
+           for softcap in (False, True)]
+    out += [FwdConfig.make("float16", 128, 128, mask, softcap)
             for mask in ("none", "causal", "local") for softcap in (False, True)]
-    out = [v + (True,) for v in out]
-    out += [(c.dtype, c.head_dim, c.head_dim_v, c.mask, c.has_softcap, False)
-            for c in fallback_configs()]
-    return out
+    return out + list(fallback_configs())
 
 
-def _id(x):
-    return str(x) if not isinstance(x, bool) else ("T" if x else "F")
+def _id(cfg: FwdConfig) -> str:
+    parts = [cfg.dtype[:4], f"{cfg.head_dim}/{cfg.head_dim_v}", cfg.mask]
+    parts += ["softcap"] * cfg.has_softcap + ["serial"] * (not cfg.intra_wg_overlap)
+    return "-".join(parts)
 
 
-@needs_cubin_report
-@pytest.mark.parametrize("dtype,d,dv,mask,softcap,overlap", _variants(), ids=_id)
-def test_compiles_with_clean_sass(dtype, d, dv, mask, softcap, overlap, tmp_path, shipped_cache):
-    cfg = FwdConfig.make(dtype, d, dv, mask, softcap, intra_wg_overlap=overlap)
-    obj = compiled_object(shipped_cache, cfg, ARCH)
-    r = sass_report(obj, tmp_path)
-    ops = r["ops"]
-    print(f"\n{cfg.describe()}: regs {r.get('reg')}, smem {cfg.smem_bytes()} B, "
-          f"ops {dict(sorted(ops.items()))}")
-    assert r["arch"] == ARCH
-    assert ops.get("HGMMA", 0) > 0, "no warpgroup MMA in SASS"
-    assert ops.get("UTMALDG", 0) > 0 and ops.get("UTMASTG", 0) > 0, "TMA loads/stores missing"
-    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, "local-memory traffic (spills)"
-    assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, "stack frame / local memory"
-    assert ops["USETMAXREG.DEALLOC"] > 0 and ops["USETMAXREG.TRY_ALLOC"] > 0, "setmaxnreg ignored"
-    assert ops.get("MUFU.EX2", 0) > 0
-    assert ops["STSM"] > 0, "O epilogue should use stmatrix"
-    assert (ops["MUFU.TANH"] > 0) == softcap
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered(_training_configs(), ARCH), ids=_id)
+def test_compiles_with_clean_sass(cfg, shipped_cache):
+    k = compiled_sass(shipped_cache, cfg, ARCH)
+    print(f"\n{cfg.describe()}: regs {k.registers}, smem {cfg.smem_bytes()} B, "
+          f"HGMMA {k.count('HGMMA')}, MUFU.EX2 {k.count('MUFU.EX2')}")
+    assert k.arch == ARCH
+    assert k.count("HGMMA") > 0, "no warpgroup MMA in SASS"
+    assert k.count("UTMALDG") > 0 and k.count("UTMASTG") > 0, "TMA loads/stores missing"
+    assert_no_local_memory(k)
+    assert k.count("USETMAXREG.DEALLOC") > 0 and k.count("USETMAXREG.TRY_ALLOC") > 0, \
+        "setmaxnreg ignored"
+    assert k.count("MUFU.EX2") > 0
+    assert k.count("STSM") > 0, "O epilogue should use stmatrix"
+    assert (k.count("MUFU.TANH") > 0) == cfg.has_softcap
 
 
-@needs_cubin_report
-def test_every_shipped_variant_has_clean_sass(shipped_cache, tmp_path):
-    """Every shipped sm90 forward variant (training, decode, paged and varlen configs of every
-    row, both dtypes, with and without softcap): warpgroup MMAs, TMA loads, no spills,
-    registers and shared memory within sm_90's limits."""
-    configs = shipped_configs()
-    assert {c.paged for c in configs} == {c.varlen for c in configs} == {False, True}
-    problems = shipped_sass_problems(shipped_cache, configs, ARCH, "FlashAttentionForwardSm90",
-                                     tmp_path, must_have=("HGMMA", "UTMALDG", "MUFU.EX2"))
-    assert not problems, "\n".join(problems)
-
-
-def _check_decode_tile_sass(cfg: FwdConfig, r: dict) -> None:
+def _check_decode_tile_sass(cfg: FwdConfig, k) -> None:
     """A decode tile's SASS facts: 256 threads, HGMMA and TMA, no spills; with two CTAs per SM
     the launch bound caps the entry registers at 65536 / (2·256) = 128, setmaxnreg hands the
     consumers 232 (the producer 24) and the shared memory fits half an SM; with one, 240 / 24."""
-    ops = r["ops"]
-    print(f"\n{cfg.describe()}: regs {r.get('reg')}, smem {cfg.smem_bytes()} B, "
-          f"setmaxnreg {r['setmaxnreg']}")
+    print(f"\n{cfg.describe()}: regs {k.registers}, smem {cfg.smem_bytes()} B, "
+          f"setmaxnreg {k.setmaxnreg()}")
     assert cfg.num_threads == 256
-    assert ops.get("HGMMA", 0) > 0 and ops.get("UTMALDG", 0) > 0
-    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, "local-memory traffic (spills)"
-    assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, "stack frame / local memory"
+    assert k.count("HGMMA") > 0 and k.count("UTMALDG") > 0
+    assert_no_local_memory(k)
     if cfg.ctas_per_sm == 2:
-        assert r.get("reg") == 128, "entry register cap of two CTAs per SM"
-        assert r["setmaxnreg"] == [24, 232], r["setmaxnreg"]
-        assert 2 * (r.get("shared_static", 0) + cfg.smem_bytes() + 1024) <= 228 * 1024
+        assert k.registers == 128, "entry register cap of two CTAs per SM"
+        assert k.setmaxnreg() == [24, 232], k.setmaxnreg()
+        assert 2 * (k.shared_static + cfg.smem_bytes() + 1024) <= 228 * 1024
     else:
-        assert r["setmaxnreg"] == [24, 240], r["setmaxnreg"]
+        assert k.setmaxnreg() == [24, 240], k.setmaxnreg()
 
 
 def _decode_id(cfg: FwdConfig) -> str:
@@ -141,25 +90,25 @@ def _decode_id(cfg: FwdConfig) -> str:
             f"x{cfg.stages}")
 
 
-@needs_cubin_report
-@pytest.mark.parametrize("cfg", [decode_config("bfloat16", d, dv) for (d, dv) in TUNING_TABLE]
-                         + [decode_config("float16", 128, 128, has_softcap=True)],
-                         ids=_decode_id)
-def test_decode_tile_compiles_with_clean_sass(cfg, tmp_path, shipped_cache):
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered([decode_config("bfloat16", d, dv) for (d, dv) in TUNING_TABLE]
+                                       + [decode_config("float16", 128, 128, has_softcap=True)],
+                                       ARCH), ids=_decode_id)
+def test_decode_tile_compiles_with_clean_sass(cfg, shipped_cache):
     """The shipped decode tile of every head dim (jax_fa4/decode.py): head-major q and out,
     TMA-stored O, two CTAs per SM up to head_dim_v 192."""
     assert cfg.ctas_per_sm == (2 if cfg.head_dim_v <= 192 else 1) and cfg.qo_head_major
-    r = sass_report(compiled_object(shipped_cache, cfg, ARCH), tmp_path)
-    _check_decode_tile_sass(cfg, r)
-    assert r["ops"].get("UTMASTG", 0) > 0
+    k = compiled_sass(shipped_cache, cfg, ARCH)
+    _check_decode_tile_sass(cfg, k)
+    assert k.count("UTMASTG") > 0
 
 
-@needs_cubin_report
-@pytest.mark.parametrize("cfg", decode_option_configs(), ids=_decode_id)
-def test_decode_tile_alternatives_compile(cfg, tmp_path, shipped_cache):
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered(decode_option_configs(), ARCH), ids=_decode_id)
+def test_decode_tile_alternatives_compile(cfg, shipped_cache):
     """The decode-tile alternatives the decode benchmark and GPU tests compare
     (fwd_config.DECODE_OPTIONS), dense and paged."""
-    _check_decode_tile_sass(cfg, sass_report(compiled_object(shipped_cache, cfg, ARCH), tmp_path))
+    _check_decode_tile_sass(cfg, compiled_sass(shipped_cache, cfg, ARCH))
 
 
 def _option_id(cfg: FwdConfig) -> str:
@@ -171,44 +120,42 @@ def _option_id(cfg: FwdConfig) -> str:
     return "-".join(parts)
 
 
-@needs_cubin_report
-@pytest.mark.parametrize("cfg", option_test_configs(), ids=_option_id)
-def test_v2_options_compile_with_clean_sass(cfg, tmp_path, shipped_cache):
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered(option_test_configs(), ARCH), ids=_option_id)
+def test_v2_options_compile_with_clean_sass(cfg, shipped_cache):
     """The v2 tuning options (ping-pong, 3 consumer warpgroups, conditional rescaling): the
     representative configs the GPU tests run, with the SASS facts each option must leave."""
-    obj = compiled_object(shipped_cache, cfg, ARCH)
-    r = sass_report(obj, tmp_path)
-    ops = r["ops"]
-    print(f"\n{cfg.describe()}: regs {r.get('reg')}, smem {cfg.smem_bytes()} B, "
-          f"setmaxnreg {r['setmaxnreg']}, ops {dict(sorted(ops.items()))}")
-    assert r["arch"] == ARCH
-    assert ops.get("HGMMA", 0) > 0 and ops.get("UTMALDG", 0) > 0 and ops.get("UTMASTG", 0) > 0
-    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0, "local-memory traffic (spills)"
-    assert r.get("local", 0) == 0 and r.get("stack", 0) == 0, "stack frame / local memory"
+    k = compiled_sass(shipped_cache, cfg, ARCH)
+    print(f"\n{cfg.describe()}: regs {k.registers}, smem {cfg.smem_bytes()} B, "
+          f"setmaxnreg {k.setmaxnreg()}")
+    assert k.arch == ARCH
+    assert k.count("HGMMA") > 0 and k.count("UTMALDG") > 0 and k.count("UTMASTG") > 0
+    assert_no_local_memory(k)
     # setmaxnreg in both directions, with the budget of the warpgroup count (flash_fwd._REGS)
     consumer, producer = {2: (240, 24), 3: (160, 32)}[cfg.num_mma_warpgroups]
-    assert ops["USETMAXREG.DEALLOC"] > 0 and ops["USETMAXREG.TRY_ALLOC"] > 0, "setmaxnreg ignored"
-    assert r["setmaxnreg"] == sorted({consumer, producer}), r["setmaxnreg"]
-    assert r.get("reg") == 65536 // cfg.num_threads // 8 * 8, "entry register cap"
+    assert k.count("USETMAXREG.DEALLOC") > 0 and k.count("USETMAXREG.TRY_ALLOC") > 0, \
+        "setmaxnreg ignored"
+    assert k.setmaxnreg() == sorted({consumer, producer}), k.setmaxnreg()
+    assert k.registers == 65536 // cfg.num_threads // 8 * 8, "entry register cap"
     # no WGMMA serialisation: one wait per GEMM group, not one per HGMMA instruction
-    assert 2 * ops["WARPGROUP.DEPBAR"] < ops["HGMMA"], "wgmma serialised by ptxas"
-    assert ops["WARPGROUP.DEPBAR"] == ops["WARPGROUP.ARRIVE"]
+    assert 2 * k.count("WARPGROUP.DEPBAR") < k.count("HGMMA"), "wgmma serialised by ptxas"
+    assert k.count("WARPGROUP.DEPBAR") == k.count("WARPGROUP.ARRIVE")
     # ping-pong: one pre-arrive plus one arrive per loop body (v1: only the epilogue's arrive)
     if cfg.pingpong:
-        assert ops["BAR.ARV"] >= 3 and ops["BAR.SYNC"] >= 4, (ops["BAR.ARV"], ops["BAR.SYNC"])
+        assert k.count("BAR.ARV") >= 3 and k.count("BAR.SYNC") >= 4, (k.count("BAR.ARV"),
+                                                                      k.count("BAR.SYNC"))
     else:
-        assert ops["BAR.ARV"] == 1
+        assert k.count("BAR.ARV") == 1
     # conditional rescaling: the O rescale sits behind a warp vote, once per loop body
-    assert (ops["VOTE.ANY"] > 0) == (cfg.rescale_threshold > 0)
-    assert (ops["MUFU.TANH"] > 0) == cfg.has_softcap
-    assert ops["STSM"] > 0 and ops.get("MUFU.EX2", 0) > 0
+    assert (k.count("VOTE.ANY") > 0) == (cfg.rescale_threshold > 0)
+    assert (k.count("MUFU.TANH") > 0) == cfg.has_softcap
+    assert k.count("STSM") > 0 and k.count("MUFU.EX2") > 0
     if cfg.exp2_sw_per_32:  # that share of the ex2 moved from MUFU to FFMA polynomials
-        base = dataclasses.replace(cfg, exp2_sw_per_32=0)
-        b = sass_report(compiled_object(shipped_cache, base, ARCH), tmp_path)
-        moved = b["ops"]["MUFU.EX2"] - ops["MUFU.EX2"]
-        body = b["ops"]["MUFU.EX2"] * cfg.exp2_sw_per_32 // 32  # rounding: the rescale's ex2
+        b = compiled_sass(shipped_cache, dataclasses.replace(cfg, exp2_sw_per_32=0), ARCH)
+        moved = b.count("MUFU.EX2") - k.count("MUFU.EX2")
+        body = b.count("MUFU.EX2") * cfg.exp2_sw_per_32 // 32  # rounding: the rescale's ex2
         assert moved > 0 and abs(moved - body) <= 4, (moved, body)
-        assert ops["FFMA"] - b["ops"]["FFMA"] >= 3 * moved  # 3 Horner FMAs each
+        assert k.count("FFMA") - b.count("FFMA") >= 3 * moved  # 3 Horner FMAs each
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,9 +1,41 @@
-"""Every test in this folder needs a Hopper GPU."""
+"""Every test in this folder needs a Hopper GPU.
+
+With ``JAX_FA4_REQUIRE_GPU=1`` (the GPU machine's runs) a test must exercise the kernels it
+names: a call that would run the pure-JAX reference on a kernel implementation
+(``jax_fa4.ops.reference_fallback``) fails the test, unless the test is marked
+``reference_fallback`` (it checks the fallback on purpose). A kernel missing from the cache
+already fails (``KernelNotAvailableError``), and tests/conftest.py fails the run when no Hopper
+GPU is there.
+"""
 
 import pytest
+
+from conftest import require_gpu
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "reference_fallback: the test expects a kernel "
+                                       "implementation to fall back to the reference")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/gpu/" in str(item.fspath):
             item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture(autouse=True)
+def _no_silent_reference(request, monkeypatch):
+    if not require_gpu() or request.node.get_closest_marker("reference_fallback"):
+        yield
+        return
+    from jax_fa4 import ops
+
+    def refuse(what: str, implementation: str, reason: str) -> None:
+        raise AssertionError(f"JAX_FA4_REQUIRE_GPU=1: the {what} of this call would run the "
+                             f"pure-JAX reference instead of the {implementation} kernels "
+                             f"({reason}); mark the test reference_fallback if that is its "
+                             "point")
+
+    monkeypatch.setattr(ops, "reference_fallback", refuse)
+    yield

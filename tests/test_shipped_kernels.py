@@ -1,0 +1,176 @@
+"""Every shipped kernel variant ships clean; the quick tier's representative rule; jax_fa4.sass.
+
+* ``test_shipped_variants_have_clean_sass``: the quick tier checks the representative variants
+  (``jax_fa4.variants.representative``), ``--exhaustive`` every shipped variant of both archs
+  (the same check as ``python -m jax_fa4.precompile --check``): no local memory, at most 255
+  registers, shared memory within 227 KB, the instructions of ``variants.REQUIRED_SASS``.
+* The representative rule covers what it promises (every class, every option value), so a
+  change that breaks one head dim, mode or option value of a family breaks a checked variant.
+* The SASS parser (``jax_fa4.sass``) on a listing of known content and on a real object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import struct
+
+import pytest
+
+import compiled
+from compiled import needs_disassembler, shipped_problems
+from jax_fa4 import precompile, sass
+from jax_fa4.kernels.preprocess_config import PreprocessConfig
+from jax_fa4.variants import (REQUIRED_SASS, Variant, representative, variant_class,
+                              variant_mode, variants)
+
+
+@needs_disassembler
+def test_shipped_variants_have_clean_sass(shipped_cache):
+    selected = variants("default") if compiled.EXHAUSTIVE else compiled.shipped_representatives()
+    problems = shipped_problems(shipped_cache, list(selected), jobs=os.cpu_count() or 1)
+    assert not problems, "\n".join(problems)
+
+
+def _features(v: Variant) -> set:
+    return {(f.name, getattr(v.config, f.name)) for f in dataclasses.fields(v.config)
+            if f.name not in ("head_dim", "head_dim_v")}
+
+
+def test_representatives_cover_every_class_and_option_value():
+    shipped = variants("default")
+    chosen = representative(shipped)
+    assert set(chosen) <= set(shipped) and len(chosen) == len(set(chosen))
+    assert {variant_class(v) for v in chosen} == {variant_class(v) for v in shipped}
+    kinds = {variant_class(v)[:2] for v in shipped}
+    for kind in kinds:
+        every = set().union(*(_features(v) for v in shipped if variant_class(v)[:2] == kind))
+        got = set().union(*(_features(v) for v in chosen if variant_class(v)[:2] == kind))
+        assert got == every, (kind, every - got)
+    # both archs, every kind of kernel and every mode are there; the set stays small
+    assert {v.arch for v in chosen} == {"sm_90a", "sm_100a"}
+    assert {variant_mode(v.config) for v in chosen} == {"dense", "varlen", "paged", "decode",
+                                                        "deterministic"}
+    assert {v.config.kernel_name for v in chosen} == set(REQUIRED_SASS) - {"exp2_probe"}
+    assert len(chosen) < 0.15 * len(shipped)
+    assert representative(shipped) == chosen  # the rule is deterministic
+
+
+def test_representative_prefers_what_is_compiled_anyway():
+    configs = [PreprocessConfig(dtype, 128) for dtype in ("bfloat16", "float16")]
+    listed = [Variant(c, "sm_90a") for c in configs]
+    # one class (same head dim, mode): dtype values must both appear, so both are chosen
+    assert representative(listed) == listed
+    one_dtype = [Variant(PreprocessConfig("bfloat16", d), "sm_90a") for d in (64, 128)]
+    assert representative(one_dtype) == one_dtype  # two head-dim classes
+    same = [Variant(PreprocessConfig("bfloat16", 128), "sm_90a")] * 3
+    assert representative(same) == same[:1]
+
+
+def test_tiered_lists_are_the_representatives_in_the_quick_tier(monkeypatch):
+    from jax_fa4.kernels.sm90.fwd_config import option_test_configs
+
+    configs = option_test_configs()
+    monkeypatch.setattr(compiled, "EXHAUSTIVE", True)
+    assert compiled.tiered(configs, "sm_90a") == list(dict.fromkeys(configs))
+    monkeypatch.setattr(compiled, "EXHAUSTIVE", False)
+    quick = compiled.tiered(configs, "sm_90a")
+    assert set(quick) <= set(configs) and len(quick) <= len(set(configs))
+
+
+# -- jax_fa4.sass -------------------------------------------------------------------------------
+_LISTING = """
+Resource usage:
+ Common:
+  GLOBAL:0
+ Function kern_a:
+  REG:168 STACK:0 SHARED:1024 LOCAL:0 CONSTANT[0]:1282 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function kern_b:
+  REG:40 STACK:16 SHARED:0 LOCAL:8 CONSTANT[0]:900 TEXTURE:0 SURFACE:0 SAMPLER:0
+
+\tcode for sm_90a
+\t\tFunction : kern_a
+\t.headerflags\t@"EF_CUDA_SM90"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;       /* 0x00000a00ff017b82 */
+                                                                /* 0x000fe20000000800 */
+        /*0010*/              @!P0 HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0 ;
+        /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24, gsb0 ;
+        /*0030*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 ;
+        /*0040*/                   USETMAXREG.DEALLOC.CTAPOOL 0x18 ;
+        /*0050*/              @UP1 UTMALDG.2D [UR8], [UR4] ;
+        /*0060*/                   FFMA2 R2, R2, R4, R6 ;
+        /*0070*/                   FFMA R3, R3, R5, R7 ;
+        /*0080*/                   EXIT ;
+\t\t..........
+
+\t\tFunction : kern_b
+        /*0000*/                   STL [R1], R2 ;
+        /*0010*/                   LDL R2, [R1] ;
+        /*0020*/                   EXIT ;
+"""
+
+
+def test_listing_parser(monkeypatch):
+    monkeypatch.setattr(sass, "_run_cuobjdump", lambda path: _LISTING)
+    a, b = sass._disassemble(b"")
+    assert (a.name, a.arch, a.registers, a.shared_static, a.stack, a.local) == (
+        "kern_a", "sm_90a", 168, 1024, 0, 0)
+    assert a.count("HGMMA") == 2 and a.count("UTMALDG") == 1 and a.count("USETMAXREG") == 2
+    assert a.count("FFMA") == 1 and a.count("FFMA2") == 1  # FFMA2 is its own opcode
+    assert a.setmaxnreg() == [24, 240] and not a.spills
+    assert a.matches(r"HGMMA\.\S+ R24, gdesc\[UR8\]") == 1
+    assert a.normalised()[:2] == ["LDC R1, c[X][X]", "@!P0 HGMMA.64x128x16.F32.BF16 R24, "
+                                                     "gdesc[UR4], RZ, !UPT, gsb0"]
+    assert b.spills and (b.stack, b.local, b.count("LDL"), b.count("STL")) == (16, 8, 1, 1)
+    assert sass.problems(a, dynamic_smem_bytes=227 * 1024, must_have=("HGMMA",)) == []
+    lines = sass.problems(b, dynamic_smem_bytes=228 * 1024, must_have=("HGMMA",), label="b")
+    assert [line.split(":")[1].split()[0] for line in lines] == ["local", "233472", "no"]
+
+
+def test_normalised_sass_compares_instructions_only():
+    """What benchmarks/sass_diff.py compares: two listings of the same code at other addresses,
+    with other encodings and immediates, normalise to the same lines; another opcode or
+    predicate does not."""
+    a = ("        /*0010*/                   IMAD R4, R7, 0x400, R0 ;   /* 0x0000040007047824 */\n"
+         "        /*0020*/                   HGMMA.64x64x16.F32.BF16 R184, gdesc[UR8], RZ ;\n")
+    b = ("        /*0a10*/                   IMAD R4, R7, 0x800, R0 ;   /* 0x0000080007047824 */\n"
+         "        /*0a20*/                   HGMMA.64x64x16.F32.BF16 R184, gdesc[UR8], RZ ;\n")
+
+    def lines(text: str) -> list[str]:
+        return sass.Kernel("k", "sm_90a", 0, 0, 0, 0, text).normalised()
+
+    assert lines(a) == lines(b) and len(lines(a)) == 2
+    assert lines(a) != lines(a.replace("IMAD", "IADD3"))
+    assert lines(a) != lines(a.replace("   IMAD", "@P0 IMAD"))
+
+
+def test_cuda_elves_finds_whole_embedded_cubins():
+    elf = bytearray(256)
+    elf[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<H", elf, 18, sass.EM_CUDA)
+    struct.pack_into("<QQ", elf, 0x20, 0, 192)  # no program headers; sections at 192
+    struct.pack_into("<HHHH", elf, 0x36, 0, 0, 64, 1)  # one 64-byte section header
+    struct.pack_into("<IQQ", elf, 192 + 4, 1, 0, 0)  # its header: PROGBITS
+    struct.pack_into("<QQ", elf, 192 + 0x18, 100, 50)  # data at [100, 150)
+    host = bytearray(b"\x7fELF\x02\x01" + bytes(58))  # a host ELF header (e_machine 0): skipped
+    data = bytes(host) + b"pad" + bytes(elf) + b"tail"
+    assert sass.cuda_elves(data) == [bytes(elf)]
+    assert sass.cuda_elves(data[:-10 - len(b"tail")]) == []  # cut off: not a whole cubin
+
+
+@needs_disassembler
+def test_a_real_object(shipped_cache):
+    obj = compiled.compiled_object(shipped_cache, PreprocessConfig("bfloat16", 128), "sm_90a")
+    (kernel,) = sass.kernels(obj)
+    assert kernel.arch == "sm_90a" and "BwdPreprocess" in kernel.name
+    assert 0 < kernel.registers <= 255 and not kernel.spills and kernel.count("EXIT") >= 1
+    assert precompile.variant_problems(Variant(PreprocessConfig("bfloat16", 128), "sm_90a"),
+                                       obj) == []
+
+
+def test_missing_disassembler_says_how_to_install(monkeypatch, tmp_path):
+    sass.cuobjdump_path.cache_clear()
+    monkeypatch.setenv(sass.ENV_CUOBJDUMP, str(tmp_path / "nope"))
+    with pytest.raises(sass.DisassemblerNotFoundError, match="JAX_FA4_CUOBJDUMP"):
+        sass.cuobjdump_path()
+    sass.cuobjdump_path.cache_clear()

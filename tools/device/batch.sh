@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One GPU-machine batch, from the project root (run through .device/on-device.sh, which sets
+# JAX_FA4_REQUIRE_GPU=1): the steps named, in order, each with its own time limit, each writing
+# its log (and the benchmark its JSON) under $OUT as it goes, so a step cut short keeps its output.
+#   bash .device/on-device.sh bash tools/device/batch.sh tests bench-main
+# Steps: tests (tests/gpu with pytest-xdist), sanitizers, bench (the whole default sweep),
+# bench-main / bench-more (its two halves: python -m jax_fa4.bench merge joins them).
+set -uo pipefail
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+status=0
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc $rc in $((SECONDS - start)) s"
+  tail -n 3 "$out/$name.log"
+  [ "$rc" -eq 0 ] || status=1
+}
+for s in "$@"; do
+  case $s in
+    tests) step tests 200 python -m pytest tests/gpu -q -n 8 --timeout 240 -p no:cacheprovider \
+             --ignore tests/gpu/test_sanitizers.py -rfEs ;;
+    sanitizers) step sanitizers 300 python -m pytest tests/gpu/test_sanitizers.py -q \
+                  -p no:cacheprovider ;;
+    bench) step bench 560 python -m jax_fa4.bench --out "$out/bench.json" ;;
+    bench-main) step bench-main 380 python -m jax_fa4.bench --shapes anchors-main \
+                  --out "$out/bench-main.json" ;;
+    bench-more) step bench-more 380 python -m jax_fa4.bench --shapes anchors-more,latency \
+                  --out "$out/bench-more.json" ;;
+    *) echo "unknown step $s"; status=2 ;;
+  esac
+done
+exit $status

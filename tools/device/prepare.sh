@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Run on the CPU machine, from anywhere inside the checkout. Fills the git-ignored .device/ with
+# what a GPU machine without a compiler needs besides the checkout:
+#   libcute_dsl_runtime.so.xz  the CuTe-DSL runtime library (the XLA FFI handlers), ~13 MB
+#   runtime-version            the nvidia-cutlass-dsl version it came from (compile with the same)
+#   on-device.sh               the wrapper every GPU command starts with (tools/device/on-device.sh)
+# Then precompile the kernels the run needs into .device/kernel-cache, e.g.
+#   python -m jax_fa4.precompile --suite tests --arch sm_90a --cache-dir .device/kernel-cache
+# and on the GPU machine, from the project root: bash .device/on-device.sh <command>.
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+ver=${CUTLASS_DSL_VERSION:-$(python3 -c 'import importlib.metadata as m; print(m.version("nvidia-cutlass-dsl"))' 2>/dev/null || echo 4.8.1)}
+mkdir -p "$root/.device"
+grep -qx '/.device/' "$root/.git/info/exclude" 2>/dev/null || echo '/.device/' >> "$root/.git/info/exclude"
+if [ ! -s "$root/.device/libcute_dsl_runtime.so.xz" ] || [ "$(cat "$root/.device/runtime-version" 2>/dev/null)" != "$ver" ]; then
+  tmp=$(mktemp -d)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 -d "$tmp" "nvidia-cutlass-dsl-libs-cu13==$ver"
+  unzip -q -o -j "$tmp"/*.whl 'nvidia_cutlass_dsl/cu13/lib/libcute_dsl_runtime.so' -d "$tmp"
+  xz -6 -T0 -c "$tmp/libcute_dsl_runtime.so" > "$root/.device/libcute_dsl_runtime.so.xz"
+  echo "$ver" > "$root/.device/runtime-version"
+  rm -rf "$tmp"
+fi
+install -m 0755 "$root/tools/device/on-device.sh" "$root/.device/on-device.sh"
+du -sh "$root/.device"/* | sed "s|$root/||"
