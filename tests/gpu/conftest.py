@@ -24,18 +24,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
 
 
+def refuse_reference_fallback(what: str, implementation: str, reason: str) -> None:
+    """``jax_fa4.ops.reference_fallback`` in a GPU test that must run kernels."""
+    raise AssertionError(f"JAX_FA4_REQUIRE_GPU=1: the {what} of this call would run the pure-JAX "
+                         f"reference instead of the {implementation} kernels ({reason}); mark "
+                         "the test reference_fallback if that is its point")
+
+
 @pytest.fixture(autouse=True)
 def _no_silent_reference(request, monkeypatch):
-    if not require_gpu() or request.node.get_closest_marker("reference_fallback"):
-        yield
-        return
-    from jax_fa4 import ops
+    if require_gpu() and not request.node.get_closest_marker("reference_fallback"):
+        from jax_fa4 import ops
 
-    def refuse(what: str, implementation: str, reason: str) -> None:
-        raise AssertionError(f"JAX_FA4_REQUIRE_GPU=1: the {what} of this call would run the "
-                             f"pure-JAX reference instead of the {implementation} kernels "
-                             f"({reason}); mark the test reference_fallback if that is its "
-                             "point")
-
-    monkeypatch.setattr(ops, "reference_fallback", refuse)
+        monkeypatch.setattr(ops, "reference_fallback", refuse_reference_fallback)
     yield
