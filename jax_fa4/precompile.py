@@ -92,14 +92,15 @@ def build(selected: Sequence[Variant], cache: KernelCache, *, force: bool = Fals
     return records
 
 
-def variant_problems(variant: Variant, object_bytes: bytes) -> list[str]:
+def variant_problems(variant: Variant, object_bytes: bytes, kernels=None) -> list[str]:
     """What keeps one compiled variant from shipping (:func:`jax_fa4.sass.problems` on each
     kernel function of its object, with its config's shared memory and its kind's required
-    instructions); an object without exactly one kernel function is a problem too."""
+    instructions); an object without exactly one kernel function is a problem too. ``kernels``:
+    the object's already disassembled ``jax_fa4.sass.kernels``."""
     from jax_fa4 import sass
 
     label = variant.describe()
-    found = sass.kernels(object_bytes)
+    found = sass.kernels(object_bytes) if kernels is None else list(kernels)
     if len(found) != 1:
         return [f"{label}: {len(found)} kernel functions in its object (expected 1)"]
     smem = variant.config.smem_bytes() if hasattr(variant.config, "smem_bytes") else 0

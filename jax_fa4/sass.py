@@ -48,6 +48,8 @@ _INSTRUCTION = re.compile(
 _FUNCTION = re.compile(r"^\s*Function : (\S+)\s*$", re.M)
 _RESOURCES = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _ARCH = re.compile(r"code for (sm_\w+)")
+# The 64-bit halves of each instruction's encoding cuobjdump prints beside it: dropped.
+_ENCODING = re.compile(r"\s*/\* 0x[0-9a-f]{16} \*/")
 
 
 class DisassemblerNotFoundError(RuntimeError):
@@ -137,7 +139,7 @@ class Kernel:
     stack: int
     local: int
     shared_static: int
-    sass: str  # cuobjdump's listing of this function
+    sass: str  # cuobjdump's listing of this function (without the instruction encodings)
 
     @functools.cached_property
     def _parsed(self) -> tuple[tuple[str, str, str], ...]:
@@ -230,6 +232,8 @@ def _disassemble(elf: bytes) -> list[Kernel]:
     found = []
     for n, head in enumerate(heads):
         body = text[head.end():heads[n + 1].start() if n + 1 < len(heads) else len(text)]
+        body = "\n".join(line for line in (_ENCODING.sub("", ln) for ln in body.splitlines())
+                          if line.strip())
         reg, stack, shared, local = resources.get(head.group(1), (0, 0, 0, 0))
         found.append(Kernel(head.group(1), arch.group(1) if arch else "?", reg, stack, local,
                             shared, body))

@@ -179,8 +179,8 @@ def _features(variant: Variant) -> frozenset[tuple[str, object]]:
                      if f.name not in ("head_dim", "head_dim_v"))
 
 
-def representative(selected: Sequence[Variant],
-                   prefer: Collection[Variant] = ()) -> list[Variant]:
+def representative(selected: Sequence[Variant], prefer: Collection[Variant] = (), *,
+                   every_value: bool = True) -> list[Variant]:
     """A small subset of ``selected`` that still exercises every kernel family's code paths.
 
     The rule (deterministic, in ``selected``'s order):
@@ -194,7 +194,8 @@ def representative(selected: Sequence[Variant],
        least one chosen variant: each time the one that covers the most missing pairs.
 
     So a change that breaks one head dim, one mode, or one value of any option of a family breaks
-    a chosen variant, while the set stays ~8 % of the shipped one.
+    a chosen variant, while the set stays ~8 % of the shipped one. ``every_value=False`` stops
+    after step 1 (one variant per class).
     """
     prefer = set(prefer)
     by_kind: dict[tuple[str, str], list[Variant]] = {}
@@ -214,7 +215,7 @@ def representative(selected: Sequence[Variant],
             classes.setdefault(variant_class(v), []).append(v)
         for candidates in classes.values():
             take(max(candidates, key=lambda v: (v in prefer, len(_features(v) - covered))))
-        needed = set().union(*(_features(v) for v in members))
+        needed = set().union(*(_features(v) for v in members)) if every_value else set()
         while needed - covered:
             take(max(members, key=lambda v: (len(_features(v) - covered), v in prefer)))
         chosen.extend(sorted(picked, key=members.index))

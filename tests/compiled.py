@@ -17,9 +17,14 @@ Disassembly is :mod:`jax_fa4.sass` (NVIDIA's cuobjdump / nvdisasm wheels, the te
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import gzip
 import hashlib
+import json
+import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -69,10 +74,13 @@ def shipped_representatives() -> tuple[Variant, ...]:
 
 
 def tiered(configs: Iterable, arch: str) -> list:
-    """``configs`` in the exhaustive tier; in the quick tier the representative few of them
-    (the same rule as the shipped set, preferring configs the shipped set compiles anyway)."""
+    """``configs`` in the exhaustive tier; in the quick tier one of them per class of
+    ``variants.variant_class`` (arch × kind × head-dim class × mode), preferring configs the
+    shipped set compiles anyway: the shipped set already covers every option value of the
+    shipped kernels, the lists' own option checks run in full with ``--exhaustive``."""
     listed = [Variant(c, arch) for c in dict.fromkeys(configs)]
-    chosen = listed if EXHAUSTIVE else representative(listed, prefer=shipped_representatives())
+    chosen = listed if EXHAUSTIVE else representative(listed, prefer=shipped_representatives(),
+                                                       every_value=False)
     for v in chosen:
         _TIERED_ARCHS.setdefault(v.config, set()).add(v.arch)
     return [v.config for v in chosen]
@@ -99,16 +107,36 @@ def compiled_object(cache, config, arch: str) -> bytes:
     return shipped_object(cache, config, arch)[0]
 
 
+#: Where disassembled listings persist (set by the session fixture: beside its kernel cache),
+#: so xdist workers and later runs read an object's SASS instead of disassembling it again.
+SASS_DIR: Path | None = None
 _DISASSEMBLED: dict[str, tuple[sass.Kernel, ...]] = {}  # object sha256 -> its kernels
 
 
-def kernel_sass(obj: bytes, name_contains: str | None = None) -> sass.Kernel:
-    """The one kernel function of ``obj`` (whose name contains ``name_contains``), disassembled
-    (once per object and process)."""
+def disassembled(obj: bytes) -> tuple[sass.Kernel, ...]:
+    """``jax_fa4.sass.kernels(obj)``, memoised per object (in memory and under SASS_DIR)."""
     digest = hashlib.sha256(obj).hexdigest()
-    if digest not in _DISASSEMBLED:
-        _DISASSEMBLED[digest] = tuple(sass.kernels(obj))
-    found = [k for k in _DISASSEMBLED[digest] if name_contains is None or name_contains in k.name]
+    if digest in _DISASSEMBLED:
+        return _DISASSEMBLED[digest]
+    path = SASS_DIR / f"{digest}.json.gz" if SASS_DIR is not None else None
+    if path is not None and path.exists():
+        found = tuple(sass.Kernel(**k) for k in json.loads(gzip.decompress(path.read_bytes())))
+    else:
+        found = tuple(sass.kernels(obj))
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(gzip.compress(json.dumps([dataclasses.asdict(k) for k in found])
+                                          .encode()))
+            tmp.replace(path)
+    _DISASSEMBLED[digest] = found
+    return found
+
+
+def kernel_sass(obj: bytes, name_contains: str | None = None) -> sass.Kernel:
+    """The one kernel function of ``obj`` (whose name contains ``name_contains``),
+    disassembled (once per object: :func:`disassembled`)."""
+    found = [k for k in disassembled(obj) if name_contains is None or name_contains in k.name]
     assert len(found) == 1, f"expected one kernel function, found {[k.name for k in found]}"
     return found[0]
 
@@ -124,8 +152,17 @@ def assert_no_local_memory(k: sass.Kernel) -> None:
 
 
 def shipped_problems(cache, selected: Sequence[Variant], jobs: int) -> list[str]:
-    """``precompile.check`` over ``selected`` (each compiled into ``cache`` first)."""
+    """``precompile.variant_problems`` of every variant of ``selected`` (compiled into ``cache``
+    first), disassembling ``jobs`` at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from jax_fa4 import precompile
 
     precompile.build(selected, cache, progress=False, jobs=jobs)
-    return precompile.check(selected, cache, progress=False, jobs=jobs)
+
+    def one(v: Variant) -> list[str]:
+        obj = compiled_object(cache, v.config, v.arch)
+        return precompile.variant_problems(v, obj, disassembled(obj))
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        return [line for lines in pool.map(one, selected) for line in lines]

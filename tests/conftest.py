@@ -122,6 +122,7 @@ def shipped_cache(request):
     else:  # -p no:cacheprovider
         root = request.getfixturevalue("tmp_path_factory").mktemp("jax-fa4-kernels")
     cache = KernelCache(root)
+    compiled.SASS_DIR = root / "sass"
     selected = (variants("default") if compiled.EXHAUSTIVE
                 else list(compiled.shipped_representatives()))
     selected = list(dict.fromkeys(selected + compiled.REQUESTED))

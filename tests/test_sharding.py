@@ -26,7 +26,9 @@ TOL = 1e-5
 
 def run_suite(name: str) -> dict:
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    # keep the suite's XLA settings (tests/conftest.py), not a device count set by anyone else
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
     proc = subprocess.run([sys.executable, str(CHECKS), name], capture_output=True, text=True,
                           env=env, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -18,7 +18,9 @@ SCRIPT = ROOT / "examples" / "train_gpt.py"
 def train(tmp_path, *args: str, devices: int = 1) -> dict:
     log = tmp_path / f"run-{len(list(tmp_path.iterdir()))}.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    flags = [f for f in env.get("XLA_FLAGS", "").split()  # keep tests/conftest.py's settings
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
     proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--no-progress",
                            "--log-json", str(log), *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=300)
