@@ -109,10 +109,11 @@ def variant_problems(variant: Variant, object_bytes: bytes, kernels=None) -> lis
 
 
 def check(selected: Sequence[Variant], cache: KernelCache, *, progress: bool = True,
-          jobs: int = 1) -> list[str]:
+          jobs: int = 1, disassemble=None) -> list[str]:
     """SASS-check every variant of ``selected`` (each must be in ``cache``: :func:`build`
     first); one line per problem, empty when all are clean. Disassembly runs ``jobs`` at a
-    time (separate processes: cuobjdump / nvdisasm)."""
+    time (separate processes: cuobjdump / nvdisasm); ``disassemble(object_bytes)`` replaces
+    ``jax_fa4.sass.kernels`` (the tests pass one that memoises listings)."""
     from tqdm import tqdm
 
     version = dsl_version()
@@ -121,7 +122,8 @@ def check(selected: Sequence[Variant], cache: KernelCache, *, progress: bool = T
         entry = cache.get(variant.config, variant.arch, version)
         if entry is None:
             return [f"{variant.describe()}: not in the cache {cache.root}"]
-        return variant_problems(variant, entry.object_bytes)
+        kernels = None if disassemble is None else disassemble(entry.object_bytes)
+        return variant_problems(variant, entry.object_bytes, kernels)
 
     found: list[str] = []
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool, \

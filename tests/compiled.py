@@ -152,17 +152,9 @@ def assert_no_local_memory(k: sass.Kernel) -> None:
 
 
 def shipped_problems(cache, selected: Sequence[Variant], jobs: int) -> list[str]:
-    """``precompile.variant_problems`` of every variant of ``selected`` (compiled into ``cache``
-    first), disassembling ``jobs`` at a time."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """``precompile.check`` over ``selected`` (compiled into ``cache`` first), with the
+    memoised listings of :func:`disassembled`."""
     from jax_fa4 import precompile
 
     precompile.build(selected, cache, progress=False, jobs=jobs)
-
-    def one(v: Variant) -> list[str]:
-        obj = compiled_object(cache, v.config, v.arch)
-        return precompile.variant_problems(v, obj, disassembled(obj))
-
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        return [line for lines in pool.map(one, selected) for line in lines]
+    return precompile.check(selected, cache, progress=False, jobs=jobs, disassemble=disassembled)
