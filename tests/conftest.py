@@ -34,40 +34,32 @@ def pytest_configure(config):
     compiled.EXHAUSTIVE = config.getoption("--exhaustive")
 
 
-def _skip_xla_gemm_autotuning() -> None:
-    """XLA autotunes every GEMM of every program it compiles for a GPU; the GPU tests compile a
-    float32 reference per shape, and autotuning made that ~20x slower than the kernels they
-    check. Tests compare numbers, not speed: turn it off (only where the CUDA plugin, which
-    knows the flag, is installed; set before the first backend initialisation)."""
+def _cuda_plugin_installed() -> bool:
     import importlib.util
 
-    if not any(importlib.util.find_spec(m) for m in ("jax_cuda13_plugin", "jax_cuda12_plugin")):
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_gpu_autotune_level" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_autotune_level=0".strip()
+    return any(importlib.util.find_spec(m) for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
 
 
-_skip_xla_gemm_autotuning()
+def _add_xla_flags(*flags: str) -> None:
+    """Append each ``--name=value`` to XLA_FLAGS unless the name is set already (before the
+    first backend initialisation)."""
+    current = os.environ.get("XLA_FLAGS", "")
+    for flag in flags:
+        if flag.split("=")[0] not in current:
+            current = f"{current} {flag}".strip()
+    os.environ["XLA_FLAGS"] = current
 
 
-def _fast_cpu_compiles() -> None:
-    """On a CPU-only machine XLA's LLVM optimisation of each test program costs more than running
-    it (the programs are tiny): compile with the backend's cheapest settings (no numerical
-    effect: the same IEEE operations, scheduled less cleverly). Not where a CUDA plugin is
-    installed (the GPU suite keeps XLA's defaults)."""
-    import importlib.util
-
-    if any(importlib.util.find_spec(m) for m in ("jax_cuda13_plugin", "jax_cuda12_plugin")):
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    for flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
-        if flag.split("=")[0] not in flags:
-            flags = f"{flags} {flag}".strip()
-    os.environ["XLA_FLAGS"] = flags
-
-
-_fast_cpu_compiles()
+if _cuda_plugin_installed():
+    # XLA autotunes every GEMM of every program it compiles for a GPU; the GPU tests compile a
+    # float32 reference per shape, and autotuning made that ~20x slower than the kernels they
+    # check. Tests compare numbers, not speed: turn it off.
+    _add_xla_flags("--xla_gpu_autotune_level=0")
+else:
+    # On a CPU-only machine XLA's LLVM optimisation of each test program costs more than running
+    # it (the programs are tiny): the backend's cheapest settings (no numerical effect: the same
+    # IEEE operations, scheduled less cleverly). The GPU suite keeps XLA's defaults.
+    _add_xla_flags("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 
 
 def hopper_available() -> bool:
@@ -112,7 +104,8 @@ def shipped_cache(request):
     """The checkout's test kernel cache, holding the tier's shipped variants for sm_90a and
     sm_100a (the quick tier's representatives, or every one with ``--exhaustive``) and every
     variant a collected test's ``tiered`` list names, compiled in parallel on first use;
-    compile tests read their objects from it (and add what else they compile). It persists in ``.pytest_cache`` (keys hash the kernel sources, so edits rekey)."""
+    compile tests read their objects from it (and add what else they compile). It persists in
+    ``.pytest_cache`` (keys hash the kernel sources, so edits rekey)."""
     from jax_fa4 import precompile
     from jax_fa4.ffi.cache import KernelCache
     from jax_fa4.variants import variants
