@@ -172,7 +172,7 @@ def variant_class(variant: Variant) -> tuple[str, str, str, str]:
     return variant.arch, config.kernel_name, head_dim_class(config), variant_mode(config)
 
 
-def _features(variant: Variant) -> frozenset[tuple[str, object]]:
+def variant_features(variant: Variant) -> frozenset[tuple[str, object]]:
     """(field, value) of every config field but the head dims (those make the class)."""
     config = variant.config
     return frozenset((f.name, getattr(config, f.name)) for f in dataclasses.fields(config)
@@ -208,15 +208,15 @@ def representative(selected: Sequence[Variant], prefer: Collection[Variant] = ()
 
         def take(v: Variant) -> None:
             picked.append(v)
-            covered.update(_features(v))
+            covered.update(variant_features(v))
 
         classes: dict[tuple, list[Variant]] = {}
         for v in members:
             classes.setdefault(variant_class(v), []).append(v)
         for candidates in classes.values():
-            take(max(candidates, key=lambda v: (v in prefer, len(_features(v) - covered))))
-        needed = set().union(*(_features(v) for v in members)) if every_value else set()
+            take(max(candidates, key=lambda v: (v in prefer, len(variant_features(v) - covered))))
+        needed = set().union(*(variant_features(v) for v in members)) if every_value else set()
         while needed - covered:
-            take(max(members, key=lambda v: (len(_features(v) - covered), v in prefer)))
+            take(max(members, key=lambda v: (len(variant_features(v) - covered), v in prefer)))
         chosen.extend(sorted(picked, key=members.index))
     return chosen

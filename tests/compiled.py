@@ -63,8 +63,8 @@ def _disassembler_missing() -> str | None:
 
 
 #: SASS checks need NVIDIA's disassembler wheels (``pip install -e '.[test]'``)
-needs_disassembler = pytest.mark.skipif(_disassembler_missing() is not None,
-                                        reason=_disassembler_missing() or "")
+_MISSING = _disassembler_missing()
+needs_disassembler = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
 
 
 @functools.cache
@@ -144,6 +144,12 @@ def kernel_sass(obj: bytes, name_contains: str | None = None) -> sass.Kernel:
 def compiled_sass(cache, config, arch: str) -> sass.Kernel:
     """:func:`kernel_sass` of ``config``'s object from the session cache."""
     return kernel_sass(compiled_object(cache, config, arch))
+
+
+def compiled_report(cache, config, arch: str) -> tuple[sass.Kernel, float]:
+    """(:func:`compiled_sass`, compile seconds) of ``config``, reading its object once."""
+    obj, seconds = shipped_object(cache, config, arch)
+    return kernel_sass(obj), seconds
 
 
 def assert_no_local_memory(k: sass.Kernel) -> None:

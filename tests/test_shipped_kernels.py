@@ -22,7 +22,7 @@ from compiled import needs_disassembler, shipped_problems
 from jax_fa4 import precompile, sass
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.variants import (REQUIRED_SASS, Variant, representative, variant_class,
-                              variant_mode, variants)
+                              variant_features, variant_mode, variants)
 
 
 @needs_disassembler
@@ -32,11 +32,6 @@ def test_shipped_variants_have_clean_sass(shipped_cache):
     assert not problems, "\n".join(problems)
 
 
-def _features(v: Variant) -> set:
-    return {(f.name, getattr(v.config, f.name)) for f in dataclasses.fields(v.config)
-            if f.name not in ("head_dim", "head_dim_v")}
-
-
 def test_representatives_cover_every_class_and_option_value():
     shipped = variants("default")
     chosen = representative(shipped)
@@ -44,8 +39,8 @@ def test_representatives_cover_every_class_and_option_value():
     assert {variant_class(v) for v in chosen} == {variant_class(v) for v in shipped}
     kinds = {variant_class(v)[:2] for v in shipped}
     for kind in kinds:
-        every = set().union(*(_features(v) for v in shipped if variant_class(v)[:2] == kind))
-        got = set().union(*(_features(v) for v in chosen if variant_class(v)[:2] == kind))
+        every = set().union(*(variant_features(v) for v in shipped if variant_class(v)[:2] == kind))
+        got = set().union(*(variant_features(v) for v in chosen if variant_class(v)[:2] == kind))
         assert got == every, (kind, every - got)
     # both archs, every kind of kernel and every mode are there; the set stays small
     assert {v.arch for v in chosen} == {"sm_90a", "sm_100a"}

@@ -36,7 +36,7 @@ from jax_fa4.kernels.sm100.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TMEM
                                               test_configs)
 
 REPO = Path(__file__).resolve().parents[1]
-from compiled import compiled_sass, needs_disassembler, shipped_object, tiered
+from compiled import compiled_report, needs_disassembler, tiered
 ARCH = "sm_100a"
 
 
@@ -51,8 +51,7 @@ needs_compiler = pytest.mark.skipif(not _compiler_available(), reason="needs nvi
 
 def _compile_and_report(cfg, cache):
     """(the kernel's SASS, its listing, compile seconds); the object from the session cache."""
-    _, seconds = shipped_object(cache, cfg, ARCH)
-    k = compiled_sass(cache, cfg, ARCH)
+    k, seconds = compiled_report(cache, cfg, ARCH)
     assert "FlashAttentionBackwardSm100" in k.name, k.name
     return k, k.sass, seconds
 

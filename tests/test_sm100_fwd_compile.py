@@ -29,7 +29,7 @@ import re
 
 import pytest
 
-from compiled import compiled_sass, needs_disassembler, shipped_object, tiered
+from compiled import compiled_report, needs_disassembler, tiered
 from jax_fa4.ffi.compiler import compiler_available
 from jax_fa4.kernels.sm100.fwd_config import SMEM_LIMIT_BYTES, FwdConfig, shipped_configs, test_configs
 
@@ -40,8 +40,7 @@ pytestmark = pytest.mark.skipif(not compiler_available(), reason="needs nvidia-c
 
 def _compile_and_report(config: FwdConfig, cache):
     """(the kernel's SASS, its listing, compile seconds); the object from the session cache."""
-    _, seconds = shipped_object(cache, config, ARCH)
-    k = compiled_sass(cache, config, ARCH)
+    k, seconds = compiled_report(cache, config, ARCH)
     assert "FlashAttentionForwardSm100" in k.name, k.name
     return k, k.sass, seconds
 

@@ -24,8 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from compiled import (assert_no_local_memory, compiled_sass, needs_disassembler, shipped_object,
-                      tiered)
+from compiled import assert_no_local_memory, compiled_report, needs_disassembler, tiered
 from jax_fa4.kernels.sm90.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TUNING_TABLE,
                                              BwdConfig, BwdPostprocessConfig, shipped_configs,
                                              test_variants)
@@ -52,15 +51,10 @@ def _id(c) -> str:
             f"{'-det' if c.deterministic else ''}{'-swap' if c.swap_sdp else ''}")
 
 
-def _report(cfg, cache):
-    obj, seconds = shipped_object(cache, cfg, ARCH)
-    return compiled_sass(cache, cfg, ARCH), seconds
-
-
 @needs_disassembler
 @pytest.mark.parametrize("cfg", tiered(_main_configs(), ARCH), ids=_id)
 def test_main_kernel_compiles_with_clean_sass(cfg, shipped_cache):
-    k, seconds = _report(cfg, shipped_cache)
+    k, seconds = compiled_report(shipped_cache, cfg, ARCH)
     print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {k.registers} (setmaxnreg 240/24), "
           f"smem {cfg.smem_bytes()} B, HGMMA {k.count('HGMMA')}, MUFU.EX2 {k.count('MUFU.EX2')}, "
           f"STSM {k.count('STSM')}, UBLKRED {k.count('UBLKRED')}")
@@ -84,7 +78,7 @@ def test_main_kernel_compiles_with_clean_sass(cfg, shipped_cache):
                                               key=lambda c: (c.dtype, c.head_dim)), ARCH),
                          ids=_id)
 def test_postprocess_compiles_with_clean_sass(cfg, shipped_cache):
-    k, seconds = _report(cfg, shipped_cache)
+    k, seconds = compiled_report(shipped_cache, cfg, ARCH)
     print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {k.registers}")
     assert k.arch == ARCH
     assert k.count("UTMASTG") > 0 and k.count("STSM") > 0
@@ -145,7 +139,7 @@ def _deterministic_variants():
 def test_deterministic_kernel_compiles_with_clean_sass(cfg, shipped_cache):
     """The ordered-dQ handshake is in the SASS (an acquire spin before the two bulk reduces of a
     query block, a release store inside the loop and one after it) and costs no spills."""
-    k, seconds = _report(cfg, shipped_cache)
+    k, seconds = compiled_report(shipped_cache, cfg, ARCH)
     print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {k.registers}")
     assert k.count("UBLKRED") == 2
     assert k.count("LDG.E.STRONG.GPU") >= 1 and k.count("STG.E.STRONG.GPU") == 2
@@ -164,7 +158,7 @@ def _swap_configs() -> list[BwdConfig]:
 def test_swap_sdp_kernel_compiles_with_clean_sass(cfg, shipped_cache):
     """Sᵀ / dPᵀ GEMMs with P and dS as register A operands: HGMMA, the dQ bulk reduce, and no
     spills (the per-column lse / delta loads are the register-tight part)."""
-    k, seconds = _report(cfg, shipped_cache)
+    k, seconds = compiled_report(shipped_cache, cfg, ARCH)
     print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {k.registers}, STSM {k.count('STSM')}")
     assert k.count("HGMMA") > 0 and k.count("UBLKRED") > 0
     assert_no_local_memory(k)
