@@ -489,7 +489,10 @@ class FlashAttentionBackwardSm90:
         # padding rows have lengths 0. Seven independent loads: one round trip.
         q_offset, k_offset, dq_tile0, seq = None, None, None, None
         if const_expr(self.varlen):
-            x, head, batch = cute.arch.block_idx()
+            # the grid is (work rows, heads, 1): batch is the constant 0, not a register (reading
+            # blockIdx.z kept one more value live into the producer's 24 registers: a spill)
+            x, head, _ = cute.arch.block_idx()
+            batch = Int32(0)
             seq, n_block = mWork[x, 0], mWork[x, 1]
             q_offset, k_offset = mWork[x, 2], mWork[x, 3]
             seqlen_q, seqlen_k = mWork[x, 4], mWork[x, 5]
