@@ -33,25 +33,44 @@ from jax_fa4.variants import Variant, representative, variants
 
 #: Set from ``--exhaustive`` by tests/conftest.py before any test module is collected.
 EXHAUSTIVE = False
-#: The archs of every config a :func:`tiered` list holds (filled while tests are collected).
-_TIERED_ARCHS: dict = {}
+#: Every :func:`tiered` list (as variants), in the order the test modules registered them.
+_LISTS: list[tuple[Variant, ...]] = []
 #: The variants the selected tests take as parameters (tests/conftest.py fills it once
 #: collection is done, so the session fixture compiles them all in parallel up front).
 REQUESTED: list[Variant] = []
 
 
+def _tiered_variant(item) -> tuple[int, Variant] | None:
+    """(list index, variant) of the :func:`tiered` parameter of a collected test ``item``."""
+    marker = item.get_closest_marker("tiered")
+    if marker is None:
+        return None
+    index = marker.args[0]
+    members = _LISTS[index]
+    for value in item.callspec.params.values():
+        for v in members:
+            if v.config is value or v.config == value:
+                return index, v
+    raise AssertionError(f"{item.nodeid}: no parameter from its tiered list")
+
+
+def select_tier(items) -> tuple[list, list]:
+    """(kept, deselected) ``items``: in the quick tier a test over a :func:`tiered` list runs
+    the list's :func:`quick_choice` only; with ``--exhaustive`` everything runs."""
+    if EXHAUSTIVE:
+        return list(items), []
+    chosen = [quick_choice(i) for i in range(len(_LISTS))]
+    kept, dropped = [], []
+    for item in items:
+        found = _tiered_variant(item)
+        (kept if found is None or found[1] in chosen[found[0]] else dropped).append(item)
+    return kept, dropped
+
+
 def requested_variants(items) -> list[Variant]:
     """The :func:`tiered` variants among the parameters of the collected test ``items``."""
-    found = []
-    for item in items:
-        callspec = getattr(item, "callspec", None)
-        for value in (callspec.params.values() if callspec else ()):
-            try:
-                archs = _TIERED_ARCHS.get(value, ())
-            except TypeError:  # an unhashable parameter
-                continue
-            found.extend(Variant(value, arch) for arch in sorted(archs))
-    return list(dict.fromkeys(found))
+    found = (_tiered_variant(item) for item in items)
+    return list(dict.fromkeys(f[1] for f in found if f is not None))
 
 
 def _disassembler_missing() -> str | None:
@@ -69,21 +88,30 @@ needs_disassembler = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or
 
 @functools.cache
 def shipped_representatives() -> tuple[Variant, ...]:
-    """The quick tier's shipped variants (every arch and family)."""
-    return tuple(representative(variants("default")))
+    """The quick tier's shipped variants (every arch and family): ``variants.representative``
+    of the shipped set, preferring the variants the collected compile tests list (so that their
+    own quick-tier choice is mostly compiled anyway). Called once collection is done."""
+    listed = {v for members in _LISTS for v in members}
+    return tuple(representative(variants("default"), prefer=listed))
 
 
 def tiered(configs: Iterable, arch: str) -> list:
-    """``configs`` in the exhaustive tier; in the quick tier one of them per class of
-    ``variants.variant_class`` (arch × kind × head-dim class × mode), preferring configs the
-    shipped set compiles anyway: the shipped set already covers every option value of the
-    shipped kernels, the lists' own option checks run in full with ``--exhaustive``."""
-    listed = [Variant(c, arch) for c in dict.fromkeys(configs)]
-    chosen = listed if EXHAUSTIVE else representative(listed, prefer=shipped_representatives(),
-                                                       every_value=False)
-    for v in chosen:
-        _TIERED_ARCHS.setdefault(v.config, set()).add(v.arch)
-    return [v.config for v in chosen]
+    """``configs`` for ``arch`` as test parameters, each marked with its list: every one runs
+    with ``--exhaustive``; the quick tier keeps :func:`quick_choice` (tests/conftest.py
+    deselects the rest once every list is known)."""
+    members = tuple(Variant(c, arch) for c in dict.fromkeys(configs))
+    _LISTS.append(members)
+    mark = pytest.mark.tiered(len(_LISTS) - 1)
+    return [pytest.param(v.config, marks=mark) for v in members]
+
+
+def quick_choice(index: int) -> set[Variant]:
+    """The quick tier's members of :func:`tiered` list ``index``: one per class of
+    ``variants.variant_class`` (arch × kind × head-dim class × mode), a shipped representative
+    winning: the shipped set already covers every option value of the shipped kernels, the
+    lists' own option checks run in full with ``--exhaustive``."""
+    return set(representative(list(_LISTS[index]), prefer=shipped_representatives(),
+                              every_value=False))
 
 
 def shipped_object(cache, config, arch: str) -> tuple[bytes, float]:

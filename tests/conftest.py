@@ -77,6 +77,10 @@ def pytest_collection_finish(session):
 
 
 def pytest_collection_modifyitems(config, items):
+    kept, deselected = compiled.select_tier(items)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
     if any("gpu" in item.keywords for item in items) and not hopper_available():
         if require_gpu():
             raise pytest.UsageError(f"{ENV_REQUIRE_GPU}=1 but no NVIDIA Hopper GPU (compute "

@@ -15,7 +15,7 @@ from jax_fa4 import ops, precompile
 from jax_fa4.ffi import runtime
 from jax_fa4.ffi.cache import KernelCache
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
-from jax_fa4.variants import variants
+from jax_fa4.variants import representative, variants
 import compiled
 from compiled import assert_no_local_memory, compiled_sass, needs_disassembler
 
@@ -78,23 +78,33 @@ def test_registration_loads_the_handlers_without_the_compiler(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_precompile_builds_the_tiers_shipped_variants(shipped_cache, arch, capsys):
+def test_precompile_builds_the_tiers_shipped_variants(shipped_cache, arch):
     """The session cache holds the tier's shipped variants (all with --exhaustive, else the
-    representative ones), each with its arch and compile time; a second precompile of the same
-    selection compiles nothing."""
-    exhaustive = compiled.EXHAUSTIVE
-    want = [v for v in (variants("default") if exhaustive else compiled.shipped_representatives())
-            if v.arch == arch]
+    representative ones), each with its arch and compile time; building the same selection
+    again compiles nothing."""
+    want = [v for v in (variants("default") if compiled.EXHAUSTIVE
+                        else compiled.shipped_representatives()) if v.arch == arch]
     metas = {json.dumps(m["config"], sort_keys=True): m
              for m in (json.loads(p.read_text()) for p in (shipped_cache.root / arch).glob("*.json"))}
     for v in want:
         meta = metas.get(json.dumps(v.config.key_dict(), sort_keys=True))
         assert meta is not None, v.describe()
         assert meta["arch"] == arch and meta["compile_seconds"] > 0
-    args = ["--arch", arch, "--cache-dir", str(shipped_cache.root), "--quiet"]
-    assert precompile.main(args + ([] if exhaustive else ["--representative"])) == 0
-    assert f"{len(want)} kernels in {shipped_cache.root}: 0 compiled, {len(want)} already " \
-           "cached" in capsys.readouterr().out
+    records = precompile.build(want, shipped_cache, progress=False)
+    assert [r["status"] for r in records] == ["cached"] * len(want)
+
+
+def test_precompile_representative_builds_the_rules_choice(tmp_path, capsys):
+    """``--representative`` narrows the selection by ``variants.representative``."""
+    args = ["--family", "bwd_preprocess", "--arch", "sm_90a", "--dtype", "bfloat16", "--head-dim",
+            "64", "192", "--cache-dir", str(tmp_path), "--quiet"]
+    want = representative(variants(families=["bwd_preprocess"], archs=["sm_90a"],
+                                   dtypes=["bfloat16"], head_dims=[64, 192]))
+    assert len(want) == 2
+    assert precompile.main([*args, "--representative"]) == 0
+    assert f"{len(want)} kernels in {tmp_path}: {len(want)} compiled" in capsys.readouterr().out
+    names = sorted(p.name.split("-")[0] for p in tmp_path.glob("sm_90a/*.json"))
+    assert names == ["bwd_preprocess"] * len(want)
 
 
 def test_precompile_in_parallel_matches_serial(tmp_path):

@@ -32,9 +32,12 @@ def test_shipped_variants_have_clean_sass(shipped_cache):
     assert not problems, "\n".join(problems)
 
 
-def test_representatives_cover_every_class_and_option_value():
+@pytest.mark.parametrize("rule", ["plain", "quick tier"])
+def test_representatives_cover_every_class_and_option_value(rule):
+    """The rule alone, and as the quick tier applies it (preferring the compile tests' configs)."""
     shipped = variants("default")
-    chosen = representative(shipped)
+    chosen = (representative(shipped) if rule == "plain"
+              else list(compiled.shipped_representatives()))
     assert set(chosen) <= set(shipped) and len(chosen) == len(set(chosen))
     assert {variant_class(v) for v in chosen} == {variant_class(v) for v in shipped}
     kinds = {variant_class(v)[:2] for v in shipped}
@@ -48,7 +51,8 @@ def test_representatives_cover_every_class_and_option_value():
                                                         "deterministic"}
     assert {v.config.kernel_name for v in chosen} == set(REQUIRED_SASS) - {"exp2_probe"}
     assert len(chosen) < 0.15 * len(shipped)
-    assert representative(shipped) == chosen  # the rule is deterministic
+    if rule == "plain":
+        assert representative(shipped) == chosen  # the rule is deterministic
 
 
 def test_representative_prefers_what_is_compiled_anyway():
@@ -62,15 +66,24 @@ def test_representative_prefers_what_is_compiled_anyway():
     assert representative(same) == same[:1]
 
 
-def test_tiered_lists_are_the_representatives_in_the_quick_tier(monkeypatch):
+def test_quick_tier_keeps_one_listed_config_per_class():
+    """A tiered list marks every config (all run with --exhaustive); the quick tier keeps one
+    per class of the list, a shipped representative where the list has one."""
     from jax_fa4.kernels.sm90.fwd_config import option_test_configs
 
     configs = option_test_configs()
-    monkeypatch.setattr(compiled, "EXHAUSTIVE", True)
-    assert compiled.tiered(configs, "sm_90a") == list(dict.fromkeys(configs))
-    monkeypatch.setattr(compiled, "EXHAUSTIVE", False)
-    quick = compiled.tiered(configs, "sm_90a")
-    assert set(quick) <= set(configs) and len(quick) <= len(set(configs))
+    params = compiled.tiered(configs, "sm_90a")
+    assert [p.values[0] for p in params] == list(dict.fromkeys(configs))
+    index = params[0].marks[0].args[0]
+    listed = set(compiled._LISTS[index])
+    quick = compiled.quick_choice(index)
+    assert quick <= listed
+    classes = {variant_class(v) for v in listed}
+    assert {variant_class(v) for v in quick} == classes and len(quick) == len(classes)
+    shipped = set(compiled.shipped_representatives())
+    for cls in classes:
+        if any(v in shipped for v in listed if variant_class(v) == cls):
+            assert any(v in shipped for v in quick if variant_class(v) == cls)
 
 
 # -- jax_fa4.sass -------------------------------------------------------------------------------
