@@ -9,7 +9,11 @@ checkout (each in its own process, importing that checkout's ``jax_fa4``) and di
 this checkout's ``jax_fa4/sass.py``; instructions are compared with addresses, encodings and
 immediates stripped. Variants are matched by their family, arch and the config fields that differ
 from their defaults (so a new field added with a default that keeps the old code still pairs
-with the old variant); variants without a partner are listed apart.
+with the old variant); variants without a partner are listed apart. ``--representative`` narrows
+the selection to its representative variants (``jax_fa4.variants.representative``: every mode and
+every option value of each family), a quick sample of a large selection. Both sides compile with
+one ``PYTHONHASHSEED`` (0 unless set): with Python's random string hashing, some kernels' register
+allocation varies from run to run (seen on sm100_bwd), which would read as a difference.
 Prints one line per variant (``same`` / ``DIFFERS: n lines``) and exits 1 if any differs.
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
@@ -44,15 +49,16 @@ def variant_key(v) -> str:
     return f"{v.arch} {v.config.kernel_name}({', '.join(fields)})"
 
 
-def dump(root: str, out_dir: str, selection: dict) -> None:
+def dump(root: str, out_dir: str, selection: dict, only_representative: bool) -> None:
     """(In a child process) compile the selection from ``root``; write {key: sass lines}."""
     sys.path.insert(0, root)
     from jax_fa4.ffi.compiler import compile_config
-    from jax_fa4.variants import variants
+    from jax_fa4.variants import representative, variants
 
     sass = sass_module()
     result = {}
-    for v in variants(**selection):
+    selected = variants(**selection)
+    for v in representative(selected) if only_representative else selected:
         kernels = sass.kernels(compile_config(v.config, v.arch).object_bytes)
         result[variant_key(v)] = [line for k in kernels for line in k.normalised()]
         print(f"  {Path(root).name}: {v.describe()}", file=sys.stderr, flush=True)
@@ -67,12 +73,14 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, nargs="+")
     p.add_argument("--dtype", nargs="+")
     p.add_argument("--arch", nargs="+")
+    p.add_argument("--representative", action="store_true",
+                   help="only the representative variants of the selection")
     p.add_argument("--dump", nargs=2, metavar=("ROOT", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     selection = dict(families=args.family, head_dims=args.head_dim, dtypes=args.dtype,
                      archs=args.arch)
     if args.dump:
-        dump(args.dump[0], args.dump[1], selection)
+        dump(args.dump[0], args.dump[1], selection, args.representative)
         return 0
     sass_module().cuobjdump_path()  # fail early when the disassembler is missing
     sides = {}
@@ -83,7 +91,10 @@ def main(argv=None) -> int:
                              ("--dtype", args.dtype), ("--arch", args.arch)):
             if values:
                 cmd += [flag, *map(str, values)]
-        subprocess.run(cmd, check=True, cwd=root)
+        if args.representative:
+            cmd.append("--representative")
+        env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
+        subprocess.run(cmd, check=True, cwd=root, env=env)
         sides[name] = json.loads((Path(out) / "sass.json").read_text())
     differs = 0
     for key in sorted(set(sides["this"]) | set(sides["other"])):

@@ -1,8 +1,15 @@
 """Persistent on-disk cache of compiled kernel objects.
 
 Layout: ``<root>/<arch>/<kernel>-<digest>.o`` with a JSON sidecar ``<kernel>-<digest>.json`` holding
-the config, the arch, the kernel-source fingerprint, the DSL version and the object's sha256.
-``digest`` hashes (config, arch, source fingerprint, DSL version).
+the config, the arch, the kernel-source fingerprint (``sources``) and the files it hashes
+(``source_files``), the DSL version and the object's sha256. ``digest`` hashes (config, arch,
+source fingerprint, DSL version).
+
+The source fingerprint of a config hashes exactly the files its kernel's code comes from: the
+import closure of its launcher module (:mod:`jax_fa4.kernels.registry`,
+:func:`jax_fa4.ffi.sources.closure`: the kernel, its config, the helpers it imports) and the
+compile path that wraps every kernel (``ffi/compiler.py``). Editing a helper rekeys the kernels
+that import it, and no other.
 
 * The root (``$JAX_FA4_CACHE_DIR``, default ``$XDG_CACHE_HOME/jax_fa4`` or ``~/.cache/jax_fa4``) is
   created with mode 0700. Cached objects are executable code, so a root (or arch directory) that
@@ -31,11 +38,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from jax_fa4.ffi import sources
+from jax_fa4.kernels.registry import launcher_module
 from jax_fa4.kernels.spec import KernelConfig
 
 ENV_CACHE_DIR = "JAX_FA4_CACHE_DIR"
 ENV_DSL_VERSION = "JAX_FA4_DSL_VERSION"
-_FORMAT = 1
+_FORMAT = 2
+#: The compile path, which wraps every kernel: part of every key (with the DSL version).
+TOOLCHAIN_FILES = ("jax_fa4/ffi/compiler.py",)
 
 
 class UnsafeCacheError(RuntimeError):
@@ -52,20 +63,28 @@ def default_cache_dir() -> Path:
 
 
 @functools.cache
-def kernel_source_fingerprint(sources: tuple[str, ...]) -> str:
-    """sha256 over a kernel's source files and the compile path: an edit invalidates its objects."""
-    pkg = Path(__file__).resolve().parent.parent
-    files = {pkg / "ffi" / "compiler.py"}
-    for rel in sources:
-        path = pkg / "kernels" / rel
-        files.update(path.rglob("*.py") if path.is_dir() else [path])
+def _fingerprint(launcher: str, root: Path) -> tuple[str, tuple[str, ...]]:
+    """(sha256, files) of a launcher module's import closure and the toolchain files."""
+    files = sorted({*(sources.module_file(m, root).relative_to(root).as_posix()
+                      for m in sources.closure(launcher, root)), *TOOLCHAIN_FILES})
     h = hashlib.sha256()
-    for f in sorted(files):
-        h.update(str(f.relative_to(pkg)).encode())
+    for rel in files:
+        h.update(rel.encode())
         h.update(b"\0")
-        h.update(f.read_bytes())
+        h.update((root / rel).read_bytes())
         h.update(b"\0")
-    return h.hexdigest()
+    return h.hexdigest(), tuple(files)
+
+
+def kernel_source_files(config: KernelConfig, root: Path = sources.ROOT) -> tuple[str, ...]:
+    """The files (relative to ``root``) whose contents make ``config``'s source fingerprint."""
+    return _fingerprint(launcher_module(config), root)[1]
+
+
+def kernel_source_fingerprint(config: KernelConfig, root: Path = sources.ROOT) -> str:
+    """sha256 over ``config``'s :func:`kernel_source_files` (memoised per launcher module): an
+    edit of any of them invalidates its objects. ``root``: the directory holding ``jax_fa4``."""
+    return _fingerprint(launcher_module(config), root)[0]
 
 
 def _version_key(version: str) -> tuple:
@@ -113,7 +132,7 @@ class KernelCache:
             "format": _FORMAT,
             "config": config.key_dict(),
             "arch": arch,
-            "sources": kernel_source_fingerprint(config.sources),
+            "sources": kernel_source_fingerprint(config),
             "dsl_version": dsl_version,
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
@@ -144,7 +163,7 @@ class KernelCache:
             except (OSError, ValueError):
                 continue
             if (isinstance(meta, dict) and meta.get("config") == config.key_dict()
-                    and meta.get("sources") == kernel_source_fingerprint(config.sources)
+                    and meta.get("sources") == kernel_source_fingerprint(config)
                     and isinstance(meta.get("dsl_version"), str)):
                 found.append((meta["dsl_version"], meta_path.with_suffix(".o"), meta_path))
         yield from sorted(found, key=lambda t: _version_key(t[0]), reverse=True)
@@ -202,7 +221,8 @@ class KernelCache:
             "kernel": config.kernel_name,
             "config": config.key_dict(),
             "arch": arch,
-            "sources": kernel_source_fingerprint(config.sources),
+            "sources": kernel_source_fingerprint(config),
+            "source_files": list(kernel_source_files(config)),
             "dsl_version": dsl_version,
             "sha256": hashlib.sha256(object_bytes).hexdigest(),
             **(extra or {}),

@@ -1,11 +1,12 @@
 """Compile a kernel config into the object the XLA FFI handler runs. Needs nvidia-cutlass-dsl.
 
-The object is what ``cutlass.jax.cutlass_call`` would produce: the config's launcher wrapped in
-cutlass.jax's ``jit_wrapper`` (which turns the XLA FFI buffer descriptors into ``cute.Tensor``s with
-dynamic shapes) and exported with ``dump_to_object``. Unlike ``cutlass_call`` we compile ahead of
-time from the config alone: shapes come from the config's representative sample shapes, and every
-dimension gets an explicit divisibility hint so that nothing about the sample extents leaks into the
-generated code. One object therefore serves every batch size, sequence length and head count.
+The object is what ``cutlass.jax.cutlass_call`` would produce: the config's launcher (from the
+module :mod:`jax_fa4.kernels.registry` names for it) wrapped in cutlass.jax's ``jit_wrapper``
+(which turns the XLA FFI buffer descriptors into ``cute.Tensor``s with dynamic shapes) and
+exported with ``dump_to_object``. Unlike ``cutlass_call`` we compile ahead of time from the config
+alone: shapes come from the config's representative sample shapes, and every dimension gets an
+explicit divisibility hint so that nothing about the sample extents leaks into the generated code.
+One object therefore serves every batch size, sequence length and head count.
 
 The target arch is a parameter (``"sm_90a"``, ``"sm_100a"``): nothing here queries a GPU.
 """
@@ -18,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from jax_fa4.kernels import registry
 from jax_fa4.kernels.spec import KernelConfig, TensorArg
 
 #: Symbol prefix the runtime handlers look the host entry point up under.
@@ -116,7 +118,7 @@ def compile_config(config: KernelConfig, arch: str) -> CompiledKernel:
             jit_wrapper,
             cuda.CUstream(0),
             *spec.get_compile_args(),
-            wrapped_fn=config.make_launcher(),
+            wrapped_fn=registry.make_launcher(config),
             spec=spec,
             options=f"--gpu-arch {arch}",
         )

@@ -61,3 +61,8 @@ class Exp2Probe:
             if has_second:
                 mSw[i + 1] = y1
                 mMufu[i + 1] = cute.math.exp2(x1, fastmath=True)
+
+
+def make_launcher(cfg: Exp2ProbeConfig) -> Exp2Probe:
+    """The `@cute.jit` launcher ``fn(stream, x, sw, mufu)`` for this config."""
+    return Exp2Probe(cfg)

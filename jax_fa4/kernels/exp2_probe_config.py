@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from jax_fa4.kernels.spec import KernelConfig, KernelSignature, TensorArg
 
@@ -25,8 +24,6 @@ class Exp2ProbeConfig(KernelConfig):
     """
 
     kernel_name: ClassVar[str] = "exp2_probe"
-    sources: ClassVar[tuple[str, ...]] = ("spec.py", "common/exp2.py", "exp2_probe_config.py",
-                                          "exp2_probe.py")
 
     packed: bool = False
 
@@ -37,8 +34,3 @@ class Exp2ProbeConfig(KernelConfig):
             outputs=(TensorArg("sw", "float32", (n,), (1,)),
                      TensorArg("mufu", "float32", (n,), (1,))),
         )
-
-    def make_launcher(self) -> Callable[..., Any]:
-        from jax_fa4.kernels.exp2_probe import Exp2Probe
-
-        return Exp2Probe(self)

@@ -100,3 +100,8 @@ class BwdPreprocess:
             if lse != Float32(-math.inf):
                 lse_log2 = lse * Float32(_LOG2_E)
             mLSElog2[batch, head, row] = lse_log2
+
+
+def make_launcher(cfg: PreprocessConfig) -> BwdPreprocess:
+    """The `@cute.jit` launcher ``fn(stream, out, dout, lse, delta, lse_log2)`` for this config."""
+    return BwdPreprocess(cfg)

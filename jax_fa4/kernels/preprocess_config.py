@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import ClassVar
 
 from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig, KernelSignature, TensorArg
 
@@ -20,7 +20,6 @@ class PreprocessConfig(KernelConfig):
     """
 
     kernel_name: ClassVar[str] = "bwd_preprocess"
-    sources: ClassVar[tuple[str, ...]] = ("spec.py", "preprocess_config.py", "preprocess.py")
 
     dtype: str
     head_dim_v: int
@@ -41,8 +40,3 @@ class PreprocessConfig(KernelConfig):
             outputs=(TensorArg("delta", "float32", (2, 3, 67), (1, 1, 1)),
                      TensorArg("lse_log2", "float32", (2, 3, 67), (1, 1, 1))),
         )
-
-    def make_launcher(self) -> Callable[..., Any]:
-        from jax_fa4.kernels.preprocess import BwdPreprocess
-
-        return BwdPreprocess(self)

@@ -12,19 +12,23 @@ A config class derives from :class:`KernelConfig` and provides
 * ``signature()``: the tensors the kernel takes and produces, in call order, as
   :class:`TensorArg` (rank, dtype, per-dimension divisibility guarantees and a representative shape
   to compile with);
-* ``sources``: the kernel files the generated code depends on (hashed into the cache key);
-* ``make_launcher()``: imports the kernel module (and with it the CuTe-DSL compiler) and returns a
-  ``@cute.jit`` callable ``fn(stream, *inputs, *outputs)``.
+* ``validate()``: raises ValueError naming what the config does not support (the default
+  accepts everything; configs that check themselves in ``__post_init__`` keep it).
 
-Config modules must not import ``cutlass`` at module level: the runtime path looks kernels up in
-the cache by config and never imports the compiler when the cache has them.
+A config module imports neither ``cutlass`` nor any kernel module: the runtime path looks kernels
+up in the cache by config and never imports the compiler when the cache has them. The kernel
+module imports its config; :mod:`jax_fa4.kernels.registry` names each family's launcher module,
+which the compiler imports only when it compiles. The cache key hashes the config
+(:meth:`KernelConfig.key_dict`), the arch, the toolchain, and the files of the launcher module's
+import closure (:func:`jax_fa4.ffi.sources.closure`): editing a helper rekeys exactly the
+kernels that import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 # Dtype names shared by the binding and the kernels (numpy-style names).
 FLOAT_DTYPES = ("bfloat16", "float16")
@@ -85,15 +89,12 @@ class KernelConfig:
     """Base class of kernel configs (compile keys). Subclasses are frozen dataclasses."""
 
     kernel_name: ClassVar[str] = ""
-    #: Files and folders (relative to ``jax_fa4/kernels``) whose contents the generated code
-    #: depends on: their hash is part of the cache key, so editing them invalidates cached objects.
-    sources: ClassVar[tuple[str, ...]] = ("spec.py", "common")
 
     def signature(self) -> KernelSignature:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def make_launcher(self) -> Callable[..., Any]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def validate(self) -> None:
+        """Raise ValueError naming the first unsupported feature (default: none)."""
 
     def key_dict(self) -> dict[str, Any]:
         """The config as a plain dict, with the family name: what the cache key hashes."""

@@ -878,34 +878,3 @@ class FlashAttentionBackwardSm100:
                 stage = (stage + 1) % self.dq_stages
         if warp_idx == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-
-def make_launcher(cfg: Sm100BwdConfig):
-    """The `@cute.jit` launcher ``fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum,
-    [dq_semaphore,] dk, dv)`` for this config (dq_accum / dq_semaphore updated in place): the
-    2-CTA kernel (bwd_2cta.py) for ``two_cta`` configs, else this module's."""
-    if cfg.two_cta:
-        from jax_fa4.kernels.sm100.bwd_2cta import FlashAttentionBackwardSm100TwoCta
-
-        kernel = FlashAttentionBackwardSm100TwoCta(cfg)
-    else:
-        kernel = FlashAttentionBackwardSm100(cfg)
-
-    if cfg.deterministic:
-        @cute.jit
-        def sm100_bwd_det(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
-                          v: cute.Tensor, dout: cute.Tensor, lse_log2: cute.Tensor,
-                          delta: cute.Tensor, params: cute.Tensor, dq_accum: cute.Tensor,
-                          dq_semaphore: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor):
-            kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dq_semaphore, dk,
-                   dv)
-
-        return sm100_bwd_det
-
-    @cute.jit
-    def sm100_bwd(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
-                  dout: cute.Tensor, lse_log2: cute.Tensor, delta: cute.Tensor,
-                  params: cute.Tensor, dq_accum: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor):
-        kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, params, dk, dv)
-
-    return sm100_bwd

@@ -40,7 +40,7 @@ completed, so the float32 sums happen in one fixed order on every run. The 2-CTA
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import ClassVar
 
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
                                   attention_backward_signature, check_dtype_and_mask,
@@ -92,10 +92,6 @@ class Sm100BwdConfig(KernelConfig):
     """Compile key of the sm100 backward main kernel: everything that changes the generated code."""
 
     kernel_name: ClassVar[str] = "sm100_bwd"
-    sources: ClassVar[tuple[str, ...]] = ("spec.py", "common", "sm100/bwd_config.py",
-                                          "sm100/bwd.py", "sm100/bwd_2cta.py",
-                                          "sm100/flash_fwd.py", "sm100/fwd_config.py",
-                                          "sm100/tile_order.py")
 
     dtype: str = "bfloat16"
     head_dim: int = 128
@@ -244,12 +240,6 @@ class Sm100BwdConfig(KernelConfig):
         return attention_backward_signature(
             self.dtype, self.head_dim, self.head_dim_v, self.tile_m, self.gqa,
             counters=("dq_semaphore", self.semaphore_slots) if self.deterministic else None)
-
-    def make_launcher(self) -> Callable[..., Any]:
-        self.validate()
-        from jax_fa4.kernels.sm100.bwd import make_launcher  # imports the compiler
-
-        return make_launcher(self)
 
 
 def shipped_configs() -> list[Sm100BwdConfig]:

@@ -83,8 +83,6 @@ class FwdConfig(KernelConfig):
     """Compile key of the sm100 forward kernel: everything that changes the generated code."""
 
     kernel_name: ClassVar[str] = "sm100_fwd"
-    sources: ClassVar[tuple[str, ...]] = ("spec.py", "common", "sm100/fwd_config.py",
-                                          "sm100/flash_fwd.py", "sm100/tile_order.py")
 
     dtype: str = "bfloat16"
     head_dim: int = 128
@@ -219,12 +217,6 @@ class FwdConfig(KernelConfig):
             return paged_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v,
                                                      self.tile_n)
         return attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
-
-    def make_launcher(self):
-        self.validate()
-        from jax_fa4.kernels.sm100.flash_fwd import make_launcher  # imports the compiler
-
-        return make_launcher(self)
 
 
 def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",

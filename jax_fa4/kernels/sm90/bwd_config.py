@@ -43,7 +43,7 @@ tiled MMA to undo it, so the two configs must agree on (tile_m, head_dim): use
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, ClassVar
+from typing import ClassVar
 
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
                                   TensorArg, attention_backward_signature,
@@ -137,16 +137,11 @@ def _split(extent: int) -> tuple[int, int]:
     return (2, 1) if extent == 128 else (1, 2)
 
 
-#: Kernel sources behind both configs (main and postprocess share bwd.py's dQ layout helpers).
-_SOURCES = ("spec.py", "common", "sm90/bwd_config.py", "sm90/bwd.py", "sm90/bwd_postprocess.py")
-
-
 @dataclass(frozen=True)
 class BwdConfig(KernelConfig):
     """Compile key of the sm90 backward main kernel: everything that changes the generated code."""
 
     kernel_name: ClassVar[str] = "sm90_bwd"
-    sources: ClassVar[tuple[str, ...]] = _SOURCES
 
     dtype: str = "bfloat16"
     head_dim: int = 128
@@ -271,12 +266,6 @@ class BwdConfig(KernelConfig):
             self.dtype, self.head_dim, self.head_dim_v, self.tile_m, self.gqa,
             counters=("dq_sem", 1) if self.deterministic else None)  # one per query block
 
-    def make_launcher(self) -> Callable[..., Any]:
-        self.validate()
-        from jax_fa4.kernels.sm90.bwd import make_launcher  # imports the compiler
-
-        return make_launcher(self)
-
 
 @dataclass(frozen=True)
 class BwdPostprocessConfig(KernelConfig):
@@ -289,7 +278,6 @@ class BwdPostprocessConfig(KernelConfig):
     sequence's rows written in place, the rows outside every sequence zeros."""
 
     kernel_name: ClassVar[str] = "sm90_bwd_postprocess"
-    sources: ClassVar[tuple[str, ...]] = _SOURCES
 
     dtype: str = "bfloat16"
     head_dim: int = 128
@@ -326,12 +314,6 @@ class BwdPostprocessConfig(KernelConfig):
                     TensorArg("params", "float32", (4,), (4,), batched=False)),
             outputs=(TensorArg("dq", self.dtype, (b, sq, h, d), (1, 1, 1, d)),),
         )
-
-    def make_launcher(self) -> Callable[..., Any]:
-        self.validate()
-        from jax_fa4.kernels.sm90.bwd_postprocess import make_launcher
-
-        return make_launcher(self)
 
 
 def shipped_configs() -> list[KernelConfig]:

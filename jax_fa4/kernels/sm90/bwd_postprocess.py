@@ -1,12 +1,12 @@
 """Backward postprocess for Hopper (sm_90a): dq = dq_accum · softmax_scale, in the input dtype.
 
 dq_accum (B, H, Sq_pad·D) float32 holds, per (b, h) and query block m of tile_m rows, the dQ
-accumulators of the main kernel's two dQ warpgroups in WGMMA fragment order (bwd_config.py). This
-kernel rebuilds the same tiled MMA (bwd.make_tiled_mma_dq) so that thread t of a 256-thread CTA
-loads exactly the registers thread t of the main kernel's MMA warpgroups reduce-added (16-byte,
-fully coalesced loads), scales them, converts them to 16 bits, writes them to shared memory in
-tile order with stmatrix and TMA-stores the (tile_m, D) tile into dq (B, Sq, H, D); TMA clips the
-rows past seqlen_q. Grid: (ceil(Sq / tile_m), H, B).
+accumulators of the main kernel's two dQ warpgroups in WGMMA fragment order (bwd_config.py).
+This kernel rebuilds the same tiled MMA (bwd_common.make_tiled_mma_dq) so that thread t of a
+256-thread CTA loads exactly the registers thread t of the main kernel's MMA warpgroups
+reduce-added (16-byte, fully coalesced loads), scales them, converts them to 16 bits, writes them
+to shared memory in tile order with stmatrix and TMA-stores the (tile_m, D) tile into dq
+(B, Sq, H, D); TMA clips the rows past seqlen_q. Grid: (ceil(Sq / tile_m), H, B).
 
 Call: ``fn(stream, dq_accum, params, dq)``; params float32 (4,), params[0] = softmax_scale.
 
@@ -29,8 +29,9 @@ from cutlass.cute.nvgpu import cpasync
 
 from jax_fa4.kernels.common.convert import convert_f32_pairs
 from jax_fa4.kernels.common.layout import select_modes
-from jax_fa4.kernels.sm90.bwd import (dq_fragment_view, make_smem_layout, make_tiled_mma_dq,
-                                      sequence, store_rows, zero_padding_rows)
+from jax_fa4.kernels.sm90.bwd_common import (dq_fragment_view, make_smem_layout,
+                                             make_tiled_mma_dq, sequence, store_rows,
+                                             zero_padding_rows)
 from jax_fa4.kernels.sm90.bwd_config import BwdPostprocessConfig
 
 _NUM_THREADS = 256

@@ -76,8 +76,6 @@ class FwdConfig(KernelConfig):
     """Compile key of the sm90 forward kernel: everything that changes the generated code."""
 
     kernel_name: ClassVar[str] = "sm90_fwd"
-    sources: ClassVar[tuple[str, ...]] = ("spec.py", "common", "sm90/fwd_config.py",
-                                          "sm90/flash_fwd.py")
 
     dtype: str = "bfloat16"
     head_dim: int = 128
@@ -257,12 +255,6 @@ class FwdConfig(KernelConfig):
 
         return dataclasses.replace(sig, inputs=tuple(map(head_major, sig.inputs)),
                                    outputs=tuple(map(head_major, sig.outputs)))
-
-    def make_launcher(self):
-        self.validate()
-        from jax_fa4.kernels.sm90.flash_fwd import make_launcher  # imports the compiler
-
-        return make_launcher(self)
 
 
 #: Query rows of the decode tile (one consumer warpgroup): the rows of a decode call after GQA
