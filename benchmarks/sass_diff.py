@@ -15,11 +15,25 @@ every option value of each family), a quick sample of a large selection. Both si
 one ``PYTHONHASHSEED`` (0 unless set): with Python's random string hashing, some kernels' register
 allocation varies from run to run (seen on sm100_bwd), which would read as a difference.
 Prints one line per variant (``same`` / ``DIFFERS: n lines``) and exits 1 if any differs.
+
+A *manifest* keeps one side for later: the sha256 of each variant's normalised SASS, by the same
+variant key. ``--write-manifest FILE`` writes this checkout's; ``--manifest FILE`` compares this
+checkout against one instead of compiling another checkout (a redesign's proof then compiles only
+the new side). ``--cache-dir DIR`` takes this checkout's objects from a kernel cache (e.g. the
+exhaustive test tier's ``.pytest_cache/d/jax-fa4-kernels``), compiling what it lacks on
+``--jobs`` processes:
+
+    python benchmarks/sass_diff.py --write-manifest benchmarks/results/sass-manifest.json \
+        --cache-dir .pytest_cache/d/jax-fa4-kernels
+    python benchmarks/sass_diff.py --manifest benchmarks/results/sass-manifest.json \
+        --cache-dir .pytest_cache/d/jax-fa4-kernels --family sm90_bwd
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import hashlib
 import json
 import importlib.util
 import os
@@ -65,16 +79,76 @@ def dump(root: str, out_dir: str, selection: dict, only_representative: bool) ->
     (Path(out_dir) / "sass.json").write_text(json.dumps(result))
 
 
+def cached_sass(selection: dict, only_representative: bool, cache_dir: str, jobs: int
+                ) -> dict[str, list[str]]:
+    """{key: normalised sass lines} of this checkout's selection, its objects from the kernel
+    cache at ``cache_dir`` (compiled into it first where missing, on ``jobs`` processes)."""
+    sys.path.insert(0, str(HERE))
+    from jax_fa4 import precompile
+    from jax_fa4.ffi.cache import KernelCache
+    from jax_fa4.ffi.compiler import dsl_version
+    from jax_fa4.variants import representative, variants
+
+    sass = sass_module()
+    selected = variants(**selection)
+    selected = representative(selected) if only_representative else selected
+    cache = KernelCache(cache_dir)
+    precompile.build(selected, cache, jobs=jobs)
+    version = dsl_version()
+
+    def lines(v) -> list[str]:
+        obj = cache.get(v.config, v.arch, version).object_bytes
+        return [line for k in sass.kernels(obj) for line in k.normalised()]
+
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:  # cuobjdump runs outside the GIL
+        return dict(zip(map(variant_key, selected), pool.map(lines, selected)))
+
+
+def digest(lines: list[str]) -> str:
+    """A manifest entry: sha256 of the normalised listing."""
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def write_manifest(path: str, sides: dict[str, list[str]]) -> None:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True,
+                            text=True).stdout.strip()
+    sys.path.insert(0, str(HERE))
+    from jax_fa4.ffi.compiler import dsl_version
+
+    body = {"commit": commit, "dsl_version": dsl_version(),
+            "variants": {key: digest(lines) for key, lines in sorted(sides.items())}}
+    Path(path).write_text(json.dumps(body, indent=0, sort_keys=True) + "\n")
+    print(f"{len(sides)} variants written to {path}")
+
+
+def compare(other: dict, this: dict, count) -> int:
+    """Print one line per key of either side; the number of variants that differ."""
+    differs = 0
+    for key in sorted(set(this) | set(other)):
+        a, b = other.get(key), this.get(key)
+        if a is None or b is None:
+            print(f"only in {'this' if a is None else 'other'}: {key}")
+            continue
+        n = count(a, b)
+        differs += n > 0
+        print(f"{'same' if n == 0 else f'DIFFERS: {n} lines'}  {key}")
+    return differs
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("other", help="the other checkout's root (e.g. a git worktree)")
+    p.add_argument("other", nargs="?", help="the other checkout's root (e.g. a git worktree)")
     p.add_argument("--family", nargs="+", help="kernel families (default: all)")
     p.add_argument("--head-dim", type=int, nargs="+")
     p.add_argument("--dtype", nargs="+")
     p.add_argument("--arch", nargs="+")
     p.add_argument("--representative", action="store_true",
                    help="only the representative variants of the selection")
+    p.add_argument("--manifest", help="compare this checkout against this manifest file")
+    p.add_argument("--write-manifest", metavar="FILE", help="write this checkout's manifest")
+    p.add_argument("--cache-dir", help="this checkout's objects from (and into) this kernel cache")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--dump", nargs=2, metavar=("ROOT", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     selection = dict(families=args.family, head_dims=args.head_dim, dtypes=args.dtype,
@@ -82,7 +156,22 @@ def main(argv=None) -> int:
     if args.dump:
         dump(args.dump[0], args.dump[1], selection, args.representative)
         return 0
+    if sum(x is not None for x in (args.other, args.manifest, args.write_manifest)) != 1:
+        p.error("give exactly one of: another checkout, --manifest, --write-manifest")
     sass_module().cuobjdump_path()  # fail early when the disassembler is missing
+    os.environ.setdefault("PYTHONHASHSEED", "0")  # (the compile workers inherit it)
+    if args.manifest or args.write_manifest:
+        if args.cache_dir is None:
+            p.error("--manifest / --write-manifest take this checkout's objects from --cache-dir")
+        this = cached_sass(selection, args.representative, args.cache_dir, args.jobs)
+        if args.write_manifest:
+            write_manifest(args.write_manifest, this)
+            return 0
+        stored = json.loads(Path(args.manifest).read_text())["variants"]
+        mine = {key: digest(lines) for key, lines in this.items()}
+        other = {key: stored[key] for key in stored if key in mine} if any(
+            (args.family, args.head_dim, args.dtype, args.arch, args.representative)) else stored
+        return 1 if compare(other, mine, lambda a, b: int(a != b)) else 0
     sides = {}
     for name, root in (("other", str(Path(args.other).resolve())), ("this", str(HERE))):
         out = tempfile.mkdtemp(prefix=f"sass-{name}-")
@@ -93,19 +182,10 @@ def main(argv=None) -> int:
                 cmd += [flag, *map(str, values)]
         if args.representative:
             cmd.append("--representative")
-        env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
-        subprocess.run(cmd, check=True, cwd=root, env=env)
+        subprocess.run(cmd, check=True, cwd=root, env=dict(os.environ))
         sides[name] = json.loads((Path(out) / "sass.json").read_text())
-    differs = 0
-    for key in sorted(set(sides["this"]) | set(sides["other"])):
-        a, b = sides["other"].get(key), sides["this"].get(key)
-        if a is None or b is None:
-            print(f"only in {'this' if a is None else 'other'}: {key}")
-            continue
-        n = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
-        differs += n > 0
-        print(f"{'same' if n == 0 else f'DIFFERS: {n} lines'}  {key}")
-    return 1 if differs else 0
+    count = lambda a, b: sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))  # noqa: E731
+    return 1 if compare(sides["other"], sides["this"], count) else 0
 
 
 if __name__ == "__main__":
