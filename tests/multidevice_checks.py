@@ -1,12 +1,15 @@
 """Multi-device checks on a CPU with 4 simulated devices, run in a subprocess by the tests.
 
-    python tests/multidevice_checks.py sharding|ring|sm100_bwd
+    echo "ring causal_zigzag" | python tests/multidevice_checks.py
 
 The test process has already initialised JAX with one CPU device, so these checks run in a fresh
 interpreter with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (set below, before JAX is
-imported). Each suite prints one JSON object: check name -> measurements (errors, collectives in
-the compiled HLO, shardings, error messages); ``tests/test_sharding.py`` and
-``tests/test_ring.py`` (and ``tests/test_sm100_bwd_wiring.py``) assert on them.
+imported). Each check returns measurements (errors, collectives in the compiled HLO, shardings,
+error messages) that ``tests/test_sharding.py``, ``tests/test_ring.py`` and
+``tests/test_sm100_bwd_wiring.py`` assert on. The process runs one check per line of stdin,
+``SUITE CASE`` (a name in ``SUITES``, one of its checks), and prints its measurements as one
+``RESULT`` line of JSON; the tests keep one such process and ask it for the checks they assert on
+(``tests/test_sharding.py``'s ``multidevice_suite``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import faulthandler  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
@@ -89,11 +93,11 @@ def _sharded_case(mesh, spec, *, kv_spec=None, b=4, h=4, hkv=2, dtype=jnp.float3
     }
 
 
-def sharding_suite() -> dict:
+def sharding_cases() -> dict:
     auto = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     heads4 = jax.make_mesh((4,), ("model",), axis_types=(AxisType.Auto,))
     bshd = P("data", None, "model", None)
-    out = {
+    return {
         "batch_and_heads_gqa": lambda: _sharded_case(auto, bshd, causal=True),
         "batch_and_heads_mha_options": lambda: _sharded_case(
             auto, bshd, hkv=4, window_size=(5, 3), softcap=2.0, softmax_scale=0.3),
@@ -111,7 +115,6 @@ def sharding_suite() -> dict:
         "explicit_batch_heads": lambda: _explicit_case(bshd),
         "explicit_seq_raises": lambda: _explicit_case(P(None, "data", None, None)),
     }
-    return {name: _run(fn) for name, fn in out.items()}
 
 
 def _vmap_case(mesh, spec) -> dict:
@@ -189,8 +192,8 @@ def _ring_kernel_trace(causal: bool) -> dict:
     return {"kernel_calls": jaxpr.count("jax_fa4_kernel")}
 
 
-def ring_suite() -> dict:
-    cases = {
+def ring_cases() -> dict:
+    return {
         "kernel_trace": lambda: _ring_kernel_trace(causal=False),
         "kernel_trace_causal": lambda: _ring_kernel_trace(causal=True),
         "noncausal": lambda: _ring_case(causal=False),
@@ -199,7 +202,6 @@ def ring_suite() -> dict:
         "causal_zigzag_mqa_softcap": lambda: _ring_case(causal=True, hkv=1, softcap=3.0),
         "noncausal_mha_bf16": lambda: _ring_case(causal=False, hkv=4, dtype=jnp.bfloat16),
     }
-    return {name: _run(fn) for name, fn in cases.items()}
 
 
 # -- the sm100 backward on shards, with the kernels emulated (tests/sm100_emulation.py) ---------
@@ -271,13 +273,12 @@ def _sm100_ring_case(calls) -> dict:
             "bwd_masks": sorted({c.mask for c in bwd}), "bwd_calls": len(bwd)}
 
 
-def sm100_bwd_suite() -> dict:
-    cases = {
+def sm100_bwd_cases() -> dict:
+    return {
         "sharded": lambda: _emulating_sm100(_sm100_sharded_case, softmax_scale=0.125,
                                             softcap=0.0),
         "ring": lambda: _emulating_sm100(_sm100_ring_case, softmax_scale=0.125, softcap=0.0),
     }
-    return {name: _run(fn) for name, fn in cases.items()}
 
 
 def _run(fn) -> dict:
@@ -287,7 +288,22 @@ def _run(fn) -> dict:
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
 
 
+#: Each suite's checks, by name: functions returning their measurements.
+SUITES = {"sharding": sharding_cases, "ring": ring_cases, "sm100_bwd": sm100_bwd_cases}
+CASE_TIMEOUT_S = 300
+
+
+def serve() -> None:
+    """Run the check named by each line of stdin (``SUITE CASE``) and print its measurements as
+    a ``RESULT`` line, until stdin closes; a check running past ``CASE_TIMEOUT_S`` ends the
+    process (with every thread's traceback on stderr)."""
+    for line in sys.stdin:
+        suite, case = line.split()
+        faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
+        result = _run(SUITES[suite]()[case])
+        faulthandler.cancel_dump_traceback_later()
+        print("RESULT " + json.dumps(result), flush=True)
+
+
 if __name__ == "__main__":
-    suite = {"sharding": sharding_suite, "ring": ring_suite,
-             "sm100_bwd": sm100_bwd_suite}[sys.argv[1]]
-    print("RESULT " + json.dumps(suite()))
+    serve()
