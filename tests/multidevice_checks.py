@@ -5,11 +5,11 @@
 The test process has already initialised JAX with one CPU device, so these checks run in a fresh
 interpreter with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (set below, before JAX is
 imported). Each check returns measurements (errors, collectives in the compiled HLO, shardings,
-error messages) that ``tests/test_sharding.py``, ``tests/test_ring.py`` and
-``tests/test_sm100_bwd_wiring.py`` assert on. The process runs one check per line of stdin,
-``SUITE CASE`` (a name in ``SUITES``, one of its checks), and prints its measurements as one
-``RESULT`` line of JSON; the tests keep one such process and ask it for the checks they assert on
-(``tests/test_sharding.py``'s ``multidevice_suite``).
+error messages, training losses) that ``tests/test_sharding.py``, ``tests/test_ring.py``,
+``tests/test_sm100_bwd_wiring.py`` and ``tests/test_train_example.py`` assert on. The process
+runs one check per line of stdin, ``SUITE CASE`` (a name in ``SUITES``, one of its checks), and
+prints its measurements as one ``RESULT`` line of JSON; the tests keep one such process and ask
+it for the checks they assert on (``tests/test_sharding.py``'s ``multidevice_suite``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import faulthandler  # noqa: E402
 import json  # noqa: E402
+import pathlib  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import traceback  # noqa: E402
 
 import jax  # noqa: E402
@@ -34,6 +36,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 import jax_fa4  # noqa: E402
 from jax_fa4 import ring  # noqa: E402
 
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
 
 
@@ -281,6 +284,26 @@ def sm100_bwd_cases() -> dict:
     }
 
 
+# -- examples/train_gpt.py: the same training alone and on a 2x2 mesh ---------------------------
+def _train_example(*args: str) -> dict:
+    """The ``--log-json`` record of 20 tiny training steps of examples/train_gpt.py (batch 8:
+    half the tiny config's, still split over the mesh's data axis; the loss falls as far)."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import train_gpt
+    finally:
+        sys.path.pop(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        log = pathlib.Path(tmp) / "run.json"
+        train_gpt.main(["--tiny", "--no-progress", "--steps", "20", "--seed", "0", "--batch", "8",
+                        "--log-json", str(log), *args])
+        return json.loads(log.read_text())
+
+
+def train_example_cases() -> dict:
+    return {"single": _train_example, "mesh": lambda: _train_example("--mesh", "2x2")}
+
+
 def _run(fn) -> dict:
     try:
         return fn()
@@ -289,7 +312,8 @@ def _run(fn) -> dict:
 
 
 #: Each suite's checks, by name: functions returning their measurements.
-SUITES = {"sharding": sharding_cases, "ring": ring_cases, "sm100_bwd": sm100_bwd_cases}
+SUITES = {"sharding": sharding_cases, "ring": ring_cases, "sm100_bwd": sm100_bwd_cases,
+          "train_example": train_example_cases}
 CASE_TIMEOUT_S = 300
 
 
