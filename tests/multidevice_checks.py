@@ -1,12 +1,15 @@
 """Multi-device checks on a CPU with 4 simulated devices, run in a subprocess by the tests.
 
-    python tests/multidevice_checks.py sharding|ring|sm100_bwd
+    echo "ring causal_zigzag" | python tests/multidevice_checks.py
 
 The test process has already initialised JAX with one CPU device, so these checks run in a fresh
 interpreter with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (set below, before JAX is
-imported). Each suite prints one JSON object: check name -> measurements (errors, collectives in
-the compiled HLO, shardings, error messages); ``tests/test_sharding.py`` and
-``tests/test_ring.py`` (and ``tests/test_sm100_bwd_wiring.py``) assert on them.
+imported). Each check returns measurements (errors, collectives in the compiled HLO, shardings,
+error messages, training losses) that ``tests/test_sharding.py``, ``tests/test_ring.py``,
+``tests/test_sm100_bwd_wiring.py`` and ``tests/test_train_example.py`` assert on. The process
+runs one check per line of stdin, ``SUITE CASE`` (a name in ``SUITES``, one of its checks), and
+prints its measurements as one ``RESULT`` line of JSON; the tests keep one such process and ask
+it for the checks they assert on (``tests/test_sharding.py``'s ``multidevice_suite``).
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import faulthandler  # noqa: E402
 import json  # noqa: E402
+import pathlib  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import traceback  # noqa: E402
 
 import jax  # noqa: E402
@@ -30,6 +36,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 import jax_fa4  # noqa: E402
 from jax_fa4 import ring  # noqa: E402
 
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
 
 
@@ -89,11 +96,11 @@ def _sharded_case(mesh, spec, *, kv_spec=None, b=4, h=4, hkv=2, dtype=jnp.float3
     }
 
 
-def sharding_suite() -> dict:
+def sharding_cases() -> dict:
     auto = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     heads4 = jax.make_mesh((4,), ("model",), axis_types=(AxisType.Auto,))
     bshd = P("data", None, "model", None)
-    out = {
+    return {
         "batch_and_heads_gqa": lambda: _sharded_case(auto, bshd, causal=True),
         "batch_and_heads_mha_options": lambda: _sharded_case(
             auto, bshd, hkv=4, window_size=(5, 3), softcap=2.0, softmax_scale=0.3),
@@ -111,7 +118,6 @@ def sharding_suite() -> dict:
         "explicit_batch_heads": lambda: _explicit_case(bshd),
         "explicit_seq_raises": lambda: _explicit_case(P(None, "data", None, None)),
     }
-    return {name: _run(fn) for name, fn in out.items()}
 
 
 def _vmap_case(mesh, spec) -> dict:
@@ -189,8 +195,8 @@ def _ring_kernel_trace(causal: bool) -> dict:
     return {"kernel_calls": jaxpr.count("jax_fa4_kernel")}
 
 
-def ring_suite() -> dict:
-    cases = {
+def ring_cases() -> dict:
+    return {
         "kernel_trace": lambda: _ring_kernel_trace(causal=False),
         "kernel_trace_causal": lambda: _ring_kernel_trace(causal=True),
         "noncausal": lambda: _ring_case(causal=False),
@@ -199,7 +205,6 @@ def ring_suite() -> dict:
         "causal_zigzag_mqa_softcap": lambda: _ring_case(causal=True, hkv=1, softcap=3.0),
         "noncausal_mha_bf16": lambda: _ring_case(causal=False, hkv=4, dtype=jnp.bfloat16),
     }
-    return {name: _run(fn) for name, fn in cases.items()}
 
 
 # -- the sm100 backward on shards, with the kernels emulated (tests/sm100_emulation.py) ---------
@@ -271,13 +276,32 @@ def _sm100_ring_case(calls) -> dict:
             "bwd_masks": sorted({c.mask for c in bwd}), "bwd_calls": len(bwd)}
 
 
-def sm100_bwd_suite() -> dict:
-    cases = {
+def sm100_bwd_cases() -> dict:
+    return {
         "sharded": lambda: _emulating_sm100(_sm100_sharded_case, softmax_scale=0.125,
                                             softcap=0.0),
         "ring": lambda: _emulating_sm100(_sm100_ring_case, softmax_scale=0.125, softcap=0.0),
     }
-    return {name: _run(fn) for name, fn in cases.items()}
+
+
+# -- examples/train_gpt.py: the same training alone and on a 2x2 mesh ---------------------------
+def _train_example(*args: str) -> dict:
+    """The ``--log-json`` record of 20 tiny training steps of examples/train_gpt.py (batch 8:
+    half the tiny config's, still split over the mesh's data axis; the loss falls as far)."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import train_gpt
+    finally:
+        sys.path.pop(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        log = pathlib.Path(tmp) / "run.json"
+        train_gpt.main(["--tiny", "--no-progress", "--steps", "20", "--seed", "0", "--batch", "8",
+                        "--log-json", str(log), *args])
+        return json.loads(log.read_text())
+
+
+def train_example_cases() -> dict:
+    return {"single": _train_example, "mesh": lambda: _train_example("--mesh", "2x2")}
 
 
 def _run(fn) -> dict:
@@ -287,7 +311,23 @@ def _run(fn) -> dict:
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
 
 
+#: Each suite's checks, by name: functions returning their measurements.
+SUITES = {"sharding": sharding_cases, "ring": ring_cases, "sm100_bwd": sm100_bwd_cases,
+          "train_example": train_example_cases}
+CASE_TIMEOUT_S = 300
+
+
+def serve() -> None:
+    """Run the check named by each line of stdin (``SUITE CASE``) and print its measurements as
+    a ``RESULT`` line, until stdin closes; a check running past ``CASE_TIMEOUT_S`` ends the
+    process (with every thread's traceback on stderr)."""
+    for line in sys.stdin:
+        suite, case = line.split()
+        faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
+        result = _run(SUITES[suite]()[case])
+        faulthandler.cancel_dump_traceback_later()
+        print("RESULT " + json.dumps(result), flush=True)
+
+
 if __name__ == "__main__":
-    suite = {"sharding": sharding_suite, "ring": ring_suite,
-             "sm100_bwd": sm100_bwd_suite}[sys.argv[1]]
-    print("RESULT " + json.dumps(suite()))
+    serve()

@@ -298,11 +298,17 @@ def test_assert_fa4_close():
 
 
 def test_blocked_32k():
-    """B=1, H=1, D=64, Sq=Sk=32768 in float32; every 512th row checked against the naive one."""
+    """B=1, H=1, D=64, Sk=32768 keys in float32: the online softmax runs over 64 key blocks,
+    and every row matches the naive one.
+
+    Without a mask the rows are independent and Sq enters no block's computation, so 64 of the
+    32k queries (every 512th) check the 64-block accumulation as well as all 32k would, at 1/512
+    of the cost (the whole 32k x 32k took 40 s on the CPU test machine)."""
     s = 32768
     q, k, v = randn(8, (1, s, 1, 64), (1, s, 1, 64), (1, s, 1, 64))
+    q = q[:, ::512]
     out, lse = reference.attention_blocked(q, k, v)
     assert np.isfinite(out).all() and np.isfinite(lse).all()
-    ref_out, ref_lse = reference.attention(q[:, ::512], k, v)  # no mask: rows are independent
-    np.testing.assert_allclose(out[:, ::512], ref_out, atol=1e-5, rtol=1e-4)
-    np.testing.assert_allclose(lse[..., ::512], ref_lse, atol=1e-5, rtol=1e-5)
+    ref_out, ref_lse = reference.attention(q, k, v)
+    np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-5, rtol=1e-5)

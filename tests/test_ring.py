@@ -14,12 +14,12 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fa4
 from jax_fa4 import ring
-from test_sharding import run_suite
+from test_sharding import multidevice_suite
 
 
 @pytest.fixture(scope="module")
 def suite():
-    return run_suite("ring")
+    return multidevice_suite("ring")
 
 
 @pytest.mark.parametrize("case", ["noncausal", "causal_zigzag", "causal_contiguous",

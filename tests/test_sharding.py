@@ -1,16 +1,19 @@
 """flash_attention under jax.jit with sharded inputs: each device runs its own shard.
 
 The multi-device checks run in a subprocess with 4 simulated CPU devices
-(``tests/multidevice_checks.py sharding``): this process has already initialised JAX with one.
+(``tests/multidevice_checks.py``, suite ``sharding``): this process has already initialised JAX
+with one.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 from types import SimpleNamespace
 
 import jax
@@ -24,23 +27,65 @@ CHECKS = pathlib.Path(__file__).with_name("multidevice_checks.py")
 TOL = 1e-5
 
 
-def run_suite(name: str) -> dict:
-    env = dict(os.environ)
-    # keep the suite's XLA settings (tests/conftest.py), not a device count set by anyone else
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith("--xla_force_host_platform_device_count"))
-    proc = subprocess.run([sys.executable, str(CHECKS), name], capture_output=True, text=True,
-                          env=env, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise AssertionError(f"{CHECKS.name} {name} failed:\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+class _ChecksProcess:
+    """This test process's ``multidevice_checks.py``: started on the first request and kept for
+    the rest of the session (one interpreter for all the checks), answering one check at a time."""
+
+    proc: subprocess.Popen | None = None
+    stderr = None
+
+    @classmethod
+    def ask(cls, suite: str, case: str) -> dict:
+        if cls.proc is None:
+            env = dict(os.environ)
+            # keep the suite's XLA settings (tests/conftest.py), not a device count set by anyone
+            env["XLA_FLAGS"] = " ".join(
+                f for f in env.get("XLA_FLAGS", "").split()
+                if not f.startswith("--xla_force_host_platform_device_count"))
+            cls.stderr = tempfile.TemporaryFile()
+            cls.proc = subprocess.Popen([sys.executable, str(CHECKS)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=cls.stderr, text=True,
+                                        env=env)
+        cls.proc.stdin.write(f"{suite} {case}\n")
+        cls.proc.stdin.flush()
+        for line in cls.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+        code = cls.proc.wait()
+        cls.stderr.seek(0)
+        err = cls.stderr.read()[-3000:].decode(errors="replace")
+        cls.close()
+        raise AssertionError(f"{CHECKS.name} ended (exit {code}) on {suite} {case}:\n{err}")
+
+    @classmethod
+    def close(cls) -> None:
+        if cls.proc is not None:
+            cls.proc.stdin.close()
+            cls.proc.wait()
+            cls.stderr.close()
+            cls.proc = None
+
+
+atexit.register(_ChecksProcess.close)
+
+
+class multidevice_suite(dict):
+    """The measurements of a ``multidevice_checks.py`` suite's checks by name, each asked of the
+    checks process when a test first reads it: a pytest-xdist worker runs only the checks of the
+    tests it was given, each once, and all of them in one interpreter."""
+
+    def __init__(self, suite: str):
+        super().__init__()
+        self.suite = suite
+
+    def __missing__(self, case: str) -> dict:
+        self[case] = _ChecksProcess.ask(self.suite, case)
+        return self[case]
 
 
 @pytest.fixture(scope="module")
 def suite():
-    return run_suite("sharding")
+    return multidevice_suite("sharding")
 
 
 def _ok(result: dict) -> dict:

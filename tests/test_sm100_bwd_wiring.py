@@ -245,9 +245,9 @@ def test_sm100_backward_contract_gives_the_reference_gradients(case, monkeypatch
 # -- callers on several devices (4 simulated CPU devices, in a subprocess) ----------------------
 @pytest.fixture(scope="module")
 def multidevice():
-    from test_sharding import run_suite
+    from test_sharding import multidevice_suite
 
-    return run_suite("sm100_bwd")
+    return multidevice_suite("sm100_bwd")
 
 
 def test_sharded_gradient_runs_the_sm100_backward_on_each_shard(multidevice):

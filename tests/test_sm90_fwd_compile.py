@@ -273,35 +273,44 @@ def test_block_ranges_cover_exactly_the_visible_keys(kind, tile_m, tile_n):
 # accumulator views against the MMA layouts (trace only, no compile)
 # ------------------------------------------------------------------------------------------------
 def _check_views(tv_c, tv_a, tv_o, mn, av, mn_o, nval, tile_m, tile_n):
-    def coord_c(t, v):
-        idx = tv_c((t, v))
-        return idx % tile_m, idx // tile_m
-
-    def coord_a(t, i):  # the P fragment: 8 values per K=16 block, K blocks outermost
-        idx = tv_a((t, i % 8))
-        return idx % tile_m, idx // tile_m + 16 * (i // 8)
-
-    rows, cols = mn.shape[0], mn.shape[1]
+    """Every view's disagreements with the MMA layouts. CuTe-DSL evaluates a layout in Python
+    (slowly), so each layout is evaluated once per argument: the views once, and per thread its
+    accumulator coordinates and its 8 P-fragment offsets."""
     import cutlass.cute as cute
 
-    n_rows, n_cols = cute.size(rows), cute.size(cols)
+    n_rows, n_cols = cute.size(mn.shape[0]), cute.size(mn.shape[1])
+    val_mn = [[mn((r, c)) for c in range(n_cols)] for r in range(n_rows)]  # value at (r, c)
+    val_a = [av(i) for i in range(nval)]
+    val_o = [mn_o((r, 0)) for r in range(n_rows)]
+
+    def coords_c(t):  # (row, column) in the tile of each of thread t's accumulator values
+        return [(idx % tile_m, idx // tile_m) for idx in (tv_c((t, v)) for v in range(nval))]
+
+    def coord_a(a8, i):  # the P fragment: 8 values per K=16 block, K blocks outermost
+        idx = a8[i % 8]
+        return idx % tile_m, idx // tile_m + 16 * (i // 8)
+
     errors = []
+    coords_0 = coords_c(0)
     # all lanes of two warps (one per consumer warpgroup), a few lanes of every other warp
     threads = sorted(set(range(0, 32)) | set(range(160, 192))
                      | {w * 32 + l for w in range(8) for l in (0, 1, 2, 3, 5, 30, 31)})
     for t in threads:
+        coords = coords_c(t)
+        at = [[coords[v] for v in row] for row in val_mn]  # (row, column) at (r, c)
         for r in range(n_rows):
             for c in range(n_cols):
-                m, n = coord_c(t, mn((r, c)))
-                if m != coord_c(t, mn((r, 0)))[0] or n != coord_c(t, mn((0, c)))[1]:
+                m, n = at[r][c]
+                if m != at[r][0][0] or n != at[0][c][1]:
                     errors.append(("mn", t, r, c))
                 # the mask's trick: column = this thread's first column + thread 0's offset
-                if n - coord_c(t, mn((0, 0)))[1] != coord_c(0, mn((0, c)))[1] - coord_c(0, mn((0, 0)))[1]:
+                if n - at[0][0][1] != coords_0[val_mn[0][c]][1] - coords_0[val_mn[0][0]][1]:
                     errors.append(("col offset", t, c))
-            if coord_c(t, mn((r, 0)))[0] != tv_o((t, mn_o((r, 0)))) % tile_m:
+            if at[r][0][0] != tv_o((t, val_o[r])) % tile_m:
                 errors.append(("O rows", t, r))
+        a8 = [tv_a((t, j)) for j in range(8)]
         for i in range(nval):
-            if coord_c(t, av(i)) != coord_a(t, i):
+            if coords[val_a[i]] != coord_a(a8, i):
                 errors.append(("P operand", t, i))
     return errors
 
