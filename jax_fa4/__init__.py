@@ -8,7 +8,7 @@ from jax_fa4.api import AttentionOptions, flash_attention
 from jax_fa4.dispatch import ImplementationUnavailableError
 from jax_fa4.ffi.runtime import export_disabled_safety_checks
 from jax_fa4.paged import flash_attention_paged
-from jax_fa4.ring import ring_attention, unzigzag, zigzag
+from jax_fa4.parallel.ring import ring_attention, unzigzag, zigzag
 from jax_fa4.varlen import flash_attention_varlen
 
 __version__ = "0.1.0"

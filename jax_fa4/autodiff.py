@@ -7,7 +7,7 @@ lse): P computed from the lse that includes the sink is the final softmax, and t
 value, so dq, dk, dv need nothing else. The sink's gradient is
 :func:`jax_fa4.reference.sink_gradient`.
 
-Both halves are bound through :mod:`jax_fa4.sharding`, so under ``jax.jit`` with q, k, v sharded
+Both halves are bound through :mod:`jax_fa4.parallel.sharding`, so under ``jax.jit`` with q, k, v sharded
 over batch and heads each device runs them on its own shard (see that module for the rules).
 """
 
@@ -17,7 +17,8 @@ import functools
 
 import jax
 
-from jax_fa4 import ops, reference, sharding
+from jax_fa4 import ops, reference
+from jax_fa4.parallel import sharding
 
 
 def forward_chain(q, k, v, opts):

@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 
 from jax_fa4 import api, autodiff
-from jax_fa4.manual_axes import vary_like
+from jax_fa4.parallel.manual_axes import vary_like
 
 __all__ = ["LAYOUTS", "ring_attention", "unzigzag", "zigzag", "zigzag_indices"]
 
@@ -135,7 +135,7 @@ def ring_attention(
                              f"have the same local length, got {q.shape[1]} and {k.shape[1]}")
         if layout == "zigzag" and q.shape[1] % 2:
             raise ValueError("the zigzag layout holds two chunks per device: the local length "
-                             f"must be even, got {q.shape[1]} (see jax_fa4.ring.zigzag)")
+                             f"must be even, got {q.shape[1]} (see jax_fa4.parallel.ring.zigzag)")
     cfg = _Ring(axis_name, bool(causal), layout, full, diagonal)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     out, lse = _ring(q, k, v, cfg)
