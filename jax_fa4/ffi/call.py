@@ -20,7 +20,7 @@ import jax.extend
 import jax.numpy as jnp
 from jax.interpreters import batching, mlir
 
-from jax_fa4.dispatch import ImplementationUnavailableError
+from jax_fa4.backends.base import ImplementationUnavailableError
 from jax_fa4.ffi import compiler
 from jax_fa4.ffi.cache import KernelCache
 from jax_fa4.ffi.runtime import CALL_TARGET, RuntimeLibraryNotFoundError, register_ffi_targets
