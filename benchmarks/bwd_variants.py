@@ -42,7 +42,7 @@ from variant_harness import SHAPE_GROUPS
 
 
 class Opts(NamedTuple):
-    """What sm90_bwd_ops reads of the API's options."""
+    """What the sm90 backend's backward reads of the API's options."""
 
     softmax_scale: float
     window: tuple
@@ -110,11 +110,13 @@ def variant_configs(group: str = "all", names: list[str] | None = None) -> list[
 # running
 # ---------------------------------------------------------------------------------------------
 def _backward_fn(cfg, opts: Opts):
-    from jax_fa4 import ops, sm90_bwd_ops
+    from jax_fa4 import backends
+
+    sm90 = backends.get("sm90")
 
     def backward(q, k, v, do, out, lse):
-        delta, lse_log2 = ops.bwd_preprocess(out, do, lse, "sm90")
-        return sm90_bwd_ops.backward(q, k, v, out, lse, do, delta, lse_log2, opts, config=cfg)
+        delta, lse_log2 = sm90.backward_preprocess(out, do, lse)
+        return sm90.backward(q, k, v, out, lse, do, delta, lse_log2, opts, config=cfg)
     return backward
 
 

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4 import bench, decode
+from jax_fa4 import bench
+from jax_fa4.backends import decode
 from jax_fa4.kernels.sm90.fwd_config import DECODE_OPTIONS
 from variant_harness import save, start, timing_parser
 

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4 import bench, ops
+from jax_fa4 import bench
+from jax_fa4.backends import sm90
 from jax_fa4.ffi.call import call_kernel
 from jax_fa4.kernels.sm90.fwd_config import decode_config, paged_config, DECODE_OPTIONS
 
@@ -58,7 +59,7 @@ for b, sk in ((32, 4096), (64, 8192)):
         def f(qp, k, v):
             return call_kernel(
                 cfg,
-                ops.KERNEL_ARCH["sm90"],
+                sm90.ARCH,
                 qp,
                 k,
                 v,
@@ -96,7 +97,7 @@ for b, sk in ((32, 4096), (64, 8192)):
         def f(qp, k, v, t, u):
             return call_kernel(
                 pcfg,
-                ops.KERNEL_ARCH["sm90"],
+                sm90.ARCH,
                 qp,
                 k.reshape(1, b * sk, HKV, D),
                 v.reshape(1, b * sk, HKV, D),

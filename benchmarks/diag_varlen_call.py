@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4 import bench, ops
+from jax_fa4 import bench
+from jax_fa4.backends import sm90
 from jax_fa4.ffi.call import call_kernel
 from jax_fa4.kernels.sm90.fwd_config import FwdConfig, varlen_config
 
-ARCH = ops.KERNEL_ARCH["sm90"]
+ARCH = sm90.ARCH
 out = {}
 for b, s, h, d in ((16, 2048, 16, 128), (64, 512, 16, 128)):
     total = b * s

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 import jax_fa4
 from jax_fa4 import reference
-from jax_fa4.dispatch import resolve_implementation
+from jax_fa4.backends import select
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     print(f"device: {jax.devices()[0].device_kind}; implementation: "
-          f"{resolve_implementation(None)}")
+          f"{select(None)}")
     start = time.perf_counter()
     value, grads = jax.block_until_ready(step(q, k, v))
     print(f"first call (compile + run): {time.perf_counter() - start:.2f} s")

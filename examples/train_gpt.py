@@ -38,7 +38,7 @@ except ImportError:  # a bare machine: plain progress lines instead of the bar
     tqdm = None
 
 import jax_fa4
-from jax_fa4.dispatch import resolve_implementation
+from jax_fa4.backends import select
 from jax_fa4.flax import MultiHeadAttention
 
 CORPUS = pathlib.Path(__file__).parent / "data" / "corpus.txt"
@@ -210,7 +210,7 @@ def train(cfg: Config, *, steps: int, seed: int, implementation: str | None,
         "config": dataclasses.asdict(cfg),
         "steps": steps,
         "seed": seed,
-        "implementation": resolve_implementation(implementation),
+        "implementation": select(implementation),
         "mesh": None if mesh is None else dict(mesh.shape),
         "devices": jax.device_count(),
         "device_kind": jax.devices()[0].device_kind,
@@ -245,7 +245,7 @@ def main(argv=None) -> dict:
     implementation = None if args.implementation == "auto" else args.implementation
     print(f"jax-fa4 {jax_fa4.__version__}: {'tiny' if tiny else 'gpu'} config, "
           f"{jax.device_count()} x {jax.devices()[0].device_kind}, attention implementation "
-          f"{resolve_implementation(implementation)}")
+          f"{select(implementation)}")
     result = train(cfg, steps=steps, seed=args.seed, implementation=implementation,
                    mesh_spec=args.mesh, progress=args.progress)
     losses = result["losses"]

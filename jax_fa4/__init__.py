@@ -4,12 +4,11 @@ CuTe-DSL attention kernels for NVIDIA GPUs, called from XLA as FFI custom calls,
 reference that runs everywhere else.
 """
 
-from jax_fa4.api import AttentionOptions, flash_attention
-from jax_fa4.dispatch import ImplementationUnavailableError
+from jax_fa4.api import flash_attention, flash_attention_paged, flash_attention_varlen
+from jax_fa4.backends.base import ImplementationUnavailableError
 from jax_fa4.ffi.runtime import export_disabled_safety_checks
-from jax_fa4.paged import flash_attention_paged
-from jax_fa4.ring import ring_attention, unzigzag, zigzag
-from jax_fa4.varlen import flash_attention_varlen
+from jax_fa4.options import AttentionOptions
+from jax_fa4.parallel.ring import ring_attention, unzigzag, zigzag
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,35 @@
-"""The public attention API: validate and canonicalise once, then dispatch.
+"""The public entry points: validate and canonicalise once (:mod:`jax_fa4.options`), then run
+the autodiff rule (:mod:`jax_fa4.autodiff`), which runs the backend the options name.
+
+* :func:`flash_attention`: dense ``(B, S, H, D)`` attention, with optional learnable sink and
+  segment ids; differentiable.
+* :func:`flash_attention_varlen`: FA4's ``flash_attn_varlen_func``: the tokens of a batch of
+  sequences packed along one axis, q ``(total_q, H, D)``, k ``(total_k, Hkv, D)``,
+  v ``(total_k, Hkv, Dv)``; sequence ``b`` owns the query tokens
+  ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` and the key tokens
+  ``[cu_seqlens_k[b], cu_seqlens_k[b + 1])`` and attends only within itself, with FA4's
+  bottom-right alignment per sequence: query ``i`` of sequence ``b`` (counted from the
+  sequence's start) sees key ``j`` iff
+  ``i + len_k(b) - len_q(b) - left <= j <= i + len_k(b) - len_q(b) + right``. The lengths are
+  run-time values: ``cu_seqlens_q`` / ``cu_seqlens_k`` are ordinary (traced) int32 arrays, so new
+  lengths never retrace or recompile; only the static shapes and the static ``max_seqlen_q`` /
+  ``max_seqlen_k`` ints (which size the kernels' grids) enter the trace. Differentiable.
+* :func:`flash_attention_paged`: a few new query tokens over a paged KV cache (FA4's
+  ``page_table``): the cache holds fixed-size pages, k_cache ``(num_pages, page_size, Hkv, D)``
+  and v_cache ``(num_pages, page_size, Hkv, Dv)``; batch entry ``b`` owns the pages
+  ``page_table[b, 0], page_table[b, 1], ...`` in order, so its key ``j`` is
+  ``k_cache[page_table[b, j // page_size], j % page_size]``, and its first ``seqused_k[b]`` keys
+  are valid. The queries ``(B, Sq, H, D)`` are the last ``Sq`` tokens of each sequence: causal
+  and windows align them bottom-right to ``seqused_k[b]``. Forward only: ``jax.grad`` (or
+  ``jax.vjp``) with respect to anything that flows into q, k_cache, v_cache or the sink raises
+  ``NotImplementedError`` (rather than silently returning zeros); wrap the call's inputs in
+  ``jax.lax.stop_gradient`` when the surrounding computation is differentiated for other
+  reasons.
+
+Where no kernel serves a call the pure-JAX reference runs (:mod:`jax_fa4.backends.base`): varlen
+masks one packed attention with per-token segment ids and positions (naive up to ``4096**2``
+scores per head, else blocks of 512 keys), paged gathers the pages (dense up to 2048 key slots
+per batch entry, else a split-KV scan over 512-key chunks).
 
 Dimension letters: B batch, Sq query length, Sk key length, H query heads, Hkv key/value heads
 (H a multiple of Hkv: MHA when equal, GQA when between, MQA when Hkv = 1), D query/key head dim,
@@ -7,125 +38,14 @@ Dv value head dim.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jax_fa4 import autodiff
-from jax_fa4.dispatch import IMPLEMENTATIONS, resolve_implementation
-
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
-Window = tuple[int | None, int | None]
-
-
-@dataclass(frozen=True)
-class AttentionOptions:
-    """Canonical, hashable options of one attention call (what the autodiff rule closes over)."""
-
-    softmax_scale: float
-    window: Window  # (left, right); causal is (left, 0)
-    softcap: float
-    implementation: str  # resolved: "reference" | "sm90" | "sm100"
-    forced: bool  # the caller named the implementation: no silent fallback
-    deterministic: bool = False  # bitwise-reproducible gradients
-
-    @property
-    def causal(self) -> bool:
-        return self.window[1] == 0
-
-
-# -- input checks: one named function each, messages say what was expected and what came ------
-def _check_array(name: str, x: Any) -> None:
-    if not isinstance(x, (jax.Array, np.ndarray)):
-        raise TypeError(f"{name} must be a jax.Array (or numpy array), got {type(x).__name__}")
-
-
-def _check_rank(name: str, x: Any, layout: str) -> None:
-    if x.ndim != 4:
-        raise ValueError(f"{name} must have rank 4 with layout {layout}, got shape {x.shape}")
-
-
-def _check_dtypes(q: Any, k: Any, v: Any) -> None:
-    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-        raise TypeError(f"q must have dtype bfloat16, float16 or float32, got {q.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
-
-
-def _check_shapes(q: Any, k: Any, v: Any) -> None:
-    b, _, h, d = q.shape
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape} "
-                         "(expected the same B in dim 0)")
-    if k.shape[3] != d:
-        raise ValueError(f"k head_dim must equal q head_dim {d}: q {q.shape}, k {k.shape}")
-    if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
-        raise ValueError(f"v must have k's (Sk, Hkv) = {k.shape[1:3]}, got v {v.shape}")
-    hkv = k.shape[2]
-    if hkv == 0 or h % hkv:
-        raise ValueError(f"q heads H={h} must be a positive multiple of k/v heads Hkv={hkv}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if 0 in x.shape:
-            raise ValueError(f"{name} must have no zero-sized dimension, got shape {x.shape}")
-
-
-def _check_window(window_size: Any) -> Window:
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
-    out = []
-    for side, w in zip(("left", "right"), window_size):
-        if w is None:
-            out.append(None)
-            continue
-        if isinstance(w, bool) or not isinstance(w, (int, np.integer)):
-            raise TypeError(f"window_size {side} must be None or an int, got {w!r}")
-        if w < 0:
-            raise ValueError(f"window_size {side} must be >= 0 or None (unbounded), got {w}")
-        out.append(int(w))
-    return out[0], out[1]
-
-
-def _check_scalar(name: str, x: Any, *, allow_zero: bool) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)):
-        raise TypeError(f"{name} must be a Python float, got {type(x).__name__}")
-    x = float(x)
-    if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, "
-                         f"got {x}")
-    return x
-
-
-def canonicalize(q: Any, k: Any, v: Any, *, softmax_scale: float | None, causal: bool,
-                 window_size: Any, softcap: float, implementation: str | None,
-                 deterministic: bool = False) -> AttentionOptions:
-    """Validate the inputs and options of one call and return its canonical options."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_array(name, x)
-    _check_rank("q", q, "(B, Sq, H, D)")
-    _check_rank("k", k, "(B, Sk, Hkv, D)")
-    _check_rank("v", v, "(B, Sk, Hkv, Dv)")
-    _check_dtypes(q, k, v)
-    _check_shapes(q, k, v)
-    left, right = _check_window(window_size)
-    for name, flag in (("causal", causal), ("deterministic", deterministic)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if causal:
-        right = 0
-    scale = (1.0 / math.sqrt(q.shape[3]) if softmax_scale is None
-             else _check_scalar("softmax_scale", softmax_scale, allow_zero=False))
-    cap = _check_scalar("softcap", softcap, allow_zero=True)
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
-                         f"got {implementation!r}")
-    return AttentionOptions(scale, (left, right), cap, resolve_implementation(implementation),
-                            forced=implementation is not None, deterministic=bool(deterministic))
+from jax_fa4 import autodiff, options
+from jax_fa4.backends import REFERENCE
+__all__ = ["flash_attention", "flash_attention_paged", "flash_attention_varlen"]
 
 
 def flash_attention(
@@ -193,23 +113,147 @@ def flash_attention(
     elsewhere the preprocess (a kernel on GPUs) and the reference's explicit FlashAttention
     backward (also for calls the Hopper backward kernels do not cover).
     """
-    opts = canonicalize(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, implementation=implementation,
-                        deterministic=deterministic)
+    opts = options.canonicalize(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                window_size=window_size, softcap=softcap,
+                                implementation=implementation, deterministic=deterministic)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    learnable_sink = options.check_learnable_sink(learnable_sink, q.shape[2])
     if learnable_sink is None and segment_ids is None:
         out, lse = autodiff.attention(q, k, v, opts)
-    elif segment_ids is None and opts.implementation != "reference":
-        # the attention kernels, the sink joined in float32 around them (jax_fa4.autodiff)
-        from jax_fa4 import varlen  # imports this module
-
-        out, lse = autodiff.attention_with_sink(
-            q, k, v, varlen.check_learnable_sink(learnable_sink, q.shape[2]), opts)
+    elif segment_ids is None and opts.implementation != REFERENCE:
+        # the backend's attention chain, the sink joined in float32 around it (autodiff)
+        out, lse = autodiff.attention_with_sink(q, k, v, learnable_sink, opts)
     else:  # the reference's custom_vjp until the kernels take segment ids
-        from jax_fa4 import varlen  # imports this module
-
-        out, lse = varlen.attention_with_extras(
-            q, k, v, opts,
-            learnable_sink=varlen.check_learnable_sink(learnable_sink, q.shape[2]),
-            segment_ids=varlen.check_segment_ids(segment_ids, q, k))
+        out, lse = autodiff.attention_with_extras(
+            q, k, v, opts, learnable_sink=learnable_sink,
+            segment_ids=options.check_segment_ids(segment_ids, q, k))
     return (out, lse) if return_lse else out
+
+
+
+def flash_attention_varlen(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
+    learnable_sink: jax.Array | None = None,
+    return_lse: bool = False,
+    implementation: str | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Attention over a batch of variable-length sequences packed along one axis (FA4 varlen).
+
+    Args:
+      q: queries ``(total_q, H, D)``: the query tokens of all sequences, back to back.
+      k: keys ``(total_k, Hkv, D)``, q's dtype; H a multiple of Hkv (GQA / MQA).
+      v: values ``(total_k, Hkv, Dv)``, q's dtype.
+      cu_seqlens_q: int32 ``(batch + 1,)``, non-decreasing: sequence ``b``'s queries are
+        ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]``. A run-time value: new lengths never
+        retrace. Empty and length-1 sequences are fine. Tokens outside
+        ``[cu_seqlens_q[0], cu_seqlens_q[-1])`` are padding: output 0, lse ``-inf`` (even with a
+        sink), no gradient.
+      cu_seqlens_k: int32 ``(batch + 1,)``, likewise for k and v (keys outside
+        ``[cu_seqlens_k[0], cu_seqlens_k[-1])`` are never seen). Padding tokens must still hold
+        finite values (zeros, say) in q, k and v: the kernels load the padding after the last
+        sequence with its last block and mask it out, and a masked ``0 · inf`` is NaN.
+      max_seqlen_q: static int >= every query length (sizes the kernels' grid; part of the
+        compile key, so keep it fixed, e.g. a bucket).
+      max_seqlen_k: static int >= every key length.
+      softmax_scale: multiplies ``q·k``; default ``1/sqrt(D)``.
+      causal: per sequence, bottom-right aligned: query ``i`` of sequence ``b`` sees keys up to
+        ``i + len_k(b) - len_q(b)``. Same as ``window_size=(left, 0)``.
+      window_size: ``(left, right)``, each None or an int >= 0, per sequence as for
+        :func:`jax_fa4.flash_attention`.
+      softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
+      learnable_sink: optional ``(H,)`` floating logits (float32 recommended), one per query
+        head, joining every row's softmax denominator with no value; differentiable.
+      return_lse: also return the log-sum-exp, ``(H, total_q)`` float32 (FA4's varlen layout).
+      implementation: None (on an H100/H200 the Hopper varlen forward kernel when it serves
+        the call, else the reference), ``"sm90"`` or ``"sm100"`` (that architecture's varlen
+        forward kernel, or :class:`ImplementationUnavailableError` saying why not; the sm100
+        kernel is opt-in, never run on hardware here) or ``"reference"``. On Hopper the
+        backward runs the varlen backward kernel (each sequence's own blocks only); with
+        sm100, the reference's backward (the sm100 backward kernel has no varlen mode yet; a
+        one-time ``RuntimeWarning`` says so).
+
+    Returns:
+      ``out`` ``(total_q, H, Dv)`` in q's dtype, and with ``return_lse`` also ``lse``
+      ``(H, total_q)`` float32. Rows with no visible key (e.g. a query whose sequence has no
+      key) give 0 and lse ``-inf`` (``lse = sink`` with a sink).
+
+    Differentiable with ``jax.grad`` in q, k, v and the sink (also through lse); works under
+    ``jax.jit`` and ``jax.vmap``. Values of cu_seqlens that violate the contract (decreasing,
+    a length above max_seqlen) are rejected when they are host (numpy) arrays and otherwise
+    give unspecified results.
+    """
+    options.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    opts = options.options(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
+                           window_size=window_size, softcap=softcap,
+                           implementation=implementation)
+    learnable_sink = options.check_learnable_sink(learnable_sink, q.shape[1])
+    out, lse = autodiff.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, learnable_sink, opts,
+                               max_seqlen_q, max_seqlen_k)
+    return (out, lse) if return_lse else out
+
+
+
+def flash_attention_paged(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    page_table: jax.Array,
+    seqused_k: jax.Array,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
+    learnable_sink: jax.Array | None = None,
+    return_lse: bool = False,
+    implementation: str | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Attention of a few new query tokens over a paged KV cache (decode / chunked prefill).
+
+    Args:
+      q: queries ``(B, Sq, H, D)``: the last Sq tokens of each sequence (Sq = 1 for a decode
+        step; any Sq works).
+      k_cache: ``(num_pages, page_size, Hkv, D)``, q's dtype; H a multiple of Hkv.
+      v_cache: ``(num_pages, page_size, Hkv, Dv)``, q's dtype.
+      page_table: int32 ``(B, max_pages)``: the cache pages of each batch entry, in order.
+        Entries past a sequence's used pages are ignored (they may hold any value, e.g. -1).
+      seqused_k: int32 ``(B,)``: the number of valid keys of each batch entry, in
+        ``[0, max_pages * page_size]`` (a run-time value: it never retraces).
+      softmax_scale: multiplies ``q·k``; default ``1/sqrt(D)``.
+      causal: bottom-right aligned to ``seqused_k``: query ``i`` sees keys up to
+        ``i + seqused_k[b] - Sq``. Same as ``window_size=(left, 0)``.
+      window_size: ``(left, right)``, each None or an int >= 0, aligned likewise.
+      softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
+      learnable_sink: optional ``(H,)`` floating logits joining every row's denominator.
+      return_lse: also return lse ``(B, H, Sq)`` float32.
+      implementation: None (the Hopper kernel on an H100/H200 when it serves the call, see the
+        module docstring; else the reference), ``"sm90"`` (the kernel or
+        :class:`jax_fa4.ImplementationUnavailableError` saying why not) or ``"reference"``.
+
+    Returns:
+      ``out`` ``(B, Sq, H, Dv)`` in q's dtype, and with ``return_lse`` also lse ``(B, H, Sq)``.
+      Rows with no visible key (e.g. ``seqused_k[b] = 0``) give 0 and lse ``-inf`` (``lse =
+      sink`` with a sink).
+
+    Forward only: differentiating through it raises ``NotImplementedError`` (see the module
+    docstring). Works under ``jax.jit`` and ``jax.vmap``.
+    """
+    options.check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k)
+    opts = options.options(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
+                           window_size=window_size, softcap=softcap,
+                           implementation=implementation)
+    learnable_sink = options.check_learnable_sink(learnable_sink, q.shape[2])
+    out, lse = autodiff.paged(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts)
+    return (out, lse) if return_lse else out
+

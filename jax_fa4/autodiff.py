@@ -1,37 +1,67 @@
-"""``custom_vjp`` wiring: the forward saves (q, k, v, out, lse); the backward runs the
-preprocess (``delta = rowsum(dO * O)``) and then the backward proper.
+"""Every ``custom_vjp`` rule: each runs the backend the options name, never a family by name.
+
+Dense (:func:`attention`): the forward saves (q, k, v, out, lse); the backward runs the backend's
+preprocess (``delta = rowsum(dO * O)``) and then its backward proper. Both halves are bound
+through :mod:`jax_fa4.parallel.sharding`, so under ``jax.jit`` with q, k, v sharded over batch
+and heads each device runs them on its own shard (see that module for the rules).
 
 With a learnable sink (:func:`attention_with_sink`) the sink joins the kernel's (out, lse)
-afterwards (:func:`jax_fa4.ops.join_sink`); the backward is the same chain on the final (out,
-lse): P computed from the lse that includes the sink is the final softmax, and the sink has no
-value, so dq, dk, dv need nothing else. The sink's gradient is
+afterwards (:func:`jax_fa4.backends.base.join_sink`); the backward is the same chain on the final
+(out, lse): P computed from the lse that includes the sink is the final softmax, and the sink has
+no value, so dq, dk, dv need nothing else. The sink's gradient is
 :func:`jax_fa4.reference.sink_gradient`.
 
-Both halves are bound through :mod:`jax_fa4.sharding`, so under ``jax.jit`` with q, k, v sharded
-over batch and heads each device runs them on its own shard (see that module for the rules).
+Segment ids, or a sink on the reference (:func:`attention_with_extras`): the reference's own
+``custom_vjp`` over ``(q, k, v, sink)``, whose forward saves ``(q, k, v, sink, out, lse)`` and
+whose backward is the reference's explicit FlashAttention backward plus the sink's gradient.
+
+Varlen (:func:`varlen`): one ``custom_vjp`` over the packed batch, jitted with the backend's plan
+as a static argument; its backward is the backend's varlen backward, or the reference's packed
+backward where the backend has none. Paged KV (:func:`paged`): forward only.
+
+Which backend runs is :func:`jax_fa4.backends.base.choose`'s answer: the one ``opts`` names when
+it serves the call, else the reference (a forced implementation raises instead).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from jax_fa4 import ops, reference, sharding
+from jax_fa4 import backends, reference
+from jax_fa4.backends import base
+from jax_fa4.backends.base import Segments
+from jax_fa4.parallel import sharding
 
 
+# -- dense -------------------------------------------------------------------------------------
 def forward_chain(q, k, v, opts):
     """(out, lse) of one (shard of an) attention call."""
-    return ops.forward(q, k, v, opts)
+    backend = backends.get(opts.implementation)
+    backend = base.choose(backend, "forward", backend.supports_forward(q, k, v, opts), opts,
+                          call="call")
+    return backend.forward(q, k, v, opts)
 
 
 def backward_chain(q, k, v, out, lse, dout, dlse, opts):
     """(dq, dk, dv, delta) from the saved forward and the cotangents of (out, lse), with
-    ``delta = rowsum(dout * out) - dlse`` (B, H, Sq) float32 (what a sink's gradient needs)."""
-    delta, lse_log2 = ops.bwd_preprocess(out, dout, lse, opts.implementation)
+    ``delta = rowsum(dout * out) - dlse`` (B, H, Sq) float32 (what a sink's gradient needs).
+
+    The backward kernels of ``opts.implementation`` serve the calls they cover; everything else
+    (the reference, unsupported shapes or options) runs the reference's explicit backward, which
+    is deterministic too; an opt-in backend whose forward ran a kernel says so with a one-time
+    :class:`RuntimeWarning` naming the reason.
+    """
+    backend = backends.get(opts.implementation)
+    delta, lse_log2 = base.preprocess(backend, out, dout, lse, opts)
     # d lse / d S = P, so a cotangent on lse enters dS = P * (dP - delta) as -dlse on delta.
     delta = delta - dlse
-    return (*ops.backward(q, k, v, out, lse, dout, delta, lse_log2, opts), delta)
+    chosen = base.choose(backend, "backward", backend.supports_backward(q, k, v, opts), opts,
+                         kernel_forward=backend.supports_forward(q, k, v, opts) is None)
+    return (*chosen.backward(q, k, v, out, lse, dout, delta, lse_log2, opts), delta)
 
 
 _forward = sharding.partitioned_forward(forward_chain)
@@ -40,7 +70,7 @@ _backward = sharding.partitioned_backward(backward_chain)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def attention(q, k, v, opts):
-    """(out, lse) with ``opts`` an :class:`jax_fa4.api.AttentionOptions`."""
+    """(out, lse) with ``opts`` an :class:`jax_fa4.options.AttentionOptions`."""
     return _forward(q, k, v, opts)
 
 
@@ -61,11 +91,11 @@ attention.defvjp(_fwd, _bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def attention_with_sink(q, k, v, sink, opts):
     """(out, lse) with a learnable sink ``(H,)`` joining every row's denominator."""
-    return ops.join_sink(*_forward(q, k, v, opts), sink)
+    return base.join_sink(*_forward(q, k, v, opts), sink)
 
 
 def _sink_fwd(q, k, v, sink, opts):
-    out, lse = ops.join_sink(*_forward(q, k, v, opts), sink)
+    out, lse = base.join_sink(*_forward(q, k, v, opts), sink)
     return (out, lse), (q, k, v, sink, out, lse)
 
 
@@ -78,3 +108,161 @@ def _sink_bwd(opts, residuals, cotangents):
 
 
 attention_with_sink.defvjp(_sink_fwd, _sink_bwd)
+
+
+# -- sink and segment ids on the reference ----------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _extras(q, k, v, sink, segments, opts):
+    return base.reference_forward(q, k, v, opts, learnable_sink=sink, **segments._asdict())
+
+
+def _extras_fwd(q, k, v, sink, segments, opts):
+    out, lse = _extras(q, k, v, sink, segments, opts)
+    return (out, lse), (q, k, v, sink, segments, out, lse)
+
+
+def _extras_bwd(opts, residuals, cotangents):
+    q, k, v, sink, segments, out, lse = residuals
+    dout, dlse = cotangents
+    return (*base.extras_backward(q, k, v, sink, segments, out, lse, dout, dlse, opts),
+            None)  # no cotangent for the integer segment data
+
+
+_extras.defvjp(_extras_fwd, _extras_bwd)
+
+
+def attention_with_extras(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    opts: Any,
+    *,
+    learnable_sink: jax.Array | None = None,
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse)`` of :func:`jax_fa4.flash_attention` with a sink and/or segment ids.
+
+    The inputs are already validated: q, k, v and ``opts`` (an
+    :class:`jax_fa4.options.AttentionOptions`) by :func:`jax_fa4.options.canonicalize`, the
+    extras by :func:`jax_fa4.options.check_learnable_sink` and
+    :func:`jax_fa4.options.check_segment_ids`. Differentiable in q, k, v and the sink. The window
+    rule keeps its usual positions (``i + Sk - Sq`` and ``j`` in the whole sequence); segment ids
+    only add ``q_segment_ids[b, i] == kv_segment_ids[b, j]``.
+
+    Raises:
+        ImplementationUnavailableError: if a backend that does not take these options was
+            forced (no kernel takes them yet).
+    """
+    what = " and ".join(name for name, x in (("learnable_sink", learnable_sink),
+                                             ("segment_ids", segment_ids)) if x is not None)
+    backend = backends.get(opts.implementation)
+    base.choose(backend, "attention with " + (what or "extras"),
+                backend.supports_extras(what or "this call"), opts, call="call")
+    q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
+    return _extras(q, k, v, learnable_sink, Segments(q_ids, kv_ids), opts)
+
+
+# -- varlen ------------------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _varlen_attention(q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, opts, route):
+    name, plan = route
+    return backends.get(name).varlen_forward(q, k, v, sink, segments, cu_seqlens_q,
+                                             cu_seqlens_k, opts, plan)
+
+
+def _varlen_fwd(q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, opts, route):
+    out, lse = _varlen_attention(q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, opts,
+                                 route)
+    return (out, lse), (q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, out, lse)
+
+
+def _varlen_bwd(opts, route, residuals, cotangents):
+    q, k, v, sink, segments, cu_q, cu_k, out, lse = residuals
+    dout, dlse = cotangents
+    name, plan = route
+    backend = backends.get(name)
+    chosen = base.choose(backend, "varlen backward",
+                         backend.supports_varlen_backward(q, k, v, opts), opts,
+                         kernel_forward=True)
+    dq, dk, dv, dsink = chosen.varlen_backward(q, k, v, sink, segments, cu_q, cu_k, out, lse,
+                                               dout, dlse, opts, plan)
+    return dq, dk, dv, dsink, None, None, None
+
+
+_varlen_attention.defvjp(_varlen_fwd, _varlen_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("opts", "route"))
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, learnable_sink, opts, route):
+    segments = base.varlen_segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    out, lse = _varlen_attention(q, k, v, learnable_sink, segments, cu_seqlens_q, cu_seqlens_k,
+                                 opts, route)
+    # Padding rows (in no sequence) have lse -inf even with a sink, and pass no cotangent on.
+    lse = jnp.where(segments.q_segment_ids >= 0, lse[0], -jnp.inf)
+    return out[0], lse  # (total_q, H, Dv), (H, total_q)
+
+
+def varlen_route(q, k, v, opts, max_seqlen_q: int, max_seqlen_k: int) -> tuple:
+    """(name of the backend running the varlen forward, its plan): decided outside the jit, so
+    that it keys the jitted call."""
+    backend, plan = base.planned(
+        backends.get(opts.implementation), "varlen attention", opts,
+        lambda b: b.varlen_plan(q, k, v, opts, max_seqlen_q, max_seqlen_k))
+    return backend.name, plan
+
+
+def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, learnable_sink, opts, max_seqlen_q: int,
+           max_seqlen_k: int) -> tuple[jax.Array, jax.Array]:
+    """(out (total_q, H, Dv), lse (H, total_q)) of a validated varlen call."""
+    route = varlen_route(q, k, v, opts, max_seqlen_q, max_seqlen_k)
+    return _varlen(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(cu_seqlens_q),
+                   jnp.asarray(cu_seqlens_k), learnable_sink, opts, route)
+
+
+# -- paged KV (forward only) ------------------------------------------------------------------
+def _paged_forward(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, route):
+    name, plan = route
+    return backends.get(name).paged_forward(q, k_cache, v_cache, page_table, seqused_k,
+                                            learnable_sink, opts, plan)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _paged(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, route):
+    return _paged_forward(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, route)
+
+
+def _paged_fwd(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, route):
+    out = _paged_forward(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, route)
+    return out, None
+
+
+def _paged_bwd(opts, route, residuals, cotangents):
+    raise NotImplementedError(
+        "flash_attention_paged is forward only (decode / prefill over a KV cache): it has no "
+        "gradient. Wrap its inputs in jax.lax.stop_gradient if the surrounding computation is "
+        "differentiated, or use flash_attention / flash_attention_varlen for training.")
+
+
+_paged.defvjp(_paged_fwd, _paged_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("opts", "route"))
+def _paged_jit(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, route):
+    return _paged(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts, route)
+
+
+def paged_route(q, k_cache, v_cache, page_table, opts) -> tuple:
+    """(name of the backend running the paged call, its plan), decided outside the jit."""
+    backend, plan = base.planned(
+        backends.get(opts.implementation), "paged KV attention", opts,
+        lambda b: b.paged_plan(q, k_cache, v_cache, page_table, opts))
+    return backend.name, plan
+
+
+def paged(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts
+          ) -> tuple[jax.Array, jax.Array]:
+    """(out (B, Sq, H, Dv), lse (B, H, Sq)) of a validated paged call."""
+    route = paged_route(q, k_cache, v_cache, page_table, opts)
+    return _paged_jit(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache),
+                      jnp.asarray(page_table), jnp.asarray(seqused_k), learnable_sink, opts,
+                      route)

@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jax_fa4 import api, reference
+from jax_fa4 import api, options, reference
 
 __all__ = ["AttentionFn", "LinenMultiHeadAttention", "MultiHeadAttention", "attention_fn"]
 
@@ -132,9 +132,9 @@ class AttentionFn:
                 " (pure-JAX masked attention)")
         else:
             # Validates the options exactly as the kernel path would.
-            opts = api.canonicalize(q, k, v, softmax_scale=self.softmax_scale, causal=causal,
-                                    window_size=self.window_size, softcap=self.softcap,
-                                    implementation="reference")
+            opts = options.canonicalize(q, k, v, softmax_scale=self.softmax_scale,
+                                        causal=causal, window_size=self.window_size,
+                                        softcap=self.softcap, implementation="reference")
             out = _masked_attention(q, k, v, _flat(bias, lead, q, k), _flat(mask, lead, q, k),
                                     opts)
         return out.reshape(*query.shape[:-3], *out.shape[1:])
@@ -207,8 +207,8 @@ def _masked_attention(q, k, v, bias, mask, opts) -> jax.Array:
 def _options(causal, window_size, softcap, softmax_scale, implementation, on_mask) -> AttentionFn:
     """Check the options once, at construction, with the API's own validation."""
     probe = np.zeros((1, 1, 1, 8), np.float32)
-    api.canonicalize(probe, probe, probe, softmax_scale=softmax_scale, causal=causal,
-                     window_size=window_size, softcap=softcap, implementation=implementation)
+    options.canonicalize(probe, probe, probe, softmax_scale=softmax_scale, causal=causal,
+                         window_size=window_size, softcap=softcap, implementation=implementation)
     return AttentionFn(causal, tuple(window_size), float(softcap), softmax_scale,
                        implementation, on_mask)
 

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_fa4  # noqa: E402
-from jax_fa4 import ring  # noqa: E402
+from jax_fa4.parallel import ring  # noqa: E402
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")

@@ -4,8 +4,8 @@
 forward and the preprocess are the reference; the sm100 backward
 (``jax_fa4/kernels/sm100/bwd_config.py``) returns dq_accum as the kernel leaves it (row-major
 (Sq_pad, D) per (b, h), unscaled, the rows past Sq NaN so that the caller must drop them) and, for
-GQA configs, dK / dV per *query* head in float32. With them the sm100 route's JAX side (ops,
-sm100_bwd_ops, autodiff, sharding) runs on the CPU and must give the reference's numbers.
+GQA configs, dK / dV per *query* head in float32. With them the sm100 route's JAX side
+(jax_fa4.backends.sm100 and kernel, autodiff, sharding) runs on the CPU and must give the reference's numbers.
 Shared by tests/test_sm100_bwd_wiring.py and tests/multidevice_checks.py.
 """
 
@@ -15,7 +15,8 @@ import math
 
 import jax.numpy as jnp
 
-from jax_fa4 import ops, reference
+from jax_fa4 import reference
+from jax_fa4.backends import base
 
 
 def _check_signature(config, inputs, out_shapes) -> None:
@@ -50,7 +51,7 @@ def emulated_call_kernel(options: dict, calls: list):
         if name == "bwd_preprocess":
             out, dout, lse = inputs
             lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * math.log2(math.e))
-            return ops.reference_delta(out, dout), lse_log2
+            return base.reference_delta(out, dout), lse_log2
         assert name == "sm100_bwd" and arch == "sm_100a", (name, arch)
         q, k, v, dout, lse_log2, delta, _, dq_accum = inputs[:8]
         b, sq, h, d = q.shape

@@ -9,7 +9,7 @@ import pytest
 
 import jax_fa4
 from jax_fa4 import reference
-from jax_fa4.dispatch import ImplementationUnavailableError
+from jax_fa4.backends import ImplementationUnavailableError
 from numerics import random_qkv
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_fa4
-from jax_fa4 import ops, precompile
+from jax_fa4 import backends, precompile
 from jax_fa4.ffi import runtime
 from jax_fa4.ffi.cache import KernelCache
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
@@ -27,7 +27,7 @@ def _preprocess_inputs():
 
 
 def test_export_for_cuda_embeds_the_kernel(cache_dir):
-    f = jax.jit(lambda o, d, l: ops.bwd_preprocess(o, d, l, "sm90"))
+    f = jax.jit(lambda o, d, l: backends.get("sm90").backward_preprocess(o, d, l))
     exported = jax.export.export(f, platforms=["cuda"],
                                  disabled_checks=jax_fa4.export_disabled_safety_checks())(
         *_preprocess_inputs())
@@ -42,14 +42,14 @@ def test_export_for_cuda_embeds_the_kernel(cache_dir):
 
 
 def test_export_without_disabled_check_is_refused(cache_dir):
-    f = jax.jit(lambda o, d, l: ops.bwd_preprocess(o, d, l, "sm90"))
+    f = jax.jit(lambda o, d, l: backends.get("sm90").backward_preprocess(o, d, l))
     with pytest.raises(ValueError, match="CuteDSLRT_NvJaxCutlassCall_v2"):
         jax.export.export(f, platforms=["cuda"])(*_preprocess_inputs())
 
 
 def test_vmap_lowers_to_one_kernel_call(cache_dir):
     o, d, lse = _preprocess_inputs()
-    f = jax.jit(jax.vmap(lambda o, d: ops.bwd_preprocess(o, d, lse, "sm90")))
+    f = jax.jit(jax.vmap(lambda o, d: backends.get("sm90").backward_preprocess(o, d, lse)))
     stacked = jnp.stack([o, o, o])
     exported = jax.export.export(f, platforms=["cuda"],
                                  disabled_checks=jax_fa4.export_disabled_safety_checks())(
@@ -158,8 +158,6 @@ def test_deterministic_backward_lowers_with_its_counters(cache_dir):
     the JAX wrapper, the alias check and the CUDA lowering."""
     from typing import NamedTuple
 
-    from jax_fa4 import sm90_bwd_ops
-
     class Opts(NamedTuple):
         softmax_scale: float | None = None
         window: tuple = (None, 0)
@@ -174,7 +172,7 @@ def test_deterministic_backward_lowers_with_its_counters(cache_dir):
             jax.ShapeDtypeStruct((b, sq, h, d), bf),
             jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
             jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
-    f = jax.jit(lambda *a: sm90_bwd_ops.backward(*a, Opts()))
+    f = jax.jit(lambda *a: backends.get("sm90").backward(*a, Opts()))
     exported = jax.export.export(f, platforms=["cuda"],
                                  disabled_checks=jax_fa4.export_disabled_safety_checks())(*args)
     text = exported.mlir_module()

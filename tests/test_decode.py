@@ -1,4 +1,4 @@
-"""GQA packing and split-KV around the forward kernel (jax_fa4/decode.py), on the CPU.
+"""GQA packing and split-KV around the forward kernel (jax_fa4/backends/decode.py), on the CPU.
 
 The rewrite is checked with the reference forward standing in for the kernel: packing rows,
 splitting keys and merging the chunks by their lse must give the unrewritten attention, and the
@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import decode, ops
-from jax_fa4.api import AttentionOptions
+from jax_fa4 import backends
+from jax_fa4.backends import base, decode, sm90
+from jax_fa4.options import AttentionOptions
 
 NONE, CAUSAL = (None, None), (None, 0)
 
@@ -70,11 +71,11 @@ def test_rewrite_is_exact(b, sq, h, hkv, sk, window, plan):
 
     def kernel(q_, k_, v_, o_):  # q and out head-major
         calls.append((q_.shape, k_.shape, o_.window))
-        out_, lse_ = ops.reference_forward(q_.transpose(0, 2, 1, 3), k_, v_, o_)
+        out_, lse_ = base.reference_forward(q_.transpose(0, 2, 1, 3), k_, v_, o_)
         return out_.transpose(0, 2, 1, 3), lse_
 
     out, lse = decode.run(q, k, v, opts, plan, kernel)
-    ref_out, ref_lse = ops.reference_forward(q, k, v, opts)
+    ref_out, ref_lse = base.reference_forward(q, k, v, opts)
     assert calls == [((b * plan.splits, h // plan.group, sq * plan.group, 64),
                       (b * plan.splits, sk // plan.splits, hkv, 64), NONE)]
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
@@ -156,7 +157,7 @@ def test_options_pass_through_with_the_plans_window():
     k = v = jnp.ones((1, 1024, 1, 16), jnp.float32)
     def kernel(q_, k_, v_, o_):
         seen.append(o_)
-        out_, lse_ = ops.reference_forward(q_.transpose(0, 2, 1, 3), k_, v_, o_)
+        out_, lse_ = base.reference_forward(q_.transpose(0, 2, 1, 3), k_, v_, o_)
         return out_.transpose(0, 2, 1, 3), lse_
 
     decode.run(q, k, v, opts, decode.DecodePlan(4, 1, NONE), kernel)
@@ -185,25 +186,24 @@ def test_decode_configs_are_shipped_one_warpgroup_tiles():
 def test_decode_tile_option_from_the_environment(monkeypatch):
     """JAX_FA4_DECODE_TILE: 0 the training tile, 1 / unset the shipped decode tile, a
     DECODE_OPTIONS name that option (for dense and paged calls); anything else is refused."""
-    from jax_fa4 import paged
     from jax_fa4.kernels.sm90.fwd_config import DECODE_OPTIONS, decode_config
 
     monkeypatch.delenv("JAX_FA4_DECODE_TILE", raising=False)
-    assert decode.decode_tile_option() == {}
+    assert sm90.decode_tile_option() == {}
     for value, want in (("0", None), ("1", {}), *DECODE_OPTIONS.items()):
         monkeypatch.setenv("JAX_FA4_DECODE_TILE", value)
-        assert decode.decode_tile_option() == want
+        assert sm90.decode_tile_option() == want
     name, option = next(iter(DECODE_OPTIONS.items()))
     monkeypatch.setenv("JAX_FA4_DECODE_TILE", name)
     q = jnp.zeros((2, 1, 8, 128), jnp.bfloat16)
     cache = jnp.zeros((4, 128, 2, 128), jnp.bfloat16)
-    cfg = paged.kernel_config(q, cache, cache,
-                              dataclasses.replace(_opts(NONE), implementation="sm90"))
+    cfg = backends.get("sm90").paged_plan(q, cache, cache, jnp.zeros((2, 1), jnp.int32),
+                                          dataclasses.replace(_opts(NONE), implementation="sm90"))
     assert cfg.paged and all(getattr(cfg, f) == v for f, v in option.items())
     assert decode_config("bfloat16", 128, 128, **option).ctas_per_sm == option["ctas_per_sm"]
     monkeypatch.setenv("JAX_FA4_DECODE_TILE", "fast")
     with pytest.raises(ValueError, match="JAX_FA4_DECODE_TILE must be 0, 1 or one of"):
-        decode.decode_tile_option()
+        sm90.decode_tile_option()
 
 
 def test_two_ctas_per_sm_limits():

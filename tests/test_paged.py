@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import paged, reference
-from jax_fa4.paged import flash_attention_paged
+from jax_fa4 import autodiff, backends, options, reference
+from jax_fa4.api import flash_attention_paged
+from jax_fa4.backends import base, decode
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 
@@ -97,14 +98,14 @@ def test_matches_dense_per_sequence(case):
     _assert_close(out, want_out, "dense out")
     _assert_close(lse, want_lse, "dense lse")
     # Split-KV: one page per chunk, so several chunks and a padded last one.
-    opts = paged._options(q, softmax_scale=kwargs.get("softmax_scale"),
-                          causal=kwargs.get("causal", False),
-                          window_size=kwargs.get("window_size", (None, None)),
-                          softcap=kwargs.get("softcap", 0.0), implementation=None)
+    opts = options.options(q.shape[-1], softmax_scale=kwargs.get("softmax_scale"),
+                           causal=kwargs.get("causal", False),
+                           window_size=kwargs.get("window_size", (None, None)),
+                           softcap=kwargs.get("softcap", 0.0), implementation=None)
     for pages_per_block in (1, 2):
-        out_s, lse_s = paged._paged_jit(q, k_cache, v_cache, jnp.asarray(table),
-                                        jnp.asarray(seqused), sink, opts,
-                                        ("reference", pages_per_block))
+        out_s, lse_s = autodiff._paged_jit(q, k_cache, v_cache, jnp.asarray(table),
+                                           jnp.asarray(seqused), sink, opts,
+                                           ("reference", pages_per_block))
         _assert_close(out_s, want_out, f"split({pages_per_block}) out")
         _assert_close(lse_s, want_lse, f"split({pages_per_block}) lse")
 
@@ -133,7 +134,7 @@ def emulated_paged_kernel(config, arch, q, k_tiles, v_tiles, params, table, sequ
         t = cache[0].reshape(-1, tile_n, hkv, cache.shape[3])
         return jnp.asarray(t[tiles]).reshape(b, blocks * tile_n, hkv, cache.shape[3])
 
-    q_ids, q_pos, kv_ids = paged._mask_data(seqused, sq, jnp.arange(blocks * tile_n))
+    q_ids, q_pos, kv_ids = base.paged_mask_data(seqused, sq, jnp.arange(blocks * tile_n))
     out, lse = reference.attention(
         q, gather(k_tiles), gather(v_tiles), softmax_scale=scale,
         window=(None if left < 0 else int(left), None if right < 0 else int(right)),
@@ -164,17 +165,18 @@ def test_kernel_route_with_an_emulated_kernel(monkeypatch, sq, h, hkv, d, page_s
                                                  max_pages=max_pages, seqused=seqused, seed=3)
     q, k_cache, v_cache = (x.astype(jnp.bfloat16) for x in (q, k_cache, v_cache))
     sink = jnp.asarray(np.linspace(-1.0, 1.0, h), jnp.float32) if kwargs.get("softcap") else None
-    opts = paged._options(q, softmax_scale=None, causal=kwargs.get("causal", False),
-                          window_size=kwargs.get("window_size", (None, None)),
-                          softcap=kwargs.get("softcap", 0.0), implementation=None)
+    opts = options.options(q.shape[-1], softmax_scale=None, causal=kwargs.get("causal", False),
+                           window_size=kwargs.get("window_size", (None, None)),
+                           softcap=kwargs.get("softcap", 0.0), implementation=None)
     opts = dataclasses.replace(opts, implementation="sm90")
-    config = paged.kernel_config(q, k_cache, v_cache, opts)
+    sm90 = backends.get("sm90")
+    config = sm90.paged_plan(q, k_cache, v_cache, jnp.asarray(table), opts)
     assert not isinstance(config, str), config
-    plan = jax_fa4.decode.plan(q.shape, (b, max_pages * page_size, hkv, d), opts.window,
+    plan = decode.plan(q.shape, (b, max_pages * page_size, hkv, d), opts.window,
                                key_block=config.tile_n)
     assert (plan.splits if plan else 1) == splits
-    out, lse = paged._paged_kernel(q, k_cache, v_cache, jnp.asarray(table), jnp.asarray(seqused),
-                                   sink, opts, config)
+    out, lse = sm90.paged_forward(q, k_cache, v_cache, jnp.asarray(table), jnp.asarray(seqused),
+                                  sink, opts, config)
     want_out, want_lse = dense_per_sequence(q.astype(jnp.float32), k_cache.astype(jnp.float32),
                                             v_cache.astype(jnp.float32), table, seqused, sink,
                                             **_ref_options(kwargs))
@@ -185,40 +187,41 @@ def test_kernel_route_with_an_emulated_kernel(monkeypatch, sq, h, hkv, d, page_s
 
 def test_kernel_config_per_architecture():
     """Hopper: the 64-row, head-major decode tile with 64-key blocks, two CTAs per SM (one at
-    head dim 256); Blackwell: its table's config, paged; the reference: none."""
-    opts = paged._options(jnp.zeros((1, 1, 2, 128), jnp.bfloat16), softmax_scale=None,
-                          causal=True, window_size=(None, None), softcap=0.0,
-                          implementation=None)
+    head dim 256); Blackwell: its table's config, paged; the reference: its own chunking."""
+    opts = options.options(128, softmax_scale=None, causal=True, window_size=(None, None),
+                           softcap=0.0, implementation=None)
+    table = jnp.zeros((1, 4), jnp.int32)
     for d, tile_n in ((128, 64), (256, 64)):
         q = jnp.zeros((1, 1, 2, d), jnp.bfloat16)
         cache = jnp.zeros((4, 128, 2, d), jnp.bfloat16)
-        sm90 = paged.kernel_config(q, cache, cache, dataclasses.replace(opts, implementation="sm90"))
-        sm100 = paged.kernel_config(q, cache, cache,
-                                    dataclasses.replace(opts, implementation="sm100"))
+        sm90 = backends.get("sm90").paged_plan(
+            q, cache, cache, table, dataclasses.replace(opts, implementation="sm90"))
+        sm100 = backends.get("sm100").paged_plan(
+            q, cache, cache, table, dataclasses.replace(opts, implementation="sm100"))
         assert (sm90.kernel_name, sm90.paged, sm90.tile_m, sm90.tile_n) == (
             "sm90_fwd", True, 64, tile_n)
         assert sm90.qo_head_major and sm90.ctas_per_sm == (1 if d == 256 else 2)
         assert (sm100.kernel_name, sm100.paged, sm100.mask) == ("sm100_fwd", True, "causal")
-    assert "no paged kernel" in paged.kernel_config(
-        q, cache, cache, dataclasses.replace(opts, implementation="reference"))
+    assert backends.get("reference").paged_plan(q, cache, cache, table, opts) is None  # dense
 
 
 def test_kernel_config_refuses_pages_smaller_than_its_key_block():
     q = jnp.zeros((1, 1, 2, 128), jnp.bfloat16)
     cache = jnp.zeros((4, 32, 2, 128), jnp.bfloat16)
     opts = dataclasses.replace(
-        paged._options(q, softmax_scale=None, causal=False, window_size=(None, None),
-                       softcap=0.0, implementation=None), implementation="sm90")
-    assert "page_size 32 is not a multiple" in paged.kernel_config(q, cache, cache, opts)
+        options.options(128, softmax_scale=None, causal=False, window_size=(None, None),
+                        softcap=0.0, implementation=None), implementation="sm90")
+    assert "page_size 32 is not a multiple" in backends.get("sm90").paged_plan(
+        q, cache, cache, jnp.zeros((1, 4), jnp.int32), opts)
 
 
 def test_long_context_takes_the_split_path(monkeypatch):
     """Above _DENSE_MAX_KEYS key slots the public function scans over page chunks."""
-    monkeypatch.setattr(paged, "_DENSE_MAX_KEYS", 32)
-    monkeypatch.setattr(paged, "_SPLIT_KEYS", 32)  # 2 pages of 16 per chunk: 3 chunks
+    monkeypatch.setattr(base, "_DENSE_MAX_KEYS", 32)
+    monkeypatch.setattr(base, "_SPLIT_KEYS", 32)  # 2 pages of 16 per chunk: 3 chunks
     calls = []
-    real = paged._paged_reference
-    monkeypatch.setattr(paged, "_paged_reference",
+    real = base.paged_reference
+    monkeypatch.setattr(base, "paged_reference",
                         lambda *a: calls.append(a[-1]) or real(*a))
     q, k_cache, v_cache, table, seqused = _cache(2, 2, 2, 2, 8, 8, 16, num_pages=12,
                                                  max_pages=5, seqused=(70, 9), seed=1)

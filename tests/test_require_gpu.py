@@ -1,5 +1,5 @@
 """``JAX_FA4_REQUIRE_GPU=1`` (the GPU machine's runs): GPU tests fail instead of skipping, and a
-kernel implementation that would run the pure-JAX reference is reported (``ops.reference_fallback``)
+kernel implementation that would run the pure-JAX reference is reported (``jax_fa4.backends.base.reference_fallback``)
 and, in the GPU suite, refused."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import hopper_available
-from jax_fa4 import ops
-from jax_fa4.api import AttentionOptions
+from jax_fa4 import autodiff
+from jax_fa4.backends import base
+from jax_fa4.options import AttentionOptions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,9 +49,9 @@ def _shapes(d: int, dv: int, dtype=jnp.bfloat16) -> tuple:
 
 
 def _sm90_backward(d: int, dv: int) -> None:
-    """Trace ops.backward (what the gradient's partitioned body runs) for sm90."""
+    """Trace autodiff.backward_chain (what the gradient's partitioned body runs) for sm90."""
     opts = AttentionOptions(0.1, (None, None), 0.0, "sm90", forced=False)
-    jax.eval_shape(lambda *args: ops.backward(*args, opts), *_shapes(d, dv))
+    jax.eval_shape(lambda *args: autodiff.backward_chain(*args, opts), *_shapes(d, dv)[:7])
 
 
 def test_a_kernel_call_falling_back_to_the_reference_is_reported(monkeypatch, caplog):
@@ -63,13 +64,13 @@ def test_a_kernel_call_falling_back_to_the_reference_is_reported(monkeypatch, ca
     assert any("backward on sm90 runs the pure-JAX reference" in m for m in messages), messages
     from gpu.conftest import refuse_reference_fallback
 
-    monkeypatch.setattr(ops, "reference_fallback", refuse_reference_fallback)
+    monkeypatch.setattr(base, "reference_fallback", refuse_reference_fallback)
     with pytest.raises(AssertionError, match="JAX_FA4_REQUIRE_GPU=1: the backward"):
         _sm90_backward(192, 192)
     _sm90_backward(128, 128)
     q, k, v = _shapes(128, 128, jnp.float32)[:3]  # float32: no kernel takes it
     with pytest.raises(AssertionError, match="the forward of this call"):
-        jax.eval_shape(lambda *a: ops.forward(*a, AttentionOptions(
+        jax.eval_shape(lambda *a: autodiff.forward_chain(*a, AttentionOptions(
             0.1, (None, None), 0.0, "sm90", forced=False)), q, k, v)
-    jax.eval_shape(lambda *a: ops.forward(*a, AttentionOptions(
+    jax.eval_shape(lambda *a: autodiff.forward_chain(*a, AttentionOptions(
         0.1, (None, None), 0.0, "reference", forced=False)), q, k, v)

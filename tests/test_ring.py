@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_fa4
-from jax_fa4 import ring
+from jax_fa4.parallel import ring
 from test_sharding import multidevice_suite
 
 

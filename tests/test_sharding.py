@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_fa4
-from jax_fa4 import sharding
+from jax_fa4.parallel import sharding
 
 CHECKS = pathlib.Path(__file__).with_name("multidevice_checks.py")
 TOL = 1e-5

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import api, reference, varlen
+from jax_fa4 import autodiff, options, reference
 
 BLOCK_K = 8
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -138,9 +138,9 @@ def test_gradients_match_brute_force(case):
     for name, got, w in zip(NAMES, vjp((dout, dlse)), want):
         _assert_close(got, w, f"vjp {name}")
 
-    opts = api.canonicalize(q, k, v, softmax_scale=case[9], causal=False, window_size=case[7],
+    opts = options.canonicalize(q, k, v, softmax_scale=case[9], causal=False, window_size=case[7],
                             softcap=case[8], implementation=None)
-    core = jax.jit(lambda q, k, v, s: varlen.attention_with_extras(q, k, v, opts,
+    core = jax.jit(lambda q, k, v, s: autodiff.attention_with_extras(q, k, v, opts,
                                                                     learnable_sink=s))
     (out_c, lse_c), vjp = jax.vjp(core, q, k, v, sink)
     _assert_close(out_c, out, "core out")
@@ -190,26 +190,26 @@ def test_sink_dtype_and_shape_checks():
     with pytest.raises(ValueError, match=r"learnable_sink must have shape \(H,\) = \(4,\)"):
         reference.attention(q, k, v, learnable_sink=sink[:3])
     with pytest.raises(ValueError, match=r"learnable_sink must have shape \(H,\) = \(4,\)"):
-        varlen.check_learnable_sink(sink[:3], 4)
+        options.check_learnable_sink(sink[:3], 4)
     with pytest.raises(TypeError, match="learnable_sink must have a floating dtype"):
-        varlen.check_learnable_sink(jnp.zeros(4, jnp.int32), 4)
+        options.check_learnable_sink(jnp.zeros(4, jnp.int32), 4)
     with pytest.raises(TypeError, match="learnable_sink must be None or a jax.Array"):
-        varlen.check_learnable_sink([0.0] * 4, 4)
+        options.check_learnable_sink([0.0] * 4, 4)
     # A bfloat16 sink: float32 arithmetic, gradient in bfloat16.
     s16 = sink.astype(jnp.bfloat16)
-    opts = api.canonicalize(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
+    opts = options.canonicalize(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
                             softcap=0.0, implementation=None)
-    g = jax.grad(lambda s: varlen.attention_with_extras(q, k, v, opts, learnable_sink=s)[0]
+    g = jax.grad(lambda s: autodiff.attention_with_extras(q, k, v, opts, learnable_sink=s)[0]
                  .sum())(s16)
     assert g.dtype == jnp.bfloat16 and g.shape == (4,)
 
 
 def test_forced_kernel_raises():
     q, k, v, sink, _, _ = _inputs(CASES[0], seed=6)
-    opts = api.canonicalize(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
+    opts = options.canonicalize(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
                             softcap=0.0, implementation="sm90")
     with pytest.raises(jax_fa4.ImplementationUnavailableError, match="learnable_sink"):
-        varlen.attention_with_extras(q, k, v, opts, learnable_sink=sink)
+        autodiff.attention_with_extras(q, k, v, opts, learnable_sink=sink)
 
 
 _API_HAS_SINK = "learnable_sink" in inspect.signature(jax_fa4.flash_attention).parameters
@@ -234,31 +234,24 @@ def test_flash_attention_learnable_sink():
 def test_kernel_route_joins_the_sink_around_the_attention_chain(case, monkeypatch):
     """flash_attention(learnable_sink=..., implementation="sm90") runs the kernel chain
     (jax_fa4.autodiff.attention_with_sink) and joins the sink around it; with the reference
-    standing in for the kernels (ops.forward / bwd_preprocess / backward) the outputs and the
+    standing in for the sm90 backend (a registered subclass of the reference) the outputs and the
     gradients of q, k, v and the sink equal the brute-force form's."""
-    import dataclasses
-
-    from jax_fa4 import ops
+    from jax_fa4 import backends
+    from jax_fa4.backends import base
 
     calls = []
 
-    def ref_opts(o):
-        return dataclasses.replace(o, implementation="reference", forced=False)
+    class Sm90Stand_in(base.Backend):
+        name = "sm90"
 
-    real_forward, real_pre, real_backward = ops.forward, ops.bwd_preprocess, ops.backward
+        def forward(self, q, k, v, opts):
+            calls.append(opts.implementation)
+            return super().forward(q, k, v, opts)
 
-    def forward(q, k, v, opts):
-        calls.append(opts.implementation)
-        return real_forward(q, k, v, ref_opts(opts))
-
-    monkeypatch.setattr(ops, "forward", forward)
-    monkeypatch.setattr(ops, "bwd_preprocess",
-                        lambda out, dout, lse, impl: real_pre(out, dout, lse, "reference"))
-    monkeypatch.setattr(ops, "backward",
-                        lambda *a: real_backward(*a[:-1], ref_opts(a[-1])))
+    monkeypatch.setitem(backends.BACKENDS, "sm90", Sm90Stand_in())
     spy = []
-    real_join = ops.join_sink
-    monkeypatch.setattr(ops, "join_sink", lambda *a: spy.append(1) or real_join(*a))
+    real_join = base.join_sink
+    monkeypatch.setattr(base, "join_sink", lambda *a: spy.append(1) or real_join(*a))
     q, k, v, sink, _, _ = _inputs(case, seed=11)
     window, softcap, scale = case[7], case[8], case[9]
 

@@ -19,7 +19,9 @@ from numerics import random_qkv
 from sm100_emulation import emulated_call_kernel
 
 import jax_fa4
-from jax_fa4 import dispatch, ops
+from jax_fa4 import backends, options
+from jax_fa4.backends import base
+from jax_fa4.backends.sm100 import ENABLE_ENV
 from jax_fa4.ffi import call
 
 CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
@@ -58,11 +60,9 @@ def lowered(monkeypatch):
 @pytest.fixture
 def fresh_warning():
     """The once-per-reason fallback warning forgets what it said (before and after a test)."""
-    warn = getattr(ops, "warn_reference_backward", None)
-    clear = warn.cache_clear if warn is not None else (lambda: None)
-    clear()
+    base.warn_reference_backward.cache_clear()
     yield
-    clear()
+    base.warn_reference_backward.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +107,8 @@ def test_forced_sm100_gradient_lowers_to_the_sm100_backward_kernel(module_cache,
 def test_enabled_sm100_gradient_uses_the_sm100_backward(lowered, monkeypatch):
     """implementation=None on a Blackwell GPU with JAX_FA4_ENABLE_SM100=1 (GPU faked) takes the
     same backward kernel as a forced sm100."""
-    monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: "10.0")
-    monkeypatch.setenv(dispatch.ENV_ENABLE_SM100, "1")
+    monkeypatch.setattr(backends, "gpu_compute_capability", lambda: "10.0")
+    monkeypatch.setenv(ENABLE_ENV, "1")
     _export_for_cuda(_grad_fn(None, window_size=(16, 0)), *_qkv(d=64))
     kernels = {c.kernel_name: c for c, _ in lowered}
     assert set(kernels) == {"sm100_fwd", "bwd_preprocess", "sm100_bwd"}
@@ -134,11 +134,12 @@ def test_sm100_backward_the_kernel_rejects_falls_back_with_a_warning(lowered, fr
     the sm100 forward kernel and run the reference backward, saying so once, with the config's
     reason."""
     q, k, v = _qkv(d=d, dv=dv)
-    opts = jax_fa4.api.canonicalize(q, k, v, softmax_scale=None, causal=True,
-                                    window_size=(None, None), softcap=0.0,
-                                    implementation="sm100")
-    assert not isinstance(ops.forward_config(q, k, v, opts), str)  # the forward kernel serves
-    reason = ops.backward_unsupported(q, k, v, opts)
+    opts = options.canonicalize(q, k, v, softmax_scale=None, causal=True,
+                                window_size=(None, None), softcap=0.0,
+                                implementation="sm100")
+    sm100 = backends.get("sm100")
+    assert sm100.supports_forward(q, k, v, opts) is None  # the forward kernel serves
+    reason = sm100.supports_backward(q, k, v, opts)
     assert reason is not None and "2-CTA" in reason
     with pytest.warns(RuntimeWarning, match="reference backward") as record:
         _export_for_cuda(_grad_fn("sm100", causal=True), q, k, v)
@@ -154,8 +155,8 @@ def test_no_warning_when_the_sm100_forward_kernel_does_not_run_either(monkeypatc
     """sm100 enabled by the env var but float32 inputs: forward and backward both run the
     reference, as silently as the forward's fallback (the warning is about a split between a
     kernel forward and a reference backward)."""
-    monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: "10.0")
-    monkeypatch.setenv(dispatch.ENV_ENABLE_SM100, "1")
+    monkeypatch.setattr(backends, "gpu_compute_capability", lambda: "10.0")
+    monkeypatch.setenv(ENABLE_ENV, "1")
     q, k, v = _qkv(sq=9, sk=9, d=64, dtype=jnp.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -181,14 +182,12 @@ def test_sm90_gradient_still_lowers_to_the_sm90_backward_kernels(lowered, fresh_
 
 def test_sm90_backward_fallback_is_unchanged(lowered, fresh_warning):
     """Head dim 192/192: the sm90 forward kernel serves it, its backward kernels do not; the
-    reference backward runs, silently as before, for the sm90_bwd_ops reason."""
-    from jax_fa4 import sm90_bwd_ops
-
+    reference backward runs, silently as before, for the sm90 backend's reason."""
     q, k, v = _qkv(d=192)
-    opts = jax_fa4.api.canonicalize(q, k, v, softmax_scale=None, causal=False,
-                                    window_size=(None, None), softcap=0.0, implementation="sm90")
-    reason = ops.backward_unsupported(q, k, v, opts)
-    assert reason is not None and reason == sm90_bwd_ops.unsupported(q, k, v, opts)
+    opts = options.canonicalize(q, k, v, softmax_scale=None, causal=False,
+                                window_size=(None, None), softcap=0.0, implementation="sm90")
+    reason = backends.get("sm90").supports_backward(q, k, v, opts)
+    assert reason is not None and "192" in reason
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _export_for_cuda(_grad_fn("sm90", causal=True), q, k, v)

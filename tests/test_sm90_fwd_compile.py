@@ -95,7 +95,7 @@ def _decode_id(cfg: FwdConfig) -> str:
                                        + [decode_config("float16", 128, 128, has_softcap=True)],
                                        ARCH), ids=_decode_id)
 def test_decode_tile_compiles_with_clean_sass(cfg, shipped_cache):
-    """The shipped decode tile of every head dim (jax_fa4/decode.py): head-major q and out,
+    """The shipped decode tile of every head dim (jax_fa4/backends/sm90.py): head-major q and out,
     TMA-stored O, two CTAs per SM up to head_dim_v 192."""
     assert cfg.ctas_per_sm == (2 if cfg.head_dim_v <= 192 else 1) and cfg.qo_head_major
     k = compiled_sass(shipped_cache, cfg, ARCH)

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import api, ops, reference, varlen
-from jax_fa4.varlen import flash_attention_varlen
+from jax_fa4 import autodiff, backends, options, reference
+from jax_fa4.api import flash_attention_varlen
+from jax_fa4.backends import base, sm90
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 
@@ -134,7 +135,7 @@ def test_matches_per_sequence_reference(case):
 
 def test_blocked_path_matches_per_sequence(monkeypatch):
     """The memory-light (key-blocked) form, forced with 4-key blocks, forward and gradients."""
-    monkeypatch.setattr(ops, "reference_block_k", lambda sq, sk: 4)
+    monkeypatch.setattr(base, "reference_block_k", lambda sq, sk: 4)
     h, hkv, d, dv, kwargs, _ = CASES[1]
     # Other padding than elsewhere: new total shapes, so no cached naive trace is reused.
     q, k, v, sink, dout, dlse = _packed(LENS_Q, LENS_K, h, hkv, d, dv, seed=1, pad_q=1, pad_k=1)
@@ -172,9 +173,9 @@ def test_new_lengths_do_not_retrace():
 
     # Eager calls with host (numpy) cu_seqlens: the inner jit is reused too.
     flash_attention_varlen(q, k, v, _cu(lens_a[0]), _cu(lens_a[1]), 8, 8, **kwargs)
-    size = varlen._varlen._cache_size()
+    size = autodiff._varlen._cache_size()
     flash_attention_varlen(q, k, v, _cu(lens_b[0]), _cu(lens_b[1]), 8, 8, **kwargs)
-    assert varlen._varlen._cache_size() == size
+    assert autodiff._varlen._cache_size() == size
 
 
 def test_vmap_over_a_leading_axis():
@@ -237,11 +238,11 @@ def _segment_inputs(b, sq, sk, h, hkv, d, seed):
 
 
 def _core(q, k, v, segment_ids, **kwargs):
-    opts = api.canonicalize(q, k, v, softmax_scale=None, causal=kwargs.get("causal", False),
+    opts = options.canonicalize(q, k, v, softmax_scale=None, causal=kwargs.get("causal", False),
                             window_size=kwargs.get("window_size", (None, None)),
                             softcap=kwargs.get("softcap", 0.0), implementation=None)
-    return varlen.attention_with_extras(q, k, v, opts,
-                                        segment_ids=varlen.check_segment_ids(segment_ids, q, k))
+    return autodiff.attention_with_extras(q, k, v, opts,
+                                          segment_ids=options.check_segment_ids(segment_ids, q, k))
 
 
 def test_packed_segments_match_per_segment_reference():
@@ -319,15 +320,15 @@ def test_arbitrary_segments_match_per_row_oracle():
 def test_segment_ids_checks():
     q, k, v, _, _ = _segment_inputs(1, 4, 6, 2, 2, 8, seed=8)
     ok = (np.zeros((1, 4), np.int32), np.zeros((1, 6), np.int32))
-    assert [x.dtype for x in varlen.check_segment_ids(ok, q, k)] == [jnp.int32] * 2
+    assert [x.dtype for x in options.check_segment_ids(ok, q, k)] == [jnp.int32] * 2
     with pytest.raises(ValueError, match="single segment_ids array needs Sq == Sk"):
-        varlen.check_segment_ids(ok[0], q, k)
+        options.check_segment_ids(ok[0], q, k)
     with pytest.raises(ValueError, match=r"kv_segment_ids must have shape \(B, Sk\) = \(1, 6\)"):
-        varlen.check_segment_ids((ok[0], ok[0]), q, k)
+        options.check_segment_ids((ok[0], ok[0]), q, k)
     with pytest.raises(TypeError, match="q_segment_ids must have an integer dtype"):
-        varlen.check_segment_ids((ok[0].astype(np.float32), ok[1]), q, k)
+        options.check_segment_ids((ok[0].astype(np.float32), ok[1]), q, k)
     with pytest.raises(ValueError, match="a pair"):
-        varlen.check_segment_ids((ok[0],), q, k)
+        options.check_segment_ids((ok[0],), q, k)
     with pytest.raises(ValueError, match="given together"):
         reference.visible_mask(4, 6, (None, None), q_segment_ids=jnp.asarray(ok[0]))
 
@@ -351,16 +352,15 @@ def _emulated_varlen_kernel(options, implementation="sm90", calls=None):
     (spec.varlen_attention_forward_signature): the reference on the packed batch, out 0 at the
     tokens outside every sequence, lse scattered into (batch, H, max_seqlen_q) (NaN where the
     kernel writes nothing). Each call's config is appended to ``calls``."""
-    from jax_fa4.dispatch import KERNEL_ARCH
-
     def kernel(config, arch, q, k, v, params, cu_q, cu_k, *, out_shapes):
         assert config.varlen and q.shape[0] == 1
-        assert (config.kernel_name, arch) == (f"{implementation}_fwd", KERNEL_ARCH[implementation])
+        assert (config.kernel_name, arch) == (f"{implementation}_fwd",
+                                              backends.get(implementation).arch)
         if calls is not None:
             calls.append(config)
-        seg = varlen.varlen_segments(cu_q, cu_k, q.shape[1], k.shape[1])
+        seg = base.varlen_segments(cu_q, cu_k, q.shape[1], k.shape[1])
         out, lse = reference.attention(q, k, v, **options, **seg._asdict())
-        t, seq, valid, start, _ = varlen._token_layout(cu_q, q.shape[1])
+        t, seq, valid, start, _ = base.token_layout(cu_q, q.shape[1])
         out = jnp.where(valid[None, :, None, None], out, 0).astype(out_shapes[0].dtype)
         lse_pad = jnp.full(out_shapes[1].shape, jnp.nan, jnp.float32)
         rows = jnp.where(valid, t - start, out_shapes[1].shape[2])  # invalid: dropped
@@ -387,7 +387,7 @@ def _emulated_varlen_backward(options, called):
         tm, d = config.tile_m, config.head_dim
         acc = dq_accum.reshape(h, n // (tm * d), tm, d) * params[0]
         total = out_shape.shape[1]
-        t, seq, valid, start, _ = varlen._token_layout(cu_q, total)
+        t, seq, valid, start, _ = base.token_layout(cu_q, total)
         owner = tile_seq[None, :] == seq[:, None]  # (token, tile): the tile's sequence
         first = jnp.argmax(owner, axis=1)  # the sequence's first tile
         named = valid & owner.any(axis=1)
@@ -401,12 +401,12 @@ def _emulated_varlen_backward(options, called):
     def main(config, q, k, v, dout, lse_log2, delta, params, dq_accum, cu_q, cu_k, work,
              out_shapes):
         tq, tk, h, hkv = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
-        seg = varlen.varlen_segments(cu_q, cu_k, tq, tk)
+        seg = base.varlen_segments(cu_q, cu_k, tq, tk)
         lse = jnp.where(jnp.isinf(lse_log2), -jnp.inf, lse_log2 / np.log2(np.e))
         dq, dk, dv = reference.attention_backward(
             q, k, v, jnp.zeros(dout.shape, dout.dtype), lse, dout, delta=delta, **options,
             **seg._asdict())
-        t, seq, valid, start, _ = varlen._token_layout(cu_q, tq)
+        t, seq, valid, start, _ = base.token_layout(cu_q, tq)
         row = (start + seq * config.tile_m) // config.tile_m * config.tile_m + t - start
         acc = dq_accum.reshape(h, -1, config.head_dim)
         acc = acc.at[:, jnp.where(valid, row, acc.shape[1])].add(
@@ -416,9 +416,9 @@ def _emulated_varlen_backward(options, called):
         listed = jnp.zeros((cu_k.shape[0] - 1, nb), bool).at[
             jnp.where(work[:, 0] >= 0, work[:, 0], cu_k.shape[0]), work[:, 1]].set(
                 True, mode="drop")
-        tk_, seq_k, valid_k, start_k, _ = varlen._token_layout(cu_k, tk)
+        tk_, seq_k, valid_k, start_k, _ = base.token_layout(cu_k, tk)
         written = valid_k & listed[seq_k, (tk_ - start_k) // config.tile_n]
-        zeroed = ~valid_k & (work[:, 0] == varlen.ZERO_PADDING).any()  # the padding item
+        zeroed = ~valid_k & (work[:, 0] == sm90.ZERO_PADDING).any()  # the padding item
         outs = []
         for g in (dk, dv):
             g = g[0]
@@ -462,9 +462,8 @@ def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch)
     backward = _emulated_varlen_backward(_ref_options(kwargs), called)
     monkeypatch.setattr(call, "call_kernel", lambda config, *a, **kw: (
         forward if config.kernel_name.endswith("_fwd") else backward)(config, *a, **kw))
-    real_pre = ops.bwd_preprocess
-    monkeypatch.setattr(ops, "bwd_preprocess",
-                        lambda out, dout, lse, impl: real_pre(out, dout, lse, "reference"))
+    monkeypatch.setattr(backends.get("sm90"), "backward_preprocess",
+                        base.REFERENCE_BACKEND.backward_preprocess)
     q, k, v, sink, dout, dlse = _packed(LENS_Q, LENS_K, h, hkv, d, dv, seed=4)
     q, k, v, dout = (x.astype(jnp.bfloat16) for x in (q, k, v, dout))
     sink = sink if with_sink else None
@@ -477,13 +476,13 @@ def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch)
 
     (out, lse), vjp = jax.vjp(f, q, k, v, sink)
     if implementation == "sm100":  # no sm100 varlen backward kernel: the reference's, said once
-        ops.warn_reference_backward.cache_clear()
+        base.warn_reference_backward.cache_clear()
         with pytest.warns(RuntimeWarning, match="no varlen backward kernel"):
             grads = vjp((dout, dlse))
     else:
         grads = vjp((dout, dlse))
-    want_config = varlen.kernel_config(
-        q, v, varlen._options(q, softmax_scale=kwargs.get("softmax_scale"),
+    want_config = backends.get(implementation).varlen_config(
+        q, v, options.options(q.shape[-1], softmax_scale=kwargs.get("softmax_scale"),
                               causal=kwargs.get("causal", False),
                               window_size=kwargs.get("window_size", (None, None)),
                               softcap=kwargs.get("softcap", 0.0), implementation=implementation),
@@ -522,11 +521,11 @@ def test_kernel_config_per_architecture():
     varlen=True (persistent, never paged); the reference: none; unsupported kinds: the reason,
     naming the architecture's kernel, and a forced implementation raises it."""
     q = jnp.zeros((10, 4, 128), jnp.bfloat16)
-    opts = varlen._options(q, softmax_scale=None, causal=True, window_size=(None, None),
+    opts = options.options(q.shape[-1], softmax_scale=None, causal=True, window_size=(None, None),
                            softcap=1.5, implementation=None)
     impl = lambda name: dataclasses.replace(opts, implementation=name)  # noqa: E731
-    sm90 = varlen.kernel_config(q, q, impl("sm90"), 8)
-    sm100 = varlen.kernel_config(q, q, impl("sm100"), 8)
+    sm90 = backends.get("sm90").varlen_config(q, q, impl("sm90"), 8)
+    sm100 = backends.get("sm100").varlen_config(q, q, impl("sm100"), 8)
     assert (sm90.kernel_name, sm90.varlen, sm90.num_sms) == ("sm90_fwd", True, 0)
     assert (sm100.kernel_name, sm100.varlen, sm100.paged) == ("sm100_fwd", True, False)
     assert (sm100.mask, sm100.has_softcap, sm100.head_dim, sm100.dtype) == (
@@ -534,11 +533,10 @@ def test_kernel_config_per_architecture():
     from jax_fa4.kernels.sm100.fwd_config import shipped_configs
 
     assert sm100 in shipped_configs() and sm100.num_sms > 0
-    assert "no varlen kernel" in varlen.kernel_config(q, q, impl("reference"), 8)
-    assert "max_seqlen_q is 0" in varlen.kernel_config(q, q, impl("sm100"), 0)
+    assert "max_seqlen_q is 0" in backends.get("sm100").varlen_config(q, q, impl("sm100"), 0)
     q192 = jnp.zeros((10, 4, 192), jnp.bfloat16)  # 192/192: an sm90 row, not an sm100 one
-    assert varlen.kernel_config(q192, q192, impl("sm90"), 8).varlen
-    why = varlen.kernel_config(q192, q192, impl("sm100"), 8)
+    assert backends.get("sm90").varlen_config(q192, q192, impl("sm90"), 8).varlen
+    why = backends.get("sm100").varlen_config(q192, q192, impl("sm100"), 8)
     assert isinstance(why, str) and "sm100 forward" in why and "192/192" in why
     cu = np.array([0, 4, 10], np.int32)
     with pytest.raises(jax_fa4.ImplementationUnavailableError, match="192/192"):
@@ -568,8 +566,8 @@ def test_work_table_lists_every_key_block_once(order, window):
         batch = int(rng.integers(1, 7))
         lens_q, lens_k = _random_lengths(rng, batch, 400), _random_lengths(rng, batch, 600)
         total_k = int(lens_k.sum()) + int(rng.integers(0, 50))
-        n = varlen.work_items(total_k, batch, tn)
-        table = np.asarray(varlen.work_table(jnp.asarray(_cu(lens_q)), jnp.asarray(_cu(lens_k)),
+        n = sm90.work_items(total_k, batch, tn)
+        table = np.asarray(sm90.work_table(jnp.asarray(_cu(lens_q)), jnp.asarray(_cu(lens_k)),
                                              n, tm, tn, window, order))
         assert table.shape == (n, WORK_COLUMNS) and table.dtype == np.int32
         cu_q, cu_k = _cu(lens_q), _cu(lens_k)
@@ -579,7 +577,7 @@ def test_work_table_lists_every_key_block_once(order, window):
         assert sorted(map(tuple, rows.tolist())) == sorted(tuple(map(int, w)) for w in want)
         # spare rows, then the padding item
         assert (table[len(rows):-1] == [-1, 0, 0, 0, 0, 0, 0, 0]).all()
-        assert table[-1].tolist() == [varlen.ZERO_PADDING] + [0] * 7
+        assert table[-1].tolist() == [sm90.ZERO_PADDING] + [0] * 7
         used = rows[:, :2]
         left, right = window
 
@@ -596,7 +594,7 @@ def test_work_table_lists_every_key_block_once(order, window):
             assert costs == sorted(costs, reverse=True), costs
         else:  # sequence by sequence, each from its last key block down
             assert used.tolist() == sorted(used.tolist(), key=lambda r: (r[0], -r[1]))
-        got = varlen.visited_query_blocks(jnp.asarray(lens_q[used[:, 0]]),
+        got = sm90.visited_query_blocks(jnp.asarray(lens_q[used[:, 0]]),
                                           jnp.asarray(lens_k[used[:, 0]]),
                                           jnp.asarray(used[:, 1]), tm, tn, window)
         assert np.asarray(got).tolist() == costs
@@ -618,7 +616,7 @@ def test_dq_accum_tiles_of_sequences_are_disjoint(tile_m):
             for tile in range(first, first + -(-int(lens[b]) // tile_m)):
                 assert tile not in owner, (lens, b, owner.get(tile))
                 owner[tile] = b
-        rows = varlen.dq_accum_rows(total, batch, tile_m)
+        rows = sm90.dq_accum_rows(total, batch, tile_m)
         assert rows % tile_m == 0 and all((t + 1) * tile_m <= rows for t in owner)
-        got = np.asarray(varlen.tile_owners(jnp.asarray(cu), rows // tile_m, tile_m))
+        got = np.asarray(sm90.tile_owners(jnp.asarray(cu), rows // tile_m, tile_m))
         assert got.tolist() == [owner.get(t, -1) for t in range(rows // tile_m)], (lens, got)

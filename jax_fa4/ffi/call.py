@@ -20,12 +20,12 @@ import jax.extend
 import jax.numpy as jnp
 from jax.interpreters import batching, mlir
 
-from jax_fa4.dispatch import ImplementationUnavailableError
+from jax_fa4.backends.base import ImplementationUnavailableError
 from jax_fa4.ffi import compiler
 from jax_fa4.ffi.cache import KernelCache
 from jax_fa4.ffi.runtime import CALL_TARGET, RuntimeLibraryNotFoundError, register_ffi_targets
 from jax_fa4.kernels.spec import KernelConfig
-from jax_fa4.manual_axes import vary_like
+from jax_fa4.parallel.manual_axes import vary_like
 
 PRECOMPILE_HINT = "python -m jax_fa4.precompile"
 

@@ -2,7 +2,7 @@
 
 With ``JAX_FA4_REQUIRE_GPU=1`` (the GPU machine's runs) a test must exercise the kernels it
 names: a call that would run the pure-JAX reference on a kernel implementation
-(``jax_fa4.ops.reference_fallback``) fails the test, unless the test is marked
+(``jax_fa4.backends.base.reference_fallback``) fails the test, unless the test is marked
 ``reference_fallback`` (it checks the fallback on purpose). A kernel missing from the cache
 already fails (``KernelNotAvailableError``), and tests/conftest.py fails the run when no Hopper
 GPU is there.
@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def refuse_reference_fallback(what: str, implementation: str, reason: str) -> None:
-    """``jax_fa4.ops.reference_fallback`` in a GPU test that must run kernels."""
+    """``jax_fa4.backends.base.reference_fallback`` in a GPU test that must run kernels."""
     raise AssertionError(f"JAX_FA4_REQUIRE_GPU=1: the {what} of this call would run the pure-JAX "
                          f"reference instead of the {implementation} kernels ({reason}); mark "
                          "the test reference_fallback if that is its point")
@@ -34,7 +34,7 @@ def refuse_reference_fallback(what: str, implementation: str, reason: str) -> No
 @pytest.fixture(autouse=True)
 def _no_silent_reference(request, monkeypatch):
     if require_gpu() and not request.node.get_closest_marker("reference_fallback"):
-        from jax_fa4 import ops
+        from jax_fa4.backends import base
 
-        monkeypatch.setattr(ops, "reference_fallback", refuse_reference_fallback)
+        monkeypatch.setattr(base, "reference_fallback", refuse_reference_fallback)
     yield

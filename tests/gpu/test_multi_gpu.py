@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_fa4
-from jax_fa4 import ring
+from jax_fa4.parallel import ring
 from numerics import assert_fa4_close
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs at least 2 GPUs")

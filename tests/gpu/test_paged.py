@@ -1,7 +1,7 @@
 """The Hopper paged-KV forward kernel against the float32 reference, on an H100/H200.
 
 ``jax_fa4.flash_attention_paged(..., implementation="sm90", return_lse=True)`` (the paged
-kernel, with decode shapes GQA-packed and split by jax_fa4/decode.py) is compared by FA4's rule
+kernel, with decode shapes GQA-packed and split by jax_fa4/backends/decode.py) is compared by FA4's rule
 (tests/numerics.py) with the reference on each sequence's keys: the cache pages gathered in
 page-table order, keys at or past ``seqused_k[b]`` masked, causal / windows aligned to
 ``seqused_k[b]``. Pages are shuffled across sequences; page-table entries past a sequence's used
@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import paged, reference
+from jax_fa4 import reference
+from jax_fa4.backends import base
 from tests.gpu.test_sm90_fwd import check_forward, poison_device_memory
 
 pytestmark = pytest.mark.gpu
@@ -42,8 +43,8 @@ def _paged_inputs(seed, b, sq, h, hkv, d, dv, page_size, max_pages, seqused, dty
 
 
 def _reference(q, k_cache, v_cache, table, seqused, compute_dtype, **kw):
-    k, v = paged._gather(k_cache, table), paged._gather(v_cache, table)
-    q_ids, q_pos, kv_ids = paged._mask_data(seqused, q.shape[1], jnp.arange(k.shape[1]))
+    k, v = base.gather_pages(k_cache, table), base.gather_pages(v_cache, table)
+    q_ids, q_pos, kv_ids = base.paged_mask_data(seqused, q.shape[1], jnp.arange(k.shape[1]))
     return reference.attention(q, k, v, compute_dtype=compute_dtype, q_segment_ids=q_ids,
                                kv_segment_ids=kv_ids, q_positions=q_pos, **kw)
 

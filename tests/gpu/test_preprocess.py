@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import ops, reference
+from jax_fa4 import backends, reference
 from numerics import assert_fa4_close
 
 
@@ -37,7 +37,7 @@ def _inputs(key, shape, dtype):
 def test_preprocess_kernel_matches_float32(shape, dtype):
     out, dout, lse = _inputs(jax.random.key(sum(shape)), shape, dtype)
     poison_device_memory()
-    delta, lse_log2 = jax.jit(lambda o, d, l: ops.bwd_preprocess(o, d, l, "sm90"))(out, dout, lse)
+    delta, lse_log2 = jax.jit(lambda o, d, l: backends.get("sm90").backward_preprocess(o, d, l))(out, dout, lse)
     want = np.einsum("bshd,bshd->bhs", np.asarray(out, np.float64), np.asarray(dout, np.float64))
     np.testing.assert_allclose(np.asarray(delta), want, rtol=1e-5, atol=1e-4 * math.sqrt(shape[3]))
     lse_np = np.asarray(lse)
@@ -48,9 +48,9 @@ def test_preprocess_kernel_matches_float32(shape, dtype):
 def test_preprocess_kernel_under_vmap():
     out, dout, lse = _inputs(jax.random.key(7), (2, 77, 3, 128), jnp.bfloat16)
     stack = lambda x: jnp.stack([x, x * 2])  # noqa: E731
-    f = jax.jit(jax.vmap(lambda o, d, l: ops.bwd_preprocess(o, d, l, "sm90")))
+    f = jax.jit(jax.vmap(lambda o, d, l: backends.get("sm90").backward_preprocess(o, d, l)))
     delta, _ = f(stack(out), stack(dout), stack(lse))
-    single, _ = jax.jit(lambda o, d, l: ops.bwd_preprocess(o, d, l, "sm90"))(out, dout, lse)
+    single, _ = jax.jit(lambda o, d, l: backends.get("sm90").backward_preprocess(o, d, l))(out, dout, lse)
     np.testing.assert_allclose(np.asarray(delta[0]), np.asarray(single), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(delta[1]), 4 * np.asarray(single), rtol=1e-5, atol=1e-4)
 
@@ -82,7 +82,7 @@ def test_grad_through_api_uses_kernel_and_matches_reference(causal):
 
 def test_export_roundtrip_runs_embedded_kernel():
     out, dout, lse = _inputs(jax.random.key(11), (2, 100, 3, 128), jnp.bfloat16)
-    f = jax.jit(lambda o, d, l: ops.bwd_preprocess(o, d, l, "sm90"))
+    f = jax.jit(lambda o, d, l: backends.get("sm90").backward_preprocess(o, d, l))
     exported = jax.export.export(f, disabled_checks=jax_fa4.export_disabled_safety_checks())(
         out, dout, lse)
     restored = jax.export.deserialize(exported.serialize())
@@ -94,10 +94,10 @@ def test_runs_without_the_compiler():
     """With every kernel in the cache, nothing imports the CuTe-DSL compiler."""
     code = (
         "import sys, jax, jax.numpy as jnp\n"
-        "from jax_fa4 import ops\n"
+        "from jax_fa4 import backends\n"
         "o = jnp.ones((1, 9, 2, 128), jnp.bfloat16)\n"
         "l = jnp.zeros((1, 2, 9), jnp.float32)\n"
-        "d, _ = jax.jit(lambda o, l: ops.bwd_preprocess(o, o, l, 'sm90'))(o, l)\n"
+        "d, _ = jax.jit(lambda o, l: backends.get('sm90').backward_preprocess(o, o, l))(o, l)\n"
         "assert float(d[0, 0, 0]) == 128.0, d\n"
         "assert 'cutlass' not in sys.modules, 'the compiler was imported'\n"
         "print('ok')\n")

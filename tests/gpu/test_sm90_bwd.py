@@ -1,6 +1,6 @@
 """The Hopper backward kernels (sm90_bwd + sm90_bwd_postprocess) on the H200, under jax.jit.
 
-dq, dk, dv from ``jax_fa4.sm90_bwd_ops.backward`` are compared with FA4's rule
+dq, dk, dv from ``jax_fa4.backends.sm90.Sm90Backend.backward`` are compared with FA4's rule
 (tests/numerics.py): ``ref`` = ``reference.attention_backward`` on float32-upcast inputs (with the
 float32 forward's out and lse), ``pt`` = the gradient of the naive attention computed in the input
 dtype (``reference.attention(..., compute_dtype=dtype)``). The kernel gets what the library feeds
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import ops, reference, sm90_bwd_ops
+from jax_fa4 import backends, reference
 from jax_fa4.kernels.sm90.bwd_config import test_variants, with_swap_sdp
 from numerics import assert_fa4_close
 
@@ -142,14 +142,16 @@ def _inputs(c: Case, seed: int):
 
 @functools.partial(jax.jit, static_argnames=("opts",))
 def sm90_backward(q, k, v, out, lse, dout, opts):
-    delta, lse_log2 = ops.bwd_preprocess(out, dout, lse, "sm90")
-    return sm90_bwd_ops.backward(q, k, v, out, lse, dout, delta, lse_log2, opts)
+    sm90 = backends.get("sm90")
+    delta, lse_log2 = sm90.backward_preprocess(out, dout, lse)
+    return sm90.backward(q, k, v, out, lse, dout, delta, lse_log2, opts)
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "config"))
 def sm90_backward_config(q, k, v, out, lse, dout, opts, config):
-    delta, lse_log2 = ops.bwd_preprocess(out, dout, lse, "sm90")
-    return sm90_bwd_ops.backward(q, k, v, out, lse, dout, delta, lse_log2, opts, config=config)
+    sm90 = backends.get("sm90")
+    delta, lse_log2 = sm90.backward_preprocess(out, dout, lse)
+    return sm90.backward(q, k, v, out, lse, dout, delta, lse_log2, opts, config=config)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "softcap"))
@@ -185,7 +187,7 @@ def _run(c: Case, seed: int = 0, swap_sdp: bool = False):
     opts = Opts(scale, c.window, c.softcap)
     poison_device_memory()
     if swap_sdp:
-        main, _ = sm90_bwd_ops.configs(q, k, v, opts)
+        main, _ = backends.get("sm90").backward_configs(q, k, v, opts)
         got = sm90_backward_config(q, k, v, out, lse, dout, opts, with_swap_sdp(main))
     else:
         got = sm90_backward(q, k, v, out, lse, dout, opts)
@@ -200,7 +202,7 @@ def test_cases_are_precompiled():
             q = jax.ShapeDtypeStruct((c.b, c.sq, c.h, c.d), c.dtype)
             k = jax.ShapeDtypeStruct((c.b, c.sk, c.hkv, c.d), c.dtype)
             v = jax.ShapeDtypeStruct((c.b, c.sk, c.hkv, c.dv), c.dtype)
-            main, post = sm90_bwd_ops.configs(q, k, v, opts(None, c.window, c.softcap))
+            main, post = backends.get("sm90").backward_configs(q, k, v, opts(None, c.window, c.softcap))
             if swap:
                 main = with_swap_sdp(main)
             assert main in available and post in available, _id(c)

@@ -171,7 +171,7 @@ def test_causal_with_left_window():
 
 
 # --- softcap -------------------------------------------------------------------------------------
-# --- decode shapes: GQA packing, split-KV, the head-major decode tile (jax_fa4/decode.py) --------
+# --- decode shapes: GQA packing, split-KV, the head-major decode tile (jax_fa4/backends) -----------
 @pytest.fixture(params=[False, True], ids=["tile128", "decode-tile"])
 def decode_tile(request, monkeypatch):
     """Both forward tiles behind the decode rewrite (the 64-row decode tile is the default)."""

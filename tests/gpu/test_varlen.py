@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import reference, varlen
+from jax_fa4 import reference
+from jax_fa4.backends import base
 from numerics import assert_fa4_close
 from tests.gpu.test_sm90_fwd import check_forward, poison_device_memory
 
@@ -54,7 +55,7 @@ def run_varlen_case(lens_q, lens_k, h, hkv, d, dv, dtype=jnp.bfloat16, causal=Fa
         softcap=softcap, learnable_sink=learnable_sink, return_lse=True, implementation="sm90"))
     poison_device_memory()
     out, lse = jax.block_until_ready(fn(q, k, v, cu_q, cu_k))
-    seg = varlen.varlen_segments(cu_q, cu_k, tq, tk)
+    seg = base.varlen_segments(cu_q, cu_k, tq, tk)
     kw = dict(window=(window[0], 0) if causal else window, softcap=softcap,
               learnable_sink=learnable_sink, **seg._asdict())
     valid = np.asarray(seg.q_segment_ids[0] >= 0)
@@ -113,7 +114,7 @@ def run_varlen_grad_case(lens_q, lens_k, h, hkv, d, dv, dtype=jnp.bfloat16, caus
     v = jax.random.normal(ks[2], (tk, hkv, dv), jnp.float32).astype(dtype)
     w = jax.random.normal(ks[3], (tq, h, dv), jnp.float32)
     cu_q, cu_k = _cu(lens_q, PAD_FRONT), _cu(lens_k, PAD_FRONT)
-    seg = varlen.varlen_segments(cu_q, cu_k, tq, tk)
+    seg = base.varlen_segments(cu_q, cu_k, tq, tk)
     ref_window = (window[0], 0) if causal else window
 
     def grads(attn, dtype_in, poison=False):

@@ -21,18 +21,15 @@ kernel call fix that:
 ``plan`` decides (static shapes only, so it never recompiles); ``run`` applies a plan around a
 ``kernel(qp, k, v, opts) -> (out, lse)`` on head-major packed queries (see ``rewrite``).
 
-On Hopper the rewritten call runs the decode tile (``sm90.fwd_config.decode_config``: 64 rows,
-one consumer warpgroup, two CTAs per SM where they fit, q and out head-major so that a decode
-step's packing is a free reshape) instead of the 128-row training tile when the packed rows fit
-it. ``JAX_FA4_DECODE_TILE`` (read at trace time, for comparisons) selects the training tile
-(``0``) or a decode-tile alternative (a name in ``sm90.fwd_config.DECODE_OPTIONS``, also for
-paged calls). Speed: docs/perf-log.md (decode).
+Every kernel backend runs these rewrites (:meth:`jax_fa4.backends.kernel.KernelBackend.forward`
+and ``paged_forward``); which tile serves the rewritten call is the backend's choice (its
+``make_decode``: on Hopper a 64-row decode tile, :mod:`jax_fa4.backends.sm90`). Speed:
+docs/perf-log.md (decode).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable
 
 import jax
@@ -49,24 +46,6 @@ MAX_SPLITS = 16
 TILES_PER_SM = 1
 #: SM count assumed when no GPU is visible at trace time (an H100 / H200).
 DEFAULT_SMS = 132
-
-
-def decode_tile_option() -> dict | None:
-    """The Hopper decode tile serving rewritten calls, from ``JAX_FA4_DECODE_TILE``: None for
-    the 128-row training tile (``0``), else overrides of the decode tile's config (``{}``: the
-    shipped decode tile, ``1`` or unset; a ``DECODE_OPTIONS`` name: that option)."""
-    value = os.environ.get("JAX_FA4_DECODE_TILE", "1")
-    if value == "0":
-        return None
-    if value == "1":
-        return {}
-    from jax_fa4.kernels.sm90.fwd_config import DECODE_OPTIONS
-
-    if value not in DECODE_OPTIONS:
-        raise ValueError(f"JAX_FA4_DECODE_TILE must be 0, 1 or one of {sorted(DECODE_OPTIONS)}, "
-                         f"got {value!r}")
-    return DECODE_OPTIONS[value]
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_fa4 import api, autodiff
-from jax_fa4.manual_axes import vary_like
+from jax_fa4 import api, autodiff, options
+from jax_fa4.parallel.manual_axes import vary_like
 
 __all__ = ["LAYOUTS", "ring_attention", "unzigzag", "zigzag", "zigzag_indices"]
 
@@ -81,8 +81,8 @@ class _Ring:
     axis_name: Any
     causal: bool
     layout: str
-    full: api.AttentionOptions  # options of a block without mask
-    diagonal: api.AttentionOptions  # options of the step-0 block (causal when causal)
+    full: options.AttentionOptions  # options of a block without mask
+    diagonal: options.AttentionOptions  # options of the step-0 block (causal when causal)
 
 
 def ring_attention(
@@ -127,15 +127,15 @@ def ring_attention(
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     kw = dict(softmax_scale=softmax_scale, window_size=(None, None), softcap=softcap,
               deterministic=deterministic, implementation=implementation)
-    full = api.canonicalize(q, k, v, causal=False, **kw)
-    diagonal = api.canonicalize(q, k, v, causal=causal, **kw)
+    full = options.canonicalize(q, k, v, causal=False, **kw)
+    diagonal = options.canonicalize(q, k, v, causal=causal, **kw)
     if causal:
         if q.shape[1] != k.shape[1]:
             raise ValueError("causal ring_attention needs self-attention blocks: q and k must "
                              f"have the same local length, got {q.shape[1]} and {k.shape[1]}")
         if layout == "zigzag" and q.shape[1] % 2:
             raise ValueError("the zigzag layout holds two chunks per device: the local length "
-                             f"must be even, got {q.shape[1]} (see jax_fa4.ring.zigzag)")
+                             f"must be even, got {q.shape[1]} (see jax_fa4.parallel.ring.zigzag)")
     cfg = _Ring(axis_name, bool(causal), layout, full, diagonal)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     out, lse = _ring(q, k, v, cfg)

@@ -1,0 +1,352 @@
+"""What every GPU family's backend shares: the FFI calls around its kernels.
+
+A :class:`KernelBackend` runs the CuTe-DSL kernels compiled for its ``arch`` through
+:func:`jax_fa4.ffi.call.call_kernel`. The call contracts of the forward (dense, decode-shaped,
+varlen, paged) and of the backward preprocess are the same for every family; what differs is
+which kernel config serves a call. A family says that in its ``make_*`` hooks (each builds the
+config of a problem kind, raising ``ValueError`` when none serves it) and runs its own backward
+(:meth:`KernelBackend.backward`), whose chains differ (a postprocess kernel, or none).
+
+Decode-shaped dense and paged calls are rewritten around the same forward kernel (GQA packing,
+split-KV: :mod:`jax_fa4.backends.decode`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Hashable
+
+import jax
+import jax.numpy as jnp
+
+from jax_fa4.backends import decode
+from jax_fa4.backends.base import Backend, join_sink, mask_kind, token_layout
+from jax_fa4.kernels.preprocess_config import PreprocessConfig
+
+#: The input dtypes of the attention kernels.
+KERNEL_DTYPES = ("bfloat16", "float16")
+
+
+def kernel_params(opts, head_dim: int | None = None) -> jax.Array:
+    """Run-time scalars of the attention kernels: [scale, softcap, window_left, window_right].
+
+    ``opts`` needs ``.softmax_scale`` (None: ``1/sqrt(head_dim)``), ``.softcap`` (0 or None: off)
+    and ``.window`` ((left, right), None = unbounded).
+    """
+    scale = opts.softmax_scale
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    left, right = opts.window
+    values = (scale, opts.softcap or 0.0, -1 if left is None else left,
+              -1 if right is None else right)
+    # Scalars stay literals in the jaxpr (no captured constant array: custom_partitioning
+    # bodies must not close over constants).
+    return jnp.stack([jnp.float32(x) for x in values])
+
+
+def backward_kind(q, k, v, opts) -> dict:
+    """The problem kind a backward kernel config is made for (the keyword arguments of
+    ``BwdConfig.make`` / ``Sm100BwdConfig.make``). ``opts`` needs ``.window`` and ``.softcap``;
+    ``.deterministic`` is optional (False)."""
+    return dict(dtype=jnp.dtype(q.dtype).name, head_dim=q.shape[3], head_dim_v=v.shape[3],
+                mask=mask_kind(opts.window), has_softcap=bool(opts.softcap and opts.softcap > 0),
+                gqa=q.shape[2] != k.shape[2],
+                deterministic=bool(getattr(opts, "deterministic", False)))
+
+
+def _config_or_reason(make, *args, **kwargs):
+    """``make(*args, **kwargs)``, or the ValueError's message when no config serves."""
+    try:
+        return make(*args, **kwargs)
+    except ValueError as err:
+        return str(err)
+
+
+def sum_gqa_groups(dk, dv, hkv: int, head_axis: int):
+    """Per-query-head float32 dK / dV summed over each group of H/Hkv heads (``head_axis``: the
+    heads' axis; a fixed-order XLA reduction, so deterministic)."""
+    h = dk.shape[head_axis]
+
+    def fold(x):
+        shape = (*x.shape[:head_axis], hkv, h // hkv, *x.shape[head_axis + 1:])
+        return x.reshape(shape).sum(axis=head_axis + 1)
+
+    return fold(dk), fold(dv)
+
+
+class KernelBackend(Backend):
+    """A GPU family's kernels behind the :class:`~jax_fa4.backends.base.Backend` interface.
+
+    Subclasses set ``name``, ``arch``, ``compute_capability`` (and the other class attributes of
+    :class:`Backend` that apply) and implement the ``make_*`` hooks and :meth:`backward`.
+    """
+
+    #: The compile target of the kernels (``"sm_90a"``).
+    arch: str = ""
+    #: The paged kernel clamps ``seqused_k`` to its page-table row's keys itself (so an unsplit
+    #: call passes it as it is).
+    paged_clamps_seqused: bool = False
+
+    # -- hooks: the config of a problem kind (raise ValueError when no kernel serves it) ---------
+    def make_forward(self, dtype: str, head_dim: int, head_dim_v: int, mask: str,
+                     has_softcap: bool):
+        raise NotImplementedError
+
+    def make_decode(self, dtype: str, head_dim: int, head_dim_v: int, has_softcap: bool,
+                    rows: int):
+        """The forward config for a rewritten decode call of ``rows`` packed query rows
+        (unmasked; q and out head-major if its ``qo_head_major``), None for the training tile."""
+        return None
+
+    def make_varlen(self, dtype: str, head_dim: int, head_dim_v: int, mask: str,
+                    has_softcap: bool):
+        raise ValueError(f"there is no varlen kernel for implementation={self.name!r}")
+
+    def make_paged(self, dtype: str, head_dim: int, head_dim_v: int, mask: str,
+                   has_softcap: bool):
+        raise ValueError(f"there is no paged kernel for implementation={self.name!r}")
+
+    def backward_configs(self, q, k, v, opts) -> tuple:
+        """(main config, postprocess config or None) of the dense backward; raises ValueError if
+        unsupported."""
+        raise ValueError(f"no backward kernel is enabled for implementation={self.name!r}")
+
+    def make_varlen_backward(self, dtype: str, head_dim: int, head_dim_v: int, mask: str,
+                             has_softcap: bool, gqa: bool):
+        raise ValueError(f"there is no varlen backward kernel for implementation={self.name!r}")
+
+    # -- dense forward ---------------------------------------------------------------------------
+    def forward_config(self, q, k, v, opts):
+        """The forward kernel config serving this call, or the reason none does (a str)."""
+        dtype = jnp.dtype(q.dtype).name
+        if dtype not in KERNEL_DTYPES:
+            return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
+        return _config_or_reason(self.make_forward, dtype, q.shape[3], v.shape[3],
+                                 mask_kind(opts.window), opts.softcap > 0)
+
+    def supports_forward(self, q, k, v, opts) -> str | None:
+        config = self.forward_config(q, k, v, opts)
+        return config if isinstance(config, str) else None
+
+    def forward(self, q, k, v, opts) -> tuple[jax.Array, jax.Array]:
+        """The forward kernel; decode-shaped calls run it on GQA-packed, split-KV inputs
+        (:mod:`jax_fa4.backends.decode`)."""
+        plan = decode.plan(q.shape, k.shape, opts.window)
+        if plan is not None:
+            return decode.run(q, k, v, opts, plan, self._decode_forward)
+        return self.kernel_forward(q, k, v, opts)
+
+    def kernel_forward(self, q, k, v, opts, config=None) -> tuple[jax.Array, jax.Array]:
+        """(out, lse) by the forward kernel (``config``: :meth:`forward_config`'s, which must
+        serve). q and out are (B, S, H, ·), or (B, H, S, ·) for a head-major config (the decode
+        tiles)."""
+        from jax_fa4.ffi.call import call_kernel
+
+        config = self.forward_config(q, k, v, opts) if config is None else config
+        assert not isinstance(config, str), config
+        if getattr(config, "qo_head_major", False):
+            b, h, sq, _ = q.shape
+            out_shape = (b, h, sq, v.shape[3])
+        else:
+            b, sq, h, _ = q.shape
+            out_shape = (b, sq, h, v.shape[3])
+        return call_kernel(
+            config, self.arch, q, k, v, kernel_params(opts, q.shape[3]),
+            out_shapes=(jax.ShapeDtypeStruct(out_shape, q.dtype),
+                        jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
+
+    def _decode_forward(self, qp, k, v, opts) -> tuple[jax.Array, jax.Array]:
+        """The forward kernel on a rewritten decode call (unmasked; qp, out head-major as
+        decode.run passes and takes them): the family's decode tile (:meth:`make_decode`) when
+        it has one for these rows, else the training tile on transposed q and out."""
+        config = self.make_decode(jnp.dtype(qp.dtype).name, qp.shape[3], v.shape[3],
+                                  opts.softcap > 0, qp.shape[2])
+        if config is not None and config.qo_head_major:
+            return self.kernel_forward(qp, k, v, opts, config)
+        out, lse = self.kernel_forward(qp.transpose(0, 2, 1, 3), k, v, opts, config)
+        return out.transpose(0, 2, 1, 3), lse
+
+    # -- backward --------------------------------------------------------------------------------
+    def supports_preprocess(self, out) -> str | None:
+        dtype, dv = jnp.dtype(out.dtype).name, out.shape[-1]
+        if dtype in KERNEL_DTYPES and dv % 8 == 0 and dv <= 512:
+            return None
+        return (f"dtype {dtype}, head_dim_v {dv} (the kernel takes bfloat16 / float16 and a "
+                "multiple of 8 up to 512)")
+
+    def backward_preprocess(self, out, dout, lse) -> tuple[jax.Array, jax.Array]:
+        """The preprocess kernel (the same for every family)."""
+        from jax_fa4.ffi.call import call_kernel
+
+        b, sq, h, dv = out.shape
+        shape = jax.ShapeDtypeStruct((b, h, sq), jnp.float32)
+        delta, lse_log2 = call_kernel(PreprocessConfig(jnp.dtype(out.dtype).name, dv), self.arch,
+                                      out, dout, lse, out_shapes=(shape, shape))
+        return delta, lse_log2
+
+    def supports_backward(self, q, k, v, opts) -> str | None:
+        if not (q.dtype == k.dtype == v.dtype):
+            return "q, k, v dtypes differ"
+        try:
+            self.backward_configs(q, k, v, opts)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts):
+        raise NotImplementedError(f"{type(self).__name__} has no backward kernel chain")
+
+    def backward_main(self, cfg, q, k, v, dout, delta, lse_log2, params, sq_pad: int,
+                      semaphores: int):
+        """The dense backward's main kernel (the same contract on every family): returns
+        dq_accum (B, H, sq_pad·D) float32 (zeros in, updated in place through an input/output
+        alias) and dk, dv per kv head (GQA configs: float32 per *query* head from the kernel,
+        summed over each group here). Deterministic configs also take ``semaphores`` int32
+        zero counters per (B, H): the ordering of the key blocks' dQ adds."""
+        from jax_fa4.ffi.call import call_kernel
+
+        b, sq, h, d = q.shape
+        sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+        dq_accum = jnp.zeros((b, h, sq_pad * d), jnp.float32)
+        hdk = h if cfg.gqa else hkv
+        dkv_dtype = jnp.float32 if cfg.gqa else q.dtype
+        inputs = [q, k, v, dout, lse_log2.astype(jnp.float32), delta.astype(jnp.float32), params,
+                  dq_accum]
+        out_shapes = [jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32),
+                      jax.ShapeDtypeStruct((b, sk, hdk, d), dkv_dtype),
+                      jax.ShapeDtypeStruct((b, sk, hdk, dv), dkv_dtype)]
+        if cfg.deterministic:
+            sem = jnp.zeros((b, h, semaphores), jnp.int32)
+            inputs.append(sem)
+            out_shapes.append(jax.ShapeDtypeStruct(sem.shape, jnp.int32))
+        dq_accum, dk, dvv = call_kernel(cfg, self.arch, *inputs, out_shapes=tuple(out_shapes))[:3]
+        if cfg.gqa:
+            dk, dvv = sum_gqa_groups(dk, dvv, hkv, head_axis=2)
+        return dq_accum, dk, dvv
+
+    def supports_extras(self, what: str) -> str | None:
+        return (f"there is no {self.name} kernel for {what} yet (implementation=None or "
+                "'reference' runs the pure-JAX reference)")
+
+    # -- varlen ----------------------------------------------------------------------------------
+    def varlen_config(self, q, v, opts, max_seqlen_q: int):
+        """The varlen forward kernel config serving this call (q (total_q, H, D), v (total_k,
+        Hkv, Dv)), or the reason none does (a str)."""
+        dtype = jnp.dtype(q.dtype).name
+        if dtype not in KERNEL_DTYPES:
+            return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
+        if max_seqlen_q == 0:
+            return "max_seqlen_q is 0 (no query rows to launch)"
+        return _config_or_reason(self.make_varlen, dtype, q.shape[2], v.shape[2],
+                                 mask_kind(opts.window), opts.softcap > 0)
+
+    def varlen_plan(self, q, k, v, opts, max_seqlen_q: int, max_seqlen_k: int
+                    ) -> Hashable | str:
+        """(config, max_seqlen_q, max_seqlen_k, the backward's settings), or why not."""
+        config = self.varlen_config(q, v, opts, max_seqlen_q)
+        if isinstance(config, str):
+            return config
+        return (config, max_seqlen_q, max_seqlen_k, self.varlen_backward_settings())
+
+    def varlen_backward_settings(self) -> Hashable:
+        """What the varlen backward reads from the environment (read outside the jit, so that
+        it keys the jitted call's cache)."""
+        return None
+
+    def varlen_forward(self, q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, opts, plan):
+        """The varlen forward kernel: one CTA per (query tile, head, sequence) of the longest
+        sequence's grid; its lse comes back as (batch, H, max_seqlen_q) and is gathered to the
+        packed layout. Tokens outside every sequence: out 0 (written by the kernel), lse -inf."""
+        from jax_fa4.ffi.call import call_kernel
+
+        config, max_q = plan[:2]
+        total_q, h, d = q.shape
+        batch = cu_seqlens_q.shape[0] - 1
+        out, lse_pad = call_kernel(
+            config, self.arch, q[None], k[None], v[None], kernel_params(opts, d), cu_seqlens_q,
+            cu_seqlens_k,
+            out_shapes=(jax.ShapeDtypeStruct((1, total_q, h, v.shape[2]), q.dtype),
+                        jax.ShapeDtypeStruct((batch, h, max_q), jnp.float32)))
+        t, seq, valid, start, _ = token_layout(cu_seqlens_q, total_q)
+        lse = lse_pad[seq, :, jnp.clip(t - start, 0, max_q - 1)].T  # (H, total_q)
+        lse = jnp.where(valid, lse, -jnp.inf)[None]  # (the kernel wrote 0 to padding tokens' out)
+        return join_sink(out, lse, sink)
+
+    def varlen_backward_config(self, q, k, v, opts):
+        """The varlen backward kernel config serving this call (q (total_q, H, D), k (total_k,
+        Hkv, D), v (total_k, Hkv, Dv)), or the reason none does (a str)."""
+        dtype = jnp.dtype(q.dtype).name
+        if dtype not in KERNEL_DTYPES or not (q.dtype == k.dtype == v.dtype):
+            return f"the kernels take bfloat16 or float16 inputs of one dtype, got {dtype}"
+        return _config_or_reason(self.make_varlen_backward, dtype, q.shape[2], v.shape[2],
+                                 mask_kind(opts.window), opts.softcap > 0,
+                                 gqa=q.shape[1] != k.shape[1])
+
+    def supports_varlen_backward(self, q, k, v, opts) -> str | None:
+        config = self.varlen_backward_config(q, k, v, opts)
+        return config if isinstance(config, str) else None
+
+    # -- paged KV ---------------------------------------------------------------------------------
+    def paged_plan(self, q, k_cache, v_cache, page_table, opts) -> Hashable | str:
+        """The paged forward kernel config serving this call, or the reason none does (a str)."""
+        dtype = jnp.dtype(q.dtype).name
+        if dtype not in KERNEL_DTYPES:
+            return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
+        config = _config_or_reason(self.make_paged, dtype, q.shape[3], v_cache.shape[3],
+                                   mask_kind(opts.window), opts.softcap > 0)
+        if isinstance(config, str):
+            return config
+        page_size = k_cache.shape[1]
+        if page_size % config.tile_n:
+            return (f"page_size {page_size} is not a multiple of the paged kernel's key block "
+                    f"{config.tile_n}")
+        return config
+
+    def paged_forward(self, q, k_cache, v_cache, page_table, seqused_k, sink, opts, plan):
+        """The paged forward kernel: each key block of a batch entry is one TMA load of the
+        cache tile its page table entry names, and the kernel stops at ``seqused_k[b]``. Decode
+        steps are rewritten around it as dense decode is (:mod:`jax_fa4.backends.decode`): the
+        ``g`` query heads of a kv head packed into one tile's rows and, when the tiles would not
+        fill the GPU, the page table split into chunks (one batch entry each, with its own
+        ``seqused_k``) merged by their lse. The sink joins afterwards in float32."""
+        from jax_fa4.ffi.call import call_kernel
+
+        config = plan
+        b, sq, h, d = q.shape
+        num_pages, page_size, hkv, _ = k_cache.shape
+        dv = v_cache.shape[3]
+        tile_n = config.tile_n
+        per_page = page_size // tile_n
+        # the cache as one batch entry of tile_n-key tiles; a page is per_page consecutive tiles
+        k_tiles = k_cache.reshape(1, num_pages * page_size, hkv, d)
+        v_tiles = v_cache.reshape(1, num_pages * page_size, hkv, dv)
+        table = page_table  # (B, blocks): the cache tile of each key block
+        if per_page > 1:
+            table = (page_table[:, :, None] * per_page
+                     + jnp.arange(per_page, dtype=jnp.int32)).reshape(b, -1)
+        blocks = table.shape[1]
+        plan = decode.plan(q.shape, (b, blocks * tile_n, hkv, d), opts.window, key_block=tile_n)
+        if plan is None:
+            plan = decode.DecodePlan(group=1, splits=1, window=opts.window)
+        s = plan.splits
+        chunk = blocks // s * tile_n  # keys per chunk
+
+        def on_packed(qp, kernel_opts):
+            # chunk c of batch entry i: table columns [c·blocks/S, (c+1)·blocks/S), its keys
+            # clipped (unless the kernel clamps an unsplit call's seqused_k itself)
+            used = seqused_k if s == 1 and self.paged_clamps_seqused else jnp.clip(
+                seqused_k[:, None] - jnp.arange(s, dtype=jnp.int32) * chunk, 0, chunk)
+            head_major = getattr(config, "qo_head_major", False)  # else (B, S, H, D)
+            heads, rows = qp.shape[1], qp.shape[2]
+            out_shape = (b * s, heads, rows, dv) if head_major else (b * s, rows, heads, dv)
+            out, lse = call_kernel(
+                config, self.arch,
+                qp if head_major else qp.transpose(0, 2, 1, 3), k_tiles, v_tiles,
+                kernel_params(kernel_opts, d), table.reshape(b * s, blocks // s),
+                used.reshape(b * s).astype(jnp.int32),
+                out_shapes=(jax.ShapeDtypeStruct(out_shape, q.dtype),
+                            jax.ShapeDtypeStruct((b * s, heads, rows), jnp.float32)))
+            return (out if head_major else out.transpose(0, 2, 1, 3)), lse
+
+        out, lse = decode.rewrite(q, opts, plan, on_packed)
+        return join_sink(out, lse, sink)

@@ -1,0 +1,278 @@
+"""The Hopper backend (``implementation="sm90"``, compute capability 9.0): configs and calls.
+
+Forward (jax_fa4/kernels/sm90/fwd_config.py): the training tile of every head dim
+(``FwdConfig.make``); decode-shaped calls, rewritten around the kernel by
+:mod:`jax_fa4.backends.decode`, run the decode tile (``decode_config``: 64 rows, one consumer
+warpgroup, two CTAs per SM where they fit, q and out head-major so that a decode step's packing
+is a free reshape) when the packed rows fit it. ``JAX_FA4_DECODE_TILE`` (read at trace time, for
+comparisons) selects the training tile (``0``) or a decode-tile alternative (a name in
+``fwd_config.DECODE_OPTIONS``, also for paged calls). Paged KV calls run the 64-row decode tile
+in its paged mode (``paged_config``; page_size a multiple of its 64-key block); varlen calls the
+varlen forward (``varlen_config``). Speed: docs/perf-log.md (decode).
+
+Dense backward (jax_fa4/kernels/sm90/bwd_config.py), :meth:`Sm90Backend.backward`:
+
+  1. ``sm90_bwd``: dq_accum (zeros, float32, (B, H, Sq_pad·D), updated in place through an
+     input/output alias), dk, dv;
+  2. ``sm90_bwd_postprocess``: dq = dq_accum · softmax_scale in q's dtype.
+
+Deterministic configs (``opts.deterministic``) also take ``dq_sem`` (B, H, Sq_pad/tile_m) int32
+zeros: the counters that make the key blocks add into each query block's dQ in a fixed order.
+
+GQA/MQA (H > Hkv): the main kernel writes float32 dK/dV per *query* head, (B, Sk, H, D), and they
+are summed over each group of G = H/Hkv heads here (cost: 4·B·Sk·H·(D+Dv) bytes written by the
+kernel and read back by XLA's reduction, instead of 2·B·Sk·Hkv·(D+Dv); an in-kernel fp32 reduce
+into (B, Sk, Hkv, D) accumulators is the planned replacement).
+
+Varlen backward (:meth:`Sm90Backend.varlen_backward`): one CTA per (key block of a sequence,
+head), listed by a work list built here from cu_seqlens (:func:`work_table`), so every sequence
+costs only its own blocks; its dQ partial sums go to tiles no other sequence shares
+(:func:`dq_accum_rows`), which the varlen postprocess turns into the packed dq
+(:func:`tile_owners`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Hashable
+
+import jax
+import jax.numpy as jnp
+
+from jax_fa4 import reference
+from jax_fa4.backends import base
+from jax_fa4.backends.kernel import KernelBackend, backward_kind, kernel_params, sum_gqa_groups
+from jax_fa4.kernels.sm90 import bwd_config, fwd_config
+from jax_fa4.kernels.sm90.bwd_config import BwdConfig
+
+ARCH = "sm_90a"
+
+
+def decode_tile_option() -> dict | None:
+    """The Hopper decode tile serving rewritten calls, from ``JAX_FA4_DECODE_TILE``: None for
+    the 128-row training tile (``0``), else overrides of the decode tile's config (``{}``: the
+    shipped decode tile, ``1`` or unset; a ``DECODE_OPTIONS`` name: that option)."""
+    value = os.environ.get("JAX_FA4_DECODE_TILE", "1")
+    if value == "0":
+        return None
+    if value == "1":
+        return {}
+    if value not in fwd_config.DECODE_OPTIONS:
+        raise ValueError(f"JAX_FA4_DECODE_TILE must be 0, 1 or one of "
+                         f"{sorted(fwd_config.DECODE_OPTIONS)}, got {value!r}")
+    return fwd_config.DECODE_OPTIONS[value]
+
+
+# -- the varlen backward's work list and dq_accum layout ------------------------------------------
+#: Launch order of the varlen backward's work items: "sequence" (sequence by sequence, each
+#: from its last key block down, as the dense kernels launch: a sequence's CTAs run together and
+#: share its Q / dO / K / V in L2) or "heavy_first" (the key blocks with the most query blocks to
+#: visit first, ties in sequence order). On the H200 "sequence" was 6 % ahead at 64 × 512 causal
+#: and within ±2 % elsewhere (docs/perf-log.md). JAX_FA4_VARLEN_BWD_ORDER overrides.
+VARLEN_BWD_ORDER = "sequence"
+
+
+def work_order() -> str:
+    """The varlen backward's launch order: ``JAX_FA4_VARLEN_BWD_ORDER`` or the default."""
+    order = os.environ.get("JAX_FA4_VARLEN_BWD_ORDER", VARLEN_BWD_ORDER)
+    if order not in ("heavy_first", "sequence"):
+        raise ValueError(f"JAX_FA4_VARLEN_BWD_ORDER must be 'heavy_first' or 'sequence', got "
+                         f"{order!r}")
+    return order
+
+
+#: The work list's sequence value of the item that zeroes dK / dV outside every sequence.
+ZERO_PADDING = -2
+
+
+def work_items(total_k: int, batch: int, tile_n: int) -> int:
+    """Rows of the work list: a bound on the key blocks of all sequences (sum of
+    ceil(len_k / tile_n) <= total_k // tile_n + batch), and the ZERO_PADDING item."""
+    return total_k // tile_n + batch + 1
+
+
+def dq_accum_rows(total_q: int, batch: int, tile_m: int) -> int:
+    """Rows of the varlen dq_accum: sequence b's blocks start at tile
+    ``(cu_q[b] + b·tile_m) // tile_m`` and end by tile ``total_q // tile_m + batch``."""
+    return (total_q // tile_m + batch) * tile_m
+
+
+def first_tiles(cu_seqlens_q: jax.Array, tile_m: int) -> jax.Array:
+    """(batch,) int32: sequence b's first dq_accum tile, ``(cu_q[b] + b·tile_m) // tile_m``."""
+    batch = cu_seqlens_q.shape[0] - 1
+    return (cu_seqlens_q[:-1] + jnp.arange(batch, dtype=jnp.int32) * tile_m) // tile_m
+
+
+def tile_owners(cu_seqlens_q: jax.Array, num_tiles: int, tile_m: int) -> jax.Array:
+    """(num_tiles,) int32: the sequence owning each dq_accum tile, -1 for none (sequence b owns
+    the ceil(len_q(b) / tile_m) tiles from (cu_q[b] + b·tile_m) // tile_m on)."""
+    batch = cu_seqlens_q.shape[0] - 1
+    lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    first = first_tiles(cu_seqlens_q, tile_m)
+    end = first + (lens + tile_m - 1) // tile_m
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    # the last sequence starting at or before t (empty sequences own no tile)
+    seq = jnp.clip(jnp.searchsorted(first, t, side="right") - 1, 0, batch - 1)
+    return jnp.where((first[seq] <= t) & (t < end[seq]), seq, -1).astype(jnp.int32)
+
+
+def visited_query_blocks(len_q, len_k, n_block, tile_m: int, tile_n: int, window):
+    """Query blocks key block ``n_block`` of a sequence visits (the kernel's block range,
+    elementwise on int32 arrays); ``window`` the canonical (left, right), None = unbounded."""
+    left, right = window
+    wl = len_k if left is None else jnp.minimum(left, len_k)
+    wr = len_q if right is None else jnp.minimum(right, len_q)
+    off = len_k - len_q
+    m_min = jnp.zeros_like(n_block)
+    m_max = (len_q + tile_m - 1) // tile_m
+    if window != (None, None):
+        m_min = jnp.maximum(n_block * tile_n - off - wr, 0) // tile_m
+    if left is not None:
+        m_max = jnp.minimum(m_max, jnp.maximum((n_block + 1) * tile_n - 1 + wl - off + tile_m,
+                                               0) // tile_m)
+    return jnp.maximum(m_max - m_min, 0)
+
+
+def work_table(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, num_items: int, tile_m: int,
+               tile_n: int, window, order: str = VARLEN_BWD_ORDER) -> jax.Array:
+    """The varlen backward's work list, (num_items, 8) int32: row x of CTA x is (sequence b, key
+    block, cu_seqlens_q[b], cu_seqlens_k[b], len_q(b), len_k(b), b's first dq_accum tile, 0)
+    (sm90.bwd_config.varlen_attention_backward_signature): every key block of every sequence
+    once, in launch ``order`` (see VARLEN_BWD_ORDER), then spare rows (-1, 0, …) with lengths
+    0, and last (ZERO_PADDING, 0, …), the item that writes the zero gradient of the keys
+    outside every sequence."""
+    lens_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    batch = lens_k.shape[0]
+    blocks = (lens_k + tile_n - 1) // tile_n
+    ends = jnp.cumsum(blocks)
+    x = jnp.arange(num_items - 1, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, x, side="right"), batch - 1)
+    used = x < ends[-1]
+    # sequence by sequence, each from its last key block down
+    n_block = (ends[seq] - 1 - x).astype(jnp.int32)
+    columns = (seq, n_block, cu_seqlens_q[seq], cu_seqlens_k[seq], lens_q[seq], lens_k[seq],
+               first_tiles(cu_seqlens_q, tile_m)[seq], jnp.zeros_like(seq))
+    spare = (-1,) + (0,) * (len(columns) - 1)
+    table = jnp.stack([jnp.where(used, c, fill) for c, fill in zip(columns, spare)],
+                      axis=-1).astype(jnp.int32)
+    if order == "heavy_first":
+        cost = visited_query_blocks(lens_q[seq], lens_k[seq], n_block, tile_m, tile_n, window)
+        table = table[jnp.argsort(jnp.where(used, -cost, 1), stable=True)]
+    padding = jnp.asarray([[ZERO_PADDING] + [0] * (len(columns) - 1)], jnp.int32)
+    return jnp.concatenate([table, padding])
+
+
+# -- the backend ---------------------------------------------------------------------------------
+class Sm90Backend(KernelBackend):
+    """Hopper: the sm90 forward (training, decode, varlen and paged tiles), the preprocess, and
+    the backward main + dQ postprocess kernels (dense and varlen)."""
+
+    name = "sm90"
+    arch = ARCH
+    compute_capability = "9"
+    capability_text = "9.0"
+    gpu_family = "Hopper"
+    paged_clamps_seqused = True  # an unsplit call passes seqused_k as it is
+
+    def make_forward(self, dtype, head_dim, head_dim_v, mask, has_softcap):
+        return fwd_config.FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap)
+
+    def make_decode(self, dtype, head_dim, head_dim_v, has_softcap, rows):
+        option = decode_tile_option()
+        if option is None or rows > fwd_config.DECODE_TILE_M:
+            return None
+        return fwd_config.decode_config(dtype, head_dim, head_dim_v, has_softcap, **option)
+
+    def make_varlen(self, dtype, head_dim, head_dim_v, mask, has_softcap):
+        return fwd_config.varlen_config(dtype, head_dim, head_dim_v, mask, has_softcap)
+
+    def make_paged(self, dtype, head_dim, head_dim_v, mask, has_softcap):
+        return fwd_config.paged_config(dtype, head_dim, head_dim_v, mask, has_softcap,
+                                       **(decode_tile_option() or {}))
+
+    def backward_configs(self, q, k, v, opts) -> tuple[BwdConfig, object]:
+        """(main config, postprocess config) for this call; raises ValueError if unsupported."""
+        cfg = BwdConfig.make(**backward_kind(q, k, v, opts))
+        return cfg, cfg.postprocess_config()
+
+    def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts,
+                 config: BwdConfig | None = None):
+        """(dq, dk, dv) in the dtypes of q, k, v. ``out`` and ``lse`` are unused (their
+        information is in delta and lse_log2). ``config`` replaces the tuning table's
+        main-kernel config (benchmarks/bwd_variants.py); it must describe the same problem
+        (dtype, head dims, mask kind, softcap, GQA)."""
+        del out, lse
+        from jax_fa4.ffi.call import call_kernel
+
+        cfg, post = self.backward_configs(q, k, v, opts)
+        if config is not None:
+            same = ("dtype", "head_dim", "head_dim_v", "mask", "has_softcap", "gqa")
+            if any(getattr(config, f) != getattr(cfg, f) for f in same):
+                raise ValueError(f"config {config.describe()} does not match the call "
+                                 f"({cfg.describe()})")
+            cfg, post = config, config.postprocess_config()
+        b, sq, h, d = q.shape
+        params = kernel_params(opts, d)
+        sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
+        dq_accum, dk, dvv = self.backward_main(cfg, q, k, v, dout, delta, lse_log2, params,
+                                               sq_pad, sq_pad // cfg.tile_m)
+        (dq,) = call_kernel(post, self.arch, dq_accum, params,
+                            out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),))
+        return dq, dk.astype(k.dtype), dvv.astype(v.dtype)
+
+    # -- varlen backward --------------------------------------------------------------------------
+    def make_varlen_backward(self, dtype, head_dim, head_dim_v, mask, has_softcap, gqa):
+        return bwd_config.varlen_config(dtype, head_dim, head_dim_v, mask, has_softcap, gqa=gqa)
+
+    def varlen_backward_settings(self) -> Hashable:
+        return work_order()
+
+    def varlen_backward(self, q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, out, lse,
+                        dout, dlse, opts, plan):
+        """The varlen backward chain: the preprocess on the packed out / dout, the varlen main
+        kernel (every sequence's own blocks only) and the varlen postprocess, which writes each
+        sequence's dQ rows in place; the sink's gradient from the preprocess's delta."""
+        config = self.varlen_backward_config(q, k, v, opts)
+        dq, dk, dv, delta = self.varlen_backward_chain(
+            q, k, v, out[0], lse[0], dout[0], dlse[0], cu_seqlens_q, cu_seqlens_k, opts, config,
+            order=plan[3])
+        # (the preprocess's delta: no second pass over out and dout for the sink)
+        dsink = None if sink is None else reference.sink_gradient(sink, lse, delta)
+        return dq, dk, dv, dsink
+
+    def varlen_backward_chain(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k,
+                              opts, config, order: str = VARLEN_BWD_ORDER):
+        """(dq, dk, dv) packed and ``delta = rowsum(dout * out) - dlse`` (1, H, total_q).
+        ``lse``, ``dlse``: (H, total_q); ``order``: the work list's launch order
+        (VARLEN_BWD_ORDER)."""
+        from jax_fa4.ffi.call import call_kernel
+
+        total_q, h, d = q.shape
+        total_k, hkv, dv = v.shape
+        batch = cu_seqlens_q.shape[0] - 1
+        tm = config.tile_m
+        delta, lse_log2 = base.preprocess(self, out[None], dout[None], lse[None], opts)
+        delta = delta - dlse[None]  # a cotangent on lse enters as -dlse (jax_fa4.autodiff)
+        params = kernel_params(opts, d)
+        rows = dq_accum_rows(total_q, batch, tm)
+        work = work_table(cu_seqlens_q, cu_seqlens_k, work_items(total_k, batch, config.tile_n),
+                          tm, config.tile_n, opts.window, order)
+        hdk = h if config.gqa else hkv
+        dkv_dtype = jnp.float32 if config.gqa else q.dtype
+        dq_accum = jnp.zeros((1, h, rows * d), jnp.float32)
+        dq_accum, dk, dvv = call_kernel(
+            config, self.arch, q[None], k[None], v[None], dout[None], lse_log2, delta, params,
+            dq_accum, cu_seqlens_q, cu_seqlens_k, work,
+            out_shapes=(jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32),
+                        jax.ShapeDtypeStruct((1, total_k, hdk, d), dkv_dtype),
+                        jax.ShapeDtypeStruct((1, total_k, hdk, dv), dkv_dtype)))
+        # the postprocess writes each sequence's dQ rows in place and zeros outside them
+        (dq,) = call_kernel(config.postprocess_config(), self.arch, dq_accum, params,
+                            cu_seqlens_q, tile_owners(cu_seqlens_q, rows // tm, tm),
+                            out_shapes=(jax.ShapeDtypeStruct((1, total_q, h, d), q.dtype),))
+        dq = dq[0]
+        dk, dvv = dk[0], dvv[0]  # (the kernel wrote zeros to the keys outside every sequence)
+        if config.gqa:
+            dk, dvv = sum_gqa_groups(dk, dvv, hkv, head_axis=1)
+        return dq, dk.astype(k.dtype), dvv.astype(v.dtype), delta

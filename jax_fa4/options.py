@@ -1,0 +1,324 @@
+"""The options of one attention call and every input check: validate and canonicalise once.
+
+:class:`AttentionOptions` is what the autodiff rules and the backends close over: hashable, with
+causal folded into the window and the implementation resolved to a registered backend
+(:func:`jax_fa4.backends.select`). The checks are named functions, one per concern, whose
+messages name the argument and say what was expected and what came: the dense inputs
+(:func:`canonicalize`), the packed variable-length ones (:func:`check_varlen_inputs`), a paged KV
+cache (:func:`check_paged_inputs`), a learnable sink (:func:`check_learnable_sink`) and segment
+ids (:func:`check_segment_ids`).
+
+Dimension letters: B batch, Sq query length, Sk key length, H query heads, Hkv key/value heads
+(H a multiple of Hkv: MHA when equal, GQA when between, MQA when Hkv = 1), D query/key head dim,
+Dv value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fa4 import backends
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+Window = tuple[int | None, int | None]
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Canonical, hashable options of one attention call (what the autodiff rule closes over)."""
+
+    softmax_scale: float
+    window: Window  # (left, right); causal is (left, 0)
+    softcap: float
+    implementation: str  # resolved: a registered backend's name ("reference", "sm90", ...)
+    forced: bool  # the caller named the implementation: no silent fallback
+    deterministic: bool = False  # bitwise-reproducible gradients
+
+    @property
+    def causal(self) -> bool:
+        return self.window[1] == 0
+
+
+# -- input checks: one named function each, messages say what was expected and what came ------
+def is_array(x: Any) -> bool:
+    """A jax or numpy array (what every array argument must be)."""
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def check_array(name: str, x: Any) -> None:
+    if not is_array(x):
+        raise TypeError(f"{name} must be a jax.Array (or numpy array), got {type(x).__name__}")
+
+
+def check_rank(name: str, x: Any, layout: str, rank: int = 4, note: str = "") -> None:
+    if x.ndim != rank:
+        raise ValueError(f"{name} must have rank {rank} with layout {layout}{note}, got shape "
+                         f"{x.shape}")
+
+
+def check_nonempty(name: str, x: Any) -> None:
+    if 0 in x.shape:
+        raise ValueError(f"{name} must have no zero-sized dimension, got shape {x.shape}")
+
+
+def check_dtypes(q: Any, k: Any, v: Any, k_name: str = "k", v_name: str = "v") -> None:
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"q must have dtype bfloat16, float16 or float32, got {q.dtype}")
+    for name, x in ((k_name, k), (v_name, v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+
+
+def check_shapes(q: Any, k: Any, v: Any) -> None:
+    """Dense q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv)."""
+    b, _, h, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape} "
+                         "(expected the same B in dim 0)")
+    if k.shape[3] != d:
+        raise ValueError(f"k head_dim must equal q head_dim {d}: q {q.shape}, k {k.shape}")
+    if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
+        raise ValueError(f"v must have k's (Sk, Hkv) = {k.shape[1:3]}, got v {v.shape}")
+    hkv = k.shape[2]
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"q heads H={h} must be a positive multiple of k/v heads Hkv={hkv}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_nonempty(name, x)
+
+
+def check_window(window_size: Any) -> Window:
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    out = []
+    for side, w in zip(("left", "right"), window_size):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, bool) or not isinstance(w, (int, np.integer)):
+            raise TypeError(f"window_size {side} must be None or an int, got {w!r}")
+        if w < 0:
+            raise ValueError(f"window_size {side} must be >= 0 or None (unbounded), got {w}")
+        out.append(int(w))
+    return out[0], out[1]
+
+
+def check_scalar(name: str, x: Any, *, allow_zero: bool) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a Python float, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, "
+                         f"got {x}")
+    return x
+
+
+def check_flag(name: str, flag: Any) -> bool:
+    if not isinstance(flag, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    return bool(flag)
+
+
+def check_implementation(implementation: Any) -> None:
+    if implementation is not None and implementation not in backends.names():
+        raise ValueError(f"implementation must be None or one of {backends.names()}, "
+                         f"got {implementation!r}")
+
+
+def check_learnable_sink(learnable_sink: Any, num_heads: int) -> jax.Array | None:
+    """Validate a learnable sink: ``None`` or a floating array of shape ``(H,)``.
+
+    Returns:
+        the sink as a jax array (its dtype kept: arithmetic is float32 and its gradient comes
+        back in its dtype), or None.
+    """
+    if learnable_sink is None:
+        return None
+    if not is_array(learnable_sink):
+        raise TypeError("learnable_sink must be None or a jax.Array of shape (H,), got "
+                        f"{type(learnable_sink).__name__}")
+    if learnable_sink.shape != (num_heads,):
+        raise ValueError(f"learnable_sink must have shape (H,) = ({num_heads},) (one logit per "
+                         f"query head), got {learnable_sink.shape}")
+    if not jnp.issubdtype(learnable_sink.dtype, jnp.floating):
+        raise TypeError(f"learnable_sink must have a floating dtype (float32 recommended), got "
+                        f"{learnable_sink.dtype}")
+    return jnp.asarray(learnable_sink)
+
+
+def _check_int_array(name: str, x: Any, shape: tuple[int, ...], layout: str) -> jax.Array:
+    if not is_array(x):
+        raise TypeError(f"{name} must be an int32 jax.Array {layout}, got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype (int32), got {x.dtype}")
+    if x.shape != shape:
+        raise ValueError(f"{name} must have shape {layout} = {shape}, got {x.shape}")
+    return jnp.asarray(x, jnp.int32)
+
+
+def check_segment_ids(segment_ids: Any, q: Any, k: Any) -> tuple[jax.Array, jax.Array] | None:
+    """Validate ``segment_ids``: None, one ``(B, S)`` int array (self-attention, ``Sq == Sk``)
+    or a pair ``(q_segment_ids (B, Sq), kv_segment_ids (B, Sk))``.
+
+    Returns:
+        ``(q_segment_ids, kv_segment_ids)`` as int32 jax arrays, or None.
+    """
+    if segment_ids is None:
+        return None
+    b, sq = q.shape[:2]
+    sk = k.shape[1]
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError("segment_ids must be one (B, S) array or a pair (q_segment_ids, "
+                             f"kv_segment_ids), got a sequence of {len(segment_ids)}")
+        q_ids, kv_ids = segment_ids
+    else:
+        if is_array(segment_ids) and sq != sk:
+            raise ValueError(f"a single segment_ids array needs Sq == Sk (got Sq={sq}, Sk={sk}); "
+                             "pass a pair (q_segment_ids, kv_segment_ids)")
+        q_ids = kv_ids = segment_ids
+    return (_check_int_array("q_segment_ids", q_ids, (b, sq), "(B, Sq)"),
+            _check_int_array("kv_segment_ids", kv_ids, (b, sk), "(B, Sk)"))
+
+
+def check_static_int(name: str, x: Any) -> int:
+    if isinstance(x, jax.Array):  # concrete or traced (tracers are jax.Arrays too)
+        raise TypeError(f"{name} must be a static Python int (it sizes the kernel grid and is "
+                        "part of the compile key); pass run-time lengths through cu_seqlens")
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be a Python int, got {type(x).__name__}")
+    if x < 0:
+        raise ValueError(f"{name} must be >= 0, got {x}")
+    return int(x)
+
+
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """Packed q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), int32 cu_seqlens
+    (batch + 1,) and static max_seqlen ints (values checked only for host data)."""
+    for name, x, layout in (("q", q, "(total_q, H, D)"), ("k", k, "(total_k, Hkv, D)"),
+                            ("v", v, "(total_k, Hkv, Dv)")):
+        check_array(name, x)
+        check_rank(name, x, layout, 3, " (tokens packed along one axis)")
+        check_nonempty(name, x)
+    check_dtypes(q, k, v)
+    total_q, h, d = q.shape
+    total_k, hkv = k.shape[:2]
+    if k.shape[2] != d:
+        raise ValueError(f"k head_dim must equal q head_dim {d}: q {q.shape}, k {k.shape}")
+    if v.shape[:2] != (total_k, hkv):
+        raise ValueError(f"v must have k's (total_k, Hkv) = {(total_k, hkv)}, got v {v.shape}")
+    if h % hkv:
+        raise ValueError(f"q heads H={h} must be a multiple of k/v heads Hkv={hkv}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not is_array(cu):
+            raise TypeError(f"{name} must be an int32 jax.Array (batch + 1,), got "
+                            f"{type(cu).__name__}")
+        if cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1, got "
+                             f"{cu.shape}")
+        if cu.dtype != jnp.int32:
+            raise TypeError(f"{name} must have dtype int32, got {cu.dtype}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same shape (batch + 1,), "
+                         f"got {cu_seqlens_q.shape} and {cu_seqlens_k.shape}")
+    max_q = check_static_int("max_seqlen_q", max_seqlen_q)
+    max_k = check_static_int("max_seqlen_k", max_seqlen_k)
+    # Values are checked only when they are host data (numpy): reading a device array would
+    # synchronise, and under jit they are traced.
+    for name, cu, total, mx, mx_name in (
+        ("cu_seqlens_q", cu_seqlens_q, total_q, max_q, "max_seqlen_q"),
+        ("cu_seqlens_k", cu_seqlens_k, total_k, max_k, "max_seqlen_k"),
+    ):
+        if isinstance(cu, np.ndarray):
+            lengths = np.diff(cu)
+            if cu[0] < 0 or (lengths < 0).any():
+                raise ValueError(f"{name} must be non-decreasing and start at >= 0, got {cu}")
+            if cu[-1] > total:
+                raise ValueError(f"{name}[-1] = {cu[-1]} exceeds the number of packed tokens "
+                                 f"{total}")
+            if lengths.max() > mx:
+                raise ValueError(f"{name} has a sequence of length {lengths.max()} > "
+                                 f"{mx_name} = {mx}")
+
+
+def check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k) -> None:
+    """q (B, Sq, H, D), a paged cache (num_pages, page_size, Hkv, D / Dv), an int32 page table
+    (B, max_pages) and seqused_k (B,) (values checked only for host data)."""
+    for name, x, layout in (("q", q, "(B, Sq, H, D)"),
+                            ("k_cache", k_cache, "(num_pages, page_size, Hkv, D)"),
+                            ("v_cache", v_cache, "(num_pages, page_size, Hkv, Dv)")):
+        check_array(name, x)
+        check_rank(name, x, layout)
+        check_nonempty(name, x)
+    check_dtypes(q, k_cache, v_cache, "k_cache", "v_cache")
+    b, _, h, d = q.shape
+    num_pages, page_size, hkv, _ = k_cache.shape
+    if k_cache.shape[3] != d:
+        raise ValueError(f"k_cache head_dim must equal q head_dim {d}: q {q.shape}, "
+                         f"k_cache {k_cache.shape}")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache must have k_cache's (num_pages, page_size, Hkv) = "
+                         f"{k_cache.shape[:3]}, got v_cache {v_cache.shape}")
+    if h % hkv:
+        raise ValueError(f"q heads H={h} must be a multiple of cache heads Hkv={hkv}")
+    for name, x, ndim, layout in (("page_table", page_table, 2, "(B, max_pages)"),
+                                  ("seqused_k", seqused_k, 1, "(B,)")):
+        if not is_array(x):
+            raise TypeError(f"{name} must be an int32 jax.Array {layout}, got "
+                            f"{type(x).__name__}")
+        if x.dtype != jnp.int32:
+            raise TypeError(f"{name} must have dtype int32, got {x.dtype}")
+        if x.ndim != ndim or x.shape[0] != b or 0 in x.shape:
+            raise ValueError(f"{name} must have shape {layout} with B = {b} (q's batch), got "
+                             f"{x.shape}")
+    # Values only when they are host (numpy) data: no device sync, and traced under jit.
+    max_keys = page_table.shape[1] * page_size
+    if isinstance(seqused_k, np.ndarray) and ((seqused_k < 0) | (seqused_k > max_keys)).any():
+        raise ValueError(f"seqused_k must lie in [0, max_pages * page_size = {max_keys}], got "
+                         f"{seqused_k}")
+    if isinstance(page_table, np.ndarray) and isinstance(seqused_k, np.ndarray):
+        used = np.arange(page_table.shape[1])[None, :] * page_size < seqused_k[:, None]
+        bad = used & ((page_table < 0) | (page_table >= num_pages))
+        if bad.any():
+            raise ValueError(f"page_table entries of used pages must lie in [0, num_pages = "
+                             f"{num_pages}), got {page_table[bad][:8]}")
+
+
+# -- canonical options -------------------------------------------------------------------------
+def options(head_dim: int, *, softmax_scale: float | None, causal: bool, window_size: Any,
+            softcap: float, implementation: str | None,
+            deterministic: bool = False) -> AttentionOptions:
+    """Canonical :class:`AttentionOptions` of a call whose queries have head dim ``head_dim``
+    (the default scale is ``1/sqrt(head_dim)``); the arrays are checked by the caller."""
+    left, right = check_window(window_size)
+    if check_flag("causal", causal):
+        right = 0
+    deterministic = check_flag("deterministic", deterministic)
+    scale = (1.0 / math.sqrt(head_dim) if softmax_scale is None
+             else check_scalar("softmax_scale", softmax_scale, allow_zero=False))
+    cap = check_scalar("softcap", softcap, allow_zero=True)
+    check_implementation(implementation)
+    return AttentionOptions(scale, (left, right), cap, backends.select(implementation),
+                            forced=implementation is not None, deterministic=deterministic)
+
+
+def canonicalize(q: Any, k: Any, v: Any, *, softmax_scale: float | None, causal: bool,
+                 window_size: Any, softcap: float, implementation: str | None,
+                 deterministic: bool = False) -> AttentionOptions:
+    """Validate the inputs and options of one dense call and return its canonical options."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_array(name, x)
+    check_rank("q", q, "(B, Sq, H, D)")
+    check_rank("k", k, "(B, Sk, Hkv, D)")
+    check_rank("v", v, "(B, Sk, Hkv, Dv)")
+    check_dtypes(q, k, v)
+    check_shapes(q, k, v)
+    return options(q.shape[3], softmax_scale=softmax_scale, causal=causal,
+                   window_size=window_size, softcap=softcap, implementation=implementation,
+                   deterministic=deterministic)
