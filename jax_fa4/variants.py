@@ -65,7 +65,8 @@ def _sm90_bwd(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[Kerne
 #: (dtype, head_dim, head_dim_v, mask, softcap, gqa) of the varlen gradients of
 #: tests/gpu/test_varlen.py, and of the deterministic gradients of tests/gpu/test_preprocess.py
 #: and tests/gpu/test_sm90_bwd.py (they run through the API, so the kernels they need are listed
-#: here, outside every kernel's import closure: editing the list rekeys nothing).
+#: here, outside every kernel's import closure: editing the list rekeys nothing; a GPU run on a
+#: cache of only the tests suite, ``JAX_FA4_REQUIRE_GPU=1``, fails on any kernel missing here).
 _GPU_VARLEN_BWD = (
     [("bfloat16", 128, 128, m, False, g) for m in ("none", "causal") for g in (False, True)]
     + [("bfloat16", 128, 128, "local", False, True), ("bfloat16", 64, 64, "none", False, False),
@@ -74,11 +75,22 @@ _GPU_VARLEN_BWD = (
        ("float16", 128, 128, "local", True, False)])
 _GPU_DETERMINISTIC_BWD = (("bfloat16", 128, 128, "causal", False, True),
                           ("bfloat16", 64, 64, "causal", False, False))
+#: ... and of the gradients tests/gpu/sanitizer_cases.py runs under compute-sanitizer
+_GPU_SANITIZER_BWD = (("bfloat16", 64, 64, "none", False, False),
+                      ("bfloat16", 64, 64, "causal", False, True),
+                      ("bfloat16", 96, 96, "local", False, False),
+                      ("bfloat16", 128, 128, "none", False, False),
+                      ("bfloat16", 128, 128, "causal", False, True),
+                      ("bfloat16", 128, 128, "local", True, False),
+                      ("bfloat16", 192, 128, "causal", False, False),
+                      ("bfloat16", 256, 256, "causal", False, False),
+                      ("bfloat16", 256, 256, "none", True, False))
 
 
 def _sm90_bwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
     mains = [bwd_config.varlen_config(*v) for v in _GPU_VARLEN_BWD]
     mains += [bwd_config.BwdConfig.make(*v, deterministic=True) for v in _GPU_DETERMINISTIC_BWD]
+    mains += [bwd_config.BwdConfig.make(*v) for v in _GPU_SANITIZER_BWD]
     extra = [*mains, *(c.postprocess_config() for c in mains)]
     for cfg in dict.fromkeys([*bwd_config.test_variants(), *extra]):
         if cfg.dtype in dtypes and cfg.head_dim in head_dims:
