@@ -127,8 +127,9 @@ def write_manifest(path: str, sides: dict[str, list[str]]) -> None:
     print(f"{len(sides)} variants written to {path}")
 
 
-def compare(other: dict, this: dict, count) -> int:
-    """Print one line per key of either side; the number of variants that differ."""
+def compare(other: dict, this: dict, count, unit: str = " lines") -> int:
+    """Print one line per key of either side (``count(a, b)``: how many ``unit`` differ); the
+    number of variants that differ."""
     differs = 0
     for key in sorted(set(this) | set(other)):
         a, b = other.get(key), this.get(key)
@@ -137,7 +138,7 @@ def compare(other: dict, this: dict, count) -> int:
             continue
         n = count(a, b)
         differs += n > 0
-        print(f"{'same' if n == 0 else f'DIFFERS: {n} lines'}  {key}")
+        print(f"{'same' if n == 0 else f'DIFFERS: {n}{unit}'}  {key}")
     return differs
 
 
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
         mine = {key: digest(lines) for key, lines in this.items()}
         other = {key: stored[key] for key in stored if key in mine} if any(
             (args.family, args.head_dim, args.dtype, args.arch, args.representative)) else stored
-        return 1 if compare(other, mine, lambda a, b: int(a != b)) else 0
+        return 1 if compare(other, mine, lambda a, b: int(a != b), " (sha256)") else 0
     sides = {}
     for name, root in (("other", str(Path(args.other).resolve())), ("this", str(HERE))):
         out = tempfile.mkdtemp(prefix=f"sass-{name}-")
