@@ -130,7 +130,6 @@ def flash_attention(
     return (out, lse) if return_lse else out
 
 
-
 def flash_attention_varlen(
     q: jax.Array,
     k: jax.Array,
@@ -201,7 +200,6 @@ def flash_attention_varlen(
     out, lse = autodiff.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, learnable_sink, opts,
                                max_seqlen_q, max_seqlen_k)
     return (out, lse) if return_lse else out
-
 
 
 def flash_attention_paged(

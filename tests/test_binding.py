@@ -20,7 +20,6 @@ import compiled
 from compiled import assert_no_local_memory, compiled_sass, needs_disassembler
 
 
-
 def _preprocess_inputs():
     o = jax.random.normal(jax.random.key(0), (2, 33, 4, 128), jnp.float32).astype(jnp.bfloat16)
     return o, o, jnp.zeros((2, 4, 33), jnp.float32)
