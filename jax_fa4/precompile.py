@@ -4,6 +4,8 @@
     python -m jax_fa4.precompile --suite tests --arch sm_90a --cache-dir .device/kernel-cache
     python -m jax_fa4.precompile --dtype bfloat16 --head-dim 128 --family bwd_preprocess
     python -m jax_fa4.precompile --list                  # what the cache holds
+    python -m jax_fa4.precompile --suite tests --arch sm_90a --cache-dir .device/kernel-cache \
+        --from-cache .pytest_cache/d/jax-fa4-kernels     # copy what another cache has built
     python -m jax_fa4.precompile --check                 # ... and SASS-check every variant
 
 ``--check`` is the exhaustive kernel check (run it after any change under ``jax_fa4/kernels/``):
@@ -39,11 +41,15 @@ def _compile_one(variant: Variant) -> tuple[Variant, bytes, float]:
 
 
 def build(selected: Sequence[Variant], cache: KernelCache, *, force: bool = False,
-          progress: bool = True, jobs: int = 1) -> list[dict]:
+          progress: bool = True, jobs: int = 1,
+          source: KernelCache | None = None) -> list[dict]:
     """Compile each variant that the cache lacks (all with ``force``); returns one record each.
 
-    ``jobs > 1`` compiles in that many worker processes (the DSL's tracing state is per process);
-    the cache is written by this process only.
+    ``source``: another cache (e.g. the exhaustive test tier's) whose entries for the same key
+    (config, arch, kernel sources, DSL version) are copied instead of compiled; they are verified
+    on reading (sha256), so a damaged one is compiled instead. ``jobs > 1`` compiles in that
+    many worker processes (the DSL's tracing state is per process); the cache is written by this
+    process only.
     """
     from tqdm import tqdm
 
@@ -54,7 +60,15 @@ def build(selected: Sequence[Variant], cache: KernelCache, *, force: bool = Fals
     todo = []
     for variant in selected:
         entry = None if force else cache.get(variant.config, variant.arch, version)
-        if entry is None:
+        copied = None if entry is not None or source is None else source.get(
+            variant.config, variant.arch, version)
+        if copied is not None:
+            with cache.lock(variant.config, variant.arch, version):
+                cache.put(variant.config, variant.arch, version, copied.object_bytes,
+                          extra={k: v for k, v in copied.meta.items() if k == "compile_seconds"})
+            records.append({"variant": variant.describe(), "status": "copied",
+                            "seconds": copied.meta.get("compile_seconds")})
+        elif entry is None:
             todo.append(variant)
         else:
             records.append({"variant": variant.describe(), "status": "cached",
@@ -147,6 +161,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="cache directory (default: $JAX_FA4_CACHE_DIR or "
                                        "~/.cache/jax_fa4)")
     p.add_argument("--force", action="store_true", help="rebuild entries already cached")
+    p.add_argument("--from-cache", metavar="DIR",
+                   help="copy the entries another cache holds for the same kernel sources "
+                        "(e.g. .pytest_cache/d/jax-fa4-kernels after an exhaustive test run) "
+                        "instead of compiling them")
     p.add_argument("--list", action="store_true", help="list the cache's entries and exit")
     p.add_argument("--check", action="store_true",
                    help="after building, SASS-check every selected variant (no spills, "
@@ -173,10 +191,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.representative:
         selected = representative(selected)
     start = time.perf_counter()
-    records = build(selected, cache, force=args.force, progress=not args.quiet, jobs=args.jobs)
+    source = KernelCache(args.from_cache) if args.from_cache else None
+    records = build(selected, cache, force=args.force, progress=not args.quiet, jobs=args.jobs,
+                    source=source)
     compiled = [r for r in records if r["status"] == "compiled"]
+    copied = [r for r in records if r["status"] == "copied"]
     print(f"{len(records)} kernels in {cache.root}: {len(compiled)} compiled, "
-          f"{len(records) - len(compiled)} already cached; "
+          f"{len(copied)} copied, {len(records) - len(compiled) - len(copied)} already cached; "
           f"{time.perf_counter() - start:.1f} s")
     if not args.check:
         return 0

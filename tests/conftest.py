@@ -32,6 +32,23 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     compiled.EXHAUSTIVE = config.getoption("--exhaustive")
+    if os.environ.get("JAX_FA4_TEST_XLA_CACHE", "1") != "0" and not _cuda_plugin_installed():
+        _share_xla_compilations(config)
+
+
+def _share_xla_compilations(config) -> None:
+    """XLA's persistent compilation cache in ``.pytest_cache``, shared by the xdist workers and
+    by later runs: many tests compile the same small programs (the reference at a few shapes,
+    the same options through several entry points), and on a 2-core machine compiling them is
+    most of a test's time (CPU runs only: the GPU suite keeps XLA's defaults). Keys hash the program, the compile options and the jax/XLA version,
+    so an entry never serves a different program. ``JAX_FA4_TEST_XLA_CACHE=0`` turns it off."""
+    if getattr(config, "cache", None) is None:  # -p no:cacheprovider
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(config.cache.mkdir("jax-compilation")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _cuda_plugin_installed() -> bool:

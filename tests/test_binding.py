@@ -93,6 +93,31 @@ def test_precompile_builds_the_tiers_shipped_variants(shipped_cache, arch):
     assert [r["status"] for r in records] == ["cached"] * len(want)
 
 
+
+def test_precompile_from_cache_copies_instead_of_compiling(shipped_cache, tmp_path,
+                                                           monkeypatch):
+    """``build(source=...)`` (``--from-cache``): what another cache built for the same sources
+    is copied byte for byte and nothing is compiled; a damaged source entry is compiled."""
+    want = [v for v in compiled.shipped_representatives() if v.arch == "sm_90a"][:3]
+    precompile.build(want, shipped_cache, progress=False)
+    dest = KernelCache(tmp_path / "device")
+    records = precompile.build(want, dest, progress=False, source=shipped_cache)
+    assert [r["status"] for r in records] == ["copied"] * len(want)
+    version = precompile.dsl_version()
+    for v in want:
+        assert (dest.get(v.config, v.arch, version).object_bytes
+                == shipped_cache.get(v.config, v.arch, version).object_bytes)
+    damaged = KernelCache(tmp_path / "damaged")
+    with damaged.lock(want[0].config, "sm_90a", version):
+        damaged.put(want[0].config, "sm_90a", version,
+                    shipped_cache.get(want[0].config, "sm_90a", version).object_bytes)
+    obj = next((tmp_path / "damaged" / "sm_90a").glob("*.o"))
+    obj.write_bytes(obj.read_bytes()[:-1] + bytes([obj.read_bytes()[-1] ^ 1]))
+    monkeypatch.setattr(precompile, "_compile_one", lambda v: (v, b"rebuilt", 0.5))
+    records = precompile.build(want[:1], KernelCache(tmp_path / "other"), progress=False,
+                               source=damaged)
+    assert [r["status"] for r in records] == ["compiled"]
+
 def test_precompile_representative_builds_the_rules_choice(tmp_path, capsys):
     """``--representative`` narrows the selection by ``variants.representative``."""
     args = ["--family", "bwd_preprocess", "--arch", "sm_90a", "--dtype", "bfloat16", "--head-dim",

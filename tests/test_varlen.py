@@ -562,13 +562,16 @@ def test_work_table_lists_every_key_block_once(order, window):
 
     rng = np.random.default_rng(7)
     tm, tn = 64, 128
+    # jitted: one compile per trial (op by op, every op of the table compiles for each shape)
+    table_of = jax.jit(sm90.work_table, static_argnums=(2, 3, 4, 5, 6))
+    visited = jax.jit(sm90.visited_query_blocks, static_argnums=(3, 4, 5))
     for trial in range(6):
         batch = int(rng.integers(1, 7))
         lens_q, lens_k = _random_lengths(rng, batch, 400), _random_lengths(rng, batch, 600)
         total_k = int(lens_k.sum()) + int(rng.integers(0, 50))
         n = sm90.work_items(total_k, batch, tn)
-        table = np.asarray(sm90.work_table(jnp.asarray(_cu(lens_q)), jnp.asarray(_cu(lens_k)),
-                                             n, tm, tn, window, order))
+        table = np.asarray(table_of(jnp.asarray(_cu(lens_q)), jnp.asarray(_cu(lens_k)), n, tm,
+                                    tn, window, order))
         assert table.shape == (n, WORK_COLUMNS) and table.dtype == np.int32
         cu_q, cu_k = _cu(lens_q), _cu(lens_k)
         want = [(b, j, cu_q[b], cu_k[b], lens_q[b], lens_k[b], (cu_q[b] + b * tm) // tm, 0)
@@ -594,9 +597,8 @@ def test_work_table_lists_every_key_block_once(order, window):
             assert costs == sorted(costs, reverse=True), costs
         else:  # sequence by sequence, each from its last key block down
             assert used.tolist() == sorted(used.tolist(), key=lambda r: (r[0], -r[1]))
-        got = sm90.visited_query_blocks(jnp.asarray(lens_q[used[:, 0]]),
-                                          jnp.asarray(lens_k[used[:, 0]]),
-                                          jnp.asarray(used[:, 1]), tm, tn, window)
+        got = visited(jnp.asarray(lens_q[used[:, 0]]), jnp.asarray(lens_k[used[:, 0]]),
+                      jnp.asarray(used[:, 1]), tm, tn, window)
         assert np.asarray(got).tolist() == costs
 
 
@@ -605,6 +607,10 @@ def test_dq_accum_tiles_of_sequences_are_disjoint(tile_m):
     """Sequence b's query blocks start at tile (cu_q[b] + b·tile_m) // tile_m: no two sequences
     share a tile, all fit in dq_accum_rows, and tile_owners names each tile's sequence."""
     rng = np.random.default_rng(8)
+    # one compile per batch size: every trial asks for the same number of tiles (more than any
+    # trial's dq_accum holds; the tiles past it belong to no sequence)
+    num_tiles = 40
+    owners = jax.jit(sm90.tile_owners, static_argnums=(1, 2))
     for trial in range(200):
         batch = int(rng.integers(1, 9))
         lens = _random_lengths(rng, batch, 3 * tile_m)
@@ -618,5 +624,6 @@ def test_dq_accum_tiles_of_sequences_are_disjoint(tile_m):
                 owner[tile] = b
         rows = sm90.dq_accum_rows(total, batch, tile_m)
         assert rows % tile_m == 0 and all((t + 1) * tile_m <= rows for t in owner)
-        got = np.asarray(sm90.tile_owners(jnp.asarray(cu), rows // tile_m, tile_m))
-        assert got.tolist() == [owner.get(t, -1) for t in range(rows // tile_m)], (lens, got)
+        assert rows // tile_m <= num_tiles
+        got = np.asarray(owners(jnp.asarray(cu), num_tiles, tile_m))
+        assert got.tolist() == [owner.get(t, -1) for t in range(num_tiles)], (lens, got)
