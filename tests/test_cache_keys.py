@@ -44,17 +44,18 @@ _COMMON_FWD = {_K + f"common/{m}.py" for m in ("convert", "exp2", "layout", "vie
 EXPECTED_FILES = {
     "bwd_preprocess": _SPEC | {_K + "preprocess.py", _K + "preprocess_config.py"},
     "sm90_fwd": _SPEC | _COMMON_FWD | {_K + f"common/{m}.py" for m in (
-        "block_info", "mask", "softmax", "tile_scheduler")} | {
+        "geometry", "mask", "softmax", "tile_scheduler")} | {
         _K + "sm90/flash_fwd.py", _K + "sm90/fwd_config.py"},
     "sm90_bwd": _SPEC | {_K + f"common/{m}.py" for m in (
-        "bwd_blocks", "convert", "layout", "views")} | {
+        "geometry", "convert", "layout", "views")} | {
         _K + "sm90/bwd.py", _K + "sm90/bwd_common.py", _K + "sm90/bwd_config.py"},
-    "sm90_bwd_postprocess": _SPEC | {_K + "common/convert.py", _K + "common/layout.py"} | {
+    "sm90_bwd_postprocess": _SPEC | {_K + f"common/{m}.py" for m in (
+        "convert", "geometry", "layout")} | {
         _K + "sm90/bwd_postprocess.py", _K + "sm90/bwd_common.py", _K + "sm90/bwd_config.py"},
     "sm100_fwd": _SPEC | _COMMON_FWD | {
-        _K + "sm100/flash_fwd.py", _K + "sm100/fwd_config.py", _K + "sm100/tile_order.py"},
+        _K + "common/geometry.py", _K + "sm100/flash_fwd.py", _K + "sm100/fwd_config.py", _K + "sm100/tile_order.py"},
     "sm100_bwd": _SPEC | {_K + f"common/{m}.py" for m in (
-        "bwd_blocks", "convert", "layout", "views")} | {_K + f"sm100/{m}.py" for m in (
+        "geometry", "convert", "layout", "views")} | {_K + f"sm100/{m}.py" for m in (
         "bwd", "bwd_2cta", "bwd_config", "bwd_launcher")},
     "exp2_probe": _SPEC | {_K + "common/exp2.py", _K + "exp2_probe.py",
                            _K + "exp2_probe_config.py"},
@@ -112,7 +113,9 @@ def test_keys_do_not_depend_on_where_the_package_lies(tmp_path):
     ("kernels/sm100/tile_order.py", {"sm100_fwd"}),
     ("kernels/sm100/bwd_2cta.py", {"sm100_bwd"}),
     ("kernels/sm90/bwd_common.py", {"sm90_bwd", "sm90_bwd_postprocess"}),
-    ("kernels/common/bwd_blocks.py", {"sm90_bwd", "sm100_bwd"}),
+    ("kernels/common/geometry.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess", "sm100_fwd",
+                                    "sm100_bwd"}),
+    ("kernels/common/mask.py", {"sm90_fwd"}),
     ("kernels/common/exp2.py", {"sm90_fwd", "sm100_fwd", "exp2_probe"}),
     ("kernels/spec.py", set(CONFIGS)),
     ("ffi/compiler.py", set(CONFIGS)),

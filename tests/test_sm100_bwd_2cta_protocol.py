@@ -153,7 +153,7 @@ from test_sm100_fwd_protocol import (
     make_pipeline_state,
 )
 
-from jax_fa4.kernels.common.bwd_blocks import BwdBlocks
+from jax_fa4.kernels.common.geometry import BwdBlocks
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
 
 TILE = 128  # keys per CTA, query rows per block

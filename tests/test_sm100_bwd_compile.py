@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from jax_fa4.kernels.common.bwd_blocks import BwdBlocks
+from jax_fa4.kernels.common.geometry import BwdBlocks
 from jax_fa4.kernels.sm100.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TMEM_COLUMNS,
                                               TUNING_TABLE, Sm100BwdConfig, shipped_configs,
                                               test_configs)
@@ -112,7 +112,7 @@ def test_compiles_with_clean_sass(cfg, shipped_cache):
 # ------------------------------------------------------------------------------------------------
 def test_config_modules_do_not_import_the_compiler():
     code = ("import sys; import jax_fa4.kernels.sm100.bwd_config as m; "
-            "import jax_fa4.kernels.common.bwd_blocks as b; "
+            "import jax_fa4.kernels.common.geometry as b; "
             "m.Sm100BwdConfig.make('bfloat16', 128); m.shipped_configs(); m.test_configs(); "
             "b.BwdBlocks(128, 128, True, False, 300, 200, 0, 0).m_block_range(1); "
             "assert not any(k == 'cutlass' or k.startswith('cutlass.') for k in sys.modules)")

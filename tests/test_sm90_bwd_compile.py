@@ -10,7 +10,7 @@ docs/perf-log-bwd.md). The quick tier runs the representative configs of each li
 tests/test_shipped_kernels.py.
 
 Plus CPU-only checks of what would fail silently on the GPU: the query-block ranges, the
-"needs a mask" test and the per-row visible columns (common/bwd_blocks.py) against brute force; the config
+"needs a mask" test and the per-row visible columns (common/geometry.py) against brute force; the config
 contract (signature, alias, no compiler import, validator messages, smem budget).
 """
 
@@ -245,7 +245,7 @@ def _clamp(w, bound):
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("tile_m,tile_n", [(64, 128), (128, 128), (64, 64)])
 def test_block_info_matches_brute_force(kind, tile_m, tile_n):
-    from jax_fa4.kernels.common.bwd_blocks import BwdBlocks
+    from jax_fa4.kernels.common.geometry import BwdBlocks
 
     seqlens = [(1, 1), (1, 300), (113, 203), (203, 113), (256, 256), (257, 129), (300, 17),
                (64, 200)]

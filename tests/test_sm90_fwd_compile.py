@@ -8,7 +8,7 @@ runs the representative configs of each list (tests/compiled.py), ``--exhaustive
 every shipped variant's SASS: tests/test_shipped_kernels.py.
 
 Plus CPU-only checks of the pieces whose mistakes would be silent on the GPU:
-  * the key-block ranges and mask regions (common/block_info.py) against brute force;
+  * the key-block ranges and mask regions (common/geometry.py) against brute force;
   * the accumulator views (common/layout.py) against the MMA's own thread/value layouts, for
     every thread: rows/columns of the softmax view, the P register operand of the PV GEMM.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from compiled import assert_no_local_memory, compiled_sass, needs_disassembler, tiered
-from jax_fa4.kernels.common.block_info import BlockInfo
+from jax_fa4.kernels.common.geometry import FwdBlocks, resolve_windows
 from jax_fa4.kernels.sm90.fwd_config import (FwdConfig, TUNING_TABLE, decode_config,
                                               decode_option_configs, fallback_configs,
                                               option_test_configs)
@@ -227,23 +227,17 @@ def _visible(i, j, sq, sk, kind, wl, wr):
     return True
 
 
-def _resolve_window(wl, wr, sq, sk):
-    """The kernel's clamp of -1 (unbounded) / oversize windows."""
-    wl = sk if wl < 0 or wl > sk else wl
-    wr = sq if wr < 0 or wr > sq else wr
-    return wl, wr
-
-
 @pytest.mark.parametrize("kind", ["none", "causal", "local"])
 @pytest.mark.parametrize("tile_m,tile_n", [(128, 128), (128, 80), (128, 112), (192, 128), (128, 64),
+                                           (256, 128),  # sm100: 2 Q tiles of 128 rows per CTA
                                            (128, 176)])
 def test_block_ranges_cover_exactly_the_visible_keys(kind, tile_m, tile_n):
     seqlens = [(1, 1), (1, 300), (113, 203), (203, 113), (256, 256), (257, 129), (1000, 17)]
     windows = [(-1, -1)] if kind != "local" else [(-1, 0), (0, 0), (5, -1), (-1, 7), (37, 3),
                                                    (0, 130), (300, 300), (1, 1)]
     for (sq, sk), (wl0, wr0) in itertools.product(seqlens, windows):
-        wl, wr = _resolve_window(wl0, wr0, sq, sk)
-        bi = BlockInfo(tile_m, tile_n, kind == "causal", kind == "local", sq, sk, wl, wr)
+        wl, wr = resolve_windows((1.0, 0.0, wl0, wr0), sq, sk, is_local=True)  # the kernels' clamp
+        bi = FwdBlocks(tile_m, tile_n, kind == "causal", kind == "local", sq, sk, wl, wr)
         for m in range(-(-sq // tile_m)):
             rows = range(m * tile_m, min((m + 1) * tile_m, sq))
             lo, hi = bi.n_block_range(m)

@@ -557,7 +557,7 @@ def test_work_table_lists_every_key_block_once(order, window):
     offsets, lengths and first dq tile (spare rows (-1, 0, …) after them, the ZERO_PADDING item
     last), within the bound work_items gives; heavy_first puts the blocks with the most query
     blocks to visit first."""
-    from jax_fa4.kernels.common.bwd_blocks import BwdBlocks
+    from jax_fa4.kernels.common.geometry import BwdBlocks
     from jax_fa4.kernels.sm90.bwd_config import WORK_COLUMNS
 
     rng = np.random.default_rng(7)

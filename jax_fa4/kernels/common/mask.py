@@ -2,7 +2,7 @@
 
 Columns are compared with thread 0's (compile-time) column coordinates against a per-thread,
 per-row limit from which this thread's own column offset was subtracted once, so the inner loop
-is one integer compare and one select per element. See block_info.py for the conventions.
+is one integer compare and one select per element. See geometry.py for the conventions.
 """
 
 import cutlass

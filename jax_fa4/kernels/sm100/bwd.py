@@ -70,7 +70,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from jax_fa4.kernels.common.convert import cvt_pack_f32x2
 from jax_fa4.kernels.common.layout import select_modes
 from jax_fa4.kernels.common.views import seq_major
-from jax_fa4.kernels.common.bwd_blocks import BwdBlocks
+from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
 
 LOG2_E = math.log2(math.e)
@@ -342,7 +342,7 @@ class FlashAttentionBackwardSm100:
 
         # run-time scalars, identical in every role
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        window_left, window_right = self.clamped_windows(mParams, seqlen_q, seqlen_k)
+        window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
         n_block, head, batch = cute.arch.block_idx()
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         blocks = BwdBlocks(self.tile_m, self.tile_n, self.is_causal, self.is_local,
@@ -388,18 +388,6 @@ class FlashAttentionBackwardSm100:
                               ds_full, ds_empty, dq_full, dq_empty, dkv_full, count)
                 dealloc_barrier.arrive_and_wait()
                 tmem.free(tmem_ptr)
-
-    @cute.jit
-    def clamped_windows(self, mParams: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32):
-        """(window_left, window_right) of a local mask from params (-1 or too wide: the whole
-        side, i.e. seqlen_k / seqlen_q); (0, 0) for the other masks (unused there)."""
-        window_left, window_right = Int32(0), Int32(0)
-        if const_expr(self.is_local):
-            wl = Int32(mParams[2])
-            wr = Int32(mParams[3])
-            window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
-            window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
-        return window_left, window_right
 
     @cute.jit
     def gemm_ts_halves(self, mma: cute.TiledMma, acc: cute.Tensor, a_lo: cute.Tensor,

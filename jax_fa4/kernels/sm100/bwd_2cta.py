@@ -144,7 +144,7 @@ from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from jax_fa4.kernels.common.bwd_blocks import BwdBlocks
+from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
 from jax_fa4.kernels.common.layout import select_modes
 from jax_fa4.kernels.sm100.bwd import (COMPUTE_WARPS, LOAD_WARP, MMA_WARP, REDUCE_WARPS,
                                        Barrier, FlashAttentionBackwardSm100, ld_acquire_gpu,
@@ -488,7 +488,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
 
         # run-time scalars, identical in every role
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        window_left, window_right = self.clamped_windows(mParams, seqlen_q, seqlen_k)
+        window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         # element masks per own 128-key block; query-block range and dQ turn per 256-key pair
         blocks = BwdBlocks(self.tile_m, self.tile_n, self.is_causal, self.is_local,

@@ -90,6 +90,8 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from jax_fa4.kernels.common.convert import cvt_pack_f32x2
 from jax_fa4.kernels.common.exp2 import exp2_is_software, exp2_sw_x2
+from jax_fa4.kernels.common.geometry import (FwdBlocks, paged_keys, resolve_windows,
+                                             varlen_sequence)
 from jax_fa4.kernels.common.layout import select_modes
 from jax_fa4.kernels.common.views import dim_major, seq_major
 from jax_fa4.kernels.sm100 import tile_order
@@ -457,7 +459,7 @@ class FlashAttentionForwardSm100:
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         num_heads, num_batch = mQ.shape[2], mQ.shape[3]
         qhead_per_kvhead = num_heads // mK.shape[2]
-        window_left, window_right = self.windows(mParams, seqlen_q, seqlen_k)
+        window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
         num_m_blocks = cute.ceil_div(seqlen_q, self.cta_rows)
         # varlen: each role derives its tile's sequence from cu_seqlens (tile_seq); the grid is
         # lse's (max_seqlen_q, H, batch) plus the padding slice batch == batch count
@@ -485,26 +487,15 @@ class FlashAttentionForwardSm100:
         return count % 2, (count // 2) % 2
 
     @cute.jit
-    def windows(self, mParams: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32):
-        """(window_left, window_right) from params[2:4] (local masks; 0 otherwise): -1 (any
-        negative) = unbounded, clamped to a bound that covers every key."""
-        window_left, window_right = Int32(0), Int32(0)
-        if const_expr(self.is_local):
-            wl = Int32(mParams[2])
-            wr = Int32(mParams[3])
-            window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
-            window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
-        return window_left, window_right
-
-    @cute.jit
     def tile_blk(self, blk: cutlass.Constexpr, paged: cutlass.Constexpr, batch: Int32):
         """The tile's (seqlen_q, seqlen_k, window_left, window_right): the call's, or (paged)
-        with batch entry ``batch``'s key length seqused_k[batch]."""
+        with batch entry ``batch``'s key count (seqused_k[batch], at most its page-table row's
+        keys)."""
         if const_expr(paged is None):
             return blk
-        _, mSeqUsedK, mParams = paged
-        seqlen_k = mSeqUsedK[batch]
-        window_left, window_right = self.windows(mParams, blk[0], seqlen_k)
+        mPageTable, mSeqUsedK, mParams = paged
+        seqlen_k = paged_keys(mSeqUsedK, batch, mPageTable.shape[1] * self.tile_n)
+        window_left, window_right = resolve_windows(mParams, blk[0], seqlen_k, self.is_local)
         return blk[0], seqlen_k, window_left, window_right
 
     @cute.jit
@@ -517,14 +508,9 @@ class FlashAttentionForwardSm100:
         if const_expr(varlen is None):
             return None, None, self.tile_blk(blk, paged, batch)
         mCuSeqlensQ, mCuSeqlensK, mParams, num_seqs, _ = varlen
-        seq = cutlass.max(cutlass.min(batch, num_seqs - 1), 0)
-        q_offset, k_offset = mCuSeqlensQ[seq], mCuSeqlensK[seq]
-        seqlen_q = mCuSeqlensQ[seq + 1] - q_offset
-        seqlen_k = mCuSeqlensK[seq + 1] - k_offset
-        if batch == num_seqs:
-            seqlen_q = Int32(0)
-            seqlen_k = Int32(0)
-        window_left, window_right = self.windows(mParams, seqlen_q, seqlen_k)
+        q_offset, k_offset, seqlen_q, seqlen_k = varlen_sequence(mCuSeqlensQ, mCuSeqlensK,
+                                                                 batch, num_seqs)
+        window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
         return q_offset, k_offset, (seqlen_q, seqlen_k, window_left, window_right)
 
     def sequence(self, mX: cute.Tensor, head, batch, offset=None, seq_mode: int = 0):
@@ -536,26 +522,17 @@ class FlashAttentionForwardSm100:
         coord = (offset, 0) if seq_mode == 0 else (0, offset)
         return cute.domain_offset(coord, mX[None, None, head, 0])
 
-    @cute.jit
+    def band(self, blk: cutlass.Constexpr) -> FwdBlocks:
+        """The tile geometry of ``blk``: work tiles of ``cta_rows`` query rows (all ``q_tiles``
+        Q tiles visit the same key blocks; rows mask the rest)."""
+        seqlen_q, seqlen_k, window_left, window_right = blk
+        return FwdBlocks(self.cta_rows, self.tile_n, self.is_causal, self.is_local, seqlen_q,
+                         seqlen_k, window_left, window_right)
+
     def n_block_range(self, m_block: Int32, blk: cutlass.Constexpr):
         """[n_min, n_max): key blocks with at least one visible key for some row of work tile
-        ``m_block`` (all ``q_tiles`` Q tiles visit the same blocks; rows mask the rest)."""
-        seqlen_q, seqlen_k, window_left, window_right = blk
-        n_max = cute.ceil_div(seqlen_k, self.tile_n)
-        n_min = Int32(0)
-        if const_expr(self.is_causal or self.is_local):
-            col_end = (m_block + 1) * self.cta_rows + seqlen_k - seqlen_q  # exclusive, causal
-            if const_expr(self.is_local):
-                col_end = col_end + window_right
-            n_max = cutlass.min(n_max, cutlass.max((col_end + self.tile_n - 1) // self.tile_n, 0))
-        if const_expr(self.is_local):
-            col_begin = m_block * self.cta_rows + seqlen_k - seqlen_q - window_left
-            n_min = cutlass.max(col_begin, 0) // self.tile_n
-        if const_expr(self.varlen):
-            # a tile past its sequence's end (or of the padding slice): no work in any role
-            if m_block * self.cta_rows >= seqlen_q:
-                n_max = n_min
-        return n_min, n_max
+        ``m_block`` (varlen: none for a tile past its sequence's end, in every role)."""
+        return self.band(blk).n_block_range(m_block, past_end_empty=self.varlen)
 
     def work_tile(self, idx: Int32, sched):
         num_m_blocks, num_heads, num_batch = sched[0], sched[1], sched[2]
@@ -864,25 +841,17 @@ class FlashAttentionForwardSm100:
         """Softcap and mask one key block of one row in place; return the new applied max and
         the factor O and the row sum must be rescaled by (1.0 when the conditional rescale keeps
         the old max)."""
-        seqlen_q, seqlen_k, window_left, window_right = blk
         n = cute.size(tSrS)
         if const_expr(self.has_softcap):
             for i in cutlass.range_constexpr(n):
                 tSrS[i] = cute.math.tanh(tSrS[i] * softcap_in_scale, fastmath=True)
-        # masks: key-length tail always (cheap: one compare per element), causal / window
-        col0 = n_block * self.tile_n
-        right = seqlen_k - col0  # exclusive, relative to the block
-        if const_expr(self.is_causal or self.is_local):
-            diag = row + seqlen_k - seqlen_q - col0
-            if const_expr(self.is_local):
-                right = cutlass.min(right, diag + window_right + 1)
-            else:
-                right = cutlass.min(right, diag + 1)
+        # masks: key-length tail always (cheap: one compare per element), causal / window;
+        # visible columns [left, right) relative to the block
+        left, right = self.band(blk).visible_cols(row, n_block)
         if const_expr(self.is_local):
             # visible: left <= c < right, i.e. both c − left and right − 1 − c are >= 0: one
             # sign test of their bitwise or (two compares per score kept too many predicates
             # live and the softmax spilled; an unsigned compare was rewritten by the compiler)
-            left = diag - window_left
             last = right - 1
             for i in cutlass.range_constexpr(n):
                 c = tTcS[i][1]

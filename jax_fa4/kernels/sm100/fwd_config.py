@@ -96,10 +96,10 @@ class FwdConfig(KernelConfig):
     rescale_threshold: float = RESCALE_THRESHOLD
     q_tiles: int = 2
     num_sms: int = DEFAULT_NUM_SMS
-    # Paged KV (as on sm90, jax_fa4/paged.py): K/V are a cache of tile_n-key tiles, key block n
+    # Paged KV (as on sm90; jax_fa4/backends/kernel.py calls it): K/V are a cache of tile_n-key tiles, key block n
     # of batch entry b is tile page_table[b, n], and b has seqused_k[b] keys.
     paged: bool = False
-    # Varlen (as on sm90, jax_fa4/varlen.py): q, k, v, out packed along one axis, sequence b's
+    # Varlen (as on sm90; jax_fa4/backends/kernel.py calls it): q, k, v, out packed along one axis, sequence b's
     # rows [cu_seqlens[b], cu_seqlens[b + 1]); lse (batch, H, max_seqlen_q) sets the tile count.
     varlen: bool = False
 

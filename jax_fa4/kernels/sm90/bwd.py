@@ -47,7 +47,7 @@ Pᵀ and dSᵀ stay in registers as the A operands of the dV / dK GEMMs (``swapp
 Unmasked, non-deterministic, non-swapped kernels walk their query blocks from a start that
 depends on the key block (``rotate``), so that lockstep key blocks add into different dQ blocks.
 
-Varlen (``cfg.varlen``, jax_fa4/varlen.py): q, k, v, dout, dk, dv are sequences packed as one
+Varlen (``cfg.varlen``, called by jax_fa4/backends/sm90.py): q, k, v, dout, dk, dv are sequences packed as one
 batch entry. CTA (x, head) takes key block ``work[x, 1]`` of sequence ``work[x, 0]`` (the caller
 lists the work items, and so chooses their launch order); the sequence's offsets, lengths and
 first dq_accum tile come in the same work row (one round of loads; cu_seqlens_k is read only by
@@ -77,7 +77,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
-from jax_fa4.kernels.common.bwd_blocks import BwdBlocks
+from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
 from jax_fa4.kernels.common.convert import convert_f32_pairs
 from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, select_modes,
                                             transpose_mn)
@@ -411,12 +411,7 @@ class FlashAttentionBackwardSm90:
             seqlen_q, seqlen_k = mWork[x, 4], mWork[x, 5]
             # the sequence's first dq_accum tile: its blocks never share a tile with another's
             dq_tile0 = mWork[x, 6]
-        window_left, window_right = Int32(0), Int32(0)
-        if const_expr(self.is_local):
-            wl = Int32(mParams[2])
-            wr = Int32(mParams[3])
-            window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
-            window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
+        window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
 
         if const_expr(not self.varlen):
             n_block, head, batch = cute.arch.block_idx()

@@ -26,7 +26,7 @@ Two kernels (see bwd.py and bwd_postprocess.py):
       configs (gqa=False, dtype = input dtype) and Hdk = H for GQA configs (gqa=True, float32, one
       slice per query head; the caller sums each group of H/Hkv heads).
 
-Varlen configs (``varlen=True``, jax_fa4/varlen.py) take packed sequences instead (see
+Varlen configs (``varlen=True``, called by jax_fa4/backends/sm90.py) take packed sequences instead (see
 ``varlen_attention_backward_signature``): one CTA per (work item, query head), a work item being
 one key block of one sequence, listed by the caller.
 
@@ -166,7 +166,7 @@ class BwdConfig(KernelConfig):
     # must not (validate). Under a causal mask the last key blocks are the lightest, so this
     # launches light blocks first.
     reverse_launch: bool = False
-    # packed sequences (jax_fa4/varlen.py, varlen_attention_backward_signature): per-sequence
+    # packed sequences (jax_fa4/backends/sm90.py, varlen_attention_backward_signature): per-sequence
     # offsets and lengths from cu_seqlens, key blocks from the caller's work list (which also
     # sets their launch order), dK / dV stored row by row inside each sequence
     varlen: bool = False

@@ -28,6 +28,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from jax_fa4.kernels.common.convert import convert_f32_pairs
+from jax_fa4.kernels.common.geometry import packed_span
 from jax_fa4.kernels.common.layout import select_modes
 from jax_fa4.kernels.sm90.bwd_common import (dq_fragment_view, make_smem_layout,
                                              make_tiled_mma_dq, sequence, store_rows,
@@ -139,9 +140,9 @@ class BwdPostprocessSm90:
         cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> TMA store
         cute.arch.sync_threads()
         if const_expr(mdQ_rows is not None):
-            q_offset = mCuSeqlensQ[seq]
+            q_offset, seqlen_q = packed_span(mCuSeqlensQ, seq)
             m_local = m_block - (q_offset + seq * self.tile_m) // self.tile_m
-            rows = mCuSeqlensQ[seq + 1] - q_offset - m_local * self.tile_m
+            rows = seqlen_q - m_local * self.tile_m
             if rows < self.tile_m:  # the sequence's last, partial block: row stores
                 gdQ = cute.local_tile(sequence(mdQ_rows, head, 0, q_offset),
                                       (self.tile_m, self.hdim), (m_local, 0))

@@ -60,8 +60,9 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from jax_fa4.kernels.common.block_info import BlockInfo
 from jax_fa4.kernels.common.convert import convert_f32_pairs
+from jax_fa4.kernels.common.geometry import (FwdBlocks, paged_keys, resolve_windows,
+                                             varlen_sequence)
 from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, select_modes,
                                            transpose_mn)
 from jax_fa4.kernels.common.mask import AttentionMask
@@ -276,7 +277,7 @@ class FlashAttentionForwardSm90:
         seqlen_q = mQ.shape[0]
         if const_expr(self.persistent):
             seqlen_k = mK.shape[0]
-            window_left, window_right = self.windows(mParams, seqlen_q, seqlen_k)
+            window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
             self.run_persistent(mQ, mK, mV, mO, mLSE, mParams, sQ, sK, sV, sO,
                                 tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
                                 tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v,
@@ -295,27 +296,17 @@ class FlashAttentionForwardSm90:
             if const_expr(self.varlen):
                 # the last batch slice (batch == number of sequences) only zeroes the padding
                 # tokens (zero_padding_rows): it runs as an empty sequence
-                num_seqs = mCuSeqlensQ.shape[0] - 1
-                seq = cutlass.min(batch, num_seqs - 1)
-                q_offset, k_offset = mCuSeqlensQ[seq], mCuSeqlensK[seq]
-                seqlen_q = mCuSeqlensQ[seq + 1] - q_offset
-                seqlen_k = mCuSeqlensK[seq + 1] - k_offset
-                if batch == num_seqs:
-                    seqlen_q = 0
-                    seqlen_k = 0
+                q_offset, k_offset, seqlen_q, seqlen_k = varlen_sequence(
+                    mCuSeqlensQ, mCuSeqlensK, batch, mCuSeqlensQ.shape[0] - 1)
             elif const_expr(self.paged):
-                # at most the keys of the entry's page-table row (the caller need not clip)
-                seqlen_k = cutlass.max(cutlass.min(mSeqUsedK[batch],
-                                                   mPageTable.shape[1] * self.tile_n), 0)
+                seqlen_k = paged_keys(mSeqUsedK, batch, mPageTable.shape[1] * self.tile_n)
             else:
                 seqlen_k = mK.shape[0]
-            window_left, window_right = self.windows(mParams, seqlen_q, seqlen_k)
-            block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
+            window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
+            block_info = FwdBlocks(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                    seqlen_q, seqlen_k, window_left, window_right)
-            n_block_min, n_block_max = block_info.n_block_range(m_block)
-            if const_expr(self.varlen):
-                if m_block * self.tile_m >= seqlen_q:
-                    n_block_max = n_block_min  # a tile past this sequence's end: nothing to do
+            n_block_min, n_block_max = block_info.n_block_range(m_block,
+                                                                past_end_empty=self.varlen)
 
             if warp_idx < 4:  # producer warpgroup
                 cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -350,19 +341,6 @@ class FlashAttentionForwardSm90:
                                                cute.ceil_div(mLSE.shape[0], self.tile_m),
                                                tidx - 128)
 
-    @cute.jit
-    def windows(self, mParams: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32):
-        """(window_left, window_right) of a local mask (None otherwise) from params[2:4]: -1 (any
-        negative) = unbounded, clamped to a bound that covers every key so the block/mask
-        arithmetic stays in Int32 range."""
-        window_left, window_right = None, None
-        if const_expr(self.is_local):
-            wl = Int32(mParams[2])
-            wr = Int32(mParams[3])
-            window_left = seqlen_k if wl < 0 or wl > seqlen_k else wl
-            window_right = seqlen_q if wr < 0 or wr > seqlen_q else wr
-        return window_left, window_right
-
     # --- persistent scheduling (num_sms > 0) -----------------------------------------------------
     # The grid is min(num_sms, tiles) CTAs; the producer warp and the consumer warpgroups walk the
     # same tile sequence (PersistentTileScheduler), carrying their pipeline states from tile to
@@ -389,7 +367,7 @@ class FlashAttentionForwardSm90:
         longest_first = self.is_causal or self.is_local
         num_tiles = PersistentTileScheduler.num_tiles(num_m_blocks, num_heads, batch_size)
         t_first, t_stride = PersistentTileScheduler.first_and_stride()
-        # (Python helper objects such as BlockInfo / AttentionMask are built inside the run-time
+        # (Python helper objects such as FwdBlocks / AttentionMask are built inside the run-time
         # tile loops: a loop may carry only DSL values.)
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -403,7 +381,7 @@ class FlashAttentionForwardSm90:
                 while t < num_tiles:
                     m_block, head, batch = PersistentTileScheduler.tile(
                         t, num_m_blocks, num_heads, batch_size, heads_per_section, longest_first)
-                    block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal,
+                    block_info = FwdBlocks(self.tile_m, self.tile_n, self.is_causal,
                                            self.is_local, seqlen_q, seqlen_k, window_left,
                                            window_right)
                     n_block_min, n_block_max = block_info.n_block_range(m_block)
@@ -432,7 +410,7 @@ class FlashAttentionForwardSm90:
             while t < num_tiles:
                 m_block, head, batch = PersistentTileScheduler.tile(
                     t, num_m_blocks, num_heads, batch_size, heads_per_section, longest_first)
-                block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
+                block_info = FwdBlocks(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                        seqlen_q, seqlen_k, window_left, window_right)
                 mask = AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                      window_left, window_right)
@@ -632,7 +610,7 @@ class FlashAttentionForwardSm90:
             sV: cute.Tensor, sO: cute.Tensor, tma_atom_O: cute.CopyAtom,
             tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
             pipeline_q, pipeline_k, pipeline_v, tidx: Int32, warp_idx: Int32,
-            scale_log2: Float32, softcap_in_scale, mask: AttentionMask, block_info: BlockInfo,
+            scale_log2: Float32, softcap_in_scale, mask: AttentionMask, block_info: FwdBlocks,
             m_block: Int32, head: Int32, batch: Int32, n_block_min: Int32, n_block_max: Int32,
             seqlen_q: Int32, wg_idx: Int32, states: cutlass.Constexpr = None,
             varlen_out=None):

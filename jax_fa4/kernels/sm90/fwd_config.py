@@ -104,11 +104,11 @@ class FwdConfig(KernelConfig):
     # scores a thread exponentiates per row, this many run the FMA-pipe polynomial of
     # common/exp2.py instead of MUFU ex2. 0 = all on MUFU (v1).
     exp2_sw_per_32: int = 0
-    # Paged KV (jax_fa4/paged.py): K/V are a cache of tile_n-key tiles, key block n of batch
+    # Paged KV (called by jax_fa4/backends/kernel.py): K/V are a cache of tile_n-key tiles, key block n of batch
     # entry b is tile page_table[b, n], and b has seqused_k[b] keys
     # (spec.paged_attention_forward_signature).
     paged: bool = False
-    # Varlen (jax_fa4/varlen.py): q, k, v, out packed along one axis, sequence boundaries from
+    # Varlen (called by jax_fa4/backends/kernel.py): q, k, v, out packed along one axis, sequence boundaries from
     # cu_seqlens (spec.varlen_attention_forward_signature).
     varlen: bool = False
     # CTAs resident per SM (1 or 2): 2 halves each CTA's registers (launch bound

@@ -1,0 +1,46 @@
+"""The shared tile geometry (jax_fa4/kernels/common/geometry.py) on Python ints: the rules every
+attention kernel computes with, each checked against its definition. (The block ranges and
+masks are checked against brute force in test_sm90_fwd_compile.py and test_sm90_bwd_compile.py.)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from jax_fa4.kernels.common.geometry import (FwdBlocks, packed_span, paged_keys,
+                                             resolve_windows, varlen_sequence)
+
+
+@pytest.mark.parametrize("wl,wr", [(-1, -1), (-7, 0), (0, 0), (3, 5), (40, 2), (2, 41), (41, 41)])
+def test_windows_clamp_unbounded_and_oversize_sides_to_the_sequence(wl, wr):
+    sq, sk = 33, 40
+    got = resolve_windows((0.5, 0.0, wl, wr), sq, sk, is_local=True)
+    assert got == (sk if wl < 0 or wl > sk else wl, sq if wr < 0 or wr > sq else wr)
+    assert resolve_windows((0.5, 0.0, wl, wr), sq, sk, is_local=False) == (0, 0)
+
+
+def test_varlen_sequences_and_the_padding_slice():
+    cu_q, cu_k = [0, 5, 5, 12], [0, 9, 10, 30]
+    for b in range(3):
+        assert packed_span(cu_q, b) == (cu_q[b], cu_q[b + 1] - cu_q[b])
+        assert varlen_sequence(cu_q, cu_k, b, 3) == (cu_q[b], cu_k[b], cu_q[b + 1] - cu_q[b],
+                                                     cu_k[b + 1] - cu_k[b])
+    # the last grid slice zeroes padding rows: the last sequence's offsets, no rows, no keys
+    assert varlen_sequence(cu_q, cu_k, 3, 3) == (5, 10, 0, 0)
+
+
+@pytest.mark.parametrize("used,want", [(0, 0), (17, 17), (256, 256), (300, 256), (-3, 0)])
+def test_paged_key_count_is_clipped_to_the_page_table_row(used, want):
+    assert paged_keys([5, used], 1, 2 * 128) == want
+
+
+def test_a_varlen_tile_past_its_sequence_visits_no_key_block():
+    for kind, m in itertools.product(("none", "causal", "local"), range(4)):
+        blocks = FwdBlocks(128, 128, kind == "causal", kind == "local", 200, 700, 700, 200)
+        lo, hi = blocks.n_block_range(m, past_end_empty=True)
+        if m * 128 >= 200:
+            assert hi <= lo, (kind, m)
+        else:
+            assert (lo, hi) == blocks.n_block_range(m) and hi > lo, (kind, m)
