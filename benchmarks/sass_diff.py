@@ -16,10 +16,12 @@ one ``PYTHONHASHSEED`` (0 unless set) and, where ``setarch`` exists, with addres
 randomisation off: the DSL's embedded ptxas (13.4) allocates registers of some sm100_bwd kernels
 differently depending on where its heap lands (identical PTX, different SASS; docs/NOTES.md), which
 would read as a difference. This makes such noise rare, not impossible.
-Prints one line per variant (``same`` / ``DIFFERS: n lines``) and exits 1 if any differs.
+Prints one line per variant (``same`` / ``DIFFERS (...)``, saying whether only the register
+allocation differs, or which opcode counts changed) and exits 1 if any differs.
 
-A *manifest* keeps one side for later: the sha256 of each variant's normalised SASS, by the same
-variant key. ``--write-manifest FILE`` writes this checkout's; ``--manifest FILE`` compares this
+A *manifest* keeps one side for later: per variant (by the same key) the sha256 of its normalised
+SASS, the sha256 with register names masked, and its opcode counts, so a comparison against it
+still tells a register-allocation difference from a changed instruction mix. ``--write-manifest FILE`` writes this checkout's; ``--manifest FILE`` compares this
 checkout against one instead of compiling another checkout (a redesign's proof then compiles only
 the new side). ``--cache-dir DIR`` takes this checkout's objects from a kernel cache (e.g. the
 exhaustive test tier's ``.pytest_cache/d/jax-fa4-kernels``), compiling what it lacks on
@@ -42,10 +44,12 @@ import hashlib
 import json
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
@@ -110,9 +114,46 @@ def cached_sass(selection: dict, only_representative: bool, cache_dir: str, jobs
         return dict(zip(map(variant_key, selected), pool.map(lines, selected)))
 
 
-def digest(lines: list[str]) -> str:
-    """A manifest entry: sha256 of the normalised listing."""
+_REGISTER = re.compile(r"\bU?R\d+\b|\bU?P\d\b|\bB\d+\b")
+
+
+def _sha(lines: list[str]) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def opcode(line: str) -> str:
+    words = line.split()
+    return words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+
+
+def digest(lines: list[str]) -> dict:
+    """A manifest entry: sha256 of the normalised listing, sha256 of it with register names
+    masked (general, uniform, predicate, barrier), and the count of each opcode."""
+    return {"sha256": _sha(lines),
+            "modulo_registers": _sha([_REGISTER.sub("R", line) for line in lines]),
+            "opcodes": dict(sorted(Counter(map(opcode, lines)).items()))}
+
+
+def difference(a: dict | str, b: dict) -> str | None:
+    """None when two entries agree; else what differs: only the register allocation (the same
+    instructions in the same order, e.g. ptxas's nondeterminism), or the opcode counts that
+    changed (``OP old->new``, largest changes first). A plain-string entry (a manifest of an
+    older format) only tells whether the listing differs."""
+    if isinstance(a, str):
+        return None if a == b["sha256"] else "listing (older manifest: no detail)"
+    if a["sha256"] == b["sha256"]:
+        return None
+    if a["modulo_registers"] == b["modulo_registers"]:
+        return "register allocation only"
+    old, new = Counter(a["opcodes"]), Counter(b["opcodes"])
+    changed = sorted((op for op in old.keys() | new.keys() if old[op] != new[op]),
+                     key=lambda op: (-abs(new[op] - old[op]), op))
+    if not changed:
+        return "instruction order (same opcode counts)"
+    total = sum(new.values()) - sum(old.values())
+    return (f"{total:+d} instructions: "
+            + ", ".join(f"{op} {old[op]}->{new[op]}" for op in changed[:8])
+            + (" ..." if len(changed) > 8 else ""))
 
 
 def write_manifest(path: str, sides: dict[str, list[str]]) -> None:
@@ -127,18 +168,18 @@ def write_manifest(path: str, sides: dict[str, list[str]]) -> None:
     print(f"{len(sides)} variants written to {path}")
 
 
-def compare(other: dict, this: dict, count, unit: str = " lines") -> int:
-    """Print one line per key of either side (``count(a, b)``: how many ``unit`` differ); the
-    number of variants that differ."""
+def compare(other: dict, this: dict, describe) -> int:
+    """Print one line per key of either side (``describe(a, b)``: None when they agree, else
+    what differs); the number of variants that differ."""
     differs = 0
     for key in sorted(set(this) | set(other)):
         a, b = other.get(key), this.get(key)
         if a is None or b is None:
             print(f"only in {'this' if a is None else 'other'}: {key}")
             continue
-        n = count(a, b)
-        differs += n > 0
-        print(f"{'same' if n == 0 else f'DIFFERS: {n}{unit}'}  {key}")
+        what = describe(a, b)
+        differs += what is not None
+        print(f"{'same' if what is None else f'DIFFERS ({what})'}  {key}")
     return differs
 
 
@@ -177,7 +218,7 @@ def main(argv=None) -> int:
         mine = {key: digest(lines) for key, lines in this.items()}
         other = {key: stored[key] for key in stored if key in mine} if any(
             (args.family, args.head_dim, args.dtype, args.arch, args.representative)) else stored
-        return 1 if compare(other, mine, lambda a, b: int(a != b), " (sha256)") else 0
+        return 1 if compare(other, mine, difference) else 0
     sides = {}
     for name, root in (("other", str(Path(args.other).resolve())), ("this", str(HERE))):
         out = tempfile.mkdtemp(prefix=f"sass-{name}-")
@@ -193,8 +234,12 @@ def main(argv=None) -> int:
         env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
         subprocess.run(cmd, check=True, cwd=root, env=env)
         sides[name] = json.loads((Path(out) / "sass.json").read_text())
-    count = lambda a, b: sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))  # noqa: E731
-    return 1 if compare(sides["other"], sides["this"], count) else 0
+    def describe(a: list[str], b: list[str]) -> str | None:
+        what = difference(digest(a), digest(b))
+        lines = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+        return None if what is None else f"{lines} lines; {what}"
+
+    return 1 if compare(sides["other"], sides["this"], describe) else 0
 
 
 if __name__ == "__main__":

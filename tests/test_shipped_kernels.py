@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,8 @@ from jax_fa4 import precompile, sass
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.variants import (REQUIRED_SASS, Variant, representative, variant_class,
                               variant_features, variant_mode, variants)
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @needs_disassembler
@@ -150,6 +153,26 @@ def test_normalised_sass_compares_instructions_only():
     assert lines(a) == lines(b) and len(lines(a)) == 2
     assert lines(a) != lines(a.replace("IMAD", "IADD3"))
     assert lines(a) != lines(a.replace("   IMAD", "@P0 IMAD"))
+
+
+def test_sass_diff_tells_register_allocation_from_changed_instructions():
+    """A manifest entry keeps enough to classify a difference without the old listing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sass_diff", REPO / "benchmarks" / "sass_diff.py")
+    sass_diff = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass_diff)
+    old = ["IMAD R4, R7, X, R0", "@P0 BRA X", "UIADD3 UR6, UP1, UPT, UR14, X, URZ"]
+    renamed = ["IMAD R5, R9, X, R0", "@P1 BRA X", "UIADD3 UR4, UP0, UPT, UR14, X, URZ"]
+    more = old + ["VIMNMX R4, R4, R2, PT", "@!P2 VIMNMX R4, R4, RZ, PT"]
+    base = sass_diff.digest(old)
+    assert sass_diff.difference(base, sass_diff.digest(old)) is None
+    assert sass_diff.difference(base, sass_diff.digest(renamed)) == "register allocation only"
+    assert sass_diff.difference(base, sass_diff.digest(more)) == "+2 instructions: VIMNMX 0->2"
+    assert sass_diff.difference(base, sass_diff.digest(old[::-1])) == (
+        "instruction order (same opcode counts)")
+    assert sass_diff.difference(base["sha256"], sass_diff.digest(renamed)) == (
+        "listing (older manifest: no detail)")
 
 
 def test_cuda_elves_finds_whole_embedded_cubins():
