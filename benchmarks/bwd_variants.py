@@ -6,8 +6,8 @@
         --cache-dir .device/kernel-cache                  # build them (CPU machine, no GPU)
     python benchmarks/bwd_variants.py --shapes d128 --variants det,m128n128s1p1
 
-For every anchor shape and the GQA 32/8 shapes (``jax_fa4.bench``), bf16, causal and not, it runs
-the backward chain the library runs (preprocess kernel, ``sm90_bwd`` main kernel, dQ
+For every anchor shape and the GQA 32/8 shapes (``jax_fa4.bench_shapes``), bf16, causal and not,
+it runs the backward chain the library runs (preprocess kernel, ``sm90_bwd`` main kernel, dQ
 postprocess, the GQA head sum) under each main-kernel config of ``variants_for``: the tuning
 table's (``v1``), every other tile / stage combination the config validator accepts
 (``m{tile_m}n{tile_n}s{stages}p{pds_stages}``, with ``+swap`` for the swap_sdp form of the
@@ -84,7 +84,7 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[t
 
 
 def shapes_for(group: str = "all"):
-    from jax_fa4.bench import ANCHOR_SHAPES, GQA_SHAPES
+    from jax_fa4.bench_shapes import ANCHOR_SHAPES, GQA_SHAPES
 
     return [s for s in ANCHOR_SHAPES + GQA_SHAPES if s.D in SHAPE_GROUPS[group]]
 

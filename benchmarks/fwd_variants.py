@@ -6,9 +6,9 @@
         --cache-dir .device/kernel-cache                  # build them (CPU machine, no GPU)
     python benchmarks/fwd_variants.py --shapes d64 --variants v1,3wg+pp --repeats 9
 
-For every anchor shape (``jax_fa4.bench.ANCHOR_SHAPES``: B·S·H·D of the peers' table, causal and
-not, bf16) it runs the kernel directly (``jax_fa4.ffi.call.call_kernel``, bypassing the
-dispatch, so a config that is not the table's default can run) under each config of
+For every anchor shape (``jax_fa4.bench_shapes.ANCHOR_SHAPES``: B·S·H·D of the peers' table,
+causal and not, bf16) it runs the kernel directly (``jax_fa4.ffi.call.call_kernel``, bypassing
+the dispatch, so a config that is not the table's default can run) under each config of
 ``variants_for(D, Dv, mask)``, and cuDNN (``jax.nn.dot_product_attention(implementation=
 "cudnn")``) in the same process. ``variant_configs()`` lists exactly the kernels it needs.
 
@@ -80,7 +80,7 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str) -> list[tuple[str, A
 
 
 def shapes_for(group: str = "all"):
-    from jax_fa4.bench import ANCHOR_SHAPES
+    from jax_fa4.bench_shapes import ANCHOR_SHAPES
 
     return [s for s in ANCHOR_SHAPES if s.D in SHAPE_GROUPS[group]]
 

@@ -87,6 +87,11 @@ power, throttle reasons), the driver and the versions of the stack (jax, jaxlib,
 plugin, cuDNN, and ``cute_dsl``: ``nvidia-cutlass-dsl`` when installed, the DSL versions the
 kernel cache's entries were compiled with, and the CuTe-DSL runtime library).
 ``benchmarks/readme_tables.py`` writes README's speed tables from the newest default-sweep file.
+
+This module parses the command line, builds, times and checks the programs and writes the result
+file; the shapes and presets are in :mod:`jax_fa4.bench_shapes`, the table, the plot and
+``merge`` in :mod:`jax_fa4.bench_report`, the GPU state and the versions in
+:mod:`jax_fa4.bench_env`.
 """
 
 from __future__ import annotations
@@ -94,15 +99,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.metadata
 import itertools
 import json
 import math
-import os
 import re
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -111,13 +112,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm import tqdm
 
 import jax_fa4
+from jax_fa4 import bench_env, bench_report
+from jax_fa4.bench_report import Row
+from jax_fa4.bench_shapes import (
+    DEFAULT_PARTS,
+    LATENCY_SHAPES,
+    PRESETS,
+    Shape,
+    Window,
+    preset_shapes,
+)
 
-Window = tuple[int | None, int | None]
-Row = dict[str, Any]
 Inputs = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # q, k, v, do
 
 IMPLS = ("jax-fa4", "jax-fa4-det", "cudnn", "xla", "reference")
@@ -128,9 +136,6 @@ GPU_ONLY = ("cudnn", "xla")
 ROTATION_BYTES = 2 * 60 * 10**6
 MAX_INPUT_SETS = 64
 MAX_ITERS = 2000
-#: Ceilings measured on an H200 (bf16 matrix product, device copy), for the chain estimate.
-CEILING_FLOPS = 790e12
-CEILING_BYTES = 4.3e12
 #: On a GPU, one dispatch runs enough calls for this much device time (at the ceilings).
 CHAIN_TARGET_S = 200e-6
 MAX_CHAIN = 16
@@ -141,20 +146,12 @@ KERNEL_FOR_CC_MAJOR = {"9": "sm90", "10": "sm100"}
 ERR_BASES = ("reference", "cudnn", "xla")
 BACKWARD_FLOP_FACTOR = 2.5
 
-#: A non-decode shape whose device time at the ceilings is below this measures launch overhead.
-LATENCY_FLOOR_S = 20e-6
-#: What a row's figures measure (its ``measures`` key).
-MEASURES = ("attention speed", "K/V bandwidth", "launch overhead")
 #: How ``bwd_ms`` is derived (the result file's ``bwd_method``), and what that means.
 BWD_METHOD = "fwdbwd_minus_training_fwd"
 BWD_METHOD_TEXT = ("bwd_ms = fwdbwd_ms - train_fwd_ms: forward+backward minus the training forward "
                    "(the forward that also returns the residuals the backward reads, e.g. the "
                    "softmax statistics), for every implementation alike")
 TIMING_ROTATION = "round r starts at program r mod n"
-#: nvidia-smi fields recorded before and after the sweep (each None where the driver lacks it).
-GPU_QUERY_FIELDS = ("name", "driver_version", "clocks.sm", "clocks.mem", "clocks.max.sm",
-                    "clocks.max.mem", "temperature.gpu", "power.draw",
-                    "clocks_throttle_reasons.active")
 
 #: Keys of every row, in order (``tests/test_bench.py`` checks them).
 ROW_KEYS = (
@@ -165,115 +162,7 @@ ROW_KEYS = (
     "calls_per_dispatch", "input_sets", "compile_s", "residual_bytes", "peak_mem_bytes",
     "xla_mem_bytes", "custom_calls", "fwd_rel_err", "fwd_rel_err_vs", "skipped",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """One attention problem: q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv)."""
-
-    B: int
-    Sq: int
-    Sk: int
-    H: int
-    Hkv: int
-    D: int
-    Dv: int
-    causal: bool
-    window: Window = (None, None)
-
-    @property
-    def mask_window(self) -> Window:
-        """The (left, right) window FA4 applies: causal forces right = 0."""
-        return (self.window[0], 0) if self.causal else self.window
-
-    @property
-    def masked(self) -> bool:
-        return self.mask_window != (None, None)
-
-    def visible_fraction(self) -> float:
-        """Fraction of (query, key) pairs FA4's mask keeps (bottom-right aligned)."""
-        left, right = self.mask_window
-        if (left, right) == (None, None):
-            return 1.0
-        if left is None and right == 0 and self.Sq == self.Sk:
-            return 0.5  # the anchors' convention for causal: S²/2, not S(S+1)/2
-        diag = np.arange(self.Sq, dtype=np.int64) + (self.Sk - self.Sq)
-        lo = np.zeros_like(diag) if left is None else np.maximum(diag - left, 0)
-        hi = np.full_like(diag, self.Sk - 1) if right is None else np.minimum(diag + right,
-                                                                             self.Sk - 1)
-        return float(np.maximum(hi - lo + 1, 0).sum()) / (self.Sq * self.Sk)
-
-    def fwd_flops(self) -> float:
-        return 2.0 * self.B * self.H * self.Sq * self.Sk * (self.D + self.Dv) * \
-            self.visible_fraction()
-
-    def io_bytes(self, itemsize: int) -> int:
-        """Bytes of q, k, v read and out written, once each."""
-        q = self.B * self.Sq * self.H * self.D
-        kv = self.B * self.Sk * self.Hkv * (self.D + self.Dv)
-        out = self.B * self.Sq * self.H * self.Dv
-        return (q + kv + out) * itemsize
-
-    def scores_bytes(self) -> int:
-        """Bytes of the B·H·Sq·Sk float32 scores a materialising implementation holds."""
-        return self.B * self.H * self.Sq * self.Sk * 4
-
-    def device_floor_s(self, itemsize: int) -> float:
-        """A lower bound on one call's device time: its FLOPs or bytes at the H200 ceilings."""
-        return max(self.fwd_flops() / CEILING_FLOPS, self.io_bytes(itemsize) / CEILING_BYTES)
-
-    def measures(self, itemsize: int = 2) -> str:
-        """What a row of this shape measures: decode (``Sq = 1``) reads K/V, so its figure is
-        bandwidth; a latency shape (or any whose device time at the ceilings is under
-        ``LATENCY_FLOOR_S``) times launch and dispatch overhead; the rest attention speed."""
-        if self.Sq == 1:
-            return "K/V bandwidth"
-        if self in LATENCY_SHAPES or self.device_floor_s(itemsize) < LATENCY_FLOOR_S:
-            return "launch overhead"
-        return "attention speed"
-
-
-def _mha(B: int, S: int, H: int, D: int, causal: bool) -> Shape:
-    return Shape(B, S, S, H, H, D, D, causal)
-
-
-#: The 10 shapes of the anchors README's main table (B, S, H, D, causal), in its order.
-ANCHOR_SHAPES = tuple(_mha(B, S, H, D, c) for B, S, H, D in (
-    (4, 8192, 32, 64), (16, 2048, 16, 128), (4, 8192, 16, 128), (2, 16384, 16, 128),
-    (4, 8192, 8, 256)) for c in (False, True))
-GQA_SHAPES = (Shape(4, 8192, 8192, 32, 8, 128, 128, False),
-              Shape(4, 8192, 8192, 32, 8, 128, 128, True))
-#: The anchors README's "more shapes" table.
-ANCHOR_EXTRA_SHAPES = GQA_SHAPES + (
-    Shape(4, 8192, 8192, 16, 16, 96, 96, False), Shape(4, 8192, 8192, 16, 16, 96, 96, True),
-    Shape(4, 8192, 8192, 16, 16, 192, 128, False), Shape(4, 8192, 8192, 16, 16, 192, 128, True),
-    Shape(64, 1, 8192, 32, 8, 128, 128, False), Shape(128, 1, 32768, 32, 8, 128, 128, False),
-)
-LATENCY_SHAPES = (Shape(1, 128, 128, 16, 16, 128, 128, False),
-                  Shape(64, 1, 8192, 32, 8, 128, 128, False))
-
-
-def _unique(shapes: Sequence[Shape]) -> tuple[Shape, ...]:
-    """``shapes`` without repeats, in first-seen order."""
-    return tuple(dict.fromkeys(shapes))
-
-
-#: The presets the default sweep is made of; ``--shapes anchors-main`` and ``--shapes
-#: anchors-more,latency`` split it in two (``merge`` joins the two files into a default one).
-DEFAULT_PARTS = ("anchors-main", "anchors-more", "latency")
-PRESETS: dict[str, tuple[Shape, ...]] = {
-    "anchors-main": ANCHOR_SHAPES,
-    "anchors-more": ANCHOR_EXTRA_SHAPES,
-    "latency": LATENCY_SHAPES,
-    "default": _unique(ANCHOR_SHAPES + ANCHOR_EXTRA_SHAPES + LATENCY_SHAPES),
-    "anchors": ANCHOR_SHAPES + ANCHOR_EXTRA_SHAPES,
-    # One shape per kind of row (unmasked, masked GQA, decode), small enough for a CPU.
-    "tiny": (
-        _mha(1, 64, 2, 32, False),
-        Shape(1, 128, 128, 4, 2, 32, 32, True, (32, None)),
-        Shape(2, 1, 256, 4, 2, 32, 32, False),
-    ),
-}
+#: Defaults of the custom shape flags (``--Sk``, ``--Hkv``, ``--Dv`` default to Sq, H, D).
 CUSTOM_DEFAULTS = {"B": "4", "Sq": "8192", "H": "16", "D": "128"}
 
 
@@ -330,11 +219,6 @@ def _shapes_spec(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"unknown preset(s) {unknown or [text]}; known: {', '.join(PRESETS)}, or custom alone")
     return ",".join(names)
-
-
-def preset_shapes(spec: str) -> tuple[Shape, ...]:
-    """The shapes of a comma-separated list of presets, each once, in order."""
-    return _unique([s for name in spec.split(",") for s in PRESETS[name]])
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -498,10 +382,9 @@ class SkipRow(Exception):
 
 
 def _error_text(err: BaseException) -> str:
-    if isinstance(err, SkipRow):
-        return str(err)
-    lines = [ln for ln in str(err).splitlines() if ln.strip()]
-    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:400]
+    """Why a row was skipped: a :class:`SkipRow`'s message as it is, any other error's type and
+    first line."""
+    return str(err) if isinstance(err, SkipRow) else bench_env.error_text(err)
 
 
 _CUSTOM_CALL = re.compile(r'custom_call @([\w$.\-]+)|call_target_name = "([^"]+)"')
@@ -522,7 +405,7 @@ def chain_length(shape: Shape, itemsize: int, platform: str) -> int:
     bound from the ceilings) is short enough that Python's dispatch would be timed instead."""
     if platform != "gpu":
         return 1
-    floor_s = max(shape.fwd_flops() / CEILING_FLOPS, shape.io_bytes(itemsize) / CEILING_BYTES)
+    floor_s = shape.device_floor_s(itemsize)
     return max(1, min(MAX_CHAIN, math.ceil(CHAIN_TARGET_S / max(floor_s, 1e-9))))
 
 
@@ -926,7 +809,7 @@ def run_sweep(shapes: Sequence[Shape], ctx: BenchContext,
             if any(static_skip_reason(i, shape, ctx.device.platform, ctx.args) is None
                    for i in impls):
                 arg_sets = make_inputs(shape, ctx.dtype, sub, chain)
-            label = _shape_label(dataclasses.asdict(shape))
+            label = bench_report.shape_label(dataclasses.asdict(shape))
             prepared: list[Prepared] = []
             for impl in impls:
                 bar.set_postfix_str(f"compile {impl} {label}")
@@ -946,250 +829,12 @@ def run_sweep(shapes: Sequence[Shape], ctx: BenchContext,
             compare_rows(shape_rows, {p.row["impl"]: p.out for p in prepared
                                       if p.out is not None and p.row["fwd_ms"] is not None})
             for row in shape_rows:
-                bar.write(f"[{len(rows) + 1}/{bar.total}] {_row_line(row)}")
+                bar.write(f"[{len(rows) + 1}/{bar.total}] {bench_report.row_line(row)}")
                 rows.append(row)
             del arg_sets, prepared
             if on_shape_done is not None:
                 on_shape_done(rows, records)
     return rows, records
-
-
-# -- reporting ---------------------------------------------------------------------------------
-def _shape_label(r: dict[str, Any]) -> str:
-    """Compact shape text of a row (or of ``dataclasses.asdict(shape)``)."""
-    heads = f"{r['H']}" if r["H"] == r["Hkv"] else f"{r['H']}/{r['Hkv']}"
-    dims = f"{r['D']}" if r["D"] == r["Dv"] else f"{r['D']}/{r['Dv']}"
-    seq = f"{r['Sq']}" if r["Sq"] == r["Sk"] else f"{r['Sq']}x{r['Sk']}"
-    left, right = r["window"]
-    parts = [f"B{r['B']}", f"S{seq}", f"H{heads}", f"D{dims}"]
-    parts += ["causal"] if r["causal"] else []
-    parts += [] if (left, right) == (None, None) else [f"win{left},{right}"]
-    return " ".join(parts)
-
-
-def _fmt_time(ms: float | None) -> str:
-    if ms is None:
-        return "-"
-    return f"{ms * 1e3:.1f}us" if ms < 1 else f"{ms:.3f}ms"
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _rate(row: Row, key: str) -> str:
-    """A row's TFLOP/s as printed: only where the row measures attention speed (a launch-
-    overhead row's TFLOP/s is not a speed, a decode row's figure is its TB/s)."""
-    if row["measures"] == "attention speed":
-        return _fmt(row[key], ".3g")
-    if row[key] is None:
-        return "-"
-    if row["measures"] == "K/V bandwidth":
-        return f"{row['fwd_tbps']:.3g} TB/s" if key == "fwd_tflops" else "(decode)"
-    return "(latency)"
-
-
-def _row_line(row: Row) -> str:
-    head = f"{row['impl']:>11} {_shape_label(row):<34}"
-    if row["skipped"] and row["fwd_ms"] is None:
-        return f"{head} skipped: {row['skipped']}"
-    line = (f"{head} fwd {_fmt_time(row['fwd_ms'])} {_rate(row, 'fwd_tflops')}  "
-            f"bwd {_fmt_time(row['bwd_ms'])} {_rate(row, 'bwd_tflops')}  [{row['measures']}]")
-    return line + (f"  ({row['skipped']})" if row["skipped"] else "")
-
-
-def print_table(rows: list[Row]) -> None:
-    """A plain-text table of every row (times in µs below 1 ms). TFLOP/s are printed for rows
-    that measure attention speed only; decode rows show TB/s, latency rows their times."""
-    header = ("shape", "impl", "measures", "fwd", "fwd TF/s", "bwd", "bwd TF/s", "x cuDNN f/b",
-              "err", "peak MiB", "skipped")
-    lines = [header]
-    for r in rows:
-        impl = r["impl"] + (f" ({r['resolved_impl']})" if r["resolved_impl"] else "")
-        ratio = ("-" if r["fwd_ratio_vs_cudnn"] is None else
-                 f"{r['fwd_ratio_vs_cudnn']:.2f}/{_fmt(r['bwd_ratio_vs_cudnn'], '.2f')}")
-        peak = None if r["peak_mem_bytes"] is None else r["peak_mem_bytes"] / 2**20
-        lines.append((_shape_label(r), impl, r["measures"], _fmt_time(r["fwd_ms"]),
-                      _rate(r, "fwd_tflops"), _fmt_time(r["bwd_ms"]), _rate(r, "bwd_tflops"),
-                      ratio, _fmt(r["fwd_rel_err"], ".1e"), _fmt(peak, ".0f"),
-                      (r["skipped"] or "")[:70]))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    for n, line in enumerate(lines):
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
-        if n == 0:
-            print("  ".join("-" * w for w in widths))
-
-
-def plot(rows: list[Row], path: Path, title: str) -> None:
-    """TFLOP/s against key length per implementation: forward and backward panels, for the rows
-    that measure attention speed only (decode and latency rows are in the table, not here).
-
-    Colour: implementation; marker: head dims; hollow and dashed: causal. A line joins rows that
-    differ only in batch and length.
-    """
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-
-    colors = {"jax-fa4": "tab:red", "jax-fa4-det": "tab:orange", "cudnn": "tab:green",
-              "xla": "tab:blue", "reference": "tab:gray"}
-    measured = [r for r in rows
-                if r["fwd_tflops"] is not None and r.get("measures") == "attention speed"]
-    head_dims = sorted({(r["D"], r["Dv"]) for r in measured})
-    markers = "os^DvPX*"
-    marker_of = {hd: markers[i % len(markers)] for i, hd in enumerate(head_dims)}
-    fig = Figure(figsize=(13, 5.5), layout="constrained")
-    axes = fig.subplots(1, 2, sharex=True)
-    for ax, key, name in ((axes[0], "fwd_tflops", "forward"), (axes[1], "bwd_tflops", "backward")):
-        lines: dict[tuple, list[Row]] = {}
-        for r in measured:
-            if r[key] is not None:
-                line = (r["impl"], r["H"], r["Hkv"], r["D"], r["Dv"], r["causal"],
-                        tuple(r["window"]), r["Sq"] == 1)
-                lines.setdefault(line, []).append(r)
-        for members in lines.values():
-            members.sort(key=lambda r: r["Sk"])
-            first = members[0]
-            color = colors.get(first["impl"], "black")
-            ax.plot([r["Sk"] for r in members], [r[key] for r in members], color=color,
-                    linestyle="--" if first["causal"] else "-",
-                    marker=marker_of[(first["D"], first["Dv"])], markersize=7,
-                    markerfacecolor="none" if first["causal"] else color)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length Sk")
-        ax.set_ylabel("TFLOP/s")
-        ax.set_title(name)
-        ax.grid(True, alpha=0.3)
-        if not lines:
-            ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center")
-    handles = [Line2D([], [], color=c, label=i) for i, c in colors.items()
-               if any(r["impl"] == i for r in measured)]
-    handles += [Line2D([], [], color="black", linestyle="none", marker=marker_of[hd],
-                       label=f"D={hd[0]}" + (f"/Dv={hd[1]}" if hd[0] != hd[1] else ""))
-                for hd in head_dims]
-    handles.append(Line2D([], [], color="black", marker="o", markerfacecolor="none",
-                          linestyle="--", label="causal"))
-    axes[1].legend(handles=handles, loc="best", fontsize=8)
-    fig.suptitle(f"{title} (attention-speed rows; decode and latency rows: see the table)")
-    fig.savefig(path, dpi=110)
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
-
-
-def _nvidia_smi(fields: Sequence[str]) -> list[list[str]] | None:
-    """``nvidia-smi --query-gpu=FIELDS`` as one list of values per GPU, None when it fails."""
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}",
-                              "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
-    values = [[x.strip() for x in ln.split(",")] for ln in lines]
-    return values if values and all(len(v) == len(fields) for v in values) else None
-
-
-def _smi_value(text: str) -> str | float | None:
-    """A number where nvidia-smi printed one; None for its "[N/A]"-style placeholders."""
-    if not text or text.startswith("[") or text.lower() in ("n/a", "not supported"):
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def gpu_state(fields: Sequence[str] = GPU_QUERY_FIELDS) -> list[dict[str, Any]] | None:
-    """Name, driver, clocks, temperature, power and throttle reasons of each GPU (nvidia-smi),
-    None without nvidia-smi. Fields are asked for together, else one by one: a field this driver
-    does not know is None (the throttle reasons are also tried under their newer name,
-    ``clocks_event_reasons.active``)."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    together = _nvidia_smi(fields)
-    if together is not None:
-        return [dict(zip(fields, map(_smi_value, gpu))) for gpu in together]
-    columns: dict[str, list[Any] | None] = {}
-    for field in fields:
-        got = _nvidia_smi([field])
-        if got is None and field == "clocks_throttle_reasons.active":
-            got = _nvidia_smi(["clocks_event_reasons.active"])
-        columns[field] = None if got is None else [_smi_value(v[0]) for v in got]
-    count = max((len(c) for c in columns.values() if c is not None), default=0)
-    if count == 0:
-        return None
-    return [{f: (c[i] if c is not None and i < len(c) else None) for f, c in columns.items()}
-            for i in range(count)]
-
-
-def driver_version(state: list[dict[str, Any]] | None = None) -> str | None:
-    """The NVIDIA driver version (from ``gpu_state``), None without nvidia-smi."""
-    state = gpu_state(("driver_version",)) if state is None else state
-    value = state[0].get("driver_version") if state else None
-    return None if value is None else str(value)
-
-
-def cute_dsl_versions() -> dict[str, Any]:
-    """Where the CuTe-DSL kernels and runtime come from: ``nvidia-cutlass-dsl``'s version when
-    installed; the DSL versions recorded in the kernel cache's entries (a machine with only the
-    runtime library runs kernels compiled elsewhere), with their counts; the runtime library."""
-    from jax_fa4.ffi import cache as kernel_cache
-    from jax_fa4.ffi import runtime
-
-    found: dict[str, Any] = {"nvidia-cutlass-dsl": None, "kernel_cache": None,
-                             "kernel_cache_dsl_versions": {},
-                             "runtime_library": os.environ.get(runtime.ENV_RUNTIME_LIB)}
-    try:
-        found["nvidia-cutlass-dsl"] = importlib.metadata.version("nvidia-cutlass-dsl")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        store = kernel_cache.KernelCache()
-        found["kernel_cache"] = str(store.root)
-        counts: dict[str, int] = {}
-        for meta in store.entries():
-            version = str(meta.get("dsl_version"))
-            counts[version] = counts.get(version, 0) + 1
-        found["kernel_cache_dsl_versions"] = dict(sorted(counts.items()))
-    except Exception as err:  # an unreadable cache only leaves the versions out
-        found["kernel_cache_error"] = _error_text(err)
-    if found["runtime_library"] is None:
-        try:
-            found["runtime_library"] = str(runtime.find_runtime_library())
-        except Exception:
-            pass
-    return found
-
-
-def versions() -> dict[str, Any]:
-    """Versions of the stack, each probe guarded."""
-    found: dict[str, Any] = {"python": sys.version.split()[0], "jax": jax.__version__}
-    for dist in ("jaxlib", "jax-fa4", "jax-cuda13-plugin", "jax-cuda13-pjrt",
-                 "jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cudnn-cu13",
-                 "nvidia-cudnn-cu12", "nvidia-cutlass-dsl"):
-        try:
-            found[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    found["jax_fa4"] = jax_fa4.__version__
-    try:
-        from jax._src.lib import cuda_versions
-    except ImportError:
-        cuda_versions = None
-    if cuda_versions is not None:
-        for name, probe in (("cudnn", "cudnn_get_version"),
-                            ("cuda_runtime", "cuda_runtime_get_version"),
-                            ("cuda_driver", "cuda_driver_get_version")):
-            try:
-                found[name] = getattr(cuda_versions, probe)()
-            except Exception:  # a missing or failing probe only leaves the entry out
-                pass
-    try:
-        found["cute_dsl"] = cute_dsl_versions()
-    except Exception as err:
-        found["cute_dsl"] = {"error": _error_text(err)}
-    return found
 
 
 TIMING_METHOD = ("per shape, every implementation is compiled first; then all their programs "
@@ -1202,7 +847,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The sweep; ``merge A.json B.json --out C.json`` joins result files instead."""
     argv_list = list(sys.argv[1:] if argv is None else argv)
     if argv_list[:1] == ["merge"]:
-        return merge_main(argv_list[1:])
+        return bench_report.merge_main(argv_list[1:])
     start = time.perf_counter()
     args = parse_args(argv_list)
     shapes = custom_shapes(args) if args.shapes == "custom" else list(preset_shapes(args.shapes))
@@ -1211,11 +856,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"jax {jax.__version__} on {device.device_kind} ({device.platform}); "
           f"{len(shapes)} shapes x {len(args.impls)} impls, {args.dtype}", flush=True)
     today = datetime.date.today().isoformat()
-    out = args.out or Path("benchmarks/results") / f"{_slug(device.device_kind)}-{today}.json"
+    out = args.out or (Path("benchmarks/results")
+                       / f"{bench_report.slug(device.device_kind)}-{today}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     command = list(sys.orig_argv) if argv is None else ["python", "-m", "jax_fa4.bench", *argv]
-    state_before = gpu_state()
-    driver, package_versions = driver_version(state_before), versions()
+    state_before = bench_env.gpu_state()
+    driver, package_versions = bench_env.driver_version(state_before), bench_env.versions()
 
     def write(rows: list[Row], records: list[Row], complete: bool) -> None:
         report = {
@@ -1224,7 +870,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "driver": driver,
             "versions": package_versions,
             "gpu_state": {"before": state_before,
-                          "after": gpu_state() if complete else None},
+                          "after": bench_env.gpu_state() if complete else None},
             "command": command,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "settings": {"shapes": args.shapes, "dtype": args.dtype, "impls": args.impls,
@@ -1247,109 +893,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         shapes, ctx, on_shape_done=lambda rows, records: write(rows, records, complete=False))
     write(rows, records, complete=True)
     png = out.with_suffix(".png")
-    plot(rows, png, f"{device.device_kind}, {args.dtype}, {today}")
-    print_table(rows)
+    bench_report.plot(rows, png, f"{device.device_kind}, {args.dtype}, {today}")
+    bench_report.print_table(rows)
     print(f"wrote {out} and {png}; total wall time {time.perf_counter() - start:.1f} s")
     return 0
 
-
-# -- merging result files ----------------------------------------------------------------------
-#: Settings two result files must share to be merged (the shapes are what they split).
-MERGE_SAME_SETTINGS = ("dtype", "impls", "repeats", "target_ms", "fwd_only", "rotation_bytes",
-                       "backward_flop_factor")
-
-
-def _shape_key(row: Row) -> tuple:
-    return (row["B"], row["Sq"], row["Sk"], row["H"], row["Hkv"], row["D"], row["Dv"],
-            row["causal"], tuple(row["window"]))
-
-
-def _merge_view(key: str, value: Any) -> Any:
-    """What must agree between merged runs: the versions, with the CuTe-DSL entry reduced to its
-    versions (the kernel cache's entry counts may differ between two machines)."""
-    if key != "versions" or not isinstance(value, dict) or "cute_dsl" not in value:
-        return value
-    dsl = value["cute_dsl"] or {}
-    return {**value, "cute_dsl": (dsl.get("nvidia-cutlass-dsl"),
-                                  sorted(dsl.get("kernel_cache_dsl_versions") or {}))}
-
-
-def merge_reports(reports: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
-    """One result file from several runs of the same stack that split a sweep's shapes.
-
-    The runs must agree on GPU, driver, versions, the timing settings and the method fields; a
-    shape may appear in one run only; every run must be complete. The merged ``settings.shapes``
-    is the preset whose shapes the parts cover exactly (e.g. ``anchors-main`` +
-    ``anchors-more,latency`` give ``default``), else the parts' specs joined by ``+``.
-    """
-    if len(reports) < 2:
-        raise ValueError("merge needs two or more result files")
-    first = reports[0]
-    for name, rep in zip(names, reports):
-        if not rep.get("complete"):
-            raise ValueError(f"{name} is not complete (a stopped run)")
-        for key in ("gpu", "platform", "driver", "versions", "bwd_method"):
-            if _merge_view(key, rep.get(key)) != _merge_view(key, first.get(key)):
-                raise ValueError(f"{name} differs from {names[0]} in {key!r}: "
-                                 f"{rep.get(key)!r} vs {first.get(key)!r}")
-        for key in MERGE_SAME_SETTINGS:
-            if rep["settings"].get(key) != first["settings"].get(key):
-                raise ValueError(f"{name} differs from {names[0]} in settings.{key}")
-    seen: dict[tuple, str] = {}
-    for name, rep in zip(names, reports):
-        for key in {_shape_key(r) for r in rep["rows"]}:
-            if key in seen:
-                raise ValueError(f"shape {key} is in both {seen[key]} and {name}")
-            seen[key] = name
-    specs = [rep["settings"]["shapes"] for rep in reports]
-    covered = {_shape_key(r) for rep in reports for r in rep["rows"]}
-    merged_spec = "+".join(specs)
-    for preset, members in PRESETS.items():
-        keys = {_shape_key(dataclasses.asdict(s) | {"window": list(s.window)}) for s in members}
-        if "custom" not in specs and keys == covered:
-            merged_spec = preset
-            break
-    order = {_shape_key(dataclasses.asdict(s) | {"window": list(s.window)}): i
-             for i, s in enumerate(preset_shapes(merged_spec))} if merged_spec in PRESETS else {}
-    rows = [r for rep in reports for r in rep["rows"]]
-    rows.sort(key=lambda r: order.get(_shape_key(r), len(order)))  # stable: impl order kept
-    merged = {key: first[key] for key in first if key not in ("rows", "timing", "gpu_state",
-                                                              "command", "date", "wall_s")}
-    merged.update(
-        settings={**first["settings"], "shapes": merged_spec},
-        date=max(rep["date"] for rep in reports),
-        wall_s=round(sum(rep.get("wall_s") or 0 for rep in reports), 1),
-        command=[rep.get("command") for rep in reports],
-        gpu_state=[rep.get("gpu_state") for rep in reports],
-        timing={**(first.get("timing") or {}),
-                "shapes": [s for rep in reports for s in (rep.get("timing") or {}).get(
-                    "shapes", [])]},
-        merged_from=[{"file": name, "shapes": rep["settings"]["shapes"], "date": rep["date"],
-                      "wall_s": rep.get("wall_s")} for name, rep in zip(names, reports)],
-        complete=True,
-        rows=rows,
-    )
-    return merged
-
-
-def merge_main(argv: Sequence[str]) -> int:
-    """``python -m jax_fa4.bench merge A.json B.json [...] --out C.json``."""
-    p = argparse.ArgumentParser(prog="python -m jax_fa4.bench merge",
-                                description=merge_reports.__doc__.split("\n\n")[0])
-    p.add_argument("files", type=Path, nargs="+")
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
-    reports = [json.loads(f.read_text()) for f in args.files]
-    try:
-        merged = merge_reports(reports, [f.name for f in args.files])
-    except ValueError as err:
-        p.error(str(err))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(merged, indent=1) + "\n")
-    plot(merged["rows"], args.out.with_suffix(".png"),
-         f"{merged['gpu']}, {merged['settings']['dtype']}, {merged['date'][:10]}")
-    print(f"wrote {args.out}: {len(merged['rows'])} rows, shapes {merged['settings']['shapes']}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_fa4 import bench
+from jax_fa4 import bench, bench_env, bench_report, bench_shapes
 from jax_fa4.reference import visible_mask
 
 ON_CPU = jax.devices()[0].platform == "cpu"
@@ -26,16 +26,17 @@ ON_CPU = jax.devices()[0].platform == "cpu"
     (300, 64, True, (10, None)),
 ])
 def test_visible_fraction_matches_the_library_mask(sq, sk, causal, window):
-    shape = bench.Shape(1, sq, sk, 1, 1, 64, 64, causal, window)
+    shape = bench_shapes.Shape(1, sq, sk, 1, 1, 64, 64, causal, window)
     mask = np.asarray(visible_mask(sq, sk, shape.mask_window))
     assert shape.visible_fraction() == pytest.approx(mask.mean(), rel=1e-12)
 
 
 def test_flop_convention():
-    full = bench.Shape(4, 8192, 8192, 16, 16, 128, 128, False)
+    Shape = bench_shapes.Shape
+    full = Shape(4, 8192, 8192, 16, 16, 128, 128, False)
     assert full.fwd_flops() == 4 * 4 * 16 * 8192**2 * 128
-    assert bench.Shape(4, 8192, 8192, 16, 16, 128, 128, True).fwd_flops() == full.fwd_flops() / 2
-    assert bench.Shape(1, 8, 8, 1, 1, 192, 128, False).fwd_flops() == 2 * 64 * (192 + 128)
+    assert Shape(4, 8192, 8192, 16, 16, 128, 128, True).fwd_flops() == full.fwd_flops() / 2
+    assert Shape(1, 8, 8, 1, 1, 192, 128, False).fwd_flops() == 2 * 64 * (192 + 128)
 
 
 def test_shape_flags_need_custom_and_sweep_a_product():
@@ -48,8 +49,9 @@ def test_shape_flags_need_custom_and_sweep_a_product():
     assert {(s.B, s.Hkv, s.causal) for s in shapes} == {
         (b, h, c) for b in (1, 2) for h in (8, 2) for c in (False, True)}
     assert all(s.Sk == 256 and s.D == s.Dv == 128 and s.window == (64, 0) for s in shapes)
-    assert len(bench.PRESETS["default"]) == 19
-    assert bench.preset_shapes("anchors-main,anchors-more,latency") == bench.PRESETS["default"]
+    assert len(bench_shapes.PRESETS["default"]) == 19
+    assert (bench_shapes.preset_shapes("anchors-main,anchors-more,latency")
+            == bench_shapes.PRESETS["default"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--shapes", "anchors-main,nope"])
     assert bench.parse_args(["--shapes", "anchors-more, latency"]).shapes == "anchors-more,latency"
@@ -59,12 +61,12 @@ def test_shape_flags_need_custom_and_sweep_a_product():
 def test_static_skip_reasons_on_a_gpu():
     args = argparse.Namespace(reference_max_gb=4.0, xla_max_gb=36.0)
     skip = lambda impl, shape: bench.static_skip_reason(impl, shape, "gpu", args)  # noqa: E731
-    assert skip("cudnn", bench.Shape(1, 128, 128, 4, 4, 192, 128, False))
-    assert skip("cudnn", bench.Shape(1, 64, 128, 4, 4, 64, 64, True))
-    assert skip("cudnn", bench.Shape(1, 1, 128, 4, 1, 64, 64, False)) is None
-    assert skip("reference", bench.Shape(16, 2048, 2048, 16, 16, 128, 128, False))
-    assert skip("reference", bench.Shape(1, 2048, 2048, 16, 16, 128, 128, False)) is None
-    assert skip("jax-fa4", bench.Shape(2, 16384, 16384, 16, 16, 128, 128, False)) is None
+    assert skip("cudnn", bench_shapes.Shape(1, 128, 128, 4, 4, 192, 128, False))
+    assert skip("cudnn", bench_shapes.Shape(1, 64, 128, 4, 4, 64, 64, True))
+    assert skip("cudnn", bench_shapes.Shape(1, 1, 128, 4, 1, 64, 64, False)) is None
+    assert skip("reference", bench_shapes.Shape(16, 2048, 2048, 16, 16, 128, 128, False))
+    assert skip("reference", bench_shapes.Shape(1, 2048, 2048, 16, 16, 128, 128, False)) is None
+    assert skip("jax-fa4", bench_shapes.Shape(2, 16384, 16384, 16, 16, 128, 128, False)) is None
 
 
 def test_custom_call_targets():
@@ -76,15 +78,16 @@ def test_custom_call_targets():
 
 
 def test_chain_length_only_for_short_gpu_calls():
-    latency = bench.Shape(1, 128, 128, 16, 16, 128, 128, False)
+    Shape = bench_shapes.Shape
+    latency = Shape(1, 128, 128, 16, 16, 128, 128, False)
     assert bench.chain_length(latency, 2, "gpu") > 1
     assert bench.chain_length(latency, 2, "cpu") == 1
-    assert bench.chain_length(bench.Shape(4, 8192, 8192, 16, 16, 128, 128, True), 2, "gpu") == 1
-    assert bench.chain_length(bench.Shape(64, 1, 8192, 32, 8, 128, 128, False), 2, "gpu") == 1
+    assert bench.chain_length(Shape(4, 8192, 8192, 16, 16, 128, 128, True), 2, "gpu") == 1
+    assert bench.chain_length(Shape(64, 1, 8192, 32, 8, 128, 128, False), 2, "gpu") == 1
 
 
 def test_chained_program_computes_each_call():
-    shape = bench.Shape(1, 16, 16, 2, 1, 8, 8, True)
+    shape = bench_shapes.Shape(1, 16, 16, 2, 1, 8, 8, True)
     sets = bench.make_inputs(shape, jnp.float32, jax.random.key(1), multiple_of=3)
     assert len(sets) % 3 == 0
     fn = bench._fwd_bwd(bench._fa4_fn(shape, "reference"))
@@ -114,7 +117,7 @@ def test_rounds_rotate_which_program_goes_first(monkeypatch):
 
 
 def test_jax_fa4_row_probes_the_forced_kernel():
-    shape = bench.Shape(1, 16, 16, 2, 1, 8, 8, True)
+    shape = bench_shapes.Shape(1, 16, 16, 2, 1, 8, 8, True)
     inputs = bench.make_inputs(shape, jnp.bfloat16, jax.random.key(0), multiple_of=1)[0]
     # A forced implementation that lowers: the row times implementation=None and names it.
     for impl in ("jax-fa4", "jax-fa4-det"):
@@ -141,7 +144,7 @@ def test_tiny_sweep_on_cpu(tmp_path, capsys):
     assert report["gpu_state"] == {"before": None, "after": None}  # no nvidia-smi here
     assert "cute_dsl" in report["versions"]
     assert report["timing"]["rotation"] == bench.TIMING_ROTATION
-    shapes = bench.PRESETS["tiny"]
+    shapes = bench_shapes.PRESETS["tiny"]
     rows = report["rows"]
     assert len(rows) == len(shapes) * len(bench.IMPLS)
     for row in rows:
@@ -184,7 +187,7 @@ def test_tiny_sweep_on_cpu(tmp_path, capsys):
     assert len(records) == len(shapes)
     for record, first in zip(records, rows[::len(bench.IMPLS)]):
         timed_impls = [r["impl"] for r in rows if r["fwd_ms"] is not None
-                       and bench._shape_key(r) == bench._shape_key(first)]
+                       and bench_report._shape_key(r) == bench_report._shape_key(first)]
         assert record["programs"] == [f"{i} {k}" for i in timed_impls for k in bench.PROGRAM_KINDS]
         n = len(record["programs"])
         assert sorted(o[0] for o in record["round_orders"][1:]) == list(range(n))
@@ -264,7 +267,8 @@ def test_sass_diff_pairs_variants_across_a_new_default_field():
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
-def _fake_prepared(impl: str, shape: "bench.Shape", kinds: tuple[str, ...]) -> "bench.Prepared":
+def _fake_prepared(impl: str, shape: "bench_shapes.Shape", kinds: tuple[str, ...]
+                   ) -> "bench.Prepared":
     row = bench._empty_row(impl, shape, "bf16")
     return bench.Prepared(row, {kind: f"{impl} {kind}" for kind in kinds})
 
@@ -272,7 +276,7 @@ def _fake_prepared(impl: str, shape: "bench.Shape", kinds: tuple[str, ...]) -> "
 def test_one_rotation_times_every_implementations_programs(monkeypatch):
     """Per shape, all impls' programs share one time_programs call: each opens a timed round,
     the record lists the programs and every round's order, and bwd = fwd+bwd - training fwd."""
-    shape = bench.Shape(4, 8192, 8192, 16, 16, 128, 128, True)
+    shape = bench_shapes.Shape(4, 8192, 8192, 16, 16, 128, 128, True)
     ms = {"fwd": 2.0, "train_fwd": 2.5, "fwdbwd": 9.0}
     calls: list[str] = []
     monkeypatch.setattr(bench, "_round_iters", lambda program, target_s: 1)
@@ -311,7 +315,7 @@ def test_one_rotation_times_every_implementations_programs(monkeypatch):
 def test_training_forward_returns_the_residuals(impl):
     """The training-forward program returns more than out: the residuals the backward reads (for
     the reference its float32 lse), and none of q, k, v, out (no copies of them are timed)."""
-    shape = bench.Shape(1, 32, 32, 2, 1, 16, 16, True)
+    shape = bench_shapes.Shape(1, 32, 32, 2, 1, 16, 16, True)
     q, k, v, _ = bench.make_inputs(shape, jnp.bfloat16, jax.random.key(2), multiple_of=1)[0]
     fn = (bench._fa4_fn(shape, "reference") if impl == "reference"
           else bench._jax_nn_fn(shape, "xla"))
@@ -336,29 +340,29 @@ def test_training_forward_returns_the_residuals(impl):
 
 
 def test_rows_say_what_they_measure():
-    latency = bench.Shape(1, 128, 128, 16, 16, 128, 128, False)
-    decode = bench.Shape(64, 1, 8192, 32, 8, 128, 128, False)
+    latency = bench_shapes.Shape(1, 128, 128, 16, 16, 128, 128, False)
+    decode = bench_shapes.Shape(64, 1, 8192, 32, 8, 128, 128, False)
     assert latency.measures() == "launch overhead"
     assert decode.measures() == "K/V bandwidth"
-    assert all(s.measures() == "attention speed" for s in bench.ANCHOR_SHAPES)
-    assert {s.measures() for s in bench.PRESETS["default"]} == set(bench.MEASURES)
+    assert all(s.measures() == "attention speed" for s in bench_shapes.ANCHOR_SHAPES)
+    assert {s.measures() for s in bench_shapes.PRESETS["default"]} == set(bench_shapes.MEASURES)
     row = bench._empty_row("jax-fa4", latency, "bf16")
     row.update(fwd_ms=0.008, fwd_tflops=16.75, bwd_tflops=13.25)
     assert row["measures"] == "launch overhead"
-    assert bench._rate(row, "fwd_tflops") == "(latency)"  # no TFLOP/s presented as speed
-    line = bench._row_line(row)
+    assert bench_report._rate(row, "fwd_tflops") == "(latency)"  # no TFLOP/s presented as speed
+    line = bench_report.row_line(row)
     assert "16.8" not in line and "13.2" not in line and "launch overhead" in line
     drow = bench._empty_row("cudnn", decode, "bf16")
     drow.update(fwd_ms=0.5, fwd_tflops=17.0, fwd_tbps=4.3)
-    assert bench._rate(drow, "fwd_tflops") == "4.3 TB/s"
+    assert bench_report._rate(drow, "fwd_tflops") == "4.3 TB/s"
 
 
 def test_deterministic_rows_on_training_shapes_only():
     args = argparse.Namespace(reference_max_gb=4.0, xla_max_gb=20.0, fwd_only=False)
     skip = lambda shape: bench.static_skip_reason("jax-fa4-det", shape, "gpu", args)  # noqa
-    training = [s for s in bench.PRESETS["default"] if s.measures() == "attention speed"]
+    training = [s for s in bench_shapes.PRESETS["default"] if s.measures() == "attention speed"]
     assert len(training) == 16 and all(skip(s) is None for s in training)
-    others = [s for s in bench.PRESETS["default"] if s not in training]
+    others = [s for s in bench_shapes.PRESETS["default"] if s not in training]
     assert others and all(skip(s) for s in others)
     assert bench.static_skip_reason("jax-fa4-det", training[0], "gpu",
                                     argparse.Namespace(**{**vars(args), "fwd_only": True}))
@@ -372,16 +376,16 @@ def test_default_preset_holds_every_anchor_shape():
     keys = {(a["B"], a["Sq"], a["Sk"], a["H"], a["Hkv"], a["D"], a["Dv"], a["causal"])
             for a in anchors}
     default = {(s.B, s.Sq, s.Sk, s.H, s.Hkv, s.D, s.Dv, s.causal) for s in
-               bench.PRESETS["default"] if s.window == (None, None)}
+               bench_shapes.PRESETS["default"] if s.window == (None, None)}
     assert keys <= default
     assert keys == {(s.B, s.Sq, s.Sk, s.H, s.Hkv, s.D, s.Dv, s.causal)
-                    for s in bench.preset_shapes("anchors-main,anchors-more")}
-    assert set(bench.LATENCY_SHAPES) <= set(bench.PRESETS["default"])
+                    for s in bench_shapes.preset_shapes("anchors-main,anchors-more")}
+    assert set(bench_shapes.LATENCY_SHAPES) <= set(bench_shapes.PRESETS["default"])
 
 
 def _fake_report(spec: str, **changes) -> dict:
     rows = []
-    for shape in bench.preset_shapes(spec):
+    for shape in bench_shapes.preset_shapes(spec):
         for impl in ("jax-fa4", "cudnn"):
             row = bench._empty_row(impl, shape, "bf16")
             row.update(fwd_ms=1.0)
@@ -402,20 +406,22 @@ def _fake_report(spec: str, **changes) -> dict:
 def test_merge_joins_a_split_default_sweep(tmp_path):
     a, b = _fake_report("anchors-more,latency"), _fake_report("anchors-main",
                                                               date="2026-12-02T11:00:00+00:00")
-    merged = bench.merge_reports([a, b], ["a.json", "b.json"])
+    merged = bench_report.merge_reports([a, b], ["a.json", "b.json"])
     assert merged["settings"]["shapes"] == "default" and merged["complete"] is True
     assert merged["date"] == "2026-12-02T11:00:00+00:00" and merged["wall_s"] == 200.0
-    got = [bench._shape_key(r) for r in merged["rows"][::2]]
-    assert got == [bench._shape_key(bench._empty_row("x", s, "bf16"))
-                   for s in bench.PRESETS["default"]]  # in the preset's order
+    got = [bench_report._shape_key(r) for r in merged["rows"][::2]]
+    assert got == [bench_report._shape_key(bench._empty_row("x", s, "bf16"))
+                   for s in bench_shapes.PRESETS["default"]]  # in the preset's order
     assert len(merged["timing"]["shapes"]) == 2 and len(merged["merged_from"]) == 2
     with pytest.raises(ValueError, match="versions"):
-        bench.merge_reports([a, _fake_report("anchors-main", versions={"jax": "y"})], ["a", "b"])
+        bench_report.merge_reports([a, _fake_report("anchors-main", versions={"jax": "y"})],
+                                   ["a", "b"])
     with pytest.raises(ValueError, match="both"):
-        bench.merge_reports([a, a], ["a", "b"])
+        bench_report.merge_reports([a, a], ["a", "b"])
     with pytest.raises(ValueError, match="complete"):
-        bench.merge_reports([a, _fake_report("anchors-main", complete=False)], ["a", "b"])
-    part = bench.merge_reports([_fake_report("anchors-main"), _fake_report("latency")], ["a", "b"])
+        bench_report.merge_reports([a, _fake_report("anchors-main", complete=False)], ["a", "b"])
+    part = bench_report.merge_reports([_fake_report("anchors-main"), _fake_report("latency")],
+                                      ["a", "b"])
     assert part["settings"]["shapes"] == "anchors-main+latency"
     for name, rep in (("a.json", a), ("b.json", b)):
         (tmp_path / name).write_text(json.dumps(rep))
@@ -429,7 +435,7 @@ def test_gpu_state_falls_back_field_by_field(monkeypatch):
     """A driver that refuses one field: the joint query fails, the others are still read."""
     import subprocess
 
-    monkeypatch.setattr(bench.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(bench_env.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
 
     def fake_run(cmd, **kwargs):
         fields = cmd[1].split("=", 1)[1].split(",")
@@ -440,15 +446,15 @@ def test_gpu_state_falls_back_field_by_field(monkeypatch):
         line = ", ".join(values.get(f, "7") for f in fields)
         return subprocess.CompletedProcess(cmd, 0, stdout=line + "\n" + line + "\n")
 
-    monkeypatch.setattr(bench.subprocess, "run", fake_run)
-    state = bench.gpu_state()
+    monkeypatch.setattr(bench_env.subprocess, "run", fake_run)
+    state = bench_env.gpu_state()
     assert len(state) == 2 and state[0]["name"] == "NVIDIA H200"
     assert state[0]["clocks.sm"] == 1980.0 and state[0]["power.draw"] is None
     assert state[0]["clocks_throttle_reasons.active"] == "0x0000000000000000"
-    assert set(state[0]) == set(bench.GPU_QUERY_FIELDS)
-    assert bench.driver_version(state) == "580.1"
-    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
-    assert bench.gpu_state() is None and bench.driver_version() is None
+    assert set(state[0]) == set(bench_env.GPU_QUERY_FIELDS)
+    assert bench_env.driver_version(state) == "580.1"
+    monkeypatch.setattr(bench_env.shutil, "which", lambda name: None)
+    assert bench_env.gpu_state() is None and bench_env.driver_version() is None
 
 
 def test_cute_dsl_versions_come_from_the_kernel_cache(tmp_path, monkeypatch):
@@ -460,7 +466,7 @@ def test_cute_dsl_versions_come_from_the_kernel_cache(tmp_path, monkeypatch):
     (entry / "k2.json").write_text(json.dumps({"dsl_version": "4.8.1"}))
     monkeypatch.setenv("JAX_FA4_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("JAX_FA4_CUTE_RUNTIME_LIB", "/opt/lib/libcute_dsl_runtime.so")
-    found = bench.cute_dsl_versions()
+    found = bench_env.cute_dsl_versions()
     assert found["kernel_cache"] == str(tmp_path)
     assert found["kernel_cache_dsl_versions"] == {"4.8.1": 2}
     assert found["runtime_library"] == "/opt/lib/libcute_dsl_runtime.so"
