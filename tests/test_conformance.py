@@ -1,0 +1,132 @@
+"""The conformance suite (tests/conformance.py) on every registered backend, as each can run here.
+
+Each (backend, case) of ``jax_fa4.backends.BACKENDS`` × ``conformance.CASES`` is exercised by
+what the backend is:
+
+* a backend that runs on any device (the reference): the case runs for real and is checked
+  against the float32 oracle (``conformance.check_backend``);
+* a kernel backend whose GPU is the default device: tests/gpu/test_conformance.py runs the case
+  on it (skipped here, with that pointer);
+* a kernel backend whose GPU is absent: compile-only. The forced call (its gradient, or the
+  forward of a paged case) is lowered for CUDA with placeholder kernel objects (nothing is
+  compiled): every custom call is one of the backend's kernels, every kernel config it asks for
+  is a shipped variant (so the exhaustive tier compiles and SASS-checks it), a served backward
+  lowers to the backend's backward kernels, and declined calls do what the API documents.
+
+The GPU suite's kernel cache is the ``tests`` suite of ``jax_fa4.variants``; a last test checks
+that it holds every kernel the GPU cases of the validated kernel backends need.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import pytest
+
+import jax_fa4
+from conformance import (CASES, Case, check_backend, check_declines, gpu_is_default_device,
+                         watch_fallbacks)
+from jax_fa4 import backends
+from jax_fa4.ffi import call
+from jax_fa4.variants import Variant, variants
+
+CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
+
+
+def _placeholder(config, arch: str) -> str:
+    """What stands for the object of (config, arch) in a lowered program."""
+    return f"conformance placeholder: {arch} {config.describe()}"
+
+
+@functools.cache
+def lowered(name: str, case: Case):
+    """(the kernels (config, arch) the forced call asks for, the custom calls' objects in the
+    lowered text, the fallbacks and warnings reported), or the ImplementationUnavailableError
+    the call raised; the call lowered for CUDA as on a machine without a GPU, once per
+    process."""
+    kernels = []
+
+    def kernel_object(config, arch, cache=None):
+        kernels.append((config, arch))
+        return _placeholder(config, arch).encode()
+
+    backend = backends.get(name)
+    backward_reason = case.reasons(backend, case.forced_options(name))[1]
+    attention = case.attention(name)
+    program = attention
+    if case.differentiable:
+        program = jax.grad(lambda q, k, v: sum(x.sum() for x in attention(q, k, v)),
+                           argnums=(0, 1, 2))
+    with (pytest.MonkeyPatch.context() as mp,
+          watch_fallbacks(expected=case.differentiable and backward_reason is not None)
+          as watched):
+        mp.setattr(call, "kernel_object", kernel_object)
+        mp.setattr(backends, "gpu_compute_capability", lambda: None)
+        try:
+            text = jax.export.export(
+                jax.jit(program), platforms=["cuda"],
+                disabled_checks=jax_fa4.export_disabled_safety_checks())(*case.shapes()
+                                                                         ).mlir_module()
+        except jax_fa4.ImplementationUnavailableError as err:
+            return err
+    objects = [line.split('module = "', 1)[1].split('"', 1)[0]
+               for line in text.splitlines() if CUSTOM_CALL in line]
+    return kernels, objects, watched
+
+
+@functools.cache
+def _variants(suite: str, arch: str) -> frozenset[Variant]:
+    return frozenset(variants(suite, archs=[arch]))
+
+
+def _check_lowering(backend, case: Case) -> None:
+    opts = case.forced_options(backend.name)
+    forward_reason, backward_reason = case.reasons(backend, opts)
+    result = lowered(backend.name, case)
+    if forward_reason is not None:
+        assert isinstance(result, jax_fa4.ImplementationUnavailableError), result
+        assert forward_reason in str(result)
+        return
+    assert not isinstance(result, Exception), result
+    kernels, objects, watched = result
+    assert kernels and {arch for _, arch in kernels} == {backend.arch}, kernels
+    assert sorted(objects) == sorted(_placeholder(c, a) for c, a in kernels), objects
+    shipped = _variants("default", backend.arch)
+    unshipped = [c.describe() for c, a in kernels if Variant(c, a) not in shipped]
+    assert not unshipped, f"kernels not in jax_fa4.variants' shipped set: {unshipped}"
+    check_declines(backend, watched, backward_reason if case.differentiable else None)
+    if case.differentiable and backward_reason is None:
+        configs = {c for c, _ in kernels}
+        assert set(case.backward_kernels(backend, opts)) <= configs, configs
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("name", list(backends.BACKENDS))
+def test_conformance(name, case):
+    backend = backends.get(name)
+    if backend.compute_capability is None:
+        check_backend(case, backend)
+    elif gpu_is_default_device(backend):
+        pytest.skip(f"the default device is a {backend.gpu_family} GPU: "
+                    "tests/gpu/test_conformance.py runs the case on it")
+    else:
+        _check_lowering(backend, case)
+
+
+@pytest.mark.parametrize("name", [name for name, b in backends.BACKENDS.items()
+                                  if b.compute_capability is not None and b.enable_env is None])
+def test_gpu_suite_holds_every_kernel_of_the_cases(name):
+    """A validated kernel backend (not opt-in) runs the cases in the GPU suite, whose kernel
+    cache is the ``tests`` suite of its arch: a kernel missing there would fail the GPU run with
+    KernelNotAvailableError."""
+    backend = backends.get(name)
+    suite = _variants("tests", backend.arch)
+    missing = {}
+    for case in CASES:
+        result = lowered(name, case)
+        if isinstance(result, Exception):  # declined: no kernel runs
+            continue
+        kernels = result[0]
+        missing[case.name] = [c.describe() for c, a in kernels if Variant(c, a) not in suite]
+    assert missing and not any(missing.values()), {k: v for k, v in missing.items() if v}
