@@ -4,7 +4,8 @@
 # its log (and the benchmark its JSON) under $OUT as it goes, so a step cut short keeps its output.
 #   bash .device/on-device.sh bash tools/device/batch.sh tests bench-main
 # Steps: tests (tests/gpu with pytest-xdist), sanitizers, bench (the whole default sweep),
-# bench-main / bench-more (its two halves: python -m jax_fa4.bench merge joins them).
+# bench-main / bench-more (its two halves: python -m jax_fa4.bench merge joins them), profile-bwd
+# (Nsight Compute on one training step, ours and cuDNN's: tools/device/profile.sh).
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -29,6 +30,7 @@ for s in "$@"; do
                   --out "$out/bench-main.json" ;;
     bench-more) step bench-more 380 python -m jax_fa4.bench --shapes anchors-more,latency \
                   --out "$out/bench-more.json" ;;
+    profile-bwd) step profile-bwd 300 bash tools/device/profile.sh ;;
     *) echo "unknown step $s"; status=2 ;;
   esac
 done
