@@ -201,7 +201,8 @@ def test_kernel_config_per_architecture():
         assert (sm90.kernel_name, sm90.paged, sm90.tile_m, sm90.tile_n) == (
             "sm90_fwd", True, 64, tile_n)
         assert sm90.qo_head_major and sm90.ctas_per_sm == (1 if d == 256 else 2)
-        assert (sm100.kernel_name, sm100.paged, sm100.mask) == ("sm100_fwd", True, "causal")
+        # one causal query sees every key: the unmasked kernel (decode.kernel_window)
+        assert (sm100.kernel_name, sm100.paged, sm100.mask) == ("sm100_fwd", True, "none")
     assert backends.get("reference").paged_plan(q, cache, cache, table, opts) is None  # dense
 
 
@@ -301,3 +302,20 @@ def test_bad_inputs_raise_clear_errors(mutate, exc, words):
         flash_attention_paged(*args.values(), **kwargs)
     for w in words:
         assert w in str(info.value), (w, str(info.value))
+
+
+@pytest.mark.parametrize("name", ["sm90", "sm100"])
+@pytest.mark.parametrize("sq, window, mask", [(1, (None, 0), "none"), (1, (None, None), "none"),
+                                              (2, (None, 0), "causal"), (1, (3, 0), "local")])
+def test_a_causal_decode_step_runs_the_unmasked_paged_kernel(name, sq, window, mask):
+    """One query under a causal mask sees every key, so the paged call packs its GQA heads into
+    one tile's rows (decode.kernel_window): the kernel must then be the unmasked one, or it masks
+    packed row j as query j (an entry with fewer keys than the group got lse -inf; the GPU
+    conformance case paged-decode-gqa-d128-bf16 found it)."""
+    q = jax.ShapeDtypeStruct((2, sq, 8, 128), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((4, 128, 2, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((2, 2), jnp.int32)
+    opts = options.AttentionOptions(0.1, window, 0.0, name, forced=True)
+    config = backends.get(name).paged_plan(q, cache, cache, table, opts)
+    assert not isinstance(config, str), config
+    assert config.mask == mask and config.paged

@@ -64,6 +64,13 @@ def num_sms() -> int:
     return int(getattr(gpus[0], "core_count", DEFAULT_SMS) or DEFAULT_SMS) if gpus else DEFAULT_SMS
 
 
+def kernel_window(sq: int, window: tuple) -> tuple:
+    """The window a call with ``sq`` query tokens runs with: one query under a causal mask sees
+    every key (bottom-right aligned), so it needs no mask, and with no mask its GQA heads can
+    share a tile's rows (a causal kernel would mask packed row ``j`` as query ``j``)."""
+    return (None, None) if window == (None, 0) and sq == 1 else window
+
+
 def plan(q_shape: tuple, k_shape: tuple, window: tuple, sms: int | None = None,
          key_block: int = 1) -> DecodePlan | None:
     """The rewrite for a call of these shapes, or None to run it as it is.
@@ -76,8 +83,7 @@ def plan(q_shape: tuple, k_shape: tuple, window: tuple, sms: int | None = None,
     """
     b, sq, h, _ = q_shape
     _, sk, hkv, _ = k_shape
-    if window == (None, 0) and sq == 1:
-        window = (None, None)  # the single query sees every key
+    window = kernel_window(sq, window)
     if window != (None, None) or sq > TILE_ROWS:
         return None
     group = h // hkv if h > hkv and sq * (h // hkv) <= TILE_ROWS else 1

@@ -292,8 +292,10 @@ class KernelBackend(Backend):
         dtype = jnp.dtype(q.dtype).name
         if dtype not in KERNEL_DTYPES:
             return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
+        # the mask of the rewritten call (paged_forward packs a decode step's GQA heads)
+        window = decode.kernel_window(q.shape[1], opts.window)
         config = _config_or_reason(self.make_paged, dtype, q.shape[3], v_cache.shape[3],
-                                   mask_kind(opts.window), opts.softcap > 0)
+                                   mask_kind(window), opts.softcap > 0)
         if isinstance(config, str):
             return config
         page_size = k_cache.shape[1]
@@ -327,7 +329,8 @@ class KernelBackend(Backend):
         blocks = table.shape[1]
         plan = decode.plan(q.shape, (b, blocks * tile_n, hkv, d), opts.window, key_block=tile_n)
         if plan is None:
-            plan = decode.DecodePlan(group=1, splits=1, window=opts.window)
+            plan = decode.DecodePlan(group=1, splits=1,
+                                     window=decode.kernel_window(sq, opts.window))
         s = plan.splits
         chunk = blocks // s * tile_n  # keys per chunk
 
