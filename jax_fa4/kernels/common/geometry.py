@@ -10,8 +10,11 @@ seqlen_k (left) or seqlen_q (right), so every bound is small Int32 arithmetic.
 
 Every function uses only ``+ - * //``, :func:`_min` / :func:`_max` and :func:`_select`, so it
 runs on Python ints (the CPU tests check each rule against brute force) and on CuTe-DSL Int32 in
-the kernels; no import of the compiler until a DSL value is met. Every ``//`` has a non-negative
-dividend, so truncating and floor division agree.
+the kernels; no import of the compiler until a DSL value is met. A ``//`` whose dividend may be
+negative only feeds a clamp or a comparison against a non-negative bound, where floor and
+truncating division give the same outcome (the block ranges are written as the sm90 forward
+always computed them: a rewrite of the same values changed that kernel's instruction schedule
+and cost 8 % at head dim 96 causal).
 
 Which kernel uses what: the forward kernels (sm90 and sm100) :class:`FwdBlocks` and
 :meth:`Band.visible_cols` for their masks; the backward kernels :class:`BwdBlocks` (sm90 masks by
@@ -173,11 +176,11 @@ class FwdBlocks(Band):
             col_end = (m_block + 1) * self.tile_m + self.off
             if self.is_local:
                 col_end = col_end + self.window_right
-            n_block_max = _min(n_block_max, _max(_ceil_div(col_end, self.tile_n), 0))
-        n_block_min = m_block * 0
+            n_block_max = _min(n_block_max, _ceil_div(col_end, self.tile_n))
+        n_block_min = 0
         if self.is_local:
             col_begin = m_block * self.tile_m + self.off - self.window_left
-            n_block_min = _max(col_begin, 0) // self.tile_n
+            n_block_min = _max(col_begin // self.tile_n, 0)
         if past_end_empty:
             n_block_max = _select(m_block * self.tile_m >= self.seqlen_q, n_block_min,
                                   n_block_max)
@@ -189,15 +192,16 @@ class FwdBlocks(Band):
         last_col_row0 = m_block * self.tile_m + self.off
         if self.is_local:
             last_col_row0 = last_col_row0 + self.window_right
-        return _max(n_block_min, _max(last_col_row0 + 1, 0) // self.tile_n)
+        return _max(n_block_min, (last_col_row0 + 1) // self.tile_n)
 
     def n_block_max_left_mask(self, m_block, n_block_min):
         """Blocks n < this cut the left-window edge. Block n needs no left mask iff
         n·tile_n >= the last row's first visible column."""
         if not self.is_local:
             return n_block_min
-        first_col_last_row = (m_block + 1) * self.tile_m - 1 + self.off - self.window_left
-        return _max(n_block_min, _ceil_div(_max(first_col_last_row, 0), self.tile_n))
+        first_col_last_row = ((m_block + 1) * self.tile_m - 1 + self.off
+                              - self.window_left)
+        return _max(n_block_min, _ceil_div(first_col_last_row, self.tile_n))
 
 
 class BwdBlocks(Band):

@@ -531,8 +531,10 @@ class FlashAttentionForwardSm100:
 
     def n_block_range(self, m_block: Int32, blk: cutlass.Constexpr):
         """[n_min, n_max): key blocks with at least one visible key for some row of work tile
-        ``m_block`` (varlen: none for a tile past its sequence's end, in every role)."""
-        return self.band(blk).n_block_range(m_block, past_end_empty=self.varlen)
+        ``m_block`` (varlen: none for a tile past its sequence's end, in every role). An empty
+        range has n_max == n_min: every role advances its block counter by n_max − n_min."""
+        n_min, n_max = self.band(blk).n_block_range(m_block, past_end_empty=self.varlen)
+        return n_min, cutlass.max(n_max, n_min)
 
     def work_tile(self, idx: Int32, sched):
         num_m_blocks, num_heads, num_batch = sched[0], sched[1], sched[2]
