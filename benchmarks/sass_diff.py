@@ -21,7 +21,8 @@ allocation differs, or which opcode counts changed) and exits 1 if any differs.
 
 A *manifest* keeps one side for later: per variant (by the same key) the sha256 of its normalised
 SASS, the sha256 with register names masked, and its opcode counts, so a comparison against it
-still tells a register-allocation difference from a changed instruction mix. ``--write-manifest FILE`` writes this checkout's; ``--manifest FILE`` compares this
+still tells a register-allocation difference from a changed instruction mix.
+``--write-manifest FILE`` writes this checkout's; ``--manifest FILE`` compares this
 checkout against one instead of compiling another checkout (a redesign's proof then compiles only
 the new side). ``--cache-dir DIR`` takes this checkout's objects from a kernel cache (e.g. the
 exhaustive test tier's ``.pytest_cache/d/jax-fa4-kernels``), compiling what it lacks on
@@ -108,7 +109,9 @@ def cached_sass(selection: dict, only_representative: bool, cache_dir: str, jobs
 
     def lines(v) -> list[str]:
         obj = cache.get(v.config, v.arch, version).object_bytes
-        return [line for k in sass.kernels(obj) for line in k.normalised()]
+        # the disassembly store the test tiers keep beside the cache (jax_fa4.sass.stored_kernels)
+        found = sass.stored_kernels(obj, cache.root / "sass")
+        return [line for k in found for line in k.normalised()]
 
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:  # cuobjdump runs outside the GIL
         return dict(zip(map(variant_key, selected), pool.map(lines, selected)))

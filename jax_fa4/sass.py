@@ -21,6 +21,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import gzip
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -208,6 +211,25 @@ def kernels(obj: bytes, name_contains: str | None = None) -> list[Kernel]:
         out.extend(k for k in _disassemble(elf)
                    if name_contains is None or name_contains in k.name)
     return out
+
+
+def stored_kernels(obj: bytes, store: Path | None) -> tuple[Kernel, ...]:
+    """:func:`kernels` of ``obj``, kept under ``store`` (when given) as ``<sha256 of obj>.json.gz``
+    so a listing is disassembled once: the test tiers keep their store beside their kernel cache
+    (``<cache>/sass``), and ``benchmarks/sass_diff.py --cache-dir`` reads and fills the same one."""
+    path = store / f"{hashlib.sha256(obj).hexdigest()}.json.gz" if store is not None else None
+    if path is not None and path.exists():
+        try:
+            return tuple(Kernel(**k) for k in json.loads(gzip.decompress(path.read_bytes())))
+        except (OSError, ValueError, TypeError, EOFError):
+            pass  # damaged: disassemble again and rewrite it
+    found = tuple(kernels(obj))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(gzip.compress(json.dumps([dataclasses.asdict(k) for k in found]).encode()))
+        tmp.replace(path)
+    return found
 
 
 def _run_cuobjdump(path: Path) -> str:

@@ -17,12 +17,8 @@ Disassembly is :mod:`jax_fa4.sass` (NVIDIA's cuobjdump / nvdisasm wheels, the te
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import gzip
 import hashlib
-import json
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -136,21 +132,9 @@ _DISASSEMBLED: dict[str, tuple[sass.Kernel, ...]] = {}  # object sha256 -> its k
 def disassembled(obj: bytes) -> tuple[sass.Kernel, ...]:
     """``jax_fa4.sass.kernels(obj)``, memoised per object (in memory and under SASS_DIR)."""
     digest = hashlib.sha256(obj).hexdigest()
-    if digest in _DISASSEMBLED:
-        return _DISASSEMBLED[digest]
-    path = SASS_DIR / f"{digest}.json.gz" if SASS_DIR is not None else None
-    if path is not None and path.exists():
-        found = tuple(sass.Kernel(**k) for k in json.loads(gzip.decompress(path.read_bytes())))
-    else:
-        found = tuple(sass.kernels(obj))
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(gzip.compress(json.dumps([dataclasses.asdict(k) for k in found])
-                                          .encode()))
-            tmp.replace(path)
-    _DISASSEMBLED[digest] = found
-    return found
+    if digest not in _DISASSEMBLED:
+        _DISASSEMBLED[digest] = sass.stored_kernels(obj, SASS_DIR)
+    return _DISASSEMBLED[digest]
 
 
 def kernel_sass(obj: bytes, name_contains: str | None = None) -> sass.Kernel:
