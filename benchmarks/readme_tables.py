@@ -52,7 +52,8 @@ def _date(report: dict[str, Any]) -> datetime.datetime:
 
 
 def newest_result(results: Path = RESULTS) -> Path:
-    """The newest complete default-sweep file in ``results``."""
+    """The newest complete default-sweep file in ``results`` (forward and backward: a
+    ``--fwd-only`` sweep has no backward rows for the tables)."""
     found: list[tuple[datetime.datetime, str, Path]] = []
     for path in sorted(results.glob("*.json")):
         try:
@@ -61,6 +62,7 @@ def newest_result(results: Path = RESULTS) -> Path:
             continue
         if (isinstance(report, dict) and report.get("complete") is True
                 and (report.get("settings") or {}).get("shapes") == "default"
+                and not (report.get("settings") or {}).get("fwd_only")
                 and "date" in report and "rows" in report):
             found.append((_date(report), path.name, path))
     if not found:

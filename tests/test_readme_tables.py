@@ -67,6 +67,9 @@ def test_the_newest_complete_default_file_is_chosen(tmp_path):
     (results / "d-2026-03-01.json").write_text(json.dumps(dict(
         report, date="2026-03-01T00:00:00+00:00",
         settings={**report["settings"], "shapes": "anchors-main"})))
+    (results / "e-2026-03-01.json").write_text(json.dumps(dict(  # no backward rows
+        report, date="2026-03-01T00:00:00+00:00",
+        settings={**report["settings"], "fwd_only": True})))
     assert readme_tables.newest_result(results).name == "b-2026-02-01.json"
 
 
