@@ -534,7 +534,9 @@ class FlashAttentionForwardSm100:
         ``m_block`` (varlen: none for a tile past its sequence's end, in every role). An empty
         range has n_max == n_min: every role advances its block counter by n_max − n_min."""
         n_min, n_max = self.band(blk).n_block_range(m_block, past_end_empty=self.varlen)
-        return n_min, cutlass.max(n_max, n_min)
+        if const_expr(self.is_causal or self.is_local):  # (unmasked: n_max >= 0 = n_min)
+            n_max = cutlass.max(n_max, n_min)
+        return n_min, n_max
 
     def work_tile(self, idx: Int32, sched):
         num_m_blocks, num_heads, num_batch = sched[0], sched[1], sched[2]
