@@ -44,10 +44,7 @@ def main(argv=None) -> int:
     else:
         fn = bench._fa4_fn(shape, None, deterministic=args.impl == "jax-fa4-det")
     step = jax.jit(bench._fwd_bwd(fn))
-    keys = jax.random.split(jax.random.key(0), 4)
-    dims = ((shape.B, shape.Sq, shape.H, shape.D), (shape.B, shape.Sk, shape.Hkv, shape.D),
-            (shape.B, shape.Sk, shape.Hkv, shape.Dv), (shape.B, shape.Sq, shape.H, shape.Dv))
-    q, k, v, do = (jax.random.normal(key, d, jnp.bfloat16) for key, d in zip(keys, dims))
+    q, k, v, do = bench.make_inputs(shape, jnp.bfloat16, jax.random.key(0), 1)[0]
     jax.block_until_ready(step(q, k, v, do))  # warm-up: compile and first launches
     for _ in range(args.steps):
         jax.block_until_ready(step(q, k, v, do))

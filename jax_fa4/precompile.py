@@ -46,8 +46,8 @@ def build(selected: Sequence[Variant], cache: KernelCache, *, force: bool = Fals
     """Compile each variant that the cache lacks (all with ``force``); returns one record each.
 
     ``source``: another cache (e.g. the exhaustive test tier's) whose entries for the same key
-    (config, arch, kernel sources, DSL version) are copied instead of compiled; they are verified
-    on reading (sha256), so a damaged one is compiled instead. ``jobs > 1`` compiles in that
+    (config, arch, kernel sources, DSL version) are copied instead of compiled (not with
+    ``force``); they are verified on reading (sha256), so a damaged one is compiled instead. ``jobs > 1`` compiles in that
     many worker processes (the DSL's tracing state is per process); the cache is written by this
     process only.
     """
@@ -60,14 +60,16 @@ def build(selected: Sequence[Variant], cache: KernelCache, *, force: bool = Fals
     todo = []
     for variant in selected:
         entry = None if force else cache.get(variant.config, variant.arch, version)
-        copied = None if entry is not None or source is None else source.get(
-            variant.config, variant.arch, version)
+        copied = None
+        if entry is None and source is not None and not force:
+            copied = source.get(variant.config, variant.arch, version)
         if copied is not None:
+            seconds = copied.meta.get("compile_seconds")
             with cache.lock(variant.config, variant.arch, version):
                 cache.put(variant.config, variant.arch, version, copied.object_bytes,
-                          extra={k: v for k, v in copied.meta.items() if k == "compile_seconds"})
+                          extra=None if seconds is None else {"compile_seconds": seconds})
             records.append({"variant": variant.describe(), "status": "copied",
-                            "seconds": copied.meta.get("compile_seconds")})
+                            "seconds": seconds})
         elif entry is None:
             todo.append(variant)
         else:

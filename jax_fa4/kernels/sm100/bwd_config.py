@@ -27,12 +27,12 @@ families by arch only. Per (batch b, query head h, key block n):
 dq_accum layout: **plain row-major** (Sq_pad, D) per (b, h) (unlike the Hopper kernel's fragment
 order): the main kernel adds into it with TMA tensor reduce-adds of (128, dq_cols) tiles, so the
 postprocess is a plain ``dq = dq_accum[:Sq] · softmax_scale`` cast, done in JAX (one fused XLA
-elementwise op, ``jax_fa4/sm100_bwd_ops.py``); no separate postprocess kernel is needed.
+elementwise op, ``jax_fa4/backends/sm100.py``); no separate postprocess kernel is needed.
 
 Deterministic configs: CTA (n_block, h, b) adds its dQ partial of query block m only when
 dq_semaphore[b, h, m] equals its rank among the key blocks that visit m (key blocks in
-increasing order, ``common/geometry.BwdBlocks.dq_rank``), then increments it (release) once its reduce-adds
-completed, so the float32 sums happen in one fixed order on every run. The 2-CTA kernel
+increasing order, ``common/geometry.BwdBlocks.dq_rank``), then increments it (release) once
+its reduce-adds completed, so the float32 sums happen in one fixed order on every run. The 2-CTA kernel
 (``two_cta``) orders each 64-row half of a query block on its own slot, dq_semaphore
 (B, H, 2·ceil(Sq/128)) slot 2m + r, by the rank of the key *pair* among the pairs that visit m.
 """
