@@ -7,7 +7,7 @@
     python benchmarks/fwd_variants.py --shapes d64 --variants v1,3wg+pp --repeats 9
 
 For every anchor shape (``jax_fa4.bench_shapes.ANCHOR_SHAPES``: B·S·H·D of the peers' table,
-causal and not, bf16) it runs the kernel directly (``jax_fa4.ffi.call.call_kernel``, bypassing
+and the extra table's head dim 96 pair; causal and not, bf16) it runs the kernel directly (``jax_fa4.ffi.call.call_kernel``, bypassing
 the dispatch, so a config that is not the table's default can run) under each config of
 ``variants_for(D, Dv, mask)``, and cuDNN (``jax.nn.dot_product_attention(implementation=
 "cudnn")``) in the same process. ``variant_configs()`` lists exactly the kernels it needs.
@@ -73,6 +73,20 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str) -> list[tuple[str, A
         for per_32 in (4, 6, 8):  # partial software exp2 (FMA pipe), tile 192
             add(f"3wg+sx{per_32}", tile_m=192, exp2_sw_per_32=per_32)
         add("3wg+pp+rs8+sx6", tile_m=192, pingpong=True, rescale_threshold=8.0, exp2_sw_per_32=6)
+    elif head_dim == 96:  # the non-causal tile is the one to find (issue #22)
+        add("rs8", rescale_threshold=8.0)
+        add("n144", tile_n=144)
+        add("pp+n144", pingpong=True, tile_n=144)
+        add("n96", tile_n=96)
+        for n in (160, 176, 192):
+            add(f"n{n}", tile_n=n)
+        add("pp+n176", pingpong=True, tile_n=176)
+        add("n144+s3", tile_n=144, stages=3)
+        add("3wg", tile_m=192)
+        add("3wg+pp", tile_m=192, pingpong=True)
+        add("3wg+pp+rs8", tile_m=192, pingpong=True, rescale_threshold=8.0)
+        add("3wg+n144", tile_m=192, tile_n=144)
+        add("3wg+pp+n144", tile_m=192, pingpong=True, tile_n=144)
     elif head_dim == 128:
         add("pp+n176", pingpong=True, tile_n=176)
         add("s3", stages=3)  # a third K/V stage (224 KB of shared memory)
@@ -80,9 +94,11 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str) -> list[tuple[str, A
 
 
 def shapes_for(group: str = "all"):
-    from jax_fa4.bench_shapes import ANCHOR_SHAPES
+    from jax_fa4.bench_shapes import ANCHOR_EXTRA_SHAPES, ANCHOR_SHAPES
 
-    return [s for s in ANCHOR_SHAPES if s.D in SHAPE_GROUPS[group]]
+    # the main table's shapes, plus the extra table's MHA head dim 96 pair
+    extra = tuple(s for s in ANCHOR_EXTRA_SHAPES if s.D == 96 and s.H == s.Hkv)
+    return [s for s in ANCHOR_SHAPES + extra if s.D in SHAPE_GROUPS[group]]
 
 
 def variant_configs(group: str = "all", names: list[str] | None = None) -> list[Any]:

@@ -1,4 +1,5 @@
-"""One attention training step (forward + backward) per implementation, for a profiler.
+"""One attention training step (forward + backward, or ``--fwd-only`` the forward) per
+implementation, for a profiler.
 
     ncu --clock-control none --set full --kernel-name regex:'(?i)bwd|bprop|dgrad' \
         --launch-skip 2 --launch-count 2 --csv --page details \
@@ -36,6 +37,8 @@ def main(argv=None) -> int:
     p.add_argument("--Dv", type=int, default=None)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--fwd-only", action="store_true",
+                   help="the inference forward alone (no residuals kept, no backward)")
     args = p.parse_args(argv)
     shape = Shape(args.B, args.S, args.S, args.H, args.Hkv or args.H, args.D, args.Dv or args.D,
                   args.causal)
@@ -43,8 +46,12 @@ def main(argv=None) -> int:
         fn = bench._jax_nn_fn(shape, "cudnn")
     else:
         fn = bench._fa4_fn(shape, None, deterministic=args.impl == "jax-fa4-det")
-    step = jax.jit(bench._fwd_bwd(fn))
     q, k, v, do = bench.make_inputs(shape, jnp.bfloat16, jax.random.key(0), 1)[0]
+    if args.fwd_only:
+        forward = jax.jit(fn)
+        step = lambda q, k, v, do: forward(q, k, v)  # noqa: E731
+    else:
+        step = jax.jit(bench._fwd_bwd(fn))
     jax.block_until_ready(step(q, k, v, do))  # warm-up: compile and first launches
     for _ in range(args.steps):
         jax.block_until_ready(step(q, k, v, do))

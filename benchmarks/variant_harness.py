@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 #: --shapes groups: the head dims of the anchor shapes each takes
-SHAPE_GROUPS = {"d64": (64,), "d128": (128,), "d256": (256,), "all": (64, 128, 256)}
+SHAPE_GROUPS = {"d64": (64,), "d96": (96,), "d128": (128,), "d256": (256,),
+                "all": (64, 96, 128, 256)}
 
 
 def timing_parser(doc: str) -> argparse.ArgumentParser:
