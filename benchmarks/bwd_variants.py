@@ -6,14 +6,14 @@
         --cache-dir .device/kernel-cache                  # build them (CPU machine, no GPU)
     python benchmarks/bwd_variants.py --shapes d128 --variants det,m128n128s1p1
 
-For every anchor shape and the GQA 32/8 shapes (``jax_fa4.bench_shapes``), bf16, causal and not,
-it runs the backward chain the library runs (preprocess kernel, ``sm90_bwd`` main kernel, dQ
-postprocess, the GQA head sum) under each main-kernel config of ``variants_for``: the tuning
+For every anchor shape, the GQA 32/8 and the head dim 96 shapes (``jax_fa4.bench_shapes``),
+bf16, causal and not, it runs the backward chain the library runs (preprocess kernel,
+``sm90_bwd`` main kernel, dQ postprocess, the GQA head sum) under each main-kernel config of ``variants_for``: the tuning
 table's (``v1``), every other tile / stage combination the config validator accepts
 (``m{tile_m}n{tile_n}s{stages}p{pds_stages}``, with ``+swap`` for the swap_sdp form of the
 same tile), the table's tile in the other launch order (``rev``: from the last key block down;
-``fwd-launch``: from the first up), the
-deterministic kernel (``det``, and ``det+swap``). Each is
+``fwd-launch``: from the first up), the dK wait the other way (``defer`` / ``no-defer``:
+``BwdConfig.defer_dk_wait``), the deterministic kernel (``det``, ``det+swap``, ``det+defer``). Each is
 timed as its own program on saved forward outputs (out, lse from the forward kernel), so the
 figure is the backward alone: TFLOP/s = 2.5 × forward FLOPs / time. cuDNN's backward is timed the
 way ``jax_fa4.bench`` does it, t(fwd + bwd) − t(fwd), in the same process; the ratio is to that.
@@ -68,15 +68,22 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[t
     out = [("v1", base)]
     for tm, tn, stages, pds, swap in itertools.product((64, 128), (64, 128), (1, 2), (1, 2),
                                                        (False, True)):
-        cfg = dataclasses.replace(base, tile_m=tm, tile_n=tn, stages=stages, pds_stages=pds)
+        cfg = dataclasses.replace(base, tile_m=tm, tile_n=tn, stages=stages, pds_stages=pds,
+                                  defer_dk_wait=base.defer_dk_wait and stages > 1)
         cfg = with_swap_sdp(cfg) if swap else cfg
         if cfg != base and valid(cfg):
             out.append((f"m{tm}n{tn}s{stages}p{pds}" + ("+swap" if swap else ""), cfg))
     # the other launch order: "rev" (from the last key block down) or "fwd-launch"
     out.append(("fwd-launch" if base.reverse_launch else "rev",
                 dataclasses.replace(base, reverse_launch=not base.reverse_launch)))
+    defer = dataclasses.replace(base, defer_dk_wait=not base.defer_dk_wait)
+    if valid(defer):
+        out.append(("no-defer" if base.defer_dk_wait else "defer", defer))
     det = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa, deterministic=True)
     out.append(("det", det))
+    det_defer = dataclasses.replace(det, defer_dk_wait=not det.defer_dk_wait)
+    if valid(det_defer):
+        out.append(("det+no-defer" if det.defer_dk_wait else "det+defer", det_defer))
     det_swap = with_swap_sdp(det)
     if not base.swap_sdp and valid(det_swap):
         out.append(("det+swap", det_swap))
@@ -84,9 +91,10 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[t
 
 
 def shapes_for(group: str = "all"):
-    from jax_fa4.bench_shapes import ANCHOR_SHAPES, GQA_SHAPES
+    from jax_fa4.bench_shapes import ANCHOR_EXTRA_SHAPES, ANCHOR_SHAPES, GQA_SHAPES
 
-    return [s for s in ANCHOR_SHAPES + GQA_SHAPES if s.D in SHAPE_GROUPS[group]]
+    d96 = tuple(s for s in ANCHOR_EXTRA_SHAPES if s.D == 96 and s.H == s.Hkv)
+    return [s for s in ANCHOR_SHAPES + GQA_SHAPES + d96 if s.D in SHAPE_GROUPS[group]]
 
 
 def _variants(shape, names: list[str] | None) -> list[tuple[str, Any]]:

@@ -123,7 +123,27 @@ def test_launch_order_of_the_deterministic_kernels():
                 replace(det, reverse_launch=True).validate()
     # swap_sdp (opt-in) keeps the forward launch order: reversed, it spills at hdim 128 GQA
     with pytest.raises(ValueError, match="reverse_launch"):
-        replace(BwdConfig.make("bfloat16", 128, gqa=True), swap_sdp=True).validate()
+        replace(BwdConfig.make("bfloat16", 128, gqa=True), swap_sdp=True,
+                defer_dk_wait=False).validate()
+
+
+def test_defer_dk_wait_where_two_q_stages():
+    """The table defers the dK wait wherever Q has two stages (the next block's Q must load
+    while this block's dK still reads its own); the validator refuses it with one stage or the
+    swapped loop, and the swapped form turns it off."""
+    from dataclasses import replace
+
+    for (d, dv), row in TUNING_TABLE.items():
+        for mask in row:
+            for det in (False, True):
+                cfg = BwdConfig.make("bfloat16", d, dv, mask, deterministic=det)
+                assert cfg.defer_dk_wait == (cfg.stages >= 2), cfg.describe()
+    deferred = BwdConfig.make("bfloat16", 128, mask="causal")
+    with pytest.raises(ValueError, match="defer_dk_wait"):
+        replace(deferred, stages=1).validate()
+    with pytest.raises(ValueError, match="defer_dk_wait"):
+        replace(deferred, swap_sdp=True, reverse_launch=False).validate()
+    assert not swap_sdp_config("bfloat16", 128, 128, "causal").defer_dk_wait
 
 
 def _deterministic_variants():

@@ -170,14 +170,17 @@ class FwdConfig(KernelConfig):
         each warpgroup, summing to the register file (64 K) over the CTA's warpgroups. With two
         Q tiles: the fewest that compile without spills (sm_100a, nvcc 13 ptxas): the MMA warp
         spills at 72 (64-bit shared-memory descriptors of both Q tiles), the correction warps
-        at 56 (but for local + softcap, where 56 / 88 is the split that compiles clean), which
+        at 56 (but for softcap with a local mask, or a causal one when paged, where 56 / 88 is
+        the split that compiles clean), which
         leaves 184 for the softmax (FA4 runs 192 / 80 / 48 with hand-written MMA issue). ptxas
         is sensitive here: re-check every shipped variant after any change (the compile tests
         do)."""
         if self.q_tiles == 1:
             return 240, 160, 112
-        if self.mask == "local" and self.has_softcap:
-            return 184, 56, 88  # the MMA warp's window bookkeeping: it spills at 80
+        if self.has_softcap and (self.mask == "local" or (self.paged and self.mask == "causal")):
+            # the MMA warp's window / page bookkeeping: it spills at 80 (paged causal softcap:
+            # one 64-bit descriptor since the key count is clipped to the page-table row)
+            return 184, 56, 88
         return 184, 64, 80
 
     def launch_registers(self) -> int:

@@ -197,6 +197,7 @@ class FlashAttentionBackwardSm90:
         # start each key block at its own first query block already).
         # (Not with swap_sdp: its two extra loop registers spill there at hdim 128 with GQA.)
         self.rotate = cfg.mask == "none" and not cfg.deterministic and not cfg.swap_sdp
+        self.defer_dk_wait = cfg.defer_dk_wait  # (bwd_config.BwdConfig)
         self.num_mma_threads = 256
         self.num_threads = cfg.num_threads
         lay = cfg.wg_layouts()
@@ -540,6 +541,31 @@ class FlashAttentionBackwardSm90:
                 st_release_gpu_s32(last.iterator, n_block + 1)
 
     @cute.jit
+    def release_previous(self, pipeline_q, state):
+        """Release the Q stage of the query block before ``state``'s (a consumer release reads
+        only the stage index)."""
+        index = (state.index + (self.stages - 1)) % self.stages
+        pipeline_q.consumer_release(pipeline.PipelineState(self.stages, state.count, index,
+                                                           state.phase))
+
+    @cute.jit
+    def load_row_stats(self, mLSE: cute.Tensor, mDelta: cute.Tensor, lse: cute.Tensor,
+                       dpsum: cute.Tensor, tScS_mn: cute.Tensor, m_block: Int32,
+                       seqlen_q: Int32, head: Int32, batch: Int32, q_offset=None):
+        """lse_log2 and delta of this thread's rows of query block ``m_block`` into ``lse``,
+        ``dpsum`` (rows past seqlen_q: +inf and 0, so P = dS = 0 there; the loads stay in
+        bounds)."""
+        for r in cutlass.range_constexpr(cute.size(lse)):
+            row = m_block * self.tile_m + tScS_mn[r, 0][0]
+            row_c = cutlass.min(row, seqlen_q - 1)
+            if const_expr(q_offset is not None):
+                row_c = row_c + q_offset
+            lse_v = mLSE[row_c, head, batch]
+            dpsum_v = mDelta[row_c, head, batch]
+            lse[r] = lse_v if row < seqlen_q else Float32.inf
+            dpsum[r] = dpsum_v if row < seqlen_q else Float32(0.0)
+
+    @cute.jit
     def first_visit(self, n_block: Int32, m_block_min: Int32, m_block_max: Int32) -> Int32:
         """How far into its query-block range [m_block_min, m_block_max) key block n_block
         starts (see ``rotate``; 0 without)."""
@@ -661,21 +687,17 @@ class FlashAttentionBackwardSm90:
                     kv_tail, scale_log2, tanh_in_scale, inv_scale_log2)
             else:
                 start = self.first_visit(n_block, m_block_min, m_block_max)
+                # the rows' lse_log2 and delta, loaded one query block ahead: the next block's
+                # are requested once this one's dS is computed, so their global-memory latency
+                # hides under the dV / dQ / dK GEMMs instead of stalling the next softmax
+                lse = cute.make_rmem_tensor(num_rows, Float32)
+                dpsum = cute.make_rmem_tensor(num_rows, Float32)
+                self.load_row_stats(mLSE, mDelta, lse, dpsum, tScS_mn,
+                                    self.m_block_at(m_block_min, start, m_block_min, m_block_max),
+                                    seqlen_q, head, batch, q_offset)
                 for it in cutlass.range(m_block_min, m_block_max, unroll=1):
                     m_block = self.m_block_at(it, start, m_block_min, m_block_max)
                     pds_idx = (it - m_block_min) % self.pds_stages
-                    # rows' lse_log2 and delta (rows past seqlen_q: +inf and 0, so P = dS = 0)
-                    lse = cute.make_rmem_tensor(num_rows, Float32)
-                    dpsum = cute.make_rmem_tensor(num_rows, Float32)
-                    for r in cutlass.range_constexpr(num_rows):
-                        row = m_block * tm + tScS_mn[r, 0][0]
-                        row_c = cutlass.min(row, seqlen_q - 1)
-                        if const_expr(q_offset is not None):
-                            row_c = row_c + q_offset
-                        lse_v = mLSE[row_c, head, batch]
-                        dpsum_v = mDelta[row_c, head, batch]
-                        lse[r] = lse_v if row < seqlen_q else Float32.inf
-                        dpsum[r] = dpsum_v if row < seqlen_q else Float32(0.0)
 
                     # S = Q·Kᵀ and dP = dO·Vᵀ
                     pipeline_q.consumer_wait(state)
@@ -691,6 +713,10 @@ class FlashAttentionBackwardSm90:
                     s_mn = acc_view_mn(acc_S)
                     dp_mn = acc_view_mn(acc_dP)
                     warpgroup.wait_group(1)  # S is ready, dP may still run
+                    if const_expr(self.defer_dk_wait):
+                        # (and the previous block's dK GEMM, issued before S: its Q stage is free)
+                        if it > m_block_min:
+                            self.release_previous(pipeline_q, state)
                     self.scores_to_p(s_mn, lse, scale_log2, tanh_in_scale, per_col=False)
                     if need_mask:
                         self.mask_p(s_mn, tScS_mn, m_block, n_block, block_info)
@@ -705,6 +731,10 @@ class FlashAttentionBackwardSm90:
                     # dS = P∘(dP − delta) [∘ (1 − tanh²)]
                     warpgroup.wait_group(0)
                     self.dp_to_ds(s_mn, dp_mn, lse, dpsum, inv_scale_log2, per_col=False)
+                    # the next query block's stats (past the last one: any block, unused)
+                    self.load_row_stats(mLSE, mDelta, lse, dpsum, tScS_mn,
+                                        self.m_block_at(it + 1, start, m_block_min, m_block_max),
+                                        seqlen_q, head, batch, q_offset)
                     rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
                     convert_f32_pairs(acc_dP, rdS, self.is_bf16)
                     cute.copy(st_thr, st_thr.retile(rdS), tdSsdS[None, None, None, pds_idx])
@@ -723,9 +753,13 @@ class FlashAttentionBackwardSm90:
                     pipeline_do.consumer_release(state)
 
                     self.hand_dq_over(acc_dQ, tdQsdQ, wg_idx, it > m_block_min)
-                    warpgroup.wait_group(0)  # dK done
-                    pipeline_q.consumer_release(state)
+                    if const_expr(not self.defer_dk_wait):
+                        warpgroup.wait_group(0)  # dK done
+                        pipeline_q.consumer_release(state)
                     state.advance()
+                if const_expr(self.defer_dk_wait):
+                    warpgroup.wait_group(0)  # the last block's dK
+                    self.release_previous(pipeline_q, state)
 
         # ---- epilogue: dK, dV ----
         for i in cutlass.range_constexpr(cute.size(acc_dK)):

@@ -107,6 +107,7 @@ class Sm90BwdTuning:
     pds_stages: int  # P and dS shared-memory buffers (1 or 2)
     swap_sdp: bool = False  # Sᵀ / dPᵀ GEMMs, P and dS stay in registers for dV / dK (BwdConfig)
     reverse_launch: bool = False  # key blocks launched from the last one down (BwdConfig)
+    defer_dk_wait: bool = False  # wait for a block's dK GEMM after the next S / dP (BwdConfig)
 
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Warpgroup layouts of the five
@@ -116,14 +117,15 @@ class Sm90BwdTuning:
 # (benchmarks/bwd_variants.py, docs/perf-log-bwd.md): with the dQ warp these start points are the
 # fastest; hdim 96 and 192 are not re-measured. Key blocks launch from the last one down
 # (reverse_launch): +1–8 % on 11 of the 12 anchor shapes (session 12, docs/perf-log-bwd.md).
+# defer_dk_wait wherever there are two Q stages (session 20, docs/perf-log-bwd.md).
 _T = Sm90BwdTuning
-_REV = dict(reverse_launch=True)
+_REV = dict(reverse_launch=True, defer_dk_wait=True)
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
     (64, 64): {k: _T(128, 128, 2, 1, **_REV) for k in MASK_KINDS},
     (96, 96): {k: _T(64, 128, 2, 2, **_REV) for k in MASK_KINDS},
     (128, 128): {k: _T(64, 128, 2, 2, **_REV) for k in MASK_KINDS},
     (192, 128): {k: _T(64, 64, 2, 2, **_REV) for k in MASK_KINDS},
-    (256, 256): {k: _T(64, 64, 1, 1, **_REV) for k in MASK_KINDS},
+    (256, 256): {k: _T(64, 64, 1, 1, reverse_launch=True) for k in MASK_KINDS},
 }
 
 
@@ -166,6 +168,10 @@ class BwdConfig(KernelConfig):
     # must not (validate). Under a causal mask the last key blocks are the lightest, so this
     # launches light blocks first.
     reverse_launch: bool = False
+    # wait for a query block's dK GEMM (and release its Q stage) only once the next block's S
+    # and dP GEMMs are issued, so that the tensor pipe runs dK straight into the next S while
+    # the warpgroup hands dQ over (needs stages >= 2: the next Q loads while dK reads this one)
+    defer_dk_wait: bool = False
     # packed sequences (jax_fa4/backends/sm90.py, varlen_attention_backward_signature): per-sequence
     # offsets and lengths from cu_seqlens, key blocks from the caller's work list (which also
     # sets their launch order), dK / dV stored row by row inside each sequence
@@ -181,7 +187,8 @@ class BwdConfig(KernelConfig):
                   has_softcap=bool(has_softcap), gqa=bool(gqa), deterministic=bool(deterministic),
                   tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages, pds_stages=t.pds_stages,
                   swap_sdp=t.swap_sdp and not has_softcap,
-                  reverse_launch=(mask == "causal") if deterministic else t.reverse_launch)
+                  reverse_launch=(mask == "causal") if deterministic else t.reverse_launch,
+                  defer_dk_wait=t.defer_dk_wait and not (t.swap_sdp and not has_softcap))
         cfg.validate()
         return cfg
 
@@ -195,6 +202,10 @@ class BwdConfig(KernelConfig):
                              "(tile_m, tile_n in {64, 128})")
         if self.head_dim % 16 or self.head_dim_v % 16:
             raise ValueError("sm90 backward: head dims must be multiples of 16")
+        if self.defer_dk_wait and (self.stages < 2 or self.swap_sdp):
+            raise ValueError("sm90 backward: defer_dk_wait needs stages >= 2 (the next query "
+                             "block's Q loads while this block's dK reads its own) and the "
+                             "unswapped loop (swap_sdp=False)")
         if self.swap_sdp and self.reverse_launch and not self.deterministic:
             raise ValueError("sm90 backward: swap_sdp with reverse_launch spills registers (hdim "
                              "128 with GQA); use reverse_launch=False")
@@ -386,8 +397,9 @@ _GPU_TEST_SWAP = [
 
 def with_swap_sdp(cfg: BwdConfig) -> BwdConfig:
     """``cfg`` with swap_sdp on and, unless deterministic, the forward launch order (reversed,
-    swap_sdp spills at hdim 128 with GQA: see validate)."""
-    return replace(cfg, swap_sdp=True, reverse_launch=cfg.reverse_launch and cfg.deterministic)
+    swap_sdp spills at hdim 128 with GQA: see validate); its loop waits for dK at once."""
+    return replace(cfg, swap_sdp=True, reverse_launch=cfg.reverse_launch and cfg.deterministic,
+                   defer_dk_wait=False)
 
 
 def swap_sdp_config(*problem) -> BwdConfig:
