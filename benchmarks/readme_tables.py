@@ -139,7 +139,11 @@ def _caption(report: dict[str, Any], name: str, anchors: dict[str, Any]) -> str:
     if report.get("merged_from"):
         parts.append(", " + " + ".join(f"`--shapes {m['shapes']}`" for m in report["merged_from"])
                      + " joined by `python -m jax_fa4.bench merge`")
-    parts.append(f", {report.get('wall_s', 0):.0f} s of sweep; XLA and reference rows there too).")
+    impls = settings.get("impls", [])
+    others = [name for impl, name in (("xla", "XLA"), ("reference", "reference")) if impl in impls]
+    parts.append(f", {report.get('wall_s', 0):.0f} s of sweep"
+                 + (f"; {' and '.join(others)} rows there too)." if others else
+                    f"; implementations {', '.join(impls)}).") if impls else ").")
     stack = [f"jax {versions['jax']}"] if "jax" in versions else []
     if "cudnn" in versions:
         v = int(versions["cudnn"])

@@ -28,7 +28,7 @@ from compiled import assert_no_local_memory, compiled_report, needs_disassembler
 from jax_fa4.kernels.sm90.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TUNING_TABLE,
                                              BwdConfig, BwdPostprocessConfig, shipped_configs,
                                              test_variants)
-from jax_fa4.kernels.sm90.bwd_config import _GPU_TEST_SWAP, swap_sdp_config
+from jax_fa4.kernels.sm90.bwd_config import _GPU_TEST_SWAP, swap_sdp_config, with_swap_sdp
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = "sm_90a"
@@ -127,23 +127,21 @@ def test_launch_order_of_the_deterministic_kernels():
                 defer_dk_wait=False).validate()
 
 
-def test_defer_dk_wait_where_two_q_stages():
-    """The table defers the dK wait wherever Q has two stages (the next block's Q must load
-    while this block's dK still reads its own); the validator refuses it with one stage or the
-    swapped loop, and the swapped form turns it off."""
-    from dataclasses import replace
-
+def test_defer_dk_wait_is_opt_in_and_validated():
+    """The deferred dK wait (measured slower at head dim 128) is off in the table; the validator
+    refuses it with one Q stage (the next block's Q must load while this block's dK still reads
+    its own) or the swapped loop, and the swapped form turns it off."""
     for (d, dv), row in TUNING_TABLE.items():
         for mask in row:
             for det in (False, True):
-                cfg = BwdConfig.make("bfloat16", d, dv, mask, deterministic=det)
-                assert cfg.defer_dk_wait == (cfg.stages >= 2), cfg.describe()
-    deferred = BwdConfig.make("bfloat16", 128, mask="causal")
+                assert not BwdConfig.make("bfloat16", d, dv, mask, deterministic=det).defer_dk_wait
+    deferred = replace(BwdConfig.make("bfloat16", 128, mask="causal"), defer_dk_wait=True)
+    deferred.validate()
     with pytest.raises(ValueError, match="defer_dk_wait"):
         replace(deferred, stages=1).validate()
     with pytest.raises(ValueError, match="defer_dk_wait"):
         replace(deferred, swap_sdp=True, reverse_launch=False).validate()
-    assert not swap_sdp_config("bfloat16", 128, 128, "causal").defer_dk_wait
+    assert not with_swap_sdp(deferred).defer_dk_wait
 
 
 def _deterministic_variants():

@@ -117,15 +117,16 @@ class Sm90BwdTuning:
 # (benchmarks/bwd_variants.py, docs/perf-log-bwd.md): with the dQ warp these start points are the
 # fastest; hdim 96 and 192 are not re-measured. Key blocks launch from the last one down
 # (reverse_launch): +1–8 % on 11 of the 12 anchor shapes (session 12, docs/perf-log-bwd.md).
-# defer_dk_wait wherever there are two Q stages (session 20, docs/perf-log-bwd.md).
+# defer_dk_wait (opt-in) measured 0.3–4 % slower than the plain loop on all 8 head dim 128
+# shapes (session 20, benchmarks/bwd_variants.py, docs/perf-log-bwd.md): off everywhere.
 _T = Sm90BwdTuning
-_REV = dict(reverse_launch=True, defer_dk_wait=True)
+_REV = dict(reverse_launch=True)
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
     (64, 64): {k: _T(128, 128, 2, 1, **_REV) for k in MASK_KINDS},
     (96, 96): {k: _T(64, 128, 2, 2, **_REV) for k in MASK_KINDS},
     (128, 128): {k: _T(64, 128, 2, 2, **_REV) for k in MASK_KINDS},
     (192, 128): {k: _T(64, 64, 2, 2, **_REV) for k in MASK_KINDS},
-    (256, 256): {k: _T(64, 64, 1, 1, reverse_launch=True) for k in MASK_KINDS},
+    (256, 256): {k: _T(64, 64, 1, 1, **_REV) for k in MASK_KINDS},
 }
 
 
@@ -170,7 +171,9 @@ class BwdConfig(KernelConfig):
     reverse_launch: bool = False
     # wait for a query block's dK GEMM (and release its Q stage) only once the next block's S
     # and dP GEMMs are issued, so that the tensor pipe runs dK straight into the next S while
-    # the warpgroup hands dQ over (needs stages >= 2: the next Q loads while dK reads this one)
+    # the warpgroup hands dQ over (needs stages >= 2: the next Q loads while dK reads this one).
+    # Opt-in: 0.3–4 % slower than the plain loop at head dim 128 on the H200 (session 20; the
+    # next Q stage frees later), kept for benchmarks/bwd_variants.py at the other head dims.
     defer_dk_wait: bool = False
     # packed sequences (jax_fa4/backends/sm90.py, varlen_attention_backward_signature): per-sequence
     # offsets and lengths from cu_seqlens, key blocks from the caller's work list (which also
