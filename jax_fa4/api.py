@@ -153,9 +153,9 @@ def flash_attention_varlen(
       q: queries ``(total_q, H, D)``: the query tokens of all sequences, back to back.
       k: keys ``(total_k, Hkv, D)``, q's dtype; H a multiple of Hkv (GQA / MQA).
       v: values ``(total_k, Hkv, Dv)``, q's dtype.
-      cu_seqlens_q: int32 ``(batch + 1,)``, non-decreasing: sequence ``b``'s queries are
-        ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]``. A run-time value: new lengths never
-        retrace. Empty and length-1 sequences are fine. Tokens outside
+      cu_seqlens_q: int32 ``(batch + 1,)``, non-decreasing, in ``[0, total_q]``: sequence
+        ``b``'s queries are ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]``. A run-time value: new
+        lengths never retrace. Empty and length-1 sequences are fine. Tokens outside
         ``[cu_seqlens_q[0], cu_seqlens_q[-1])`` are padding: output 0, lse ``-inf`` (even with a
         sink), no gradient.
       cu_seqlens_k: int32 ``(batch + 1,)``, likewise for k and v (keys outside
@@ -188,9 +188,11 @@ def flash_attention_varlen(
       key) give 0 and lse ``-inf`` (``lse = sink`` with a sink).
 
     Differentiable with ``jax.grad`` in q, k, v and the sink (also through lse); works under
-    ``jax.jit`` and ``jax.vmap``. Values of cu_seqlens that violate the contract (decreasing,
-    a length above max_seqlen) are rejected when they are host (numpy) arrays and otherwise
-    give unspecified results.
+    ``jax.jit`` and ``jax.vmap``. cu_seqlens values that break the contract (negative,
+    decreasing, past the packed tokens, a length above max_seqlen) raise a ValueError naming
+    the index whenever they are known at the call (numpy or concrete jax arrays, eager calls);
+    traced under ``jit`` they are not checked: the kernels stay in bounds, the result is
+    unspecified.
     """
     options.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     opts = options.options(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
@@ -245,7 +247,10 @@ def flash_attention_paged(
       sink`` with a sink).
 
     Forward only: differentiating through it raises ``NotImplementedError`` (see the module
-    docstring). Works under ``jax.jit`` and ``jax.vmap``.
+    docstring). Works under ``jax.jit`` and ``jax.vmap``. A seqused_k outside its range, or a
+    used page's page_table entry outside ``[0, num_pages)``, raises a ValueError naming the
+    index whenever the values are known at the call (numpy or concrete jax arrays); traced
+    under ``jit`` they are not checked: the kernels stay in bounds, the result is unspecified.
     """
     options.check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k)
     opts = options.options(q.shape[-1], softmax_scale=softmax_scale, causal=causal,

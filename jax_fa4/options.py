@@ -229,22 +229,48 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                          f"got {cu_seqlens_q.shape} and {cu_seqlens_k.shape}")
     max_q = check_static_int("max_seqlen_q", max_seqlen_q)
     max_k = check_static_int("max_seqlen_k", max_seqlen_k)
-    # Values are checked only when they are host data (numpy): reading a device array would
-    # synchronise, and under jit they are traced.
     for name, cu, total, mx, mx_name in (
         ("cu_seqlens_q", cu_seqlens_q, total_q, max_q, "max_seqlen_q"),
         ("cu_seqlens_k", cu_seqlens_k, total_k, max_k, "max_seqlen_k"),
     ):
-        if isinstance(cu, np.ndarray):
-            lengths = np.diff(cu)
-            if cu[0] < 0 or (lengths < 0).any():
-                raise ValueError(f"{name} must be non-decreasing and start at >= 0, got {cu}")
-            if cu[-1] > total:
-                raise ValueError(f"{name}[-1] = {cu[-1]} exceeds the number of packed tokens "
-                                 f"{total}")
-            if lengths.max() > mx:
-                raise ValueError(f"{name} has a sequence of length {lengths.max()} > "
-                                 f"{mx_name} = {mx}")
+        values = concrete_values(cu)
+        if values is not None:
+            check_cu_seqlens(name, values, total, mx, mx_name)
+
+
+def concrete_values(x: Any) -> np.ndarray | None:
+    """The values of metadata known outside a trace (numpy, or a concrete jax.Array: one small
+    device-to-host copy), None under ``jit`` / ``vmap`` (a tracer) or for an array with shards
+    on other processes. Traced metadata is not checked: the kernels clamp every index to the
+    tensors' bounds, and the result of breaking a rule is unspecified."""
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", True):
+        return None  # traced, or spread over other processes' devices
+    return np.asarray(x)
+
+
+def check_cu_seqlens(name: str, cu: np.ndarray, total: int, max_len: int, max_name: str) -> None:
+    """``cu`` (batch + 1,): starts at >= 0, non-decreasing, ends within the ``total`` packed
+    tokens, no sequence longer than ``max_len``; the error names the first index that breaks a
+    rule."""
+    if cu[0] < 0:
+        raise ValueError(f"{name}[0]={cu[0]} is negative: must be >= 0 (tokens before it are "
+                         "padding)")
+    down = np.flatnonzero(np.diff(cu) < 0)
+    if down.size:
+        i = int(down[0]) + 1
+        raise ValueError(f"{name}[{i}]={cu[i]} < {name}[{i - 1}]={cu[i - 1]}: must be "
+                         "non-decreasing")
+    if cu[-1] > total:
+        raise ValueError(f"{name}[-1] = {cu[-1]} exceeds the number of packed tokens {total} "
+                         f"(index {len(cu) - 1})")
+    lengths = np.diff(cu)
+    if lengths.max() > max_len:
+        b = int(np.argmax(lengths))
+        raise ValueError(f"{name} has a sequence of length {lengths[b]} > {max_name} = "
+                         f"{max_len} (sequence {b}: {name}[{b + 1}]={cu[b + 1]} − "
+                         f"{name}[{b}]={cu[b]})")
 
 
 def check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k) -> None:
@@ -277,17 +303,38 @@ def check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k) -> None:
         if x.ndim != ndim or x.shape[0] != b or 0 in x.shape:
             raise ValueError(f"{name} must have shape {layout} with B = {b} (q's batch), got "
                              f"{x.shape}")
-    # Values only when they are host (numpy) data: no device sync, and traced under jit.
-    max_keys = page_table.shape[1] * page_size
-    if isinstance(seqused_k, np.ndarray) and ((seqused_k < 0) | (seqused_k > max_keys)).any():
-        raise ValueError(f"seqused_k must lie in [0, max_pages * page_size = {max_keys}], got "
-                         f"{seqused_k}")
-    if isinstance(page_table, np.ndarray) and isinstance(seqused_k, np.ndarray):
-        used = np.arange(page_table.shape[1])[None, :] * page_size < seqused_k[:, None]
-        bad = used & ((page_table < 0) | (page_table >= num_pages))
-        if bad.any():
-            raise ValueError(f"page_table entries of used pages must lie in [0, num_pages = "
-                             f"{num_pages}), got {page_table[bad][:8]}")
+    # Values wherever they are known outside a trace (concrete_values).
+    used_keys = concrete_values(seqused_k)
+    if used_keys is not None:
+        check_seqused_k(used_keys, page_table.shape[1], page_size)
+        table = concrete_values(page_table)
+        if table is not None:
+            check_page_table(table, used_keys, page_size, num_pages)
+
+
+def check_seqused_k(seqused_k: np.ndarray, max_pages: int, page_size: int) -> None:
+    """Each entry in [0, max_pages · page_size] (the keys a page-table row can hold)."""
+    max_keys = max_pages * page_size
+    bad = np.flatnonzero((seqused_k < 0) | (seqused_k > max_keys))
+    if bad.size:
+        b = int(bad[0])
+        rule = "is negative" if seqused_k[b] < 0 else "exceeds"
+        raise ValueError(f"seqused_k[{b}]={seqused_k[b]} {rule}: must lie in [0, max_pages * "
+                         f"page_size = {max_keys}]")
+
+
+def check_page_table(page_table: np.ndarray, seqused_k: np.ndarray, page_size: int,
+                     num_pages: int) -> None:
+    """The entries of the pages each batch entry uses (the first ceil(seqused_k[b] /
+    page_size) of its row) in [0, num_pages); the unused ones may hold anything (e.g. -1)."""
+    used = np.arange(page_table.shape[1])[None, :] * page_size < seqused_k[:, None]
+    bad = np.argwhere(used & ((page_table < 0) | (page_table >= num_pages)))
+    if bad.size:
+        b, j = (int(i) for i in bad[0])
+        raise ValueError(f"page_table[{b}, {j}]={page_table[b, j]} is outside [0, num_pages = "
+                         f"{num_pages}): batch entry {b} uses its first "
+                         f"{-(-int(seqused_k[b]) // page_size)} pages (seqused_k[{b}]="
+                         f"{seqused_k[b]})")
 
 
 # -- canonical options -------------------------------------------------------------------------

@@ -319,3 +319,37 @@ def test_a_causal_decode_step_runs_the_unmasked_paged_kernel(name, sq, window, m
     config = backends.get(name).paged_plan(q, cache, cache, table, opts)
     assert not isinstance(config, str), config
     assert config.mask == mask and config.paged
+
+
+# -- bad paged metadata values: refused wherever they are known at the call ------------------------
+@pytest.mark.parametrize("which, value, words", [
+    ("seqused_k", [3, 99], ["seqused_k[1]=99 exceeds", "[0, max_pages * page_size = 32]"]),
+    ("seqused_k", [-2, 3], ["seqused_k[0]=-2 is negative", "[0, max_pages * page_size = 32]"]),
+    ("page_table", [[0, 9], [2, 3]], ["page_table[0, 1]=9", "outside [0, num_pages = 4)",
+                                       "seqused_k[0]=20"]),
+    ("page_table", [[0, 1], [-1, 3]], ["page_table[1, 0]=-1", "outside [0, num_pages = 4)"]),
+])
+@pytest.mark.parametrize("as_device_array", [False, True])
+def test_bad_paged_metadata_names_the_index(which, value, words, as_device_array):
+    q, k_cache, v_cache, _, seqused = _cache(2, 1, 4, 2, 8, 8, 16, num_pages=4, max_pages=2,
+                                             seqused=(20, 3), seed=5)
+    args = dict(page_table=np.array([[0, 1], [2, 3]], np.int32), seqused_k=seqused)
+    args[which] = np.array(value, np.int32)
+    if as_device_array:
+        args = {key: jnp.asarray(x) for key, x in args.items()}
+    with pytest.raises(ValueError) as info:
+        flash_attention_paged(q, k_cache, v_cache, args["page_table"], args["seqused_k"])
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_unused_pages_may_hold_anything_and_traced_metadata_is_not_checked():
+    q, k_cache, v_cache, _, seqused = _cache(2, 1, 4, 2, 8, 8, 16, num_pages=4, max_pages=2,
+                                             seqused=(20, 3), seed=5)
+    # batch entry 1 uses one page: its second entry is never read
+    table = jnp.asarray([[0, 1], [2, 99]], jnp.int32)
+    flash_attention_paged(q, k_cache, v_cache, table, jnp.asarray(seqused))
+    bad = jnp.asarray([[0, 9], [2, 3]], jnp.int32)
+    paged = jax.jit(lambda t: flash_attention_paged(q, k_cache, v_cache, t, jnp.asarray(seqused)))
+    out = paged(bad)
+    assert out.shape == q.shape

@@ -627,3 +627,38 @@ def test_dq_accum_tiles_of_sequences_are_disjoint(tile_m):
         assert rows // tile_m <= num_tiles
         got = np.asarray(owners(jnp.asarray(cu), num_tiles, tile_m))
         assert got.tolist() == [owner.get(t, -1) for t in range(num_tiles)], (lens, got)
+
+
+# -- bad cu_seqlens values: refused wherever they are known at the call ----------------------------
+@pytest.mark.parametrize("which, cu, words", [
+    ("cu_q", [0, 5, 3], ["cu_seqlens_q[2]=3 < cu_seqlens_q[1]=5", "non-decreasing"]),
+    ("cu_k", [0, 4, 99], ["cu_seqlens_k[-1] = 99", "exceeds the number of packed tokens 7"]),
+    ("cu_k", [0, -1, 7], ["cu_seqlens_k[1]=-1 < cu_seqlens_k[0]=0", "non-decreasing"]),
+    ("cu_q", [-3, 0, 6], ["cu_seqlens_q[0]=-3 is negative", ">= 0"]),
+    ("cu_q", [0, 4, 6], ["cu_seqlens_q has a sequence of length 4 > max_seqlen_q = 3",
+                         "cu_seqlens_q[1]=4"]),
+])
+@pytest.mark.parametrize("as_device_array", [False, True])
+def test_bad_cu_seqlens_name_the_index(which, cu, words, as_device_array):
+    """numpy and concrete jax.Array metadata alike (an eager call knows the values): the error
+    names the argument, the index and the rule broken. (A first entry above 0 is allowed: the
+    tokens before it are padding.)"""
+    q, k, v, *_ = _packed((4, 2), (3, 4), 4, 2, 8, 8, seed=4, pad_q=0, pad_k=0)
+    args = dict(q=q, k=k, v=v, cu_q=_cu((4, 2)), cu_k=_cu((3, 4)),
+                max_q=3 if cu == [0, 4, 6] else 8)
+    args[which] = (jnp.asarray if as_device_array else np.asarray)(np.array(cu, np.int32))
+    with pytest.raises(ValueError) as info:
+        _bad(**args)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_traced_cu_seqlens_are_not_checked():
+    """Under jit the values are unknown: no error (the kernels clamp; the result is unspecified),
+    while the same values given eagerly are refused."""
+    q, k, v, *_ = _packed((4, 2), (3, 4), 4, 2, 8, 8, seed=4, pad_q=0, pad_k=0)
+    bad_q = jnp.asarray([0, 5, 3], jnp.int32)
+    jitted = jax.jit(lambda cu_q: _bad(q, k, v, cu_q, jnp.asarray(_cu((3, 4)))))
+    assert jitted(bad_q).shape == q.shape
+    with pytest.raises(ValueError, match="non-decreasing"):
+        _bad(q, k, v, bad_q, jnp.asarray(_cu((3, 4))))
