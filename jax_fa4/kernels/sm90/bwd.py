@@ -26,8 +26,10 @@ Structure (one CTA = one block of tile_n keys of one (batch, query head); not pe
       dQ: each warpgroup writes its accumulator fragment to its own shared-memory buffer in
       fragment order (16-byte stores, conflict-free) and signals the dQ warp; it never waits on
       global memory.
-    lse_log2 and delta are read from global memory by each thread for its own rows (rows past
-    seqlen_q read as lse = +inf, delta = 0, so P = dS = 0 there: no row mask is ever needed).
+    lse_log2 and delta are read from global memory by each thread for its own rows, one query
+    block ahead (requested once the current block's dS is computed, so the load latency hides
+    under the dV / dQ / dK GEMMs; rows past seqlen_q read as lse = +inf, delta = 0, so P = dS = 0
+    there: no row mask is ever needed).
   * epilogue: dK ·= softmax_scale; dtype configs: convert, stmatrix into K's / V's shared memory,
     TMA store (rows past seqlen_k clipped by TMA); GQA configs: float32 stores from registers.
     A key block that no query sees (local window) writes zeros.
@@ -59,7 +61,10 @@ which no other sequence touches; dK / dV of a key block inside the sequence are 
 sequence's first row on, those of its last, partial block row by row below seqlen_k (16-byte
 pieces: a whole-tile TMA store would overwrite the next sequence's rows).
 
-Not yet: intra-iteration overlap of the dQ / dK GEMMs with the next S GEMM, persistence.
+``cfg.defer_dk_wait`` (opt-in, measured slower at head dim 128): a block's dK GEMM is waited for
+after the next block's S / dP are issued, its Q stage released then.
+
+Not yet: persistence.
 """
 
 from __future__ import annotations
