@@ -8,13 +8,13 @@
 
 For every anchor shape, the GQA 32/8 and the head dim 96 shapes (``jax_fa4.bench_shapes``),
 bf16, causal and not, it runs the backward chain the library runs (preprocess kernel,
-``sm90_bwd`` main kernel, dQ postprocess, the GQA head sum) under each main-kernel config of ``variants_for``: the tuning
-table's (``v1``), every other tile / stage combination the config validator accepts
+``sm90_bwd`` main kernel, dQ postprocess, the GQA head sum) under each main-kernel config of
+``variants_for``: the tuning table's (``v1``), every other tile / stage combination the config validator accepts
 (``m{tile_m}n{tile_n}s{stages}p{pds_stages}``, with ``+swap`` for the swap_sdp form of the
 same tile), the table's tile in the other launch order (``rev``: from the last key block down;
 ``fwd-launch``: from the first up), the dK wait the other way (``defer`` / ``no-defer``:
-``BwdConfig.defer_dk_wait``), the deterministic kernel (``det``, ``det+swap``, ``det+defer``). Each is
-timed as its own program on saved forward outputs (out, lse from the forward kernel), so the
+``BwdConfig.defer_dk_wait``), the deterministic kernel (``det``, ``det+swap``, ``det+defer``).
+Each is timed as its own program on saved forward outputs (out, lse from the forward kernel), so the
 figure is the backward alone: TFLOP/s = 2.5 × forward FLOPs / time. cuDNN's backward is timed the
 way ``jax_fa4.bench`` does it, t(fwd + bwd) − t(fwd), in the same process; the ratio is to that.
 Timing is ``jax_fa4.bench``'s (warm-up, alternating rounds, median, rotated inputs).
@@ -91,10 +91,9 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[t
 
 
 def shapes_for(group: str = "all"):
-    from jax_fa4.bench_shapes import ANCHOR_EXTRA_SHAPES, ANCHOR_SHAPES, GQA_SHAPES
+    from jax_fa4.bench_shapes import ANCHOR_SHAPES, D96_SHAPES, GQA_SHAPES
 
-    d96 = tuple(s for s in ANCHOR_EXTRA_SHAPES if s.D == 96 and s.H == s.Hkv)
-    return [s for s in ANCHOR_SHAPES + GQA_SHAPES + d96 if s.D in SHAPE_GROUPS[group]]
+    return [s for s in ANCHOR_SHAPES + GQA_SHAPES + D96_SHAPES if s.D in SHAPE_GROUPS[group]]
 
 
 def _variants(shape, names: list[str] | None) -> list[tuple[str, Any]]:

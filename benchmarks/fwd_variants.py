@@ -7,8 +7,8 @@
     python benchmarks/fwd_variants.py --shapes d64 --variants v1,3wg+pp --repeats 9
 
 For every anchor shape (``jax_fa4.bench_shapes.ANCHOR_SHAPES``: B·S·H·D of the peers' table,
-and the extra table's head dim 96 pair; causal and not, bf16) it runs the kernel directly (``jax_fa4.ffi.call.call_kernel``, bypassing
-the dispatch, so a config that is not the table's default can run) under each config of
+and ``D96_SHAPES``, the extra table's head dim 96 pair; causal and not, bf16) it runs the
+kernel directly (``jax_fa4.ffi.call.call_kernel``, bypassing the dispatch, so a config that is not the table's default can run) under each config of
 ``variants_for(D, Dv, mask)``, and cuDNN (``jax.nn.dot_product_attention(implementation=
 "cudnn")``) in the same process. ``variant_configs()`` lists exactly the kernels it needs.
 
@@ -94,11 +94,9 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str) -> list[tuple[str, A
 
 
 def shapes_for(group: str = "all"):
-    from jax_fa4.bench_shapes import ANCHOR_EXTRA_SHAPES, ANCHOR_SHAPES
+    from jax_fa4.bench_shapes import ANCHOR_SHAPES, D96_SHAPES
 
-    # the main table's shapes, plus the extra table's MHA head dim 96 pair
-    extra = tuple(s for s in ANCHOR_EXTRA_SHAPES if s.D == 96 and s.H == s.Hkv)
-    return [s for s in ANCHOR_SHAPES + extra if s.D in SHAPE_GROUPS[group]]
+    return [s for s in ANCHOR_SHAPES + D96_SHAPES if s.D in SHAPE_GROUPS[group]]
 
 
 def variant_configs(group: str = "all", names: list[str] | None = None) -> list[Any]:

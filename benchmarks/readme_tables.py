@@ -141,9 +141,12 @@ def _caption(report: dict[str, Any], name: str, anchors: dict[str, Any]) -> str:
                      + " joined by `python -m jax_fa4.bench merge`")
     impls = settings.get("impls", [])
     others = [name for impl, name in (("xla", "XLA"), ("reference", "reference")) if impl in impls]
-    parts.append(f", {report.get('wall_s', 0):.0f} s of sweep"
-                 + (f"; {' and '.join(others)} rows there too)." if others else
-                    f"; implementations {', '.join(impls)}).") if impls else ").")
+    tail = ""
+    if others:
+        tail = f"; {' and '.join(others)} rows there too"
+    elif impls:
+        tail = f"; implementations {', '.join(impls)}"
+    parts.append(f", {report.get('wall_s', 0):.0f} s of sweep{tail}).")
     stack = [f"jax {versions['jax']}"] if "jax" in versions else []
     if "cudnn" in versions:
         v = int(versions["cudnn"])

@@ -257,7 +257,8 @@ def check_cu_seqlens(name: str, cu: np.ndarray, total: int, max_len: int, max_na
     if cu[0] < 0:
         raise ValueError(f"{name}[0]={cu[0]} is negative: must be >= 0 (tokens before it are "
                          "padding)")
-    down = np.flatnonzero(np.diff(cu) < 0)
+    lengths = np.diff(cu)
+    down = np.flatnonzero(lengths < 0)
     if down.size:
         i = int(down[0]) + 1
         raise ValueError(f"{name}[{i}]={cu[i]} < {name}[{i - 1}]={cu[i - 1]}: must be "
@@ -265,7 +266,6 @@ def check_cu_seqlens(name: str, cu: np.ndarray, total: int, max_len: int, max_na
     if cu[-1] > total:
         raise ValueError(f"{name}[-1] = {cu[-1]} exceeds the number of packed tokens {total} "
                          f"(index {len(cu) - 1})")
-    lengths = np.diff(cu)
     if lengths.max() > max_len:
         b = int(np.argmax(lengths))
         raise ValueError(f"{name} has a sequence of length {lengths[b]} > {max_name} = "

@@ -47,8 +47,8 @@ def build(selected: Sequence[Variant], cache: KernelCache, *, force: bool = Fals
 
     ``source``: another cache (e.g. the exhaustive test tier's) whose entries for the same key
     (config, arch, kernel sources, DSL version) are copied instead of compiled (not with
-    ``force``); they are verified on reading (sha256), so a damaged one is compiled instead. ``jobs > 1`` compiles in that
-    many worker processes (the DSL's tracing state is per process); the cache is written by this
+    ``force``); they are verified on reading (sha256), so a damaged one is compiled instead.
+    ``jobs > 1`` compiles in that many worker processes (the DSL's tracing state is per process); the cache is written by this
     process only.
     """
     from tqdm import tqdm
