@@ -13,7 +13,9 @@ bf16, causal and not, it runs the backward chain the library runs (preprocess ke
 (``m{tile_m}n{tile_n}s{stages}p{pds_stages}``, with ``+swap`` for the swap_sdp form of the
 same tile), the table's tile in the other launch order (``rev``: from the last key block down;
 ``fwd-launch``: from the first up), the dK wait the other way (``defer`` / ``no-defer``:
-``BwdConfig.defer_dk_wait``), the deterministic kernel (``det``, ``det+swap``, ``det+defer``).
+``BwdConfig.defer_dk_wait``), the loop forms (``swap``: ``BwdConfig.swap_sdp``; ``stats``:
+``BwdConfig.stats_smem``; ``swap+stats``; ``plain``: neither) that the table does not pick,
+the deterministic kernel (``det``, ``det+swap``, ``det+defer``).
 Each is timed as its own program on saved forward outputs (out, lse from the forward kernel), so the
 figure is the backward alone: TFLOP/s = 2.5 × forward FLOPs / time. cuDNN's backward is timed the
 way ``jax_fa4.bench`` does it, t(fwd + bwd) − t(fwd), in the same process; the ratio is to that.
@@ -55,7 +57,8 @@ class Opts(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[tuple[str, Any]]:
     """(name, BwdConfig) to time for one problem kind; the first is the table's (v1)."""
-    from jax_fa4.kernels.sm90.bwd_config import BwdConfig, with_swap_sdp
+    from jax_fa4.kernels.sm90.bwd_config import (OPT_IN_FORMS, BwdConfig, with_stats_smem,
+                                                 with_swap_sdp, without_swap_sdp)
 
     def valid(cfg) -> bool:  # over shared memory, GEMMs that do not split, swap_sdp limits
         try:
@@ -66,19 +69,28 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[t
 
     base = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa)
     out = [("v1", base)]
+    # tiles and stages: the plain loop, and "+swap" its swap_sdp form (with the table's stats)
+    plain = with_stats_smem(without_swap_sdp(base), False)
     for tm, tn, stages, pds, swap in itertools.product((64, 128), (64, 128), (1, 2), (1, 2),
                                                        (False, True)):
-        cfg = dataclasses.replace(base, tile_m=tm, tile_n=tn, stages=stages, pds_stages=pds,
-                                  defer_dk_wait=base.defer_dk_wait and stages > 1)
-        cfg = with_swap_sdp(cfg) if swap else cfg
+        cfg = dataclasses.replace(plain, tile_m=tm, tile_n=tn, stages=stages, pds_stages=pds,
+                                  defer_dk_wait=plain.defer_dk_wait and stages > 1)
+        cfg = with_stats_smem(with_swap_sdp(cfg), base.stats_smem) if swap else cfg
         if cfg != base and valid(cfg):
             out.append((f"m{tm}n{tn}s{stages}p{pds}" + ("+swap" if swap else ""), cfg))
     # the other launch order: "rev" (from the last key block down) or "fwd-launch"
-    out.append(("fwd-launch" if base.reverse_launch else "rev",
-                dataclasses.replace(base, reverse_launch=not base.reverse_launch)))
+    other = dataclasses.replace(base, reverse_launch=not base.reverse_launch)
+    if valid(other):
+        out.append(("fwd-launch" if base.reverse_launch else "rev", other))
     defer = dataclasses.replace(base, defer_dk_wait=not base.defer_dk_wait)
     if valid(defer):
         out.append(("no-defer" if base.defer_dk_wait else "defer", defer))
+    # the loop forms (OPT_IN_FORMS: swap, stats, swap+stats) and neither ("plain")
+    forms = dict(OPT_IN_FORMS, plain=lambda c: with_stats_smem(without_swap_sdp(c), False))
+    for name, form in forms.items():
+        cfg = form(base)
+        if cfg != base and valid(cfg):
+            out.append((name, cfg))
     det = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa, deterministic=True)
     out.append(("det", det))
     det_defer = dataclasses.replace(det, defer_dk_wait=not det.defer_dk_wait)

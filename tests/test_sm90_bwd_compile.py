@@ -28,7 +28,8 @@ from compiled import assert_no_local_memory, compiled_report, needs_disassembler
 from jax_fa4.kernels.sm90.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TUNING_TABLE,
                                              BwdConfig, BwdPostprocessConfig, shipped_configs,
                                              test_variants)
-from jax_fa4.kernels.sm90.bwd_config import _GPU_TEST_SWAP, swap_sdp_config, with_swap_sdp
+from jax_fa4.kernels.sm90.bwd_config import (_GPU_TEST_SWAP, swap_sdp_config, with_stats_smem,
+                                             with_swap_sdp, without_swap_sdp)
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = "sm_90a"
@@ -48,7 +49,8 @@ def _id(c) -> str:
     if isinstance(c, BwdPostprocessConfig):
         return f"{text}-tm{c.tile_m}{'-varlen' if c.varlen else ''}"
     return (f"{text}-{c.mask}{'-cap' if c.has_softcap else ''}{'-gqa' if c.gqa else ''}"
-            f"{'-det' if c.deterministic else ''}{'-swap' if c.swap_sdp else ''}")
+            f"{'-det' if c.deterministic else ''}{'-swap' if c.swap_sdp else ''}"
+            f"{'-stats' if c.stats_smem else ''}")
 
 
 @needs_disassembler
@@ -110,13 +112,16 @@ def test_launch_order_of_the_deterministic_kernels():
     """The deterministic kernel's dQ order follows its launch order: causal launches from the
     last key block down (descending adds), every other mask from the first up (ascending), and
     the validator refuses a reversed launch there (a key block would wait on a later launch).
-    The default kernels launch reversed (the table's choice)."""
+    The default plain-loop kernels launch reversed (the table's choice); the swap_sdp ones
+    (head dim 128) from the first key block up."""
     from dataclasses import replace
 
     for mask in ("none", "causal", "local"):
         default = BwdConfig.make("bfloat16", 128, mask=mask)
         det = BwdConfig.make("bfloat16", 128, mask=mask, deterministic=True)
-        assert default.reverse_launch
+        assert default.swap_sdp and not default.reverse_launch
+        assert BwdConfig.make("bfloat16", 128, mask=mask, has_softcap=True).reverse_launch
+        assert BwdConfig.make("bfloat16", 64, mask=mask).reverse_launch
         assert det.reverse_launch == (mask == "causal")
         if mask != "causal":
             with pytest.raises(ValueError, match="reverse_launch"):
@@ -124,7 +129,7 @@ def test_launch_order_of_the_deterministic_kernels():
     # swap_sdp (opt-in) keeps the forward launch order: reversed, it spills at hdim 128 GQA
     with pytest.raises(ValueError, match="reverse_launch"):
         replace(BwdConfig.make("bfloat16", 128, gqa=True), swap_sdp=True,
-                defer_dk_wait=False).validate()
+                reverse_launch=True).validate()
 
 
 def test_defer_dk_wait_is_opt_in_and_validated():
@@ -135,7 +140,7 @@ def test_defer_dk_wait_is_opt_in_and_validated():
         for mask in row:
             for det in (False, True):
                 assert not BwdConfig.make("bfloat16", d, dv, mask, deterministic=det).defer_dk_wait
-    deferred = replace(BwdConfig.make("bfloat16", 128, mask="causal"), defer_dk_wait=True)
+    deferred = replace(BwdConfig.make("bfloat16", 96, mask="causal"), defer_dk_wait=True)
     deferred.validate()
     with pytest.raises(ValueError, match="defer_dk_wait"):
         replace(deferred, stages=1).validate()
@@ -182,9 +187,42 @@ def test_swap_sdp_kernel_compiles_with_clean_sass(cfg, shipped_cache):
     assert_no_local_memory(k)
 
 
+def _stats_configs() -> list[BwdConfig]:
+    """stats_smem (opt-in, not in the table yet): its GPU test's problems, plain and swapped,
+    plus a deterministic one, softcap and one tile_m 128 table row (four rows per lane)."""
+    out = [with_stats_smem(BwdConfig.make(*v)) for v in _GPU_TEST_SWAP]
+    out += [with_stats_smem(BwdConfig.make("bfloat16", 128, 128, "causal", True, False, True)),
+            with_stats_smem(BwdConfig.make("bfloat16", 64, 64, "local", True, True))]
+    return out
+
+
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered(_stats_configs(), ARCH), ids=_id)
+def test_stats_smem_kernel_compiles_with_clean_sass(cfg, shipped_cache):
+    """Row statistics through shared memory: the stats warp's cp.async loads (LDGSTS, tile_m / 32
+    rows per lane for lse_log2 and delta) replace the MMA threads' global loads; no spills."""
+    k, seconds = compiled_report(shipped_cache, cfg, ARCH)
+    print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {k.registers}, LDGSTS {k.count('LDGSTS')}, "
+          f"LDS {k.count('LDS')}, LDG {k.count('LDG')}")
+    assert k.count("LDGSTS") == 2 * cfg.tile_m // 32
+    assert k.count("HGMMA") > 0 and k.count("UBLKRED") > 0
+    assert_no_local_memory(k)
+
+
+def test_stats_smem_validation():
+    base = with_stats_smem(BwdConfig.make("bfloat16", 128, mask="causal"), False)
+    staged = with_stats_smem(base)
+    assert staged.stats_smem and not base.stats_smem
+    # two float32 rows of tile_m per Q stage, inside the budget at the tightest head dim
+    assert staged.smem_bytes() == base.smem_bytes() + 2 * base.stages * base.tile_m * 4
+    assert staged.smem_bytes() <= SMEM_LIMIT_BYTES
+    assert staged.key_dict() != base.key_dict()
+
+
 def test_swap_sdp_validation():
-    base = BwdConfig.make("bfloat16", 128, mask="causal")
-    swapped = swap_sdp_config("bfloat16", 128, 128, "causal")
+    base = with_stats_smem(without_swap_sdp(BwdConfig.make("bfloat16", 128, mask="causal")),
+                           False)
+    swapped = with_stats_smem(swap_sdp_config("bfloat16", 128, 128, "causal"), False)
     assert swapped.swap_sdp and not swapped.reverse_launch  # see validate
     assert swapped.smem_bytes() == base.smem_bytes() - base.pds_stages * 64 * 128 * 2  # no sP
     assert swapped.wg_layouts()["sdp"] == (2, 1)  # one 64-key slice of Sᵀ per warpgroup
@@ -192,8 +230,10 @@ def test_swap_sdp_validation():
                       (dict(head_dim=192, head_dim_v=128), "head dims")):
         with pytest.raises(ValueError, match=word):
             replace(swapped, **bad).validate()
-    # make() never turns it on with softcap (registers), whatever the table says
+    # make() never turns it on with softcap (registers) or deterministic, whatever the table says
+    assert BwdConfig.make("bfloat16", 128).swap_sdp  # (the table's head dim 128 row)
     assert not BwdConfig.make("bfloat16", 128, has_softcap=True).swap_sdp
+    assert not BwdConfig.make("bfloat16", 128, deterministic=True).swap_sdp
 
 
 def test_deterministic_signature_adds_the_counters():
@@ -231,8 +271,11 @@ def test_every_shipped_variant_fits_shared_memory():
     assert sum(c.deterministic for c in mains) == len(mains) // 3
     varlen = [c for c in mains if c.varlen]
     assert len(varlen) == len(mains) // 3
-    # every varlen variant is the table's default kernel of its kind, launched by the work list
-    assert all(replace(c, varlen=False, reverse_launch=True) in mains for c in varlen)
+    # every varlen variant is the table's default kernel of its kind in the plain loop (no
+    # swap_sdp, statistics from registers), launched by the work list
+    plain = {replace(c, swap_sdp=False, stats_smem=False, reverse_launch=False)
+             for c in mains if not c.varlen and not c.deterministic}
+    assert all(replace(c, varlen=False) in plain for c in varlen)
     assert all(c.smem_bytes() <= SMEM_LIMIT_BYTES for c in mains)
     posts = [c for c in shipped_configs() if isinstance(c, BwdPostprocessConfig)]
     assert all(c.postprocess_config() in posts for c in mains)

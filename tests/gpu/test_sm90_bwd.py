@@ -13,6 +13,7 @@ Kernels come precompiled: every config used here is in ``bwd_config.test_variant
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -22,7 +23,7 @@ import pytest
 
 import jax_fa4
 from jax_fa4 import backends, reference
-from jax_fa4.kernels.sm90.bwd_config import test_variants, with_swap_sdp
+from jax_fa4.kernels.sm90.bwd_config import OPT_IN_FORMS, test_variants
 from numerics import assert_fa4_close
 
 
@@ -106,8 +107,9 @@ DETERMINISTIC_CASES = [
 ]
 
 
-# swap_sdp kernels (bwd_config._GPU_TEST_SWAP): the table's tile with Sᵀ / dPᵀ GEMMs and P, dS
-# in registers for dV / dK. Not in the tuning table until measured; these cases gate that.
+# opt-in forms of the table's kernels (bwd_config._GPU_TEST_SWAP, OPT_IN_FORMS): swap_sdp (Sᵀ /
+# dPᵀ GEMMs, P and dS in registers for dV / dK), stats_smem (lse_log2 / delta through shared
+# memory) and both. Not in the tuning table until measured; these cases gate that.
 SWAP_CASES = [
     Case(BF, 128, 128, 113, 203, 4, 4),
     Case(BF, 128, 128, 2049, 2048, 2, 2, b=1),
@@ -178,7 +180,7 @@ def _pt_backward(q, k, v, dout, *, scale, window, softcap):
     return vjp(dout)
 
 
-def _run(c: Case, seed: int = 0, swap_sdp: bool = False):
+def _run(c: Case, seed: int = 0, form: str | None = None):
     q, k, v, dout = _inputs(c, seed)
     scale = 1.0 / c.d ** 0.5
     kw = dict(scale=scale, window=c.window, softcap=c.softcap)
@@ -186,9 +188,9 @@ def _run(c: Case, seed: int = 0, swap_sdp: bool = False):
     out = out32.astype(q.dtype)
     opts = Opts(scale, c.window, c.softcap)
     poison_device_memory()
-    if swap_sdp:
+    if form is not None:
         main, _ = backends.get("sm90").backward_configs(q, k, v, opts)
-        got = sm90_backward_config(q, k, v, out, lse, dout, opts, with_swap_sdp(main))
+        got = sm90_backward_config(q, k, v, out, lse, dout, opts, OPT_IN_FORMS[form](main))
     else:
         got = sm90_backward(q, k, v, out, lse, dout, opts)
     return (q, k, v, out, lse, dout, opts), got, out32, kw
@@ -196,22 +198,23 @@ def _run(c: Case, seed: int = 0, swap_sdp: bool = False):
 
 def test_cases_are_precompiled():
     available = set(test_variants())
-    for cases, opts, swap in ((CASES, Opts, False), (DETERMINISTIC_CASES, DetOpts, False),
-                              (SWAP_CASES, Opts, True)):
-        for c in cases:
+    for cases, opts, forms in ((CASES, Opts, [None]), (DETERMINISTIC_CASES, DetOpts, [None]),
+                               (SWAP_CASES, Opts, list(OPT_IN_FORMS))):
+        for c, form in itertools.product(cases, forms):
             q = jax.ShapeDtypeStruct((c.b, c.sq, c.h, c.d), c.dtype)
             k = jax.ShapeDtypeStruct((c.b, c.sk, c.hkv, c.d), c.dtype)
             v = jax.ShapeDtypeStruct((c.b, c.sk, c.hkv, c.dv), c.dtype)
             main, post = backends.get("sm90").backward_configs(q, k, v, opts(None, c.window, c.softcap))
-            if swap:
-                main = with_swap_sdp(main)
-            assert main in available and post in available, _id(c)
+            if form is not None:
+                main = OPT_IN_FORMS[form](main)
+            assert main in available and post in available, (_id(c), form)
 
 
+@pytest.mark.parametrize("form", list(OPT_IN_FORMS))
 @pytest.mark.parametrize("case", SWAP_CASES, ids=_id)
-def test_swap_sdp_kernel_matches_reference(case):
-    """The swap_sdp form of the table's kernel passes FA4's rule, like the default one."""
-    (q, k, v, out, lse, dout, opts), got, out32, kw = _run(case, seed=3, swap_sdp=True)
+def test_opt_in_kernel_matches_reference(case, form):
+    """Each opt-in form of the table's kernel passes FA4's rule, like the default one."""
+    (q, k, v, out, lse, dout, opts), got, out32, kw = _run(case, seed=3, form=form)
     ref = _ref_backward(q, k, v, out32, lse, dout, **kw)
     pt = _pt_backward(q, k, v, dout, **kw)
     for name, g, r, p, x in zip(("dq", "dk", "dv"), got, ref, pt, (q, k, v)):

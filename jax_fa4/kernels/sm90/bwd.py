@@ -203,6 +203,7 @@ class FlashAttentionBackwardSm90:
         # (Not with swap_sdp: its two extra loop registers spill there at hdim 128 with GQA.)
         self.rotate = cfg.mask == "none" and not cfg.deterministic and not cfg.swap_sdp
         self.defer_dk_wait = cfg.defer_dk_wait  # (bwd_config.BwdConfig)
+        self.stats_smem = cfg.stats_smem  # (bwd_config.BwdConfig)
         self.num_mma_threads = 256
         self.num_threads = cfg.num_threads
         lay = cfg.wg_layouts()
@@ -317,12 +318,18 @@ class FlashAttentionBackwardSm90:
         self.tx_bytes_kv = self.tile_n * (D + Dv) * self.dtype.width // 8
 
         p_elems = 64 if self.swap else cute.cosize(sPdS_layout)  # (swap: P in registers)
+        # stats_smem's buffers (else a few unused bytes in the barriers' 1 KB in front of sQ)
+        stats_stages = self.stages if self.stats_smem else 1
+        stats_elems = stats_stages * self.tile_m if self.stats_smem else 4
 
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * stats_stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, stats_elems], 16]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, stats_elems], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
@@ -386,6 +393,17 @@ class FlashAttentionBackwardSm90:
             barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.stages,
             producer_group=tma_thread, consumer_group=mma_warps, tx_count=self.tx_bytes_do,
             defer_sync=True)
+        pipeline_stats, sLSE, sDelta = None, None, None
+        if const_expr(self.stats_smem):
+            pipeline_stats = pipeline.PipelineCpAsync.create(
+                barrier_storage=storage.mbar_stats.data_ptr(), num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.num_mma_threads),
+                defer_sync=True)
+            stats_layout = cute.make_layout((self.tile_m, self.stages))
+            sLSE = storage.sLSE.get_tensor(stats_layout)
+            sDelta = storage.sDelta.get_tensor(stats_layout)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -441,6 +459,10 @@ class FlashAttentionBackwardSm90:
             if warp_idx == 1:
                 self.store_dq(mdQacc, sdQ, mdQsem, n_block, head, batch, m_block_min,
                               m_block_max, block_info, dq_tile0)
+            if const_expr(self.stats_smem):
+                if warp_idx == 2:
+                    self.load_stats(mLSE, mDelta, sLSE, sDelta, pipeline_stats, n_block, head,
+                                    batch, m_block_min, m_block_max, seqlen_q)
         else:  # MMA warpgroups
             cute.arch.setmaxregister_increase(_MMA_REGS)
             self.mma(mdK, mdV, mLSE, mDelta, mParams, sQ, sK, sV, sdO, sP, sdS, sdQ,
@@ -448,7 +470,7 @@ class FlashAttentionBackwardSm90:
                      pipeline_kv, pipeline_q, pipeline_do, tidx - 128,
                      n_block, head, head_dkv, batch, m_block_min, m_block_max,
                      seqlen_q, seqlen_k, block_info, q_offset, k_offset, mdK_rows, mdV_rows,
-                     seq, mCuSeqlensK)
+                     seq, mCuSeqlensK, pipeline_stats, sLSE, sDelta)
 
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -554,6 +576,48 @@ class FlashAttentionBackwardSm90:
                                                            state.phase))
 
     @cute.jit
+    def load_stats(self, mLSE: cute.Tensor, mDelta: cute.Tensor, sLSE: cute.Tensor,
+                   sDelta: cute.Tensor, pipeline_stats, n_block: Int32, head: Int32,
+                   batch: Int32, m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32):
+        """The stats warp (warp 2 of the producer warpgroup, ``stats_smem``): per visited query
+        block, in the MMA warpgroups' order, lse_log2 and delta of its tile_m rows into the
+        stage's shared-memory rows (4-byte ``cp.async``, one row per lane and round; rows past
+        seqlen_q read row seqlen_q − 1, which the readers replace: see read_stats), completion
+        signalled on the stage's mbarrier (``cp.async.mbarrier.arrive.noinc``)."""
+        lane = cute.arch.lane_idx()
+        gLSE, gDelta = mLSE[None, head, batch], mDelta[None, head, batch]
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        start = self.first_visit(n_block, m_block_min, m_block_max)
+        for it in cutlass.range(m_block_min, m_block_max, unroll=1):
+            m_block = self.m_block_at(it, start, m_block_min, m_block_max)
+            pipeline_stats.producer_acquire(state)
+            for r in cutlass.range_constexpr(self.tile_m // 32):
+                t = r * 32 + lane
+                row = cutlass.min(m_block * self.tile_m + t, seqlen_q - 1)
+                for g, s in ((gLSE, sLSE), (gDelta, sDelta)):
+                    cute.copy(atom, cute.local_tile(g, (1,), (row,)),
+                              cute.local_tile(s[None, state.index], (1,), (t,)))
+            pipeline_stats.producer_commit(state)
+            state.advance()
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)  # (nothing left in flight when the warp exits)
+
+    @cute.jit
+    def read_stats(self, sLSE: cute.Tensor, sDelta: cute.Tensor, lse: cute.Tensor,
+                   dpsum: cute.Tensor, tScS_mn: cute.Tensor, m_block: Int32, seqlen_q: Int32,
+                   stage: Int32, per_col: cutlass.Constexpr[bool]):
+        """``stats_smem``: this thread's rows' (``per_col``: columns') lse_log2 and delta of
+        query block m_block from the stage's shared memory; queries past seqlen_q get +inf and 0
+        (P = dS = 0 there)."""
+        for i in cutlass.range_constexpr(cute.size(lse)):
+            t = tScS_mn[0, i][1] if const_expr(per_col) else tScS_mn[i, 0][0]
+            inside = m_block * self.tile_m + t < seqlen_q
+            lse_v, dpsum_v = sLSE[t, stage], sDelta[t, stage]
+            lse[i] = lse_v if inside else Float32.inf
+            dpsum[i] = dpsum_v if inside else Float32(0.0)
+
+    @cute.jit
     def load_row_stats(self, mLSE: cute.Tensor, mDelta: cute.Tensor, lse: cute.Tensor,
                        dpsum: cute.Tensor, tScS_mn: cute.Tensor, m_block: Int32,
                        seqlen_q: Int32, head: Int32, batch: Int32, q_offset=None):
@@ -613,7 +677,8 @@ class FlashAttentionBackwardSm90:
             n_block: Int32, head: Int32, head_dkv: Int32, batch: Int32,
             m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32,
             block_info: BwdBlocks, q_offset=None, k_offset=None, mdK_rows=None,
-            mdV_rows=None, seq=None, mCuSeqlensK=None):
+            mdV_rows=None, seq=None, mCuSeqlensK=None, pipeline_stats=None, sLSE=None,
+            sDelta=None):
         tm, tn, D, Dv = self.tile_m, self.tile_n, self.hdim, self.hdimv
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         tidx_in_wg = tidx % 128
@@ -689,7 +754,8 @@ class FlashAttentionBackwardSm90:
                     acc_dK, acc_dV, acc_S_shape, acc_dQ_shape, tScS_mn, st_thr, tdSsdS, tdQsdQ,
                     mma_sdp, mma_dk, mma_dv, mma_dq, pipeline_q, pipeline_do, state, wg_idx,
                     n_block, head, batch, m_block_min, m_block_max, seqlen_q, block_info,
-                    kv_tail, scale_log2, tanh_in_scale, inv_scale_log2)
+                    kv_tail, scale_log2, tanh_in_scale, inv_scale_log2, pipeline_stats, sLSE,
+                    sDelta)
             else:
                 start = self.first_visit(n_block, m_block_min, m_block_max)
                 # the rows' lse_log2 and delta, loaded one query block ahead: the next block's
@@ -697,9 +763,11 @@ class FlashAttentionBackwardSm90:
                 # hides under the dV / dQ / dK GEMMs instead of stalling the next softmax
                 lse = cute.make_rmem_tensor(num_rows, Float32)
                 dpsum = cute.make_rmem_tensor(num_rows, Float32)
-                self.load_row_stats(mLSE, mDelta, lse, dpsum, tScS_mn,
-                                    self.m_block_at(m_block_min, start, m_block_min, m_block_max),
-                                    seqlen_q, head, batch, q_offset)
+                if const_expr(not self.stats_smem):
+                    self.load_row_stats(
+                        mLSE, mDelta, lse, dpsum, tScS_mn,
+                        self.m_block_at(m_block_min, start, m_block_min, m_block_max),
+                        seqlen_q, head, batch, q_offset)
                 for it in cutlass.range(m_block_min, m_block_max, unroll=1):
                     m_block = self.m_block_at(it, start, m_block_min, m_block_max)
                     pds_idx = (it - m_block_min) % self.pds_stages
@@ -712,6 +780,10 @@ class FlashAttentionBackwardSm90:
                     acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
                     wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, state.index], tdPrV,
                           zero_init=True)
+                    if const_expr(self.stats_smem):  # (under the S GEMM)
+                        pipeline_stats.consumer_wait(state)
+                        self.read_stats(sLSE, sDelta, lse, dpsum, tScS_mn, m_block, seqlen_q,
+                                        state.index, per_col=False)
 
                     need_mask = self.block_needs_mask(block_info, m_block, n_block, kv_tail)
 
@@ -736,10 +808,14 @@ class FlashAttentionBackwardSm90:
                     # dS = P∘(dP − delta) [∘ (1 − tanh²)]
                     warpgroup.wait_group(0)
                     self.dp_to_ds(s_mn, dp_mn, lse, dpsum, inv_scale_log2, per_col=False)
-                    # the next query block's stats (past the last one: any block, unused)
-                    self.load_row_stats(mLSE, mDelta, lse, dpsum, tScS_mn,
-                                        self.m_block_at(it + 1, start, m_block_min, m_block_max),
-                                        seqlen_q, head, batch, q_offset)
+                    if const_expr(self.stats_smem):
+                        pipeline_stats.consumer_release(state)
+                    else:
+                        # the next query block's stats (past the last one: any block, unused)
+                        self.load_row_stats(
+                            mLSE, mDelta, lse, dpsum, tScS_mn,
+                            self.m_block_at(it + 1, start, m_block_min, m_block_max),
+                            seqlen_q, head, batch, q_offset)
                     rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
                     convert_f32_pairs(acc_dP, rdS, self.is_bf16)
                     cute.copy(st_thr, st_thr.retile(rdS), tdSsdS[None, None, None, pds_idx])
@@ -854,7 +930,8 @@ class FlashAttentionBackwardSm90:
                      mma_dq: cute.TiledMma, pipeline_q, pipeline_do, state, wg_idx: Int32,
                      n_block: Int32, head: Int32, batch: Int32, m_block_min: Int32,
                      m_block_max: Int32, seqlen_q: Int32, block_info: BwdBlocks, kv_tail,
-                     scale_log2: Float32, tanh_in_scale: Float32, inv_scale_log2):
+                     scale_log2: Float32, tanh_in_scale: Float32, inv_scale_log2,
+                     pipeline_stats=None, sLSE=None, sDelta=None):
         """The query-block loop of ``swap_sdp`` configs (see BwdConfig.swap_sdp). This
         warpgroup holds Sᵀ / dPᵀ for its 64 keys × all tile_m queries; per query block:
 
@@ -874,15 +951,16 @@ class FlashAttentionBackwardSm90:
             # the columns' lse_log2 and delta (queries past seqlen_q: +inf and 0: P = dS = 0)
             lse = cute.make_rmem_tensor(num_cols, Float32)
             dpsum = cute.make_rmem_tensor(num_cols, Float32)
-            # (predicated loads at constant offsets from one address: no per-column clamp,
-            # which costs a 64-bit address per column and spills)
-            for c in cutlass.range_constexpr(num_cols):
-                row = m_block * tm + tScS_mn[0, c][1]
-                lse[c] = Float32.inf
-                dpsum[c] = Float32(0.0)
-                if row < seqlen_q:
-                    lse[c] = gLSE[row]
-                    dpsum[c] = gDelta[row]
+            if const_expr(not self.stats_smem):
+                # (predicated loads at constant offsets from one address: no per-column clamp,
+                # which costs a 64-bit address per column and spills)
+                for c in cutlass.range_constexpr(num_cols):
+                    row = m_block * tm + tScS_mn[0, c][1]
+                    lse[c] = Float32.inf
+                    dpsum[c] = Float32(0.0)
+                    if row < seqlen_q:
+                        lse[c] = gLSE[row]
+                        dpsum[c] = gDelta[row]
 
             # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ
             pipeline_q.consumer_wait(state)
@@ -891,6 +969,10 @@ class FlashAttentionBackwardSm90:
             pipeline_do.consumer_wait(state)
             acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
             wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
+            if const_expr(self.stats_smem):  # (under the Sᵀ GEMM)
+                pipeline_stats.consumer_wait(state)
+                self.read_stats(sLSE, sDelta, lse, dpsum, tScS_mn, m_block, seqlen_q,
+                                state.index, per_col=True)
 
             need_mask = self.block_needs_mask(block_info, m_block, n_block, kv_tail)
 
@@ -910,6 +992,8 @@ class FlashAttentionBackwardSm90:
             # dSᵀ = Pᵀ∘(dPᵀ − delta) [∘ (1 − tanh²)]
             warpgroup.wait_group(1)  # dPᵀ is ready, dV may still run
             self.dp_to_ds(s_mn, dp_mn, lse, dpsum, inv_scale_log2, per_col=True)
+            if const_expr(self.stats_smem):
+                pipeline_stats.consumer_release(state)
             rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
             convert_f32_pairs(acc_dP, rdS, self.is_bf16)
             # dSᵀ -> shared memory (one buffer: both warpgroups' previous dQ GEMMs are done)

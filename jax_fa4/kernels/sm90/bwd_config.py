@@ -108,6 +108,7 @@ class Sm90BwdTuning:
     swap_sdp: bool = False  # Sᵀ / dPᵀ GEMMs, P and dS stay in registers for dV / dK (BwdConfig)
     reverse_launch: bool = False  # key blocks launched from the last one down (BwdConfig)
     defer_dk_wait: bool = False  # wait for a block's dK GEMM after the next S / dP (BwdConfig)
+    stats_smem: bool = False  # lse_log2 / delta through shared memory, loaded by a producer warp
 
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Warpgroup layouts of the five
@@ -119,12 +120,15 @@ class Sm90BwdTuning:
 # (reverse_launch): +1–8 % on 11 of the 12 anchor shapes (session 12, docs/perf-log-bwd.md).
 # defer_dk_wait (opt-in) measured 0.3–4 % slower than the plain loop on all 8 head dim 128
 # shapes (session 20, benchmarks/bwd_variants.py, docs/perf-log-bwd.md): off everywhere.
+# hdim 128: swap_sdp with stats_smem (session 21), +1 … +5 % on all 8 head dim 128 shapes against
+# the plain loop (docs/perf-log-bwd.md). A row's swap_sdp applies without softcap and when not
+# deterministic (make); its reverse_launch only where swap_sdp is off, its stats_smem only with it.
 _T = Sm90BwdTuning
 _REV = dict(reverse_launch=True)
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
     (64, 64): {k: _T(128, 128, 2, 1, **_REV) for k in MASK_KINDS},
     (96, 96): {k: _T(64, 128, 2, 2, **_REV) for k in MASK_KINDS},
-    (128, 128): {k: _T(64, 128, 2, 2, **_REV) for k in MASK_KINDS},
+    (128, 128): {k: _T(64, 128, 2, 2, swap_sdp=True, stats_smem=True, **_REV) for k in MASK_KINDS},
     (192, 128): {k: _T(64, 64, 2, 2, **_REV) for k in MASK_KINDS},
     (256, 256): {k: _T(64, 64, 1, 1, **_REV) for k in MASK_KINDS},
 }
@@ -175,6 +179,11 @@ class BwdConfig(KernelConfig):
     # Opt-in: 0.3–4 % slower than the plain loop at head dim 128 on the H200 (session 20; the
     # next Q stage frees later), kept for benchmarks/bwd_variants.py at the other head dims.
     defer_dk_wait: bool = False
+    # each query block's lse_log2 and delta loaded into shared memory by a producer warp (cp.async,
+    # as deep as the Q pipeline) instead of into registers by every MMA thread from global memory:
+    # one global load per row instead of one per row and MMA warpgroup, and none in the MMA loop
+    # (the swap_sdp loop's 16 column loads per thread become shared-memory reads)
+    stats_smem: bool = False
     # packed sequences (jax_fa4/backends/sm90.py, varlen_attention_backward_signature): per-sequence
     # offsets and lengths from cu_seqlens, key blocks from the caller's work list (which also
     # sets their launch order), dK / dV stored row by row inside each sequence
@@ -186,12 +195,17 @@ class BwdConfig(KernelConfig):
              deterministic: bool = False) -> "BwdConfig":
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         t = tuning_for(head_dim, head_dim_v, mask)
+        # swap_sdp spills with softcap (validate) and was measured slower deterministic (session
+        # 12): the plain loop there, with the row's launch order and statistics from registers
+        swap = t.swap_sdp and not has_softcap and not deterministic
         cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
                   has_softcap=bool(has_softcap), gqa=bool(gqa), deterministic=bool(deterministic),
                   tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages, pds_stages=t.pds_stages,
-                  swap_sdp=t.swap_sdp and not has_softcap,
-                  reverse_launch=(mask == "causal") if deterministic else t.reverse_launch,
-                  defer_dk_wait=t.defer_dk_wait and not (t.swap_sdp and not has_softcap))
+                  swap_sdp=swap,
+                  reverse_launch=((mask == "causal") if deterministic
+                                  else t.reverse_launch and not swap),
+                  defer_dk_wait=t.defer_dk_wait and not swap,
+                  stats_smem=t.stats_smem and swap)
         cfg.validate()
         return cfg
 
@@ -216,10 +230,11 @@ class BwdConfig(KernelConfig):
             raise ValueError("sm90 backward: a deterministic kernel adds dQ in ascending key-block "
                              "order without a causal mask, so its key blocks must launch in that "
                              "order (reverse_launch=False)")
-        if self.varlen and (self.deterministic or self.swap_sdp or self.reverse_launch):
+        if self.varlen and (self.deterministic or self.swap_sdp or self.reverse_launch
+                            or self.stats_smem):
             raise ValueError("sm90 backward: varlen is not implemented with deterministic, "
-                             "swap_sdp or reverse_launch (the caller's work list orders the key "
-                             "blocks)")
+                             "swap_sdp, stats_smem or reverse_launch (the caller's work list "
+                             "orders the key blocks)")
         if self.stages < 1 or self.pds_stages not in (1, 2):
             raise ValueError("sm90 backward: stages >= 1 and pds_stages in {1, 2} required")
         if self.swap_sdp and (self.tile_m, self.tile_n) != (64, 128):
@@ -265,7 +280,8 @@ class BwdConfig(KernelConfig):
         v = self.tile_n * self.head_dim_v * e
         pds = (1 if self.swap_sdp else 2) * self.pds_stages * self.tile_m * self.tile_n * e
         dq = self.tile_m * self.head_dim * 4
-        return q + do + k + v + pds + dq
+        stats = 2 * self.stages * self.tile_m * 4 if self.stats_smem else 0
+        return q + do + k + v + pds + dq + stats
 
     def postprocess_config(self) -> "BwdPostprocessConfig":
         return BwdPostprocessConfig(dtype=self.dtype, head_dim=self.head_dim, tile_m=self.tile_m,
@@ -350,7 +366,7 @@ def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask
     """The varlen backward config of a problem kind: the table's tile and stages (its key blocks
     launch in the work list's order)."""
     cfg = replace(BwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, gqa),
-                  swap_sdp=False, reverse_launch=False, varlen=True)
+                  swap_sdp=False, reverse_launch=False, stats_smem=False, varlen=True)
     cfg.validate()
     return cfg
 
@@ -405,6 +421,30 @@ def with_swap_sdp(cfg: BwdConfig) -> BwdConfig:
                    defer_dk_wait=False)
 
 
+def with_stats_smem(cfg: BwdConfig, on: bool = True) -> BwdConfig:
+    """``cfg`` with its row statistics through shared memory (BwdConfig.stats_smem) or not."""
+    return replace(cfg, stats_smem=on)
+
+
+def without_swap_sdp(cfg: BwdConfig) -> BwdConfig:
+    """``cfg`` with the plain loop (S, dP not transposed) in the table's launch order."""
+    if not cfg.swap_sdp:
+        return cfg
+    t = tuning_for(cfg.head_dim, cfg.head_dim_v, cfg.mask)
+    return replace(cfg, swap_sdp=False, reverse_launch=t.reverse_launch or cfg.deterministic
+                   and cfg.mask == "causal")
+
+
+#: The forms of a table kernel that tests/gpu/test_sm90_bwd.py checks against the reference on
+#: the _GPU_TEST_SWAP problems, whatever the table picks (name -> config transform): the
+#: transposed S / dP loop and the statistics through shared memory, each alone and together.
+OPT_IN_FORMS = {
+    "swap": lambda cfg: with_stats_smem(with_swap_sdp(cfg), False),
+    "stats": lambda cfg: with_stats_smem(without_swap_sdp(cfg)),
+    "swap+stats": lambda cfg: with_stats_smem(with_swap_sdp(cfg)),
+}
+
+
 def swap_sdp_config(*problem) -> BwdConfig:
     """The table's config for ``problem`` (BwdConfig.make's arguments) with swap_sdp on."""
     cfg = with_swap_sdp(BwdConfig.make(*problem))
@@ -417,7 +457,10 @@ def test_variants() -> list[KernelConfig]:
     that test checks it needs nothing else."""
     mains = [BwdConfig.make(*v) for v in _GPU_TEST_MAINS]
     mains += [BwdConfig.make(*v, deterministic=True) for v in _GPU_TEST_DETERMINISTIC]
-    mains += [swap_sdp_config(*v) for v in _GPU_TEST_SWAP]
+    for form in OPT_IN_FORMS.values():
+        mains += [form(BwdConfig.make(*v)) for v in _GPU_TEST_SWAP]
+    for cfg in mains:
+        cfg.validate()
     return _with_postprocess(mains)
 
 
