@@ -71,13 +71,18 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[t
     out = [("v1", base)]
     # tiles and stages: the plain loop, and "+swap" its swap_sdp form (with the table's stats)
     plain = with_stats_smem(without_swap_sdp(base), False)
-    for tm, tn, stages, pds, swap in itertools.product((64, 128), (64, 128), (1, 2), (1, 2),
+    for tm, tn, stages, pds, swap in itertools.product((64, 128), (64, 128), (1, 2, 3), (1, 2),
                                                        (False, True)):
         cfg = dataclasses.replace(plain, tile_m=tm, tile_n=tn, stages=stages, pds_stages=pds,
                                   defer_dk_wait=plain.defer_dk_wait and stages > 1)
         cfg = with_stats_smem(with_swap_sdp(cfg), base.stats_smem) if swap else cfg
         if cfg != base and valid(cfg):
             out.append((f"m{tm}n{tn}s{stages}p{pds}" + ("+swap" if swap else ""), cfg))
+    # dQ added by the MMA threads (BwdConfig.dq_red), with the table's stages and one more
+    for name, extra in (("red", {}), ("red+s3", dict(stages=base.stages + 1))):
+        cfg = dataclasses.replace(base, dq_red=True, **extra)
+        if valid(cfg):
+            out.append((name, cfg))
     # the other launch order: "rev" (from the last key block down) or "fwd-launch"
     other = dataclasses.replace(base, reverse_launch=not base.reverse_launch)
     if valid(other):

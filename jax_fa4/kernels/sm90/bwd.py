@@ -131,6 +131,20 @@ def bulk_reduce_add_f32(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, num_byte
 
 
 @dsl_user_op
+def red_add_v4_f32(gmem_ptr: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32,
+                   *, loc=None, ip=None) -> None:
+    """gmem[0:4] += (a, b, c, d) (float32, 16-byte aligned): one ``red.global.add.v4.f32``."""
+    llvm.inline_asm(
+        None,
+        [gmem_ptr.llvm_ptr] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
 def spin_until_equal(ptr: cute.Pointer, expected: Int32, *, loc=None, ip=None) -> None:
     """Poll an int32 in global memory with ``ld.acquire.gpu`` until it equals ``expected``.
     One asm block (its loop is invisible to LLVM, which otherwise keeps more values live across
@@ -204,6 +218,8 @@ class FlashAttentionBackwardSm90:
         self.rotate = cfg.mask == "none" and not cfg.deterministic and not cfg.swap_sdp
         self.defer_dk_wait = cfg.defer_dk_wait  # (bwd_config.BwdConfig)
         self.stats_smem = cfg.stats_smem  # (bwd_config.BwdConfig)
+        self.dq_red = cfg.dq_red  # (bwd_config.BwdConfig)
+        self.dq_elems = 4 if cfg.dq_red else cfg.tile_m * cfg.head_dim  # (dq_red: no dQ buffer)
         self.num_mma_threads = 256
         self.num_threads = cfg.num_threads
         lay = cfg.wg_layouts()
@@ -321,6 +337,7 @@ class FlashAttentionBackwardSm90:
         # stats_smem's buffers (else a few unused bytes in the barriers' 1 KB in front of sQ)
         stats_stages = self.stages if self.stats_smem else 1
         stats_elems = stats_stages * self.tile_m if self.stats_smem else 4
+        dq_elems = self.dq_elems
 
         @cute.struct
         class SharedStorage:
@@ -336,7 +353,7 @@ class FlashAttentionBackwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * D], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 1024]
 
         grid = (cute.ceil_div(mK.shape[0], self.tile_n), mQ.shape[2], mQ.shape[3])
         mdK_rows, mdV_rows = None, None  # varlen, 16-bit dK / dV: the tensors for row stores
@@ -415,7 +432,7 @@ class FlashAttentionBackwardSm90:
         if const_expr(not self.swap):
             sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
         sdS = storage.sdS.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
-        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.hdim))
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.dq_elems))
 
         # Run-time scalars. Windows: -1 (any negative) = unbounded, clamped to a bound that covers
         # every key / query so that all block arithmetic stays small and in Int32.
@@ -456,9 +473,10 @@ class FlashAttentionBackwardSm90:
                           tma_atom_dO, pipeline_kv, pipeline_q, pipeline_do,
                           n_block, head, head_kv, batch, m_block_min, m_block_max,
                           q_offset, k_offset)
-            if warp_idx == 1:
-                self.store_dq(mdQacc, sdQ, mdQsem, n_block, head, batch, m_block_min,
-                              m_block_max, block_info, dq_tile0)
+            if const_expr(not self.dq_red):  # (dq_red: the MMA threads add dQ themselves)
+                if warp_idx == 1:
+                    self.store_dq(mdQacc, sdQ, mdQsem, n_block, head, batch, m_block_min,
+                                  m_block_max, block_info, dq_tile0)
             if const_expr(self.stats_smem):
                 if warp_idx == 2:
                     self.load_stats(mLSE, mDelta, sLSE, sDelta, pipeline_stats, n_block, head,
@@ -470,7 +488,7 @@ class FlashAttentionBackwardSm90:
                      pipeline_kv, pipeline_q, pipeline_do, tidx - 128,
                      n_block, head, head_dkv, batch, m_block_min, m_block_max,
                      seqlen_q, seqlen_k, block_info, q_offset, k_offset, mdK_rows, mdV_rows,
-                     seq, mCuSeqlensK, pipeline_stats, sLSE, sDelta)
+                     seq, mCuSeqlensK, pipeline_stats, sLSE, sDelta, mdQacc)
 
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -604,18 +622,18 @@ class FlashAttentionBackwardSm90:
         cute.arch.cp_async_wait_group(0)  # (nothing left in flight when the warp exits)
 
     @cute.jit
-    def read_stats(self, sLSE: cute.Tensor, sDelta: cute.Tensor, lse: cute.Tensor,
-                   dpsum: cute.Tensor, tScS_mn: cute.Tensor, m_block: Int32, seqlen_q: Int32,
-                   stage: Int32, per_col: cutlass.Constexpr[bool]):
-        """``stats_smem``: this thread's rows' (``per_col``: columns') lse_log2 and delta of
-        query block m_block from the stage's shared memory; queries past seqlen_q get +inf and 0
-        (P = dS = 0 there)."""
-        for i in cutlass.range_constexpr(cute.size(lse)):
+    def read_stats(self, sX: cute.Tensor, x: cute.Tensor, outside: Float32, tScS_mn: cute.Tensor,
+                   m_block: Int32, seqlen_q: Int32, stage: Int32,
+                   per_col: cutlass.Constexpr[bool]):
+        """``stats_smem``: this thread's rows' (``per_col``: columns') lse_log2 or delta (``sX``)
+        of query block m_block from the stage's shared memory into ``x``; queries past seqlen_q
+        get ``outside`` (+inf for lse_log2, 0 for delta: P = dS = 0 there). lse_log2 is read
+        before the exp, delta only once dP is ready, so that both are never live at once (the
+        swapped loop's 16 columns each)."""
+        for i in cutlass.range_constexpr(cute.size(x)):
             t = tScS_mn[0, i][1] if const_expr(per_col) else tScS_mn[i, 0][0]
-            inside = m_block * self.tile_m + t < seqlen_q
-            lse_v, dpsum_v = sLSE[t, stage], sDelta[t, stage]
-            lse[i] = lse_v if inside else Float32.inf
-            dpsum[i] = dpsum_v if inside else Float32(0.0)
+            v = sX[t, stage]
+            x[i] = v if m_block * self.tile_m + t < seqlen_q else outside
 
     @cute.jit
     def load_row_stats(self, mLSE: cute.Tensor, mDelta: cute.Tensor, lse: cute.Tensor,
@@ -678,7 +696,7 @@ class FlashAttentionBackwardSm90:
             m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32,
             block_info: BwdBlocks, q_offset=None, k_offset=None, mdK_rows=None,
             mdV_rows=None, seq=None, mCuSeqlensK=None, pipeline_stats=None, sLSE=None,
-            sDelta=None):
+            sDelta=None, mdQacc=None):
         tm, tn, D, Dv = self.tile_m, self.tile_n, self.hdim, self.hdimv
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         tidx_in_wg = tidx % 128
@@ -727,9 +745,19 @@ class FlashAttentionBackwardSm90:
         if const_expr(not self.swap):
             tPsP = st_thr.partition_D(sP)
 
-        # this warpgroup's dQ buffer (the dQ warp adds it to dq_accum)
-        sdQ_wg = cute.local_tile(sdQ, (self.dq_wg_elems,), (wg_idx,))
-        tdQsdQ = dq_fragment_view(sdQ_wg, self.dq_regs, tidx_in_wg)
+        # this warpgroup's dQ buffer (the dQ warp adds it to dq_accum), or with dq_red this
+        # thread's floats of every query block's chunk in dq_accum: (4, dq_regs / 4, m_block),
+        # dq_fragment_view's order
+        tdQsdQ, tdQgdQ = None, None
+        if const_expr(self.dq_red):
+            gdQacc = mdQacc[None, head, batch]
+            tdQgdQ = cute.make_tensor(
+                gdQacc.iterator + (wg_idx * self.dq_wg_elems + tidx_in_wg * 4),
+                cute.make_layout((4, self.dq_regs // 4, gdQacc.shape[0] // (2 * self.dq_wg_elems)),
+                                 stride=(1, 512, 2 * self.dq_wg_elems)))
+        else:
+            sdQ_wg = cute.local_tile(sdQ, (self.dq_wg_elems,), (wg_idx,))
+            tdQsdQ = dq_fragment_view(sdQ_wg, self.dq_regs, tidx_in_wg)
 
         scale = mParams[0]
         if const_expr(self.has_softcap):
@@ -755,7 +783,7 @@ class FlashAttentionBackwardSm90:
                     mma_sdp, mma_dk, mma_dv, mma_dq, pipeline_q, pipeline_do, state, wg_idx,
                     n_block, head, batch, m_block_min, m_block_max, seqlen_q, block_info,
                     kv_tail, scale_log2, tanh_in_scale, inv_scale_log2, pipeline_stats, sLSE,
-                    sDelta)
+                    sDelta, tdQgdQ)
             else:
                 start = self.first_visit(n_block, m_block_min, m_block_max)
                 # the rows' lse_log2 and delta, loaded one query block ahead: the next block's
@@ -782,7 +810,7 @@ class FlashAttentionBackwardSm90:
                           zero_init=True)
                     if const_expr(self.stats_smem):  # (under the S GEMM)
                         pipeline_stats.consumer_wait(state)
-                        self.read_stats(sLSE, sDelta, lse, dpsum, tScS_mn, m_block, seqlen_q,
+                        self.read_stats(sLSE, lse, Float32.inf, tScS_mn, m_block, seqlen_q,
                                         state.index, per_col=False)
 
                     need_mask = self.block_needs_mask(block_info, m_block, n_block, kv_tail)
@@ -807,6 +835,9 @@ class FlashAttentionBackwardSm90:
 
                     # dS = P∘(dP − delta) [∘ (1 − tanh²)]
                     warpgroup.wait_group(0)
+                    if const_expr(self.stats_smem):
+                        self.read_stats(sDelta, dpsum, Float32(0.0), tScS_mn, m_block, seqlen_q,
+                                        state.index, per_col=False)
                     self.dp_to_ds(s_mn, dp_mn, lse, dpsum, inv_scale_log2, per_col=False)
                     if const_expr(self.stats_smem):
                         pipeline_stats.consumer_release(state)
@@ -833,7 +864,7 @@ class FlashAttentionBackwardSm90:
                     warpgroup.wait_group(1)  # dV and dQ done
                     pipeline_do.consumer_release(state)
 
-                    self.hand_dq_over(acc_dQ, tdQsdQ, wg_idx, it > m_block_min)
+                    self.hand_dq_over(acc_dQ, tdQsdQ, wg_idx, it > m_block_min, tdQgdQ, m_block)
                     if const_expr(not self.defer_dk_wait):
                         warpgroup.wait_group(0)  # dK done
                         pipeline_q.consumer_release(state)
@@ -931,7 +962,7 @@ class FlashAttentionBackwardSm90:
                      n_block: Int32, head: Int32, batch: Int32, m_block_min: Int32,
                      m_block_max: Int32, seqlen_q: Int32, block_info: BwdBlocks, kv_tail,
                      scale_log2: Float32, tanh_in_scale: Float32, inv_scale_log2,
-                     pipeline_stats=None, sLSE=None, sDelta=None):
+                     pipeline_stats=None, sLSE=None, sDelta=None, tdQgdQ=None):
         """The query-block loop of ``swap_sdp`` configs (see BwdConfig.swap_sdp). This
         warpgroup holds Sᵀ / dPᵀ for its 64 keys × all tile_m queries; per query block:
 
@@ -971,7 +1002,7 @@ class FlashAttentionBackwardSm90:
             wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True)
             if const_expr(self.stats_smem):  # (under the Sᵀ GEMM)
                 pipeline_stats.consumer_wait(state)
-                self.read_stats(sLSE, sDelta, lse, dpsum, tScS_mn, m_block, seqlen_q,
+                self.read_stats(sLSE, lse, Float32.inf, tScS_mn, m_block, seqlen_q,
                                 state.index, per_col=True)
 
             need_mask = self.block_needs_mask(block_info, m_block, n_block, kv_tail)
@@ -991,6 +1022,9 @@ class FlashAttentionBackwardSm90:
 
             # dSᵀ = Pᵀ∘(dPᵀ − delta) [∘ (1 − tanh²)]
             warpgroup.wait_group(1)  # dPᵀ is ready, dV may still run
+            if const_expr(self.stats_smem):
+                self.read_stats(sDelta, dpsum, Float32(0.0), tScS_mn, m_block, seqlen_q,
+                                state.index, per_col=True)
             self.dp_to_ds(s_mn, dp_mn, lse, dpsum, inv_scale_log2, per_col=True)
             if const_expr(self.stats_smem):
                 pipeline_stats.consumer_release(state)
@@ -1010,7 +1044,7 @@ class FlashAttentionBackwardSm90:
                   tdKrQt[None, None, None, state.index], zero_init=False)
             warpgroup.wait_group(1)  # dV and dQ done
             pipeline_do.consumer_release(state)
-            self.hand_dq_over(acc_dQ, tdQsdQ, wg_idx, it > m_block_min)
+            self.hand_dq_over(acc_dQ, tdQsdQ, wg_idx, it > m_block_min, tdQgdQ, m_block)
             warpgroup.wait_group(0)  # dK done
             pipeline_q.consumer_release(state)
             state.advance()
@@ -1059,18 +1093,25 @@ class FlashAttentionBackwardSm90:
                 dp_mn[r, c] = ds
 
     @cute.jit
-    def hand_dq_over(self, acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor, wg_idx: Int32,
-                     not_first):
+    def hand_dq_over(self, acc_dQ: cute.Tensor, tdQsdQ, wg_idx: Int32, not_first,
+                     tdQgdQ=None, m_block=None):
         """dQ fragment -> this warpgroup's shared-memory buffer (once the dQ warp has read the
-        previous one) -> the dQ warp."""
-        if not_first:
-            cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg_idx,
-                              number_of_threads=128 + 32)
-        dq_flat = cute.make_tensor(acc_dQ.iterator, cute.make_layout((4, self.dq_regs // 4)))
-        cute.autovec_copy(dq_flat, tdQsdQ)
-        cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk copy
-        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg_idx,
-                                 number_of_threads=128 + 32)
+        previous one) -> the dQ warp; with dq_red, straight into dq_accum instead (one
+        ``red.global.add.v4.f32`` per 4 floats, fire and forget: no shared memory, no wait)."""
+        if const_expr(self.dq_red):
+            view = tdQgdQ[None, None, m_block]
+            for c in cutlass.range_constexpr(self.dq_regs // 4):
+                red_add_v4_f32(view[None, c].iterator, acc_dQ[4 * c], acc_dQ[4 * c + 1],
+                               acc_dQ[4 * c + 2], acc_dQ[4 * c + 3])
+        else:
+            if not_first:
+                cute.arch.barrier(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg_idx,
+                                  number_of_threads=128 + 32)
+            dq_flat = cute.make_tensor(acc_dQ.iterator, cute.make_layout((4, self.dq_regs // 4)))
+            cute.autovec_copy(dq_flat, tdQsdQ)
+            cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk copy
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_FULL_WG0) + wg_idx,
+                                     number_of_threads=128 + 32)
 
     @cute.jit
     def mask_p(self, p_mn: cute.Tensor, c_mn: cute.Tensor, m_block: Int32, n_block: Int32,

@@ -109,6 +109,7 @@ class Sm90BwdTuning:
     reverse_launch: bool = False  # key blocks launched from the last one down (BwdConfig)
     defer_dk_wait: bool = False  # wait for a block's dK GEMM after the next S / dP (BwdConfig)
     stats_smem: bool = False  # lse_log2 / delta through shared memory, loaded by a producer warp
+    dq_red: bool = False  # dQ added to dq_accum by the MMA threads (red.global), no dQ buffer
 
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Warpgroup layouts of the five
@@ -184,6 +185,10 @@ class BwdConfig(KernelConfig):
     # one global load per row instead of one per row and MMA warpgroup, and none in the MMA loop
     # (the swap_sdp loop's 16 column loads per thread become shared-memory reads)
     stats_smem: bool = False
+    # each MMA thread adds its dQ fragment straight into dq_accum (red.global.add.v4.f32) instead
+    # of handing it to the dQ warp through shared memory: no dQ buffer (tile_m·D·4 bytes), no
+    # stores, fence or barriers per block; unordered, so never deterministic
+    dq_red: bool = False
     # packed sequences (jax_fa4/backends/sm90.py, varlen_attention_backward_signature): per-sequence
     # offsets and lengths from cu_seqlens, key blocks from the caller's work list (which also
     # sets their launch order), dK / dV stored row by row inside each sequence
@@ -205,7 +210,8 @@ class BwdConfig(KernelConfig):
                   reverse_launch=((mask == "causal") if deterministic
                                   else t.reverse_launch and not swap),
                   defer_dk_wait=t.defer_dk_wait and not swap,
-                  stats_smem=t.stats_smem and swap)
+                  stats_smem=t.stats_smem and swap,
+                  dq_red=t.dq_red and not deterministic)
         cfg.validate()
         return cfg
 
@@ -230,6 +236,9 @@ class BwdConfig(KernelConfig):
             raise ValueError("sm90 backward: a deterministic kernel adds dQ in ascending key-block "
                              "order without a causal mask, so its key blocks must launch in that "
                              "order (reverse_launch=False)")
+        if self.dq_red and (self.deterministic or self.varlen):
+            raise ValueError("sm90 backward: dq_red adds dQ in no fixed order and has no varlen "
+                             "form: not with deterministic or varlen")
         if self.varlen and (self.deterministic or self.swap_sdp or self.reverse_launch
                             or self.stats_smem):
             raise ValueError("sm90 backward: varlen is not implemented with deterministic, "
@@ -279,7 +288,7 @@ class BwdConfig(KernelConfig):
         k = self.tile_n * self.head_dim * e
         v = self.tile_n * self.head_dim_v * e
         pds = (1 if self.swap_sdp else 2) * self.pds_stages * self.tile_m * self.tile_n * e
-        dq = self.tile_m * self.head_dim * 4
+        dq = 0 if self.dq_red else self.tile_m * self.head_dim * 4
         stats = 2 * self.stages * self.tile_m * 4 if self.stats_smem else 0
         return q + do + k + v + pds + dq + stats
 
@@ -366,7 +375,8 @@ def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask
     """The varlen backward config of a problem kind: the table's tile and stages (its key blocks
     launch in the work list's order)."""
     cfg = replace(BwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, gqa),
-                  swap_sdp=False, reverse_launch=False, stats_smem=False, varlen=True)
+                  swap_sdp=False, reverse_launch=False, stats_smem=False, dq_red=False,
+                  varlen=True)
     cfg.validate()
     return cfg
 
@@ -437,11 +447,13 @@ def without_swap_sdp(cfg: BwdConfig) -> BwdConfig:
 
 #: The forms of a table kernel that tests/gpu/test_sm90_bwd.py checks against the reference on
 #: the _GPU_TEST_SWAP problems, whatever the table picks (name -> config transform): the
-#: transposed S / dP loop and the statistics through shared memory, each alone and together.
+#: transposed S / dP loop and the statistics through shared memory, each alone and together,
+#: and the table's kernel with dQ added by the MMA threads (dq_red).
 OPT_IN_FORMS = {
     "swap": lambda cfg: with_stats_smem(with_swap_sdp(cfg), False),
     "stats": lambda cfg: with_stats_smem(without_swap_sdp(cfg)),
     "swap+stats": lambda cfg: with_stats_smem(with_swap_sdp(cfg)),
+    "red": lambda cfg: replace(cfg, dq_red=True),
 }
 
 
