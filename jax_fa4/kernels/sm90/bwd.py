@@ -29,7 +29,9 @@ Structure (one CTA = one block of tile_n keys of one (batch, query head); not pe
     lse_log2 and delta are read from global memory by each thread for its own rows, one query
     block ahead (requested once the current block's dS is computed, so the load latency hides
     under the dV / dQ / dK GEMMs; rows past seqlen_q read as lse = +inf, delta = 0, so P = dS = 0
-    there: no row mask is ever needed).
+    there: no row mask is ever needed). ``cfg.stats_smem``: warp 2 of the producer warpgroup
+    loads them instead (cp.async into a shared-memory stage per Q stage, ``load_stats``), and
+    the MMA threads read their rows from there (``read_stats``).
   * epilogue: dK ·= softmax_scale; dtype configs: convert, stmatrix into K's / V's shared memory,
     TMA store (rows past seqlen_k clipped by TMA); GQA configs: float32 stores from registers.
     A key block that no query sees (local window) writes zeros.
@@ -44,8 +46,11 @@ causal mask: descending (predecessor n + 1) with the grid launched from the last
 which is the order in which a causal schedule reaches each query block anyway. Either way a key
 block only waits on key blocks of the same (head, batch) launched before it: no deadlock.
 
-``cfg.swap_sdp`` (opt-in, not yet run on a GPU): the S / dP GEMMs computed transposed, so that
-Pᵀ and dSᵀ stay in registers as the A operands of the dV / dK GEMMs (``swapped_loop``).
+``cfg.swap_sdp`` (the head dim 128 row, with ``stats_smem``): the S / dP GEMMs computed
+transposed, so that Pᵀ and dSᵀ stay in registers as the A operands of the dV / dK GEMMs
+(``swapped_loop``).
+``cfg.dq_red`` (opt-in): each MMA thread adds its dQ fragment into dq_accum itself
+(``red.global.add.v4.f32``); no dQ buffer, dQ warp, stores, fence or barriers per block.
 Unmasked, non-deterministic, non-swapped kernels walk their query blocks from a start that
 depends on the key block (``rotate``), so that lockstep key blocks add into different dQ blocks.
 
