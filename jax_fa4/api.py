@@ -146,6 +146,7 @@ def flash_attention_varlen(
     learnable_sink: jax.Array | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
+    validate: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention over a batch of variable-length sequences packed along one axis (FA4 varlen).
 
@@ -181,6 +182,10 @@ def flash_attention_varlen(
         backward runs the varlen backward kernel (each sequence's own blocks only); with
         sm100, the reference's backward (the sm100 backward kernel has no varlen mode yet; a
         one-time ``RuntimeWarning`` says so).
+      validate: also check traced cu_seqlens (under ``jit``): the same rules and messages as
+        for concrete values, checked on the host when the program runs (one small
+        device-to-host copy per call); a broken rule surfaces as JAX's runtime error carrying
+        the ValueError's message, at the first wait on the results.
 
     Returns:
       ``out`` ``(total_q, H, Dv)`` in q's dtype, and with ``return_lse`` also ``lse``
@@ -191,10 +196,11 @@ def flash_attention_varlen(
     ``jax.jit`` and ``jax.vmap``. cu_seqlens values that break the contract (negative,
     decreasing, past the packed tokens, a length above max_seqlen) raise a ValueError naming
     the index whenever they are known at the call (numpy or concrete jax arrays, eager calls);
-    traced under ``jit`` they are not checked: the kernels stay in bounds, the result is
-    unspecified.
+    traced under ``jit`` they are checked only with ``validate=True``: otherwise the kernels
+    stay in bounds and the result is unspecified.
     """
-    options.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                options.check_validate(validate))
     opts = options.options(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
                            window_size=window_size, softcap=softcap,
                            implementation=implementation)
@@ -218,6 +224,7 @@ def flash_attention_paged(
     learnable_sink: jax.Array | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
+    validate: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of a few new query tokens over a paged KV cache (decode / chunked prefill).
 
@@ -240,6 +247,8 @@ def flash_attention_paged(
       implementation: None (the Hopper kernel on an H100/H200 when it serves the call, see the
         module docstring; else the reference), ``"sm90"`` (the kernel or
         :class:`jax_fa4.ImplementationUnavailableError` saying why not) or ``"reference"``.
+      validate: also check traced page_table / seqused_k (under ``jit``), as
+        :func:`flash_attention_varlen`'s ``validate`` does for cu_seqlens.
 
     Returns:
       ``out`` ``(B, Sq, H, Dv)`` in q's dtype, and with ``return_lse`` also lse ``(B, H, Sq)``.
@@ -250,9 +259,11 @@ def flash_attention_paged(
     docstring). Works under ``jax.jit`` and ``jax.vmap``. A seqused_k outside its range, or a
     used page's page_table entry outside ``[0, num_pages)``, raises a ValueError naming the
     index whenever the values are known at the call (numpy or concrete jax arrays); traced
-    under ``jit`` they are not checked: the kernels stay in bounds, the result is unspecified.
+    under ``jit`` they are checked only with ``validate=True``: otherwise the kernels stay in
+    bounds and the result is unspecified.
     """
-    options.check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k)
+    options.check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k,
+                               options.check_validate(validate))
     opts = options.options(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
                            window_size=window_size, softcap=softcap,
                            implementation=implementation)

@@ -15,9 +15,11 @@ Dv value head dim.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -198,9 +200,11 @@ def check_static_int(name: str, x: Any) -> int:
     return int(x)
 
 
-def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        validate: bool = False) -> None:
     """Packed q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), int32 cu_seqlens
-    (batch + 1,) and static max_seqlen ints (values checked only for host data)."""
+    (batch + 1,) and static max_seqlen ints. Values are checked wherever they are known at the
+    call (:func:`concrete_values`); traced ones only with ``validate`` (:func:`check_at_run_time`)."""
     for name, x, layout in (("q", q, "(total_q, H, D)"), ("k", k, "(total_k, Hkv, D)"),
                             ("v", v, "(total_k, Hkv, Dv)")):
         check_array(name, x)
@@ -233,9 +237,31 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         ("cu_seqlens_q", cu_seqlens_q, total_q, max_q, "max_seqlen_q"),
         ("cu_seqlens_k", cu_seqlens_k, total_k, max_k, "max_seqlen_k"),
     ):
+        check = functools.partial(check_cu_seqlens, name, total=total, max_len=mx,
+                                  max_name=mx_name)
         values = concrete_values(cu)
         if values is not None:
-            check_cu_seqlens(name, values, total, mx, mx_name)
+            check(values)
+        elif validate:
+            check_at_run_time(check, cu)
+
+
+def check_validate(validate: Any) -> bool:
+    if not isinstance(validate, (bool, np.bool_)):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    return bool(validate)
+
+
+def check_at_run_time(check: Callable[..., None], *values: jax.Array) -> None:
+    """Run ``check`` (one of the ``check_*`` value rules below) on the values of traced metadata
+    when the computation runs (a ``jax.debug.callback``): under ``jit`` a broken rule then
+    raises when the program executes (with async dispatch at the first wait on its results,
+    e.g. ``block_until_ready``), as the ValueError's message inside JAX's runtime error. The
+    validated mode's cost is one device-to-host copy of the metadata per call."""
+    def host(*arrays):
+        check(*(np.asarray(a) for a in arrays))
+
+    jax.debug.callback(host, *values)
 
 
 def concrete_values(x: Any) -> np.ndarray | None:
@@ -273,9 +299,10 @@ def check_cu_seqlens(name: str, cu: np.ndarray, total: int, max_len: int, max_na
                          f"{name}[{b}]={cu[b]})")
 
 
-def check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k) -> None:
+def check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k, validate: bool = False) -> None:
     """q (B, Sq, H, D), a paged cache (num_pages, page_size, Hkv, D / Dv), an int32 page table
-    (B, max_pages) and seqused_k (B,) (values checked only for host data)."""
+    (B, max_pages) and seqused_k (B,). Values are checked wherever they are known at the call
+    (:func:`concrete_values`); traced ones only with ``validate`` (:func:`check_at_run_time`)."""
     for name, x, layout in (("q", q, "(B, Sq, H, D)"),
                             ("k_cache", k_cache, "(num_pages, page_size, Hkv, D)"),
                             ("v_cache", v_cache, "(num_pages, page_size, Hkv, Dv)")):
@@ -304,12 +331,20 @@ def check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k) -> None:
             raise ValueError(f"{name} must have shape {layout} with B = {b} (q's batch), got "
                              f"{x.shape}")
     # Values wherever they are known outside a trace (concrete_values).
+    max_pages = page_table.shape[1]
+
+    def check_both(table: np.ndarray, used_keys: np.ndarray) -> None:
+        check_seqused_k(used_keys, max_pages, page_size)
+        check_page_table(table, used_keys, page_size, num_pages)
+
     used_keys = concrete_values(seqused_k)
-    if used_keys is not None:
-        check_seqused_k(used_keys, page_table.shape[1], page_size)
-        table = concrete_values(page_table)
-        if table is not None:
-            check_page_table(table, used_keys, page_size, num_pages)
+    table = concrete_values(page_table)
+    if used_keys is not None and table is not None:
+        check_both(table, used_keys)
+    elif used_keys is not None and not validate:
+        check_seqused_k(used_keys, max_pages, page_size)
+    elif validate:
+        check_at_run_time(check_both, page_table, seqused_k)
 
 
 def check_seqused_k(seqused_k: np.ndarray, max_pages: int, page_size: int) -> None:

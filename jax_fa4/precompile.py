@@ -11,7 +11,7 @@
 ``--check`` is the exhaustive kernel check (run it after any change under ``jax_fa4/kernels/``):
 every selected variant compiled (or read from the cache) and its SASS inspected
 (:mod:`jax_fa4.sass`): no local memory, at most 255 registers, shared memory within 227 KB, the
-instructions its kernel kind is built on (``variants.REQUIRED_SASS``). ``--representative``
+instructions its kernel kind is built on (``variants.required_sass``). ``--representative``
 narrows any selection to the quick test tier's variants (``variants.representative``).
 
 Copy the cache directory to the GPU machines and point ``JAX_FA4_CACHE_DIR`` at it: they then run
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from jax_fa4.ffi.cache import KernelCache
 from jax_fa4.ffi.compiler import SUPPORTED_ARCHS, compile_config, dsl_version
 from jax_fa4.kernels.spec import FLOAT_DTYPES
-from jax_fa4.variants import (FAMILIES, HEAD_DIMS, REQUIRED_SASS, SUITES, Variant,
+from jax_fa4.variants import (FAMILIES, HEAD_DIMS, SUITES, Variant, required_sass,
                               representative, variants)
 
 
@@ -121,7 +121,7 @@ def variant_problems(variant: Variant, object_bytes: bytes, kernels=None) -> lis
         return [f"{label}: {len(found)} kernel functions in its object (expected 1)"]
     smem = variant.config.smem_bytes() if hasattr(variant.config, "smem_bytes") else 0
     return sass.problems(found[0], dynamic_smem_bytes=smem, label=label,
-                         must_have=REQUIRED_SASS.get(variant.config.kernel_name, ()))
+                         must_have=required_sass(variant.config))
 
 
 def check(selected: Sequence[Variant], cache: KernelCache, *, progress: bool = True,

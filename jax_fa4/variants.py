@@ -127,16 +127,27 @@ FAMILIES: dict[str, tuple[tuple[str, ...], Callable[..., Iterable[KernelConfig]]
 }
 
 #: Instructions (SASS opcode prefixes) every variant of a kernel kind must contain: the tensor
-#: cores and TMA it is built on (``precompile --check`` and the compile tests check them).
+#: cores and TMA it is built on (``precompile --check`` and the compile tests check them; see
+#: :func:`required_sass` for what depends on the config).
 REQUIRED_SASS: dict[str, tuple[str, ...]] = {
     "bwd_preprocess": (),
     "sm90_fwd": ("HGMMA", "UTMALDG", "MUFU.EX2"),
-    "sm90_bwd": ("HGMMA", "UTMALDG", "UBLKRED", "MUFU.EX2"),
+    "sm90_bwd": ("HGMMA", "UTMALDG", "MUFU.EX2"),
     "sm90_bwd_postprocess": (),
     "sm100_fwd": ("UTCHMMA", "UTCBAR", "LDTM", "UTCATOMSWS", "UTMALDG", "MUFU.EX2"),
     "sm100_bwd": ("UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTCATOMSWS", "UTMALDG", "UTMAREDG"),
     "exp2_probe": (),
 }
+
+def required_sass(config: KernelConfig) -> tuple[str, ...]:
+    """REQUIRED_SASS of ``config``'s kind, plus what its options imply: the sm90 backward's dQ
+    reduce-add, a bulk copy from shared memory (UBLKRED) or with ``dq_red`` the MMA threads'
+    vector reductions (REDG ... F32x4)."""
+    need = REQUIRED_SASS.get(config.kernel_name, ())
+    if config.kernel_name == "sm90_bwd":
+        need += ("REDG.E.ADD.F32x4",) if config.dq_red else ("UBLKRED",)
+    return need
+
 
 #: what the GPU tests need: (dtypes, head dims) per suite
 _SUITE_GRID = {

@@ -343,6 +343,32 @@ def test_bad_paged_metadata_names_the_index(which, value, words, as_device_array
         assert w in str(info.value), (w, str(info.value))
 
 
+@pytest.mark.parametrize("which, value, words", [
+    ("seqused_k", [3, 99], ["seqused_k[1]=99 exceeds"]),
+    ("seqused_k", [-2, 3], ["seqused_k[0]=-2 is negative"]),
+    ("page_table", [[0, 9], [2, 3]], ["page_table[0, 1]=9", "outside [0, num_pages = 4)"]),
+    ("page_table", [[0, 1], [-1, 3]], ["page_table[1, 0]=-1"]),
+])
+def test_validate_checks_traced_paged_metadata(which, value, words):
+    """validate=True: under jit the same rule and message, raised when the program runs; an
+    unused page's entry (batch entry 1 uses one page) may still hold anything."""
+    q, k_cache, v_cache, _, seqused = _cache(2, 1, 4, 2, 8, 8, 16, num_pages=4, max_pages=2,
+                                             seqused=(20, 3), seed=5)
+
+    @jax.jit
+    def run(table, used):
+        return flash_attention_paged(q, k_cache, v_cache, table, used, validate=True)
+
+    good = dict(table=jnp.asarray([[0, 1], [2, 99]], jnp.int32), used=jnp.asarray(seqused))
+    assert run(**good).shape == q.shape
+    bad = dict(good, **{"table" if which == "page_table" else "used":
+                        jnp.asarray(np.array(value, np.int32))})
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(run(**bad))
+    for w in words:
+        assert w in str(info.value), (w, str(info.value)[-500:])
+
+
 def test_unused_pages_may_hold_anything_and_traced_metadata_is_not_checked():
     q, k_cache, v_cache, _, seqused = _cache(2, 1, 4, 2, 8, 8, 16, num_pages=4, max_pages=2,
                                              seqused=(20, 3), seed=5)

@@ -3,7 +3,8 @@
 Variants of the main kernel (every head dim × mask kind, softcap, GQA, fp16, deterministic,
 swap_sdp) and every postprocess are compiled through the binding's own path
 (``compile_config``: dynamic B/S/H) and their SASS inspected (jax_fa4.sass): HGMMA, TMA loads
-(UTMALDG), the dQ bulk reduce (UBLKRED), setmaxnreg both ways, no local memory (LDL/STL,
+(UTMALDG), the dQ reduce-add (the dQ warp's bulk UBLKRED, or with dq_red the MMA threads'
+REDG.F32x4), setmaxnreg both ways, no local memory (LDL/STL,
 stack). Registers, shared memory and compile time are printed per variant (``pytest -s``;
 docs/perf-log-bwd.md). The quick tier runs the representative configs of each list
 (tests/compiled.py), ``--exhaustive`` all of them; every shipped variant's SASS:
@@ -35,6 +36,18 @@ REPO = Path(__file__).resolve().parents[1]
 ARCH = "sm_90a"
 
 
+def assert_dq_reduce(k, cfg: BwdConfig) -> None:
+    """dQ reaches dq_accum one way only: the dQ warp's bulk reduce from shared memory (UBLKRED,
+    one per MMA warpgroup chunk), or with dq_red each MMA thread's 8 × REDG.E.ADD.F32x4."""
+    if cfg.dq_red:
+        assert k.count("UBLKRED") == 0, "dq_red kernel still bulk-reduces dQ"
+        assert k.count("REDG.E.ADD.F32x4") == cfg.tile_m * cfg.head_dim // 256 // 4, \
+            "dq_red: one 16-byte reduction per 4 dQ floats of each MMA thread"
+    else:
+        assert k.count("UBLKRED") > 0, "dQ bulk reduce-add missing"
+        assert k.count("REDG") == 0
+
+
 def _main_configs() -> list[BwdConfig]:
     out = [BwdConfig.make("bfloat16", d, dv, mask) for (d, dv) in TUNING_TABLE
            for mask in MASK_KINDS]
@@ -50,7 +63,7 @@ def _id(c) -> str:
         return f"{text}-tm{c.tile_m}{'-varlen' if c.varlen else ''}"
     return (f"{text}-{c.mask}{'-cap' if c.has_softcap else ''}{'-gqa' if c.gqa else ''}"
             f"{'-det' if c.deterministic else ''}{'-swap' if c.swap_sdp else ''}"
-            f"{'-stats' if c.stats_smem else ''}")
+            f"{'-stats' if c.stats_smem else ''}{'-red' if c.dq_red else ''}")
 
 
 @needs_disassembler
@@ -64,7 +77,7 @@ def test_main_kernel_compiles_with_clean_sass(cfg, shipped_cache):
     assert k.count("HGMMA") > 0, "no warpgroup MMA in SASS"
     assert k.count("UTMALDG") > 0, "no TMA loads"
     assert (k.count("UTMASTG") > 0) == (not cfg.gqa), "dK/dV TMA store iff not GQA"
-    assert k.count("UBLKRED") > 0, "dQ bulk reduce-add missing"
+    assert_dq_reduce(k, cfg)
     assert k.count("USETMAXREG.DEALLOC") > 0 and k.count("USETMAXREG.TRY_ALLOC") > 0, \
         "setmaxnreg ignored"
     assert k.count("MUFU.EX2") > 0 and k.count("STSM") > 0
@@ -140,7 +153,7 @@ def test_defer_dk_wait_is_opt_in_and_validated():
         for mask in row:
             for det in (False, True):
                 assert not BwdConfig.make("bfloat16", d, dv, mask, deterministic=det).defer_dk_wait
-    deferred = replace(BwdConfig.make("bfloat16", 96, mask="causal"), defer_dk_wait=True)
+    deferred = replace(BwdConfig.make("bfloat16", 96, mask="none"), defer_dk_wait=True)
     deferred.validate()
     with pytest.raises(ValueError, match="defer_dk_wait"):
         replace(deferred, stages=1).validate()
@@ -170,7 +183,8 @@ def test_deterministic_kernel_compiles_with_clean_sass(cfg, shipped_cache):
 
 
 def _swap_configs() -> list[BwdConfig]:
-    """swap_sdp (opt-in, not in the table yet): what the GPU test runs, plus deterministic."""
+    """swap_sdp (the table's head dim 128 rows and head dim 96 causal): what the GPU test runs,
+    plus deterministic."""
     return [swap_sdp_config(*v) for v in _GPU_TEST_SWAP] + [
         swap_sdp_config("bfloat16", 128, 128, "causal", False, False, True),
         swap_sdp_config("bfloat16", 128, 128, "none", False, True, True)]
@@ -183,12 +197,13 @@ def test_swap_sdp_kernel_compiles_with_clean_sass(cfg, shipped_cache):
     spills (the per-column lse / delta loads are the register-tight part)."""
     k, seconds = compiled_report(shipped_cache, cfg, ARCH)
     print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {k.registers}, STSM {k.count('STSM')}")
-    assert k.count("HGMMA") > 0 and k.count("UBLKRED") > 0
+    assert k.count("HGMMA") > 0
+    assert_dq_reduce(k, cfg)
     assert_no_local_memory(k)
 
 
 def _stats_configs() -> list[BwdConfig]:
-    """stats_smem (opt-in, not in the table yet): its GPU test's problems, plain and swapped,
+    """stats_smem (with swap_sdp in the table's rows): its GPU test's problems, plain and swapped,
     plus a deterministic one, softcap and one tile_m 128 table row (four rows per lane)."""
     out = [with_stats_smem(BwdConfig.make(*v)) for v in _GPU_TEST_SWAP]
     out += [with_stats_smem(BwdConfig.make("bfloat16", 128, 128, "causal", True, False, True)),
@@ -205,7 +220,8 @@ def test_stats_smem_kernel_compiles_with_clean_sass(cfg, shipped_cache):
     print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {k.registers}, LDGSTS {k.count('LDGSTS')}, "
           f"LDS {k.count('LDS')}, LDG {k.count('LDG')}")
     assert k.count("LDGSTS") == 2 * cfg.tile_m // 32
-    assert k.count("HGMMA") > 0 and k.count("UBLKRED") > 0
+    assert k.count("HGMMA") > 0
+    assert_dq_reduce(k, cfg)
     assert_no_local_memory(k)
 
 
@@ -272,8 +288,8 @@ def test_every_shipped_variant_fits_shared_memory():
     varlen = [c for c in mains if c.varlen]
     assert len(varlen) == len(mains) // 3
     # every varlen variant is the table's default kernel of its kind in the plain loop (no
-    # swap_sdp, statistics from registers), launched by the work list
-    plain = {replace(c, swap_sdp=False, stats_smem=False, reverse_launch=False)
+    # swap_sdp, statistics from registers, dQ through the dQ warp), launched by the work list
+    plain = {replace(c, swap_sdp=False, stats_smem=False, dq_red=False, reverse_launch=False)
              for c in mains if not c.varlen and not c.deterministic}
     assert all(replace(c, varlen=False) in plain for c in varlen)
     assert all(c.smem_bytes() <= SMEM_LIMIT_BYTES for c in mains)

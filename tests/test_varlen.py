@@ -653,6 +653,37 @@ def test_bad_cu_seqlens_name_the_index(which, cu, words, as_device_array):
         assert w in str(info.value), (w, str(info.value))
 
 
+@pytest.mark.parametrize("which, cu, words", [
+    ("cu_q", [0, 5, 3], ["cu_seqlens_q[2]=3 < cu_seqlens_q[1]=5", "non-decreasing"]),
+    ("cu_k", [0, 4, 99], ["cu_seqlens_k[-1] = 99", "exceeds the number of packed tokens 7"]),
+    ("cu_q", [-3, 0, 6], ["cu_seqlens_q[0]=-3 is negative"]),
+    ("cu_q", [0, 4, 6], ["cu_seqlens_q has a sequence of length 4 > max_seqlen_q = 3"]),
+])
+def test_validate_checks_traced_cu_seqlens(which, cu, words):
+    """validate=True: under jit the same rule and message, raised when the program runs; good
+    values pass and give the unvalidated call's output."""
+    q, k, v, *_ = _packed((4, 2), (3, 4), 4, 2, 8, 8, seed=4, pad_q=0, pad_k=0)
+    max_q = 3 if cu == [0, 4, 6] else 8
+
+    def call(cu_q, cu_k, validate=True):
+        return flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, 8, implementation="reference",
+                                      validate=validate)
+
+    run = jax.jit(call)
+    good = dict(cu_q=jnp.asarray(_cu((4, 2))), cu_k=jnp.asarray(_cu((3, 4))))
+    if max_q == 8:
+        np.testing.assert_array_equal(
+            np.asarray(run(**good)),
+            np.asarray(jax.jit(functools.partial(call, validate=False))(**good)))
+    bad = dict(good, **{which: jnp.asarray(np.array(cu, np.int32))})
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(run(**bad))
+    for w in words:
+        assert w in str(info.value), (w, str(info.value)[-500:])
+    with pytest.raises(TypeError, match="validate must be a bool"):
+        flash_attention_varlen(q, k, v, good["cu_q"], good["cu_k"], 8, 8, validate="yes")
+
+
 def test_traced_cu_seqlens_are_not_checked():
     """Under jit the values are unknown: no error (the kernels clamp; the result is unspecified),
     while the same values given eagerly are refused."""

@@ -122,14 +122,18 @@ class Sm90BwdTuning:
 # defer_dk_wait (opt-in) measured 0.3–4 % slower than the plain loop on all 8 head dim 128
 # shapes (session 20, benchmarks/bwd_variants.py, docs/perf-log-bwd.md): off everywhere.
 # hdim 128: swap_sdp with stats_smem (session 21), +1 … +5 % on all 8 head dim 128 shapes against
-# the plain loop (docs/perf-log-bwd.md). A row's swap_sdp applies without softcap and when not
-# deterministic (make); its reverse_launch only where swap_sdp is off, its stats_smem only with it.
+# the plain loop, and dq_red on top, +1 … +4 % more; hdim 96 causal: swap_sdp with stats_smem,
+# +5.5 % (unmasked: 2 % slower, off) (docs/perf-log-bwd.md). A row's swap_sdp applies without
+# softcap and when not deterministic (make); its reverse_launch only where swap_sdp is off, its
+# stats_smem and dq_red only with it.
 _T = Sm90BwdTuning
 _REV = dict(reverse_launch=True)
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
     (64, 64): {k: _T(128, 128, 2, 1, **_REV) for k in MASK_KINDS},
-    (96, 96): {k: _T(64, 128, 2, 2, **_REV) for k in MASK_KINDS},
-    (128, 128): {k: _T(64, 128, 2, 2, swap_sdp=True, stats_smem=True, **_REV) for k in MASK_KINDS},
+    (96, 96): {k: _T(64, 128, 2, 2, swap_sdp=k == "causal", stats_smem=k == "causal", **_REV)
+               for k in MASK_KINDS},
+    (128, 128): {k: _T(64, 128, 2, 2, swap_sdp=True, stats_smem=True, dq_red=True, **_REV)
+                 for k in MASK_KINDS},
     (192, 128): {k: _T(64, 64, 2, 2, **_REV) for k in MASK_KINDS},
     (256, 256): {k: _T(64, 64, 1, 1, **_REV) for k in MASK_KINDS},
 }
@@ -211,7 +215,7 @@ class BwdConfig(KernelConfig):
                                   else t.reverse_launch and not swap),
                   defer_dk_wait=t.defer_dk_wait and not swap,
                   stats_smem=t.stats_smem and swap,
-                  dq_red=t.dq_red and not deterministic)
+                  dq_red=t.dq_red and swap)
         cfg.validate()
         return cfg
 
