@@ -451,12 +451,12 @@ def without_swap_sdp(cfg: BwdConfig) -> BwdConfig:
 
 #: The forms of a table kernel that tests/gpu/test_sm90_bwd.py checks against the reference on
 #: the _GPU_TEST_SWAP problems, whatever the table picks (name -> config transform): the
-#: transposed S / dP loop and the statistics through shared memory, each alone and together,
-#: and the table's kernel with dQ added by the MMA threads (dq_red).
+#: transposed S / dP loop and the statistics through shared memory, each alone and together
+#: (dQ through the dQ warp), and the table's kernel with dQ added by the MMA threads (dq_red).
 OPT_IN_FORMS = {
-    "swap": lambda cfg: with_stats_smem(with_swap_sdp(cfg), False),
-    "stats": lambda cfg: with_stats_smem(without_swap_sdp(cfg)),
-    "swap+stats": lambda cfg: with_stats_smem(with_swap_sdp(cfg)),
+    "swap": lambda cfg: replace(with_swap_sdp(cfg), stats_smem=False, dq_red=False),
+    "stats": lambda cfg: replace(without_swap_sdp(cfg), stats_smem=True, dq_red=False),
+    "swap+stats": lambda cfg: replace(with_swap_sdp(cfg), stats_smem=True, dq_red=False),
     "red": lambda cfg: replace(cfg, dq_red=True),
 }
 
