@@ -14,7 +14,8 @@ bf16, causal and not, it runs the backward chain the library runs (preprocess ke
 same tile), the table's tile in the other launch order (``rev``: from the last key block down;
 ``fwd-launch``: from the first up), the dK wait the other way (``defer`` / ``no-defer``:
 ``BwdConfig.defer_dk_wait``), the loop forms (``swap``: ``BwdConfig.swap_sdp``; ``stats``:
-``BwdConfig.stats_smem``; ``swap+stats``; ``plain``: neither) that the table does not pick,
+``BwdConfig.stats_smem``; ``swap+stats``; ``red``: ``BwdConfig.dq_red``, and ``red+s3`` with
+one more Q stage; ``plain``: none of them) that the table does not pick,
 the deterministic kernel (``det``, ``det+swap``, ``det+defer``).
 Each is timed as its own program on saved forward outputs (out, lse from the forward kernel), so the
 figure is the backward alone: TFLOP/s = 2.5 × forward FLOPs / time. cuDNN's backward is timed the
@@ -69,41 +70,37 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[t
 
     base = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa)
     out = [("v1", base)]
+
+    def add(name: str, cfg) -> None:  # valid and not already listed under another name
+        if valid(cfg) and all(cfg != c for _, c in out):
+            out.append((name, cfg))
+
+    # the loop forms (OPT_IN_FORMS: swap, stats, swap+stats, red) and none of them ("plain":
+    # the plain loop, statistics from registers, dQ through the dQ warp)
+    plain = dataclasses.replace(without_swap_sdp(base), stats_smem=False, dq_red=False)
+    for name, form in OPT_IN_FORMS.items():
+        add(name, form(base))
+    add("plain", plain)
+    # dQ added by the MMA threads with one more Q stage
+    add("red+s3", dataclasses.replace(base, dq_red=True, stages=base.stages + 1))
+    # the other launch order: "rev" (from the last key block down) or "fwd-launch"
+    add("fwd-launch" if base.reverse_launch else "rev",
+        dataclasses.replace(base, reverse_launch=not base.reverse_launch))
+    add("no-defer" if base.defer_dk_wait else "defer",
+        dataclasses.replace(base, defer_dk_wait=not base.defer_dk_wait))
     # tiles and stages: the plain loop, and "+swap" its swap_sdp form (with the table's stats)
-    plain = with_stats_smem(without_swap_sdp(base), False)
     for tm, tn, stages, pds, swap in itertools.product((64, 128), (64, 128), (1, 2, 3), (1, 2),
                                                        (False, True)):
         cfg = dataclasses.replace(plain, tile_m=tm, tile_n=tn, stages=stages, pds_stages=pds,
                                   defer_dk_wait=plain.defer_dk_wait and stages > 1)
         cfg = with_stats_smem(with_swap_sdp(cfg), base.stats_smem) if swap else cfg
-        if cfg != base and valid(cfg):
-            out.append((f"m{tm}n{tn}s{stages}p{pds}" + ("+swap" if swap else ""), cfg))
-    # dQ added by the MMA threads (BwdConfig.dq_red), with the table's stages and one more
-    for name, extra in (("red", {}), ("red+s3", dict(stages=base.stages + 1))):
-        cfg = dataclasses.replace(base, dq_red=True, **extra)
-        if valid(cfg):
-            out.append((name, cfg))
-    # the other launch order: "rev" (from the last key block down) or "fwd-launch"
-    other = dataclasses.replace(base, reverse_launch=not base.reverse_launch)
-    if valid(other):
-        out.append(("fwd-launch" if base.reverse_launch else "rev", other))
-    defer = dataclasses.replace(base, defer_dk_wait=not base.defer_dk_wait)
-    if valid(defer):
-        out.append(("no-defer" if base.defer_dk_wait else "defer", defer))
-    # the loop forms (OPT_IN_FORMS: swap, stats, swap+stats) and neither ("plain")
-    forms = dict(OPT_IN_FORMS, plain=lambda c: with_stats_smem(without_swap_sdp(c), False))
-    for name, form in forms.items():
-        cfg = form(base)
-        if cfg != base and valid(cfg):
-            out.append((name, cfg))
+        add(f"m{tm}n{tn}s{stages}p{pds}" + ("+swap" if swap else ""), cfg)
     det = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa, deterministic=True)
-    out.append(("det", det))
-    det_defer = dataclasses.replace(det, defer_dk_wait=not det.defer_dk_wait)
-    if valid(det_defer):
-        out.append(("det+no-defer" if det.defer_dk_wait else "det+defer", det_defer))
-    det_swap = with_swap_sdp(det)
-    if not base.swap_sdp and valid(det_swap):
-        out.append(("det+swap", det_swap))
+    add("det", det)
+    add("det+no-defer" if det.defer_dk_wait else "det+defer",
+        dataclasses.replace(det, defer_dk_wait=not det.defer_dk_wait))
+    if not base.swap_sdp:
+        add("det+swap", with_swap_sdp(det))
     return out
 
 
