@@ -16,7 +16,6 @@ Dv value head dim.
 from __future__ import annotations
 
 import functools
-
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -247,6 +246,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 
 def check_validate(validate: Any) -> bool:
+    """The API's ``validate`` flag: a Python bool (it decides what is traced, so it is static)."""
     if not isinstance(validate, (bool, np.bool_)):
         raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
     return bool(validate)
@@ -339,11 +339,11 @@ def check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k, validate: boo
 
     used_keys = concrete_values(seqused_k)
     table = concrete_values(page_table)
-    if used_keys is not None and table is not None:
-        check_both(table, used_keys)
-    elif used_keys is not None and not validate:
+    if used_keys is not None:
         check_seqused_k(used_keys, max_pages, page_size)
-    elif validate:
+    if used_keys is not None and table is not None:
+        check_page_table(table, used_keys, page_size, num_pages)
+    elif validate:  # (one of them traced: both checked on the host when the program runs)
         check_at_run_time(check_both, page_table, seqused_k)
 
 
