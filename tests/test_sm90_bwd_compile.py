@@ -235,6 +235,18 @@ def test_stats_smem_validation():
     assert staged.key_dict() != base.key_dict()
 
 
+def test_without_swap_sdp_restores_the_plain_launch_order():
+    """The plain loop of a swapped config launches as make() launches it: the table's order, or
+    deterministic: reversed exactly under a causal mask (the validator's rule)."""
+    for mask in ("none", "causal", "local"):
+        swapped = with_swap_sdp(BwdConfig.make("bfloat16", 128, mask=mask, deterministic=True))
+        plain = without_swap_sdp(swapped)
+        plain.validate()
+        assert not plain.swap_sdp and plain.reverse_launch == (mask == "causal")
+        default = BwdConfig.make("bfloat16", 128, mask=mask)
+        assert without_swap_sdp(default).reverse_launch  # the head dim 128 row's order
+
+
 def test_swap_sdp_validation():
     base = with_stats_smem(without_swap_sdp(BwdConfig.make("bfloat16", 128, mask="causal")),
                            False)

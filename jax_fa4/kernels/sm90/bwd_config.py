@@ -441,12 +441,13 @@ def with_stats_smem(cfg: BwdConfig, on: bool = True) -> BwdConfig:
 
 
 def without_swap_sdp(cfg: BwdConfig) -> BwdConfig:
-    """``cfg`` with the plain loop (S, dP not transposed) in the table's launch order."""
+    """``cfg`` with the plain loop (S, dP not transposed) in the launch order make() gives the
+    plain loop (deterministic: reversed exactly under a causal mask)."""
     if not cfg.swap_sdp:
         return cfg
     t = tuning_for(cfg.head_dim, cfg.head_dim_v, cfg.mask)
-    return replace(cfg, swap_sdp=False, reverse_launch=t.reverse_launch or cfg.deterministic
-                   and cfg.mask == "causal")
+    reverse = (cfg.mask == "causal") if cfg.deterministic else t.reverse_launch
+    return replace(cfg, swap_sdp=False, reverse_launch=reverse)
 
 
 #: The forms of a table kernel that tests/gpu/test_sm90_bwd.py checks against the reference on
