@@ -107,9 +107,11 @@ DETERMINISTIC_CASES = [
 ]
 
 
-# opt-in forms of the table's kernels (bwd_config._GPU_TEST_SWAP, OPT_IN_FORMS): swap_sdp (Sᵀ /
+# loop forms of the table's kernels (bwd_config._GPU_TEST_SWAP, OPT_IN_FORMS): swap_sdp (Sᵀ /
 # dPᵀ GEMMs, P and dS in registers for dV / dK), stats_smem (lse_log2 / delta through shared
-# memory) and both. Not in the tuning table until measured; these cases gate that.
+# memory), both, and dq_red (dQ added by the MMA threads). The table picks some of them (head dim
+# 128: all three; head dim 96 causal: swap + stats); every form is checked here whatever the
+# table picks, so that a form can be timed (benchmarks/bwd_variants.py) and adopted safely.
 SWAP_CASES = [
     Case(BF, 128, 128, 113, 203, 4, 4),
     Case(BF, 128, 128, 2049, 2048, 2, 2, b=1),
