@@ -140,6 +140,41 @@ def _mask_scores(s: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(mask, s, -jnp.inf)
 
 
+def _seen_queries(mask: jax.Array) -> jax.Array:
+    """Whether each query sees at least one key: (Sq,) from a mask (Sq, n), (B, Sq) from
+    (B, Sq, n)."""
+    return jnp.any(mask, axis=-1)
+
+
+def _seen_keys(mask: jax.Array) -> jax.Array:
+    """Whether at least one query sees each key: (n,) from a mask (Sq, n), (B, n) from
+    (B, Sq, n)."""
+    return jnp.any(mask, axis=-2)
+
+
+def _zero_unseen(x: jax.Array, seen: jax.Array, token_axis: int = 1) -> jax.Array:
+    """``x`` with the tokens that ``seen`` (``(S,)`` or ``(B, S)``, bool) marks False set to 0.
+
+    Padding tokens (varlen tokens outside every sequence, paged slots past ``seqused_k``,
+    unused pages) may hold NaN or Inf. Their scores are masked to -inf, but a masked token
+    still enters the products: ``P·V``, ``dS·K``, ``dSᵀ·Q``, ``Pᵀ·dO`` and ``dO·Vᵀ`` multiply
+    its values by an exact 0, and ``0·NaN`` is NaN. A ``jnp.where`` on the loaded values (not a
+    multiplication by the mask) keeps them out of every product; the result is unchanged for
+    finite padding (those products were exact zeros), and under ``jax.grad`` the zeroed tokens
+    get a zero gradient.
+
+    Args:
+        x: an array with the tokens along ``token_axis`` (and the batch first, when ``seen`` is
+            per batch entry).
+        seen: :func:`_seen_queries` or :func:`_seen_keys` of the mask.
+        token_axis: the axis of ``x`` that ``seen`` indexes.
+    """
+    seen = seen if seen.ndim == 2 else seen[None]
+    shape = [seen.shape[0]] + [1] * (x.ndim - 1)
+    shape[token_axis] = seen.shape[1]
+    return jnp.where(seen.reshape(shape), x, jnp.zeros((), x.dtype))
+
+
 def _check_extras(
     q: jax.Array,
     k: jax.Array,
@@ -280,10 +315,14 @@ def attention(
     b, sq, h, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     scale = _scale(softmax_scale, d)
+    mask = visible_mask(sq, sk, window, **_segment_kwargs(segments))
+    # Tokens no query / key sees (padding) may hold NaN / Inf: zeroed before any product.
+    q = _zero_unseen(q, _seen_queries(mask))
+    k, v = (_zero_unseen(x, _seen_keys(mask)) for x in (k, v))
     s = _scores(
         _group(q.astype(compute_dtype), hkv), k.astype(compute_dtype), scale, softcap, compute_dtype
     ).astype(jnp.float32)
-    s = _mask_scores(s, visible_mask(sq, sk, window, **_segment_kwargs(segments)))
+    s = _mask_scores(s, mask)
     row_max = jnp.max(s, axis=-1)
     if learnable_sink is not None:
         sink = _grouped_sink(learnable_sink, hkv)
@@ -346,6 +385,9 @@ def _online_update(carry, qg, kb, vb, mask, scale: float, softcap: float):
     qg (B, Sq, Hkv, G, D), kb (B, n, Hkv, D), vb (B, n, Hkv, Dv), mask (Sq, n) or (B, Sq, n).
     """
     m, l, acc = carry  # m: running max, -inf while a row has seen no visible key
+    # Tokens unseen in this block (padding) may hold NaN / Inf: zeroed before any product.
+    qg = _zero_unseen(qg, _seen_queries(mask))
+    kb, vb = (_zero_unseen(x, _seen_keys(mask)) for x in (kb, vb))
     s = _mask_scores(_scores(qg, kb, scale, softcap, jnp.float32), mask)
     m_new = lax.stop_gradient(jnp.maximum(m, jnp.max(s, axis=-1)))
     m_applied = _safe_max(m_new)
@@ -470,6 +512,12 @@ def _backward_block(
     def mm(spec, x, y):
         return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32, precision=_HIGHEST)
 
+    # Tokens unseen in this block (padding) may hold NaN / Inf in q, k, v, dO (and so delta):
+    # zeroed before any product, so P = 0 there meets no 0·NaN.
+    seen_q, seen_k = _seen_queries(mask), _seen_keys(mask)
+    qg, dog = _zero_unseen(qg, seen_q), _zero_unseen(dog, seen_q)
+    delta = _zero_unseen(delta, seen_q, token_axis=3)
+    kb, vb = _zero_unseen(kb, seen_k), _zero_unseen(vb, seen_k)
     s = _scores(qg, kb, scale, softcap, jnp.float32)
     # A row with no visible key has lse = -inf; using +inf instead makes its P row
     # exp(s - inf) = 0, and masked scores are -inf, so P has no NaN.

@@ -376,6 +376,10 @@ class Backend:
                         out, lse, dout, dlse, opts, plan):
         """(dq, dk, dv, dsink) of the packed batch from the saved (out, lse) and their
         cotangents, all as :meth:`varlen_forward` returns them."""
+        # Padding rows (in no sequence) output nothing to differentiate: their dout may hold
+        # anything, NaN included, and must not reach delta (so the sink's gradient).
+        in_sequence = segments.q_segment_ids[:, :, None, None] >= 0
+        dout = jnp.where(in_sequence, dout, jnp.zeros((), dout.dtype))
         return extras_backward(q[None], k[None], v[None], sink, segments, out, lse, dout, dlse,
                                opts, unbatch=True)
 
