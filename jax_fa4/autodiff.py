@@ -5,11 +5,12 @@ preprocess (``delta = rowsum(dO * O)``) and then its backward proper. Both halve
 through :mod:`jax_fa4.parallel.sharding`, so under ``jax.jit`` with q, k, v sharded over batch
 and heads each device runs them on its own shard (see that module for the rules).
 
-With a learnable sink (:func:`attention_with_sink`) the sink joins the kernel's (out, lse)
-afterwards (:func:`jax_fa4.backends.base.join_sink`); the backward is the same chain on the final
-(out, lse): P computed from the lse that includes the sink is the final softmax, and the sink has
-no value, so dq, dk, dv need nothing else. The sink's gradient is
-:func:`jax_fa4.reference.sink_gradient`.
+With a learnable sink (:func:`attention_with_sink`) the forward takes the sink as a fourth
+operand (sharded with the heads) and the backend joins it: inside the kernel's softmax on
+Hopper, else by :func:`jax_fa4.backends.base.join_sink` in float32 around the kernel's
+(out, lse). The backward is the same chain on the final (out, lse): P computed from the lse
+that includes the sink is the final softmax, and the sink has no value, so dq, dk, dv need
+nothing else. The sink's gradient is :func:`jax_fa4.reference.sink_gradient`.
 
 Segment ids, or a sink on the reference (:func:`attention_with_extras`): the reference's own
 ``custom_vjp`` over ``(q, k, v, sink)``, whose forward saves ``(q, k, v, sink, out, lse)`` and
@@ -64,7 +65,20 @@ def backward_chain(q, k, v, out, lse, dout, dlse, opts):
     return (*chosen.backward(q, k, v, out, lse, dout, delta, lse_log2, opts), delta)
 
 
+def forward_chain_with_sink(q, k, v, sink, opts):
+    """(out, lse) of one (shard of an) attention call with a learnable sink: (H,), or (B, H)
+    under vmap (one per batch entry; joined in float32 around the sink-less forward, as a
+    kernel's params carry one sink per head for the whole call)."""
+    backend = backends.get(opts.implementation)
+    backend = base.choose(backend, "forward", backend.supports_forward(q, k, v, opts), opts,
+                          call="call")
+    if sink.ndim > 1:
+        return base.join_sink(*backend.forward(q, k, v, opts), sink)
+    return backend.forward(q, k, v, opts, sink=sink)
+
+
 _forward = sharding.partitioned_forward(forward_chain)
+_forward_sink = sharding.partitioned_forward_with_sink(forward_chain_with_sink)
 _backward = sharding.partitioned_backward(backward_chain)
 
 
@@ -91,11 +105,11 @@ attention.defvjp(_fwd, _bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def attention_with_sink(q, k, v, sink, opts):
     """(out, lse) with a learnable sink ``(H,)`` joining every row's denominator."""
-    return base.join_sink(*_forward(q, k, v, opts), sink)
+    return _forward_sink(q, k, v, sink, opts)
 
 
 def _sink_fwd(q, k, v, sink, opts):
-    out, lse = base.join_sink(*_forward(q, k, v, opts), sink)
+    out, lse = _forward_sink(q, k, v, sink, opts)
     return (out, lse), (q, k, v, sink, out, lse)
 
 

@@ -117,7 +117,59 @@ def sharding_cases() -> dict:
         "vmap_sharded_mapped_axis": lambda: _vmap_case(auto, P("data", None, None, "model")),
         "explicit_batch_heads": lambda: _explicit_case(bshd),
         "explicit_seq_raises": lambda: _explicit_case(P(None, "data", None, None)),
+        "sink_batch_heads": lambda: _sink_case(auto, bshd, P("model")),
+        "sink_vmap": lambda: _sink_case(auto, P(None, "data", None, "model", None), P(),
+                                        vmapped=True),
     }
+
+
+def _sink_case(mesh, spec, sink_spec, *, vmapped=False) -> dict:
+    """flash_attention with a learnable sink on a kernel backend's route (the sink is the
+    forward's fourth operand, sharded with the heads): a stand-in for "sm90" (the reference
+    under that name) records the sink shapes its forward gets on each device."""
+    from jax_fa4 import backends
+    from jax_fa4.backends import base
+
+    seen = []
+
+    class SinkStandIn(base.Backend):
+        name = "sm90"
+
+        def forward(self, q, k, v, opts, sink=None):
+            seen.append(None if sink is None else list(sink.shape))
+            return super().forward(q, k, v, opts, sink=sink)
+
+    saved = backends.BACKENDS["sm90"]
+    backends.BACKENDS["sm90"] = SinkStandIn()
+    try:
+        q, k, v, ct = qkv(b=4, h=4, hkv=2)
+        sink = jnp.linspace(-1.0, 2.0, q.shape[2], dtype=jnp.float32)
+
+        def attn(impl):
+            def f(q, k, v, s):
+                return jax_fa4.flash_attention(q, k, v, causal=True, learnable_sink=s,
+                                               implementation=impl)
+            return jax.vmap(f, in_axes=(0, 0, 0, None)) if vmapped else f
+
+        def loss(impl):
+            return lambda q, k, v, s: jnp.sum(attn(impl)(q, k, v, s) * ct)
+
+        if vmapped:  # a mapped axis of 2 over the batch of 2
+            q, k, v = (x.reshape(2, 2, *x.shape[1:]) for x in (q, k, v))
+            ct = ct.reshape(2, 2, *ct.shape[1:])
+        placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+        placed.append(jax.device_put(sink, NamedSharding(mesh, sink_spec)))
+        fwd = jax.jit(attn("sm90")).lower(*placed).compile()
+        out = fwd(*placed)
+        grads = jax.jit(jax.grad(loss("sm90"), argnums=(0, 1, 2, 3)))(*placed)
+        want = attn("reference")(q, k, v, sink)
+        want_grads = jax.grad(loss("reference"), argnums=(0, 1, 2, 3))(q, k, v, sink)
+    finally:
+        backends.BACKENDS["sm90"] = saved
+    return {"out_err": max_err(out, want),
+            "grad_err": max(max_err(g, w) for g, w in zip(grads, want_grads)),
+            "fwd_collectives": collectives(fwd.as_text()),
+            "sink_shapes": seen}
 
 
 def _vmap_case(mesh, spec) -> dict:

@@ -86,8 +86,9 @@ def test_rewrite_is_exact(b, sq, h, hkv, sk, window, plan):
 @pytest.mark.parametrize("decode_tile", [False, True])
 def test_decode_call_lowers_to_one_packed_split_kernel(shipped_cache, monkeypatch, decode_tile):
     """flash_attention on a decode shape (sm90) runs one forward kernel on (B·S, g·Sq, Hkv, D)
-    inputs (the 64-row decode tile only when enabled), and its gradient program still lowers
-    (the backward sees the original layout)."""
+    inputs, and its gradient program still lowers (the backward sees the original layout). A
+    split call's chunks come back in float32 (the decode tile's out_f32 config), so the 64-row
+    decode tile serves it even where the training tile is chosen (JAX_FA4_DECODE_TILE=0)."""
     from jax_fa4.ffi import call
 
     monkeypatch.setenv("JAX_FA4_CACHE_DIR", str(shipped_cache.root))
@@ -115,11 +116,11 @@ def test_decode_call_lowers_to_one_packed_split_kernel(shipped_cache, monkeypatc
     assert len(calls) == 1
     # 64 tiles on 132 SMs: 4 splits. q: 4 splits × 8 batch entries, 8 kv heads, 4 packed heads
     # as rows: head-major for the decode tile, (B, S, H, D) for the training tile
-    q_type = "tensor<32x8x4x128xbf16>" if decode_tile else "tensor<32x4x8x128xbf16>"
-    # k / v: 4 chunks of 8192 keys per batch entry
+    q_type = "tensor<32x8x4x128xbf16>"
+    # k / v: 4 chunks of 8192 keys per batch entry; out float32
     assert f"({q_type}, tensor<32x8192x8x128xbf16>, tensor<32x8192x8x128xbf16>" in calls[0]
-    assert [c.tile_m for c in configs] == [64 if decode_tile else 128]
-    assert [c.qo_head_major for c in configs] == [decode_tile]
+    assert "-> (tensor<32x8x4x128xf32>" in calls[0], calls[0]
+    assert [(c.tile_m, c.qo_head_major, c.out_f32) for c in configs] == [(64, True, True)]
     loss = lambda q, k, v: f(q, k, v).astype(jnp.float32).sum()  # noqa: E731
     grad = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
                              disabled_checks=jax_fa4.export_disabled_safety_checks())(q, kv, kv)

@@ -112,6 +112,25 @@ def test_batch_and_head_sharding_needs_no_communication(suite, case, spec):
     assert r["out_err"] <= tol and r["grad_err"] <= tol, r
 
 
+def test_sink_is_sharded_with_the_heads(suite):
+    """A learnable sink on a kernel backend's route is the forward's own operand: each device's
+    forward gets its heads' sinks ((H/2,) with heads over 2 devices) and computes them without
+    any communication; results equal the unsharded reference's."""
+    r = _ok(suite["sink_batch_heads"])
+    assert r["fwd_collectives"] == {}, r["fwd_collectives"]
+    # (the partitioner also traces the unsharded body once: [4])
+    assert [2] in r["sink_shapes"] and set(map(tuple, r["sink_shapes"])) <= {(2,), (4,)}, r
+    assert r["out_err"] <= TOL and r["grad_err"] <= TOL, r
+
+
+def test_sink_under_vmap_joins_around_the_forward(suite):
+    """Under vmap the sink arrives per folded batch entry, (B, H): the forward runs without it
+    and it joins in float32 afterwards (a kernel's params hold one sink per head per call)."""
+    r = _ok(suite["sink_vmap"])
+    assert r["sink_shapes"] and all(shape is None for shape in r["sink_shapes"]), r
+    assert r["out_err"] <= TOL and r["grad_err"] <= TOL, r
+
+
 def test_vmapped_axes_stay_sharded(suite):
     for case in ("vmap", "vmap_sharded_mapped_axis"):
         r = _ok(suite[case])

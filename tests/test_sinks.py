@@ -231,11 +231,12 @@ def test_flash_attention_learnable_sink():
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_kernel_route_joins_the_sink_around_the_attention_chain(case, monkeypatch):
+def test_kernel_route_hands_the_sink_to_the_backend_forward(case, monkeypatch):
     """flash_attention(learnable_sink=..., implementation="sm90") runs the kernel chain
-    (jax_fa4.autodiff.attention_with_sink) and joins the sink around it; with the reference
-    standing in for the sm90 backend (a registered subclass of the reference) the outputs and the
-    gradients of q, k, v and the sink equal the brute-force form's."""
+    (jax_fa4.autodiff.attention_with_sink): the sink is the backend forward's own operand (the
+    Hopper kernels join it inside their softmax); with the reference standing in for the sm90
+    backend (a registered subclass of the reference) the outputs and the gradients of q, k, v
+    and the sink equal the brute-force form's."""
     from jax_fa4 import backends
     from jax_fa4.backends import base
 
@@ -244,14 +245,11 @@ def test_kernel_route_joins_the_sink_around_the_attention_chain(case, monkeypatc
     class Sm90Stand_in(base.Backend):
         name = "sm90"
 
-        def forward(self, q, k, v, opts):
-            calls.append(opts.implementation)
-            return super().forward(q, k, v, opts)
+        def forward(self, q, k, v, opts, sink=None):
+            calls.append((opts.implementation, sink is not None))
+            return super().forward(q, k, v, opts, sink=sink)
 
     monkeypatch.setitem(backends.BACKENDS, "sm90", Sm90Stand_in())
-    spy = []
-    real_join = base.join_sink
-    monkeypatch.setattr(base, "join_sink", lambda *a: spy.append(1) or real_join(*a))
     q, k, v, sink, _, _ = _inputs(case, seed=11)
     window, softcap, scale = case[7], case[8], case[9]
 
@@ -268,7 +266,7 @@ def test_kernel_route_joins_the_sink_around_the_attention_chain(case, monkeypatc
         q, k, v, s, softmax_scale=scale, window=window, softcap=softcap)
     (_, (out, lse)), grads = loss(api_fn)(q, k, v, sink)
     (_, (want_out, want_lse)), want_grads = loss(brute)(q, k, v, sink)
-    assert calls and set(calls) == {"sm90"} and spy, "the kernel route did not run"
+    assert calls and set(calls) == {("sm90", True)}, "the kernel route did not get the sink"
     np.testing.assert_allclose(out, want_out, **TOL)
     np.testing.assert_allclose(lse, want_lse, **TOL)
     for name, g, w in zip("q k v sink".split(), grads, want_grads):

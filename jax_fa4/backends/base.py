@@ -155,16 +155,19 @@ def reference_backward(q, k, v, out, lse, dout, delta, opts, **segments):
         block_k=reference_block_k(q.shape[1], k.shape[1]), **segments)
 
 
-def join_sink(out: jax.Array, lse: jax.Array, learnable_sink: jax.Array | None):
+def join_sink(out: jax.Array, lse: jax.Array, learnable_sink: jax.Array | None,
+              dtype=None):
     """(out, lse) with a learnable sink joining each row's denominator, in float32:
     ``lse' = logaddexp(lse, sink)``, ``out' = out · e^{lse − lse'}`` (rows without keys: out 0,
-    lse = sink)."""
+    lse = sink). ``learnable_sink`` is (H,) or (B, H) (one per batch row); out comes back in
+    ``dtype`` (default: out's), also when there is no sink."""
+    dtype = out.dtype if dtype is None else dtype
     if learnable_sink is None:
-        return out, lse
-    sink = learnable_sink.astype(jnp.float32)[:, None]  # (H, 1) against lse (B, H, Sq)
+        return out.astype(dtype), lse
+    sink = learnable_sink.astype(jnp.float32)[..., None]  # (.., H, 1) against lse (B, H, Sq)
     lse_all = jnp.logaddexp(lse, sink)
     factor = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - lse_all))  # (B, H, Sq)
-    out = (out.astype(jnp.float32) * factor.transpose(0, 2, 1)[..., None]).astype(out.dtype)
+    out = (out.astype(jnp.float32) * factor.transpose(0, 2, 1)[..., None]).astype(dtype)
     return out, lse_all
 
 
@@ -317,9 +320,11 @@ class Backend:
         """None when :meth:`forward` serves this call (q (B, Sq, H, D) ...), else why not."""
         return None
 
-    def forward(self, q, k, v, opts) -> tuple[jax.Array, jax.Array]:
-        """(out (B, Sq, H, Dv), lse (B, H, Sq) float32) of one (shard of a) dense call."""
-        return reference_forward(q, k, v, opts)
+    def forward(self, q, k, v, opts, sink: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+        """(out (B, Sq, H, Dv), lse (B, H, Sq) float32) of one (shard of a) dense call, with
+        the learnable ``sink`` (H,) of each query head joined when given."""
+        return reference_forward(q, k, v, opts, learnable_sink=sink)
 
     def supports_preprocess(self, out) -> str | None:
         """None when :meth:`backward_preprocess` serves outputs like ``out``, else why not."""

@@ -14,9 +14,9 @@ kernel call fix that:
   chunks' outputs are merged with their log-sum-exps:
   ``lse = logsumexp_s lse_s``, ``out = Σ_s exp(lse_s − lse) · out_s`` (float32).
   Exact when no mask ties a key to a query position (no mask after the causal → none above).
-  One rounding more than the unsplit kernel: each chunk's output comes back in the input dtype
-  before the float32 merge (FA4's split kernels keep it in float32; a float32-output variant
-  of the forward kernel would remove this).
+  The chunks' outputs come back in float32 where the family has float32-out decode tiles
+  (``KernelBackend.kernel_sinks``; else in the input dtype, one rounding more), and the merged
+  output stays float32 for the caller to join a sink and round once.
 
 ``plan`` decides (static shapes only, so it never recompiles); ``run`` applies a plan around a
 ``kernel(qp, k, v, opts) -> (out, lse)`` on head-major packed queries (see ``rewrite``).
@@ -105,7 +105,7 @@ def run(q: jax.Array, k: jax.Array, v: jax.Array, opts, decode_plan: DecodePlan,
     on the packed, split problem: qp head-major (B·S, H/g, Sq·g, D) (see :func:`rewrite`), k and
     v (B·S, Sk/S, Hkv, ·); it returns out head-major (B·S, H/g, Sq·g, Dv) and lse
     (B·S, H/g, Sq·g). ``opts`` is the API's options; the kernel gets them with the plan's
-    window."""
+    window. out is float32 when split (the merge's) or when the kernel's is."""
     b, sk, hkv, d = k.shape
     s = decode_plan.splits
 
@@ -124,7 +124,8 @@ def rewrite(q: jax.Array, opts, decode_plan: DecodePlan, on_packed: Callable
     entry b's query rows for key chunk s; row ``t·g + j`` of kv head c is query t of head
     ``c·g + j``), to chunk s of batch entry b's keys, and returns out head-major
     ``(B·S, H/g, Sq·g, Dv)`` and ``lse (B·S, H/g, Sq·g)``. Returns the call's
-    ``(out (B, Sq, H, Dv), lse (B, H, Sq))``: chunks merged by their lse in float32.
+    ``(out (B, Sq, H, Dv), lse (B, H, Sq))``: chunks merged by their lse in float32 (out stays
+    float32 after a merge; the caller casts it).
 
     With one query token and no split, qp and the returned out are free reshapes of q and out
     (no copy runs around the kernel)."""
@@ -146,7 +147,7 @@ def rewrite(q: jax.Array, opts, decode_plan: DecodePlan, on_packed: Callable
         weight = jnp.where(jnp.isneginf(lse_all)[:, None], 0.0,
                            jnp.exp(lse - lse_all[:, None]))  # (B, S, Hkv, rows)
         out = jnp.einsum("bshr,bshrd->bhrd", weight, out.astype(jnp.float32),
-                         precision=jax.lax.Precision.HIGHEST).astype(q.dtype)
+                         precision=jax.lax.Precision.HIGHEST)  # float32: the caller rounds
         lse = lse_all
     # back to the API's layouts
     out = (out.reshape(b, sq, h, dv) if sq == 1 else

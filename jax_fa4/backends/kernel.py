@@ -9,10 +9,18 @@ config of a problem kind, raising ``ValueError`` when none serves it) and runs i
 
 Decode-shaped dense and paged calls are rewritten around the same forward kernel (GQA packing,
 split-KV: :mod:`jax_fa4.backends.decode`).
+
+Learnable sinks: a family whose forward kernel takes them (``kernel_sinks``: they ride at the
+end of the kernel's params) joins them inside the kernel's softmax on dense and varlen calls.
+Decode-rewritten and paged calls (whose tile rows may be several heads, and whose split chunks
+must not each count the sink) take the kernel's out in float32 (``out_f32`` configs) and join
+the sink in the float32 merge, so the output is rounded once either way.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Hashable
 
@@ -27,8 +35,11 @@ from jax_fa4.kernels.preprocess_config import PreprocessConfig
 KERNEL_DTYPES = ("bfloat16", "float16")
 
 
-def kernel_params(opts, head_dim: int | None = None) -> jax.Array:
-    """Run-time scalars of the attention kernels: [scale, softcap, window_left, window_right].
+def kernel_params(opts, head_dim: int | None = None, sink: jax.Array | None = None
+                  ) -> jax.Array:
+    """Run-time scalars of the attention kernels: [scale, softcap, window_left, window_right],
+    followed by the learnable sink of each query head when ``sink`` (H,) is given (forward
+    kernels of ``kernel_sinks`` families).
 
     ``opts`` needs ``.softmax_scale`` (None: ``1/sqrt(head_dim)``), ``.softcap`` (0 or None: off)
     and ``.window`` ((left, right), None = unbounded).
@@ -41,7 +52,10 @@ def kernel_params(opts, head_dim: int | None = None) -> jax.Array:
               -1 if right is None else right)
     # Scalars stay literals in the jaxpr (no captured constant array: custom_partitioning
     # bodies must not close over constants).
-    return jnp.stack([jnp.float32(x) for x in values])
+    params = jnp.stack([jnp.float32(x) for x in values])
+    if sink is None:
+        return params
+    return jnp.concatenate([params, sink.astype(jnp.float32)])
 
 
 def backward_kind(q, k, v, opts) -> dict:
@@ -86,6 +100,9 @@ class KernelBackend(Backend):
     #: The paged kernel clamps ``seqused_k`` to its page-table row's keys itself (so an unsplit
     #: call passes it as it is).
     paged_clamps_seqused: bool = False
+    #: The forward kernels take learnable sinks in their params and have float32-out decode and
+    #: paged configs (module doc); else sinks join the 16-bit out afterwards.
+    kernel_sinks: bool = False
 
     # -- hooks: the config of a problem kind (raise ValueError when no kernel serves it) ---------
     def make_forward(self, dtype: str, head_dim: int, head_dim_v: int, mask: str,
@@ -93,9 +110,10 @@ class KernelBackend(Backend):
         raise NotImplementedError
 
     def make_decode(self, dtype: str, head_dim: int, head_dim_v: int, has_softcap: bool,
-                    rows: int):
+                    rows: int, out_f32: bool = False):
         """The forward config for a rewritten decode call of ``rows`` packed query rows
-        (unmasked; q and out head-major if its ``qo_head_major``), None for the training tile."""
+        (unmasked; q and out head-major if its ``qo_head_major``), None for the training tile;
+        ``out_f32`` (only asked of ``kernel_sinks`` families): a float32-out config."""
         return None
 
     def make_varlen(self, dtype: str, head_dim: int, head_dim_v: int, mask: str,
@@ -128,18 +146,26 @@ class KernelBackend(Backend):
         config = self.forward_config(q, k, v, opts)
         return config if isinstance(config, str) else None
 
-    def forward(self, q, k, v, opts) -> tuple[jax.Array, jax.Array]:
-        """The forward kernel; decode-shaped calls run it on GQA-packed, split-KV inputs
-        (:mod:`jax_fa4.backends.decode`)."""
+    def forward(self, q, k, v, opts, sink: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+        """The forward kernel, with the learnable ``sink`` (H,) joined (module doc);
+        decode-shaped calls run it on GQA-packed, split-KV inputs (:mod:`jax_fa4.backends.decode`)."""
         plan = decode.plan(q.shape, k.shape, opts.window)
         if plan is not None:
-            return decode.run(q, k, v, opts, plan, self._decode_forward)
-        return self.kernel_forward(q, k, v, opts)
+            out_f32 = self.kernel_sinks and (plan.splits > 1 or sink is not None)
+            out, lse = decode.run(q, k, v, opts, plan, functools.partial(
+                self._decode_forward, out_f32=out_f32))
+            return join_sink(out, lse, sink, dtype=q.dtype)
+        if self.kernel_sinks:
+            return self.kernel_forward(q, k, v, opts, sink=sink)
+        return join_sink(*self.kernel_forward(q, k, v, opts), sink)
 
-    def kernel_forward(self, q, k, v, opts, config=None) -> tuple[jax.Array, jax.Array]:
+    def kernel_forward(self, q, k, v, opts, config=None, sink: jax.Array | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
         """(out, lse) by the forward kernel (``config``: :meth:`forward_config`'s, which must
-        serve). q and out are (B, S, H, ·), or (B, H, S, ·) for a head-major config (the decode
-        tiles)."""
+        serve; ``sink``: the learnable sink of each query head, ``kernel_sinks`` families).
+        q and out are (B, S, H, ·), or (B, H, S, ·) for a head-major config (the decode tiles);
+        out is float32 for an ``out_f32`` config."""
         from jax_fa4.ffi.call import call_kernel
 
         config = self.forward_config(q, k, v, opts) if config is None else config
@@ -150,17 +176,20 @@ class KernelBackend(Backend):
         else:
             b, sq, h, _ = q.shape
             out_shape = (b, sq, h, v.shape[3])
+        out_dtype = jnp.float32 if getattr(config, "out_f32", False) else q.dtype
         return call_kernel(
-            config, self.arch, q, k, v, kernel_params(opts, q.shape[3]),
-            out_shapes=(jax.ShapeDtypeStruct(out_shape, q.dtype),
+            config, self.arch, q, k, v, kernel_params(opts, q.shape[3], sink),
+            out_shapes=(jax.ShapeDtypeStruct(out_shape, out_dtype),
                         jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
 
-    def _decode_forward(self, qp, k, v, opts) -> tuple[jax.Array, jax.Array]:
+    def _decode_forward(self, qp, k, v, opts, out_f32: bool = False
+                        ) -> tuple[jax.Array, jax.Array]:
         """The forward kernel on a rewritten decode call (unmasked; qp, out head-major as
         decode.run passes and takes them): the family's decode tile (:meth:`make_decode`) when
-        it has one for these rows, else the training tile on transposed q and out."""
+        it has one for these rows, else the training tile on transposed q and out. ``out_f32``:
+        out in float32 (the decode tile serves every row count then)."""
         config = self.make_decode(jnp.dtype(qp.dtype).name, qp.shape[3], v.shape[3],
-                                  opts.softcap > 0, qp.shape[2])
+                                  opts.softcap > 0, qp.shape[2], out_f32=out_f32)
         if config is not None and config.qo_head_major:
             return self.kernel_forward(qp, k, v, opts, config)
         out, lse = self.kernel_forward(qp.transpose(0, 2, 1, 3), k, v, opts, config)
@@ -262,14 +291,17 @@ class KernelBackend(Backend):
         config, max_q = plan[:2]
         total_q, h, d = q.shape
         batch = cu_seqlens_q.shape[0] - 1
+        in_kernel = sink if self.kernel_sinks else None
         out, lse_pad = call_kernel(
-            config, self.arch, q[None], k[None], v[None], kernel_params(opts, d), cu_seqlens_q,
-            cu_seqlens_k,
+            config, self.arch, q[None], k[None], v[None], kernel_params(opts, d, in_kernel),
+            cu_seqlens_q, cu_seqlens_k,
             out_shapes=(jax.ShapeDtypeStruct((1, total_q, h, v.shape[2]), q.dtype),
                         jax.ShapeDtypeStruct((batch, h, max_q), jnp.float32)))
         t, seq, valid, start, _ = token_layout(cu_seqlens_q, total_q)
         lse = lse_pad[seq, :, jnp.clip(t - start, 0, max_q - 1)].T  # (H, total_q)
         lse = jnp.where(valid, lse, -jnp.inf)[None]  # (the kernel wrote 0 to padding tokens' out)
+        if self.kernel_sinks:
+            return out, lse
         return join_sink(out, lse, sink)
 
     def varlen_backward_config(self, q, k, v, opts):
@@ -310,7 +342,8 @@ class KernelBackend(Backend):
         steps are rewritten around it as dense decode is (:mod:`jax_fa4.backends.decode`): the
         ``g`` query heads of a kv head packed into one tile's rows and, when the tiles would not
         fill the GPU, the page table split into chunks (one batch entry each, with its own
-        ``seqused_k``) merged by their lse. The sink joins afterwards in float32."""
+        ``seqused_k``) merged by their lse. The sink joins afterwards in float32 (``kernel_sinks``
+        families: on the kernel's float32 out, so the output is rounded once)."""
         from jax_fa4.ffi.call import call_kernel
 
         config = plan
@@ -333,6 +366,9 @@ class KernelBackend(Backend):
                                      window=decode.kernel_window(sq, opts.window))
         s = plan.splits
         chunk = blocks // s * tile_n  # keys per chunk
+        if self.kernel_sinks and (s > 1 or sink is not None):
+            config = dataclasses.replace(config, out_f32=True)
+        out_dtype = jnp.float32 if getattr(config, "out_f32", False) else q.dtype
 
         def on_packed(qp, kernel_opts):
             # chunk c of batch entry i: table columns [c·blocks/S, (c+1)·blocks/S), its keys
@@ -347,9 +383,9 @@ class KernelBackend(Backend):
                 qp if head_major else qp.transpose(0, 2, 1, 3), k_tiles, v_tiles,
                 kernel_params(kernel_opts, d), table.reshape(b * s, blocks // s),
                 used.reshape(b * s).astype(jnp.int32),
-                out_shapes=(jax.ShapeDtypeStruct(out_shape, q.dtype),
+                out_shapes=(jax.ShapeDtypeStruct(out_shape, out_dtype),
                             jax.ShapeDtypeStruct((b * s, heads, rows), jnp.float32)))
             return (out if head_major else out.transpose(0, 2, 1, 3)), lse
 
         out, lse = decode.rewrite(q, opts, plan, on_packed)
-        return join_sink(out, lse, sink)
+        return join_sink(out, lse, sink, dtype=q.dtype)

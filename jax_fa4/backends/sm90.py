@@ -174,12 +174,16 @@ class Sm90Backend(KernelBackend):
     capability_text = "9.0"
     gpu_family = "Hopper"
     paged_clamps_seqused = True  # an unsplit call passes seqused_k as it is
+    kernel_sinks = True  # sinks in the forward's params; float32-out decode and paged tiles
 
     def make_forward(self, dtype, head_dim, head_dim_v, mask, has_softcap):
         return fwd_config.FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap)
 
-    def make_decode(self, dtype, head_dim, head_dim_v, has_softcap, rows):
+    def make_decode(self, dtype, head_dim, head_dim_v, has_softcap, rows, out_f32=False):
         option = decode_tile_option()
+        if out_f32:  # the decode tile only has float32-out configs (more rows: more m blocks)
+            return fwd_config.decode_config(dtype, head_dim, head_dim_v, has_softcap,
+                                            out_f32=True, **(option or {}))
         if option is None or rows > fwd_config.DECODE_TILE_M:
             return None
         return fwd_config.decode_config(dtype, head_dim, head_dim_v, has_softcap, **option)
@@ -237,9 +241,12 @@ class Sm90Backend(KernelBackend):
         dq, dk, dv, delta = self.varlen_backward_chain(
             q, k, v, out[0], lse[0], dout[0], dlse[0], cu_seqlens_q, cu_seqlens_k, opts, config,
             order=plan[3])
-        # (the preprocess's delta: no second pass over out and dout for the sink)
-        dsink = None if sink is None else reference.sink_gradient(sink, lse, delta)
-        return dq, dk, dv, dsink
+        # (the preprocess's delta: no second pass over out and dout for the sink; the padding
+        # tokens' rows, whose dout may hold anything, NaN included, are left out)
+        if sink is None:
+            return dq, dk, dv, None
+        delta = jnp.where(segments.q_segment_ids[:, None, :] >= 0, delta, 0.0)
+        return dq, dk, dv, reference.sink_gradient(sink, lse, delta)
 
     def varlen_backward_chain(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k,
                               opts, config, order: str = VARLEN_BWD_ORDER):

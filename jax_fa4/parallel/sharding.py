@@ -58,21 +58,25 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["partitioned_backward", "partitioned_forward"]
+__all__ = ["partitioned_backward", "partitioned_forward", "partitioned_forward_with_sink"]
 
 _REPLICATED_FACTORS = ("sq", "sk", "d", "dv")
 
-# Operand kinds: (B.., S, H, X) arrays and (B.., H, S) row statistics (lse, its cotangent).
-_BSHX, _BHS = "bshx", "bhs"
+# Operand kinds: (B.., S, H, X) arrays, (B.., H, S) row statistics (lse, its cotangent) and
+# per-head vectors (a learnable sink: (H,), or (V.., H) under vmap, V.. the mapped dims, which
+# are B..'s leading dims).
+_BSHX, _BHS, _H = "bshx", "bhs", "h"
 _FORWARD_IN, _FORWARD_OUT = (_BSHX,) * 3, (_BSHX, _BHS)
+_FORWARD_SINK_IN = (_BSHX,) * 3 + (_H,)
 _BACKWARD_IN = (_BSHX, _BSHX, _BSHX, _BSHX, _BHS, _BSHX, _BHS)
 _BACKWARD_OUT = (_BSHX, _BSHX, _BSHX, _BHS)
 
 
 # -- folding extra leading batch dims (from vmap) into B, on each device -----------------------
-def _folding(impl: Callable) -> Callable:
+def _folding(impl: Callable, kinds_in: tuple[str, ...]) -> Callable:
     """``impl(*arrays, opts)`` on 4-D q/k/v, applied to arrays with any number of leading batch
-    dims (folded into one on each device, where it costs no communication)."""
+    dims (folded into one on each device, where it costs no communication). A per-head operand
+    (``_H``) mapped by vmap, (V.., H), becomes one row per folded batch entry, (B, H)."""
 
     def run(*args):
         *arrays, opts = args
@@ -80,7 +84,13 @@ def _folding(impl: Callable) -> Callable:
         if len(lead) == 1:
             return tuple(impl(*arrays, opts))
         n = math.prod(lead)
-        flat = [x.reshape(n, *x.shape[len(lead):]) for x in arrays]
+        flat = []
+        for kind, x in zip(kinds_in, arrays):
+            if kind == _H:
+                x = jnp.broadcast_to(x[..., None, :], (*lead, x.shape[-1]))
+                flat.append(x.reshape(n, x.shape[-1]))
+            else:
+                flat.append(x.reshape(n, *x.shape[len(lead):]))
         return tuple(o.reshape(*lead, *o.shape[1:]) for o in impl(*flat, opts))
 
     return run
@@ -99,6 +109,11 @@ def _forward_avals(q, k, v):
     lse = q.update(shape=(*lead, h, sq), dtype=jnp.float32, weak_type=False,
                    sharding=NamedSharding(mesh, PartitionSpec(*spec[:-3], spec[-2], None)))
     return out, lse
+
+
+def _forward_sink_avals(q, k, v, sink):
+    del sink
+    return _forward_avals(q, k, v)
 
 
 def _backward_avals(q, k, v, out, lse, dout, dlse):
@@ -153,7 +168,8 @@ def _kept_axes(mesh, q, k) -> tuple[tuple, Any]:
 
 def _shardings(mesh, kinds, batch, heads) -> tuple[NamedSharding, ...]:
     specs = {_BSHX: PartitionSpec(*batch, None, heads, None),
-             _BHS: PartitionSpec(*batch, heads, None)}
+             _BHS: PartitionSpec(*batch, heads, None),
+             _H: PartitionSpec(*batch[:-1], heads)}
     return tuple(NamedSharding(mesh, specs[kind]) for kind in kinds)
 
 
@@ -161,7 +177,11 @@ def _mappings(kinds, names, n_lead) -> tuple[ArrayMapping, ...]:
     lead = tuple(f"b{i}" for i in range(n_lead))
     out = []
     for kind, (s, h, x) in zip(kinds, names):
-        out.append(ArrayMapping(*lead, s, h, x) if kind == _BSHX else ArrayMapping(*lead, h, s))
+        if kind == _H:
+            out.append(ArrayMapping(*lead[:-1], h))
+        else:
+            out.append(ArrayMapping(*lead, s, h, x) if kind == _BSHX else
+                       ArrayMapping(*lead, h, s))
     return tuple(out)
 
 
@@ -178,12 +198,22 @@ def _replicated(mappings) -> tuple[str, ...]:
 # (seq, heads, last dim) factor names of each operand / result.
 _Q, _K, _V, _O = ("sq", "h", "d"), ("sk", "hkv", "d"), ("sk", "hkv", "dv"), ("sq", "h", "dv")
 _LSE = ("sq", "h", None)
+_SINK = (None, "h", None)
 
 
 def _forward_rule(opts, mesh, value_types, result_types) -> SdyShardingRule:
     del opts, mesh, result_types
     n_lead = len(value_types[0].shape) - 3
     operands = _mappings(_FORWARD_IN, (_Q, _K, _V), n_lead)
+    results = _mappings(_FORWARD_OUT, (_O, _LSE), n_lead)
+    return SdyShardingRule(operands, results,
+                           need_replication_factors=_replicated(operands + results))
+
+
+def _forward_sink_rule(opts, mesh, value_types, result_types) -> SdyShardingRule:
+    del opts, mesh, result_types
+    n_lead = len(value_types[0].shape) - 3
+    operands = _mappings(_FORWARD_SINK_IN, (_Q, _K, _V, _SINK), n_lead)
     results = _mappings(_FORWARD_OUT, (_O, _LSE), n_lead)
     return SdyShardingRule(operands, results,
                            need_replication_factors=_replicated(operands + results))
@@ -250,7 +280,7 @@ def _make_primitive(name: str, impl: Callable, kinds_in: tuple[str, ...],
                     rule: Callable) -> Primitive:
     prim = Primitive(name)
     prim.multiple_results = True
-    impl = _folding(impl)
+    impl = _folding(impl, kinds_in)
 
     @functools.lru_cache(maxsize=256)
     def jitted(opts):
@@ -279,6 +309,18 @@ def partitioned_forward(impl: Callable) -> Callable:
 
     def forward(q, k, v, opts):
         return tuple(prim.bind(q, k, v, opts=opts))
+
+    return forward
+
+
+def partitioned_forward_with_sink(impl: Callable) -> Callable:
+    """``impl(q, k, v, sink, opts) -> (out, lse)`` with a learnable sink (H,) sharded like the
+    heads. Under vmap ``impl`` gets the sink as (B, H), one row per folded batch entry."""
+    prim = _make_primitive("jax_fa4_attention_fwd_sink", impl, _FORWARD_SINK_IN, _FORWARD_OUT,
+                           _forward_sink_avals, _forward_sink_rule)
+
+    def forward(q, k, v, sink, opts):
+        return tuple(prim.bind(q, k, v, sink, opts=opts))
 
     return forward
 

@@ -99,12 +99,13 @@ def test_varlen_sink_and_equal_lengths():
 
 
 def run_varlen_grad_case(lens_q, lens_k, h, hkv, d, dv, dtype=jnp.bfloat16, causal=False,
-                         window=(None, None), softcap=0.0):
+                         window=(None, None), softcap=0.0, sink=None):
     """jax.grad through flash_attention_varlen on Hopper: the varlen forward kernel, the
     preprocess, the varlen backward kernel (only each sequence's own blocks) and the
-    postprocess, four kernels in the HLO. dq, dk, dv by FA4's rule against jax.grad through the
-    float32 reference on the same packed batch (the 16-bit reference as pt), in NaN-poisoned
-    memory; padding tokens get exactly zero gradient."""
+    postprocess, four kernels in the HLO. dq, dk, dv (and with a learnable ``sink`` (H,) dsink)
+    by FA4's rule against jax.grad through the float32 reference on the same packed batch (the
+    16-bit reference as pt), in NaN-poisoned memory; padding tokens get exactly zero
+    gradient."""
     tq = PAD_FRONT + sum(lens_q) + PAD_BACK
     tk = PAD_FRONT + sum(lens_k) + PAD_BACK
     seed = zlib.crc32(repr((lens_q, lens_k, h, hkv, d, dv, causal, window, softcap)).encode())
@@ -117,23 +118,29 @@ def run_varlen_grad_case(lens_q, lens_k, h, hkv, d, dv, dtype=jnp.bfloat16, caus
     seg = base.varlen_segments(cu_q, cu_k, tq, tk)
     ref_window = (window[0], 0) if causal else window
 
+    s0 = jnp.zeros((h,), jnp.float32) if sink is None else sink
+
     def grads(attn, dtype_in, poison=False):
-        f = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * w)  # noqa: E731
-        fn = jax.jit(jax.grad(f, argnums=(0, 1, 2)))
-        args = [x.astype(dtype_in) for x in (q, k, v)]
+        f = lambda q, k, v, s: jnp.sum(attn(q, k, v, s).astype(jnp.float32) * w)  # noqa: E731
+        fn = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))
+        args = [x.astype(dtype_in) for x in (q, k, v)] + [s0]
         if poison:
             poison_device_memory()
         return fn, jax.block_until_ready(fn(*args))
 
-    fn, got = grads(lambda q, k, v: jax_fa4.flash_attention_varlen(
+    def sink_of(s):
+        return None if sink is None else s
+
+    fn, got = grads(lambda q, k, v, s: jax_fa4.flash_attention_varlen(
         q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, window_size=window,
-        softcap=softcap, implementation="sm90"), dtype, poison=True)
-    assert fn.lower(q, k, v).as_text().count("CuteDSLRT_NvJaxCutlassCall_v2") == 4
+        softcap=softcap, learnable_sink=sink_of(s), implementation="sm90"), dtype, poison=True)
+    assert fn.lower(q, k, v, s0).as_text().count("CuteDSLRT_NvJaxCutlassCall_v2") == 4
     kw = dict(window=ref_window, softcap=softcap, **seg._asdict())
-    _, ref = grads(lambda q, k, v: reference.attention(
-        q[None], k[None], v[None], **kw)[0][0], jnp.float32)
-    _, pt = grads(lambda q, k, v: reference.attention(
-        q[None], k[None], v[None], compute_dtype=dtype, **kw)[0][0], dtype)
+    _, ref = grads(lambda q, k, v, s: reference.attention(
+        q[None], k[None], v[None], learnable_sink=sink_of(s), **kw)[0][0], jnp.float32)
+    _, pt = grads(lambda q, k, v, s: reference.attention(
+        q[None], k[None], v[None], compute_dtype=dtype, learnable_sink=sink_of(s),
+        **kw)[0][0], dtype)
     valid_q = np.asarray(seg.q_segment_ids[0] >= 0)
     valid_k = np.asarray(seg.kv_segment_ids[0] >= 0)
     name = (f"varlen grad lens_q={lens_q} lens_k={lens_k} h={h}/{hkv} d={d}/{dv} "
@@ -143,6 +150,8 @@ def run_varlen_grad_case(lens_q, lens_k, h, hkv, d, dv, dtype=jnp.bfloat16, caus
         g32 = np.asarray(g, np.float32)
         assert (g32[~valid] == 0).all(), f"{name} {gname}: padding tokens got a gradient"
         assert_fa4_close(g[valid], r.astype(g.dtype)[valid], p[valid], name=f"{name} {gname}")
+    if sink is not None:
+        assert_fa4_close(got[3], ref[3], pt[3], name=f"{name} dsink")
 
 
 # lengths 0 and 1, a key-only sequence (its dK, dV are 0), a query-only one (its dQ is 0),

@@ -6,7 +6,9 @@ Each thread owns whole row-segments; the row max is reduced across the 4 threads
 share a row, the row sum stays per thread until ``finalize``.
 
 Fully masked rows: a row max of -inf is replaced by 0 before exponentiating, so P = 0, the sum
-stays 0, and ``finalize`` returns a scale of 0 (O = 0) and lse = -inf. Never NaN.
+stays 0, and ``finalize`` returns a scale of 0 (O = 0) and lse = -inf. Never NaN. With a
+learnable sink (``reset_with_sink``) the sum starts at 1 at max σ: such a row gives O = 0 and
+lse = σ.
 
 Conditional rescaling (FA4's, ``rescale_threshold > 0``): when a row's running max grows by at most
 ``rescale_threshold`` (in log2 units of the scaled scores, i.e. ``(m_new - m_old)·scale_log2``), the
@@ -90,6 +92,19 @@ class OnlineSoftmax:
     def reset(self) -> None:
         self.row_max.fill(-Float32.inf)
         self.row_sum.fill(0.0)
+
+    @cute.jit
+    def reset_with_sink(self, sink_log2: Float32) -> None:
+        """Start every row from a learnable sink: a key of logit σ (``sink_log2`` = σ·log2 e;
+        -inf for none) and value 0, as if already seen: the max is σ in raw score units and the
+        sum is e^{σ − σ} = 1, spread over the quad's 4 threads (``finalize`` adds them). Every
+        block then runs the non-first step (``step(..., is_first=False)``), which joins the
+        sink's term; with no sink that step is exact as well (the stale sum 0 scales to 0)."""
+        m0 = sink_log2 / self.scale_log2
+        part = Float32(0.0) if sink_log2 == -Float32.inf else Float32(0.25)
+        for r in cutlass.range_constexpr(self.num_rows):
+            self.row_max[r] = m0
+            self.row_sum[r] = part
 
     def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, is_first: bool):
         """P = exp2(S·scale_log2 − m·scale_log2) in place; row_scale = factor to rescale O by."""

@@ -94,7 +94,7 @@ from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, s
 from jax_fa4.kernels.common.views import seq_major
 from jax_fa4.kernels.sm90.bwd_common import (dq_fragment_view, make_smem_layout,
                                              make_tiled_mma_dq, sequence, store_rows,
-                                             zero_padding_rows)
+                                             zero_padding_rows, zero_rows_from)
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig
 
 LOG2_E = math.log2(math.e)
@@ -109,6 +109,8 @@ class NamedBarrier(enum.IntEnum):
     EPILOGUE = 4  # both MMA warpgroups: K / V shared memory free, then dK / dV written
     DQ_EMPTY_WG0 = 5  # one per MMA warpgroup (+ the dQ warp): its dQ buffer has been read
     DQ_EMPTY_WG1 = 6
+    ZERO_TAIL_WG0 = 7  # varlen, one per MMA warpgroup: its zeroed tail rows are written
+    ZERO_TAIL_WG1 = 8
 
 
 _MMA_REGS, _PRODUCER_REGS = 240, 24
@@ -780,6 +782,8 @@ class FlashAttentionBackwardSm90:
         if m_block_max > m_block_min:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipeline_kv.consumer_wait(kv_state)
+            if const_expr(self.varlen):
+                self.zero_tail_rows((sK, sV), seqlen_k - n_block * tn, wg_idx, tidx_in_wg)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             if const_expr(self.swap):
                 self.swapped_loop(
@@ -807,6 +811,12 @@ class FlashAttentionBackwardSm90:
 
                     # S = Q·Kᵀ and dP = dO·Vᵀ
                     pipeline_q.consumer_wait(state)
+                    if const_expr(self.varlen):
+                        if seqlen_q - m_block * tm < tm:  # the sequence's last query block
+                            pipeline_do.consumer_wait(state)
+                            self.zero_tail_rows((sQ[None, None, state.index],
+                                                 sdO[None, None, state.index]),
+                                                seqlen_q - m_block * tm, wg_idx, tidx_in_wg)
                     acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
                     wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state.index], tSrK, zero_init=True)
                     pipeline_do.consumer_wait(state)
@@ -932,6 +942,24 @@ class FlashAttentionBackwardSm90:
             else:
                 self.store_dkv_tma(sK, sV, mdK, mdV, tma_atom_dK, tma_atom_dV, tidx, n_block,
                                    head_dkv, batch)
+
+    @cute.jit
+    def zero_tail_rows(self, tiles: cutlass.Constexpr, valid: Int32, wg_idx: Int32,
+                       tidx_in_wg: Int32):
+        """Varlen: if the (rows, dim) shared-memory ``tiles`` (K and V of the key block, or Q
+        and dO of a query block) hold rows past their sequence (``valid`` rows are inside),
+        write zeros over those: they are the next sequence's or padding tokens, which may hold
+        NaN or Inf, and P = dS = 0 there does not cancel a NaN in Pᵀ·dO, dSᵀ·Q or dS·K. Each
+        MMA warpgroup zeroes them itself (the same zeros: the warpgroups' writes may overlap),
+        fences them for its WGMMA reads and syncs its 128 threads; a Q / dO stage is released
+        only after both warpgroups' GEMMs, so the producer's next TMA load follows."""
+        rows = cute.size(tiles[0], mode=[0])
+        if valid < rows:
+            for s_x in tiles:
+                zero_rows_from(s_x, valid, 128, tidx_in_wg)
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> WGMMA reads
+            cute.arch.barrier(barrier_id=int(NamedBarrier.ZERO_TAIL_WG0) + wg_idx,
+                              number_of_threads=128)
 
     @cute.jit
     def store_dkv_tma(self, sK: cute.Tensor, sV: cute.Tensor, mdK: cute.Tensor,

@@ -70,6 +70,23 @@ def store_rows(s_x: cute.Tensor, g_x: cute.Tensor, rows: Int32, num_threads: cut
 
 
 @cute.jit
+def zero_rows_from(s_x: cute.Tensor, first: Int32, num_threads: cutlass.Constexpr,
+                   tidx: Int32):
+    """Write 0 to the rows ``first`` and up of the shared-memory tile s_x (rows, dim), 16 bytes
+    a thread per step (varlen: rows past a sequence, which may hold anything, NaN included; the
+    caller fences them for WGMMA reads)."""
+    tile = (cute.size(s_x, mode=[0]), cute.size(s_x, mode=[1]))
+    tiled, thr = row_copy(s_x.element_type, tile[1], num_threads, tidx)
+    t_s = thr.partition_D(s_x)
+    t_c = thr.partition_D(cute.make_identity_tensor(tile))
+    zeros = cute.make_fragment_like(t_s)
+    zeros.fill(0.0)
+    for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
+        if t_c[0, m, 0][0] >= first:
+            cute.copy(tiled, zeros[None, m, None], t_s[None, m, None])
+
+
+@cute.jit
 def zero_padding_rows(mX: cute.Tensor, mCuSeqlens: cute.Tensor, head: Int32,
                       tile: cutlass.Constexpr, num_threads: cutlass.Constexpr, tidx: Int32):
     """Write 0 to head ``head`` of the rows of the packed mX (total, dim, H, 1) outside every

@@ -81,6 +81,9 @@ class NamedBarrier(enum.IntEnum):
     EPILOGUE = 1
     # ping-pong: consumer warpgroup w syncs on PINGPONG_WG0 + w (2, 3, 4), 2 × 128 threads
     PINGPONG_WG0 = 2
+    # varlen / paged: consumer warpgroup w's zeroed V rows are written before its P·V GEMM
+    # (5, 6, 7), 128 threads
+    ZERO_TAIL_WG0 = 5
 
 
 @cute.jit
@@ -128,6 +131,11 @@ class FlashAttentionForwardSm90:
         self.exp2_sw_per_32 = cfg.exp2_sw_per_32
         self.paged = cfg.paged
         self.varlen = cfg.varlen
+        self.out_f32 = cfg.out_f32
+        # K/V rows past the keys are loaded from memory the caller does not promise to be finite
+        # (the next sequence or padding tokens; a page's unused slots): V's must be zeroed, as
+        # P = 0 there does not cancel a NaN or Inf in P·V (scores are masked by selection)
+        self.zero_v_tail = cfg.varlen or cfg.paged
 
     # ---------------------------------------------------------------------------------------------
     # Host side: views, layouts, TMA atoms, launch
@@ -138,8 +146,9 @@ class FlashAttentionForwardSm90:
                  mPageTable: cute.Tensor | None = None, mSeqUsedK: cute.Tensor | None = None,
                  mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None):
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("out", mO)):
-            if const_expr(t.element_type != self.dtype):
-                raise TypeError(f"{name}: expected {self.dtype}, got {t.element_type}")
+            expected = Float32 if const_expr(name == "out" and self.out_f32) else self.dtype
+            if const_expr(t.element_type != expected):
+                raise TypeError(f"{name}: expected {expected}, got {t.element_type}")
         if const_expr(mLSE.element_type != Float32 or mParams.element_type != Float32):
             raise TypeError("lse and params must be float32")
         if const_expr(self.paged != (mPageTable is not None) or
@@ -179,8 +188,11 @@ class FlashAttentionForwardSm90:
             g2s, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, D))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
             g2s, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, Dv))
-        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, Dv))
+        if const_expr(self.out_f32):  # stored from registers (mma's epilogue)
+            tma_atom_O, tma_O = None, mO
+        else:
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, Dv))
 
         self.tx_bytes_q = self.tile_m * D * self.dtype.width // 8
         self.tx_bytes_k = self.tile_n * D * self.dtype.width // 8
@@ -245,7 +257,8 @@ class FlashAttentionForwardSm90:
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
-                cpasync.prefetch_descriptor(atom)
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -334,6 +347,7 @@ class FlashAttentionForwardSm90:
                          pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
                          scale_log2, softcap_in_scale, mask, block_info,
                          m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
+                         self.sink_log2(mParams, head),
                          varlen_out=(mO_gmem, q_offset) if const_expr(self.varlen) else None)
                 if const_expr(self.varlen):
                     if batch == mCuSeqlensQ.shape[0] - 1:
@@ -420,7 +434,7 @@ class FlashAttentionForwardSm90:
                     pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
                     scale_log2, softcap_in_scale, mask, block_info,
                     m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
-                    (k_state, v_state, q_state))
+                    self.sink_log2(mParams, head), (k_state, v_state, q_state))
                 t += t_stride
 
     @cute.jit
@@ -598,6 +612,15 @@ class FlashAttentionForwardSm90:
         return cute.domain_offset((offset, 0), mX[None, None, head, 0])
 
     @cute.jit
+    def sink_log2(self, mParams: cute.Tensor, head: Int32) -> Float32:
+        """σ·log2 e of query head ``head``'s learnable sink: params[4 + head] when params carries
+        sinks (length 4 + H), else -inf (no sink)."""
+        sink = -Float32.inf
+        if mParams.shape[0] > 4:
+            sink = mParams[4 + head] * LOG2_E
+        return sink
+
+    @cute.jit
     def kv_tile(self, mPageTable: cute.Tensor | None, batch: Int32, n_block: Int32):
         """The K/V tile holding key block ``n_block`` of ``batch``: the block itself (dense), or
         the cache tile the page table names (paged; a page of k·tile_n keys is k table entries)."""
@@ -612,9 +635,10 @@ class FlashAttentionForwardSm90:
             pipeline_q, pipeline_k, pipeline_v, tidx: Int32, warp_idx: Int32,
             scale_log2: Float32, softcap_in_scale, mask: AttentionMask, block_info: FwdBlocks,
             m_block: Int32, head: Int32, batch: Int32, n_block_min: Int32, n_block_max: Int32,
-            seqlen_q: Int32, wg_idx: Int32, states: cutlass.Constexpr = None,
-            varlen_out=None):
-        """One tile's mainloop and epilogue. ``states`` (persistent scheduling): the consumer's
+            seqlen_q: Int32, wg_idx: Int32, sink_log2: Float32,
+            states: cutlass.Constexpr = None, varlen_out=None):
+        """One tile's mainloop and epilogue. ``sink_log2``: the rows' learnable sink times
+        log2 e (-inf: none). ``states`` (persistent scheduling): the consumer's
         (k, v, q) pipeline states carried from the previous tile; returned advanced.
         ``varlen_out`` (varlen): (the packed output in global memory, the sequence's first row),
         for the row-predicated store."""
@@ -635,14 +659,14 @@ class FlashAttentionForwardSm90:
 
         num_rows = cute.size(acc_view_mn(acc_O), mode=[0])
         softmax = OnlineSoftmax(scale_log2, num_rows, self.rescale_threshold, self.exp2_sw_per_32)
-        softmax.reset()
+        softmax.reset_with_sink(sink_log2)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
 
         ctx = dict(tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
                    tOrVt=tOrVt, acc_O=acc_O, tOrP=tOrP, acc_S_shape=acc_S_shape, tScS=tScS,
                    t0ScS=t0ScS, softmax=softmax, row_scale=row_scale, mask=mask,
                    softcap_in_scale=softcap_in_scale, pipeline_k=pipeline_k,
-                   pipeline_v=pipeline_v, m_block=m_block, wg_idx=wg_idx)
+                   pipeline_v=pipeline_v, m_block=m_block, wg_idx=wg_idx, sV=sV, tidx=tidx)
         masked = self.is_causal or self.is_local
         # block boundaries between the mask regions (see mma loop below)
         n_lo_right = block_info.n_block_min_right_mask(m_block, n_block_min)
@@ -660,7 +684,7 @@ class FlashAttentionForwardSm90:
             # 1) the highest block: key-length tail + causal/window mask, starts the softmax
             if const_expr(self.overlap):
                 acc_O.fill(0.0)  # every PV GEMM accumulates
-                k_state = self.first_half_block(ctx, k_state, n_block_max - 1, masked)
+                k_state = self.first_half_block(ctx, k_state, v_state, n_block_max - 1, masked)
             else:
                 k_state, v_state = self.serial_block(ctx, k_state, v_state, n_block_max - 1,
                                                      True, True, masked)
@@ -690,43 +714,56 @@ class FlashAttentionForwardSm90:
         lse = cute.make_rmem_tensor(num_rows, Float32)
         softmax.finalize(row_scale, lse)
         rescale_rows(acc_O, row_scale)
-        rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
-        convert_f32_pairs(acc_O, rO, self.is_bf16)
 
         # lse from registers: the 4 threads of a row quad hold the same value; column-0 owners write
         cO = cute.make_identity_tensor((self.tile_m, self.hdimv))
-        tOcO_mn = acc_view_mn(thr_mma_pv.partition_C(cO))
+        tOcO = thr_mma_pv.partition_C(cO)
+        tOcO_mn = acc_view_mn(tOcO)
         if tOcO_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(num_rows):
                 row = m_block * self.tile_m + tOcO_mn[r, 0][0]
                 if row < seqlen_q:
                     mLSE[row, head, batch] = lse[r]
-
-        # every consumer warpgroup has finished its QK GEMMs (they read sQ) before O overwrites it
-        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
-                          number_of_threads=self.num_mma_threads)
-        smem_copy_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma_pv).get_slice(tidx)
-        cute.copy(smem_thr_copy, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
-        if const_expr(varlen_out is not None):
-            # packed output: a tile inside the sequence is TMA-stored from the sequence's first
-            # row on; in the last, partial tile the rows past the sequence belong to the next
-            # one, so every consumer thread stores 16-byte row pieces below seqlen_q instead
-            mO_gmem, q_offset = varlen_out
-            rows = seqlen_q - m_block * self.tile_m
-            if rows >= self.tile_m:
-                self.store_tile_tma(sO, mO, tma_atom_O, pipeline_q, q_state, warp_idx, m_block,
-                                    head, batch, persistent, q_offset)
-            else:
-                cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
-                                  number_of_threads=self.num_mma_threads)
-                gO = cute.local_tile(self.sequence(mO_gmem, head, 0, q_offset),
-                                     (self.tile_m, self.hdimv), (m_block, 0))
-                self.store_rows(sO, gO, tidx, rows)
+        if const_expr(self.out_f32):
+            # float32 out straight from the accumulators, rows below seqlen_q (each thread's
+            # column pairs are 8 contiguous bytes; the tile is small: decode shapes)
+            gO = cute.local_tile(self.sequence(mO, head, batch), (self.tile_m, self.hdimv),
+                                 (m_block, 0))
+            tOgO = thr_mma_pv.partition_C(gO)
+            for i in cutlass.range_constexpr(cute.size(acc_O)):
+                if m_block * self.tile_m + tOcO[i][0] < seqlen_q:
+                    tOgO[i] = acc_O[i]
         else:
-            self.store_tile_tma(sO, mO, tma_atom_O, pipeline_q, q_state, warp_idx, m_block, head,
-                                batch, persistent)
+            rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
+            convert_f32_pairs(acc_O, rO, self.is_bf16)
+
+            # every consumer warpgroup has finished its QK GEMMs (they read sQ) before O
+            # overwrites it
+            cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                              number_of_threads=self.num_mma_threads)
+            smem_copy_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma_pv).get_slice(tidx)
+            cute.copy(smem_thr_copy, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
+            if const_expr(varlen_out is not None):
+                # packed output: a tile inside the sequence is TMA-stored from the sequence's
+                # first row on; in the last, partial tile the rows past the sequence belong to
+                # the next one, so every consumer thread stores 16-byte row pieces below
+                # seqlen_q instead
+                mO_gmem, q_offset = varlen_out
+                rows = seqlen_q - m_block * self.tile_m
+                if rows >= self.tile_m:
+                    self.store_tile_tma(sO, mO, tma_atom_O, pipeline_q, q_state, warp_idx,
+                                        m_block, head, batch, persistent, q_offset)
+                else:
+                    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
+                                      number_of_threads=self.num_mma_threads)
+                    gO = cute.local_tile(self.sequence(mO_gmem, head, 0, q_offset),
+                                         (self.tile_m, self.hdimv), (m_block, 0))
+                    self.store_rows(sO, gO, tidx, rows)
+            else:
+                self.store_tile_tma(sO, mO, tma_atom_O, pipeline_q, q_state, warp_idx, m_block,
+                                    head, batch, persistent)
         if const_expr(persistent):
             q_state.advance()
             return k_state, v_state, q_state
@@ -831,10 +868,12 @@ class FlashAttentionForwardSm90:
         pipeline_k.consumer_release(k_state)
         k_state.advance()
         self.scores(ctx, acc_S, n_block, mask_seqlen, mask_diag)
-        softmax.step(acc_S, row_scale, is_first)
+        softmax.step(acc_S, row_scale, False)  # (the sink state is the first block's past)
         convert_f32_pairs(acc_view_as_a_operand(acc_S), tOrP, self.is_bf16)
         if const_expr(not is_first):
             self.rescale_O(acc_O, row_scale)
+        if const_expr(is_first and self.zero_v_tail):
+            self.zero_v_rows_past_keys(ctx, v_state, n_block)
         pipeline_v.consumer_wait(v_state)
         wgmma(ctx["tiled_mma_pv"], acc_O, tOrP, ctx["tOrVt"][None, None, None, v_state.index],
               zero_init=is_first)
@@ -844,9 +883,10 @@ class FlashAttentionForwardSm90:
         return k_state, v_state
 
     @cute.jit
-    def first_half_block(self, ctx: cutlass.Constexpr, k_state, n_block: Int32,
+    def first_half_block(self, ctx: cutlass.Constexpr, k_state, v_state, n_block: Int32,
                          mask_diag: cutlass.Constexpr[bool]):
-        """Overlap, first block: S_0 = Q·K_0ᵀ, tail/diagonal masks, softmax start, P_0 in registers."""
+        """Overlap, first block: S_0 = Q·K_0ᵀ, tail/diagonal masks, softmax start, P_0 in
+        registers (varlen / paged: V_0's rows past the keys zeroed, ``v_state`` its stage)."""
         pipeline_k = ctx["pipeline_k"]
         pipeline_k.consumer_wait(k_state)
         acc_S = cute.make_rmem_tensor(ctx["acc_S_shape"], Float32)
@@ -856,9 +896,41 @@ class FlashAttentionForwardSm90:
         pipeline_k.consumer_release(k_state)
         k_state.advance()
         self.scores(ctx, acc_S, n_block, True, mask_diag)
-        ctx["softmax"].step(acc_S, ctx["row_scale"], True)
+        ctx["softmax"].step(acc_S, ctx["row_scale"], False)  # (after the sink state)
         convert_f32_pairs(acc_view_as_a_operand(acc_S), ctx["tOrP"], self.is_bf16)
+        if const_expr(self.zero_v_tail):
+            self.zero_v_rows_past_keys(ctx, v_state, n_block)
         return k_state
+
+    @cute.jit
+    def zero_v_rows_past_keys(self, ctx: cutlass.Constexpr, v_state, n_block: Int32):
+        """Varlen / paged, the highest key block: if it holds rows past the keys (the next
+        sequence, padding tokens, a page's unused slots), write zeros over them in V's stage
+        before this warpgroup's P·V GEMM reads it. Each consumer warpgroup zeroes the rows
+        itself (the same zeros: the warpgroups' writes may overlap), fences them for the
+        GEMM's async-proxy reads and syncs its 128 threads; the stage is released only after
+        every warpgroup's GEMM, so the producer's next TMA load follows these writes."""
+        valid = ctx["mask"].seqlen_k - n_block * self.tile_n
+        if valid < self.tile_n:
+            ctx["pipeline_v"].consumer_wait(v_state)
+            sV = ctx["sV"][None, None, v_state.index]  # (tile_n, Dv)
+            per_row = math.gcd(self.hdimv // 8, 32)
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                       num_bits_per_copy=128)
+            tiled = cute.make_tiled_copy_tv(
+                atom, cute.make_ordered_layout((128 // per_row, per_row), order=(1, 0)),
+                cute.make_layout((1, 8)))
+            thr = tiled.get_slice(ctx["tidx"] % 128)
+            tVsV = thr.partition_D(sV)
+            tVcV = thr.partition_D(cute.make_identity_tensor((self.tile_n, self.hdimv)))
+            zeros = cute.make_fragment_like(tVsV)
+            zeros.fill(0.0)
+            for m in cutlass.range_constexpr(cute.size(tVsV, mode=[1])):
+                if tVcV[0, m, 0][0] >= valid:
+                    cute.copy(tiled, zeros[None, m, None], tVsV[None, m, None])
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> WGMMA reads
+            cute.arch.barrier(barrier_id=int(NamedBarrier.ZERO_TAIL_WG0) + ctx["wg_idx"],
+                              number_of_threads=128)
 
     @cute.jit
     def overlap_block(self, ctx: cutlass.Constexpr, k_state, v_state, n_block: Int32,

@@ -6,13 +6,16 @@ The kernel computes, per (batch b, query head h), with kv head h // (H // Hkv):
     out[b, :, h] = softmax(mask(transform(q·kᵀ))) · v,    lse[b, h, :] = logsumexp of the row
 where transform is ``scale·s`` or ``softcap·tanh(s·scale/softcap)``, and mask is the key-length
 tail plus "causal" (bottom-right aligned) or "local" (window_left, window_right; -1 = unbounded).
-Rows with no visible key give out = 0, lse = -inf.
+Rows with no visible key give out = 0, lse = -inf. A learnable sink σ_h (params of length
+4 + H) joins every row's denominator inside the softmax: out = Σ_j e^{s_j}·v_j / (e^{σ_h} + Σ_j
+e^{s_j}), lse = log(e^{σ_h} + Σ_j e^{s_j}) (rows with no visible key: out 0, lse σ_h).
 
 Call: ``fn(stream, q, k, v, params, out, lse)`` with
-    q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), params float32 (4,) =
-    [softmax_scale, softcap (0 = off), window_left, window_right], out (B, Sq, H, Dv) (q's dtype),
-    lse (B, H, Sq) float32. B, S, H dynamic; D, Dv fixed by the config. Head-major configs
-    (qo_head_major: the decode tiles) take q (B, H, Sq, D) and give out (B, H, Sq, Dv).
+    q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), params float32 (4,) or (4 + H,) =
+    [softmax_scale, softcap (0 = off), window_left, window_right, (sink of each query head)],
+    out (B, Sq, H, Dv) (q's dtype; float32 when out_f32), lse (B, H, Sq) float32. B, S, H
+    dynamic; D, Dv fixed by the config. Head-major configs (qo_head_major: the decode tiles)
+    take q (B, H, Sq, D) and give out (B, H, Sq, Dv).
 """
 
 from __future__ import annotations
@@ -122,6 +125,10 @@ class FwdConfig(KernelConfig):
     # as the rows of one tile; with one query token that packing is a free reshape of q and out
     # in this layout, and a transpose in the other.
     qo_head_major: bool = False
+    # out is float32, written from the accumulator registers (no 16-bit rounding, no shared
+    # memory staging): the split-KV chunks of jax_fa4/backends/decode.py, merged in float32, and
+    # decode / paged calls whose learnable sink joins afterwards (one rounding of the output).
+    out_f32: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -174,6 +181,9 @@ class FwdConfig(KernelConfig):
         if self.varlen and (self.paged or self.num_sms):
             raise ValueError("sm90 forward: varlen is not implemented with paged KV or persistent "
                              "scheduling")
+        if self.out_f32 and (self.varlen or self.num_sms):
+            raise ValueError("sm90 forward: a float32 out is implemented for one tile per CTA "
+                             "and not varlen (num_sms must be 0, varlen False)")
         if self.paged and self.num_sms:
             raise ValueError("sm90 forward: paged KV is not implemented with persistent scheduling "
                              "(num_sms must be 0)")
@@ -246,11 +256,13 @@ class FwdConfig(KernelConfig):
                                                     self.tile_n)
         else:
             sig = attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
-        if not self.qo_head_major:
+        if not (self.qo_head_major or self.out_f32):
             return sig
 
         def head_major(arg: TensorArg) -> TensorArg:  # (B, S, H, D) -> (B, H, S, D)
-            if arg.name not in ("q", "out"):
+            if arg.name == "out" and self.out_f32:
+                arg = dataclasses.replace(arg, dtype="float32")
+            if arg.name not in ("q", "out") or not self.qo_head_major:
                 return arg
             b, s, h, d = arg.sample_shape
             return dataclasses.replace(arg, sample_shape=(b, h, s, d))
@@ -305,24 +317,27 @@ def _first_fitting(dtype: str, head_dim: int, head_dim_v: int | None, mask: str,
 
 
 def decode_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
-                  has_softcap: bool = False, **overrides) -> FwdConfig:
+                  has_softcap: bool = False, out_f32: bool = False, **overrides) -> FwdConfig:
     """The forward config for decode-shaped calls (unmasked after jax_fa4.decode's rewrite, at
     most DECODE_TILE_M query rows, head-major q and out): one consumer warpgroup (so no
     ping-pong), no persistence, the first of DECODE_TILES that fits; ``overrides`` (a
-    DECODE_OPTIONS entry) replace DECODE_TILES. ValueError if the kind is unsupported."""
-    base = dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0, qo_head_major=True)
+    DECODE_OPTIONS entry) replace DECODE_TILES; ``out_f32``: a float32 out (split-KV chunks,
+    sinks joined afterwards). ValueError if the kind is unsupported."""
+    base = dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0, qo_head_major=True,
+                out_f32=out_f32)
     return _first_fitting(dtype, head_dim, head_dim_v, "none", has_softcap, base,
                           [overrides] if overrides else DECODE_TILES)
 
 
 def paged_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
-                 has_softcap: bool = False, **overrides) -> FwdConfig:
+                 has_softcap: bool = False, out_f32: bool = False, **overrides) -> FwdConfig:
     """The paged forward config of a problem kind: the decode tile (DECODE_TILE_M query rows,
     enough for decode steps after GQA packing and, with more tiles, for chunked prefill; the
     first of DECODE_TILES that fits, a key block of PAGED_TILE_N where it names none);
-    ``overrides`` (a DECODE_OPTIONS entry) replace DECODE_TILES. ValueError if the kind is
-    unsupported."""
-    base = dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0, paged=True, qo_head_major=True)
+    ``overrides`` (a DECODE_OPTIONS entry) replace DECODE_TILES; ``out_f32`` as in
+    :func:`decode_config`. ValueError if the kind is unsupported."""
+    base = dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0, paged=True, qo_head_major=True,
+                out_f32=out_f32)
     candidates = [c if "tile_n" in c else {**c, "tile_n": n}
                   for c in ([overrides] if overrides else DECODE_TILES)
                   for n in ((None,) if "tile_n" in c else PAGED_TILE_N)]
@@ -345,14 +360,16 @@ def fallback_configs() -> list[FwdConfig]:
 def shipped_configs() -> list[FwdConfig]:
     """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and
     fp16, the decode config of each row, and the paged and varlen configs of each row and mask
-    kind."""
+    kind; the decode and paged ones also with a float32 out."""
     out = []
     for dtype in FLOAT_DTYPES:
         for (d, dv), row in TUNING_TABLE.items():
             for softcap in (False, True):
                 out += [FwdConfig.make(dtype, d, dv, mask, softcap) for mask in row]
-                out.append(decode_config(dtype, d, dv, softcap))
-                out += [paged_config(dtype, d, dv, mask, softcap) for mask in row]
+                out += [decode_config(dtype, d, dv, softcap, out_f32=f32)
+                        for f32 in (False, True)]
+                out += [paged_config(dtype, d, dv, mask, softcap, out_f32=f32)
+                        for mask in row for f32 in (False, True)]
                 out += [varlen_config(dtype, d, dv, mask, softcap) for mask in row]
     return out
 
