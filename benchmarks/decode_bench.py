@@ -17,6 +17,9 @@ exceed twice the L2):
   locality between consecutive key blocks, as dense has);
 * ``...-2tile``: split-KV until the tiles give each SM two (``decode.TILES_PER_SM = 2``;
   default 1);
+* ``...-16bit``: the split chunks' outputs in the input dtype before the float32 merge
+  (``decode.SPLIT_PARTIALS_F32 = False``, what ran before float32 partials: the A/B of their
+  cost);
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on the dense K/V.
 
 The figure is ``TB/s`` of K/V read: ``B·Sk·Hkv·(D + Dv)·2`` bytes over the time per call (what
@@ -46,9 +49,10 @@ H, HKV, D = 32, 8, 128
 PAGE = 128
 #: (B, Sk): issue #8's range, each input set 0.25–8.6 GB of K/V
 SHAPES = ((32, 4096), (64, 8192), (128, 8192), (32, 32768), (128, 32768), (32, 131072))
-VARIANTS = ("dense", "dense-2tile", "dense-tile128", *(f"dense-{o}" for o in DECODE_OPTIONS),
-            "paged", "paged-inorder", "paged-2tile", *(f"paged-{o}" for o in DECODE_OPTIONS),
-            "cudnn")
+VARIANTS = ("dense", "dense-16bit", "dense-2tile", "dense-tile128",
+            *(f"dense-{o}" for o in DECODE_OPTIONS),
+            "paged", "paged-16bit", "paged-inorder", "paged-2tile",
+            *(f"paged-{o}" for o in DECODE_OPTIONS), "cudnn")
 
 
 def kv_bytes(b: int, sk: int) -> int:
@@ -103,10 +107,12 @@ def compile_variant(name: str, args: tuple):
                                          option if option in DECODE_OPTIONS else "1")
     default_tiles = decode.TILES_PER_SM
     decode.TILES_PER_SM = 2 if two_tiles else default_tiles
+    decode.SPLIT_PARTIALS_F32 = option != "16bit"
     try:  # the switches are read while tracing
         return jax.jit(variant_fn(name)).lower(*args).compile()
     finally:
         decode.TILES_PER_SM = default_tiles
+        decode.SPLIT_PARTIALS_F32 = True
         if old is None:
             del os.environ["JAX_FA4_DECODE_TILE"]
         else:
@@ -114,14 +120,20 @@ def compile_variant(name: str, args: tuple):
 
 
 def main(argv=None) -> int:
-    args = timing_parser(__doc__).parse_args(argv)
+    p = timing_parser(__doc__)
+    p.add_argument("--variants", help=f"comma-separated names of {VARIANTS} (default: all)")
+    args = p.parse_args(argv)
+    variants = args.variants.split(",") if args.variants else VARIANTS
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"unknown variants {unknown}; known: {VARIANTS}")
     device, t0 = start(args)
     rows = []
     for index, (b, sk) in enumerate(SHAPES):
         label = f"B{b} Sk{sk} H{H}/{HKV} D{D}"
         sets = make_sets(b, sk, jax.random.key(index))
         programs, outs, names = [], {}, []
-        for name in VARIANTS:
+        for name in variants:
             kind = ("inorder" if name == "paged-inorder" else
                     "paged" if name.startswith("paged") else "dense")
             arg_sets = [s[kind] for s in sets]

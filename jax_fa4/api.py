@@ -79,8 +79,10 @@ def flash_attention(
       learnable_sink: optional ``(H,)`` floating logits (float32 recommended), one per query
         head, that join every row's softmax denominator with no value (FA4's attention sink):
         ``lse = logaddexp(lse_scores, sink)``; a row with no visible key then has lse = sink.
-        Differentiable. The kernels run the attention and the sink joins their (out, lse)
-        in float32 (its gradient too: ``jax_fa4.autodiff.attention_with_sink``).
+        Differentiable. On Hopper the sink joins inside the kernel's softmax (decode-shaped
+        calls: in the float32 merge of the kernel's float32 output), so the output is rounded
+        once; its gradient comes from the backward's delta
+        (``jax_fa4.autodiff.attention_with_sink``).
       segment_ids: optional integer segment ids: one ``(B, S)`` array (self-attention,
         ``Sq == Sk``) or a pair ``(q_segment_ids (B, Sq), kv_segment_ids (B, Sk))``. Query
         ``i`` sees key ``j`` only if their ids are equal, on top of ``causal`` / ``window_size``
@@ -121,7 +123,7 @@ def flash_attention(
     if learnable_sink is None and segment_ids is None:
         out, lse = autodiff.attention(q, k, v, opts)
     elif segment_ids is None and opts.implementation != REFERENCE:
-        # the backend's attention chain, the sink joined in float32 around it (autodiff)
+        # the backend's attention chain, the sink its forward's operand (autodiff)
         out, lse = autodiff.attention_with_sink(q, k, v, learnable_sink, opts)
     else:  # the reference's custom_vjp until the kernels take segment ids
         out, lse = autodiff.attention_with_extras(
@@ -160,9 +162,10 @@ def flash_attention_varlen(
         ``[cu_seqlens_q[0], cu_seqlens_q[-1])`` are padding: output 0, lse ``-inf`` (even with a
         sink), no gradient.
       cu_seqlens_k: int32 ``(batch + 1,)``, likewise for k and v (keys outside
-        ``[cu_seqlens_k[0], cu_seqlens_k[-1])`` are never seen). Padding tokens must still hold
-        finite values (zeros, say) in q, k and v: the kernels load the padding after the last
-        sequence with its last block and mask it out, and a masked ``0 · inf`` is NaN.
+        ``[cu_seqlens_k[0], cu_seqlens_k[-1])`` are never seen). Padding tokens may hold
+        anything, NaN and Inf included, in q, k, v and in the output's cotangent: the kernels
+        write zeros over the rows past a sequence that a tile loads (and the reference selects
+        them out) before any product, so no valid output or gradient changes.
       max_seqlen_q: static int >= every query length (sizes the kernels' grid; part of the
         compile key, so keep it fixed, e.g. a bucket).
       max_seqlen_k: static int >= every key length.
@@ -235,6 +238,8 @@ def flash_attention_paged(
       v_cache: ``(num_pages, page_size, Hkv, Dv)``, q's dtype.
       page_table: int32 ``(B, max_pages)``: the cache pages of each batch entry, in order.
         Entries past a sequence's used pages are ignored (they may hold any value, e.g. -1).
+        Pages and page slots past ``seqused_k`` may hold anything, NaN included: the kernel
+        zeroes the slots it loads past the used keys before any product.
       seqused_k: int32 ``(B,)``: the number of valid keys of each batch entry, in
         ``[0, max_pages * page_size]`` (a run-time value: it never retraces).
       softmax_scale: multiplies ``q·k``; default ``1/sqrt(D)``.

@@ -142,10 +142,13 @@ REQUIRED_SASS: dict[str, tuple[str, ...]] = {
 def required_sass(config: KernelConfig) -> tuple[str, ...]:
     """REQUIRED_SASS of ``config``'s kind, plus what its options imply: the sm90 backward's dQ
     reduce-add, a bulk copy from shared memory (UBLKRED) or with ``dq_red`` the MMA threads'
-    vector reductions (REDG ... F32x4)."""
+    vector reductions (REDG ... F32x4); a float32-out forward's 8-byte stores from registers
+    (STG.E.64: the accumulators' column pairs, not one float at a time)."""
     need = REQUIRED_SASS.get(config.kernel_name, ())
     if config.kernel_name == "sm90_bwd":
         need += ("REDG.E.ADD.F32x4",) if config.dq_red else ("UBLKRED",)
+    if getattr(config, "out_f32", False):
+        need += ("STG.E.64",)
     return need
 
 

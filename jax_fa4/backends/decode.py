@@ -46,6 +46,10 @@ MAX_SPLITS = 16
 TILES_PER_SM = 1
 #: SM count assumed when no GPU is visible at trace time (an H100 / H200).
 DEFAULT_SMS = 132
+#: Split chunks come back in float32 where the family has float32-out tiles (read at trace
+#: time). False: in the input dtype, one rounding more (what ran before; benchmarks/decode_bench.py
+#: compares the two in one process).
+SPLIT_PARTIALS_F32 = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -152,7 +152,8 @@ class KernelBackend(Backend):
         decode-shaped calls run it on GQA-packed, split-KV inputs (:mod:`jax_fa4.backends.decode`)."""
         plan = decode.plan(q.shape, k.shape, opts.window)
         if plan is not None:
-            out_f32 = self.kernel_sinks and (plan.splits > 1 or sink is not None)
+            out_f32 = self.kernel_sinks and (
+                (plan.splits > 1 and decode.SPLIT_PARTIALS_F32) or sink is not None)
             out, lse = decode.run(q, k, v, opts, plan, functools.partial(
                 self._decode_forward, out_f32=out_f32))
             return join_sink(out, lse, sink, dtype=q.dtype)
@@ -366,7 +367,7 @@ class KernelBackend(Backend):
                                      window=decode.kernel_window(sq, opts.window))
         s = plan.splits
         chunk = blocks // s * tile_n  # keys per chunk
-        if self.kernel_sinks and (s > 1 or sink is not None):
+        if self.kernel_sinks and ((s > 1 and decode.SPLIT_PARTIALS_F32) or sink is not None):
             config = dataclasses.replace(config, out_f32=True)
         out_dtype = jnp.float32 if getattr(config, "out_f32", False) else q.dtype
 
