@@ -112,8 +112,9 @@ def run_varlen_cases(seed: int) -> None:
 # with no memcheck error (the results are meaningless by design), plus finite paged outputs,
 # which the clamping rules make well defined (README, "Bad metadata under jit").
 
-#: Varlen: three sequences packed between 3 leading and 5 trailing padding tokens.
-BAD_TQ, BAD_TK, BAD_MAX_Q, BAD_MAX_K = 3 + 150 + 5, 3 + 200 + 5, 128, 128
+#: Varlen: three sequences packed between 3 leading and 5 trailing padding tokens; max_seqlen
+#: 100, not a multiple of any query tile, so a longer sequence reaches the grid's partial tile.
+BAD_TQ, BAD_TK, BAD_MAX_Q, BAD_MAX_K = 3 + 150 + 5, 3 + 200 + 5, 100, 100
 #: (what, cu_seqlens_q, cu_seqlens_k); the first is legal (a baseline in the same program).
 BAD_CU_SEQLENS = [
     ("legal, leading padding", [3, 40, 90, 153], [3, 70, 140, 203]),
