@@ -206,8 +206,12 @@ def _varlen_bwd(opts, route, residuals, cotangents):
 _varlen_attention.defvjp(_varlen_fwd, _varlen_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("opts", "route"))
-def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, learnable_sink, opts, route):
+@functools.partial(jax.jit, static_argnames=("opts", "route", "max_seqlen_q", "max_seqlen_k"))
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, learnable_sink, opts, route, max_seqlen_q,
+            max_seqlen_k):
+    # (the identity on valid metadata; keeps bad traced values inside every buffer)
+    cu_seqlens_q = base.clamp_cu_seqlens(cu_seqlens_q, q.shape[0], max_seqlen_q)
+    cu_seqlens_k = base.clamp_cu_seqlens(cu_seqlens_k, k.shape[0], max_seqlen_k)
     segments = base.varlen_segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     out, lse = _varlen_attention(q, k, v, learnable_sink, segments, cu_seqlens_q, cu_seqlens_k,
                                  opts, route)
@@ -230,7 +234,8 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, learnable_sink, opts, max_seqlen
     """(out (total_q, H, Dv), lse (H, total_q)) of a validated varlen call."""
     route = varlen_route(q, k, v, opts, max_seqlen_q, max_seqlen_k)
     return _varlen(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(cu_seqlens_q),
-                   jnp.asarray(cu_seqlens_k), learnable_sink, opts, route)
+                   jnp.asarray(cu_seqlens_k), learnable_sink, opts, route, max_seqlen_q,
+                   max_seqlen_k)
 
 
 # -- paged KV (forward only) ------------------------------------------------------------------

@@ -351,15 +351,19 @@ def _emulated_varlen_kernel(options, implementation="sm90", calls=None):
     """A stand-in for the ``implementation``'s varlen forward kernel
     (spec.varlen_attention_forward_signature): the reference on the packed batch, out 0 at the
     tokens outside every sequence, lse scattered into (batch, H, max_seqlen_q) (NaN where the
-    kernel writes nothing). Each call's config is appended to ``calls``."""
+    kernel writes nothing); the learnable sinks params carries past its 4 scalars join the
+    softmax. Each call's config is appended to ``calls``."""
     def kernel(config, arch, q, k, v, params, cu_q, cu_k, *, out_shapes):
         assert config.varlen and q.shape[0] == 1
         assert (config.kernel_name, arch) == (f"{implementation}_fwd",
                                               backends.get(implementation).arch)
+        assert params.shape in ((4,), (4 + q.shape[2],)), params.shape
         if calls is not None:
             calls.append(config)
         seg = base.varlen_segments(cu_q, cu_k, q.shape[1], k.shape[1])
-        out, lse = reference.attention(q, k, v, **options, **seg._asdict())
+        sink = params[4:] if params.shape[0] > 4 else None
+        out, lse = reference.attention(q, k, v, **options, **seg._asdict(),
+                                       learnable_sink=sink)
         t, seq, valid, start, _ = base.token_layout(cu_q, q.shape[1])
         out = jnp.where(valid[None, :, None, None], out, 0).astype(out_shapes[0].dtype)
         lse_pad = jnp.full(out_shapes[1].shape, jnp.nan, jnp.float32)
@@ -693,3 +697,36 @@ def test_traced_cu_seqlens_are_not_checked():
     assert jitted(bad_q).shape == q.shape
     with pytest.raises(ValueError, match="non-decreasing"):
         _bad(q, k, v, bad_q, jnp.asarray(_cu((3, 4))))
+
+
+@pytest.mark.parametrize("cu, total, max_len, want", [
+    ([0, 3, 3, 10], 12, 8, [0, 3, 3, 10]),  # valid: unchanged
+    ([2, 5, 9], 12, 8, [2, 5, 9]),  # leading padding is legal
+    ([0, 5, 3, 10], 12, 8, [0, 5, 5, 10]),  # decreasing: that sequence becomes empty
+    ([-4, 5, 30], 12, 8, [0, 5, 12]),  # outside [0, total]: clipped
+    ([0, 11, 12], 12, 4, [0, 4, 5]),  # lengths capped at max_seqlen, the rest moves down
+    ([-(2 ** 31), 2 ** 31 - 1], 7, 100, [0, 7]),
+])
+def test_traced_cu_seqlens_are_clamped_into_the_buffers(cu, total, max_len, want):
+    """Every varlen path runs with base.clamp_cu_seqlens's metadata: the identity on valid
+    values; bad traced values (unchecked under jit) end up in [0, total], non-decreasing, each
+    length at most max_seqlen, so no kernel index leaves its buffer."""
+    got = jax.jit(base.clamp_cu_seqlens, static_argnums=(1, 2))(
+        jnp.asarray(cu, jnp.int32), total, max_len)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bad_traced_cu_seqlens_run_as_their_clamped_form():
+    """Under jit (no call-time check) a call with bad cu_seqlens equals the call with the
+    clamped metadata, and stays finite."""
+    q, k, v = (jax.random.normal(jax.random.key(i), (12, 2, 8), jnp.float32) for i in range(3))
+    bad_q, bad_k = jnp.asarray([0, 9, 4, 40], jnp.int32), jnp.asarray([-3, 2, 11, 12], jnp.int32)
+    f = jax.jit(lambda cq, ck: jax_fa4.flash_attention_varlen(q, k, v, cq, ck, 6, 6,
+                                                              return_lse=True))
+    out, lse = f(bad_q, bad_k)
+    clamp = functools.partial(base.clamp_cu_seqlens, max_seqlen=6)
+    want_out, want_lse = f(clamp(bad_q, 12), clamp(bad_k, 12))
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(lse, want_lse)

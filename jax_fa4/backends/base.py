@@ -193,6 +193,18 @@ def token_layout(cu: jax.Array, total: int):
     return t, seq, valid, cu[seq], cu[seq + 1]
 
 
+def clamp_cu_seqlens(cu_seqlens: jax.Array, total: int, max_seqlen: int) -> jax.Array:
+    """The cu_seqlens every varlen path runs with: clipped to ``[0, total]``, made
+    non-decreasing (a running max: a sequence with a negative length becomes empty) and each
+    length capped at ``max_seqlen`` (the later sequences move down by what was cut). The
+    identity on metadata that keeps the contract; for traced values that break it (unchecked
+    under ``jit`` without ``validate=True``) it keeps every kernel index inside its buffers:
+    the results are then meaningless, but no memory outside the call's is read or written."""
+    cu = lax.cummax(jnp.clip(cu_seqlens.astype(jnp.int32), 0, total))
+    lengths = jnp.minimum(jnp.diff(cu), max_seqlen)
+    return jnp.concatenate([cu[:1], cu[0] + jnp.cumsum(lengths, dtype=jnp.int32)])
+
+
 def varlen_segments(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, total_q: int,
                     total_k: int) -> Segments:
     """The packed batch as segment ids and positions, each ``(1, total)`` int32.
