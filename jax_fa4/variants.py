@@ -53,7 +53,9 @@ def _sm90_fwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable
     yield from _sm90_fwd(dtypes, head_dims)
     yield from fwd_config.fallback_configs()  # the GPU tests cross-check the serial mainloop
     yield from fwd_config.option_test_configs()  # performance options awaiting validation
-    yield from fwd_config.decode_option_configs()  # decode-tile options (decode_bench.py)
+    for cfg in fwd_config.decode_option_configs():  # decode-tile options (decode_bench.py),
+        yield cfg  # in both out dtypes (split-KV chunks and sinks come back in float32)
+        yield dataclasses.replace(cfg, out_f32=True)
 
 
 def _sm90_bwd(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:

@@ -27,7 +27,8 @@ Expectations (:func:`check_case`):
 * gradients (dense and varlen; paged is forward only) of ``sum(out·w) + sum(lse·w')`` (lse
   terms where lse is finite): dq, dk, dv, dsink all finite; dq exactly 0 on rows without keys,
   dk and dv exactly 0 for keys no query sees; dv and dsink by FA4's rule against the oracle's
-  backward, and dq, dk too on the cases whose scores are moderate. With huge scores every row's
+  backward (on the kernels dv only up to scores of 1e7: ``Case.beyond_lse_precision``), and dq,
+  dk too on the cases whose scores are moderate. With huge scores every row's
   softmax is one-hot, so the exact dq and dk are 0 while any float32 backward returns rounding
   noise times ``softmax_scale · |k|`` (``dS = P·(dP − delta)`` cancels two equal float32 sums);
   there they must only be finite.
@@ -93,6 +94,14 @@ class Case:
     def huge(self) -> bool:
         """Scores large enough that every row's softmax is one-hot (dq, dk only finite)."""
         return self.score is not None
+
+    @property
+    def beyond_lse_precision(self) -> bool:
+        """Scores of 1e7 and more: a kernel backward rebuilds P = exp2(s·scale·log2 e − lse·log2 e)
+        from the float32 lse the forward stored, whose rounding there (ulp(lse·log2 e) >= 1
+        from 2^24 on) moves P's exponent by whole units: P is clamped to at most 1, so every
+        gradient stays finite, but dv is no longer within FA4's rule (only finite)."""
+        return self.score is not None and self.score >= 1e7
 
 
 PAD_FRONT, PAD_BACK = 3, 5
@@ -461,8 +470,12 @@ def check_case(case: Case, implementation: str, before_run=None) -> None:
     if sink is not None:
         expected[:] = sink[None, :, None]
         expected[np.broadcast_to(pb.padding_rows[:, None], lse.shape)] = -np.inf
-    np.testing.assert_array_equal(lse[empty_bhs], expected[empty_bhs],
+    # exactly -inf; with a sink the sink within float32 rounding (a kernel computes lse in
+    # log2 units from the max in score units: sink·log2 e / scale_log2 · scale_log2 · ln 2)
+    np.testing.assert_array_equal(np.isneginf(lse[empty_bhs]), np.isneginf(expected[empty_bhs]),
                                   err_msg=f"{name}: lse of rows without keys")
+    np.testing.assert_allclose(lse[empty_bhs], expected[empty_bhs], rtol=2 ** -21, atol=0,
+                               err_msg=f"{name}: lse of rows without keys")
 
     # the other rows against the float64 oracle (FA4's rule, the 16-bit reference as pt)
     ref_out, ref_lse = oracle(pb.q, pb.k, pb.v, pb.visible, pb.softmax_scale, case.softcap,
@@ -515,4 +528,6 @@ def check_case(case: Case, implementation: str, before_run=None) -> None:
             assert (g[unseen_keys] == 0).all(), f"{name}: {gname} of keys no query sees is not 0"
         if gname in ("dq", "dk") and case.huge:
             continue  # one-hot softmax: only rounding noise (module docstring)
+        if gname == "dv" and case.beyond_lse_precision and implementation != "reference":
+            continue  # P rebuilt from a float32 lse: only finite (Case.beyond_lse_precision)
         assert_fa4_close(g, r.astype(g.dtype), p, softcap=softcap, name=f"{name} {gname}")
