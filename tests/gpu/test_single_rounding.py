@@ -33,6 +33,8 @@ pytestmark = pytest.mark.gpu
 
 #: (head_dim, head_dim_v) rows the kernels ship
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
+#: the rows with a backward kernel (192/192 has forward kernels only)
+BACKWARD_HEAD_DIMS = tuple(x for x in HEAD_DIMS if x != (192, 192))
 #: (H, Hkv)
 HEADS = ((8, 1), (16, 4), (32, 8), (8, 8), (12, 4))
 
@@ -119,7 +121,7 @@ def test_sink_forward_backward_random(seed):
         (d, dv), (h, hkv), sq, sk = (64, 64), (4, 4), 113, 113
         mask, softcap = "none", 0.0
     else:
-        d, dv = _pick(rng, HEAD_DIMS)
+        d, dv = _pick(rng, BACKWARD_HEAD_DIMS)
         h, hkv = _pick(rng, ((4, 4), (4, 2), (6, 2), (4, 1)))
         sq, sk = (int(x) for x in rng.integers(1, 700, size=2))
         mask = _pick(rng, ("none", "causal", "local"))
