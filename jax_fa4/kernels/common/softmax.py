@@ -17,11 +17,6 @@ stale max is kept: P = exp2(s·scale_log2 − m_old·scale_log2) is then at most
 exactly 1.0, and ``rescale_rows_if_needed`` skips the O multiply when no row of the warp needs it.
 The max stored is the one actually applied, so ``finalize`` (1/Σ and lse) stays exact.
 
-Huge scores: the exponent is one FFMA, ``s·scale_log2 − round(m·scale_log2)``, while
-``|m·scale_log2| < FFMA_EXACT_LIMIT``; a row whose max is beyond that (the FFMA's rounding of a
-product near 2^31 alone is ±128 in the exponent: P = inf or 0) takes ``(s − m)·scale_log2``
-instead, a per-row branch that ordinary inputs never take.
-
 Partial software exp2 (``exp2_sw_per_32 > 0``): of every 32 elements of a thread's row segment,
 the last ``exp2_sw_per_32`` are exponentiated by the FMA-pipe polynomial of common/exp2.py
 (relative error < 2^-13.4) instead of MUFU ``ex2`` (16 per clock per SM against 128 FMAs). On
@@ -38,11 +33,6 @@ from jax_fa4.kernels.common.exp2 import exp2_is_software, exp2_sw
 from jax_fa4.kernels.common.layout import acc_view_mn
 
 LN2 = math.log(2.0)
-#: |m·scale_log2| below which one FFMA, s·scale_log2 − round(m·scale_log2), is exact enough: the
-#: rounding of m·scale_log2 (at most 2^-11 there) stays under the 16-bit P's own rounding.
-#: Beyond it (scores above ~1e4 / scale: only extreme inputs) a row subtracts in score units
-#: first, (s − m)·scale_log2, which holds up to float32's overflow.
-FFMA_EXACT_LIMIT = 2.0 ** 13
 
 
 @cute.jit
@@ -135,7 +125,8 @@ class OnlineSoftmax:
             m_new = quad_allreduce_max(m_new)
             self.row_max[r] = m_new
             m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
-            self.exp2_row(s_mn, r, n_cols, m_safe)
+            neg_m_scaled = -m_safe * self.scale_log2
+            self.exp2_row(s_mn, r, n_cols, neg_m_scaled)
             p_sum = row_sum_local(s_mn[r, None])
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)
@@ -162,7 +153,8 @@ class OnlineSoftmax:
             keep = diff >= Float32(-self.rescale_threshold)
             m_used = m_prev if keep else m_safe
             self.row_max[r] = m_prev if keep else m_new
-            self.exp2_row(s_mn, r, n_cols, m_used)
+            neg_m_scaled = -m_used * self.scale_log2
+            self.exp2_row(s_mn, r, n_cols, neg_m_scaled)
             p_sum = row_sum_local(s_mn[r, None])
             scale = Float32(1.0) if keep else cute.math.exp2(diff, fastmath=True)
             row_scale[r] = scale
@@ -170,25 +162,14 @@ class OnlineSoftmax:
 
     @cute.jit
     def exp2_row(self, s_mn: cute.Tensor, r: cutlass.Constexpr[int],
-                 n_cols: cutlass.Constexpr[int], m: Float32):
-        """s_mn[r, :] = exp2(s·scale_log2 − m·scale_log2), MUFU or the FMA-pipe polynomial; one
-        FFMA per score, or (s − m)·scale_log2 when |m·scale_log2| is too large for it to be
-        exact (module doc)."""
-        neg_m_scaled = -m * self.scale_log2
-        if neg_m_scaled < Float32(FFMA_EXACT_LIMIT) and neg_m_scaled > Float32(-FFMA_EXACT_LIMIT):
-            for c in cutlass.range_constexpr(n_cols):
-                self.exp2_at(s_mn, r, c, s_mn[r, c] * self.scale_log2 + neg_m_scaled)
-        else:
-            for c in cutlass.range_constexpr(n_cols):
-                self.exp2_at(s_mn, r, c, (s_mn[r, c] - m) * self.scale_log2)
-
-    @cute.jit
-    def exp2_at(self, s_mn: cute.Tensor, r: cutlass.Constexpr[int], c: cutlass.Constexpr[int],
-                x: Float32):
-        if cutlass.const_expr(exp2_is_software(c, self.exp2_sw_per_32)):
-            s_mn[r, c] = exp2_sw(x)
-        else:
-            s_mn[r, c] = cute.math.exp2(x, fastmath=True)
+                 n_cols: cutlass.Constexpr[int], neg_m_scaled: Float32):
+        """s_mn[r, :] = exp2(s·scale_log2 − m·scale_log2), MUFU or the FMA-pipe polynomial."""
+        for c in cutlass.range_constexpr(n_cols):
+            x = s_mn[r, c] * self.scale_log2 + neg_m_scaled
+            if cutlass.const_expr(exp2_is_software(c, self.exp2_sw_per_32)):
+                s_mn[r, c] = exp2_sw(x)
+            else:
+                s_mn[r, c] = cute.math.exp2(x, fastmath=True)
 
     @cute.jit
     def finalize(self, row_scale: cute.Tensor, lse: cute.Tensor):

@@ -89,7 +89,6 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
 from jax_fa4.kernels.common.convert import convert_f32_pairs
-from jax_fa4.kernels.common.softmax import FFMA_EXACT_LIMIT
 from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, select_modes,
                                             transpose_mn)
 from jax_fa4.kernels.common.views import seq_major
@@ -1098,37 +1097,14 @@ class FlashAttentionBackwardSm90:
     def scores_to_p(self, s_mn: cute.Tensor, lse: cute.Tensor, scale_log2: Float32,
                     tanh_in_scale: Float32, per_col: cutlass.Constexpr[bool]):
         """S ← P = exp2(S·scale_log2 − lse) [S ← tanh(S·scale/softcap) first], in place. lse is
-        per row of s_mn, or per column (``per_col``: s_mn is Sᵀ).
-
-        P ≤ 1 in exact arithmetic; with one FFMA the rounding of S·scale_log2 and of lse (both
-        near |lse|) can push the exponent above 0 when |lse| is huge (scores of 1e6 and more):
-        a query whose |lse| reaches FFMA_EXACT_LIMIT (or +inf: rows past seqlen_q) clamps its
-        exponents at 0, so P stays finite (P = inf would make dS and every gradient NaN). A
-        per-query branch that ordinary inputs never take."""
-        n_rows, n_cols = cute.size(s_mn, mode=[0]), cute.size(s_mn, mode=[1])
-        n_queries, n_keys = (n_cols, n_rows) if const_expr(per_col) else (n_rows, n_cols)
-        for i in cutlass.range_constexpr(n_queries):
-            lse_i = lse[i]
-            if lse_i < Float32(FFMA_EXACT_LIMIT) and lse_i > Float32(-FFMA_EXACT_LIMIT):
-                for j in cutlass.range_constexpr(n_keys):
-                    self.p_at(s_mn, i, j, lse_i, scale_log2, tanh_in_scale, per_col, False)
-            else:
-                for j in cutlass.range_constexpr(n_keys):
-                    self.p_at(s_mn, i, j, lse_i, scale_log2, tanh_in_scale, per_col, True)
-
-    @cute.jit
-    def p_at(self, s_mn: cute.Tensor, i: cutlass.Constexpr[int], j: cutlass.Constexpr[int],
-             lse_i: Float32, scale_log2: Float32, tanh_in_scale: Float32,
-             per_col: cutlass.Constexpr[bool], clamp: cutlass.Constexpr[bool]):
-        """P of query i, key j (s_mn[i, j], or s_mn[j, i] when ``per_col``)."""
-        r, c = (j, i) if const_expr(per_col) else (i, j)
-        x = s_mn[r, c]
-        if const_expr(self.has_softcap):
-            x = cute.math.tanh(x * tanh_in_scale, fastmath=True)
-        x = x * scale_log2 - lse_i
-        if const_expr(clamp):
-            x = cutlass.min(x, Float32(0.0))
-        s_mn[r, c] = cute.math.exp2(x, fastmath=True)
+        per row of s_mn, or per column (``per_col``: s_mn is Sᵀ)."""
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                x = s_mn[r, c]
+                if const_expr(self.has_softcap):
+                    x = cute.math.tanh(x * tanh_in_scale, fastmath=True)
+                s_mn[r, c] = cute.math.exp2(x * scale_log2 - lse[c if const_expr(per_col) else r],
+                                            fastmath=True)
 
     @cute.jit
     def dp_to_ds(self, p_mn: cute.Tensor, dp_mn: cute.Tensor, lse: cute.Tensor,
