@@ -658,6 +658,8 @@ def sink_gradient(learnable_sink: jax.Array, lse: jax.Array, delta: jax.Array) -
     sink_b = sink.reshape(heads, 1)
     empty = jnp.isneginf(lse)
     p_sink = jnp.where(empty, 0.0, jnp.exp(sink_b - jnp.where(empty, 0.0, lse)))
-    d = -(p_sink * delta.astype(jnp.float32))
+    # (selected, not multiplied by 0: such a row's delta may be NaN, e.g. a varlen padding
+    # token's, whose cotangent may hold anything)
+    d = -jnp.where(empty, 0.0, p_sink * delta.astype(jnp.float32))
     d = d.reshape(-1, heads, d.shape[-1]).sum(axis=(0, 2))
     return d.astype(learnable_sink.dtype)

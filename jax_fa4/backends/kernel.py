@@ -152,14 +152,19 @@ class KernelBackend(Backend):
         decode-shaped calls run it on GQA-packed, split-KV inputs (:mod:`jax_fa4.backends.decode`)."""
         plan = decode.plan(q.shape, k.shape, opts.window)
         if plan is not None:
-            out_f32 = self.kernel_sinks and (
-                (plan.splits > 1 and decode.SPLIT_PARTIALS_F32) or sink is not None)
             out, lse = decode.run(q, k, v, opts, plan, functools.partial(
-                self._decode_forward, out_f32=out_f32))
+                self._decode_forward, out_f32=self.rewritten_out_f32(plan.splits, sink)))
             return join_sink(out, lse, sink, dtype=q.dtype)
         if self.kernel_sinks:
             return self.kernel_forward(q, k, v, opts, sink=sink)
         return join_sink(*self.kernel_forward(q, k, v, opts), sink)
+
+    def rewritten_out_f32(self, splits: int, sink: jax.Array | None) -> bool:
+        """Whether a decode-rewritten or paged call takes the kernel's out in float32: split
+        chunks merge in float32 (``decode.SPLIT_PARTIALS_F32``) and a sink joins in float32,
+        both rounded once; only ``kernel_sinks`` families have float32-out tiles."""
+        return self.kernel_sinks and ((splits > 1 and decode.SPLIT_PARTIALS_F32)
+                                      or sink is not None)
 
     def kernel_forward(self, q, k, v, opts, config=None, sink: jax.Array | None = None
                        ) -> tuple[jax.Array, jax.Array]:
@@ -367,7 +372,7 @@ class KernelBackend(Backend):
                                      window=decode.kernel_window(sq, opts.window))
         s = plan.splits
         chunk = blocks // s * tile_n  # keys per chunk
-        if self.kernel_sinks and ((s > 1 and decode.SPLIT_PARTIALS_F32) or sink is not None):
+        if self.rewritten_out_f32(s, sink):
             config = dataclasses.replace(config, out_f32=True)
         out_dtype = jnp.float32 if getattr(config, "out_f32", False) else q.dtype
 

@@ -241,12 +241,10 @@ class Sm90Backend(KernelBackend):
         dq, dk, dv, delta = self.varlen_backward_chain(
             q, k, v, out[0], lse[0], dout[0], dlse[0], cu_seqlens_q, cu_seqlens_k, opts, config,
             order=plan[3])
-        # (the preprocess's delta: no second pass over out and dout for the sink; the padding
-        # tokens' rows, whose dout may hold anything, NaN included, are left out)
-        if sink is None:
-            return dq, dk, dv, None
-        delta = jnp.where(segments.q_segment_ids[:, None, :] >= 0, delta, 0.0)
-        return dq, dk, dv, reference.sink_gradient(sink, lse, delta)
+        # (the preprocess's delta: no second pass over out and dout for the sink; padding
+        # tokens have lse -inf, which sink_gradient leaves out whatever their delta)
+        dsink = None if sink is None else reference.sink_gradient(sink, lse, delta)
+        return dq, dk, dv, dsink
 
     def varlen_backward_chain(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k,
                               opts, config, order: str = VARLEN_BWD_ORDER):

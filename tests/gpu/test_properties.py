@@ -38,7 +38,8 @@ IMPLEMENTATION = "sm90"
 @example(DenseCase(b=1, sq=1, sk=1, heads=Heads(h=2, hkv=1, d=64, dv=64), opts=Options(),
                    sink=None, lse_grad=False, seed=0))
 def test_dense_matches_naive(case):
-    """flash_attention on the forward and backward kernels (the sink joined around them)."""
+    """flash_attention on the forward and backward kernels (the sink in the forward's
+    softmax)."""
     check_dense(case, IMPLEMENTATION, GPU_SPACE, before_call=poison_device_memory)
 
 
