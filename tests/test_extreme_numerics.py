@@ -64,3 +64,35 @@ def test_blocked_reference_forms(case):
         np.testing.assert_allclose(g32, n32, rtol=0, atol=1e-2 * float(np.abs(n32).max()),
                                    err_msg=f"{case.name} blocked {name}")
     assert (np.asarray(grads[0], np.float32)[empty] == 0).all()
+
+
+def test_backward_preprocess_margin_on_huge_rows():
+    """The backward's lse_log2 (the reference backend's preprocess, the kernel's rule): exact
+    ``lse·log2 e`` below LSE_LOG2_MARGIN_FROM, raised by ``|lse_log2|·LSE_LOG2_MARGIN`` (at
+    least 16 float32 ulps) from it on, so a P rebuilt from a row's largest score, rounded as
+    the forward and the backward round it, stays <= 1 (without the margin it reaches
+    exp2(+128) = inf near 2^31: NaN gradients); +inf for rows that saw no key."""
+    import math
+
+    from jax_fa4 import backends
+    from jax_fa4.kernels.preprocess_config import LSE_LOG2_MARGIN_FROM
+
+    log2e = np.float32(math.log2(math.e))
+    lse = np.array([[[0.0, -3.5, 11.0, 1e6, -1e6, 1.2e7, 1e9, -1e9, 3e20, 8e37 / 1.5,
+                      -np.inf]]], np.float32)
+    out = jnp.ones((1, lse.shape[-1], 1, 8), jnp.bfloat16)
+    _, lse_log2 = backends.get("reference").backward_preprocess(out, out, jnp.asarray(lse))
+    got = np.asarray(lse_log2, np.float64)[0, 0]
+    exact = lse[0, 0].astype(np.float64) * float(log2e)
+    small = np.abs(exact) < LSE_LOG2_MARGIN_FROM
+    np.testing.assert_allclose(got[small], exact[small], rtol=2e-7)
+    huge = ~small & np.isfinite(exact)
+    assert huge.sum() == 5
+    ulp = np.spacing(np.abs(exact[huge]).astype(np.float32)).astype(np.float64)
+    assert np.all(got[huge] - exact[huge] >= 16 * ulp - 2 * ulp), (got[huge] - exact[huge]) / ulp
+    assert np.all(np.isfinite(got[:-1])) and got[-1] == np.inf
+    # a row's largest scaled score, as a recomputation may round it (a few ulps above the
+    # forward's lse): P = exp2(s - lse_log2) <= 1 in float32
+    s = (exact[huge] + 4 * ulp).astype(np.float32)
+    p = np.exp2(s - got[huge].astype(np.float32))
+    assert np.all(p <= 1.0), p

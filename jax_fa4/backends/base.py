@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_fa4 import reference
+from jax_fa4.kernels.preprocess_config import LSE_LOG2_MARGIN, LSE_LOG2_MARGIN_FROM
 
 #: The name of the reference backend (what every fallback runs).
 REFERENCE = "reference"
@@ -344,8 +345,13 @@ class Backend:
 
     def backward_preprocess(self, out, dout, lse) -> tuple[jax.Array, jax.Array]:
         """``delta = rowsum(dout * out)`` (B, H, Sq) float32 and ``lse * log2(e)`` (+inf for
-        -inf rows)."""
-        lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * math.log2(math.e))
+        -inf rows, the margin on huge rows: the preprocess kernel's rule,
+        jax_fa4/kernels/preprocess_config.py)."""
+        lse_log2 = lse.astype(jnp.float32) * jnp.float32(math.log2(math.e))
+        huge = jnp.abs(lse_log2) >= LSE_LOG2_MARGIN_FROM
+        lse_log2 = jnp.where(huge, lse_log2 + jnp.abs(lse_log2) * jnp.float32(LSE_LOG2_MARGIN),
+                             lse_log2)
+        lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse_log2)
         return reference_delta(out, dout), lse_log2
 
     def supports_backward(self, q, k, v, opts) -> str | None:

@@ -4,7 +4,8 @@ For every (batch b, head h, query row s):
 
 * ``delta[b, h, s] = sum_d out[b, s, h, d] * dout[b, s, h, d]`` accumulated in float32;
 * ``lse_log2[b, h, s] = lse[b, h, s] * log2(e)``, +inf where ``lse`` is -inf (a row with no visible
-  key), so the backward's ``exp2(score * scale_log2 - lse_log2)`` is exactly 0 for it.
+  key), so the backward's ``exp2(score * scale_log2 - lse_log2)`` is exactly 0 for it, and a
+  margin on huge rows so that P <= 1 there (preprocess_config.PreprocessConfig).
 
 Layouts are the JAX row-major ones: ``out``/``dout`` (B, S, H, Dv), ``lse``/``delta``/``lse_log2``
 (B, H, S). B, S and H are dynamic; Dv is fixed by the config.
@@ -24,7 +25,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from jax_fa4.kernels.preprocess_config import PreprocessConfig
+from jax_fa4.kernels.preprocess_config import (LSE_LOG2_MARGIN, LSE_LOG2_MARGIN_FROM,
+                                               PreprocessConfig)
 
 _LOG2_E = math.log2(math.e)
 _NUM_THREADS = 128
@@ -99,6 +101,8 @@ class BwdPreprocess:
             lse_log2 = Float32(math.inf)
             if lse != Float32(-math.inf):
                 lse_log2 = lse * Float32(_LOG2_E)
+                if abs(lse_log2) >= Float32(LSE_LOG2_MARGIN_FROM):
+                    lse_log2 = lse_log2 + abs(lse_log2) * Float32(LSE_LOG2_MARGIN)
             mLSElog2[batch, head, row] = lse_log2
 
 

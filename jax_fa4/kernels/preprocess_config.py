@@ -7,6 +7,11 @@ from typing import ClassVar
 
 from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig, KernelSignature, TensorArg
 
+#: |lse_log2| from which the backward's exponent gets a margin (``PreprocessConfig``).
+LSE_LOG2_MARGIN_FROM = 2.0 ** 24
+#: That margin, relative to |lse_log2|: 16 to 32 float32 ulps of it.
+LSE_LOG2_MARGIN = 2.0 ** -19
+
 
 @dataclass(frozen=True)
 class PreprocessConfig(KernelConfig):
@@ -14,7 +19,14 @@ class PreprocessConfig(KernelConfig):
 
     * ``delta = sum_d dO[d] * O[d]`` in float32 (the ``D`` term of the softmax gradient), and
     * ``lse_log2 = lse * log2(e)``, with rows that saw no key (lse = -inf) mapped to +inf so that
-      the backward's ``P = exp2(S * scale_log2 - lse_log2)`` is exactly 0 there.
+      the backward's ``P = exp2(S * scale_log2 - lse_log2)`` is exactly 0 there, and huge rows
+      (``|lse_log2| >= LSE_LOG2_MARGIN_FROM``, scores of ~1e7 and up) raised by
+      ``|lse_log2| * LSE_LOG2_MARGIN``: a float32 lse carries such a row's log-sum only to
+      whole units of the exponent (the forward's and the backward's roundings of max·scale,
+      a recomputed S summed in another order), so without the margin the rebuilt P could
+      reach exp2(+128) = inf (NaN gradients from scores of ~1e9); with it P <= 1. Such rows'
+      gradients are not accurate either way (their P is off by a power of two common to the
+      row); they are finite.
 
     Only the dtype and the value head dim change the generated code.
     """

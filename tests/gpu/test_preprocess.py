@@ -45,6 +45,22 @@ def test_preprocess_kernel_matches_float32(shape, dtype):
     np.testing.assert_allclose(np.asarray(lse_log2), want_log2, rtol=1e-6)
 
 
+def test_preprocess_kernel_margin_on_huge_rows():
+    """lse_log2 of huge rows (|lse·log2 e| >= 2^24) carries the margin that keeps the rebuilt
+    P <= 1, bit for bit the reference backend's rule (tests/test_extreme_numerics.py checks that
+    rule); ordinary rows and rows without keys are unchanged."""
+    out, dout, _ = _inputs(jax.random.key(11), (1, 12, 1, 64), jnp.bfloat16)
+    lse = jnp.asarray([[[0.0, -3.5, 11.0, 1e6, -1e6, 1.2e7, 1e9, -1e9, 3e20, 5e37, -1e30,
+                         -jnp.inf]]], jnp.float32)
+    poison_device_memory()
+    _, got = jax.jit(lambda o, d, l: backends.get("sm90").backward_preprocess(o, d, l))(
+        out, dout, lse)
+    _, want = backends.get("reference").backward_preprocess(out, dout, lse)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    exact = np.asarray(lse, np.float64) * math.log2(math.e)
+    assert np.all(np.asarray(got, np.float64)[0, 0, 5:11] > exact[0, 0, 5:11])
+
+
 def test_preprocess_kernel_under_vmap():
     out, dout, lse = _inputs(jax.random.key(7), (2, 77, 3, 128), jnp.bfloat16)
     stack = lambda x: jnp.stack([x, x * 2])  # noqa: E731

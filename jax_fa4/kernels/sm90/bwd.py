@@ -91,10 +91,10 @@ from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
 from jax_fa4.kernels.common.convert import convert_f32_pairs
 from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, select_modes,
                                             transpose_mn)
+from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows_from
 from jax_fa4.kernels.common.views import seq_major
 from jax_fa4.kernels.sm90.bwd_common import (dq_fragment_view, make_smem_layout,
-                                             make_tiled_mma_dq, sequence, store_rows,
-                                             zero_padding_rows, zero_rows_from)
+                                             make_tiled_mma_dq, sequence)
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig
 
 LOG2_E = math.log2(math.e)
@@ -895,9 +895,9 @@ class FlashAttentionBackwardSm90:
             if const_expr(self.varlen):
                 if seq == ZERO_PADDING:
                     zero_padding_rows(mdK, mCuSeqlensK, head_dkv, (tn, D), self.num_mma_threads,
-                                      tidx)
+                                      tidx, Int32(0), Int32(1))
                     zero_padding_rows(mdV, mCuSeqlensK, head_dkv, (tn, Dv), self.num_mma_threads,
-                                      tidx)
+                                      tidx, Int32(0), Int32(1))
                 else:
                     self.store_dkv_f32(acc_dK, mdK, thr_dk, (tn, D), n_block, head_dkv, batch,
                                        seqlen_k, k_offset)
@@ -926,9 +926,9 @@ class FlashAttentionBackwardSm90:
                 rows = seqlen_k - n_block * tn
                 if seq == ZERO_PADDING:
                     zero_padding_rows(mdK_rows, mCuSeqlensK, head_dkv, (tn, D),
-                                      self.num_mma_threads, tidx)
+                                      self.num_mma_threads, tidx, Int32(0), Int32(1))
                     zero_padding_rows(mdV_rows, mCuSeqlensK, head_dkv, (tn, Dv),
-                                      self.num_mma_threads, tidx)
+                                      self.num_mma_threads, tidx, Int32(0), Int32(1))
                 elif rows >= tn:
                     self.store_dkv_tma(sK, sV, mdK, mdV, tma_atom_dK, tma_atom_dV, tidx,
                                        n_block, head_dkv, batch, k_offset)

@@ -30,9 +30,9 @@ from cutlass.cute.nvgpu import cpasync
 from jax_fa4.kernels.common.convert import convert_f32_pairs
 from jax_fa4.kernels.common.geometry import packed_span
 from jax_fa4.kernels.common.layout import select_modes
+from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows
 from jax_fa4.kernels.sm90.bwd_common import (dq_fragment_view, make_smem_layout,
-                                             make_tiled_mma_dq, sequence, store_rows,
-                                             zero_padding_rows)
+                                             make_tiled_mma_dq, sequence)
 from jax_fa4.kernels.sm90.bwd_config import BwdPostprocessConfig
 
 _NUM_THREADS = 256
@@ -94,7 +94,7 @@ class BwdPostprocessSm90:
             num_tiles = mTileSeq.shape[0]
             if m_block == num_tiles:
                 zero_padding_rows(mdQ_rows, mCuSeqlensQ, head, (self.tile_m, self.hdim),
-                                  _NUM_THREADS, tidx)
+                                  _NUM_THREADS, tidx, Int32(0), Int32(1))
             else:
                 seq = mTileSeq[m_block]
                 if seq >= 0:

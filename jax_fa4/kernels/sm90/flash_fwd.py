@@ -3,7 +3,10 @@
 Features: bf16/fp16, head dims from fwd_config.TUNING_TABLE (64, 96, 128, 192 with dv 128 or 192,
 256), dynamic batch / sequence lengths / head counts (one compile serves all), GQA/MQA (q head h
 reads kv head h // (H // Hkv)), key-length tail mask, bottom-right aligned causal and sliding
-window masks with key-block skipping (only boundary blocks are masked), softcap, lse output.
+window masks with key-block skipping (only boundary blocks are masked), softcap, lse output,
+learnable sinks (``params`` of length 4 + H carries one logit per query head: each row's softmax
+starts from it, OnlineSoftmax.reset_with_sink, so the output is rounded once), and huge scores
+(a key block whose row max·scale reaches 2^20 takes the exact exponent, common/softmax.py).
 
 Structure (one CTA = one tile of tile_m query rows of one (batch, head); not persistent):
   * warpgroup 0 = producer. It gives registers back (setmaxnreg); its warp 0 issues the TMA loads:
@@ -40,10 +43,16 @@ seqlen_q (16-byte pieces from the shared-memory tile) instead of by TMA, which w
 the next sequence. lse is (batch, H, max_seqlen_q): its shape sets the grid, plus one batch slice
 whose CTAs write 0 to the packed rows outside every sequence (zero_padding_rows).
 
+Padding isolation (varlen and paged): in the highest key block, the rows of V's stage past the
+keys (the next sequence, padding tokens, a page's unused slots) are zeroed before the P·V GEMM
+reads them (zero_v_rows_past_keys, common/rows.py): P is 0 there, but 0·NaN is not.
+
 Decode shapes reach this kernel rewritten by jax_fa4/decode.py (GQA packing, split-KV), in the
 decode tile's configs (fwd_config.decode_config / paged_config): 64 rows, often two CTAs per SM
 (ctas_per_sm), and q / out head-major, (B, H, S, D) (qo_head_major: one query token's packed
-rows are then a free reshape of the caller's q and out).
+rows are then a free reshape of the caller's q and out). Split-KV chunks take out_f32: O is
+stored in float32 straight from the accumulators (8-byte stores, rows below seqlen_q), so the
+merge of the splits rounds to 16 bits once.
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ from jax_fa4.kernels.common.geometry import (FwdBlocks, paged_keys, resolve_wind
 from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, select_modes,
                                            transpose_mn)
 from jax_fa4.kernels.common.mask import AttentionMask
+from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows_from
 from jax_fa4.kernels.common.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from jax_fa4.kernels.common.tile_scheduler import PersistentTileScheduler, SingleTileScheduler
 from jax_fa4.kernels.common.views import seq_major
@@ -351,9 +361,10 @@ class FlashAttentionForwardSm90:
                          varlen_out=(mO_gmem, q_offset) if const_expr(self.varlen) else None)
                 if const_expr(self.varlen):
                     if batch == mCuSeqlensQ.shape[0] - 1:
-                        self.zero_padding_rows(mO_gmem, mCuSeqlensQ, head, m_block,
-                                               cute.ceil_div(mLSE.shape[0], self.tile_m),
-                                               tidx - 128)
+                        zero_padding_rows(mO_gmem, mCuSeqlensQ, head,
+                                          (self.tile_m, self.hdimv), self.num_mma_threads,
+                                          tidx - 128, m_block,
+                                          cute.ceil_div(mLSE.shape[0], self.tile_m))
 
     # --- persistent scheduling (num_sms > 0) -----------------------------------------------------
     # The grid is min(num_sms, tiles) CTAs; the producer warp and the consumer warpgroups walk the
@@ -760,62 +771,13 @@ class FlashAttentionForwardSm90:
                                       number_of_threads=self.num_mma_threads)
                     gO = cute.local_tile(self.sequence(mO_gmem, head, 0, q_offset),
                                          (self.tile_m, self.hdimv), (m_block, 0))
-                    self.store_rows(sO, gO, tidx, rows)
+                    store_rows(sO, gO, rows, self.num_mma_threads, tidx)
             else:
                 self.store_tile_tma(sO, mO, tma_atom_O, pipeline_q, q_state, warp_idx, m_block,
                                     head, batch, persistent)
         if const_expr(persistent):
             q_state.advance()
             return k_state, v_state, q_state
-
-    @cute.jit
-    def store_rows(self, sO: cute.Tensor, gO: cute.Tensor, tidx: Int32, rows: Int32):
-        """Copy the first ``rows`` rows of the (tile_m, Dv) tile sO to gO, 16 bytes a thread
-        per step, all consumer threads."""
-        tiled, thr = self.row_copy(tidx)
-        tOsO = thr.partition_S(sO)
-        tOgO = thr.partition_D(gO)
-        tOcO = thr.partition_D(cute.make_identity_tensor((self.tile_m, self.hdimv)))
-        tOrO = cute.make_fragment_like(tOsO)
-        cute.autovec_copy(tOsO, tOrO)
-        for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
-            if tOcO[0, m, 0][0] < rows:
-                cute.copy(tiled, tOrO[None, m, None], tOgO[None, m, None])
-
-    def row_copy(self, tidx: Int32):
-        """The consumer threads' tiled copy of (tile_m, Dv) 16-bit tiles, 16 bytes a thread per
-        step (a power-of-two number of threads along a row)."""
-        per_row = math.gcd(self.hdimv // 8, 32)
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                   num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((self.num_mma_threads // per_row, per_row),
-                                           order=(1, 0)),
-            cute.make_layout((1, 8)))
-        return tiled, tiled.get_slice(tidx)
-
-    @cute.jit
-    def zero_padding_rows(self, mO_gmem: cute.Tensor, mCuSeqlensQ: cute.Tensor, head: Int32,
-                          m_block: Int32, num_m_blocks: Int32, tidx: Int32):
-        """Varlen, last batch slice: write 0 to head ``head`` of the packed output rows outside
-        every sequence, [0, cu_seqlens_q[0]) and [cu_seqlens_q[-1], total); CTA m_block takes
-        the tiles m_block, m_block + num_m_blocks, ..."""
-        total = mO_gmem.shape[0]
-        first, last = mCuSeqlensQ[0], mCuSeqlensQ[mCuSeqlensQ.shape[0] - 1]
-        tiled, thr = self.row_copy(tidx)
-        cO = thr.partition_D(cute.make_identity_tensor((self.tile_m, self.hdimv)))
-        zeros = cute.make_fragment_like(
-            thr.partition_D(cute.make_identity_tensor((self.tile_m, self.hdimv))), self.dtype)
-        zeros.fill(0.0)
-        mO_h = mO_gmem[None, None, head, 0]
-        tile = m_block
-        while tile * self.tile_m < total:
-            tOgO = thr.partition_D(cute.local_tile(mO_h, (self.tile_m, self.hdimv), (tile, 0)))
-            for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
-                row = tile * self.tile_m + cO[0, m, 0][0]
-                if row < total and (row < first or row >= last):
-                    cute.copy(tiled, zeros[None, m, None], tOgO[None, m, None])
-            tile += num_m_blocks
 
     @cute.jit
     def store_tile_tma(self, sO: cute.Tensor, mO: cute.Tensor, tma_atom_O: cute.CopyAtom,
@@ -914,20 +876,7 @@ class FlashAttentionForwardSm90:
         if valid < self.tile_n:
             ctx["pipeline_v"].consumer_wait(v_state)
             sV = ctx["sV"][None, None, v_state.index]  # (tile_n, Dv)
-            per_row = math.gcd(self.hdimv // 8, 32)
-            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                       num_bits_per_copy=128)
-            tiled = cute.make_tiled_copy_tv(
-                atom, cute.make_ordered_layout((128 // per_row, per_row), order=(1, 0)),
-                cute.make_layout((1, 8)))
-            thr = tiled.get_slice(ctx["tidx"] % 128)
-            tVsV = thr.partition_D(sV)
-            tVcV = thr.partition_D(cute.make_identity_tensor((self.tile_n, self.hdimv)))
-            zeros = cute.make_fragment_like(tVsV)
-            zeros.fill(0.0)
-            for m in cutlass.range_constexpr(cute.size(tVsV, mode=[1])):
-                if tVcV[0, m, 0][0] >= valid:
-                    cute.copy(tiled, zeros[None, m, None], tVsV[None, m, None])
+            zero_rows_from(sV, valid, 128, ctx["tidx"] % 128)
             cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> WGMMA reads
             cute.arch.barrier(barrier_id=int(NamedBarrier.ZERO_TAIL_WG0) + ctx["wg_idx"],
                               number_of_threads=128)
