@@ -21,10 +21,22 @@ from tests.gpu.test_sm90_fwd import poison_device_memory
 
 pytestmark = pytest.mark.gpu
 
-#: Every case but the segment-id ones. Scores of 1e9 and more without a softcap once gave NaN
-#: here (the one-FFMA exponent's rounding near 2^31); the forward now takes an exact exponent in
-#: such key blocks and the backward's lse_log2 a margin (common/softmax.py, preprocess_config).
-KERNEL_CASES = [case for case in CASES if case.segments is None]
+#: Known gap (issue #24, open): scores of 1e9 and more without a softcap. The kernels' softmax
+#: exponent is one FFMA, s·scale·log2 e − round(m·scale·log2 e); past 2^24 that rounding is whole
+#: units of the exponent (±128 near 2^31): P = inf or 0, so NaN outputs or empty rows. Two exact
+#: fallbacks were built and measured: a per-row branch (session 22: forward −5 … −15 %, head dim
+#: 128 backward −11 %) and one warp-uniform vote per key block around the unchanged fast path
+#: (session 23: forward −6 … −13 % at head dims 64–128, decode and head dim 256 unchanged); both
+#: taken out (docs/perf-log.md). The backward's lse_log2 margin on huge rows (preprocess_config)
+#: stays: it keeps the rebuilt P <= 1 wherever the forward is finite. Softcap bounds the logits:
+#: those cases pass.
+BEYOND_FFMA = pytest.mark.xfail(
+    strict=True, reason="scores >= 1e9: the one-FFMA exponent loses whole units (issue #24)")
+
+KERNEL_CASES = [
+    pytest.param(case, marks=BEYOND_FFMA) if (case.score or 0) >= 1e9 and not case.softcap
+    else case
+    for case in CASES if case.segments is None]
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: c.name)

@@ -1,9 +1,7 @@
 """Online softmax over WGMMA accumulator fragments, in registers.
 
 Scores arrive raw (unscaled); ``scale_log2`` (softmax_scale·log2 e, or softcap·log2 e when a
-softcap transform ran first) is folded into one FFMA per element before the hardware ``ex2``;
-a key block where some row's |max·scale_log2| reaches ``HUGE_EXPONENT`` (scores of ~1e6 and up)
-takes the exact two-instruction exponent instead (``OnlineSoftmax.exp2_and_sum``).
+softcap transform ran first) is folded into one FFMA per element before the hardware ``ex2``.
 Each thread owns whole row-segments; the row max is reduced across the 4 threads (a quad) that
 share a row, the row sum stays per thread until ``finalize``.
 
@@ -35,11 +33,6 @@ from jax_fa4.kernels.common.exp2 import exp2_is_software, exp2_sw
 from jax_fa4.kernels.common.layout import acc_view_mn
 
 LN2 = math.log(2.0)
-
-#: |m·scale_log2| from which a key block's exponent is taken as (s − m)·scale_log2, exactly
-#: (OnlineSoftmax.exp2_and_sum); below it the one-FFMA exponent's row-common error is at most
-#: 2^-5 of a unit, which cancels in O and is carried into lse.
-HUGE_EXPONENT = 2.0 ** 20
 
 
 @cute.jit
@@ -125,28 +118,31 @@ class OnlineSoftmax:
                     is_first: cutlass.Constexpr[bool]):
         """The v1 step: the max applied is always the running max (rescale whenever it grows)."""
         s_mn = acc_view_mn(acc_S)
-        m_used = cute.make_rmem_tensor(self.num_rows, Float32)
+        n_cols = cute.size(s_mn, mode=[1])
         for r in cutlass.range_constexpr(self.num_rows):
             m_prev = self.row_max[r]
             m_new = row_max_local(s_mn[r, None], m_prev, not is_first)
             m_new = quad_allreduce_max(m_new)
             self.row_max[r] = m_new
             m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
-            m_used[r] = m_safe
+            neg_m_scaled = -m_safe * self.scale_log2
+            self.exp2_row(s_mn, r, n_cols, neg_m_scaled)
+            p_sum = row_sum_local(s_mn[r, None])
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)
+                self.row_sum[r] = p_sum
             else:
                 # m_prev = -inf (nothing seen yet) gives exp2(-inf) = 0: correct, the sum was 0.
-                row_scale[r] = cute.math.exp2((m_prev - m_safe) * self.scale_log2,
-                                              fastmath=True)
-        self.exp2_and_sum(s_mn, m_used, row_scale, is_first)
+                scale = cute.math.exp2((m_prev - m_safe) * self.scale_log2, fastmath=True)
+                row_scale[r] = scale
+                self.row_sum[r] = self.row_sum[r] * scale + p_sum
 
     @cute.jit
     def step_thresholded(self, acc_S: cute.Tensor, row_scale: cute.Tensor):
         """A non-first step with conditional rescaling: keep the stale max m_old unless
         (m_new − m_old)·scale_log2 > rescale_threshold; row_scale is then exactly 1.0."""
         s_mn = acc_view_mn(acc_S)
-        m_used = cute.make_rmem_tensor(self.num_rows, Float32)
+        n_cols = cute.size(s_mn, mode=[1])
         for r in cutlass.range_constexpr(self.num_rows):
             m_prev = self.row_max[r]
             m_new = row_max_local(s_mn[r, None], m_prev, True)
@@ -155,49 +151,14 @@ class OnlineSoftmax:
             # <= 0; -inf when nothing was seen before (m_prev = -inf): then always rescale (by 0)
             diff = (m_prev - m_safe) * self.scale_log2
             keep = diff >= Float32(-self.rescale_threshold)
-            m_used[r] = m_prev if keep else m_safe
+            m_used = m_prev if keep else m_safe
             self.row_max[r] = m_prev if keep else m_new
-            row_scale[r] = Float32(1.0) if keep else cute.math.exp2(diff, fastmath=True)
-        self.exp2_and_sum(s_mn, m_used, row_scale, False)
-
-    @cute.jit
-    def exp2_and_sum(self, s_mn: cute.Tensor, m_used: cute.Tensor, row_scale: cute.Tensor,
-                     is_first: cutlass.Constexpr[bool]):
-        """P = exp2((S − m)·scale_log2) in place for every row (``m_used``: the max applied),
-        then the row sums: Σ ← Σ·row_scale + ΣP (Σ ← ΣP on the first block).
-
-        The exponent is one FFMA, ``s·scale_log2 + (−m·scale_log2)``: the product m·scale_log2
-        is rounded once per row, an error common to the whole row that cancels in O = ΣPV / ΣP
-        and is carried into lse exactly (the max stored is the one rounded). Its size, half an
-        ulp of |m·scale_log2|, only matters once that is huge: from 2^24 it is whole units of
-        the exponent, and near 2^31 (scores of ~1e9) P = exp2(±128) overflows or vanishes. So
-        when any row of the warp has |m·scale_log2| >= HUGE_EXPONENT (a warp-uniform vote, once
-        per key block) the block takes ``(s − m)·scale_log2`` instead (FADD + FMUL per element,
-        the row's largest P exactly 1); the common path's code is unchanged."""
-        n_cols = cute.size(s_mn, mode=[1])
-        biggest = abs(m_used[0] * self.scale_log2)
-        for r in cutlass.range_constexpr(1, self.num_rows):
-            biggest = cute.arch.fmax(biggest, abs(m_used[r] * self.scale_log2))
-        if cute.arch.vote_any_sync(biggest >= Float32(HUGE_EXPONENT)):
-            for r in cutlass.range_constexpr(self.num_rows):
-                for c in cutlass.range_constexpr(n_cols):
-                    s_mn[r, c] = cute.math.exp2((s_mn[r, c] - m_used[r]) * self.scale_log2,
-                                                fastmath=True)
-            self.sum_rows(s_mn, row_scale, is_first)
-        else:
-            for r in cutlass.range_constexpr(self.num_rows):
-                self.exp2_row(s_mn, r, n_cols, -m_used[r] * self.scale_log2)
-            self.sum_rows(s_mn, row_scale, is_first)
-
-    @cute.jit
-    def sum_rows(self, s_mn: cute.Tensor, row_scale: cute.Tensor,
-                 is_first: cutlass.Constexpr[bool]):
-        for r in cutlass.range_constexpr(self.num_rows):
+            neg_m_scaled = -m_used * self.scale_log2
+            self.exp2_row(s_mn, r, n_cols, neg_m_scaled)
             p_sum = row_sum_local(s_mn[r, None])
-            if cutlass.const_expr(is_first):
-                self.row_sum[r] = p_sum
-            else:
-                self.row_sum[r] = self.row_sum[r] * row_scale[r] + p_sum
+            scale = Float32(1.0) if keep else cute.math.exp2(diff, fastmath=True)
+            row_scale[r] = scale
+            self.row_sum[r] = self.row_sum[r] * scale + p_sum
 
     @cute.jit
     def exp2_row(self, s_mn: cute.Tensor, r: cutlass.Constexpr[int],

@@ -5,8 +5,7 @@ Features: bf16/fp16, head dims from fwd_config.TUNING_TABLE (64, 96, 128, 192 wi
 reads kv head h // (H // Hkv)), key-length tail mask, bottom-right aligned causal and sliding
 window masks with key-block skipping (only boundary blocks are masked), softcap, lse output,
 learnable sinks (``params`` of length 4 + H carries one logit per query head: each row's softmax
-starts from it, OnlineSoftmax.reset_with_sink, so the output is rounded once), and huge scores
-(a key block whose row max·scale reaches 2^20 takes the exact exponent, common/softmax.py).
+starts from it, OnlineSoftmax.reset_with_sink, so the output is rounded once).
 
 Structure (one CTA = one tile of tile_m query rows of one (batch, head); not persistent):
   * warpgroup 0 = producer. It gives registers back (setmaxnreg); its warp 0 issues the TMA loads:
