@@ -364,7 +364,8 @@ class FlashAttentionBackwardSm90:
         dq_elems = self.dq_elems
         # sink_grad: one running sum per MMA thread (in shared memory: the MMA warpgroups'
         # registers are all taken), then one per MMA warp
-        sink_elems = self.num_mma_threads + self.num_mma_threads // 32 + 4 if self.sink_grad else 4
+        sink_elems = (self.num_mma_threads + self.num_mma_threads // 32 + 4 if self.sink_grad
+                      else 4)
 
         @cute.struct
         class SharedStorage:
@@ -1152,13 +1153,13 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def add_sink_terms(self, sink_acc: cutlass.Constexpr, p_mn: cute.Tensor, dp_mn: cute.Tensor,
                        lse: cute.Tensor):
-        """This thread's running sum (``sink_acc`` = (shared-memory sums, tidx))
-        += Σ_i e^{σ − lse_i}·Σ_j P_ij·dP_ij over its elements of the block (the plain loop's
-        rows i are query rows; BwdConfig keeps sink_grad off the swapped loop). A query row past seqlen_q or with no key has lse =
-        +inf: weight 0 and P = 0. e^{σ − lse} = exp2(σ·log2 e − lse_log2), the sink's softmax
-        weight in the row. Nothing stays live across blocks: σ·log2 e and the sum are read from
-        shared memory here (every register of the MMA warpgroups is taken: a loop-carried sum
-        spilled, and so did reading σ from params)."""
+        """This thread's running sum (``sink_acc`` = (shared-memory sums, tidx)) += Σ_i
+        e^{σ − lse_i}·Σ_j P_ij·dP_ij over its elements of the block (the plain loop's rows i are
+        query rows; BwdConfig keeps sink_grad off the swapped loop). A query row past seqlen_q
+        or with no key has lse = +inf: weight 0 and P = 0. e^{σ − lse} = exp2(σ·log2 e −
+        lse_log2), the sink's softmax weight in the row. Nothing stays live across blocks:
+        σ·log2 e and the sum are read from shared memory here (every register of the MMA
+        warpgroups is taken: a loop-carried sum spilled, and so did reading σ from params)."""
         s_sums, tidx = sink_acc
         sink_log2 = s_sums[self.num_mma_threads + self.num_mma_threads // 32]
         n_r, n_c = cute.size(p_mn, mode=[0]), cute.size(p_mn, mode=[1])
