@@ -228,7 +228,7 @@ class Sm90Backend(KernelBackend):
         sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
         dq_accum, dk, dvv, sink_rows = self.backward_main(cfg, q, k, v, dout, delta, lse_log2,
                                                           params, sq_pad, sq_pad // cfg.tile_m)
-        (dq,) = call_kernel(post, self.arch, dq_accum, params,
+        (dq,) = call_kernel(post, self.arch, dq_accum, kernel_params(opts, d),
                             out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),))
         grads = (dq, dk.astype(k.dtype), dvv.astype(v.dtype))
         return (*grads, sink_rows) if with_sink_rows else grads
@@ -291,7 +291,8 @@ class Sm90Backend(KernelBackend):
         dq_accum, dk, dvv = outs[:3]
         sink_rows = outs[3].sum(axis=-1) if sink_grad else None
         # the postprocess writes each sequence's dQ rows in place and zeros outside them
-        (dq,) = call_kernel(config.postprocess_config(), self.arch, dq_accum, params,
+        (dq,) = call_kernel(config.postprocess_config(), self.arch, dq_accum,
+                            kernel_params(opts, d),
                             cu_seqlens_q, tile_owners(cu_seqlens_q, rows // tm, tm),
                             out_shapes=(jax.ShapeDtypeStruct((1, total_q, h, d), q.dtype),))
         dq = dq[0]
