@@ -10,7 +10,10 @@ operand (sharded with the heads) and the backend joins it: inside the kernel's s
 Hopper, else by :func:`jax_fa4.backends.base.join_sink` in float32 around the kernel's
 (out, lse). The backward is the same chain on the final (out, lse): P computed from the lse
 that includes the sink is the final softmax, and the sink has no value, so dq, dk, dv need
-nothing else. The sink's gradient is :func:`jax_fa4.reference.sink_gradient`.
+nothing else. The sink's gradient comes from the same bound backward
+(:func:`backward_chain_with_sink`, by batch entry): on Hopper the backward kernel sums the
+sink's share of the output's rowsum from its float32 view of the output (``sum_j P_ij dP_ij``),
+else ``-sum_i P_sink_i * delta_i`` (:func:`jax_fa4.reference.sink_gradient`'s rule).
 
 Segment ids, or a sink on the reference (:func:`attention_with_extras`): the reference's own
 ``custom_vjp`` over ``(q, k, v, sink)``, whose forward saves ``(q, k, v, sink, out, lse)`` and
@@ -32,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import backends, reference
+from jax_fa4 import backends
 from jax_fa4.backends import base
 from jax_fa4.backends.base import Segments
 from jax_fa4.parallel import sharding
@@ -65,6 +68,34 @@ def backward_chain(q, k, v, out, lse, dout, dlse, opts):
     return (*chosen.backward(q, k, v, out, lse, dout, delta, lse_log2, opts), delta)
 
 
+def backward_chain_with_sink(q, k, v, out, lse, dout, dlse, sink, opts):
+    """(dq, dk, dv, dsink by batch entry (B, H) float32) with a learnable ``sink``: (H,), or
+    (B, H) under vmap. Where the backward kernel sums the sink's share of the output's rowsum
+    from its float32 view of the output (``Backend.backward_with_sink``), d sink takes that;
+    else ``-sum_i P_sink_i * delta_i`` with delta from the 16-bit output (as everywhere else
+    the sink's gradient is computed, :func:`jax_fa4.reference.sink_gradient`)."""
+    backend = backends.get(opts.implementation)
+    delta, lse_log2 = base.preprocess(backend, out, dout, lse, opts)
+    delta = delta - dlse
+    chosen = base.choose(backend, "backward", backend.supports_backward(q, k, v, opts), opts,
+                         kernel_forward=backend.supports_forward(q, k, v, opts) is None)
+    if sink.ndim == 1:
+        dq, dk, dv, rows = chosen.backward_with_sink(q, k, v, out, lse, dout, delta, lse_log2,
+                                                     opts, sink)
+    else:  # one sink per batch entry (vmap): no kernel takes those
+        (dq, dk, dv), rows = chosen.backward(q, k, v, out, lse, dout, delta, lse_log2, opts), None
+    lse = lse.astype(jnp.float32)
+    empty = jnp.isneginf(lse)
+    s = sink.astype(jnp.float32)
+    s = s[None, :, None] if sink.ndim == 1 else s[:, :, None]
+    p_sink = jnp.where(empty, 0.0, jnp.exp(s - jnp.where(empty, 0.0, lse)))
+    if rows is None:
+        part = -jnp.where(empty, 0.0, p_sink * delta.astype(jnp.float32)).sum(axis=-1)
+    else:
+        part = jnp.where(empty, 0.0, p_sink * dlse.astype(jnp.float32)).sum(axis=-1) - rows
+    return dq, dk, dv, part
+
+
 def forward_chain_with_sink(q, k, v, sink, opts):
     """(out, lse) of one (shard of an) attention call with a learnable sink: (H,), or (B, H)
     under vmap (one per batch entry; joined in float32 around the sink-less forward, as a
@@ -80,6 +111,7 @@ def forward_chain_with_sink(q, k, v, sink, opts):
 _forward = sharding.partitioned_forward(forward_chain)
 _forward_sink = sharding.partitioned_forward_with_sink(forward_chain_with_sink)
 _backward = sharding.partitioned_backward(backward_chain)
+_backward_sink = sharding.partitioned_backward_with_sink(backward_chain_with_sink)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -116,9 +148,9 @@ def _sink_fwd(q, k, v, sink, opts):
 def _sink_bwd(opts, residuals, cotangents):
     q, k, v, sink, out, lse = residuals
     dout, dlse = cotangents
-    dq, dk, dv, delta = _backward(q, k, v, out, lse, dout, dlse, opts)
-    # (the preprocess's delta: no second pass over out and dout)
-    return dq, dk, dv, reference.sink_gradient(sink, lse, delta)
+    dq, dk, dv, parts = _backward_sink(q, k, v, out, lse, dout, dlse, sink, opts)
+    dsink = parts.reshape(-1, parts.shape[-1]).sum(axis=0)
+    return dq, dk, dv, dsink.astype(sink.dtype)
 
 
 attention_with_sink.defvjp(_sink_fwd, _sink_bwd)

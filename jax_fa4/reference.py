@@ -57,6 +57,7 @@ __all__ = [
     "attention_backward",
     "attention_blocked",
     "sink_gradient",
+    "sink_gradient_from_rows",
     "visible_mask",
 ]
 
@@ -633,6 +634,28 @@ def attention_backward(
 
 
 @jax.jit
+def sink_gradient_from_rows(learnable_sink: jax.Array, lse: jax.Array, sink_rows: jax.Array,
+                            dlse: jax.Array | None) -> jax.Array:
+    """:func:`sink_gradient` with the output's share given as ``sink_rows`` (..., H) float32,
+    ``sum_i P_sink_i * rowsum(dout * out)_i`` over the rows of each leading index (what a
+    backward kernel sums from its float32 view of the output, ``sum_j P_ij dP_ij``), and the
+    lse cotangent ``dlse`` (lse's shape, or None) separately:
+
+        ``d sink_h = -sum sink_rows[..., h] + sum_{b, i} P_sink[b, h, i] * dlse[b, h, i]``
+
+    Rows with ``lse = -inf`` contribute 0 (their dlse is selected out)."""
+    sink = learnable_sink.astype(jnp.float32)
+    heads = lse.shape[-2]
+    d = -sink_rows.astype(jnp.float32).reshape(-1, heads).sum(axis=0)
+    if dlse is not None:
+        lse = lse.astype(jnp.float32)
+        empty = jnp.isneginf(lse)
+        p_sink = jnp.where(empty, 0.0, jnp.exp(sink.reshape(heads, 1) - jnp.where(empty, 0.0, lse)))
+        d = d + jnp.where(empty, 0.0, p_sink * dlse.astype(jnp.float32)).reshape(
+            -1, heads, lse.shape[-1]).sum(axis=(0, 2))
+    return d.astype(learnable_sink.dtype)
+
+
 def sink_gradient(learnable_sink: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
     """Gradient of the learnable sink, ``(H,)`` in ``learnable_sink``'s dtype.
 

@@ -126,11 +126,14 @@ def sharding_cases() -> dict:
 def _sink_case(mesh, spec, sink_spec, *, vmapped=False) -> dict:
     """flash_attention with a learnable sink on a kernel backend's route (the sink is the
     forward's fourth operand, sharded with the heads): a stand-in for "sm90" (the reference
-    under that name) records the sink shapes its forward gets on each device."""
+    under that name) records the sink shapes its forward gets on each device, and its backward
+    returns the sink's share of the output's rowsum itself, as the Hopper kernel does
+    (``backward_with_sink``: its shapes recorded too; under vmap the chain computes d sink from
+    delta instead)."""
     from jax_fa4 import backends
     from jax_fa4.backends import base
 
-    seen = []
+    seen, seen_bwd = [], []
 
     class SinkStandIn(base.Backend):
         name = "sm90"
@@ -138,6 +141,13 @@ def _sink_case(mesh, spec, sink_spec, *, vmapped=False) -> dict:
         def forward(self, q, k, v, opts, sink=None):
             seen.append(None if sink is None else list(sink.shape))
             return super().forward(q, k, v, opts, sink=sink)
+
+        def backward_with_sink(self, q, k, v, out, lse, dout, delta, lse_log2, opts, sink):
+            seen_bwd.append(list(sink.shape))
+            grads = self.backward(q, k, v, out, lse, dout, delta, lse_log2, opts)
+            p_sink = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(sink[None, :, None] - lse))
+            rows = (p_sink * base.reference_delta(out, dout)).sum(axis=-1)
+            return (*grads, rows)
 
     saved = backends.BACKENDS["sm90"]
     backends.BACKENDS["sm90"] = SinkStandIn()
@@ -169,7 +179,7 @@ def _sink_case(mesh, spec, sink_spec, *, vmapped=False) -> dict:
     return {"out_err": max_err(out, want),
             "grad_err": max(max_err(g, w) for g, w in zip(grads, want_grads)),
             "fwd_collectives": collectives(fwd.as_text()),
-            "sink_shapes": seen}
+            "sink_shapes": seen, "sink_bwd_shapes": seen_bwd}
 
 
 def _vmap_case(mesh, spec) -> dict:

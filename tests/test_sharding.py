@@ -120,6 +120,8 @@ def test_sink_is_sharded_with_the_heads(suite):
     assert r["fwd_collectives"] == {}, r["fwd_collectives"]
     # (the partitioner also traces the unsharded body once: [4])
     assert [2] in r["sink_shapes"] and set(map(tuple, r["sink_shapes"])) <= {(2,), (4,)}, r
+    # the backward too (its sink's share by batch entry, summed over the batch outside)
+    assert [2] in r["sink_bwd_shapes"] and set(map(tuple, r["sink_bwd_shapes"])) <= {(2,), (4,)}
     assert r["out_err"] <= TOL and r["grad_err"] <= TOL, r
 
 
@@ -128,6 +130,7 @@ def test_sink_under_vmap_joins_around_the_forward(suite):
     and it joins in float32 afterwards (a kernel's params hold one sink per head per call)."""
     r = _ok(suite["sink_vmap"])
     assert r["sink_shapes"] and all(shape is None for shape in r["sink_shapes"]), r
+    assert r["sink_bwd_shapes"] == [], r  # (B, H) sinks: d sink from delta, no kernel rows
     assert r["out_err"] <= TOL and r["grad_err"] <= TOL, r
 
 

@@ -185,6 +185,31 @@ def test_sink_gradient_by_finite_differences():
         np.testing.assert_allclose(grad[h], fd, rtol=2e-2, atol=2e-3)
 
 
+def test_sink_gradient_from_rows_matches_the_delta_form():
+    """reference.sink_gradient_from_rows (the output's share summed by batch entry, as the
+    Hopper backward kernel sums it, plus the lse cotangent's share) equals sink_gradient's
+    ``-sum P_sink * (rowsum(dout * out) - dlse)`` on the same numbers, rows without keys
+    (lse -inf, NaN cotangent there) left out; and it differs once the rows differ (the
+    output's share is what the kernel changes)."""
+    case = CASES[1]
+    q, k, v, sink, dout, dlse = _inputs(case, seed=6)
+    out, lse = reference.attention(q, k, v, learnable_sink=sink, **_options(case))
+    lse = lse.at[:, :, 0].set(-jnp.inf)
+    dlse = dlse.at[:, :, 0].set(jnp.nan)
+    rowsum = jnp.einsum("bshd,bshd->bhs", out, dout)
+    empty = jnp.isneginf(lse)
+    p_sink = jnp.where(empty, 0.0, jnp.exp(sink[None, :, None] - jnp.where(empty, 0.0, lse)))
+    rows = jnp.where(empty, 0.0, p_sink * rowsum).sum(axis=-1)  # (B, H)
+    want = reference.sink_gradient(sink, lse, rowsum - dlse)
+    got = reference.sink_gradient_from_rows(sink, lse, rows, dlse)
+    np.testing.assert_allclose(got, want, **TOL)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(reference.sink_gradient_from_rows(sink, lse, rows, None),
+                               -rows.sum(axis=0), **TOL)
+    moved = reference.sink_gradient_from_rows(sink, lse, rows.at[0, 1].add(1.0), dlse)
+    np.testing.assert_allclose(moved - got, np.eye(1, sink.shape[0], 1)[0] * -1.0, **TOL)
+
+
 def test_sink_dtype_and_shape_checks():
     q, k, v, sink, _, _ = _inputs(CASES[0], seed=5)
     with pytest.raises(ValueError, match=r"learnable_sink must have shape \(H,\) = \(4,\)"):

@@ -28,7 +28,7 @@ import pytest
 from compiled import assert_no_local_memory, compiled_report, needs_disassembler, tiered
 from jax_fa4.kernels.sm90.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TUNING_TABLE,
                                              BwdConfig, BwdPostprocessConfig, shipped_configs,
-                                             test_variants)
+                                             test_variants, varlen_config)
 from jax_fa4.kernels.sm90.bwd_config import (_GPU_TEST_SWAP, swap_sdp_config, with_stats_smem,
                                              with_swap_sdp, without_swap_sdp)
 
@@ -54,6 +54,9 @@ def _main_configs() -> list[BwdConfig]:
     out += [BwdConfig.make("bfloat16", d, dv, "causal", True) for (d, dv) in TUNING_TABLE]
     out += [BwdConfig.make("bfloat16", d, dv, "local", gqa=True) for (d, dv) in TUNING_TABLE]
     out += [BwdConfig.make("float16", 128, 128, mask) for mask in MASK_KINDS]
+    out += [BwdConfig.make("bfloat16", d, dv, "causal", gqa=True, sink_grad=True)
+            for (d, dv) in TUNING_TABLE]
+    out += [BwdConfig.make("float16", 128, 128, "local", sink_grad=True)]
     return out + [BwdConfig.make("float16", 64, 64, "local", True, True)]
 
 
@@ -63,7 +66,8 @@ def _id(c) -> str:
         return f"{text}-tm{c.tile_m}{'-varlen' if c.varlen else ''}"
     return (f"{text}-{c.mask}{'-cap' if c.has_softcap else ''}{'-gqa' if c.gqa else ''}"
             f"{'-det' if c.deterministic else ''}{'-swap' if c.swap_sdp else ''}"
-            f"{'-stats' if c.stats_smem else ''}{'-red' if c.dq_red else ''}")
+            f"{'-stats' if c.stats_smem else ''}{'-red' if c.dq_red else ''}"
+            f"{'-sink' if getattr(c, 'sink_grad', False) else ''}")
 
 
 @needs_disassembler
@@ -264,6 +268,29 @@ def test_swap_sdp_validation():
     assert not BwdConfig.make("bfloat16", 128, deterministic=True).swap_sdp
 
 
+def test_sink_grad_config():
+    """A learnable sink's backward (sink_grad): the plain loop always (the swapped loop's column
+    statistics leave no registers for the sink sums), a distinct compile key, shared memory for
+    the per-thread sums, and one more output, sink_part (B, H, key blocks) float32, last (after
+    the deterministic counters); validate refuses it with swap_sdp."""
+    plain = BwdConfig.make("bfloat16", 128, mask="causal")
+    sink = BwdConfig.make("bfloat16", 128, mask="causal", sink_grad=True)
+    assert plain.swap_sdp and not sink.swap_sdp and sink != plain
+    assert sink.smem_bytes() > replace(sink, sink_grad=False).smem_bytes()
+    sig = sink.signature()
+    assert [a.name for a in sig.outputs] == ["dq_accum", "dk", "dv", "sink_part"]
+    assert sig.outputs[-1].dtype == "float32" and sig.outputs[-1].batched
+    assert sig.inputs == plain.signature().inputs and sig.aliases == ((7, 0),)
+    det = BwdConfig.make("bfloat16", 64, mask="causal", deterministic=True, sink_grad=True)
+    assert [a.name for a in det.signature().outputs] == ["dq_accum", "dk", "dv", "dq_sem",
+                                                         "sink_part"]
+    var = varlen_config("bfloat16", 128, 128, "local", gqa=True, sink_grad=True)
+    assert var.sink_grad and not var.signature().outputs[-1].batched
+    with pytest.raises(ValueError, match="sink_grad"):
+        replace(sink, swap_sdp=True, stats_smem=False, dq_red=False,
+                reverse_launch=False).validate()
+
+
 def test_deterministic_signature_adds_the_counters():
     cfg = BwdConfig.make("bfloat16", 128, mask="causal", deterministic=True)
     sig = cfg.signature()
@@ -294,9 +321,11 @@ def test_signature_alias_and_shapes():
 
 def test_every_shipped_variant_fits_shared_memory():
     mains = [c for c in shipped_configs() if isinstance(c, BwdConfig)]
-    # dtypes × rows × masks × softcap × gqa × (default, deterministic, varlen)
-    assert len(mains) == 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 2 * 2 * 3
+    # dtypes × rows × masks × softcap × gqa × sink × (default, deterministic, varlen)
+    assert len(mains) == 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 2 * 2 * 2 * 3
     assert sum(c.deterministic for c in mains) == len(mains) // 3
+    assert sum(c.sink_grad for c in mains) == len(mains) // 2
+    assert not any(c.sink_grad and c.swap_sdp for c in mains)
     varlen = [c for c in mains if c.varlen]
     assert len(varlen) == len(mains) // 3
     # every varlen variant is the table's default kernel of its kind in the plain loop (no

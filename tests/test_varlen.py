@@ -431,6 +431,18 @@ def _emulated_varlen_backward(options, called):
                 g = g.reshape(tk, h, -1)
             g = jnp.where(written[:, None, None], g, jnp.where(zeroed[:, None, None], 0, jnp.nan))
             outs.append(g[None].astype(out_shapes[len(outs) + 1].dtype))
+        if config.sink_grad:
+            # the sink's share of the float32 output's rowsum, all in work row 0's entry
+            out32, _ = reference.attention(
+                q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                **options, **seg._asdict(), learnable_sink=params[4:])
+            rows = (out32 * dout.astype(jnp.float32)).sum(-1)[0].T  # (H, total_q)
+            p_sink = jnp.where(jnp.isneginf(lse[0]), 0.0,
+                               jnp.exp(params[4:, None] - jnp.where(jnp.isneginf(lse[0]), 0.0,
+                                                                    lse[0])))
+            part = jnp.zeros(out_shapes[3].shape, jnp.float32).at[0, :, 0].set(
+                (p_sink * rows).sum(-1))
+            outs.append(part)
         return acc.reshape(dq_accum.shape), *outs
 
     def kernel(config, arch, *args, out_shapes):

@@ -365,6 +365,15 @@ class Backend:
         del lse_log2
         return reference_backward(q, k, v, out, lse, dout, delta, opts)
 
+    def backward_with_sink(self, q, k, v, out, lse, dout, delta, lse_log2, opts, sink
+                           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        """:meth:`backward` of a call with the learnable ``sink`` (H,), plus ``sink_rows``
+        (B, H) float32, ``sum_i e^{sink_h - lse_bhi} rowsum(dout * out)_bhi`` with the output
+        as the backward kernel rebuilds it in float32 (``sum_j P_ij dP_ij``), where the backend
+        computes it; None here: the caller takes the sink's gradient from ``delta``."""
+        del sink
+        return (*self.backward(q, k, v, out, lse, dout, delta, lse_log2, opts), None)
+
     def supports_extras(self, what: str) -> str | None:
         """None when this backend takes ``what`` (``"learnable_sink"``, ``"segment_ids"``)
         itself, else why not (the reference's custom_vjp then serves them)."""

@@ -103,6 +103,9 @@ class KernelBackend(Backend):
     #: The forward kernels take learnable sinks in their params and have float32-out decode and
     #: paged configs (module doc); else sinks join the 16-bit out afterwards.
     kernel_sinks: bool = False
+    #: The backward kernels compute the sink's share of the float32 output's rowsum themselves
+    #: (``backward_with_sink``); else the sink's gradient comes from delta (the 16-bit output).
+    kernel_sink_grad: bool = False
 
     # -- hooks: the config of a problem kind (raise ValueError when no kernel serves it) ---------
     def make_forward(self, dtype: str, head_dim: int, head_dim_v: int, mask: str,
@@ -231,13 +234,24 @@ class KernelBackend(Backend):
     def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts):
         raise NotImplementedError(f"{type(self).__name__} has no backward kernel chain")
 
+    def backward_with_sink(self, q, k, v, out, lse, dout, delta, lse_log2, opts, sink):
+        """The backward, and ``sink_rows`` where the family's kernel computes them
+        (``kernel_sink_grad``; else None, base.Backend's rule)."""
+        if not self.kernel_sink_grad:
+            return super().backward_with_sink(q, k, v, out, lse, dout, delta, lse_log2, opts,
+                                              sink)
+        return self.backward(q, k, v, out, lse, dout, delta, lse_log2, opts, sink=sink,
+                             with_sink_rows=True)
+
     def backward_main(self, cfg, q, k, v, dout, delta, lse_log2, params, sq_pad: int,
                       semaphores: int):
         """The dense backward's main kernel (the same contract on every family): returns
         dq_accum (B, H, sq_pad·D) float32 (zeros in, updated in place through an input/output
         alias) and dk, dv per kv head (GQA configs: float32 per *query* head from the kernel,
         summed over each group here). Deterministic configs also take ``semaphores`` int32
-        zero counters per (B, H): the ordering of the key blocks' dQ adds."""
+        zero counters per (B, H): the ordering of the key blocks' dQ adds. A ``sink_grad``
+        config (params then carry the sinks) also returns its sink_part summed over the key
+        blocks, (B, H) float32; else None."""
         from jax_fa4.ffi.call import call_kernel
 
         b, sq, h, d = q.shape
@@ -254,10 +268,14 @@ class KernelBackend(Backend):
             sem = jnp.zeros((b, h, semaphores), jnp.int32)
             inputs.append(sem)
             out_shapes.append(jax.ShapeDtypeStruct(sem.shape, jnp.int32))
-        dq_accum, dk, dvv = call_kernel(cfg, self.arch, *inputs, out_shapes=tuple(out_shapes))[:3]
+        sink_grad = getattr(cfg, "sink_grad", False)
+        if sink_grad:  # one entry per CTA: (B, H, key blocks)
+            out_shapes.append(jax.ShapeDtypeStruct((b, h, -(-sk // cfg.tile_n)), jnp.float32))
+        outs = call_kernel(cfg, self.arch, *inputs, out_shapes=tuple(out_shapes))
+        dq_accum, dk, dvv = outs[:3]
         if cfg.gqa:
             dk, dvv = sum_gqa_groups(dk, dvv, hkv, head_axis=2)
-        return dq_accum, dk, dvv
+        return dq_accum, dk, dvv, (outs[-1].sum(axis=-1) if sink_grad else None)
 
     def supports_extras(self, what: str) -> str | None:
         return (f"there is no {self.name} kernel for {what} yet (implementation=None or "
@@ -310,15 +328,17 @@ class KernelBackend(Backend):
             return out, lse
         return join_sink(out, lse, sink)
 
-    def varlen_backward_config(self, q, k, v, opts):
+    def varlen_backward_config(self, q, k, v, opts, sink_grad: bool = False):
         """The varlen backward kernel config serving this call (q (total_q, H, D), k (total_k,
-        Hkv, D), v (total_k, Hkv, Dv)), or the reason none does (a str)."""
+        Hkv, D), v (total_k, Hkv, Dv)), or the reason none does (a str). ``sink_grad``: the
+        config summing the sink's share (``kernel_sink_grad`` families only)."""
         dtype = jnp.dtype(q.dtype).name
         if dtype not in KERNEL_DTYPES or not (q.dtype == k.dtype == v.dtype):
             return f"the kernels take bfloat16 or float16 inputs of one dtype, got {dtype}"
+        extra = dict(sink_grad=True) if sink_grad else {}
         return _config_or_reason(self.make_varlen_backward, dtype, q.shape[2], v.shape[2],
                                  mask_kind(opts.window), opts.softcap > 0,
-                                 gqa=q.shape[1] != k.shape[1])
+                                 gqa=q.shape[1] != k.shape[1], **extra)
 
     def supports_varlen_backward(self, q, k, v, opts) -> str | None:
         config = self.varlen_backward_config(q, k, v, opts)

@@ -70,8 +70,8 @@ class Sm100Backend(KernelBackend):
         params = kernel_params(opts, d)
         num_m = cfg.num_m_blocks(sq)
         sq_pad = num_m * cfg.tile_m
-        dq_accum, dk, dvv = self.backward_main(cfg, q, k, v, dout, delta, lse_log2, params,
-                                               sq_pad, num_m * cfg.semaphore_slots)
+        dq_accum, dk, dvv, _ = self.backward_main(cfg, q, k, v, dout, delta, lse_log2, params,
+                                                  sq_pad, num_m * cfg.semaphore_slots)
         # the sm90 postprocess kernel's rule: dq = dq_accum · params[0] (softmax_scale) in float32
         dq = dq_accum.reshape(b, h, sq_pad, d)[:, :, :sq] * params[0]
         dq = dq.transpose(0, 2, 1, 3).astype(q.dtype)

@@ -175,6 +175,7 @@ class Sm90Backend(KernelBackend):
     gpu_family = "Hopper"
     paged_clamps_seqused = True  # an unsplit call passes seqused_k as it is
     kernel_sinks = True  # sinks in the forward's params; float32-out decode and paged tiles
+    kernel_sink_grad = True  # the backward sums the sink's share (BwdConfig.sink_grad)
 
     def make_forward(self, dtype, head_dim, head_dim_v, mask, has_softcap):
         return fwd_config.FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap)
@@ -195,39 +196,48 @@ class Sm90Backend(KernelBackend):
         return fwd_config.paged_config(dtype, head_dim, head_dim_v, mask, has_softcap,
                                        **(decode_tile_option() or {}))
 
-    def backward_configs(self, q, k, v, opts) -> tuple[BwdConfig, object]:
-        """(main config, postprocess config) for this call; raises ValueError if unsupported."""
-        cfg = BwdConfig.make(**backward_kind(q, k, v, opts))
+    def backward_configs(self, q, k, v, opts, sink_grad: bool = False
+                         ) -> tuple[BwdConfig, object]:
+        """(main config, postprocess config) for this call (``sink_grad``: the config that
+        also sums the sink's share of the output's rowsum); raises ValueError if unsupported."""
+        cfg = BwdConfig.make(**backward_kind(q, k, v, opts), sink_grad=sink_grad)
         return cfg, cfg.postprocess_config()
 
     def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts,
-                 config: BwdConfig | None = None):
+                 config: BwdConfig | None = None, sink: jax.Array | None = None,
+                 with_sink_rows: bool = False):
         """(dq, dk, dv) in the dtypes of q, k, v. ``out`` and ``lse`` are unused (their
         information is in delta and lse_log2). ``config`` replaces the tuning table's
         main-kernel config (benchmarks/bwd_variants.py); it must describe the same problem
-        (dtype, head dims, mask kind, softcap, GQA)."""
+        (dtype, head dims, mask kind, softcap, GQA). ``sink`` (H,) with ``with_sink_rows``:
+        the ``sink_grad`` kernel, and ``sink_rows`` (B, H) appended (``backward_with_sink``)."""
         del out, lse
         from jax_fa4.ffi.call import call_kernel
 
-        cfg, post = self.backward_configs(q, k, v, opts)
+        sink_grad = with_sink_rows and sink is not None
+        cfg, post = self.backward_configs(q, k, v, opts, sink_grad=sink_grad)
         if config is not None:
-            same = ("dtype", "head_dim", "head_dim_v", "mask", "has_softcap", "gqa")
+            same = ("dtype", "head_dim", "head_dim_v", "mask", "has_softcap", "gqa",
+                    "sink_grad")
             if any(getattr(config, f) != getattr(cfg, f) for f in same):
                 raise ValueError(f"config {config.describe()} does not match the call "
                                  f"({cfg.describe()})")
             cfg, post = config, config.postprocess_config()
         b, sq, h, d = q.shape
-        params = kernel_params(opts, d)
+        params = kernel_params(opts, d, sink if sink_grad else None)
         sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
-        dq_accum, dk, dvv = self.backward_main(cfg, q, k, v, dout, delta, lse_log2, params,
-                                               sq_pad, sq_pad // cfg.tile_m)
-        (dq,) = call_kernel(post, self.arch, dq_accum, params,
+        dq_accum, dk, dvv, sink_rows = self.backward_main(cfg, q, k, v, dout, delta, lse_log2,
+                                                          params, sq_pad, sq_pad // cfg.tile_m)
+        (dq,) = call_kernel(post, self.arch, dq_accum, kernel_params(opts, d),
                             out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),))
-        return dq, dk.astype(k.dtype), dvv.astype(v.dtype)
+        grads = (dq, dk.astype(k.dtype), dvv.astype(v.dtype))
+        return (*grads, sink_rows) if with_sink_rows else grads
 
     # -- varlen backward --------------------------------------------------------------------------
-    def make_varlen_backward(self, dtype, head_dim, head_dim_v, mask, has_softcap, gqa):
-        return bwd_config.varlen_config(dtype, head_dim, head_dim_v, mask, has_softcap, gqa=gqa)
+    def make_varlen_backward(self, dtype, head_dim, head_dim_v, mask, has_softcap, gqa,
+                             sink_grad: bool = False):
+        return bwd_config.varlen_config(dtype, head_dim, head_dim_v, mask, has_softcap, gqa=gqa,
+                                        sink_grad=sink_grad)
 
     def varlen_backward_settings(self) -> Hashable:
         return work_order()
@@ -237,20 +247,23 @@ class Sm90Backend(KernelBackend):
         """The varlen backward chain: the preprocess on the packed out / dout, the varlen main
         kernel (every sequence's own blocks only) and the varlen postprocess, which writes each
         sequence's dQ rows in place; the sink's gradient from the preprocess's delta."""
-        config = self.varlen_backward_config(q, k, v, opts)
-        dq, dk, dv, delta = self.varlen_backward_chain(
+        config = self.varlen_backward_config(q, k, v, opts, sink_grad=sink is not None)
+        dq, dk, dv, delta, sink_rows = self.varlen_backward_chain(
             q, k, v, out[0], lse[0], dout[0], dlse[0], cu_seqlens_q, cu_seqlens_k, opts, config,
-            order=plan[3])
-        # (the preprocess's delta: no second pass over out and dout for the sink; padding
-        # tokens have lse -inf, which sink_gradient leaves out whatever their delta)
-        dsink = None if sink is None else reference.sink_gradient(sink, lse, delta)
+            order=plan[3], sink=sink)
+        # (padding tokens have lse -inf, which the sink's gradient leaves out whatever their
+        # dlse)
+        dsink = None if sink is None else reference.sink_gradient_from_rows(
+            sink, lse, sink_rows, dlse)
         return dq, dk, dv, dsink
 
     def varlen_backward_chain(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k,
-                              opts, config, order: str = VARLEN_BWD_ORDER):
-        """(dq, dk, dv) packed and ``delta = rowsum(dout * out) - dlse`` (1, H, total_q).
-        ``lse``, ``dlse``: (H, total_q); ``order``: the work list's launch order
-        (VARLEN_BWD_ORDER)."""
+                              opts, config, order: str = VARLEN_BWD_ORDER,
+                              sink: jax.Array | None = None):
+        """(dq, dk, dv) packed, ``delta = rowsum(dout * out) - dlse`` (1, H, total_q) and, for
+        a ``sink_grad`` config (``sink`` (H,) given), ``sink_rows`` (1, H) (else None: see
+        base.Backend.backward_with_sink). ``lse``, ``dlse``: (H, total_q); ``order``: the work
+        list's launch order (VARLEN_BWD_ORDER)."""
         from jax_fa4.ffi.call import call_kernel
 
         total_q, h, d = q.shape
@@ -259,25 +272,31 @@ class Sm90Backend(KernelBackend):
         tm = config.tile_m
         delta, lse_log2 = base.preprocess(self, out[None], dout[None], lse[None], opts)
         delta = delta - dlse[None]  # a cotangent on lse enters as -dlse (jax_fa4.autodiff)
-        params = kernel_params(opts, d)
+        sink_grad = getattr(config, "sink_grad", False)
+        params = kernel_params(opts, d, sink if sink_grad else None)
         rows = dq_accum_rows(total_q, batch, tm)
         work = work_table(cu_seqlens_q, cu_seqlens_k, work_items(total_k, batch, config.tile_n),
                           tm, config.tile_n, opts.window, order)
         hdk = h if config.gqa else hkv
         dkv_dtype = jnp.float32 if config.gqa else q.dtype
         dq_accum = jnp.zeros((1, h, rows * d), jnp.float32)
-        dq_accum, dk, dvv = call_kernel(
+        out_shapes = (jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32),
+                      jax.ShapeDtypeStruct((1, total_k, hdk, d), dkv_dtype),
+                      jax.ShapeDtypeStruct((1, total_k, hdk, dv), dkv_dtype))
+        if sink_grad:  # one entry per CTA: (1, H, work rows)
+            out_shapes += (jax.ShapeDtypeStruct((1, h, work.shape[0]), jnp.float32),)
+        outs = call_kernel(
             config, self.arch, q[None], k[None], v[None], dout[None], lse_log2, delta, params,
-            dq_accum, cu_seqlens_q, cu_seqlens_k, work,
-            out_shapes=(jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32),
-                        jax.ShapeDtypeStruct((1, total_k, hdk, d), dkv_dtype),
-                        jax.ShapeDtypeStruct((1, total_k, hdk, dv), dkv_dtype)))
+            dq_accum, cu_seqlens_q, cu_seqlens_k, work, out_shapes=out_shapes)
+        dq_accum, dk, dvv = outs[:3]
+        sink_rows = outs[3].sum(axis=-1) if sink_grad else None
         # the postprocess writes each sequence's dQ rows in place and zeros outside them
-        (dq,) = call_kernel(config.postprocess_config(), self.arch, dq_accum, params,
+        (dq,) = call_kernel(config.postprocess_config(), self.arch, dq_accum,
+                            kernel_params(opts, d),
                             cu_seqlens_q, tile_owners(cu_seqlens_q, rows // tm, tm),
                             out_shapes=(jax.ShapeDtypeStruct((1, total_q, h, d), q.dtype),))
         dq = dq[0]
         dk, dvv = dk[0], dvv[0]  # (the kernel wrote zeros to the keys outside every sequence)
         if config.gqa:
             dk, dvv = sum_gqa_groups(dk, dvv, hkv, head_axis=1)
-        return dq, dk.astype(k.dtype), dvv.astype(v.dtype), delta
+        return dq, dk.astype(k.dtype), dvv.astype(v.dtype), delta, sink_rows

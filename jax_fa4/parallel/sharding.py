@@ -58,18 +58,22 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["partitioned_backward", "partitioned_forward", "partitioned_forward_with_sink"]
+__all__ = ["partitioned_backward", "partitioned_backward_with_sink", "partitioned_forward",
+           "partitioned_forward_with_sink"]
 
 _REPLICATED_FACTORS = ("sq", "sk", "d", "dv")
 
-# Operand kinds: (B.., S, H, X) arrays, (B.., H, S) row statistics (lse, its cotangent) and
+# Operand kinds: (B.., S, H, X) arrays, (B.., H, S) row statistics (lse, its cotangent),
 # per-head vectors (a learnable sink: (H,), or (V.., H) under vmap, V.. the mapped dims, which
-# are B..'s leading dims).
-_BSHX, _BHS, _H = "bshx", "bhs", "h"
+# are B..'s leading dims) and per-(batch, head) sums (B.., H) (the sink's gradient by batch
+# entry, summed by the caller).
+_BSHX, _BHS, _H, _BH = "bshx", "bhs", "h", "bh"
 _FORWARD_IN, _FORWARD_OUT = (_BSHX,) * 3, (_BSHX, _BHS)
 _FORWARD_SINK_IN = (_BSHX,) * 3 + (_H,)
 _BACKWARD_IN = (_BSHX, _BSHX, _BSHX, _BSHX, _BHS, _BSHX, _BHS)
 _BACKWARD_OUT = (_BSHX, _BSHX, _BSHX, _BHS)
+_BACKWARD_SINK_IN = _BACKWARD_IN + (_H,)
+_BACKWARD_SINK_OUT = (_BSHX, _BSHX, _BSHX, _BH)
 
 
 # -- folding extra leading batch dims (from vmap) into B, on each device -----------------------
@@ -122,6 +126,16 @@ def _backward_avals(q, k, v, out, lse, dout, dlse):
     return tuple(x.update(weak_type=False) for x in (q, k, v, lse))
 
 
+def _backward_sink_avals(q, k, v, out, lse, dout, dlse, sink):
+    """dq, dk, dv like q, k, v; the sink's gradient by batch entry (B.., H) float32, sharded
+    like lse without its rows."""
+    del out, dout, dlse, sink
+    spec = _padded(lse.sharding.spec, lse.ndim)
+    part = lse.update(shape=lse.shape[:-1], dtype=jnp.float32, weak_type=False,
+                      sharding=NamedSharding(lse.sharding.mesh, PartitionSpec(*spec[:-1])))
+    return (*(x.update(weak_type=False) for x in (q, k, v)), part)
+
+
 def _check_explicit_sharding(q, k, v) -> None:
     """Where the sharding is part of the type (explicit mesh axes), reject a split sequence.
 
@@ -169,7 +183,8 @@ def _kept_axes(mesh, q, k) -> tuple[tuple, Any]:
 def _shardings(mesh, kinds, batch, heads) -> tuple[NamedSharding, ...]:
     specs = {_BSHX: PartitionSpec(*batch, None, heads, None),
              _BHS: PartitionSpec(*batch, heads, None),
-             _H: PartitionSpec(*batch[:-1], heads)}
+             _H: PartitionSpec(*batch[:-1], heads),
+             _BH: PartitionSpec(*batch, heads)}
     return tuple(NamedSharding(mesh, specs[kind]) for kind in kinds)
 
 
@@ -179,6 +194,8 @@ def _mappings(kinds, names, n_lead) -> tuple[ArrayMapping, ...]:
     for kind, (s, h, x) in zip(kinds, names):
         if kind == _H:
             out.append(ArrayMapping(*lead[:-1], h))
+        elif kind == _BH:
+            out.append(ArrayMapping(*lead, h))
         else:
             out.append(ArrayMapping(*lead, s, h, x) if kind == _BSHX else
                        ArrayMapping(*lead, h, s))
@@ -224,6 +241,15 @@ def _backward_rule(opts, mesh, value_types, result_types) -> SdyShardingRule:
     n_lead = len(value_types[0].shape) - 3
     operands = _mappings(_BACKWARD_IN, (_Q, _K, _V, _O, _LSE, _O, _LSE), n_lead)
     results = _mappings(_BACKWARD_OUT, (_Q, _K, _V, _LSE), n_lead)
+    return SdyShardingRule(operands, results,
+                           need_replication_factors=_replicated(operands + results))
+
+
+def _backward_sink_rule(opts, mesh, value_types, result_types) -> SdyShardingRule:
+    del opts, mesh, result_types
+    n_lead = len(value_types[0].shape) - 3
+    operands = _mappings(_BACKWARD_SINK_IN, (_Q, _K, _V, _O, _LSE, _O, _LSE, _SINK), n_lead)
+    results = _mappings(_BACKWARD_SINK_OUT, (_Q, _K, _V, _SINK), n_lead)
     return SdyShardingRule(operands, results,
                            need_replication_factors=_replicated(operands + results))
 
@@ -333,5 +359,18 @@ def partitioned_backward(impl: Callable) -> Callable:
 
     def backward(q, k, v, out, lse, dout, dlse, opts):
         return tuple(prim.bind(q, k, v, out, lse, dout, dlse, opts=opts))
+
+    return backward
+
+
+def partitioned_backward_with_sink(impl: Callable) -> Callable:
+    """``impl(q, k, v, out, lse, dout, dlse, sink, opts) -> (dq, dk, dv, dsink_parts)`` with
+    the learnable sink (H,) sharded like the heads and its gradient by batch entry (B.., H)
+    (the caller sums the batch). Under vmap ``impl`` gets the sink as (B, H)."""
+    prim = _make_primitive("jax_fa4_attention_bwd_sink", impl, _BACKWARD_SINK_IN,
+                           _BACKWARD_SINK_OUT, _backward_sink_avals, _backward_sink_rule)
+
+    def backward(q, k, v, out, lse, dout, dlse, sink, opts):
+        return tuple(prim.bind(q, k, v, out, lse, dout, dlse, sink, opts=opts))
 
     return backward

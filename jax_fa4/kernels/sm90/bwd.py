@@ -66,6 +66,14 @@ which no other sequence touches; dK / dV of a key block inside the sequence are 
 sequence's first row on, those of its last, partial block row by row below seqlen_k (16-byte
 pieces: a whole-tile TMA store would overwrite the next sequence's rows).
 
+``cfg.sink_grad`` (a learnable sink; params carries σ_h for every query head): before each
+block's dS, every MMA thread adds Σ_rows e^{σ − lse_row}·Σ_cols P·dP of its elements to its own
+running sum in shared memory (no register stays live across blocks: the MMA warpgroups have
+none to spare), and at the end the CTA writes the sum of its 256 sums, in a fixed order, to
+sink_part[batch, head, x]. Σ_j P_ij·dP_ij = dO_i·O_i with O as the forward accumulated it in
+float32, so the caller's d sink (jax_fa4/autodiff.py) no longer takes the 16-bit output's
+error through delta. The plain loop only (BwdConfig.validate).
+
 ``cfg.defer_dk_wait`` (opt-in, measured slower at head dim 128): a block's dK GEMM is waited for
 after the next block's S / dP are issued, its Q stage released then.
 
@@ -111,6 +119,7 @@ class NamedBarrier(enum.IntEnum):
     DQ_EMPTY_WG1 = 6
     ZERO_TAIL_WG0 = 7  # varlen, one per MMA warpgroup: its zeroed tail rows are written
     ZERO_TAIL_WG1 = 8
+    SINK_SUM = 9  # sink_grad: both MMA warpgroups' per-warp partial sums are in shared memory
 
 
 _MMA_REGS, _PRODUCER_REGS = 240, 24
@@ -210,6 +219,7 @@ class FlashAttentionBackwardSm90:
         self.swap = cfg.swap_sdp
         self.deterministic = cfg.deterministic
         self.varlen = cfg.varlen
+        self.sink_grad = cfg.sink_grad  # (bwd_config.BwdConfig)
         # deterministic + causal: dQ adds in descending key-block order, key blocks launched
         # from the last one down. A causal key block's first query block is the diagonal one,
         # so the higher key block n+1 reaches each query block two (tile_n / tile_m) steps
@@ -289,7 +299,12 @@ class FlashAttentionBackwardSm90:
                  mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mParams: cute.Tensor,
                  mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  mdQsem: cute.Tensor | None = None, mCuSeqlensQ: cute.Tensor | None = None,
-                 mCuSeqlensK: cute.Tensor | None = None, mWork: cute.Tensor | None = None):
+                 mCuSeqlensK: cute.Tensor | None = None, mWork: cute.Tensor | None = None,
+                 mSinkPart: cute.Tensor | None = None):
+        if const_expr(self.sink_grad != (mSinkPart is not None)):
+            raise TypeError("sink_part is passed exactly when the config is sink_grad")
+        if const_expr(mSinkPart is not None and mSinkPart.element_type != Float32):
+            raise TypeError("sink_part must be float32")
         if const_expr(self.deterministic != (mdQsem is not None)):
             raise TypeError("dq_sem is passed exactly when the config is deterministic")
         if const_expr(any(self.varlen != (t is not None)
@@ -318,6 +333,8 @@ class FlashAttentionBackwardSm90:
         mLSE, mDelta, mdQacc = [select_modes(t, (2, 1, 0)) for t in (mLSE, mDelta, mdQacc)]
         if const_expr(mdQsem is not None):
             mdQsem = select_modes(mdQsem, (2, 1, 0))  # (m_blocks, H, B)
+        if const_expr(mSinkPart is not None):
+            mSinkPart = select_modes(mSinkPart, (2, 1, 0))  # (X, H, B)
 
         mma_sdp, mma_dk, mma_dv, mma_dq = self._tiled_mmas()
         sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout = self._smem_layouts()
@@ -345,6 +362,10 @@ class FlashAttentionBackwardSm90:
         stats_stages = self.stages if self.stats_smem else 1
         stats_elems = stats_stages * self.tile_m if self.stats_smem else 4
         dq_elems = self.dq_elems
+        # sink_grad: one running sum per MMA thread (in shared memory: the MMA warpgroups'
+        # registers are all taken), then one per MMA warp
+        sink_elems = (self.num_mma_threads + self.num_mma_threads // 32 + 4 if self.sink_grad
+                      else 4)
 
         @cute.struct
         class SharedStorage:
@@ -361,6 +382,7 @@ class FlashAttentionBackwardSm90:
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 1024]
+            sSink: cute.struct.Align[cute.struct.MemRange[Float32, sink_elems], 16]
 
         grid = (cute.ceil_div(mK.shape[0], self.tile_n), mQ.shape[2], mQ.shape[3])
         mdK_rows, mdV_rows = None, None  # varlen, 16-bit dK / dV: the tensors for row stores
@@ -373,7 +395,7 @@ class FlashAttentionBackwardSm90:
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dK, tma_atom_dV,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout,
             mma_sdp, mma_dk, mma_dv, mma_dq, SharedStorage, mdQsem,
-            mCuSeqlensQ, mCuSeqlensK, mWork, mdK_rows, mdV_rows,
+            mCuSeqlensQ, mCuSeqlensK, mWork, mdK_rows, mdV_rows, mSinkPart,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------------------------------------
@@ -392,7 +414,8 @@ class FlashAttentionBackwardSm90:
                mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr,
                mdQsem: cute.Tensor | None, mCuSeqlensQ: cute.Tensor | None,
                mCuSeqlensK: cute.Tensor | None, mWork: cute.Tensor | None,
-               mdK_rows: cute.Tensor | None, mdV_rows: cute.Tensor | None):
+               mdK_rows: cute.Tensor | None, mdV_rows: cute.Tensor | None,
+               mSinkPart: cute.Tensor | None):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -440,11 +463,16 @@ class FlashAttentionBackwardSm90:
             sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
         sdS = storage.sdS.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(cute.make_layout(self.dq_elems))
+        sSink = None
+        if const_expr(self.sink_grad):
+            sSink = storage.sSink.get_tensor(
+                cute.make_layout(self.num_mma_threads + self.num_mma_threads // 32 + 4))
 
         # Run-time scalars. Windows: -1 (any negative) = unbounded, clamped to a bound that covers
         # every key / query so that all block arithmetic stays small and in Int32.
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
+        x_block = None  # sink_grad: this CTA's column of sink_part
         # varlen: work row x = (sequence, key block, its rows' offsets in the packed q and k,
         # its lengths, its first dq_accum tile) (one batch entry: batch = 0 below); spare and
         # padding rows have lengths 0. Seven independent loads: one round trip.
@@ -453,6 +481,7 @@ class FlashAttentionBackwardSm90:
             # the grid is (work rows, heads, 1): batch is the constant 0, not a register (reading
             # blockIdx.z kept one more value live into the producer's 24 registers: a spill)
             x, head, _ = cute.arch.block_idx()
+            x_block = x
             batch = Int32(0)
             seq, n_block = mWork[x, 0], mWork[x, 1]
             q_offset, k_offset = mWork[x, 2], mWork[x, 3]
@@ -463,6 +492,7 @@ class FlashAttentionBackwardSm90:
 
         if const_expr(not self.varlen):
             n_block, head, batch = cute.arch.block_idx()
+            x_block = n_block
         if const_expr(self.reverse_launch):
             # key blocks launch from the last one down (deterministic causal: each then waits
             # only on earlier launches)
@@ -495,7 +525,8 @@ class FlashAttentionBackwardSm90:
                      pipeline_kv, pipeline_q, pipeline_do, tidx - 128,
                      n_block, head, head_dkv, batch, m_block_min, m_block_max,
                      seqlen_q, seqlen_k, block_info, q_offset, k_offset, mdK_rows, mdV_rows,
-                     seq, mCuSeqlensK, pipeline_stats, sLSE, sDelta, mdQacc)
+                     seq, mCuSeqlensK, pipeline_stats, sLSE, sDelta, mdQacc,
+                     (mSinkPart, sSink, x_block) if const_expr(self.sink_grad) else None)
 
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -703,7 +734,7 @@ class FlashAttentionBackwardSm90:
             m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32,
             block_info: BwdBlocks, q_offset=None, k_offset=None, mdK_rows=None,
             mdV_rows=None, seq=None, mCuSeqlensK=None, pipeline_stats=None, sLSE=None,
-            sDelta=None, mdQacc=None):
+            sDelta=None, mdQacc=None, sink=None):
         tm, tn, D, Dv = self.tile_m, self.tile_n, self.hdim, self.hdimv
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         tidx_in_wg = tidx % 128
@@ -778,6 +809,14 @@ class FlashAttentionBackwardSm90:
             inv_scale_log2 = None
         kv_tail = BwdBlocks.kv_tail(block_info, n_block)  # only the last key block has a tail
         pds_barrier = int(NamedBarrier.PDS)
+        # sink_grad: Σ over this thread's (row, key) elements of e^{σ − lse_row}·P·dP, kept in
+        # shared memory (sink[1][tidx]), and σ·log2 e there too (every thread writes the same
+        # value and reads it after its own write: no barrier)
+        sink_acc = None
+        if const_expr(self.sink_grad):
+            sink_acc = (sink[1], tidx)
+            sink[1][tidx] = Float32(0.0)
+            sink[1][self.num_mma_threads + self.num_mma_threads // 32] = mParams[4 + head] * LOG2_E
 
         if m_block_max > m_block_min:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -853,6 +892,8 @@ class FlashAttentionBackwardSm90:
                     if const_expr(self.stats_smem):
                         self.read_stats(sDelta, dpsum, Float32(0.0), tScS_mn, m_block, seqlen_q,
                                         state.index, per_col=False)
+                    if const_expr(self.sink_grad):
+                        self.add_sink_terms(sink_acc, s_mn, dp_mn, lse)
                     self.dp_to_ds(s_mn, dp_mn, lse, dpsum, inv_scale_log2, per_col=False)
                     if const_expr(self.stats_smem):
                         pipeline_stats.consumer_release(state)
@@ -887,6 +928,9 @@ class FlashAttentionBackwardSm90:
                 if const_expr(self.defer_dk_wait):
                     warpgroup.wait_group(0)  # the last block's dK
                     self.release_previous(pipeline_q, state)
+
+        if const_expr(self.sink_grad):
+            self.store_sink_part(sink, head, batch, tidx)
 
         # ---- epilogue: dK, dV ----
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
@@ -1107,6 +1151,50 @@ class FlashAttentionBackwardSm90:
                                             fastmath=True)
 
     @cute.jit
+    def add_sink_terms(self, sink_acc: cutlass.Constexpr, p_mn: cute.Tensor, dp_mn: cute.Tensor,
+                       lse: cute.Tensor):
+        """This thread's running sum (``sink_acc`` = (shared-memory sums, tidx)) += Σ_i
+        e^{σ − lse_i}·Σ_j P_ij·dP_ij over its elements of the block (the plain loop's rows i are
+        query rows; BwdConfig keeps sink_grad off the swapped loop). A query row past seqlen_q
+        or with no key has lse = +inf: weight 0 and P = 0. e^{σ − lse} = exp2(σ·log2 e −
+        lse_log2), the sink's softmax weight in the row. Nothing stays live across blocks:
+        σ·log2 e and the sum are read from shared memory here (every register of the MMA
+        warpgroups is taken: a loop-carried sum spilled, and so did reading σ from params)."""
+        s_sums, tidx = sink_acc
+        sink_log2 = s_sums[self.num_mma_threads + self.num_mma_threads // 32]
+        n_r, n_c = cute.size(p_mn, mode=[0]), cute.size(p_mn, mode=[1])
+        total = Float32(0.0)
+        for r in cutlass.range_constexpr(n_r):
+            part = p_mn[r, 0] * dp_mn[r, 0]
+            for c in cutlass.range_constexpr(1, n_c):
+                part = p_mn[r, c] * dp_mn[r, c] + part
+            total = cute.math.exp2(sink_log2 - lse[r], fastmath=True) * part + total
+        s_sums[tidx] = s_sums[tidx] + total
+
+    @cute.jit
+    def store_sink_part(self, sink: cutlass.Constexpr, head: Int32, batch: Int32,
+                        tidx: Int32):
+        """sink_part[x, head, batch] = the sum of the MMA threads' running sums, in a fixed order
+        (warp shuffles, then warp 0..7 in turn): deterministic. Every CTA writes its entry (0 if
+        it visits no query block)."""
+        mSinkPart, sSink, x_block = sink
+        value = sSink[tidx]
+        for i in cutlass.range_constexpr(5):
+            value = value + cute.arch.shuffle_sync_bfly(value, offset=16 >> i)
+        lane = tidx % 32
+        warp = tidx // 32
+        n = self.num_mma_threads
+        if lane == 0:
+            sSink[n + warp] = value
+        cute.arch.barrier(barrier_id=int(NamedBarrier.SINK_SUM),
+                          number_of_threads=self.num_mma_threads)
+        if tidx == 0:
+            total = sSink[n]
+            for w in cutlass.range_constexpr(1, n // 32):
+                total = total + sSink[n + w]
+            mSinkPart[x_block, head, batch] = total
+
+    @cute.jit
     def dp_to_ds(self, p_mn: cute.Tensor, dp_mn: cute.Tensor, lse: cute.Tensor,
                  dpsum: cute.Tensor, inv_scale_log2, per_col: cutlass.Constexpr[bool]):
         """dP ← dS = P∘(dP − delta) [∘ (1 − tanh²)], in place; stats per row or column as in
@@ -1194,7 +1282,17 @@ def make_launcher(cfg: BwdConfig):
             kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dk, dv, None,
                    cu_seqlens_q, cu_seqlens_k, work)
 
-        return sm90_bwd_varlen
+        @cute.jit
+        def sm90_bwd_varlen_sink(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                                 v: cute.Tensor, dout: cute.Tensor, lse_log2: cute.Tensor,
+                                 delta: cute.Tensor, params: cute.Tensor, dq_accum: cute.Tensor,
+                                 cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor,
+                                 work: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor,
+                                 sink_part: cute.Tensor):
+            kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dk, dv, None,
+                   cu_seqlens_q, cu_seqlens_k, work, sink_part)
+
+        return sm90_bwd_varlen_sink if cfg.sink_grad else sm90_bwd_varlen
 
     if cfg.deterministic:
         @cute.jit
@@ -1205,7 +1303,17 @@ def make_launcher(cfg: BwdConfig):
                                    dv: cute.Tensor):
             kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dk, dv, dq_sem)
 
-        return sm90_bwd_deterministic
+        @cute.jit
+        def sm90_bwd_deterministic_sink(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                                        v: cute.Tensor, dout: cute.Tensor, lse_log2: cute.Tensor,
+                                        delta: cute.Tensor, params: cute.Tensor,
+                                        dq_accum: cute.Tensor, dq_sem: cute.Tensor,
+                                        dk: cute.Tensor, dv: cute.Tensor,
+                                        sink_part: cute.Tensor):
+            kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dk, dv, dq_sem,
+                   mSinkPart=sink_part)
+
+        return sm90_bwd_deterministic_sink if cfg.sink_grad else sm90_bwd_deterministic
 
     @cute.jit
     def sm90_bwd(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
@@ -1213,4 +1321,12 @@ def make_launcher(cfg: BwdConfig):
                  params: cute.Tensor, dq_accum: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor):
         kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dk, dv)
 
-    return sm90_bwd
+    @cute.jit
+    def sm90_bwd_sink(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
+                      dout: cute.Tensor, lse_log2: cute.Tensor, delta: cute.Tensor,
+                      params: cute.Tensor, dq_accum: cute.Tensor, dk: cute.Tensor,
+                      dv: cute.Tensor, sink_part: cute.Tensor):
+        kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dk, dv,
+               mSinkPart=sink_part)
+
+    return sm90_bwd_sink if cfg.sink_grad else sm90_bwd

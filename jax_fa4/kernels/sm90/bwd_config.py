@@ -24,7 +24,10 @@ Two kernels (see bwd.py and bwd_postprocess.py):
                                             output 3 (the launcher takes it after dq_accum).
     outputs (after the alias): dk (B, Sk, Hdk, D), dv (B, Sk, Hdk, Dv) with Hdk = Hkv for MHA
       configs (gqa=False, dtype = input dtype) and Hdk = H for GQA configs (gqa=True, float32, one
-      slice per query head; the caller sums each group of H/Hkv heads).
+      slice per query head; the caller sums each group of H/Hkv heads); sink_grad configs (params
+      (4 + H,): one learnable sink logit per query head after the four scalars) end with
+      sink_part (B, H, ceil(Sk/tile_n)) float32: key block n's Σ_i e^{σ_h − lse_i}·Σ_j P_ij·dP_ij
+      (BwdConfig.sink_grad).
 
 Varlen configs (``varlen=True``, called by jax_fa4/backends/sm90.py) take packed sequences instead (see
 ``varlen_attention_backward_signature``): one CTA per (work item, query head), a work item being
@@ -197,16 +200,26 @@ class BwdConfig(KernelConfig):
     # offsets and lengths from cu_seqlens, key blocks from the caller's work list (which also
     # sets their launch order), dK / dV stored row by row inside each sequence
     varlen: bool = False
+    # learnable sinks: params carries one sink logit σ_h per query head (length 4 + H) and the
+    # kernel writes sink_part (B, H, X) float32, X = its grid's first extent (key blocks; varlen:
+    # work rows): CTA x's Σ_i e^{σ_h − lse_i} Σ_{j in its keys} P_ij·dP_ij over every query row
+    # i it visits. Summed over x and b that is Σ_i P_sink_i·rowsum(dO_i·O_i) with the output O in
+    # float32 as the forward accumulated it (Σ_j P_ij dP_ij = dO_i·Σ_j P_ij V_j), so d sink no
+    # longer takes the error of the 16-bit output that delta carries (jax_fa4/autodiff.py).
+    sink_grad: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
              has_softcap: bool = False, gqa: bool = False,
-             deterministic: bool = False) -> "BwdConfig":
+             deterministic: bool = False, sink_grad: bool = False) -> "BwdConfig":
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         t = tuning_for(head_dim, head_dim_v, mask)
         # swap_sdp spills with softcap (validate) and was measured slower deterministic (session
         # 12): the plain loop there, with the row's launch order and statistics from registers
         swap = t.swap_sdp and not has_softcap and not deterministic
+        # sink_grad's per-column sums spill in the swapped loop (its 16 + 16 column statistics
+        # are live there: hdim 128 GQA LDL 23, fp16 local LDL 2): the plain loop
+        swap = swap and not sink_grad
         cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
                   has_softcap=bool(has_softcap), gqa=bool(gqa), deterministic=bool(deterministic),
                   tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages, pds_stages=t.pds_stages,
@@ -215,7 +228,7 @@ class BwdConfig(KernelConfig):
                                   else t.reverse_launch and not swap),
                   defer_dk_wait=t.defer_dk_wait and not swap,
                   stats_smem=t.stats_smem and swap,
-                  dq_red=t.dq_red and swap)
+                  dq_red=t.dq_red and swap, sink_grad=bool(sink_grad))
         cfg.validate()
         return cfg
 
@@ -253,6 +266,9 @@ class BwdConfig(KernelConfig):
         if self.swap_sdp and (self.tile_m, self.tile_n) != (64, 128):
             raise ValueError("sm90 backward: swap_sdp needs a 64x128 tile (one 64-key slice of Pᵀ "
                              f"per warpgroup), not {self.tile_m}x{self.tile_n}")
+        if self.swap_sdp and self.sink_grad:
+            raise ValueError("sm90 backward: swap_sdp with sink_grad spills registers (the sink "
+                             "sums beside every column's lse and delta); use swap_sdp=False")
         if self.swap_sdp and self.has_softcap:
             raise ValueError("sm90 backward: swap_sdp with softcap spills registers (the tanh "
                              "derivative keeps every column's lse live); use swap_sdp=False")
@@ -294,7 +310,9 @@ class BwdConfig(KernelConfig):
         pds = (1 if self.swap_sdp else 2) * self.pds_stages * self.tile_m * self.tile_n * e
         dq = 0 if self.dq_red else self.tile_m * self.head_dim * 4
         stats = 2 * self.stages * self.tile_m * 4 if self.stats_smem else 0
-        return q + do + k + v + pds + dq + stats
+        # sink_grad: a running sum per MMA thread, a partial per MMA warp
+        sink = (256 + 8 + 4) * 4 if self.sink_grad else 0
+        return q + do + k + v + pds + dq + stats + sink
 
     def postprocess_config(self) -> "BwdPostprocessConfig":
         return BwdPostprocessConfig(dtype=self.dtype, head_dim=self.head_dim, tile_m=self.tile_m,
@@ -303,11 +321,20 @@ class BwdConfig(KernelConfig):
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
         if self.varlen:
-            return varlen_attention_backward_signature(self.dtype, self.head_dim,
-                                                       self.head_dim_v, self.tile_m, self.gqa)
-        return attention_backward_signature(
-            self.dtype, self.head_dim, self.head_dim_v, self.tile_m, self.gqa,
-            counters=("dq_sem", 1) if self.deterministic else None)  # one per query block
+            sig = varlen_attention_backward_signature(self.dtype, self.head_dim,
+                                                      self.head_dim_v, self.tile_m, self.gqa)
+        else:
+            sig = attention_backward_signature(
+                self.dtype, self.head_dim, self.head_dim_v, self.tile_m, self.gqa,
+                counters=("dq_sem", 1) if self.deterministic else None)  # one per query block
+        if not self.sink_grad:
+            return sig
+        # (the last output: params keeps its (4,) sample, a 4 + H run-time length is read as
+        # such by the kernel, as in the forward)
+        b, h = sig.inputs[0].sample_shape[0], sig.inputs[0].sample_shape[2]
+        part = TensorArg("sink_part", "float32", (b, h, 5), (1, 1, 1), batched=not self.varlen)
+        return KernelSignature(inputs=sig.inputs, outputs=(*sig.outputs, part),
+                               aliases=sig.aliases)
 
 
 @dataclass(frozen=True)
@@ -367,18 +394,22 @@ def shipped_configs() -> list[KernelConfig]:
             for mask in row:
                 for softcap in (False, True):
                     for gqa in (False, True):
-                        for det in (False, True):
-                            out.append(BwdConfig.make(dtype, d, dv, mask, softcap, gqa,
-                                                      deterministic=det))
-                        out.append(varlen_config(dtype, d, dv, mask, softcap, gqa))
+                        for sink in (False, True):  # (a learnable sink: sink_grad)
+                            for det in (False, True):
+                                out.append(BwdConfig.make(dtype, d, dv, mask, softcap, gqa,
+                                                          deterministic=det, sink_grad=sink))
+                            out.append(varlen_config(dtype, d, dv, mask, softcap, gqa,
+                                                     sink_grad=sink))
     return _with_postprocess(out)
 
 
 def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
-                  has_softcap: bool = False, gqa: bool = False) -> BwdConfig:
+                  has_softcap: bool = False, gqa: bool = False,
+                  sink_grad: bool = False) -> BwdConfig:
     """The varlen backward config of a problem kind: the table's tile and stages (its key blocks
     launch in the work list's order)."""
-    cfg = replace(BwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, gqa),
+    cfg = replace(BwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, gqa,
+                                 sink_grad=sink_grad),
                   swap_sdp=False, reverse_launch=False, stats_smem=False, dq_red=False,
                   varlen=True)
     cfg.validate()
