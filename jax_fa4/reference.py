@@ -523,7 +523,10 @@ def _backward_block(
     # A row with no visible key has lse = -inf; using +inf instead makes its P row
     # exp(s - inf) = 0, and masked scores are -inf, so P has no NaN.
     lse_safe = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
-    p = jnp.exp(_mask_scores(s, mask) - lse_safe[..., None])
+    # P <= 1 exactly; with huge scores (~1e7 and up) the float32 lse is rounded by whole units
+    # and a recomputed score may exceed it: exp(+large) = inf without the clamp (the kernels'
+    # preprocess gives lse_log2 a margin there for the same reason)
+    p = jnp.exp(jnp.minimum(_mask_scores(s, mask) - lse_safe[..., None], 0.0))
     dv = mm("bhgqk,bqhgd->bkhd", p, dog)  # sums the G query heads of each kv head
     dp = mm("bqhgd,bkhd->bhgqk", dog, vb)
     ds = p * (dp - delta[..., None])

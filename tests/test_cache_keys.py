@@ -44,13 +44,13 @@ _COMMON_FWD = {_K + f"common/{m}.py" for m in ("convert", "exp2", "layout", "vie
 EXPECTED_FILES = {
     "bwd_preprocess": _SPEC | {_K + "preprocess.py", _K + "preprocess_config.py"},
     "sm90_fwd": _SPEC | _COMMON_FWD | {_K + f"common/{m}.py" for m in (
-        "geometry", "mask", "softmax", "tile_scheduler")} | {
+        "geometry", "mask", "rows", "softmax", "tile_scheduler")} | {
         _K + "sm90/flash_fwd.py", _K + "sm90/fwd_config.py"},
     "sm90_bwd": _SPEC | {_K + f"common/{m}.py" for m in (
-        "geometry", "convert", "layout", "views")} | {
+        "geometry", "convert", "layout", "rows", "views")} | {
         _K + "sm90/bwd.py", _K + "sm90/bwd_common.py", _K + "sm90/bwd_config.py"},
     "sm90_bwd_postprocess": _SPEC | {_K + f"common/{m}.py" for m in (
-        "convert", "geometry", "layout")} | {
+        "convert", "geometry", "layout", "rows")} | {
         _K + "sm90/bwd_postprocess.py", _K + "sm90/bwd_common.py", _K + "sm90/bwd_config.py"},
     "sm100_fwd": _SPEC | _COMMON_FWD | {
         _K + "common/geometry.py", _K + "sm100/flash_fwd.py", _K + "sm100/fwd_config.py", _K + "sm100/tile_order.py"},

@@ -58,10 +58,18 @@ def test_blocked_reference_forms(case):
         assert np.isfinite(g32).all(), f"{case.name} blocked {name} not finite"
         if name != "dv" and case.huge:
             continue  # one-hot softmax: dq, dk are rounding noise (tests/extreme_cases.py)
-        # the same float32 arithmetic block by block, from the same lse: equal up to rounding
-        # (at scores ~1e4 an ulp of lse is 1e-3, so P moves by that much relative)
+        # the same float32 arithmetic block by block, from the same lse: equal up to rounding.
+        # Both forms recompute the scores, each with its own summation order, so P = e^{s - lse}
+        # moves by up to e^{±few ulps of the largest score} (1e-3 relative at scores ~1e4, 6 %
+        # per ulp at 1e6, where XLA's CPU dot of jax 0.10 and the blocked einsum differ by a few
+        # ulps): the bound allows four, and beyond ~1e8 no float32 backward resolves P, so there
+        # only finiteness (above) holds.
         n32 = np.asarray(n, np.float32)
-        np.testing.assert_allclose(g32, n32, rtol=0, atol=1e-2 * float(np.abs(n32).max()),
+        ulp = float(np.spacing(np.float32(case.score or 0.0)))
+        with np.errstate(over="ignore"):
+            moved = float(np.expm1(np.float32(4 * ulp)))
+        np.testing.assert_allclose(g32, n32, rtol=0,
+                                   atol=(1e-2 + moved) * float(np.abs(n32).max()),
                                    err_msg=f"{case.name} blocked {name}")
     assert (np.asarray(grads[0], np.float32)[empty] == 0).all()
 
