@@ -52,6 +52,30 @@ def precompile(configs: list[Any], cache_dir: str | None) -> int:
     return 0
 
 
+def labelled_shapes(shapes):
+    """((label, (B, S, H, D), causal) for each (B, S, H, D) of ``shapes``, unmasked then causal:
+    the loop of the training-shape scripts (varlen_bench.py, sink_bench.py)."""
+    for b, s, h, d in shapes:
+        for causal in (False, True):
+            yield f"B{b} S{s} H{h} D{d}" + (" causal" if causal else ""), (b, s, h, d), causal
+
+
+def rotating_sets(key, shape: tuple[int, ...], per_set: int = 4) -> list[tuple[Any, ...]]:
+    """Enough sets of ``per_set`` standard-normal bf16 arrays of ``shape`` (from ``key``) to
+    exceed ``jax_fa4.bench.ROTATION_BYTES`` together: timing rotates through them, so no
+    program's inputs stay in the L2."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    from jax_fa4 import bench
+
+    n_sets = max(2, -(-bench.ROTATION_BYTES // (per_set * math.prod(shape) * 2)))
+    return [tuple(jax.random.normal(k, shape, jnp.bfloat16)
+                  for k in jax.random.split(set_key, per_set))
+            for set_key in jax.random.split(key, n_sets)]
+
+
 def start(args, n_shapes: int | None = None):
     """(device, wall-clock start); prints the run's header line (with the shapes and variants
     of a variants script when ``n_shapes`` is given)."""

@@ -32,7 +32,7 @@ import numpy as np
 
 import jax_fa4
 from jax_fa4 import bench
-from variant_harness import save, start, timing_parser
+from variant_harness import labelled_shapes, rotating_sets, save, start, timing_parser
 
 #: (B, S, H, D): the anchors' hdim-128 training shapes, and many short documents
 SHAPES = ((16, 2048, 16, 128), (4, 8192, 16, 128), (64, 512, 16, 128))
@@ -56,71 +56,63 @@ def main(argv=None) -> int:
     args = timing_parser(__doc__).parse_args(argv)
     device, t0 = start(args)
     rows = []
-    for b, s, h, d in SHAPES:
-        for causal in (False, True):
-            label = f"B{b} S{s} H{h} D{d}" + (" causal" if causal else "")
-            total = b * s
-            key = jax.random.key(b * s + causal)
-            n_sets = max(2, -(-bench.ROTATION_BYTES // (4 * total * h * d * 2)))
-            sets = []
-            for set_key in jax.random.split(key, n_sets):
-                q, k, v, do = (jax.random.normal(kk, (total, h, d), jnp.bfloat16)
-                               for kk in jax.random.split(set_key, 4))
-                sets.append((q, k, v, do))
-            variants = {"dense": ([s] * b, None), "varlen": ([s] * b, "sequence"),
-                        "varlen-heavy": ([s] * b, "heavy_first"),
-                        "varlen-mixed": (mixed_lengths(b, s), "sequence"),
-                        "varlen-mixed-heavy": (mixed_lengths(b, s), "heavy_first")}
-            programs, names = [], []
-            for name, (lens, order) in variants.items():
-                if order is not None:  # read when the backward is traced
-                    os.environ["JAX_FA4_VARLEN_BWD_ORDER"] = order
-                cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
-                mx = max(lens)
-                if name == "dense":
-                    def attn(q, k, v):
-                        shape = (b, s, h, d)
-                        return jax_fa4.flash_attention(
-                            q.reshape(shape), k.reshape(shape), v.reshape(shape),
-                            causal=causal, implementation="sm90").reshape(total, h, d)
-                else:
-                    def attn(q, k, v, cu=cu, mx=mx):
-                        return jax_fa4.flash_attention_varlen(q, k, v, cu, cu, mx, mx,
-                                                              causal=causal,
-                                                              implementation="sm90")
+    for label, (b, s, h, d), causal in labelled_shapes(SHAPES):
+        total = b * s
+        sets = rotating_sets(jax.random.key(b * s + causal), (total, h, d))
+        variants = {"dense": ([s] * b, None), "varlen": ([s] * b, "sequence"),
+                    "varlen-heavy": ([s] * b, "heavy_first"),
+                    "varlen-mixed": (mixed_lengths(b, s), "sequence"),
+                    "varlen-mixed-heavy": (mixed_lengths(b, s), "heavy_first")}
+        programs, names = [], []
+        for name, (lens, order) in variants.items():
+            if order is not None:  # read when the backward is traced
+                os.environ["JAX_FA4_VARLEN_BWD_ORDER"] = order
+            cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+            mx = max(lens)
+            if name == "dense":
+                def attn(q, k, v):
+                    shape = (b, s, h, d)
+                    return jax_fa4.flash_attention(
+                        q.reshape(shape), k.reshape(shape), v.reshape(shape),
+                        causal=causal, implementation="sm90").reshape(total, h, d)
+            else:
+                def attn(q, k, v, cu=cu, mx=mx):
+                    return jax_fa4.flash_attention_varlen(q, k, v, cu, cu, mx, mx,
+                                                          causal=causal,
+                                                          implementation="sm90")
 
-                def fwd(q, k, v, do, attn=attn):
-                    return attn(q, k, v)
+            def fwd(q, k, v, do, attn=attn):
+                return attn(q, k, v)
 
-                def fwd_bwd(q, k, v, do, attn=attn):
-                    out, vjp = jax.vjp(attn, q, k, v)
-                    return out, vjp(do)
+            def fwd_bwd(q, k, v, do, attn=attn):
+                out, vjp = jax.vjp(attn, q, k, v)
+                return out, vjp(do)
 
-                for kind, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-                    compiled = jax.jit(fn).lower(*sets[0]).compile()
-                    programs.append(bench.make_program(None, compiled, sets, 1))
-                    names.append((name, kind, lens))
-            timings = bench.time_programs(programs, repeats=args.repeats,
-                                          target_s=args.target_ms / 1e3, sync_each=False)
-            ms = {(n, kind): t.ms for (n, kind, _), t in zip(names, timings)}
-            for name, (lens, _) in variants.items():
-                f = flops(lens, h, d, causal)
-                t_f, t_fb = ms[(name, "fwd")], ms[(name, "fwd+bwd")]
-                rows.append(dict(shape=label, variant=name, lengths=lens, fwd_ms=t_f,
-                                 fwdbwd_ms=t_fb, fwd_tflops=f / (t_f * 1e-3) / 1e12,
-                                 bwd_tflops=2.5 * f / ((t_fb - t_f) * 1e-3) / 1e12,
-                                 fwdbwd_tflops=3.5 * f / (t_fb * 1e-3) / 1e12))
-            mine = [r for r in rows if r["shape"] == label]
-            dense = next(r for r in mine if r["variant"] == "dense")
-            for r in mine:
-                r["fwd_vs_dense"] = r["fwd_tflops"] / dense["fwd_tflops"]
-                r["fwdbwd_vs_dense"] = r["fwdbwd_tflops"] / dense["fwdbwd_tflops"]
-            line = "  ".join(f"{r['variant']} fwd {r['fwd_tflops']:.0f} ({r['fwd_vs_dense']:.2f}) "
-                             f"fwd+bwd {r['fwdbwd_tflops']:.0f} ({r['fwdbwd_vs_dense']:.2f})"
-                             for r in mine)
-            print(f"{label}: {line}  ({time.perf_counter() - t0:.0f} s)", flush=True)
-            del sets, programs  # free the device arrays before the next shape
-            save(args, device, t0, rows)
+            for kind, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+                compiled = jax.jit(fn).lower(*sets[0]).compile()
+                programs.append(bench.make_program(None, compiled, sets, 1))
+                names.append((name, kind, lens))
+        timings = bench.time_programs(programs, repeats=args.repeats,
+                                      target_s=args.target_ms / 1e3, sync_each=False)
+        ms = {(n, kind): t.ms for (n, kind, _), t in zip(names, timings)}
+        for name, (lens, _) in variants.items():
+            f = flops(lens, h, d, causal)
+            t_f, t_fb = ms[(name, "fwd")], ms[(name, "fwd+bwd")]
+            rows.append(dict(shape=label, variant=name, lengths=lens, fwd_ms=t_f,
+                             fwdbwd_ms=t_fb, fwd_tflops=f / (t_f * 1e-3) / 1e12,
+                             bwd_tflops=2.5 * f / ((t_fb - t_f) * 1e-3) / 1e12,
+                             fwdbwd_tflops=3.5 * f / (t_fb * 1e-3) / 1e12))
+        mine = [r for r in rows if r["shape"] == label]
+        dense = next(r for r in mine if r["variant"] == "dense")
+        for r in mine:
+            r["fwd_vs_dense"] = r["fwd_tflops"] / dense["fwd_tflops"]
+            r["fwdbwd_vs_dense"] = r["fwdbwd_tflops"] / dense["fwdbwd_tflops"]
+        line = "  ".join(f"{r['variant']} fwd {r['fwd_tflops']:.0f} ({r['fwd_vs_dense']:.2f}) "
+                         f"fwd+bwd {r['fwdbwd_tflops']:.0f} ({r['fwdbwd_vs_dense']:.2f})"
+                         for r in mine)
+        print(f"{label}: {line}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        del sets, programs  # free the device arrays before the next shape
+        save(args, device, t0, rows)
     save(args, device, t0, rows, final=True)
     return 0
 
