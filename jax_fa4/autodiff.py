@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import backends
+from jax_fa4 import backends, reference
 from jax_fa4.backends import base
 from jax_fa4.backends.base import Segments
 from jax_fa4.parallel import sharding
@@ -59,13 +59,20 @@ def backward_chain(q, k, v, out, lse, dout, dlse, opts):
     is deterministic too; an opt-in backend whose forward ran a kernel says so with a one-time
     :class:`RuntimeWarning` naming the reason.
     """
+    chosen, delta, lse_log2 = _backward_inputs(q, k, v, out, lse, dout, dlse, opts)
+    return (*chosen.backward(q, k, v, out, lse, dout, delta, lse_log2, opts), delta)
+
+
+def _backward_inputs(q, k, v, out, lse, dout, dlse, opts):
+    """(the backend that runs the backward, delta, lse_log2): the preprocess of
+    ``opts.implementation`` (or the reference's), and the backward's choice."""
     backend = backends.get(opts.implementation)
     delta, lse_log2 = base.preprocess(backend, out, dout, lse, opts)
     # d lse / d S = P, so a cotangent on lse enters dS = P * (dP - delta) as -dlse on delta.
     delta = delta - dlse
     chosen = base.choose(backend, "backward", backend.supports_backward(q, k, v, opts), opts,
                          kernel_forward=backend.supports_forward(q, k, v, opts) is None)
-    return (*chosen.backward(q, k, v, out, lse, dout, delta, lse_log2, opts), delta)
+    return chosen, delta, lse_log2
 
 
 def backward_chain_with_sink(q, k, v, out, lse, dout, dlse, sink, opts):
@@ -74,21 +81,14 @@ def backward_chain_with_sink(q, k, v, out, lse, dout, dlse, sink, opts):
     from its float32 view of the output (``Backend.backward_with_sink``), d sink takes that;
     else ``-sum_i P_sink_i * delta_i`` with delta from the 16-bit output (as everywhere else
     the sink's gradient is computed, :func:`jax_fa4.reference.sink_gradient`)."""
-    backend = backends.get(opts.implementation)
-    delta, lse_log2 = base.preprocess(backend, out, dout, lse, opts)
-    delta = delta - dlse
-    chosen = base.choose(backend, "backward", backend.supports_backward(q, k, v, opts), opts,
-                         kernel_forward=backend.supports_forward(q, k, v, opts) is None)
+    chosen, delta, lse_log2 = _backward_inputs(q, k, v, out, lse, dout, dlse, opts)
     if sink.ndim == 1:
         dq, dk, dv, rows = chosen.backward_with_sink(q, k, v, out, lse, dout, delta, lse_log2,
                                                      opts, sink)
     else:  # one sink per batch entry (vmap): no kernel takes those
         (dq, dk, dv), rows = chosen.backward(q, k, v, out, lse, dout, delta, lse_log2, opts), None
-    lse = lse.astype(jnp.float32)
     empty = jnp.isneginf(lse)
-    s = sink.astype(jnp.float32)
-    s = s[None, :, None] if sink.ndim == 1 else s[:, :, None]
-    p_sink = jnp.where(empty, 0.0, jnp.exp(s - jnp.where(empty, 0.0, lse)))
+    p_sink = reference.sink_probability(sink, lse)
     if rows is None:
         part = -jnp.where(empty, 0.0, p_sink * delta.astype(jnp.float32)).sum(axis=-1)
     else:

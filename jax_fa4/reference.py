@@ -58,6 +58,7 @@ __all__ = [
     "attention_blocked",
     "sink_gradient",
     "sink_gradient_from_rows",
+    "sink_probability",
     "visible_mask",
 ]
 
@@ -636,6 +637,16 @@ def attention_backward(
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
+def sink_probability(learnable_sink: jax.Array, lse: jax.Array) -> jax.Array:
+    """``P_sink = e^{sink - lse}``, the sink's softmax weight in each row, float32 of lse's
+    shape (..., H, S); 0 on rows with ``lse = -inf`` (no sink and no visible key).
+    ``learnable_sink``: (H,), or lse's leading dims and H (one sink per batch entry)."""
+    lse = lse.astype(jnp.float32)
+    empty = jnp.isneginf(lse)
+    sink = learnable_sink.astype(jnp.float32)[..., None]
+    return jnp.where(empty, 0.0, jnp.exp(sink - jnp.where(empty, 0.0, lse)))
+
+
 @jax.jit
 def sink_gradient_from_rows(learnable_sink: jax.Array, lse: jax.Array, sink_rows: jax.Array,
                             dlse: jax.Array | None) -> jax.Array:
@@ -647,18 +658,17 @@ def sink_gradient_from_rows(learnable_sink: jax.Array, lse: jax.Array, sink_rows
         ``d sink_h = -sum sink_rows[..., h] + sum_{b, i} P_sink[b, h, i] * dlse[b, h, i]``
 
     Rows with ``lse = -inf`` contribute 0 (their dlse is selected out)."""
-    sink = learnable_sink.astype(jnp.float32)
     heads = lse.shape[-2]
     d = -sink_rows.astype(jnp.float32).reshape(-1, heads).sum(axis=0)
     if dlse is not None:
-        lse = lse.astype(jnp.float32)
         empty = jnp.isneginf(lse)
-        p_sink = jnp.where(empty, 0.0, jnp.exp(sink.reshape(heads, 1) - jnp.where(empty, 0.0, lse)))
-        d = d + jnp.where(empty, 0.0, p_sink * dlse.astype(jnp.float32)).reshape(
-            -1, heads, lse.shape[-1]).sum(axis=(0, 2))
+        share = jnp.where(empty, 0.0, sink_probability(learnable_sink, lse)
+                          * dlse.astype(jnp.float32))
+        d = d + share.reshape(-1, heads, lse.shape[-1]).sum(axis=(0, 2))
     return d.astype(learnable_sink.dtype)
 
 
+@jax.jit
 def sink_gradient(learnable_sink: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
     """Gradient of the learnable sink, ``(H,)`` in ``learnable_sink``'s dtype.
 
@@ -678,12 +688,9 @@ def sink_gradient(learnable_sink: jax.Array, lse: jax.Array, delta: jax.Array) -
             leading dims before ``H`` is summed over likewise, e.g. ``(H, total)`` for varlen.
         delta: ``rowsum(dout * out) - dlse``, lse's shape, float32.
     """
-    lse = lse.astype(jnp.float32)
-    sink = learnable_sink.astype(jnp.float32)
     heads = lse.shape[-2]
-    sink_b = sink.reshape(heads, 1)
     empty = jnp.isneginf(lse)
-    p_sink = jnp.where(empty, 0.0, jnp.exp(sink_b - jnp.where(empty, 0.0, lse)))
+    p_sink = sink_probability(learnable_sink, lse)
     # (selected, not multiplied by 0: such a row's delta may be NaN, e.g. a varlen padding
     # token's, whose cotangent may hold anything)
     d = -jnp.where(empty, 0.0, p_sink * delta.astype(jnp.float32))
