@@ -116,6 +116,10 @@ CASES = [
          score=3e4, sink=True),
     Case("bf16 scores 1e4 window", sq=33, sk=70, window=(20, 5), score=1e4),
     Case("bf16 scores 1e6", sq=40, sk=56, score=1e6),
+    # several key blocks (tile_n 128): the running max moves between blocks near the limit
+    Case("bf16 scores 3e8, 3 key blocks", sq=40, sk=300, score=3e8),
+    Case("fp16 scores 3e4, 3 key blocks causal", dtype="float16", sq=300, sk=300,
+         window=(None, 0), score=3e4),
     Case("bf16 scores 1e12 causal", sq=56, sk=40, window=(None, 0), score=1e12),
     Case("bf16 scores 1e20 sink", sq=40, sk=56, score=1e20, sink=True),
     Case("bf16 scores 8e37", sq=40, sk=56, score=8e37, softmax_scale=1.0),
@@ -531,3 +535,60 @@ def check_case(case: Case, implementation: str, before_run=None) -> None:
         if gname == "dv" and case.beyond_lse_precision and implementation != "reference":
             continue  # P rebuilt from a float32 lse: only finite (Case.beyond_lse_precision)
         assert_fa4_close(g, r.astype(g.dtype), p, softcap=softcap, name=f"{name} {gname}")
+
+
+#: The kernels' exact range (their documented contract, docs in README "Numerics"): a row whose
+#: largest scaled score m (softmax_scale·q·k, or the sink if larger) has |m·log2 e| at or past
+#: this, by input dtype, comes out as NaN (out and lse); below it the row is exact.
+KERNEL_EXACT_LIMIT_LOG2 = {"bfloat16": 2.0 ** 31, "float16": 2.0 ** 27}
+
+
+def check_beyond_range(case: Case, implementation: str, before_run=None) -> int:
+    """The forward of a huge-score ``case`` on a kernel: each row past the exact range
+    (:data:`KERNEL_EXACT_LIMIT_LOG2`, from the float64 oracle's row max; rows within a factor 2
+    of the limit are not judged) is NaN in every output element and in lse, never a finite
+    value; rows without keys are exactly 0 / -inf (or the sink); the other rows are finite and
+    by FA4's rule. Returns the number of rows found past the range."""
+    pb = make_problem(case, implementation)
+    name = f"{case.name} [{implementation}]"
+    dtype = jnp.dtype(case.dtype)
+    fwd = jax.jit(lambda args, sink: pb.call(*args, sink))
+    if before_run:
+        before_run()
+    out, lse = (np.asarray(x) for x in jax.block_until_ready(fwd(pb.args, pb.sink)))
+    out32 = out.astype(np.float32).transpose(0, 2, 1, 3)  # (B, H, Sq, Dv) like lse
+    sink = None if pb.sink is None else np.asarray(pb.sink)
+
+    q, k = (np.asarray(x, np.float64) for x in (pb.q, pb.k))
+    group = q.shape[2] // k.shape[2]
+    s = np.einsum("bqhd,bkhd->bhqk", q, np.repeat(k, group, axis=2)) * pb.softmax_scale
+    if case.softcap:
+        s = case.softcap * np.tanh(s / case.softcap)
+    m = np.where(pb.visible[:, None], s, -np.inf).max(-1)  # (B, H, Sq)
+    if sink is not None:
+        m = np.maximum(m, sink[None, :, None].astype(np.float64))
+    r = np.abs(m * np.log2(np.e))
+    limit = KERNEL_EXACT_LIMIT_LOG2[case.dtype]
+    seen = np.broadcast_to(pb.visible.any(-1)[:, None], lse.shape)
+    beyond = seen & np.isfinite(m) & (r >= 2 * limit)
+    inside = seen & (r < limit / 2)
+
+    for where in np.argwhere(beyond):
+        b, h, i = where
+        assert np.isnan(lse[b, h, i]), f"{name}: row {tuple(where)} past the range: lse {lse[b, h, i]}"
+        assert np.isnan(out32[b, h, i]).all(), f"{name}: row {tuple(where)} past the range not NaN"
+    empty = ~seen
+    assert (out32[empty] == 0).all(), f"{name}: rows without keys not 0"
+    if sink is None:
+        assert np.isneginf(lse[empty]).all(), f"{name}: lse of rows without keys"
+    if inside.any():
+        ref_out, _ = oracle(pb.q, pb.k, pb.v, pb.visible, pb.softmax_scale, case.softcap, sink)
+        ref_kw = dict(softmax_scale=pb.softmax_scale, window=case.window, softcap=case.softcap,
+                      **pb.ref_kwargs)
+        pt_out, _ = reference.attention(pb.q, pb.k, pb.v, compute_dtype=dtype,
+                                        learnable_sink=pb.sink, **ref_kw)
+        ref_t = ref_out.transpose(0, 2, 1, 3)[inside]
+        pt_t = np.asarray(pt_out).transpose(0, 2, 1, 3)[inside]
+        assert_fa4_close(out32[inside], ref_t.astype(dtype), pt_t, softcap=case.softcap > 0,
+                         name=f"{name} out (rows inside the range)")
+    return int(beyond.sum())

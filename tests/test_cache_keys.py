@@ -53,7 +53,8 @@ EXPECTED_FILES = {
         "convert", "geometry", "layout", "rows")} | {
         _K + "sm90/bwd_postprocess.py", _K + "sm90/bwd_common.py", _K + "sm90/bwd_config.py"},
     "sm100_fwd": _SPEC | _COMMON_FWD | {
-        _K + "common/geometry.py", _K + "sm100/flash_fwd.py", _K + "sm100/fwd_config.py", _K + "sm100/tile_order.py"},
+        _K + "common/geometry.py", _K + "common/softmax.py", _K + "sm100/flash_fwd.py",
+        _K + "sm100/fwd_config.py", _K + "sm100/tile_order.py"},
     "sm100_bwd": _SPEC | {_K + f"common/{m}.py" for m in (
         "geometry", "convert", "layout", "views")} | {_K + f"sm100/{m}.py" for m in (
         "bwd", "bwd_2cta", "bwd_config", "bwd_launcher")},
@@ -116,6 +117,7 @@ def test_keys_do_not_depend_on_where_the_package_lies(tmp_path):
     ("kernels/common/geometry.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess", "sm100_fwd",
                                     "sm100_bwd"}),
     ("kernels/common/mask.py", {"sm90_fwd"}),
+    ("kernels/common/softmax.py", {"sm90_fwd", "sm100_fwd"}),
     ("kernels/common/exp2.py", {"sm90_fwd", "sm100_fwd", "exp2_probe"}),
     ("kernels/spec.py", set(CONFIGS)),
     ("ffi/compiler.py", set(CONFIGS)),

@@ -13,6 +13,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
+#: zero_rows_from: the head dim from which its loop is rolled (unrolled below)
+ROLLED_FROM_DIM = 128
+
 
 def row_copy(dtype, dim: int, num_threads: int, tidx: Int32):
     """A tiled copy of (rows, dim) tiles of ``dtype`` by ``num_threads`` threads, 16 bytes a
@@ -46,18 +49,26 @@ def store_rows(s_x: cute.Tensor, g_x: cute.Tensor, rows: Int32, num_threads: cut
 def zero_rows_from(s_x: cute.Tensor, first: Int32, num_threads: cutlass.Constexpr,
                    tidx: Int32):
     """Write 0 to the rows ``first`` and up of the shared-memory tile s_x (rows, dim); the
-    caller fences them for WGMMA reads. A rolled loop over the thread's row steps with one
-    16-byte fragment of zeros: it runs once per sequence (its last tile), inside kernels whose
-    accumulators hold nearly every register, so it must add as few live values as possible."""
+    caller fences them for WGMMA reads. It runs once per sequence (its last tile), inside
+    kernels whose accumulators hold nearly every register, so it adds as few live values as it
+    can: one 16-byte fragment of zeros, stored by an unrolled loop over the thread's row steps
+    below head dim 128 and a rolled one from 128 on (the form that spills least at each: the
+    exhaustive ``precompile --check`` found local-window varlen backward spills with the
+    rolled loop at head dim 64 and with the unrolled one at head dim 128)."""
     tile = (cute.size(s_x, mode=[0]), cute.size(s_x, mode=[1]))
     tiled, thr = row_copy(s_x.element_type, tile[1], num_threads, tidx)
     t_s = thr.partition_D(s_x)
     t_c = thr.partition_D(cute.make_identity_tensor(tile))
     zeros = cute.make_fragment_like(t_s[None, 0, None])
     zeros.fill(0.0)
-    for m in cutlass.range(cute.size(t_s, mode=[1]), unroll=1):
-        if t_c[0, m, 0][0] >= first:
-            cute.copy(tiled, zeros, t_s[None, m, None])
+    if const_expr(tile[1] < ROLLED_FROM_DIM):
+        for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
+            if t_c[0, m, 0][0] >= first:
+                cute.copy(tiled, zeros, t_s[None, m, None])
+    else:
+        for m in cutlass.range(cute.size(t_s, mode=[1]), unroll=1):
+            if t_c[0, m, 0][0] >= first:
+                cute.copy(tiled, zeros, t_s[None, m, None])
 
 
 @cute.jit

@@ -5,6 +5,19 @@ softcap transform ran first) is folded into one FFMA per element before the hard
 Each thread owns whole row-segments; the row max is reduced across the 4 threads (a quad) that
 share a row, the row sum stays per thread until ``finalize``.
 
+The running max is kept scaled, R = round(m·scale_log2) in log2 units, and every use of it is
+R itself: each element's exponent is the one FFMA s·scale_log2 − R, the O-rescale factor
+exp2(R_old − R_new) and lse = (R + log2 Σ)·ln 2. The softmax is invariant to the shift, so the
+rounding of m·scale_log2 cancels: the result stays exact while the row's largest P,
+2^(m·scale_log2 − R) with the exponent at most half an ulp of R, stays well inside the range
+of P's 16-bit type and of float32: |R| < ``exact_limit_log2`` (2^31 with bf16 P, largest P
+2^±64; 2^27 with fp16 P, 2^±8), scores up to ~1.7e10 (bf16) or ~1e9 (fp16) at head dim 128 and
+the default scale. Past it ``finalize`` writes NaN to the row's lse and output: never a silently
+wrong or zero row. (Before, the elements subtracted round(m_new·scale_log2) while O was
+rescaled by exp2((m_old − m_new)·scale_log2), so key blocks could disagree by up to an ulp of R:
+an error of the order of float32's own rounding of such scores, but with no single shift there
+was no exact range to state, and rows past it came out as inf, 0 or wrong values.)
+
 Fully masked rows: a row max of -inf is replaced by 0 before exponentiating, so P = 0, the sum
 stays 0, and ``finalize`` returns a scale of 0 (O = 0) and lse = -inf. Never NaN. With a
 learnable sink (``reset_with_sink``) the sum starts at 1 at max σ: such a row gives O = 0 and
@@ -33,6 +46,12 @@ from jax_fa4.kernels.common.exp2 import exp2_is_software, exp2_sw
 from jax_fa4.kernels.common.layout import acc_view_mn
 
 LN2 = math.log(2.0)
+
+
+def exact_limit_log2(is_bf16: bool) -> float:
+    """The largest |scaled row max| (log2 units) the one-FFMA exponent is exact for, by P's
+    16-bit type (see the module docstring); rows past it are written as NaN."""
+    return 2.0 ** 31 if is_bf16 else 2.0 ** 27
 
 
 @cute.jit
@@ -81,8 +100,9 @@ class OnlineSoftmax:
     """
 
     def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float = 0.0,
-                 exp2_sw_per_32: int = 0):
+                 exp2_sw_per_32: int = 0, p_is_bf16: bool = True):
         self.scale_log2 = scale_log2
+        self.exact_limit = exact_limit_log2(p_is_bf16)
         self.num_rows = num_rows
         self.rescale_threshold = float(rescale_threshold)  # 0: rescale whenever the max grows
         self.exp2_sw_per_32 = int(exp2_sw_per_32)  # 0: every exp2 on MUFU
@@ -96,22 +116,27 @@ class OnlineSoftmax:
     @cute.jit
     def reset_with_sink(self, sink_log2: Float32) -> None:
         """Start every row from a learnable sink: a key of logit σ (``sink_log2`` = σ·log2 e;
-        -inf for none) and value 0, as if already seen: the max is σ in raw score units and the
-        sum is e^{σ − σ} = 1, spread over the quad's 4 threads (``finalize`` adds them). Every
+        -inf for none) and value 0, as if already seen: the scaled max is σ·log2 e and the sum
+        is e^{σ − σ} = 1, spread over the quad's 4 threads (``finalize`` adds them). Every
         block then runs the non-first step (``step(..., is_first=False)``), which joins the
         sink's term; with no sink that step is exact as well (the stale sum 0 scales to 0)."""
-        m0 = sink_log2 / self.scale_log2
         part = Float32(0.0) if sink_log2 == -Float32.inf else Float32(0.25)
         for r in cutlass.range_constexpr(self.num_rows):
-            self.row_max[r] = m0
+            self.row_max[r] = sink_log2
             self.row_sum[r] = part
 
     def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, is_first: bool):
-        """P = exp2(S·scale_log2 − m·scale_log2) in place; row_scale = factor to rescale O by."""
+        """P = exp2(S·scale_log2 − R) in place; row_scale = factor to rescale O by."""
         if self.rescale_threshold > 0.0 and not is_first:
             self.step_thresholded(acc_S, row_scale)
         else:
             self.step_always(acc_S, row_scale, is_first)
+
+    @cute.jit
+    def block_max_scaled(self, s_mn: cute.Tensor, r: cutlass.Constexpr[int]) -> Float32:
+        """The scaled max of row r of this block over the quad: round(max(s)·scale_log2)
+        (rounding is monotone, so the running max of these is the scaled running max)."""
+        return quad_allreduce_max(row_max_local(s_mn[r, None], None, False)) * self.scale_log2
 
     @cute.jit
     def step_always(self, acc_S: cute.Tensor, row_scale: cute.Tensor,
@@ -120,41 +145,39 @@ class OnlineSoftmax:
         s_mn = acc_view_mn(acc_S)
         n_cols = cute.size(s_mn, mode=[1])
         for r in cutlass.range_constexpr(self.num_rows):
-            m_prev = self.row_max[r]
-            m_new = row_max_local(s_mn[r, None], m_prev, not is_first)
-            m_new = quad_allreduce_max(m_new)
-            self.row_max[r] = m_new
-            m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
-            neg_m_scaled = -m_safe * self.scale_log2
-            self.exp2_row(s_mn, r, n_cols, neg_m_scaled)
+            r_prev = self.row_max[r]
+            r_new = self.block_max_scaled(s_mn, r)
+            if cutlass.const_expr(not is_first):
+                r_new = cute.arch.fmax(r_new, r_prev)
+            self.row_max[r] = r_new
+            r_safe = Float32(0.0) if r_new == -Float32.inf else r_new
+            self.exp2_row(s_mn, r, n_cols, -r_safe)
             p_sum = row_sum_local(s_mn[r, None])
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)
                 self.row_sum[r] = p_sum
             else:
-                # m_prev = -inf (nothing seen yet) gives exp2(-inf) = 0: correct, the sum was 0.
-                scale = cute.math.exp2((m_prev - m_safe) * self.scale_log2, fastmath=True)
+                # r_prev = -inf (nothing seen yet) gives exp2(-inf) = 0: correct, the sum was 0.
+                scale = cute.math.exp2(r_prev - r_safe, fastmath=True)
                 row_scale[r] = scale
                 self.row_sum[r] = self.row_sum[r] * scale + p_sum
 
     @cute.jit
     def step_thresholded(self, acc_S: cute.Tensor, row_scale: cute.Tensor):
-        """A non-first step with conditional rescaling: keep the stale max m_old unless
-        (m_new − m_old)·scale_log2 > rescale_threshold; row_scale is then exactly 1.0."""
+        """A non-first step with conditional rescaling: keep the stale max R_old unless
+        R_new − R_old > rescale_threshold; row_scale is then exactly 1.0."""
         s_mn = acc_view_mn(acc_S)
         n_cols = cute.size(s_mn, mode=[1])
         for r in cutlass.range_constexpr(self.num_rows):
-            m_prev = self.row_max[r]
-            m_new = row_max_local(s_mn[r, None], m_prev, True)
-            m_new = quad_allreduce_max(m_new)
-            m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
-            # <= 0; -inf when nothing was seen before (m_prev = -inf): then always rescale (by 0)
-            diff = (m_prev - m_safe) * self.scale_log2
+            r_prev = self.row_max[r]
+            r_new = cute.arch.fmax(self.block_max_scaled(s_mn, r), r_prev)
+            r_safe = Float32(0.0) if r_new == -Float32.inf else r_new
+            # <= 0; -inf when nothing was seen before (r_prev = -inf): then always rescale (by 0)
+            diff = r_prev - r_safe
             keep = diff >= Float32(-self.rescale_threshold)
-            m_used = m_prev if keep else m_safe
-            self.row_max[r] = m_prev if keep else m_new
-            neg_m_scaled = -m_used * self.scale_log2
-            self.exp2_row(s_mn, r, n_cols, neg_m_scaled)
+            r_used = r_prev if keep else r_safe
+            self.row_max[r] = r_prev if keep else r_new
+            self.exp2_row(s_mn, r, n_cols, -r_used)
             p_sum = row_sum_local(s_mn[r, None])
             scale = Float32(1.0) if keep else cute.math.exp2(diff, fastmath=True)
             row_scale[r] = scale
@@ -162,10 +185,10 @@ class OnlineSoftmax:
 
     @cute.jit
     def exp2_row(self, s_mn: cute.Tensor, r: cutlass.Constexpr[int],
-                 n_cols: cutlass.Constexpr[int], neg_m_scaled: Float32):
-        """s_mn[r, :] = exp2(s·scale_log2 − m·scale_log2), MUFU or the FMA-pipe polynomial."""
+                 n_cols: cutlass.Constexpr[int], neg_r: Float32):
+        """s_mn[r, :] = exp2(s·scale_log2 − R), MUFU or the FMA-pipe polynomial."""
         for c in cutlass.range_constexpr(n_cols):
-            x = s_mn[r, c] * self.scale_log2 + neg_m_scaled
+            x = s_mn[r, c] * self.scale_log2 + neg_r
             if cutlass.const_expr(exp2_is_software(c, self.exp2_sw_per_32)):
                 s_mn[r, c] = exp2_sw(x)
             else:
@@ -173,13 +196,19 @@ class OnlineSoftmax:
 
     @cute.jit
     def finalize(self, row_scale: cute.Tensor, lse: cute.Tensor):
-        """row_scale = 1/Σ (0 for empty rows); lse = ln Σ + m·scale (natural log), -inf if Σ = 0."""
+        """row_scale = 1/Σ (0 for empty rows); lse = (R + log2 Σ)·ln 2, -inf for empty rows.
+        A row past the exact range (|R| ≥ ``exact_limit``, R not -inf) gets NaN for both: its
+        output and lse are NaN, never silently wrong."""
         for r in cutlass.range_constexpr(self.num_rows):
             total = quad_allreduce_sum(self.row_sum[r])
+            r_max = self.row_max[r]
             empty = total == Float32(0.0)
-            row_scale[r] = Float32(0.0) if empty else cute.arch.rcp_approx(total)
-            m_scaled = self.row_max[r] * self.scale_log2
-            lse[r] = -Float32.inf if empty else (m_scaled + cute.math.log2(total, fastmath=True)) * LN2
+            broken = cute.arch.fmax(r_max, -r_max) >= Float32(self.exact_limit)
+            broken = broken and r_max != -Float32.inf
+            scale = Float32(0.0) if empty else cute.arch.rcp_approx(total)
+            lse_r = -Float32.inf if empty else (r_max + cute.math.log2(total, fastmath=True)) * LN2
+            row_scale[r] = Float32.nan if broken else scale
+            lse[r] = Float32.nan if broken else lse_r
 
 
 @cute.jit

@@ -93,6 +93,7 @@ from jax_fa4.kernels.common.exp2 import exp2_is_software, exp2_sw_x2
 from jax_fa4.kernels.common.geometry import (FwdBlocks, paged_keys, resolve_windows,
                                              varlen_sequence)
 from jax_fa4.kernels.common.layout import select_modes
+from jax_fa4.kernels.common.softmax import exact_limit_log2
 from jax_fa4.kernels.common.views import dim_major, seq_major
 from jax_fa4.kernels.sm100 import tile_order
 from jax_fa4.kernels.sm100.fwd_config import FwdConfig
@@ -803,7 +804,9 @@ class FlashAttentionForwardSm100:
                 idx, sched, blk, paged, varlen)
             n_blocks = n_max - n_min
             row = (m_block * self.q_tiles + t) * self.tile_m + tTcS[0][0]  # this thread's row
-            row_max = Float32(-math.inf)  # the max actually applied to P (conditional rescale)
+            # the scaled max actually applied to P, R = round(m·scale_log2) (conditional
+            # rescale); every use is R itself, so its rounding cancels (common/softmax.py)
+            row_max = Float32(-math.inf)
             row_sum = Float32(0.0)
             for j in cutlass.range(n_blocks, unroll=1):
                 n_block = n_max - 1 - j
@@ -826,25 +829,29 @@ class FlashAttentionForwardSm100:
                 cute.arch.mbarrier_arrive(p_full + buf)
             count += n_blocks
             empty = row_sum == 0.0 or row_sum != row_sum
+            # past the one-FFMA exponent's exact range: NaN output and lse (common/softmax.py)
+            broken = cute.arch.fmax(row_max, -row_max) >= Float32(exact_limit_log2(self.is_bf16))
+            broken = broken and row_max != -Float32.inf
             if n_blocks > 0:
                 # 1/Σ for the epilogue (1 for rows with no visible key: O stays 0)
                 cute.arch.mbarrier_wait(sum_empty + t, (sums + 1) % 2)
-                sSum[lane, t] = Float32(1.0) if empty else cute.arch.rcp_approx(row_sum)
+                inv = Float32(1.0) if empty else cute.arch.rcp_approx(row_sum)
+                sSum[lane, t] = Float32.nan if broken else inv
                 cute.arch.mbarrier_arrive(sum_full + t)
                 sums += 1
             if row < tblk[0]:
                 lse = Float32(-math.inf)
                 if not empty:
-                    lse = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2
-                mLSE[row, head, batch] = lse
+                    lse = (row_max + cute.math.log2(row_sum, fastmath=True)) * LN2
+                mLSE[row, head, batch] = Float32.nan if broken else lse
 
     @cute.jit
     def row_max_step(self, tSrS: cute.Tensor, tTcS: cute.Tensor, row: Int32, n_block: Int32,
                      row_max: Float32, scale_log2: Float32, softcap_in_scale: Float32,
                      blk: cutlass.Constexpr):
-        """Softcap and mask one key block of one row in place; return the new applied max and
-        the factor O and the row sum must be rescaled by (1.0 when the conditional rescale keeps
-        the old max)."""
+        """Softcap and mask one key block of one row in place; return the new applied scaled
+        max and the factor O and the row sum must be rescaled by (1.0 when the conditional
+        rescale keeps the old max)."""
         n = cute.size(tSrS)
         if const_expr(self.has_softcap):
             for i in cutlass.range_constexpr(n):
@@ -869,28 +876,27 @@ class FlashAttentionForwardSm100:
             for a in cutlass.range_constexpr(4):
                 acc[a] = cute.arch.fmax(acc[a], cute.arch.fmax(tSrS[i + a], tSrS[i + 4 + a]))
         blk_max = cute.arch.fmax(cute.arch.fmax(acc[0], acc[1]), cute.arch.fmax(acc[2], acc[3]))
-        m_new = cute.arch.fmax(row_max, blk_max)
+        m_new = cute.arch.fmax(row_max, blk_max * scale_log2)
         # conditional rescale: move the applied max only when it grew by more than the
         # threshold (log2 units); -inf -> finite is +inf (moves), -inf -> -inf is NaN (stays)
-        need = m_new * scale_log2 - row_max * scale_log2 > self.rescale_threshold
+        need = m_new - row_max > self.rescale_threshold
         acc_scale = Float32(1.0)
         if need:
-            acc_scale = cute.math.exp2(row_max * scale_log2 - m_new * scale_log2, fastmath=True)
+            acc_scale = cute.math.exp2(row_max - m_new, fastmath=True)
             row_max = m_new
         return row_max, acc_scale
 
     @cute.jit
     def exponentiate(self, tSrS: cute.Tensor, row_max: Float32, row_sum: Float32,
                      acc_scale: Float32, scale_log2: Float32, p_io: cutlass.Constexpr, buf):
-        """P = exp2(S·c − m·c) (MUFU and the software exp2 by the config's share), converted to
+        """P = exp2(S·c − R) (MUFU and the software exp2 by the config's share), converted to
         16-bit pairs and stored to TMEM (P of S buffer ``buf``) chunk by chunk, so a chunk's
         registers die as soon as it is stored; return the rescaled row sum plus this block's."""
         st_p, tTtP0, tTcP, p_chunk = p_io
         tTtP = cute.make_tensor(tTtP0.iterator + buf * self.tile_n + self.tile_n // 2,
                                 tTtP0.layout)
         n = cute.size(tSrS)
-        m_safe = Float32(0.0) if row_max == -Float32.inf else row_max
-        neg_m_scaled = -m_safe * scale_log2
+        neg_m_scaled = Float32(0.0) if row_max == -Float32.inf else -row_max
         sums = [(Float32(0.0), Float32(0.0)), (Float32(0.0), Float32(0.0))]
         per_chunk = 2 * p_chunk  # scores per P chunk
         for c in cutlass.range_constexpr(n // per_chunk):

@@ -103,7 +103,7 @@ from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows
 from jax_fa4.kernels.common.views import seq_major
 from jax_fa4.kernels.sm90.bwd_common import (dq_fragment_view, make_smem_layout,
                                              make_tiled_mma_dq, sequence)
-from jax_fa4.kernels.sm90.bwd_config import BwdConfig
+from jax_fa4.kernels.sm90.bwd_config import BwdConfig, sink_smem_floats
 
 LOG2_E = math.log2(math.e)
 _FLT_MIN_NORMAL = 1.1754943508222875e-38  # 2**-126
@@ -362,10 +362,7 @@ class FlashAttentionBackwardSm90:
         stats_stages = self.stages if self.stats_smem else 1
         stats_elems = stats_stages * self.tile_m if self.stats_smem else 4
         dq_elems = self.dq_elems
-        # sink_grad: one running sum per MMA thread (in shared memory: the MMA warpgroups'
-        # registers are all taken), then one per MMA warp
-        sink_elems = (self.num_mma_threads + self.num_mma_threads // 32 + 4 if self.sink_grad
-                      else 4)
+        sink_elems = sink_smem_floats(self.num_mma_threads) if self.sink_grad else 4
 
         @cute.struct
         class SharedStorage:
@@ -466,7 +463,7 @@ class FlashAttentionBackwardSm90:
         sSink = None
         if const_expr(self.sink_grad):
             sSink = storage.sSink.get_tensor(
-                cute.make_layout(self.num_mma_threads + self.num_mma_threads // 32 + 4))
+                cute.make_layout(sink_smem_floats(self.num_mma_threads)))
 
         # Run-time scalars. Windows: -1 (any negative) = unbounded, clamped to a bound that covers
         # every key / query so that all block arithmetic stays small and in Int32.

@@ -102,6 +102,12 @@ def varlen_attention_backward_signature(dtype: str, head_dim: int, head_dim_v: i
 SMEM_LIMIT_BYTES = 227 * 1024 - 1024
 
 
+def sink_smem_floats(num_mma_threads: int) -> int:
+    """sink_grad's shared memory in floats: a running sum per MMA thread (the MMA warpgroups'
+    registers are all taken), a partial per MMA warp, and 4 spare."""
+    return num_mma_threads + num_mma_threads // 32 + 4
+
+
 @dataclass(frozen=True)
 class Sm90BwdTuning:
     tile_m: int  # query rows per iteration (64 or 128)
@@ -310,8 +316,7 @@ class BwdConfig(KernelConfig):
         pds = (1 if self.swap_sdp else 2) * self.pds_stages * self.tile_m * self.tile_n * e
         dq = 0 if self.dq_red else self.tile_m * self.head_dim * 4
         stats = 2 * self.stages * self.tile_m * 4 if self.stats_smem else 0
-        # sink_grad: a running sum per MMA thread, a partial per MMA warp
-        sink = (256 + 8 + 4) * 4 if self.sink_grad else 0
+        sink = sink_smem_floats(self.num_mma_warpgroups * 128) * 4 if self.sink_grad else 0
         return q + do + k + v + pds + dq + stats + sink
 
     def postprocess_config(self) -> "BwdPostprocessConfig":

@@ -668,7 +668,8 @@ class FlashAttentionForwardSm90:
         t0ScS = tiled_mma_qk.get_slice(0).partition_C(cS)
 
         num_rows = cute.size(acc_view_mn(acc_O), mode=[0])
-        softmax = OnlineSoftmax(scale_log2, num_rows, self.rescale_threshold, self.exp2_sw_per_32)
+        softmax = OnlineSoftmax(scale_log2, num_rows, self.rescale_threshold, self.exp2_sw_per_32,
+                                self.is_bf16)
         softmax.reset_with_sink(sink_log2)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
 
