@@ -15,9 +15,12 @@ nothing else. The sink's gradient comes from the same bound backward
 sink's share of the output's rowsum from its float32 view of the output (``sum_j P_ij dP_ij``),
 else ``-sum_i P_sink_i * delta_i`` (:func:`jax_fa4.reference.sink_gradient`'s rule).
 
-Segment ids, or a sink on the reference (:func:`attention_with_extras`): the reference's own
-``custom_vjp`` over ``(q, k, v, sink)``, whose forward saves ``(q, k, v, sink, out, lse)`` and
-whose backward is the reference's explicit FlashAttention backward plus the sink's gradient.
+Segment ids (:func:`attention_with_extras`): the backend's forward kernel with segment ids
+where it has one (``Backend.segments_forward``: key blocks that share no id with a query tile
+skipped, :mod:`jax_fa4.segments`), else the reference; either way the backward is the
+reference's explicit FlashAttention backward plus the sink's gradient (no backward kernel
+takes segment ids yet). A sink on the reference: the reference's own ``custom_vjp`` over
+``(q, k, v, sink)``, whose forward saves ``(q, k, v, sink, out, lse)``.
 
 Varlen (:func:`varlen`): one ``custom_vjp`` over the packed batch, jitted with the backend's plan
 as a static argument; its backward is the backend's varlen backward, or the reference's packed
@@ -177,6 +180,22 @@ def _extras_bwd(opts, residuals, cotangents):
 _extras.defvjp(_extras_fwd, _extras_bwd)
 
 
+# -- segment ids on a forward kernel ----------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _segments_kernel(q, k, v, sink, segments, opts):
+    return backends.get(opts.implementation).segments_forward(
+        q, k, v, segments.q_segment_ids, segments.kv_segment_ids, opts, sink)
+
+
+def _segments_kernel_fwd(q, k, v, sink, segments, opts):
+    out, lse = _segments_kernel(q, k, v, sink, segments, opts)
+    return (out, lse), (q, k, v, sink, segments, out, lse)
+
+
+# the backward: the reference's explicit backward (no backward kernel takes segment ids yet)
+_segments_kernel.defvjp(_segments_kernel_fwd, _extras_bwd)
+
+
 def attention_with_extras(
     q: jax.Array,
     k: jax.Array,
@@ -202,10 +221,19 @@ def attention_with_extras(
     what = " and ".join(name for name, x in (("learnable_sink", learnable_sink),
                                              ("segment_ids", segment_ids)) if x is not None)
     backend = backends.get(opts.implementation)
-    base.choose(backend, "attention with " + (what or "extras"),
-                backend.supports_extras(what or "this call"), opts, call="call")
     q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
-    return _extras(q, k, v, learnable_sink, Segments(q_ids, kv_ids), opts)
+    segments = Segments(q_ids, kv_ids)
+    if segment_ids is not None:
+        reason = backend.supports_segments(q, k, v, opts)
+        if reason is None and learnable_sink is not None and learnable_sink.ndim != 1:
+            reason = "a learnable sink per batch entry (vmap) does not reach the kernel"
+        chosen = base.choose(backend, "attention with " + what, reason, opts, call="call")
+        if chosen is not base.REFERENCE_BACKEND:
+            return _segments_kernel(q, k, v, learnable_sink, segments, opts)
+    else:
+        base.choose(backend, "attention with " + (what or "extras"),
+                    backend.supports_extras(what or "this call"), opts, call="call")
+    return _extras(q, k, v, learnable_sink, segments, opts)
 
 
 # -- varlen ------------------------------------------------------------------------------------

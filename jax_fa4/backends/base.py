@@ -11,7 +11,8 @@ entry point                   supports                             called from
 ``forward``                   ``supports_forward``                 dense forward (per shard)
 ``backward_preprocess``       ``supports_preprocess``              dense / varlen backward
 ``backward``                  ``supports_backward``                dense backward (per shard)
-(reference custom_vjp)        ``supports_extras``                  sink + segment ids
+(reference custom_vjp)        ``supports_extras``                  sink (+ segment ids)
+``segments_forward``          ``supports_segments``                segment-id forward
 ``varlen_forward``            ``varlen_plan`` (a plan, or reason)  packed varlen forward
 ``varlen_backward``           ``supports_varlen_backward``         packed varlen backward
 ``paged_forward``             ``paged_plan`` (a plan, or reason)   paged KV forward
@@ -377,6 +378,11 @@ class Backend:
     def supports_extras(self, what: str) -> str | None:
         """None when this backend takes ``what`` (``"learnable_sink"``, ``"segment_ids"``)
         itself, else why not (the reference's custom_vjp then serves them)."""
+        return None
+
+    def supports_segments(self, q, k, v, opts) -> str | None:
+        """None when this backend serves a call with segment ids (a kernel backend: by
+        ``segments_forward``; the reference: its own custom_vjp), else why not."""
         return None
 
     # -- varlen ---------------------------------------------------------------------------------

@@ -127,6 +127,11 @@ class KernelBackend(Backend):
                    has_softcap: bool):
         raise ValueError(f"there is no paged kernel for implementation={self.name!r}")
 
+    def make_segments(self, dtype: str, head_dim: int, head_dim_v: int, mask: str,
+                      has_softcap: bool):
+        """The forward config with segment ids (jax_fa4.segments' tables)."""
+        raise ValueError(f"there is no {self.name} kernel with segment ids yet")
+
     def backward_configs(self, q, k, v, opts) -> tuple:
         """(main config, postprocess config or None) of the dense backward; raises ValueError if
         unsupported."""
@@ -280,6 +285,42 @@ class KernelBackend(Backend):
     def supports_extras(self, what: str) -> str | None:
         return (f"there is no {self.name} kernel for {what} yet (implementation=None or "
                 "'reference' runs the pure-JAX reference)")
+
+    # -- segment ids -----------------------------------------------------------------------------
+    def segments_config(self, q, k, v, opts):
+        """The forward kernel config with segment ids serving this call, or the reason none
+        does (a str)."""
+        dtype = jnp.dtype(q.dtype).name
+        if dtype not in KERNEL_DTYPES:
+            return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
+        return _config_or_reason(self.make_segments, dtype, q.shape[3], v.shape[3],
+                                 mask_kind(opts.window), opts.softcap > 0)
+
+    def supports_segments(self, q, k, v, opts) -> str | None:
+        config = self.segments_config(q, k, v, opts)
+        return config if isinstance(config, str) else None
+
+    def segments_forward(self, q, k, v, q_ids, kv_ids, opts, sink: jax.Array | None = None
+                         ) -> tuple[jax.Array, jax.Array]:
+        """(out, lse) of the forward kernel with segment ids ``q_ids`` (B, Sq) / ``kv_ids``
+        (B, Sk) (:mod:`jax_fa4.segments`' tables; key blocks sharing no id with a query tile
+        are skipped) and the learnable ``sink`` (H,) joined (in the kernel's softmax for
+        ``kernel_sinks`` families)."""
+        from jax_fa4 import segments
+        from jax_fa4.ffi.call import call_kernel
+
+        config = self.segments_config(q, k, v, opts)
+        assert not isinstance(config, str), config
+        tiles, rows, kv_ids = segments.forward_tables(q_ids, kv_ids, config.tile_m,
+                                                      config.tile_n)
+        b, sq, h, _ = q.shape
+        in_kernel = sink if self.kernel_sinks else None
+        out, lse = call_kernel(
+            config, self.arch, q, k, v, kernel_params(opts, q.shape[3], in_kernel), tiles,
+            rows, kv_ids,
+            out_shapes=(jax.ShapeDtypeStruct((b, sq, h, v.shape[3]), q.dtype),
+                        jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
+        return (out, lse) if self.kernel_sinks else join_sink(out, lse, sink)
 
     # -- varlen ----------------------------------------------------------------------------------
     def varlen_config(self, q, v, opts, max_seqlen_q: int):

@@ -180,6 +180,9 @@ class Sm90Backend(KernelBackend):
     def make_forward(self, dtype, head_dim, head_dim_v, mask, has_softcap):
         return fwd_config.FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap)
 
+    def make_segments(self, dtype, head_dim, head_dim_v, mask, has_softcap):
+        return fwd_config.segments_config(dtype, head_dim, head_dim_v, mask, has_softcap)
+
     def make_decode(self, dtype, head_dim, head_dim_v, has_softcap, rows, out_f32=False):
         option = decode_tile_option()
         if out_f32:  # the decode tile only has float32-out configs (more rows: more m blocks)

@@ -5,8 +5,8 @@ no NaN, rows without keys exactly 0 with lse -inf (or the sink), the other rows 
 gradients against a float64 oracle by FA4's rule (tests/numerics.py). Device memory is filled
 with NaN before every kernel run, so a row the kernels should write and do not is caught.
 
-The segment-id cases run on the CPU only (tests/test_extreme_numerics.py): no kernel takes
-segment ids yet, and a forced ``implementation="sm90"`` refuses them.
+The segment-id cases run the forward kernel with segment ids (their backward: the
+reference's).
 
 Kernels needed in the cache: the head-dim-128 dense, varlen and paged configs of the shipped
 rows (``--suite tests``).
@@ -41,7 +41,7 @@ def _beyond(case) -> bool:
 
 KERNEL_CASES = [
     pytest.param(case, marks=BEYOND_FFMA) if _beyond(case) else case
-    for case in CASES if case.segments is None]
+    for case in CASES]
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: c.name)
@@ -49,7 +49,7 @@ def test_extreme_case_sm90(case):
     check_case(case, "sm90", before_run=poison_device_memory)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.segments is None and _beyond(c)],
+@pytest.mark.parametrize("case", [c for c in CASES if _beyond(c)],
                          ids=lambda c: c.name)
 def test_beyond_the_exact_range_is_nan(case):
     """Rows past the exact range are NaN in out and lse; rows without keys stay 0 / -inf; the

@@ -5,8 +5,8 @@ of 64, 128 and 256 keys) and checked against the same naive float32 / bfloat16 o
 (tests/attention_properties.py). Outputs land in NaN-poisoned memory, so a row a kernel should
 write and does not is caught.
 
-Segment ids have no kernel yet: that property runs ``implementation=None``, i.e. the reference
-on the GPU (marked ``reference_fallback``).
+Segment ids run the forward kernel with segment ids; their backward is the reference's (no
+backward kernel takes them yet).
 
 Default profile ``jax-fa4-gpu`` (more examples than the CPU file, derandomized); choose another
 with ``JAX_FA4_HYPOTHESIS_PROFILE`` (e.g. ``jax-fa4-explore``). Kernels needed in the cache:
@@ -43,13 +43,12 @@ def test_dense_matches_naive(case):
     check_dense(case, IMPLEMENTATION, GPU_SPACE, before_call=poison_device_memory)
 
 
-@pytest.mark.reference_fallback
 @profile(GPU_PROFILE, weight=0.5)
 @given(case=dense_cases(GPU_SPACE, segments=True))
 def test_segment_ids_match_naive(case):
-    """flash_attention(segment_ids=...) with the default implementation: the reference on the
-    GPU (no kernel takes segment ids yet)."""
-    check_dense(case, None, GPU_SPACE, before_call=poison_device_memory)
+    """flash_attention(segment_ids=...) on the forward kernel with segment ids (packed and
+    arbitrary ids); the gradients by the reference's backward on its out and lse."""
+    check_dense(case, IMPLEMENTATION, GPU_SPACE, before_call=poison_device_memory)
 
 
 @profile(GPU_PROFILE)

@@ -34,6 +34,12 @@ by the producer warp one block ahead of its load (V reuses K's entry), and batch
 seqused_k[b] keys, clamped to [0, the table row's keys] (the key-length tail mask and the
 causal/window alignment use that length).
 
+Segment ids (FwdConfig.segments, not persistent): three tables from jax_fa4/segments.py: per
+query tile its key-block range and unmasked bulk (the range is intersected with the mask's; the
+blocks outside the bulk are masked), per row its key span [start, end) and id (a per-row window,
+AttentionMask.apply), and the keys' ids, compared key by key only in tiles flagged as holding
+an id that is not one contiguous run.
+
 Varlen (FwdConfig.varlen, not persistent): q, k, v, out are packed sequences viewed as one batch
 entry (1, total, H, ·); CTA (m, h, b) reads sequence b's rows [cu_seqlens[b], cu_seqlens[b + 1])
 through TMA from that offset (rows past the sequence are loaded but masked as the key tail, or
@@ -78,7 +84,8 @@ from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows
 from jax_fa4.kernels.common.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from jax_fa4.kernels.common.tile_scheduler import PersistentTileScheduler, SingleTileScheduler
 from jax_fa4.kernels.common.views import seq_major
-from jax_fa4.kernels.sm90.fwd_config import FwdConfig
+from jax_fa4.kernels.sm90.fwd_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, SEG_N_HI, SEG_N_LO,
+                                            SEG_ROW_END, SEG_ROW_ID, SEG_ROW_START, FwdConfig)
 
 LOG2_E = math.log2(math.e)
 # Persistent scheduling: K+V bytes of the (batch, head) pairs of one L2 section (H200 L2: 60 MB)
@@ -141,6 +148,7 @@ class FlashAttentionForwardSm90:
         self.paged = cfg.paged
         self.varlen = cfg.varlen
         self.out_f32 = cfg.out_f32
+        self.segments = cfg.segments
         # K/V rows past the keys are loaded from memory the caller does not promise to be finite
         # (the next sequence or padding tokens; a page's unused slots): V's must be zeroed, as
         # P = 0 there does not cancel a NaN or Inf in P·V (scores are masked by selection)
@@ -153,7 +161,9 @@ class FlashAttentionForwardSm90:
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mParams: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mPageTable: cute.Tensor | None = None, mSeqUsedK: cute.Tensor | None = None,
-                 mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None):
+                 mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None,
+                 mSegTiles: cute.Tensor | None = None, mSegRows: cute.Tensor | None = None,
+                 mKvIds: cute.Tensor | None = None):
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("out", mO)):
             expected = Float32 if const_expr(name == "out" and self.out_f32) else self.dtype
             if const_expr(t.element_type != expected):
@@ -167,9 +177,16 @@ class FlashAttentionForwardSm90:
                       self.varlen != (mCuSeqlensK is not None)):
             raise TypeError("cu_seqlens_q and cu_seqlens_k are given exactly when the config is "
                             "varlen")
-        if const_expr(self.paged or self.varlen):
+        if const_expr(self.segments != (mSegTiles is not None) or
+                      self.segments != (mSegRows is not None) or
+                      self.segments != (mKvIds is not None)):
+            raise TypeError("seg_tiles, seg_rows and kv_ids are given exactly when the config "
+                            "has segments")
+        if const_expr(self.paged or self.varlen or self.segments):
             for name, t in (("page_table", mPageTable), ("seqused_k", mSeqUsedK),
-                            ("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK)):
+                            ("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK),
+                            ("seg_tiles", mSegTiles), ("seg_rows", mSegRows),
+                            ("kv_ids", mKvIds)):
                 if const_expr(t is None):
                     continue
                 if const_expr(t.element_type != Int32):
@@ -229,7 +246,7 @@ class FlashAttentionForwardSm90:
             grid = SingleTileScheduler.grid_shape(num_m_blocks, mQ.shape[2], mQ.shape[3])
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mO if const_expr(self.varlen) else None, mLSE, mParams,
-            mPageTable, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK,
+            mPageTable, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK, mSegTiles, mSegRows, mKvIds,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
@@ -256,7 +273,8 @@ class FlashAttentionForwardSm90:
                mO_gmem: cute.Tensor | None, mLSE: cute.Tensor, mParams: cute.Tensor,
                mPageTable: cute.Tensor | None, mSeqUsedK: cute.Tensor | None,
                mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
-               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               mSegTiles: cute.Tensor | None, mSegRows: cute.Tensor | None,
+               mKvIds: cute.Tensor | None, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_O: cute.CopyAtom,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
@@ -329,6 +347,10 @@ class FlashAttentionForwardSm90:
                                    seqlen_q, seqlen_k, window_left, window_right)
             n_block_min, n_block_max = block_info.n_block_range(m_block,
                                                                 past_end_empty=self.varlen)
+            if const_expr(self.segments):
+                # the key blocks some row of the tile shares an id with (the caller's table)
+                n_block_min = cutlass.max(n_block_min, mSegTiles[batch, m_block, SEG_N_LO])
+                n_block_max = cutlass.min(n_block_max, mSegTiles[batch, m_block, SEG_N_HI])
 
             if warp_idx < 4:  # producer warpgroup
                 cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -357,7 +379,9 @@ class FlashAttentionForwardSm90:
                          scale_log2, softcap_in_scale, mask, block_info,
                          m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
                          self.sink_log2(mParams, head),
-                         varlen_out=(mO_gmem, q_offset) if const_expr(self.varlen) else None)
+                         varlen_out=(mO_gmem, q_offset) if const_expr(self.varlen) else None,
+                         segments=((mSegTiles, mSegRows, mKvIds) if const_expr(self.segments)
+                                   else None))
                 if const_expr(self.varlen):
                     if batch == mCuSeqlensQ.shape[0] - 1:
                         zero_padding_rows(mO_gmem, mCuSeqlensQ, head,
@@ -646,12 +670,13 @@ class FlashAttentionForwardSm90:
             scale_log2: Float32, softcap_in_scale, mask: AttentionMask, block_info: FwdBlocks,
             m_block: Int32, head: Int32, batch: Int32, n_block_min: Int32, n_block_max: Int32,
             seqlen_q: Int32, wg_idx: Int32, sink_log2: Float32,
-            states: cutlass.Constexpr = None, varlen_out=None):
+            states: cutlass.Constexpr = None, varlen_out=None, segments=None):
         """One tile's mainloop and epilogue. ``sink_log2``: the rows' learnable sink times
         log2 e (-inf: none). ``states`` (persistent scheduling): the consumer's
         (k, v, q) pipeline states carried from the previous tile; returned advanced.
         ``varlen_out`` (varlen): (the packed output in global memory, the sequence's first row),
-        for the row-predicated store."""
+        for the row-predicated store. ``segments`` (segment ids): the (seg_tiles, seg_rows,
+        kv_ids) tables of FwdConfig.segments."""
         persistent = states is not None
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
@@ -672,16 +697,30 @@ class FlashAttentionForwardSm90:
                                 self.is_bf16)
         softmax.reset_with_sink(sink_log2)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
+        segs = None
+        if const_expr(segments is not None):
+            segs = self.segment_rows(segments, tScS, m_block, batch, seqlen_q, num_rows)
 
         ctx = dict(tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
                    tOrVt=tOrVt, acc_O=acc_O, tOrP=tOrP, acc_S_shape=acc_S_shape, tScS=tScS,
                    t0ScS=t0ScS, softmax=softmax, row_scale=row_scale, mask=mask,
                    softcap_in_scale=softcap_in_scale, pipeline_k=pipeline_k,
-                   pipeline_v=pipeline_v, m_block=m_block, wg_idx=wg_idx, sV=sV, tidx=tidx)
-        masked = self.is_causal or self.is_local
-        # block boundaries between the mask regions (see mma loop below)
-        n_lo_right = block_info.n_block_min_right_mask(m_block, n_block_min)
+                   pipeline_v=pipeline_v, m_block=m_block, wg_idx=wg_idx, sV=sV, tidx=tidx,
+                   segs=segs)
+        masked = self.is_causal or self.is_local or self.segments
+        # block boundaries between the mask regions (see mma loop below): blocks >= n_lo_right
+        # cut the causal / right-window diagonal, blocks < n_lo_bulk the left-window edge
+        if const_expr(self.is_causal or self.is_local):
+            n_lo_right = block_info.n_block_min_right_mask(m_block, n_block_min)
+        else:
+            n_lo_right = n_block_max
         n_lo_bulk = block_info.n_block_max_left_mask(m_block, n_block_min)
+        if const_expr(segments is not None):
+            # segment ids: every block outside the tile's bulk is masked too
+            tiles = segments[0]
+            n_lo_right = cutlass.max(
+                cutlass.min(n_lo_right, tiles[batch, m_block, SEG_BULK_HI]), n_block_min)
+            n_lo_bulk = cutlass.max(n_lo_bulk, tiles[batch, m_block, SEG_BULK_LO])
 
         if const_expr(persistent):
             k_state, v_state, q_state = states
@@ -708,8 +747,8 @@ class FlashAttentionForwardSm90:
             # 3) the bulk, unmasked
             for i in cutlass.range(n_hi - n_lo_bulk, unroll=1):
                 k_state, v_state = block(ctx, k_state, v_state, n_hi - 1 - i, False, False, False)
-            # 4) blocks cutting the left-window edge
-            if const_expr(self.is_local):
+            # 4) blocks cutting the left-window edge (or below the segments' bulk)
+            if const_expr(self.is_local or self.segments):
                 n_hi = cutlass.min(n_hi, n_lo_bulk)
                 for i in cutlass.range(n_hi - n_block_min, unroll=1):
                     k_state, v_state = block(ctx, k_state, v_state, n_hi - 1 - i, False, False, True)
@@ -780,6 +819,24 @@ class FlashAttentionForwardSm90:
             return k_state, v_state, q_state
 
     @cute.jit
+    def segment_rows(self, segments: cutlass.Constexpr, tScS: cute.Tensor, m_block: Int32,
+                     batch: Int32, seqlen_q: Int32, num_rows: cutlass.Constexpr[int]):
+        """The mask's segment tables for this thread's rows (AttentionMask.apply's ``segs``):
+        each row's key span and id in registers (rows past seqlen_q read the last row's), the
+        batch entry's key ids, and the tile's compare-ids flag."""
+        tiles, rows, kv_ids = segments
+        c_mn = acc_view_mn(tScS)
+        start = cute.make_rmem_tensor(num_rows, Int32)
+        end = cute.make_rmem_tensor(num_rows, Int32)
+        row_id = cute.make_rmem_tensor(num_rows, Int32)
+        for r in cutlass.range_constexpr(num_rows):
+            row = cutlass.min(m_block * self.tile_m + c_mn[r, 0][0], seqlen_q - 1)
+            start[r] = rows[batch, row, SEG_ROW_START]
+            end[r] = rows[batch, row, SEG_ROW_END]
+            row_id[r] = rows[batch, row, SEG_ROW_ID]
+        return start, end, row_id, kv_ids[batch, None], tiles[batch, m_block, SEG_IDS]
+
+    @cute.jit
     def store_tile_tma(self, sO: cute.Tensor, mO: cute.Tensor, tma_atom_O: cute.CopyAtom,
                        pipeline_q, q_state, warp_idx: Int32, m_block: Int32, head: Int32,
                        batch: Int32, persistent: cutlass.Constexpr[bool], q_offset=None):
@@ -813,7 +870,8 @@ class FlashAttentionForwardSm90:
                 acc_S[i] = cute.math.tanh(acc_S[i] * ctx["softcap_in_scale"], fastmath=True)
         if const_expr(mask_seqlen or mask_diag):
             ctx["mask"].apply(acc_S, ctx["tScS"], ctx["t0ScS"], ctx["m_block"], n_block,
-                              mask_seqlen, mask_diag and self.is_causal, mask_diag and self.is_local)
+                              mask_seqlen, mask_diag and self.is_causal, mask_diag and self.is_local,
+                              ctx["segs"] if const_expr(mask_diag) else None)
 
     @cute.jit
     def serial_block(self, ctx: cutlass.Constexpr, k_state, v_state, n_block: Int32,
@@ -932,7 +990,8 @@ class FlashAttentionForwardSm90:
 def make_launcher(cfg: FwdConfig):
     """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config,
     ``fn(stream, q, k_cache, v_cache, params, page_table, seqused_k, out, lse)`` when it is paged,
-    ``fn(stream, q, k, v, params, cu_seqlens_q, cu_seqlens_k, out, lse)`` when it is varlen."""
+    ``fn(stream, q, k, v, params, cu_seqlens_q, cu_seqlens_k, out, lse)`` when it is varlen,
+    ``fn(stream, q, k, v, params, seg_tiles, seg_rows, kv_ids, out, lse)`` with segment ids."""
     kernel = FlashAttentionForwardSm90(cfg)
     if cfg.paged:
         @cute.jit
@@ -951,6 +1010,16 @@ def make_launcher(cfg: FwdConfig):
                    mCuSeqlensK=cu_seqlens_k)
 
         return sm90_fwd_varlen
+    if cfg.segments:
+        @cute.jit
+        def sm90_fwd_segments(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                              v: cute.Tensor, params: cute.Tensor, seg_tiles: cute.Tensor,
+                              seg_rows: cute.Tensor, kv_ids: cute.Tensor, out: cute.Tensor,
+                              lse: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, mSegTiles=seg_tiles, mSegRows=seg_rows,
+                   mKvIds=kv_ids)
+
+        return sm90_fwd_segments
 
     @cute.jit
     def sm90_fwd(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,

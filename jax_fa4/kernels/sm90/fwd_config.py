@@ -129,6 +129,13 @@ class FwdConfig(KernelConfig):
     # memory staging): the split-KV chunks of jax_fa4/backends/decode.py, merged in float32, and
     # decode / paged calls whose learnable sink joins afterwards (one rounding of the output).
     out_f32: bool = False
+    # Segment ids (called by jax_fa4/backends/kernel.py): query i sees key j only if their ids
+    # are equal, from three tables the caller derives from the ids (jax_fa4/segments.py): each
+    # query tile's key-block range and unmasked bulk, each row's key span [start, end) and id,
+    # and the keys' ids (compared one by one only in tiles whose rows' ids are not contiguous
+    # runs of the keys). Key blocks outside a tile's range are skipped, not masked
+    # (segments_attention_forward_signature).
+    segments: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -184,6 +191,11 @@ class FwdConfig(KernelConfig):
         if self.out_f32 and (self.varlen or self.num_sms):
             raise ValueError("sm90 forward: a float32 out is implemented for one tile per CTA "
                              "and not varlen (num_sms must be 0, varlen False)")
+        if self.segments and (self.paged or self.varlen or self.num_sms or self.qo_head_major
+                              or self.out_f32):
+            raise ValueError("sm90 forward: segment ids are implemented for dense calls with one "
+                             "tile per CTA (not paged, varlen, persistent, head-major or with a "
+                             "float32 out)")
         if self.paged and self.num_sms:
             raise ValueError("sm90 forward: paged KV is not implemented with persistent scheduling "
                              "(num_sms must be 0)")
@@ -249,6 +261,9 @@ class FwdConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
+        if self.segments:
+            return segments_attention_forward_signature(self.dtype, self.head_dim,
+                                                        self.head_dim_v)
         if self.varlen:
             return varlen_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
         if self.paged:
@@ -269,6 +284,35 @@ class FwdConfig(KernelConfig):
 
         return dataclasses.replace(sig, inputs=tuple(map(head_major, sig.inputs)),
                                    outputs=tuple(map(head_major, sig.outputs)))
+
+
+#: Columns of the segment-id tile table (one row of 8 int32 per query tile, 32 bytes): the key
+#: blocks [SEG_N_LO, SEG_N_HI) the tile visits, the bulk [SEG_BULK_LO, SEG_BULK_HI) of them that
+#: every row sees whole (no mask), and SEG_IDS: 1 if some row's id is not one contiguous run of
+#: the keys (masked blocks then compare ids key by key).
+SEG_N_LO, SEG_N_HI, SEG_BULK_LO, SEG_BULK_HI, SEG_IDS = range(5)
+SEG_TILE_COLUMNS = 8
+#: Columns of the per-row table: the row's key span [SEG_ROW_START, SEG_ROW_END) (the first and
+#: one past the last key with its id; empty if none) and its id SEG_ROW_ID.
+SEG_ROW_START, SEG_ROW_END, SEG_ROW_ID = range(3)
+SEG_ROW_COLUMNS = 4
+
+
+def segments_attention_forward_signature(dtype: str, head_dim: int, head_dim_v: int
+                                         ) -> KernelSignature:
+    """``fn(stream, q, k, v, params, seg_tiles, seg_rows, kv_ids, out, lse)`` of the forward
+    kernels with segment ids: :func:`spec.attention_forward_signature`'s tensors plus
+    seg_tiles (B, num_query_tiles, 8) int32, seg_rows (B, Sq, 4) int32 (columns SEG_*) and
+    kv_ids (B, Sk) int32, the keys' segment ids."""
+    base = attention_forward_signature(dtype, head_dim, head_dim_v)
+    b, sq, _, _ = base.inputs[0].sample_shape
+    sk = base.inputs[1].sample_shape[1]
+    extra = (
+        TensorArg("seg_tiles", "int32", (b, sq // 64, SEG_TILE_COLUMNS), (1, 1, SEG_TILE_COLUMNS)),
+        TensorArg("seg_rows", "int32", (b, sq, SEG_ROW_COLUMNS), (1, 1, SEG_ROW_COLUMNS)),
+        TensorArg("kv_ids", "int32", (b, sk), (1, 1)),
+    )
+    return dataclasses.replace(base, inputs=base.inputs + extra)
 
 
 #: Query rows of the decode tile (one consumer warpgroup): the rows of a decode call after GQA
@@ -350,6 +394,13 @@ def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask
     return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, num_sms=0, varlen=True)
 
 
+def segments_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
+                    mask: str = "none", has_softcap: bool = False) -> FwdConfig:
+    """The forward with segment ids for a problem kind: the table's tile, one tile per CTA."""
+    return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, num_sms=0,
+                          segments=True)
+
+
 def fallback_configs() -> list[FwdConfig]:
     """The simpler serial mainloop (no intra-warpgroup overlap) at hdim 128 bf16: a cross-check
     for the GPU tests, and a fallback should the overlapped mainloop misbehave."""
@@ -359,8 +410,8 @@ def fallback_configs() -> list[FwdConfig]:
 
 def shipped_configs() -> list[FwdConfig]:
     """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and
-    fp16, the decode config of each row, and the paged and varlen configs of each row and mask
-    kind; the decode and paged ones also with a float32 out."""
+    fp16, the decode config of each row, and the paged, varlen and segment-id configs of each
+    row and mask kind; the decode and paged ones also with a float32 out."""
     out = []
     for dtype in FLOAT_DTYPES:
         for (d, dv), row in TUNING_TABLE.items():
@@ -371,6 +422,7 @@ def shipped_configs() -> list[FwdConfig]:
                 out += [paged_config(dtype, d, dv, mask, softcap, out_f32=f32)
                         for mask in row for f32 in (False, True)]
                 out += [varlen_config(dtype, d, dv, mask, softcap) for mask in row]
+                out += [segments_config(dtype, d, dv, mask, softcap) for mask in row]
     return out
 
 

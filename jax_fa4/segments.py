@@ -1,0 +1,118 @@
+"""Segment ids as tables the kernels read: no (Sq × Sk) mask anywhere.
+
+Query ``i`` sees key ``j`` only if ``q_ids[i] == kv_ids[j]`` (on top of causal / window). The
+kernels never compare ids key by key where they need not: for each query row,
+:func:`row_spans` finds the span of keys carrying its id, ``[first, last + 1)``, and whether
+that span holds its id only (a *contiguous* run: packed documents). A row then sees exactly
+the keys of its span, a window-like bound the kernels apply per row as they apply causal and
+sliding windows. For each query tile, :func:`tile_table` derives the key blocks any of its rows
+sees (the rest are skipped, not masked) and the bulk of them every row sees whole (no mask at
+all); a tile holding a row whose id is not one contiguous run is flagged, and the kernel then
+compares ids key by key in its masked blocks (its bulk is empty): exact for any ids.
+
+Everything here is O(S log S) per batch entry (a sort and two binary searches), traced under
+``jax.jit`` with the ids: a new packing never recompiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_fa4.kernels.sm90 import fwd_config as _cols
+
+
+def row_spans(q_ids: jax.Array, kv_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each query row's key span and whether its id is one contiguous run of the keys.
+
+    Args:
+        q_ids: (B, Sq) int32 segment ids of the queries.
+        kv_ids: (B, Sk) int32 segment ids of the keys.
+
+    Returns:
+        ``(start, end, contiguous)``, each (B, Sq): ``[start, end)`` from the first key with
+        the row's id to one past the last (``(0, 0)`` when no key has it), int32; and whether
+        every key of that span has the row's id (True for an empty span).
+    """
+    def one(qi, ki):
+        perm = jnp.argsort(ki, stable=True)  # equal ids keep their positions' order
+        sorted_ids = ki[perm]
+        lo = jnp.searchsorted(sorted_ids, qi, side="left")
+        hi = jnp.searchsorted(sorted_ids, qi, side="right")
+        count = (hi - lo).astype(jnp.int32)
+        has = count > 0
+        last_index = ki.shape[0] - 1
+        first = perm[jnp.minimum(lo, last_index)].astype(jnp.int32)
+        last = perm[jnp.clip(hi - 1, 0, last_index)].astype(jnp.int32)
+        start = jnp.where(has, first, 0)
+        end = jnp.where(has, last + 1, 0)
+        return start, end, end - start == count
+
+    return jax.vmap(one)(q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32))
+
+
+def _ceil_div(x, n: int):
+    return (x + n - 1) // n
+
+
+def tile_table(start: jax.Array, end: jax.Array, contiguous: jax.Array, tile_m: int,
+               tile_n: int) -> jax.Array:
+    """The per-query-tile table of the forward kernels (columns ``SEG_*`` of
+    :mod:`jax_fa4.kernels.sm90.fwd_config`), (B, ceil(Sq / tile_m), 8) int32.
+
+    For the rows ``[m·tile_m, (m+1)·tile_m) ∩ [0, Sq)`` of tile m, from :func:`row_spans`:
+
+    * ``[n_lo, n_hi)``: the key blocks (of ``tile_n`` keys) some row's span meets; (0, 0) when
+      every span is empty;
+    * ``[bulk_lo, bulk_hi)``, inside it: the blocks every row's span covers whole, when every
+      row of the tile is non-empty and contiguous (else empty: ``bulk_lo = bulk_hi = n_hi``);
+    * ``ids``: 1 when some row is not contiguous (its blocks compare ids key by key).
+    """
+    b, sq = start.shape
+    m_blocks = _ceil_div(sq, tile_m)
+    pad = m_blocks * tile_m - sq
+    big = jnp.iinfo(jnp.int32).max
+
+    def tiles(x, fill):
+        return jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill).reshape(b, m_blocks, tile_m)
+
+    nonempty = end > start
+    # key blocks any row meets (empty rows ignored)
+    first_key = tiles(jnp.where(nonempty, start, big), big).min(-1)
+    last_key = tiles(jnp.where(nonempty, end, 0), 0).max(-1)
+    any_row = last_key > 0
+    n_lo = jnp.where(any_row, first_key // tile_n, 0)
+    n_hi = jnp.where(any_row, _ceil_div(last_key, tile_n), 0)
+    # blocks every row covers whole: [ceil(max start / tn), floor(min end / tn))
+    whole = tiles(nonempty & contiguous, True).all(-1)
+    bulk_lo = _ceil_div(tiles(start, 0).max(-1), tile_n)
+    bulk_hi = tiles(end, big).min(-1) // tile_n
+    has_bulk = whole & (bulk_hi > bulk_lo)
+    bulk_lo = jnp.where(has_bulk, jnp.clip(bulk_lo, n_lo, n_hi), n_hi)
+    bulk_hi = jnp.where(has_bulk, jnp.clip(bulk_hi, bulk_lo, n_hi), n_hi)
+    ids = ~tiles(contiguous, True).all(-1)
+    columns = {_cols.SEG_N_LO: n_lo, _cols.SEG_N_HI: n_hi, _cols.SEG_BULK_LO: bulk_lo,
+               _cols.SEG_BULK_HI: bulk_hi, _cols.SEG_IDS: ids}
+    zero = jnp.zeros((b, m_blocks), jnp.int32)
+    return jnp.stack([columns.get(c, zero).astype(jnp.int32)
+                      for c in range(_cols.SEG_TILE_COLUMNS)], axis=-1)
+
+
+def row_table(start: jax.Array, end: jax.Array, q_ids: jax.Array) -> jax.Array:
+    """The per-row table of the forward kernels, (B, Sq, 4) int32: span start, span end, id."""
+    columns = {_cols.SEG_ROW_START: start, _cols.SEG_ROW_END: end, _cols.SEG_ROW_ID: q_ids}
+    zero = jnp.zeros_like(start)
+    return jnp.stack([columns.get(c, zero).astype(jnp.int32)
+                      for c in range(_cols.SEG_ROW_COLUMNS)], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("tile_m", "tile_n"))
+def forward_tables(q_ids: jax.Array, kv_ids: jax.Array, tile_m: int, tile_n: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(seg_tiles, seg_rows, kv_ids) of a forward kernel with segment ids and this tile."""
+    q_ids, kv_ids = q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+    start, end, contiguous = row_spans(q_ids, kv_ids)
+    return (tile_table(start, end, contiguous, tile_m, tile_n), row_table(start, end, q_ids),
+            kv_ids)

@@ -1,0 +1,235 @@
+"""The segment-id tables of the forward kernels (jax_fa4.segments) against brute force.
+
+The kernel's rule is simulated in NumPy from the tables alone (what FwdConfig.segments reads):
+tile m visits key blocks [n_lo, n_hi) intersected with nothing else; a block in the bulk is
+unmasked; every other visited block masks each row to its span [start, end), and, in a tile
+flagged ``ids``, also every key whose id differs from the row's. That must equal
+``q_ids[i] == kv_ids[j]`` exactly, and the bulk must never hold a pair with different ids.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa4
+from jax_fa4 import backends, reference, segments
+from jax_fa4.kernels.sm90 import fwd_config as cols
+
+
+def packed_ids(rng, b, s, max_docs, pad_id=None):
+    """(B, S) contiguous runs of increasing ids (packing), optionally ending in padding."""
+    out = np.empty((b, s), np.int32)
+    for row in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, s), size=rng.integers(0, max_docs), replace=False))
+        ids = np.zeros(s, np.int32)
+        for c in cuts:
+            ids[c:] += 1
+        if pad_id is not None:
+            ids[s - rng.integers(0, s // 3 + 1):] = pad_id
+        out[row] = ids
+    return out
+
+
+def simulate(q_ids, kv_ids, tile_m, tile_n):
+    """(visible (B, Sq, Sk) by the kernel's rule from the tables, the tables)."""
+    tiles, rows, kv = (np.asarray(x) for x in segments.forward_tables(q_ids, kv_ids, tile_m,
+                                                                      tile_n))
+    b, sq = q_ids.shape
+    sk = kv_ids.shape[1]
+    vis = np.zeros((b, sq, sk), bool)
+    for bi in range(b):
+        for m in range(tiles.shape[1]):
+            t = tiles[bi, m]
+            r = rows[bi, m * tile_m:(m + 1) * tile_m, :, None]  # (rows, columns, 1)
+            for n in range(t[cols.SEG_N_LO], t[cols.SEG_N_HI]):
+                keys = np.arange(n * tile_n, min((n + 1) * tile_n, sk))
+                block = vis[bi, m * tile_m:(m + 1) * tile_m, n * tile_n:(n + 1) * tile_n]
+                if t[cols.SEG_BULK_LO] <= n < t[cols.SEG_BULK_HI]:
+                    block[:] = True
+                    continue
+                ok = (keys >= r[:, cols.SEG_ROW_START]) & (keys < r[:, cols.SEG_ROW_END])
+                if t[cols.SEG_IDS]:
+                    ok &= kv[bi, keys] == r[:, cols.SEG_ROW_ID]
+                block[:] = ok
+    return vis, tiles
+
+
+def check(q_ids, kv_ids, tile_m, tile_n):
+    vis, tiles = simulate(q_ids, kv_ids, tile_m, tile_n)
+    expected = q_ids[:, :, None] == kv_ids[:, None, :]
+    np.testing.assert_array_equal(vis, expected)
+    # the bulk holds equal ids only; the visited range holds every visible pair
+    for bi in range(q_ids.shape[0]):
+        for m, t in enumerate(tiles[bi]):
+            rows = slice(m * tile_m, (m + 1) * tile_m)
+            lo, hi = t[cols.SEG_BULK_LO] * tile_n, t[cols.SEG_BULK_HI] * tile_n
+            assert expected[bi, rows, lo:hi].all()
+            seen = np.nonzero(expected[bi, rows].any(0))[0]
+            if seen.size:
+                assert t[cols.SEG_N_LO] <= seen[0] // tile_n
+                assert seen[-1] // tile_n < t[cols.SEG_N_HI]
+    return tiles
+
+
+@pytest.mark.parametrize("tile_m, tile_n", [(128, 128), (64, 176), (192, 128)])
+@pytest.mark.parametrize("seed", range(3))
+def test_packed_documents(seed, tile_m, tile_n):
+    rng = np.random.default_rng(seed)
+    s = int(rng.integers(300, 900))
+    ids = packed_ids(rng, 3, s, max_docs=6)
+    tiles = check(ids, ids, tile_m, tile_n)
+    assert not tiles[..., cols.SEG_IDS].any()  # contiguous runs: spans only
+    # long documents leave an unmasked bulk
+    one = np.zeros((1, 1000), np.int32)
+    t = check(one, one, tile_m, tile_n)
+    assert (t[..., cols.SEG_BULK_HI] > t[..., cols.SEG_BULK_LO]).any()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_non_contiguous_ids_compare_key_by_key(seed):
+    rng = np.random.default_rng(100 + seed)
+    sq, sk = int(rng.integers(100, 500)), int(rng.integers(100, 500))
+    q_ids = rng.integers(0, 4, (2, sq)).astype(np.int32)
+    kv_ids = rng.integers(0, 5, (2, sk)).astype(np.int32)
+    tiles = check(q_ids, kv_ids, 128, 128)
+    assert tiles[..., cols.SEG_IDS].any()
+
+
+def test_cross_attention_pairs_and_missing_ids():
+    rng = np.random.default_rng(7)
+    q_ids = packed_ids(rng, 2, 333, max_docs=4, pad_id=-1)  # -1: no key has it
+    kv_ids = packed_ids(rng, 2, 517, max_docs=4, pad_id=-2)
+    tiles = check(q_ids, kv_ids, 128, 128)
+    # rows whose id no key has: empty spans
+    start, end, contiguous = (np.asarray(x) for x in segments.row_spans(q_ids, kv_ids))
+    assert (start[q_ids == -1] == end[q_ids == -1]).all()
+    assert contiguous[q_ids == -1].all()
+    assert tiles.shape == (2, 3, cols.SEG_TILE_COLUMNS)
+
+
+def test_row_spans_brute_force():
+    rng = np.random.default_rng(11)
+    q_ids = rng.integers(0, 6, (3, 57)).astype(np.int32)
+    kv_ids = np.sort(rng.integers(0, 6, (3, 91)), axis=1).astype(np.int32)
+    kv_ids[1] = rng.permutation(kv_ids[1])
+    start, end, contiguous = (np.asarray(x) for x in segments.row_spans(q_ids, kv_ids))
+    for b in range(3):
+        for i in range(57):
+            hits = np.nonzero(kv_ids[b] == q_ids[b, i])[0]
+            if hits.size == 0:
+                assert (start[b, i], end[b, i], contiguous[b, i]) == (0, 0, True)
+                continue
+            assert (start[b, i], end[b, i]) == (hits[0], hits[-1] + 1)
+            assert contiguous[b, i] == (hits.size == hits[-1] + 1 - hits[0])
+
+
+# -- the API route on an emulated kernel -------------------------------------------------------
+def _table_visible(config, tiles, rows, kv_ids, sq, sk):
+    """(B, Sq, Sk) bool: the keys each query sees by the kernel's segment rule, from the
+    tables alone (``simulate``'s rule, in JAX)."""
+    i = jnp.arange(sq)[:, None]
+    j = jnp.arange(sk)[None, :]
+    t = tiles[:, i // config.tile_m, :]  # (B, Sq, 1, 8)
+    n = j // config.tile_n
+    visited = (n >= t[..., cols.SEG_N_LO]) & (n < t[..., cols.SEG_N_HI])
+    bulk = (n >= t[..., cols.SEG_BULK_LO]) & (n < t[..., cols.SEG_BULK_HI])
+    r = rows[:, :, None, :]
+    span = (j >= r[..., cols.SEG_ROW_START]) & (j < r[..., cols.SEG_ROW_END])
+    same = kv_ids[:, None, :] == r[..., cols.SEG_ROW_ID]
+    return visited & (bulk | (span & ((t[..., cols.SEG_IDS] == 0) | same)))
+
+
+def _emulated_segments_kernel(window, calls):
+    """A stand-in for the sm90 forward kernel with segment ids
+    (fwd_config.segments_attention_forward_signature): float32 attention under the window and
+    the mask its tables give (:func:`_table_visible`), scale and softcap from params, the
+    learnable sinks params carries past its 4 scalars joined."""
+    def kernel(config, arch, q, k, v, params, tiles, rows, kv_ids, *, out_shapes):
+        assert config.segments and config.kernel_name == "sm90_fwd" and arch == "sm_90a"
+        calls.append(config)
+        b, sq, h, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        visible = _table_visible(config, tiles, rows, kv_ids, sq, sk)
+        visible &= reference.visible_mask(sq, sk, window)[None]
+        kr = jnp.repeat(k.astype(jnp.float32), h // hkv, axis=2)
+        vr = jnp.repeat(v.astype(jnp.float32), h // hkv, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kr) * params[0]
+        if config.has_softcap:
+            s = params[1] * jnp.tanh(s / params[1])
+        s = jnp.where(visible[:, None], s, -jnp.inf)
+        if params.shape[0] > 4:  # a sink: one more logit of value 0
+            sink = jnp.broadcast_to(params[4:, None], s.shape[:3])[..., None]  # (B, H, Sq, 1)
+            s = jnp.concatenate([s, sink], axis=-1)
+            vr = jnp.concatenate([vr, jnp.zeros_like(vr[:, :1])], axis=1)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        e = jnp.exp(s - m)
+        total = e.sum(-1, keepdims=True)
+        out = jnp.einsum("bhqk,bkhd->bqhd", e / jnp.where(total > 0, total, 1.0), vr)
+        lse = jnp.where(total[..., 0] > 0, (m + jnp.log(total))[..., 0], -jnp.inf)
+        return out.astype(out_shapes[0].dtype), lse
+    return kernel
+
+
+@pytest.mark.parametrize("kwargs, with_sink, ids_kind", [
+    (dict(causal=True), False, "packed"),
+    (dict(window_size=(40, 5), softcap=15.0), True, "packed"),
+    (dict(), True, "random"),
+], ids=["causal", "window-softcap-sink", "random-ids-sink"])
+def test_kernel_route_with_an_emulated_kernel(kwargs, with_sink, ids_kind, monkeypatch):
+    """implementation="sm90" with segment ids runs the segment-id forward kernel on the
+    tables jax_fa4.segments builds (the emulated kernel reads the mask from them alone) and
+    the reference's backward on its out and lse: the same forward and gradients as the
+    reference route, without the (Sq × Sk) mask reaching the kernel."""
+    from jax_fa4.ffi import call
+
+    rng = np.random.default_rng(len(repr(kwargs)))
+    b, s, h, hkv, d = 2, 300, 4, 2, 64
+    ids = packed_ids(rng, b, s, 5) if ids_kind == "packed" else rng.integers(
+        0, 3, (b, s)).astype(np.int32)
+    q, k, v, dout = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in (
+        (b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, h, d)))
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32) if with_sink else None
+    window = (kwargs.get("window_size", (None, None))[0], 0) if kwargs.get("causal") else \
+        kwargs.get("window_size", (None, None))
+    calls = []
+    monkeypatch.setattr(call, "call_kernel", _emulated_segments_kernel(window, calls))
+
+    def run(implementation):
+        def f(q, k, v, s):
+            return jax_fa4.flash_attention(q, k, v, segment_ids=jnp.asarray(ids),
+                                           learnable_sink=s, return_lse=True,
+                                           implementation=implementation, **kwargs)
+        (out, lse), vjp = jax.vjp(f, q, k, v, sink)
+        return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
+
+    got = run("sm90")
+    assert calls and all(c.segments and c.head_dim == d for c in calls), calls
+    assert calls[0] == backends.get("sm90").make_segments(
+        "bfloat16", d, d, "causal" if kwargs.get("causal") else
+        "local" if "window_size" in kwargs else "none", "softcap" in kwargs)
+    monkeypatch.undo()
+    want = run("reference")
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv", "dsink"), got, want):
+        if w is None:
+            assert g is None, name
+            continue
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w), err_msg=name)
+        fin = np.isfinite(w)
+        bound = 0.02 * max(1.0, float(np.abs(w[fin]).max()))
+        assert float(np.abs(g[fin] - w[fin]).max()) <= bound, (name, np.abs(g - w).max())
+
+
+@pytest.mark.parametrize("implementation, dtype, words", [
+    ("sm90", jnp.float32, "bfloat16 or float16"),
+    ("sm100", jnp.bfloat16, "no sm100 kernel with segment ids"),
+])
+def test_a_forced_kernel_that_cannot_serve_says_why(implementation, dtype, words):
+    q = jnp.ones((1, 64, 2, 64), dtype)
+    ids = jnp.zeros((1, 64), jnp.int32)
+    with pytest.raises(jax_fa4.ImplementationUnavailableError, match=words):
+        jax_fa4.flash_attention(q, q, q, segment_ids=ids, implementation=implementation)
