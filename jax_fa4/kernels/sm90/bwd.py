@@ -103,7 +103,10 @@ from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows
 from jax_fa4.kernels.common.views import seq_major
 from jax_fa4.kernels.sm90.bwd_common import (dq_fragment_view, make_smem_layout,
                                              make_tiled_mma_dq, sequence)
-from jax_fa4.kernels.sm90.bwd_config import BwdConfig, sink_smem_floats
+from jax_fa4.kernels.sm90.bwd_config import (SEG_KEY_M_HI, SEG_KEY_M_LO, BwdConfig,
+                                             sink_smem_floats)
+from jax_fa4.kernels.sm90.fwd_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, SEG_ROW_END,
+                                             SEG_ROW_ID, SEG_ROW_START)
 
 LOG2_E = math.log2(math.e)
 _FLT_MIN_NORMAL = 1.1754943508222875e-38  # 2**-126
@@ -220,6 +223,7 @@ class FlashAttentionBackwardSm90:
         self.deterministic = cfg.deterministic
         self.varlen = cfg.varlen
         self.sink_grad = cfg.sink_grad  # (bwd_config.BwdConfig)
+        self.segments = cfg.segments  # (bwd_config.BwdConfig)
         # deterministic + causal: dQ adds in descending key-block order, key blocks launched
         # from the last one down. A causal key block's first query block is the diagonal one,
         # so the higher key block n+1 reaches each query block two (tile_n / tile_m) steps
@@ -300,7 +304,15 @@ class FlashAttentionBackwardSm90:
                  mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  mdQsem: cute.Tensor | None = None, mCuSeqlensQ: cute.Tensor | None = None,
                  mCuSeqlensK: cute.Tensor | None = None, mWork: cute.Tensor | None = None,
-                 mSinkPart: cute.Tensor | None = None):
+                 mSinkPart: cute.Tensor | None = None, mSegTiles: cute.Tensor | None = None,
+                 mSegKeys: cute.Tensor | None = None, mSegRows: cute.Tensor | None = None,
+                 mKvIds: cute.Tensor | None = None):
+        segs = (mSegTiles, mSegKeys, mSegRows, mKvIds)
+        if const_expr(any(self.segments != (t is not None) for t in segs)):
+            raise TypeError("seg_tiles, seg_keys, seg_rows and kv_ids are passed exactly when "
+                            "the config has segments")
+        if const_expr(self.segments and any(t.element_type != Int32 for t in segs)):
+            raise TypeError("the segment tables must be int32")
         if const_expr(self.sink_grad != (mSinkPart is not None)):
             raise TypeError("sink_part is passed exactly when the config is sink_grad")
         if const_expr(mSinkPart is not None and mSinkPart.element_type != Float32):
@@ -393,6 +405,7 @@ class FlashAttentionBackwardSm90:
             sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout,
             mma_sdp, mma_dk, mma_dv, mma_dq, SharedStorage, mdQsem,
             mCuSeqlensQ, mCuSeqlensK, mWork, mdK_rows, mdV_rows, mSinkPart,
+            mSegTiles, mSegKeys, mSegRows, mKvIds,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------------------------------------
@@ -412,7 +425,9 @@ class FlashAttentionBackwardSm90:
                mdQsem: cute.Tensor | None, mCuSeqlensQ: cute.Tensor | None,
                mCuSeqlensK: cute.Tensor | None, mWork: cute.Tensor | None,
                mdK_rows: cute.Tensor | None, mdV_rows: cute.Tensor | None,
-               mSinkPart: cute.Tensor | None):
+               mSinkPart: cute.Tensor | None, mSegTiles: cute.Tensor | None,
+               mSegKeys: cute.Tensor | None, mSegRows: cute.Tensor | None,
+               mKvIds: cute.Tensor | None):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
@@ -499,6 +514,13 @@ class FlashAttentionBackwardSm90:
         block_info = BwdBlocks(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                   seqlen_q, seqlen_k, window_left, window_right)
         m_block_min, m_block_max = block_info.m_block_range(n_block)
+        segs = None
+        if const_expr(self.segments):
+            # the query blocks with a row that shares an id with this key block (the caller's
+            # table); a block outside its query tile's bulk is masked (mma, mask_p)
+            m_block_min = cutlass.max(m_block_min, mSegKeys[batch, n_block, SEG_KEY_M_LO])
+            m_block_max = cutlass.min(m_block_max, mSegKeys[batch, n_block, SEG_KEY_M_HI])
+            segs = (mSegTiles, mSegRows, mKvIds)
 
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
@@ -523,7 +545,8 @@ class FlashAttentionBackwardSm90:
                      n_block, head, head_dkv, batch, m_block_min, m_block_max,
                      seqlen_q, seqlen_k, block_info, q_offset, k_offset, mdK_rows, mdV_rows,
                      seq, mCuSeqlensK, pipeline_stats, sLSE, sDelta, mdQacc,
-                     (mSinkPart, sSink, x_block) if const_expr(self.sink_grad) else None)
+                     (mSinkPart, sSink, x_block) if const_expr(self.sink_grad) else None,
+                     segs)
 
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -731,7 +754,7 @@ class FlashAttentionBackwardSm90:
             m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32,
             block_info: BwdBlocks, q_offset=None, k_offset=None, mdK_rows=None,
             mdV_rows=None, seq=None, mCuSeqlensK=None, pipeline_stats=None, sLSE=None,
-            sDelta=None, mdQacc=None, sink=None):
+            sDelta=None, mdQacc=None, sink=None, segs=None):
         tm, tn, D, Dv = self.tile_m, self.tile_n, self.hdim, self.hdimv
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         tidx_in_wg = tidx % 128
@@ -865,6 +888,11 @@ class FlashAttentionBackwardSm90:
                                         state.index, per_col=False)
 
                     need_mask = self.block_needs_mask(block_info, m_block, n_block, kv_tail)
+                    if const_expr(segs is not None):
+                        tiles = segs[0]
+                        need_mask = need_mask or (
+                            n_block < tiles[batch, m_block, SEG_BULK_LO]
+                            or n_block >= tiles[batch, m_block, SEG_BULK_HI])
 
                     s_mn = acc_view_mn(acc_S)
                     dp_mn = acc_view_mn(acc_dP)
@@ -875,7 +903,9 @@ class FlashAttentionBackwardSm90:
                             self.release_previous(pipeline_q, state)
                     self.scores_to_p(s_mn, lse, scale_log2, tanh_in_scale, per_col=False)
                     if need_mask:
-                        self.mask_p(s_mn, tScS_mn, m_block, n_block, block_info)
+                        self.mask_p(s_mn, tScS_mn, m_block, n_block, block_info,
+                                    segs=None if const_expr(segs is None) else
+                                    (*segs, batch, seqlen_q, seqlen_k))
 
                     # P -> shared memory (the previous iteration's readers are done: see PDS)
                     if const_expr(self.pds_stages == 1):
@@ -1233,20 +1263,46 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def mask_p(self, p_mn: cute.Tensor, c_mn: cute.Tensor, m_block: Int32, n_block: Int32,
-               block_info: BwdBlocks, transposed: cutlass.Constexpr[bool] = False):
+               block_info: BwdBlocks, transposed: cutlass.Constexpr[bool] = False,
+               segs: cutlass.Constexpr = None):
         """P ← 0 where row m_block·tm + r does not see key n_block·tn + c (rows past seqlen_q
-        already have P = 0). ``transposed``: p_mn is Pᵀ (rows = keys, columns = queries)."""
+        already have P = 0). ``transposed``: p_mn is Pᵀ (rows = keys, columns = queries).
+        ``segs`` (segment ids, not transposed): (seg_tiles, seg_rows, kv_ids, batch, seqlen_q,
+        seqlen_k): each row also sees only its key span, and in a tile flagged for ids only the
+        keys of its id (the rows' spans and ids are read here, on masked blocks only)."""
         q_mode, k_mode = (1, 0) if const_expr(transposed) else (0, 1)
+        has_segs = segs is not None
+        col0 = n_block * self.tile_n
+        compare_ids = Int32(0)
+        if const_expr(has_segs):
+            tiles, rows, kv_ids, batch, seqlen_q, seqlen_k = segs
+            compare_ids = tiles[batch, m_block, SEG_IDS]
         for i in cutlass.range_constexpr(cute.size(p_mn, mode=[q_mode])):
             row = m_block * self.tile_m + c_mn[(0, i) if const_expr(transposed) else (i, 0)][q_mode]
             lo, hi = BwdBlocks.visible_cols(block_info, row, n_block)
+            if const_expr(has_segs):
+                r = cutlass.min(row, seqlen_q - 1)
+                hi = cutlass.min(hi, rows[batch, r, SEG_ROW_END] - col0)
+                start = rows[batch, r, SEG_ROW_START] - col0
+                lo = cutlass.max(lo, start) if const_expr(self.is_local) else start
             for j in cutlass.range_constexpr(cute.size(p_mn, mode=[k_mode])):
                 idx = (j, i) if const_expr(transposed) else (i, j)
                 col = c_mn[idx][k_mode]
                 visible = col < hi
-                if const_expr(self.is_local):
+                if const_expr(self.is_local or has_segs):
                     visible = visible and col >= lo
                 p_mn[idx] = p_mn[idx] if visible else Float32(0.0)
+        if const_expr(has_segs):
+            if compare_ids != 0:
+                n_rows = cute.size(p_mn, mode=[0])
+                row_ids = cute.make_rmem_tensor(n_rows, Int32)
+                for i in cutlass.range_constexpr(n_rows):
+                    row = cutlass.min(m_block * self.tile_m + c_mn[(i, 0)][0], seqlen_q - 1)
+                    row_ids[i] = rows[batch, row, SEG_ROW_ID]
+                for j in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
+                    key_id = kv_ids[batch, cutlass.min(col0 + c_mn[(0, j)][1], seqlen_k - 1)]
+                    for i in cutlass.range_constexpr(n_rows):
+                        p_mn[i, j] = p_mn[i, j] if key_id == row_ids[i] else Float32(0.0)
 
     @cute.jit
     def store_dkv_f32(self, acc: cute.Tensor, mX: cute.Tensor, thr_mma, tile: cutlass.Constexpr,
@@ -1265,8 +1321,9 @@ class FlashAttentionBackwardSm90:
 
 def make_launcher(cfg: BwdConfig):
     """The `@cute.jit` launcher ``fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum,
-    [dq_sem,] dk, dv)`` for this config (dq_accum and dq_sem are updated in place; dq_sem only
-    for deterministic configs)."""
+    [dq_sem | seg_tiles, seg_keys, seg_rows, kv_ids,] dk, dv [, sink_part])`` for this config
+    (dq_accum and dq_sem are updated in place; dq_sem only for deterministic configs, the
+    segment tables only with segments)."""
     kernel = FlashAttentionBackwardSm90(cfg)
 
     if cfg.varlen:
@@ -1311,6 +1368,31 @@ def make_launcher(cfg: BwdConfig):
                    mSinkPart=sink_part)
 
         return sm90_bwd_deterministic_sink if cfg.sink_grad else sm90_bwd_deterministic
+
+    if cfg.segments:
+        @cute.jit
+        def sm90_bwd_segments(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                              v: cute.Tensor, dout: cute.Tensor, lse_log2: cute.Tensor,
+                              delta: cute.Tensor, params: cute.Tensor, dq_accum: cute.Tensor,
+                              seg_tiles: cute.Tensor, seg_keys: cute.Tensor,
+                              seg_rows: cute.Tensor, kv_ids: cute.Tensor, dk: cute.Tensor,
+                              dv: cute.Tensor):
+            kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dk, dv,
+                   mSegTiles=seg_tiles, mSegKeys=seg_keys, mSegRows=seg_rows, mKvIds=kv_ids)
+
+        @cute.jit
+        def sm90_bwd_segments_sink(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                                   v: cute.Tensor, dout: cute.Tensor, lse_log2: cute.Tensor,
+                                   delta: cute.Tensor, params: cute.Tensor,
+                                   dq_accum: cute.Tensor, seg_tiles: cute.Tensor,
+                                   seg_keys: cute.Tensor, seg_rows: cute.Tensor,
+                                   kv_ids: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor,
+                                   sink_part: cute.Tensor):
+            kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, dk, dv,
+                   mSinkPart=sink_part, mSegTiles=seg_tiles, mSegKeys=seg_keys,
+                   mSegRows=seg_rows, mKvIds=kv_ids)
+
+        return sm90_bwd_segments_sink if cfg.sink_grad else sm90_bwd_segments
 
     @cute.jit
     def sm90_bwd(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,

@@ -45,9 +45,11 @@ tiled MMA to undo it, so the two configs must agree on (tile_m, head_dim): use
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from jax_fa4.kernels.sm90.fwd_config import SEG_ROW_COLUMNS, SEG_TILE_COLUMNS
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
                                   TensorArg, attention_backward_signature,
                                   check_dtype_and_mask, lookup_tuning)
@@ -55,6 +57,10 @@ from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, Kernel
 
 #: Columns of a varlen backward work row (varlen_attention_backward_signature).
 WORK_COLUMNS = 8
+
+#: Columns of the segment-id key-block table (with_segment_tables): the query blocks
+#: [SEG_KEY_M_LO, SEG_KEY_M_HI) a key block visits (jax_fa4/segments.py).
+SEG_KEY_M_LO, SEG_KEY_M_HI = 0, 1
 
 
 def varlen_attention_backward_signature(dtype: str, head_dim: int, head_dim_v: int,
@@ -213,11 +219,17 @@ class BwdConfig(KernelConfig):
     # float32 as the forward accumulated it (Σ_j P_ij dP_ij = dO_i·Σ_j P_ij V_j), so d sink no
     # longer takes the error of the 16-bit output that delta carries (jax_fa4/autodiff.py).
     sink_grad: bool = False
+    # segment ids (jax_fa4/segments.py's backward tables): each key block visits the query
+    # blocks [m_lo, m_hi) its table row names (intersected with the mask's), a block outside
+    # the query tile's bulk is masked by each row's key span (and key-by-key ids in flagged
+    # tiles), as in the forward (segments_attention_backward_signature). The plain loop only.
+    segments: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
              has_softcap: bool = False, gqa: bool = False,
-             deterministic: bool = False, sink_grad: bool = False) -> "BwdConfig":
+             deterministic: bool = False, sink_grad: bool = False,
+             segments: bool = False) -> "BwdConfig":
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         t = tuning_for(head_dim, head_dim_v, mask)
         # swap_sdp spills with softcap (validate) and was measured slower deterministic (session
@@ -225,7 +237,7 @@ class BwdConfig(KernelConfig):
         swap = t.swap_sdp and not has_softcap and not deterministic
         # sink_grad's per-column sums spill in the swapped loop (its 16 + 16 column statistics
         # are live there: hdim 128 GQA LDL 23, fp16 local LDL 2): the plain loop
-        swap = swap and not sink_grad
+        swap = swap and not sink_grad and not segments
         cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
                   has_softcap=bool(has_softcap), gqa=bool(gqa), deterministic=bool(deterministic),
                   tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages, pds_stages=t.pds_stages,
@@ -234,7 +246,8 @@ class BwdConfig(KernelConfig):
                                   else t.reverse_launch and not swap),
                   defer_dk_wait=t.defer_dk_wait and not swap,
                   stats_smem=t.stats_smem and swap,
-                  dq_red=t.dq_red and swap, sink_grad=bool(sink_grad))
+                  dq_red=t.dq_red and swap, sink_grad=bool(sink_grad),
+                  segments=bool(segments))
         cfg.validate()
         return cfg
 
@@ -272,6 +285,9 @@ class BwdConfig(KernelConfig):
         if self.swap_sdp and (self.tile_m, self.tile_n) != (64, 128):
             raise ValueError("sm90 backward: swap_sdp needs a 64x128 tile (one 64-key slice of Pᵀ "
                              f"per warpgroup), not {self.tile_m}x{self.tile_n}")
+        if self.segments and (self.swap_sdp or self.varlen or self.deterministic):
+            raise ValueError("sm90 backward: segment ids are implemented in the plain loop "
+                             "(not swap_sdp), not varlen and not deterministic")
         if self.swap_sdp and self.sink_grad:
             raise ValueError("sm90 backward: swap_sdp with sink_grad spills registers (the sink "
                              "sums beside every column's lse and delta); use swap_sdp=False")
@@ -332,6 +348,8 @@ class BwdConfig(KernelConfig):
             sig = attention_backward_signature(
                 self.dtype, self.head_dim, self.head_dim_v, self.tile_m, self.gqa,
                 counters=("dq_sem", 1) if self.deterministic else None)  # one per query block
+        if self.segments:
+            sig = with_segment_tables(sig, self.tile_m, self.tile_n)
         if not self.sink_grad:
             return sig
         # (the last output: params keeps its (4,) sample, a 4 + H run-time length is read as
@@ -391,6 +409,31 @@ class BwdPostprocessConfig(KernelConfig):
         )
 
 
+def with_segment_tables(sig: KernelSignature, tile_m: int, tile_n: int) -> KernelSignature:
+    """A backward signature with the segment-id tables appended to its inputs: seg_tiles
+    (B, query blocks, 8) and seg_rows (B, Sq, 4) as the forward's (fwd_config.SEG_*, for this
+    tile), seg_keys (B, key blocks, 8) (SEG_KEY_M_LO / _HI: the query blocks each key block
+    visits) and kv_ids (B, Sk)."""
+    b, sq, _, _ = sig.inputs[0].sample_shape
+    sk = sig.inputs[1].sample_shape[1]
+    cols = SEG_TILE_COLUMNS
+    extra = (
+        TensorArg("seg_tiles", "int32", (b, sq // tile_m, cols), (1, 1, cols)),
+        TensorArg("seg_keys", "int32", (b, sk // tile_n, cols), (1, 1, cols)),
+        TensorArg("seg_rows", "int32", (b, sq, SEG_ROW_COLUMNS), (1, 1, SEG_ROW_COLUMNS)),
+        TensorArg("kv_ids", "int32", (b, sk), (1, 1)),
+    )
+    return dataclasses.replace(sig, inputs=(*sig.inputs, *extra))
+
+
+def segments_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
+                    mask: str = "none", has_softcap: bool = False, gqa: bool = False,
+                    sink_grad: bool = False) -> BwdConfig:
+    """The backward with segment ids for a problem kind (the plain loop of the table's tile)."""
+    return BwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, gqa,
+                          sink_grad=sink_grad, segments=True)
+
+
 def shipped_configs() -> list[KernelConfig]:
     """Every backward variant the package precompiles (main kernels and their postprocesses)."""
     out: list[KernelConfig] = []
@@ -405,6 +448,8 @@ def shipped_configs() -> list[KernelConfig]:
                                                           deterministic=det, sink_grad=sink))
                             out.append(varlen_config(dtype, d, dv, mask, softcap, gqa,
                                                      sink_grad=sink))
+                            out.append(segments_config(dtype, d, dv, mask, softcap, gqa,
+                                                       sink_grad=sink))
     return _with_postprocess(out)
 
 
