@@ -123,6 +123,7 @@ class NamedBarrier(enum.IntEnum):
     ZERO_TAIL_WG0 = 7  # varlen, one per MMA warpgroup: its zeroed tail rows are written
     ZERO_TAIL_WG1 = 8
     SINK_SUM = 9  # sink_grad: both MMA warpgroups' per-warp partial sums are in shared memory
+    SEG_IDS = 10  # segments: the key block's ids are in shared memory
 
 
 _MMA_REGS, _PRODUCER_REGS = 240, 24
@@ -375,6 +376,7 @@ class FlashAttentionBackwardSm90:
         stats_elems = stats_stages * self.tile_m if self.stats_smem else 4
         dq_elems = self.dq_elems
         sink_elems = sink_smem_floats(self.num_mma_threads) if self.sink_grad else 4
+        kv_id_elems = self.tile_n if self.segments else 4
 
         @cute.struct
         class SharedStorage:
@@ -392,6 +394,7 @@ class FlashAttentionBackwardSm90:
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 1024]
             sSink: cute.struct.Align[cute.struct.MemRange[Float32, sink_elems], 16]
+            sKvIds: cute.struct.Align[cute.struct.MemRange[Int32, kv_id_elems], 16]
 
         grid = (cute.ceil_div(mK.shape[0], self.tile_n), mQ.shape[2], mQ.shape[3])
         mdK_rows, mdV_rows = None, None  # varlen, 16-bit dK / dV: the tensors for row stores
@@ -520,7 +523,8 @@ class FlashAttentionBackwardSm90:
             # table); a block outside its query tile's bulk is masked (mma, mask_p)
             m_block_min = cutlass.max(m_block_min, mSegKeys[batch, n_block, SEG_KEY_M_LO])
             m_block_max = cutlass.min(m_block_max, mSegKeys[batch, n_block, SEG_KEY_M_HI])
-            segs = (mSegTiles, mSegRows, mKvIds)
+            segs = (mSegTiles, mSegRows, mKvIds,
+                    storage.sKvIds.get_tensor(cute.make_layout(self.tile_n)))
 
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
@@ -838,6 +842,13 @@ class FlashAttentionBackwardSm90:
             sink[1][tidx] = Float32(0.0)
             sink[1][self.num_mma_threads + self.num_mma_threads // 32] = mParams[4 + head] * LOG2_E
 
+        if const_expr(segs is not None):
+            # the key block's ids into shared memory once (mask_p compares against them)
+            kv_ids, sKvIds = segs[2], segs[3]
+            if tidx < tn:
+                sKvIds[tidx] = kv_ids[batch, cutlass.min(n_block * tn + tidx, seqlen_k - 1)]
+            cute.arch.barrier(barrier_id=int(NamedBarrier.SEG_IDS),
+                              number_of_threads=self.num_mma_threads)
         if m_block_max > m_block_min:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipeline_kv.consumer_wait(kv_state)
@@ -868,6 +879,12 @@ class FlashAttentionBackwardSm90:
                     m_block = self.m_block_at(it, start, m_block_min, m_block_max)
                     pds_idx = (it - m_block_min) % self.pds_stages
 
+                    # segment ids: this thread's rows' key spans, read before the GEMMs
+                    # (fewer values live then) for mask_p
+                    seg_span = None
+                    if const_expr(segs is not None):
+                        seg_span = self.row_spans(segs, tScS_mn, m_block, n_block, batch,
+                                                  seqlen_q)
                     # S = Q·Kᵀ and dP = dO·Vᵀ
                     pipeline_q.consumer_wait(state)
                     if const_expr(self.varlen):
@@ -905,7 +922,7 @@ class FlashAttentionBackwardSm90:
                     if need_mask:
                         self.mask_p(s_mn, tScS_mn, m_block, n_block, block_info,
                                     segs=None if const_expr(segs is None) else
-                                    (*segs, batch, seqlen_q, seqlen_k))
+                                    (*segs, batch, seqlen_q, seqlen_k, seg_span))
 
                     # P -> shared memory (the previous iteration's readers are done: see PDS)
                     if const_expr(self.pds_stages == 1):
@@ -1262,29 +1279,43 @@ class FlashAttentionBackwardSm90:
                                      number_of_threads=128 + 32)
 
     @cute.jit
+    def row_spans(self, segs: cutlass.Constexpr, tScS_mn: cute.Tensor, m_block: Int32,
+                  n_block: Int32, batch: Int32, seqlen_q: Int32) -> cute.Tensor:
+        """(3, rows): this thread's rows' key spans [start, end) relative to key block n_block,
+        and their ids (segment ids, mask_p): read before the block's GEMMs, when fewer values
+        are live than in mask_p (loading them there spilled)."""
+        rows = segs[1]
+        n_rows = cute.size(tScS_mn, mode=[0])
+        span = cute.make_rmem_tensor((3, n_rows), Int32)
+        col0 = n_block * self.tile_n
+        for i in cutlass.range_constexpr(n_rows):
+            r = cutlass.min(m_block * self.tile_m + tScS_mn[i, 0][0], seqlen_q - 1)
+            span[0, i] = rows[batch, r, SEG_ROW_START] - col0
+            span[1, i] = rows[batch, r, SEG_ROW_END] - col0
+            span[2, i] = rows[batch, r, SEG_ROW_ID]
+        return span
+
+    @cute.jit
     def mask_p(self, p_mn: cute.Tensor, c_mn: cute.Tensor, m_block: Int32, n_block: Int32,
                block_info: BwdBlocks, transposed: cutlass.Constexpr[bool] = False,
                segs: cutlass.Constexpr = None):
         """P ← 0 where row m_block·tm + r does not see key n_block·tn + c (rows past seqlen_q
         already have P = 0). ``transposed``: p_mn is Pᵀ (rows = keys, columns = queries).
-        ``segs`` (segment ids, not transposed): (seg_tiles, seg_rows, kv_ids, batch, seqlen_q,
-        seqlen_k): each row also sees only its key span, and in a tile flagged for ids only the
-        keys of its id (the rows' spans and ids are read here, on masked blocks only)."""
+        ``segs`` (segment ids, not transposed): (seg_tiles, seg_rows, kv_ids, the key block's
+        ids in shared memory, batch, seqlen_q, seqlen_k, row_spans' (3, rows)): each row also
+        sees only its key span, and in a tile flagged for ids only the keys of its id."""
         q_mode, k_mode = (1, 0) if const_expr(transposed) else (0, 1)
         has_segs = segs is not None
-        col0 = n_block * self.tile_n
         compare_ids = Int32(0)
         if const_expr(has_segs):
-            tiles, rows, kv_ids, batch, seqlen_q, seqlen_k = segs
+            tiles, _, _, sKvIds, batch, _, _, span = segs
             compare_ids = tiles[batch, m_block, SEG_IDS]
         for i in cutlass.range_constexpr(cute.size(p_mn, mode=[q_mode])):
             row = m_block * self.tile_m + c_mn[(0, i) if const_expr(transposed) else (i, 0)][q_mode]
             lo, hi = BwdBlocks.visible_cols(block_info, row, n_block)
             if const_expr(has_segs):
-                r = cutlass.min(row, seqlen_q - 1)
-                hi = cutlass.min(hi, rows[batch, r, SEG_ROW_END] - col0)
-                start = rows[batch, r, SEG_ROW_START] - col0
-                lo = cutlass.max(lo, start) if const_expr(self.is_local) else start
+                hi = cutlass.min(hi, span[1, i])
+                lo = cutlass.max(lo, span[0, i]) if const_expr(self.is_local) else span[0, i]
             for j in cutlass.range_constexpr(cute.size(p_mn, mode=[k_mode])):
                 idx = (j, i) if const_expr(transposed) else (i, j)
                 col = c_mn[idx][k_mode]
@@ -1293,16 +1324,11 @@ class FlashAttentionBackwardSm90:
                     visible = visible and col >= lo
                 p_mn[idx] = p_mn[idx] if visible else Float32(0.0)
         if const_expr(has_segs):
-            if compare_ids != 0:
-                n_rows = cute.size(p_mn, mode=[0])
-                row_ids = cute.make_rmem_tensor(n_rows, Int32)
-                for i in cutlass.range_constexpr(n_rows):
-                    row = cutlass.min(m_block * self.tile_m + c_mn[(i, 0)][0], seqlen_q - 1)
-                    row_ids[i] = rows[batch, row, SEG_ROW_ID]
+            if compare_ids != 0:  # (ids that are not contiguous runs)
                 for j in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
-                    key_id = kv_ids[batch, cutlass.min(col0 + c_mn[(0, j)][1], seqlen_k - 1)]
-                    for i in cutlass.range_constexpr(n_rows):
-                        p_mn[i, j] = p_mn[i, j] if key_id == row_ids[i] else Float32(0.0)
+                    key_id = sKvIds[c_mn[(0, j)][1]]
+                    for i in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
+                        p_mn[i, j] = p_mn[i, j] if key_id == span[2, i] else Float32(0.0)
 
     @cute.jit
     def store_dkv_f32(self, acc: cute.Tensor, mX: cute.Tensor, thr_mma, tile: cutlass.Constexpr,

@@ -333,7 +333,8 @@ class BwdConfig(KernelConfig):
         dq = 0 if self.dq_red else self.tile_m * self.head_dim * 4
         stats = 2 * self.stages * self.tile_m * 4 if self.stats_smem else 0
         sink = sink_smem_floats(self.num_mma_warpgroups * 128) * 4 if self.sink_grad else 0
-        return q + do + k + v + pds + dq + stats + sink
+        kv_ids = self.tile_n * 4 if self.segments else 0  # the key block's segment ids
+        return q + do + k + v + pds + dq + stats + sink + kv_ids
 
     def postprocess_config(self) -> "BwdPostprocessConfig":
         return BwdPostprocessConfig(dtype=self.dtype, head_dim=self.head_dim, tile_m=self.tile_m,
@@ -429,9 +430,15 @@ def with_segment_tables(sig: KernelSignature, tile_m: int, tile_n: int) -> Kerne
 def segments_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
                     mask: str = "none", has_softcap: bool = False, gqa: bool = False,
                     sink_grad: bool = False) -> BwdConfig:
-    """The backward with segment ids for a problem kind (the plain loop of the table's tile)."""
-    return BwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, gqa,
-                          sink_grad=sink_grad, segments=True)
+    """The backward with segment ids for a problem kind: the plain loop of the table's tile,
+    64 query rows at most (the rows' key spans and ids stay in registers through the block: a
+    128-row tile spilled at head dim 64 with a window, softcap, GQA and a sink)."""
+    cfg = BwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, gqa,
+                         sink_grad=sink_grad, segments=True)
+    if cfg.tile_m > 64:
+        cfg = replace(cfg, tile_m=64)
+        cfg.validate()
+    return cfg
 
 
 def shipped_configs() -> list[KernelConfig]:
