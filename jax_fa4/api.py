@@ -88,11 +88,11 @@ def flash_attention(
         ``i`` sees key ``j`` only if their ids are equal, on top of ``causal`` / ``window_size``
         (which keep their positions in the whole sequence). A query whose id no key has sees
         nothing (out 0, lse -inf): give padding queries and padding keys different ids (e.g.
-        -1 and -2) so that padding attends to nothing. On Hopper the forward kernel takes them
-        with no (Sq × Sk) mask anywhere: key blocks that share no id with a query tile are
-        skipped, contiguous runs (packed documents) are masked by each row's key span, other
-        ids compared key by key (exact for any ids; a new packing never recompiles); the
-        backward is the reference's until a backward kernel takes them. For packed
+        -1 and -2) so that padding attends to nothing. On Hopper the forward and backward
+        kernels take them with no (Sq × Sk) mask anywhere: blocks whose queries and keys share
+        no id are skipped, contiguous runs (packed documents) are masked by each row's key
+        span, other ids compared key by key (exact for any ids; a new packing never
+        recompiles); ``deterministic=True`` runs the reference's backward. For packed
         variable-length batches without a fixed (B, S) layout see
         :func:`jax_fa4.flash_attention_varlen`.
       return_lse: also return the log-sum-exp of each row's scores (natural log, float32).

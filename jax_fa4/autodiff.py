@@ -17,9 +17,9 @@ else ``-sum_i P_sink_i * delta_i`` (:func:`jax_fa4.reference.sink_gradient`'s ru
 
 Segment ids (:func:`attention_with_extras`): the backend's forward kernel with segment ids
 where it has one (``Backend.segments_forward``: key blocks that share no id with a query tile
-skipped, :mod:`jax_fa4.segments`), else the reference; either way the backward is the
-reference's explicit FlashAttention backward plus the sink's gradient (no backward kernel
-takes segment ids yet). A sink on the reference: the reference's own ``custom_vjp`` over
+skipped, :mod:`jax_fa4.segments`), else the reference; its backward by the backend's kernels
+with segment ids where they serve the call (``Backend.segments_backward``), else the
+reference's explicit FlashAttention backward plus the sink's gradient. A sink on the reference: the reference's own ``custom_vjp`` over
 ``(q, k, v, sink)``, whose forward saves ``(q, k, v, sink, out, lse)``.
 
 Varlen (:func:`varlen`): one ``custom_vjp`` over the packed batch, jitted with the backend's plan
@@ -192,8 +192,20 @@ def _segments_kernel_fwd(q, k, v, sink, segments, opts):
     return (out, lse), (q, k, v, sink, segments, out, lse)
 
 
-# the backward: the reference's explicit backward (no backward kernel takes segment ids yet)
-_segments_kernel.defvjp(_segments_kernel_fwd, _extras_bwd)
+def _segments_kernel_bwd(opts, residuals, cotangents):
+    q, k, v, sink, segments, out, lse = residuals
+    dout, dlse = cotangents
+    backend = backends.get(opts.implementation)
+    chosen = base.choose(backend, "backward with segment_ids",
+                         backend.supports_segments_backward(q, k, v, opts), opts,
+                         kernel_forward=True)
+    if chosen is base.REFERENCE_BACKEND:  # the reference's explicit backward
+        return _extras_bwd(opts, residuals, cotangents)
+    return (*chosen.segments_backward(q, k, v, out, lse, dout, dlse, segments.q_segment_ids,
+                                      segments.kv_segment_ids, opts, sink), None)
+
+
+_segments_kernel.defvjp(_segments_kernel_fwd, _segments_kernel_bwd)
 
 
 def attention_with_extras(

@@ -116,3 +116,31 @@ def forward_tables(q_ids: jax.Array, kv_ids: jax.Array, tile_m: int, tile_n: int
     start, end, contiguous = row_spans(q_ids, kv_ids)
     return (tile_table(start, end, contiguous, tile_m, tile_n), row_table(start, end, q_ids),
             kv_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("tile_m", "tile_n"))
+def backward_tables(q_ids: jax.Array, kv_ids: jax.Array, tile_m: int, tile_n: int
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(seg_tiles, seg_keys, seg_rows, kv_ids) of a backward kernel with segment ids and this
+    tile (bwd_config.with_segment_tables): the forward's tile and row tables for the
+    backward's tile, and per key block n the query blocks ``[m_lo, m_hi)`` whose visited range
+    holds n ((0, 0) when none), (B, ceil(Sk / tile_n), 8) int32."""
+    from jax_fa4.kernels.sm90 import bwd_config
+
+    q_ids, kv_ids = q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+    start, end, contiguous = row_spans(q_ids, kv_ids)
+    tiles = tile_table(start, end, contiguous, tile_m, tile_n)
+    b, m_blocks = tiles.shape[:2]
+    n_blocks = _ceil_div(kv_ids.shape[1], tile_n)
+    n = jnp.arange(n_blocks)
+    visits = ((n >= tiles[:, :, None, _cols.SEG_N_LO])
+              & (n < tiles[:, :, None, _cols.SEG_N_HI]))  # (B, m_blocks, n_blocks)
+    m = jnp.arange(m_blocks)[None, :, None]
+    any_m = visits.any(axis=1)
+    m_lo = jnp.where(any_m, jnp.where(visits, m, m_blocks).min(axis=1), 0)
+    m_hi = jnp.where(any_m, jnp.where(visits, m + 1, 0).max(axis=1), 0)
+    columns = {bwd_config.SEG_KEY_M_LO: m_lo, bwd_config.SEG_KEY_M_HI: m_hi}
+    zero = jnp.zeros((b, n_blocks), jnp.int32)
+    keys = jnp.stack([columns.get(c, zero).astype(jnp.int32)
+                      for c in range(_cols.SEG_TILE_COLUMNS)], axis=-1)
+    return tiles, keys, row_table(start, end, q_ids), kv_ids

@@ -16,6 +16,7 @@ import pytest
 
 import jax_fa4
 from jax_fa4 import backends, reference, segments
+from jax_fa4.backends import base
 from jax_fa4.kernels.sm90 import fwd_config as cols
 
 
@@ -142,35 +143,103 @@ def _table_visible(config, tiles, rows, kv_ids, sq, sk):
     return visited & (bulk | (span & ((t[..., cols.SEG_IDS] == 0) | same)))
 
 
-def _emulated_segments_kernel(window, calls):
-    """A stand-in for the sm90 forward kernel with segment ids
-    (fwd_config.segments_attention_forward_signature): float32 attention under the window and
-    the mask its tables give (:func:`_table_visible`), scale and softcap from params, the
-    learnable sinks params carries past its 4 scalars joined."""
-    def kernel(config, arch, q, k, v, params, tiles, rows, kv_ids, *, out_shapes):
-        assert config.segments and config.kernel_name == "sm90_fwd" and arch == "sm_90a"
-        calls.append(config)
-        b, sq, h, _ = q.shape
-        sk, hkv = k.shape[1], k.shape[2]
+def _masked_attention(q, k, v, visible, scale, softcap, sink):
+    """float32 (out, lse, P, dP-ready pieces) of attention under a (B, Sq, Sk) mask, with the
+    sink (H,) as one more logit of value 0: (out (B, Sq, H, Dv), lse (B, H, Sq), p (B, H, Sq,
+    Sk))."""
+    h, hkv = q.shape[2], k.shape[2]
+    kr = jnp.repeat(k.astype(jnp.float32), h // hkv, axis=2)
+    vr = jnp.repeat(v.astype(jnp.float32), h // hkv, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kr) * scale
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(visible[:, None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    if sink is not None:
+        m = jnp.maximum(m, sink[None, :, None])
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(s - m[..., None])
+    total = e.sum(-1) + (0.0 if sink is None else jnp.exp(sink[None, :, None] - m))
+    p = e / jnp.where(total > 0, total, 1.0)[..., None]
+    lse = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, vr), lse, p
+
+
+def _emulated_segments_kernel(window, softcap, calls):
+    """Stand-ins for the sm90 kernels with segment ids, reading the mask from their tables
+    alone: the forward (fwd_config.segments_attention_forward_signature: float32 attention
+    under the window and :func:`_table_visible`'s mask, the learnable sinks params carries past
+    its 4 scalars joined), the backward main kernel (bwd_config.with_segment_tables: the
+    table mask restricted to each key block's query-block range; dq written unscaled in row
+    order into dq_accum, dk / dv per kv head or, GQA, float32 per query head; sink_grad: the
+    sink's share of the float32 output's rowsum) and its postprocess (dq_accum rows · scale)."""
+    from jax_fa4.kernels.sm90 import bwd_config
+    from jax_fa4.kernels.sm90.bwd_config import BwdConfig, BwdPostprocessConfig
+
+    def forward(config, q, k, v, params, tiles, rows, kv_ids, out_shapes):
+        assert config.segments and config.kernel_name == "sm90_fwd"
+        sq, sk = q.shape[1], k.shape[1]
         visible = _table_visible(config, tiles, rows, kv_ids, sq, sk)
         visible &= reference.visible_mask(sq, sk, window)[None]
-        kr = jnp.repeat(k.astype(jnp.float32), h // hkv, axis=2)
-        vr = jnp.repeat(v.astype(jnp.float32), h // hkv, axis=2)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kr) * params[0]
-        if config.has_softcap:
-            s = params[1] * jnp.tanh(s / params[1])
-        s = jnp.where(visible[:, None], s, -jnp.inf)
-        if params.shape[0] > 4:  # a sink: one more logit of value 0
-            sink = jnp.broadcast_to(params[4:, None], s.shape[:3])[..., None]  # (B, H, Sq, 1)
-            s = jnp.concatenate([s, sink], axis=-1)
-            vr = jnp.concatenate([vr, jnp.zeros_like(vr[:, :1])], axis=1)
-        m = jnp.max(s, axis=-1, keepdims=True)
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        e = jnp.exp(s - m)
-        total = e.sum(-1, keepdims=True)
-        out = jnp.einsum("bhqk,bkhd->bqhd", e / jnp.where(total > 0, total, 1.0), vr)
-        lse = jnp.where(total[..., 0] > 0, (m + jnp.log(total))[..., 0], -jnp.inf)
+        sink = params[4:] if params.shape[0] > 4 else None
+        out, lse, _ = _masked_attention(q, k, v, visible, params[0], softcap, sink)
         return out.astype(out_shapes[0].dtype), lse
+
+    def main(config, q, k, v, dout, lse_log2, delta, params, dq_accum, tiles, keys, rows,
+             kv_ids, out_shapes):
+        assert config.segments and not config.swap_sdp
+        b, sq, h, d = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        visible = _table_visible(config, tiles, rows, kv_ids, sq, sk)
+        m_of = jnp.arange(sq)[:, None] // config.tile_m
+        key_row = keys[:, jnp.arange(sk) // config.tile_n, :]  # (B, Sk, 8)
+        visible &= ((m_of >= key_row[:, None, :, bwd_config.SEG_KEY_M_LO])
+                    & (m_of < key_row[:, None, :, bwd_config.SEG_KEY_M_HI]))
+        visible &= reference.visible_mask(sq, sk, window)[None]
+        sink = params[4:] if config.sink_grad else None
+        out32, lse, p = _masked_attention(q, k, v, visible, params[0], softcap, sink)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(
+            jnp.where(jnp.isinf(lse_log2), -jnp.inf, lse_log2 / np.log2(np.e))), rtol=1e-4)
+        group = h // hkv
+        kr = jnp.repeat(k.astype(jnp.float32), group, axis=2)
+        vr = jnp.repeat(v.astype(jnp.float32), group, axis=2)
+        do = dout.astype(jnp.float32)
+        dp = jnp.einsum("bqhd,bkhd->bhqk", do, vr)
+        ds = p * (dp - delta[..., None])
+        if softcap:
+            raw = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kr) * params[0]
+            ds = ds * (1.0 - jnp.tanh(raw / softcap) ** 2)
+        dq = jnp.einsum("bhqk,bkhd->bqhd", ds, kr)  # unscaled, as dq_accum holds it
+        dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(jnp.float32)) * params[0]
+        dv = jnp.einsum("bhqk,bqhd->bkhd", p, do)
+        if not config.gqa:
+            dk = dk.reshape(b, sk, hkv, group, d).sum(3)
+            dv = dv.reshape(b, sk, hkv, group, -1).sum(3)
+        sq_pad = dq_accum.shape[2] // d
+        acc = jnp.zeros((b, h, sq_pad, d), jnp.float32).at[:, :, :sq].set(dq.transpose(0, 2, 1, 3))
+        outs = [dq_accum + acc.reshape(dq_accum.shape), dk.astype(out_shapes[1].dtype),
+                dv.astype(out_shapes[2].dtype)]
+        if config.sink_grad:
+            rows_sum = (out32 * do).sum(-1).transpose(0, 2, 1)  # (B, H, Sq)
+            p_sink = jnp.where(jnp.isneginf(lse), 0.0,
+                               jnp.exp(sink[None, :, None] - jnp.where(jnp.isneginf(lse), 0.0,
+                                                                       lse)))
+            outs.append(jnp.zeros(out_shapes[3].shape, jnp.float32).at[:, :, 0].set(
+                (p_sink * rows_sum).sum(-1)))
+        return tuple(outs)
+
+    def kernel(config, arch, *args, out_shapes):
+        assert arch == "sm_90a"
+        calls.append(config)
+        if isinstance(config, BwdPostprocessConfig):
+            dq_accum, params = args
+            b, h, n = dq_accum.shape
+            shape = out_shapes[0].shape
+            dq = dq_accum.reshape(b, h, n // shape[3], shape[3])[:, :, :shape[1]] * params[0]
+            return (dq.transpose(0, 2, 1, 3).astype(out_shapes[0].dtype),)
+        if isinstance(config, BwdConfig):
+            return main(config, *args, out_shapes)
+        return forward(config, *args, out_shapes)
     return kernel
 
 
@@ -180,10 +249,10 @@ def _emulated_segments_kernel(window, calls):
     (dict(), True, "random"),
 ], ids=["causal", "window-softcap-sink", "random-ids-sink"])
 def test_kernel_route_with_an_emulated_kernel(kwargs, with_sink, ids_kind, monkeypatch):
-    """implementation="sm90" with segment ids runs the segment-id forward kernel on the
-    tables jax_fa4.segments builds (the emulated kernel reads the mask from them alone) and
-    the reference's backward on its out and lse: the same forward and gradients as the
-    reference route, without the (Sq × Sk) mask reaching the kernel."""
+    """implementation="sm90" with segment ids runs the segment-id forward and backward kernels
+    on the tables jax_fa4.segments builds (the emulated kernels read the mask from them
+    alone): the same forward and gradients as the reference route, without the (Sq × Sk)
+    mask reaching any kernel."""
     from jax_fa4.ffi import call
 
     rng = np.random.default_rng(len(repr(kwargs)))
@@ -196,7 +265,10 @@ def test_kernel_route_with_an_emulated_kernel(kwargs, with_sink, ids_kind, monke
     window = (kwargs.get("window_size", (None, None))[0], 0) if kwargs.get("causal") else \
         kwargs.get("window_size", (None, None))
     calls = []
-    monkeypatch.setattr(call, "call_kernel", _emulated_segments_kernel(window, calls))
+    monkeypatch.setattr(call, "call_kernel",
+                        _emulated_segments_kernel(window, kwargs.get("softcap", 0.0), calls))
+    monkeypatch.setattr(backends.get("sm90"), "backward_preprocess",
+                        base.REFERENCE_BACKEND.backward_preprocess)
 
     def run(implementation):
         def f(q, k, v, s):
@@ -207,10 +279,13 @@ def test_kernel_route_with_an_emulated_kernel(kwargs, with_sink, ids_kind, monke
         return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
 
     got = run("sm90")
-    assert calls and all(c.segments and c.head_dim == d for c in calls), calls
-    assert calls[0] == backends.get("sm90").make_segments(
-        "bfloat16", d, d, "causal" if kwargs.get("causal") else
-        "local" if "window_size" in kwargs else "none", "softcap" in kwargs)
+    mask = "causal" if kwargs.get("causal") else "local" if "window_size" in kwargs else "none"
+    fwd = [c for c in calls if c.kernel_name == "sm90_fwd"]
+    bwd = [c for c in calls if c.kernel_name == "sm90_bwd"]
+    assert fwd and all(c == backends.get("sm90").make_segments(
+        "bfloat16", d, d, mask, "softcap" in kwargs) for c in fwd), fwd
+    assert bwd and all(c.segments and c.sink_grad == with_sink and c.gqa for c in bwd), bwd
+    assert [c.kernel_name for c in calls].count("sm90_bwd_postprocess") == len(bwd)
     monkeypatch.undo()
     want = run("reference")
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv", "dsink"), got, want):

@@ -249,14 +249,15 @@ class KernelBackend(Backend):
                              with_sink_rows=True)
 
     def backward_main(self, cfg, q, k, v, dout, delta, lse_log2, params, sq_pad: int,
-                      semaphores: int):
+                      semaphores: int, extra_inputs: tuple = ()):
         """The dense backward's main kernel (the same contract on every family): returns
         dq_accum (B, H, sq_pad·D) float32 (zeros in, updated in place through an input/output
         alias) and dk, dv per kv head (GQA configs: float32 per *query* head from the kernel,
         summed over each group here). Deterministic configs also take ``semaphores`` int32
         zero counters per (B, H): the ordering of the key blocks' dQ adds. A ``sink_grad``
         config (params then carry the sinks) also returns its sink_part summed over the key
-        blocks, (B, H) float32; else None."""
+        blocks, (B, H) float32; else None. ``extra_inputs`` follow the others (the segment-id
+        tables of a ``segments`` config)."""
         from jax_fa4.ffi.call import call_kernel
 
         b, sq, h, d = q.shape
@@ -273,6 +274,7 @@ class KernelBackend(Backend):
             sem = jnp.zeros((b, h, semaphores), jnp.int32)
             inputs.append(sem)
             out_shapes.append(jax.ShapeDtypeStruct(sem.shape, jnp.int32))
+        inputs += list(extra_inputs)
         sink_grad = getattr(cfg, "sink_grad", False)
         if sink_grad:  # one entry per CTA: (B, H, key blocks)
             out_shapes.append(jax.ShapeDtypeStruct((b, h, -(-sk // cfg.tile_n)), jnp.float32))
@@ -299,6 +301,16 @@ class KernelBackend(Backend):
     def supports_segments(self, q, k, v, opts) -> str | None:
         config = self.segments_config(q, k, v, opts)
         return config if isinstance(config, str) else None
+
+    def supports_segments_backward(self, q, k, v, opts) -> str | None:
+        """None when a backward kernel takes this call's segment ids
+        (:meth:`segments_backward`), else why not (the reference's backward then runs)."""
+        return f"there is no {self.name} backward kernel with segment ids yet"
+
+    def segments_backward(self, q, k, v, out, lse, dout, dlse, q_ids, kv_ids, opts,
+                          sink: jax.Array | None = None):
+        """(dq, dk, dv, dsink) of a call with segment ids, by the family's kernels."""
+        raise NotImplementedError
 
     def segments_forward(self, q, k, v, q_ids, kv_ids, opts, sink: jax.Array | None = None
                          ) -> tuple[jax.Array, jax.Array]:

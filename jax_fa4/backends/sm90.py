@@ -236,6 +236,50 @@ class Sm90Backend(KernelBackend):
         grads = (dq, dk.astype(k.dtype), dvv.astype(v.dtype))
         return (*grads, sink_rows) if with_sink_rows else grads
 
+    # -- segment ids backward ---------------------------------------------------------------------
+    def segments_backward_config(self, q, k, v, opts, sink_grad: bool = False):
+        """The backward config with segment ids for this call, or the reason none serves it."""
+        kind = backward_kind(q, k, v, opts)
+        if kind["deterministic"]:
+            return ("the backward kernel with segment ids adds dQ in no fixed order "
+                    "(deterministic=True runs the reference's backward)")
+        kind.pop("deterministic")
+        try:
+            return bwd_config.segments_config(**kind, sink_grad=sink_grad)
+        except ValueError as err:
+            return str(err)
+
+    def supports_segments_backward(self, q, k, v, opts) -> str | None:
+        config = self.segments_backward_config(q, k, v, opts)
+        return config if isinstance(config, str) else None
+
+    def segments_backward(self, q, k, v, out, lse, dout, dlse, q_ids, kv_ids, opts,
+                          sink: jax.Array | None = None):
+        """The backward chain with segment ids: the preprocess, the main kernel visiting only
+        the query blocks that share an id with each key block (jax_fa4.segments' tables for
+        its tile) and the postprocess; the sink's gradient from the kernel's sums of the
+        float32 output (``sink_grad``)."""
+        from jax_fa4 import segments
+        from jax_fa4.ffi.call import call_kernel
+
+        cfg = self.segments_backward_config(q, k, v, opts, sink_grad=sink is not None)
+        assert not isinstance(cfg, str), cfg
+        delta, lse_log2 = base.preprocess(self, out, dout, lse, opts)
+        delta = delta - dlse  # a cotangent on lse enters as -dlse (jax_fa4.autodiff)
+        b, sq, h, d = q.shape
+        tables = segments.backward_tables(q_ids, kv_ids, cfg.tile_m, cfg.tile_n)
+        params = kernel_params(opts, d, sink)
+        sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
+        dq_accum, dk, dvv, sink_rows = self.backward_main(
+            cfg, q, k, v, dout, delta, lse_log2, params, sq_pad, sq_pad // cfg.tile_m,
+            extra_inputs=tables)
+        (dq,) = call_kernel(cfg.postprocess_config(), self.arch, dq_accum,
+                            kernel_params(opts, d),
+                            out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),))
+        dsink = None if sink is None else reference.sink_gradient_from_rows(
+            sink, lse, sink_rows, dlse)
+        return dq, dk.astype(k.dtype), dvv.astype(v.dtype), dsink
+
     # -- varlen backward --------------------------------------------------------------------------
     def make_varlen_backward(self, dtype, head_dim, head_dim_v, mask, has_softcap, gqa,
                              sink_grad: bool = False):

@@ -5,8 +5,7 @@ no NaN, rows without keys exactly 0 with lse -inf (or the sink), the other rows 
 gradients against a float64 oracle by FA4's rule (tests/numerics.py). Device memory is filled
 with NaN before every kernel run, so a row the kernels should write and do not is caught.
 
-The segment-id cases run the forward kernel with segment ids (their backward: the
-reference's).
+The segment-id cases run the forward and backward kernels with segment ids.
 
 Kernels needed in the cache: the head-dim-128 dense, varlen and paged configs of the shipped
 rows (``--suite tests``).

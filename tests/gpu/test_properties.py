@@ -5,8 +5,7 @@ of 64, 128 and 256 keys) and checked against the same naive float32 / bfloat16 o
 (tests/attention_properties.py). Outputs land in NaN-poisoned memory, so a row a kernel should
 write and does not is caught.
 
-Segment ids run the forward kernel with segment ids; their backward is the reference's (no
-backward kernel takes them yet).
+Segment ids run the forward and backward kernels with segment ids.
 
 Default profile ``jax-fa4-gpu`` (more examples than the CPU file, derandomized); choose another
 with ``JAX_FA4_HYPOTHESIS_PROFILE`` (e.g. ``jax-fa4-explore``). Kernels needed in the cache:
@@ -46,8 +45,8 @@ def test_dense_matches_naive(case):
 @profile(GPU_PROFILE, weight=0.5)
 @given(case=dense_cases(GPU_SPACE, segments=True))
 def test_segment_ids_match_naive(case):
-    """flash_attention(segment_ids=...) on the forward kernel with segment ids (packed and
-    arbitrary ids); the gradients by the reference's backward on its out and lse."""
+    """flash_attention(segment_ids=...) on the forward and backward kernels with segment ids
+    (packed and arbitrary ids)."""
     check_dense(case, IMPLEMENTATION, GPU_SPACE, before_call=poison_device_memory)
 
 

@@ -5,11 +5,10 @@ against ``jax_fa4.reference.attention`` with the same ids (float32 and 16-bit, F
 with the same -inf pattern; rows that see no key exactly 0), in NaN-poisoned memory. Packed
 documents (contiguous runs: each row's key span, unmasked bulk blocks, skipped blocks), ids
 that are not contiguous (key-by-key compare), cross-attention pairs whose query ids no key has,
-with causal, windows, softcap, GQA and sinks; gradients (the reference's backward on the
-kernel's out and lse) against the reference's; and a new packing under the same jit does not
-recompile.
+with causal, windows, softcap, GQA and sinks; gradients (the backward kernel with segment ids)
+against the reference's; and a new packing under the same jit does not recompile.
 
-Kernels needed in the cache: the shipped segment-id forward configs (``--suite tests``).
+Kernels needed in the cache: the shipped segment-id forward and backward configs.
 """
 
 from __future__ import annotations
