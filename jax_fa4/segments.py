@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_fa4.kernels.sm90 import fwd_config as _cols
+from jax_fa4.kernels import segments_config as _cols
 
 
 def row_spans(q_ids: jax.Array, kv_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -59,8 +59,8 @@ def _ceil_div(x, n: int):
 
 def tile_table(start: jax.Array, end: jax.Array, contiguous: jax.Array, tile_m: int,
                tile_n: int) -> jax.Array:
-    """The per-query-tile table of the forward kernels (columns ``SEG_*`` of
-    :mod:`jax_fa4.kernels.sm90.fwd_config`), (B, ceil(Sq / tile_m), 8) int32.
+    """The per-query-tile table of the kernels (columns ``SEG_*`` of
+    :mod:`jax_fa4.kernels.segments_config`), (B, ceil(Sq / tile_m), 8) int32.
 
     For the rows ``[m·tile_m, (m+1)·tile_m) ∩ [0, Sq)`` of tile m, from :func:`row_spans`:
 
@@ -125,8 +125,6 @@ def backward_tables(q_ids: jax.Array, kv_ids: jax.Array, tile_m: int, tile_n: in
     tile (bwd_config.with_segment_tables): the forward's tile and row tables for the
     backward's tile, and per key block n the query blocks ``[m_lo, m_hi)`` whose visited range
     holds n ((0, 0) when none), (B, ceil(Sk / tile_n), 8) int32."""
-    from jax_fa4.kernels.sm90 import bwd_config
-
     q_ids, kv_ids = q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
     start, end, contiguous = row_spans(q_ids, kv_ids)
     tiles = tile_table(start, end, contiguous, tile_m, tile_n)
@@ -139,7 +137,7 @@ def backward_tables(q_ids: jax.Array, kv_ids: jax.Array, tile_m: int, tile_n: in
     any_m = visits.any(axis=1)
     m_lo = jnp.where(any_m, jnp.where(visits, m, m_blocks).min(axis=1), 0)
     m_hi = jnp.where(any_m, jnp.where(visits, m + 1, 0).max(axis=1), 0)
-    columns = {bwd_config.SEG_KEY_M_LO: m_lo, bwd_config.SEG_KEY_M_HI: m_hi}
+    columns = {_cols.SEG_KEY_M_LO: m_lo, _cols.SEG_KEY_M_HI: m_hi}
     zero = jnp.zeros((b, n_blocks), jnp.int32)
     keys = jnp.stack([columns.get(c, zero).astype(jnp.int32)
                       for c in range(_cols.SEG_TILE_COLUMNS)], axis=-1)

@@ -39,17 +39,18 @@ CONFIGS = {
 
 _K = "jax_fa4/kernels/"
 _SPEC = {_K + "spec.py", *TOOLCHAIN_FILES}
+_SEG = {_K + "segments_config.py"}
 _COMMON_FWD = {_K + f"common/{m}.py" for m in ("convert", "exp2", "layout", "views")}
 #: The files each kernel kind's key hashes (its launcher's import closure and the toolchain).
 EXPECTED_FILES = {
     "bwd_preprocess": _SPEC | {_K + "preprocess.py", _K + "preprocess_config.py"},
-    "sm90_fwd": _SPEC | _COMMON_FWD | {_K + f"common/{m}.py" for m in (
+    "sm90_fwd": _SPEC | _SEG | _COMMON_FWD | {_K + f"common/{m}.py" for m in (
         "geometry", "mask", "rows", "softmax", "tile_scheduler")} | {
         _K + "sm90/flash_fwd.py", _K + "sm90/fwd_config.py"},
-    "sm90_bwd": _SPEC | {_K + f"common/{m}.py" for m in (
+    "sm90_bwd": _SPEC | _SEG | {_K + f"common/{m}.py" for m in (
         "geometry", "convert", "layout", "rows", "views")} | {
         _K + "sm90/bwd.py", _K + "sm90/bwd_common.py", _K + "sm90/bwd_config.py"},
-    "sm90_bwd_postprocess": _SPEC | {_K + f"common/{m}.py" for m in (
+    "sm90_bwd_postprocess": _SPEC | _SEG | {_K + f"common/{m}.py" for m in (
         "convert", "geometry", "layout", "rows")} | {
         _K + "sm90/bwd_postprocess.py", _K + "sm90/bwd_common.py", _K + "sm90/bwd_config.py"},
     "sm100_fwd": _SPEC | _COMMON_FWD | {
@@ -117,6 +118,8 @@ def test_keys_do_not_depend_on_where_the_package_lies(tmp_path):
     ("kernels/common/geometry.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess", "sm100_fwd",
                                     "sm100_bwd"}),
     ("kernels/common/mask.py", {"sm90_fwd"}),
+    ("kernels/sm90/fwd_config.py", {"sm90_fwd"}),
+    ("kernels/segments_config.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess"}),
     ("kernels/common/softmax.py", {"sm90_fwd", "sm100_fwd"}),
     ("kernels/common/exp2.py", {"sm90_fwd", "sm100_fwd", "exp2_probe"}),
     ("kernels/spec.py", set(CONFIGS)),

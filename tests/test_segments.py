@@ -17,7 +17,7 @@ import pytest
 import jax_fa4
 from jax_fa4 import backends, reference, segments
 from jax_fa4.backends import base
-from jax_fa4.kernels.sm90 import fwd_config as cols
+from jax_fa4.kernels import segments_config as cols
 
 
 def packed_ids(rng, b, s, max_docs, pad_id=None):
@@ -173,7 +173,6 @@ def _emulated_segments_kernel(window, softcap, calls):
     table mask restricted to each key block's query-block range; dq written unscaled in row
     order into dq_accum, dk / dv per kv head or, GQA, float32 per query head; sink_grad: the
     sink's share of the float32 output's rowsum) and its postprocess (dq_accum rows · scale)."""
-    from jax_fa4.kernels.sm90 import bwd_config
     from jax_fa4.kernels.sm90.bwd_config import BwdConfig, BwdPostprocessConfig
 
     def forward(config, q, k, v, params, tiles, rows, kv_ids, out_shapes):
@@ -193,8 +192,8 @@ def _emulated_segments_kernel(window, softcap, calls):
         visible = _table_visible(config, tiles, rows, kv_ids, sq, sk)
         m_of = jnp.arange(sq)[:, None] // config.tile_m
         key_row = keys[:, jnp.arange(sk) // config.tile_n, :]  # (B, Sk, 8)
-        visible &= ((m_of >= key_row[:, None, :, bwd_config.SEG_KEY_M_LO])
-                    & (m_of < key_row[:, None, :, bwd_config.SEG_KEY_M_HI]))
+        visible &= ((m_of >= key_row[:, None, :, cols.SEG_KEY_M_LO])
+                    & (m_of < key_row[:, None, :, cols.SEG_KEY_M_HI]))
         visible &= reference.visible_mask(sq, sk, window)[None]
         sink = params[4:] if config.sink_grad else None
         out32, lse, p = _masked_attention(q, k, v, visible, params[0], softcap, sink)

@@ -103,10 +103,9 @@ from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows
 from jax_fa4.kernels.common.views import seq_major
 from jax_fa4.kernels.sm90.bwd_common import (dq_fragment_view, make_smem_layout,
                                              make_tiled_mma_dq, sequence)
-from jax_fa4.kernels.sm90.bwd_config import (SEG_KEY_M_HI, SEG_KEY_M_LO, BwdConfig,
-                                             sink_smem_floats)
-from jax_fa4.kernels.sm90.fwd_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, SEG_ROW_END,
-                                             SEG_ROW_ID, SEG_ROW_START)
+from jax_fa4.kernels.segments_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, SEG_KEY_M_HI,
+                                            SEG_KEY_M_LO, SEG_ROW_END, SEG_ROW_ID, SEG_ROW_START)
+from jax_fa4.kernels.sm90.bwd_config import BwdConfig, sink_smem_floats
 
 LOG2_E = math.log2(math.e)
 _FLT_MIN_NORMAL = 1.1754943508222875e-38  # 2**-126

@@ -49,7 +49,7 @@ import dataclasses
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from jax_fa4.kernels.sm90.fwd_config import SEG_ROW_COLUMNS, SEG_TILE_COLUMNS
+from jax_fa4.kernels.segments_config import SEG_ROW_COLUMNS, SEG_TILE_COLUMNS
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
                                   TensorArg, attention_backward_signature,
                                   check_dtype_and_mask, lookup_tuning)
@@ -57,10 +57,6 @@ from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, Kernel
 
 #: Columns of a varlen backward work row (varlen_attention_backward_signature).
 WORK_COLUMNS = 8
-
-#: Columns of the segment-id key-block table (with_segment_tables): the query blocks
-#: [SEG_KEY_M_LO, SEG_KEY_M_HI) a key block visits (jax_fa4/segments.py).
-SEG_KEY_M_LO, SEG_KEY_M_HI = 0, 1
 
 
 def varlen_attention_backward_signature(dtype: str, head_dim: int, head_dim_v: int,
@@ -413,8 +409,8 @@ class BwdPostprocessConfig(KernelConfig):
 def with_segment_tables(sig: KernelSignature, tile_m: int, tile_n: int) -> KernelSignature:
     """A backward signature with the segment-id tables appended to its inputs: seg_tiles
     (B, query blocks, 8) and seg_rows (B, Sq, 4) as the forward's (fwd_config.SEG_*, for this
-    tile), seg_keys (B, key blocks, 8) (SEG_KEY_M_LO / _HI: the query blocks each key block
-    visits) and kv_ids (B, Sk)."""
+    tile), seg_keys (B, key blocks, 8) (the query blocks each key block visits) and kv_ids
+    (B, Sk) (kernels/segments_config.py)."""
     b, sq, _, _ = sig.inputs[0].sample_shape
     sk = sig.inputs[1].sample_shape[1]
     cols = SEG_TILE_COLUMNS

@@ -84,8 +84,9 @@ from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows
 from jax_fa4.kernels.common.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from jax_fa4.kernels.common.tile_scheduler import PersistentTileScheduler, SingleTileScheduler
 from jax_fa4.kernels.common.views import seq_major
-from jax_fa4.kernels.sm90.fwd_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, SEG_N_HI, SEG_N_LO,
-                                            SEG_ROW_END, SEG_ROW_ID, SEG_ROW_START, FwdConfig)
+from jax_fa4.kernels.segments_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, SEG_N_HI,
+                                            SEG_N_LO, SEG_ROW_END, SEG_ROW_ID, SEG_ROW_START)
+from jax_fa4.kernels.sm90.fwd_config import FwdConfig
 
 LOG2_E = math.log2(math.e)
 # Persistent scheduling: K+V bytes of the (batch, head) pairs of one L2 section (H200 L2: 60 MB)

@@ -24,6 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
+from jax_fa4.kernels.segments_config import SEG_ROW_COLUMNS, SEG_TILE_COLUMNS
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
                                   TensorArg, attention_forward_signature, check_dtype_and_mask, lookup_tuning,
                                   paged_attention_forward_signature,
@@ -286,24 +287,12 @@ class FwdConfig(KernelConfig):
                                    outputs=tuple(map(head_major, sig.outputs)))
 
 
-#: Columns of the segment-id tile table (one row of 8 int32 per query tile, 32 bytes): the key
-#: blocks [SEG_N_LO, SEG_N_HI) the tile visits, the bulk [SEG_BULK_LO, SEG_BULK_HI) of them that
-#: every row sees whole (no mask), and SEG_IDS: 1 if some row's id is not one contiguous run of
-#: the keys (masked blocks then compare ids key by key).
-SEG_N_LO, SEG_N_HI, SEG_BULK_LO, SEG_BULK_HI, SEG_IDS = range(5)
-SEG_TILE_COLUMNS = 8
-#: Columns of the per-row table: the row's key span [SEG_ROW_START, SEG_ROW_END) (the first and
-#: one past the last key with its id; empty if none) and its id SEG_ROW_ID.
-SEG_ROW_START, SEG_ROW_END, SEG_ROW_ID = range(3)
-SEG_ROW_COLUMNS = 4
-
-
 def segments_attention_forward_signature(dtype: str, head_dim: int, head_dim_v: int
                                          ) -> KernelSignature:
     """``fn(stream, q, k, v, params, seg_tiles, seg_rows, kv_ids, out, lse)`` of the forward
     kernels with segment ids: :func:`spec.attention_forward_signature`'s tensors plus
     seg_tiles (B, num_query_tiles, 8) int32, seg_rows (B, Sq, 4) int32 (columns SEG_*) and
-    kv_ids (B, Sk) int32, the keys' segment ids."""
+    kv_ids (B, Sk) int32, the keys' segment ids (kernels/segments_config.py)."""
     base = attention_forward_signature(dtype, head_dim, head_dim_v)
     b, sq, _, _ = base.inputs[0].sample_shape
     sk = base.inputs[1].sample_shape[1]
