@@ -10,7 +10,7 @@ sees (the rest are skipped, not masked) and the bulk of them every row sees whol
 all); a tile holding a row whose id is not one contiguous run is flagged, and the kernel then
 compares ids key by key in its masked blocks (its bulk is empty): exact for any ids.
 
-Everything here is O(S log S) per batch entry (a sort and two binary searches), traced under
+Everything here is O(S log S) per batch entry (three sorts, no loops), traced under
 ``jax.jit`` with the ids: a new packing never recompiles.
 """
 
@@ -39,8 +39,10 @@ def row_spans(q_ids: jax.Array, kv_ids: jax.Array) -> tuple[jax.Array, jax.Array
     def one(qi, ki):
         perm = jnp.argsort(ki, stable=True)  # equal ids keep their positions' order
         sorted_ids = ki[perm]
-        lo = jnp.searchsorted(sorted_ids, qi, side="left")
-        hi = jnp.searchsorted(sorted_ids, qi, side="right")
+        # method "sort": one sort, no loop (the default bisects in a while loop, which on a
+        # GPU waits on the host every iteration: ~0.3 ms per call measured)
+        lo = jnp.searchsorted(sorted_ids, qi, side="left", method="sort")
+        hi = jnp.searchsorted(sorted_ids, qi, side="right", method="sort")
         count = (hi - lo).astype(jnp.int32)
         has = count > 0
         last_index = ki.shape[0] - 1
