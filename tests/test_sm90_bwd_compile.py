@@ -321,13 +321,18 @@ def test_signature_alias_and_shapes():
 
 def test_every_shipped_variant_fits_shared_memory():
     mains = [c for c in shipped_configs() if isinstance(c, BwdConfig)]
-    # dtypes × rows × masks × softcap × gqa × sink × (default, deterministic, varlen)
-    assert len(mains) == 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 2 * 2 * 2 * 3
-    assert sum(c.deterministic for c in mains) == len(mains) // 3
+    # dtypes × rows × masks × softcap × gqa × sink × (default, deterministic, varlen, segments)
+    assert len(mains) == 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 2 * 2 * 2 * 4
+    assert sum(c.deterministic for c in mains) == len(mains) // 4
     assert sum(c.sink_grad for c in mains) == len(mains) // 2
     assert not any(c.sink_grad and c.swap_sdp for c in mains)
     varlen = [c for c in mains if c.varlen]
-    assert len(varlen) == len(mains) // 3
+    assert len(varlen) == len(mains) // 4
+    # segment ids: the plain loop with 64-row query tiles, never deterministic or varlen
+    segments = [c for c in mains if c.segments]
+    assert len(segments) == len(mains) // 4
+    assert not any(c.swap_sdp or c.deterministic or c.varlen or c.tile_m > 64
+                   for c in segments)
     # every varlen variant is the table's default kernel of its kind in the plain loop (no
     # swap_sdp, statistics from registers, dQ through the dQ warp), launched by the work list
     plain = {replace(c, swap_sdp=False, stats_smem=False, dq_red=False, reverse_launch=False)
