@@ -19,8 +19,9 @@ Segment ids (:func:`attention_with_extras`): the backend's forward kernel with s
 where it has one (``Backend.segments_forward``: key blocks that share no id with a query tile
 skipped, :mod:`jax_fa4.segments`), else the reference; its backward by the backend's kernels
 with segment ids where they serve the call (``Backend.segments_backward``), else the
-reference's explicit FlashAttention backward plus the sink's gradient. A sink on the reference: the reference's own ``custom_vjp`` over
-``(q, k, v, sink)``, whose forward saves ``(q, k, v, sink, out, lse)``.
+reference's explicit FlashAttention backward plus the sink's gradient. A sink on the
+reference: the reference's own ``custom_vjp`` over ``(q, k, v, sink)``, whose forward saves
+``(q, k, v, sink, out, lse)``.
 
 Varlen (:func:`varlen`): one ``custom_vjp`` over the packed batch, jitted with the backend's plan
 as a static argument; its backward is the backend's varlen backward, or the reference's packed
