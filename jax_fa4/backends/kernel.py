@@ -76,6 +76,16 @@ def _config_or_reason(make, *args, **kwargs):
         return str(err)
 
 
+def _dense_config(make, q, v, opts):
+    """``make``'s config (a family's ``make_*`` hook) for a dense (B, S, H, D) call, or the
+    reason none serves it (a str)."""
+    dtype = jnp.dtype(q.dtype).name
+    if dtype not in KERNEL_DTYPES:
+        return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
+    return _config_or_reason(make, dtype, q.shape[3], v.shape[3], mask_kind(opts.window),
+                             opts.softcap > 0)
+
+
 def sum_gqa_groups(dk, dv, hkv: int, head_axis: int):
     """Per-query-head float32 dK / dV summed over each group of H/Hkv heads (``head_axis``: the
     heads' axis; a fixed-order XLA reduction, so deterministic)."""
@@ -144,11 +154,7 @@ class KernelBackend(Backend):
     # -- dense forward ---------------------------------------------------------------------------
     def forward_config(self, q, k, v, opts):
         """The forward kernel config serving this call, or the reason none does (a str)."""
-        dtype = jnp.dtype(q.dtype).name
-        if dtype not in KERNEL_DTYPES:
-            return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
-        return _config_or_reason(self.make_forward, dtype, q.shape[3], v.shape[3],
-                                 mask_kind(opts.window), opts.softcap > 0)
+        return _dense_config(self.make_forward, q, v, opts)
 
     def supports_forward(self, q, k, v, opts) -> str | None:
         config = self.forward_config(q, k, v, opts)
@@ -292,11 +298,7 @@ class KernelBackend(Backend):
     def segments_config(self, q, k, v, opts):
         """The forward kernel config with segment ids serving this call, or the reason none
         does (a str)."""
-        dtype = jnp.dtype(q.dtype).name
-        if dtype not in KERNEL_DTYPES:
-            return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
-        return _config_or_reason(self.make_segments, dtype, q.shape[3], v.shape[3],
-                                 mask_kind(opts.window), opts.softcap > 0)
+        return _dense_config(self.make_segments, q, v, opts)
 
     def supports_segments(self, q, k, v, opts) -> str | None:
         config = self.segments_config(q, k, v, opts)
