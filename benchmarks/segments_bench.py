@@ -10,7 +10,13 @@ which program opens them, median, input sets rotated past the L2):
 * ``dense``: ``flash_attention`` on (B, S, H, D), no segment ids (all S² FLOPs useful);
 * ``segments``: the same rows with segment ids cutting each into documents of 512–4k tokens
   (each row its own cut points; FLOPs counted per document);
-* ``varlen``: the same documents through ``flash_attention_varlen`` (packed (B·S, H, D)).
+* ``varlen``: the same documents through ``flash_attention_varlen`` (packed (B·S, H, D));
+* ``dense+max_logits`` / ``segments+max_logits`` (forward only): the same calls with
+  ``return_max_logits=True`` (QK-Clip), for the max-logit overhead (``max_logits_overhead``:
+  time over the call without it, minus 1).
+
+The ids (and cu_seqlens) are arguments of the jitted programs, as in a training step, so the
+segment tables are built on the GPU in every call (constants would be folded at compile time).
 
 TFLOP/s use the anchors' convention (forward 2·Σ Sq·Sk·H·(D+Dv), halved under a causal mask,
 backward 2.5×). Writes JSON with the command, GPU and date; each row has
@@ -68,27 +74,33 @@ def main(argv=None) -> int:
         ids = jnp.asarray(np.stack([np.repeat(np.arange(len(x)), x) for x in docs]), jnp.int32)
         flat = [n for row in docs for n in row]
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(flat)]), jnp.int32)
-        sets = rotating_sets(jax.random.key(b * s + causal), (b, s, h, d))
+        sets = [(*x, ids, cu) for x in rotating_sets(jax.random.key(b * s + causal),
+                                                       (b, s, h, d))]
         shape = (b, s, h, d)
         variants = {
-            "dense": ([s] * b, lambda q, k, v: jax_fa4.flash_attention(
+            "dense": ([s] * b, lambda q, k, v, ids, cu: jax_fa4.flash_attention(
                 q, k, v, causal=causal, implementation="sm90")),
-            "segments": (flat, lambda q, k, v: jax_fa4.flash_attention(
+            "segments": (flat, lambda q, k, v, ids, cu: jax_fa4.flash_attention(
                 q, k, v, causal=causal, segment_ids=ids, implementation="sm90")),
-            "varlen": (flat, lambda q, k, v: jax_fa4.flash_attention_varlen(
+            "varlen": (flat, lambda q, k, v, ids, cu: jax_fa4.flash_attention_varlen(
                 q.reshape(b * s, h, d), k.reshape(b * s, h, d), v.reshape(b * s, h, d), cu, cu,
                 max(flat), max(flat), causal=causal, implementation="sm90").reshape(shape)),
+            "dense+max_logits": ([s] * b, lambda q, k, v, ids, cu: jax_fa4.flash_attention(
+                q, k, v, causal=causal, return_max_logits=True, implementation="sm90")),
+            "segments+max_logits": (flat, lambda q, k, v, ids, cu: jax_fa4.flash_attention(
+                q, k, v, causal=causal, segment_ids=ids, return_max_logits=True,
+                implementation="sm90")),
         }
-        kinds = ("fwd", "fwd+bwd") if args.with_backward else ("fwd",)
         programs, names = [], []
         for name, (lens, attn) in variants.items():
-            def fwd(q, k, v, do, attn=attn):
-                return attn(q, k, v)
+            def fwd(q, k, v, do, ids, cu, attn=attn):
+                return attn(q, k, v, ids, cu)
 
-            def fwd_bwd(q, k, v, do, attn=attn):
-                out, vjp = jax.vjp(attn, q, k, v)
+            def fwd_bwd(q, k, v, do, ids, cu, attn=attn):
+                out, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, ids, cu), q, k, v)
                 return out, vjp(do)
 
+            kinds = ("fwd", "fwd+bwd") if args.with_backward and "max" not in name else ("fwd",)
             for kind, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
                 if kind in kinds:
                     compiled = jax.jit(fn).lower(*sets[0]).compile()
@@ -100,10 +112,14 @@ def main(argv=None) -> int:
         mine = []
         for name, (lens, _) in variants.items():
             f = flops(lens, h, d, causal)
-            row = dict(shape=label, variant=name, segment_ids=name == "segments",
-                       documents=docs if name != "dense" else None, fwd_ms=ms[(name, "fwd")],
+            row = dict(shape=label, variant=name, segment_ids=name.startswith("segments"),
+                       max_logits=name.endswith("max_logits"),
+                       documents=docs if not name.startswith("dense") else None,
+                       fwd_ms=ms[(name, "fwd")],
                        useful_fwd_tflops=f / (ms[(name, "fwd")] * 1e-3) / 1e12)
-            if args.with_backward:
+            if name.endswith("+max_logits"):
+                row["max_logits_overhead"] = ms[(name, "fwd")] / ms[(name[:-11], "fwd")] - 1
+            if (name, "fwd+bwd") in ms:
                 t_fb = ms[(name, "fwd+bwd")]
                 row.update(fwdbwd_ms=t_fb, useful_fwdbwd_tflops=3.5 * f / (t_fb * 1e-3) / 1e12)
             mine.append(row)

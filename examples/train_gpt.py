@@ -5,6 +5,7 @@
     python examples/train_gpt.py --mesh                 # data parallel over all local devices
     python examples/train_gpt.py --mesh 2x4             # 2-way data x 4-way heads (tensor parallel)
     python examples/train_gpt.py --log-json run.json    # per-step losses, to compare runs
+    python examples/train_gpt.py --pack                 # rows packed with documents, segment ids
 
 Byte-level language model (vocabulary of 256) on ``examples/data/corpus.txt``: learned position
 embeddings, pre-LayerNorm blocks of causal GQA attention and a GELU MLP, tied output embedding,
@@ -14,6 +15,12 @@ jax-fa4's kernels (bfloat16); on a CPU it runs the pure-JAX reference (float32).
 ``--mesh`` builds a ``jax.sharding.Mesh`` with axes ("data", "model"): the batch is split over
 "data"; attention heads and the MLP hidden units over "model" (Megatron-style), so q, k and v
 arrive at flash_attention sharded over batch and heads and each device runs its own shard.
+
+``--pack`` trains on packed rows, as the JAX trainers (MaxText, Levanter) do: each row of
+``seq_len`` tokens holds several documents (corpus passages of seq_len/8 to seq_len/2 bytes, each
+with its next-byte targets), the attention gets their ``segment_ids`` (a token attends only
+within its document; on Hopper the segment-id kernels, forward and backward) and the position
+embeddings restart at each document.
 """
 
 from __future__ import annotations
@@ -74,8 +81,8 @@ class Block(nnx.Module):
         self.mlp_in = nnx.Linear(d, 4 * d, dtype=dtype, rngs=rngs)
         self.mlp_out = nnx.Linear(4 * d, d, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
-        x = x + self.attn(self.ln1(x))
+    def __call__(self, x, segment_ids=None):
+        x = x + self.attn(self.ln1(x), segment_ids=segment_ids)
         return x + self.mlp_out(nnx.gelu(self.mlp_in(self.ln2(x))))
 
 
@@ -87,10 +94,13 @@ class GPT(nnx.Module):
         self.blocks = nnx.List([Block(cfg, implementation, rngs) for _ in range(cfg.layers)])
         self.ln_f = nnx.LayerNorm(cfg.d_model, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens):  # (B, T) uint8 -> logits (B, T, 256) float32
-        x = self.embed(tokens) + self.pos(jnp.arange(tokens.shape[1]))
+    def __call__(self, tokens, segment_ids=None, positions=None):
+        """(B, T) uint8 -> logits (B, T, 256) float32; packed rows: the tokens' document ids
+        and in-document positions, (B, T) int32 each."""
+        positions = jnp.arange(tokens.shape[1]) if positions is None else positions
+        x = self.embed(tokens) + self.pos(positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, segment_ids)
         return self.embed.attend(self.ln_f(x)).astype(jnp.float32)
 
 
@@ -142,9 +152,35 @@ def batches(data: np.ndarray, cfg: Config, seed: int):
         yield chunk[:, :-1], chunk[:, 1:]
 
 
+def packed_batches(data: np.ndarray, cfg: Config, seed: int):
+    """Rows packed with documents: (tokens, targets, segment ids, positions), each (B, T).
+
+    A row is filled with passages of the corpus (random starts, lengths T/8 to T/2, the last
+    one cut to fit), each with its own next-byte targets; the ids number the documents of a
+    row and the positions restart at 0 in each."""
+    rng = np.random.default_rng(seed)
+    t = cfg.seq_len
+    while True:
+        x = np.empty((cfg.batch, t), np.uint8)
+        y = np.empty_like(x)
+        ids = np.empty((cfg.batch, t), np.int32)
+        pos = np.empty((cfg.batch, t), np.int32)
+        for row in range(cfg.batch):
+            filled, doc = 0, 0
+            while filled < t:
+                n = min(int(rng.integers(t // 8, t // 2 + 1)), t - filled)
+                start = int(rng.integers(0, len(data) - n - 1))
+                x[row, filled:filled + n] = data[start:start + n]
+                y[row, filled:filled + n] = data[start + 1:start + n + 1]
+                ids[row, filled:filled + n] = doc
+                pos[row, filled:filled + n] = np.arange(n)
+                filled, doc = filled + n, doc + 1
+        yield x, y, ids, pos
+
+
 # -- training ----------------------------------------------------------------------------------
 def train(cfg: Config, *, steps: int, seed: int, implementation: str | None,
-          mesh_spec: str | None, progress: bool = True) -> dict:
+          mesh_spec: str | None, progress: bool = True, pack: bool = False) -> dict:
     mesh = make_mesh(mesh_spec)
     if mesh is not None:
         d, m = mesh.shape["data"], mesh.shape["model"]
@@ -160,12 +196,12 @@ def train(cfg: Config, *, steps: int, seed: int, implementation: str | None,
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
 
-    def loss_fn(params, x, y):
-        logits = nnx.merge(graphdef, params)(x)
+    def loss_fn(params, x, y, *packing):
+        logits = nnx.merge(graphdef, params)(x, *packing)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    def step_fn(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    def step_fn(params, opt_state, x, y, *packing):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y, *packing)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -186,15 +222,14 @@ def train(cfg: Config, *, steps: int, seed: int, implementation: str | None,
         batch_sharding = NamedSharding(mesh, P("data", None))
         put_batch = lambda a: jax.device_put(a, batch_sharding)  # noqa: E731
 
-    data = batches(load_corpus(), cfg, seed)
+    data = (packed_batches if pack else batches)(load_corpus(), cfg, seed)
     losses: list[float] = []
     tokens_per_step = cfg.batch * cfg.seq_len
     bar = tqdm(range(steps), unit="step") if progress and tqdm else range(steps)
     t_first = time.perf_counter()
     t_start = None
     for i in bar:
-        x, y = next(data)
-        params, opt_state, loss = step(params, opt_state, put_batch(x), put_batch(y))
+        params, opt_state, loss = step(params, opt_state, *map(put_batch, next(data)))
         losses.append(float(loss))
         if i == 0:
             t_start = time.perf_counter()  # after the compile
@@ -212,6 +247,7 @@ def train(cfg: Config, *, steps: int, seed: int, implementation: str | None,
         "seed": seed,
         "implementation": select(implementation),
         "mesh": None if mesh is None else dict(mesh.shape),
+        "packed": pack,
         "devices": jax.device_count(),
         "device_kind": jax.devices()[0].device_kind,
         "params": n_params,
@@ -234,6 +270,8 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=None, help="override the config's batch size")
     p.add_argument("--log-json", type=pathlib.Path, default=None, metavar="PATH",
                    help="write the per-step losses and the run's settings here")
+    p.add_argument("--pack", action="store_true",
+                   help="rows packed with documents: segment ids and per-document positions")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     args = p.parse_args(argv)
 
@@ -247,7 +285,7 @@ def main(argv=None) -> dict:
           f"{jax.device_count()} x {jax.devices()[0].device_kind}, attention implementation "
           f"{select(implementation)}")
     result = train(cfg, steps=steps, seed=args.seed, implementation=implementation,
-                   mesh_spec=args.mesh, progress=args.progress)
+                   mesh_spec=args.mesh, progress=args.progress, pack=args.pack)
     losses = result["losses"]
     if losses:
         k = max(1, min(10, len(losses) // 4))

@@ -38,6 +38,7 @@ Dv value head dim.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -62,7 +63,9 @@ def flash_attention(
     return_lse: bool = False,
     deterministic: bool = False,
     implementation: str | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+    return_max_logits: bool = False,
+    padding_segment_id: int | None = None,
+) -> jax.Array | tuple[jax.Array, ...]:
     """Scaled dot-product attention, FlashAttention-4 semantics, differentiable.
 
     Args:
@@ -92,10 +95,25 @@ def flash_attention(
         kernels take them with no (Sq × Sk) mask anywhere: blocks whose queries and keys share
         no id are skipped, contiguous runs (packed documents) are masked by each row's key
         span, other ids compared key by key (exact for any ids; a new packing never
-        recompiles); ``deterministic=True`` runs the reference's backward. For packed
+        recompiles); ``deterministic=True`` runs the reference's backward. Under ``jit``
+        with q, k, v sharded over batch and heads the ids follow the batch sharding. For packed
         variable-length batches without a fixed (B, S) layout see
         :func:`jax_fa4.flash_attention_varlen`.
       return_lse: also return the log-sum-exp of each row's scores (natural log, float32).
+      padding_segment_id: the id of padding tokens in ``segment_ids`` (e.g. 0, the convention
+        of MaxText's and Levanter's ``segment_ids``): those queries see no key (out 0, lse
+        ``-inf``, zero and finite gradients) and no query sees those keys. (Implemented by
+        giving padding queries and keys two reserved ids, ``-2**31`` and ``-2**31 + 1``, which
+        other tokens must not use.)
+      return_max_logits: also return the largest score of each (batch entry, query head),
+        ``max_ij s_ij`` over the keys the masks and segment ids leave visible, float32
+        ``(B, H)`` (``-inf`` where a head sees nothing), with ``s = q·k · softmax_scale``
+        (``softcap · tanh(s / softcap)`` with a softcap: the logit the softmax sees); a
+        learnable sink does not count. What QK-Clip / MuonClip (Kimi K2) watch to rescale
+        the query and key projections: ``max_logits.max(axis=0)`` gives the per-head maximum
+        over the batch. A statistic: no gradient flows through it. On Hopper the forward
+        kernel keeps one more running max per row (dense and segment-id calls);
+        decode-shaped calls (few queries per key) and other backends run the reference.
       deterministic: make the gradients bitwise reproducible from run to run. The default
         Hopper backward kernel reduce-adds dQ across key blocks in arrival order, so its dq is
         not; ``deterministic=True`` runs a kernel that adds them in a fixed order (0.7–1.05×
@@ -107,7 +125,9 @@ def flash_attention(
 
     Returns:
       ``out`` of shape ``(B, Sq, H, Dv)`` in q's dtype, and with ``return_lse`` also ``lse`` of
-      shape ``(B, H, Sq)`` float32. Rows with no visible key give 0 and lse ``-inf``.
+      shape ``(B, H, Sq)`` float32, then with ``return_max_logits`` ``max_logits`` ``(B, H)``
+      float32: ``out``, ``(out, lse)``, ``(out, max_logits)`` or ``(out, lse, max_logits)``.
+      Rows with no visible key give 0 and lse ``-inf``.
 
     Differentiable (``jax.grad``, also through ``lse``), and works under ``jax.jit``,
     ``jax.vmap`` (mapped axes are folded into the batch) and ``jax.export``.
@@ -124,18 +144,26 @@ def flash_attention(
     opts = options.canonicalize(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                 window_size=window_size, softcap=softcap,
                                 implementation=implementation, deterministic=deterministic)
+    if return_max_logits:
+        opts = dataclasses.replace(opts, max_logits=True)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     learnable_sink = options.check_learnable_sink(learnable_sink, q.shape[2])
+    if padding_segment_id is not None and segment_ids is None:
+        raise ValueError("padding_segment_id needs segment_ids")
     if learnable_sink is None and segment_ids is None:
-        out, lse = autodiff.attention(q, k, v, opts)
+        outs = autodiff.attention(q, k, v, opts)
     elif segment_ids is None and opts.implementation != REFERENCE:
         # the backend's attention chain, the sink its forward's operand (autodiff)
-        out, lse = autodiff.attention_with_sink(q, k, v, learnable_sink, opts)
-    else:  # the reference's custom_vjp until the kernels take segment ids
-        out, lse = autodiff.attention_with_extras(
+        outs = autodiff.attention_with_sink(q, k, v, learnable_sink, opts)
+    else:  # the segment-id kernels or the reference (autodiff.attention_with_extras)
+        outs = autodiff.attention_with_extras(
             q, k, v, opts, learnable_sink=learnable_sink,
-            segment_ids=options.check_segment_ids(segment_ids, q, k))
-    return (out, lse) if return_lse else out
+            segment_ids=options.check_segment_ids(segment_ids, q, k, padding_segment_id))
+    out, lse = outs[0], outs[1]
+    results = (out, lse) if return_lse else (out,)
+    if return_max_logits:
+        results += (jax.lax.stop_gradient(outs[2]).max(axis=-1),)
+    return results if len(results) > 1 else out
 
 
 def flash_attention_varlen(

@@ -108,7 +108,8 @@ def forward_chain_with_sink(q, k, v, sink, opts):
     backend = base.choose(backend, "forward", backend.supports_forward(q, k, v, opts), opts,
                           call="call")
     if sink.ndim > 1:
-        return base.join_sink(*backend.forward(q, k, v, opts), sink)
+        outs = backend.forward(q, k, v, opts)
+        return (*base.join_sink(outs[0], outs[1], sink), *outs[2:])
     return backend.forward(q, k, v, opts, sink=sink)
 
 
@@ -120,18 +121,19 @@ _backward_sink = sharding.partitioned_backward_with_sink(backward_chain_with_sin
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def attention(q, k, v, opts):
-    """(out, lse) with ``opts`` an :class:`jax_fa4.options.AttentionOptions`."""
+    """(out, lse) with ``opts`` an :class:`jax_fa4.options.AttentionOptions`, and each row's
+    max logit (B, H, Sq) when ``opts.max_logits`` (a statistic: its cotangent is dropped)."""
     return _forward(q, k, v, opts)
 
 
 def _fwd(q, k, v, opts):
-    out, lse = _forward(q, k, v, opts)
-    return (out, lse), (q, k, v, out, lse)
+    outs = _forward(q, k, v, opts)
+    return outs, (q, k, v, outs[0], outs[1])
 
 
 def _bwd(opts, residuals, cotangents):
     q, k, v, out, lse = residuals
-    dout, dlse = cotangents
+    dout, dlse = cotangents[:2]
     return _backward(q, k, v, out, lse, dout, dlse, opts)[:3]
 
 
@@ -140,18 +142,18 @@ attention.defvjp(_fwd, _bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def attention_with_sink(q, k, v, sink, opts):
-    """(out, lse) with a learnable sink ``(H,)`` joining every row's denominator."""
+    """(out, lse[, row_max]) with a learnable sink ``(H,)`` joining every row's denominator."""
     return _forward_sink(q, k, v, sink, opts)
 
 
 def _sink_fwd(q, k, v, sink, opts):
-    out, lse = _forward_sink(q, k, v, sink, opts)
-    return (out, lse), (q, k, v, sink, out, lse)
+    outs = _forward_sink(q, k, v, sink, opts)
+    return outs, (q, k, v, sink, outs[0], outs[1])
 
 
 def _sink_bwd(opts, residuals, cotangents):
     q, k, v, sink, out, lse = residuals
-    dout, dlse = cotangents
+    dout, dlse = cotangents[:2]
     dq, dk, dv, parts = _backward_sink(q, k, v, out, lse, dout, dlse, sink, opts)
     dsink = parts.reshape(-1, parts.shape[-1]).sum(axis=0)
     return dq, dk, dv, dsink.astype(sink.dtype)
@@ -160,53 +162,122 @@ def _sink_bwd(opts, residuals, cotangents):
 attention_with_sink.defvjp(_sink_fwd, _sink_bwd)
 
 
-# -- sink and segment ids on the reference ----------------------------------------------------
+# -- sink and segment ids (the segment-id kernels or the reference) ---------------------------
+def _segments_on_kernel(backend, q, k, v, sink, q_ids, opts) -> bool:
+    """Whether this (shard of a) call with these extras runs the segment-id kernels: segment
+    ids given, a family kernel that takes them, and no per-batch-entry sink (vmap)."""
+    return (q_ids is not None and backend is not base.REFERENCE_BACKEND
+            and backend.supports_segments(q, k, v, opts) is None
+            and (sink is None or sink.ndim == 1))
+
+
+def _extras_forward_impl(has_sink: bool, has_ids: bool):
+    """The shard-local forward with extras: ``(q, k, v, [sink], [q_ids, kv_ids], opts) ->
+    (out, lse[, row_max])`` on the segment-id kernel where it serves, else the reference."""
+
+    def run(*args):
+        *arrays, opts = args
+        q, k, v, *rest = arrays
+        sink = rest.pop(0) if has_sink else None
+        q_ids, kv_ids = rest if has_ids else (None, None)
+        backend = backends.get(opts.implementation)
+        if _segments_on_kernel(backend, q, k, v, sink, q_ids, opts):
+            return backend.segments_forward(q, k, v, q_ids, kv_ids, opts, sink)
+        if sink is not None and sink.ndim > 1:  # one sink per batch entry (vmap): joined after
+            outs = base.reference_forward(q, k, v, opts, q_segment_ids=q_ids,
+                                          kv_segment_ids=kv_ids)
+            return (*base.join_sink(outs[0], outs[1], sink), *outs[2:])
+        return base.reference_forward(q, k, v, opts, learnable_sink=sink, q_segment_ids=q_ids,
+                                      kv_segment_ids=kv_ids)
+
+    return run
+
+
+def _extras_backward_impl(has_sink: bool, has_ids: bool):
+    """The shard-local backward with extras: ``(q, k, v, out, lse, dout, dlse, [sink],
+    [q_ids, kv_ids], opts) -> (dq, dk, dv[, d sink by batch entry (B, H) float32])`` on the
+    segment-id backward kernel where the forward ran its kernel and a backward kernel serves,
+    else the reference's explicit backward."""
+
+    def run(*args):
+        *arrays, opts = args
+        q, k, v, out, lse, dout, dlse, *rest = arrays
+        sink = rest.pop(0) if has_sink else None
+        q_ids, kv_ids = rest if has_ids else (None, None)
+        backend = backends.get(opts.implementation)
+        if (_segments_on_kernel(backend, q, k, v, sink, q_ids, opts)
+                and backend.supports_segments_backward(q, k, v, opts) is None):
+            dq, dk, dv, rows = backend.segments_backward(q, k, v, out, lse, dout, dlse, q_ids,
+                                                         kv_ids, opts, sink)
+            if sink is None:
+                return dq, dk, dv
+            p_sink = reference.sink_probability(sink, lse)
+            share = jnp.where(jnp.isneginf(lse), 0.0, p_sink * dlse.astype(jnp.float32))
+            return dq, dk, dv, share.sum(axis=-1) - rows
+        segments = Segments(q_ids, kv_ids)
+        delta = base.reference_delta(out, dout) - dlse
+        dq, dk, dv = base.reference_backward(q, k, v, out, lse, dout, delta, opts,
+                                             **segments._asdict())
+        if sink is None:
+            return dq, dk, dv
+        p_sink = reference.sink_probability(sink, lse)
+        return dq, dk, dv, -jnp.where(jnp.isneginf(lse), 0.0, p_sink * delta).sum(axis=-1)
+
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def _extras_ops(has_sink: bool, has_ids: bool):
+    """(forward, backward) operations with these extras, sharded over batch and heads
+    (:func:`jax_fa4.parallel.sharding.partitioned`; segment ids (B.., S) follow the batch)."""
+    extra = ("sink",) * has_sink + sharding.SEGMENT_IDS * has_ids
+    name = "jax_fa4_attention_extras" + "_sink" * has_sink + "_ids" * has_ids
+    forward = sharding.partitioned(name + "_fwd", _extras_forward_impl(has_sink, has_ids),
+                                   sharding.FORWARD_IN + extra, sharding.FORWARD_OUT)
+    backward = sharding.partitioned(
+        name + "_bwd", _extras_backward_impl(has_sink, has_ids), sharding.BACKWARD_IN + extra,
+        sharding.SINK_BACKWARD_OUT if has_sink else sharding.BACKWARD_OUT[:3])
+    return forward, backward
+
+
+def _extra_arrays(sink, segments: Segments) -> tuple:
+    ids = () if segments.q_segment_ids is None else (segments.q_segment_ids,
+                                                     segments.kv_segment_ids)
+    return ((sink,) if sink is not None else ()) + ids
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _extras(q, k, v, sink, segments, opts):
-    return base.reference_forward(q, k, v, opts, learnable_sink=sink, **segments._asdict())
+    forward, _ = _extras_ops(sink is not None, segments.q_segment_ids is not None)
+    return forward(q, k, v, *_extra_arrays(sink, segments), opts)
 
 
 def _extras_fwd(q, k, v, sink, segments, opts):
-    out, lse = _extras(q, k, v, sink, segments, opts)
-    return (out, lse), (q, k, v, sink, segments, out, lse)
+    outs = _extras(q, k, v, sink, segments, opts)
+    return outs, (q, k, v, sink, segments, outs[0], outs[1])
 
 
 def _extras_bwd(opts, residuals, cotangents):
     q, k, v, sink, segments, out, lse = residuals
-    dout, dlse = cotangents
-    return (*base.extras_backward(q, k, v, sink, segments, out, lse, dout, dlse, opts),
-            None)  # no cotangent for the integer segment data
+    dout, dlse = cotangents[:2]
+    has_ids = segments.q_segment_ids is not None
+    backend = backends.get(opts.implementation)
+    if has_ids and _segments_on_kernel(backend, q, k, v, sink, segments.q_segment_ids, opts):
+        # says once when the gradient runs the reference's backward (the shard-local choice
+        # repeats this test)
+        base.choose(backend, "backward with segment_ids",
+                    backend.supports_segments_backward(q, k, v, opts), opts, kernel_forward=True)
+    _, backward = _extras_ops(sink is not None, has_ids)
+    grads = backward(q, k, v, out, lse, dout, dlse, *_extra_arrays(sink, segments), opts)
+    dsink = None
+    if sink is not None:  # the gradient by batch entry, summed
+        parts = grads[3]
+        dsink = parts.reshape(-1, parts.shape[-1]).sum(axis=0).astype(sink.dtype)
+    # no cotangent for the integer segment data
+    return (*grads[:3], dsink, None)
 
 
 _extras.defvjp(_extras_fwd, _extras_bwd)
-
-
-# -- segment ids on a forward kernel ----------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _segments_kernel(q, k, v, sink, segments, opts):
-    return backends.get(opts.implementation).segments_forward(
-        q, k, v, segments.q_segment_ids, segments.kv_segment_ids, opts, sink)
-
-
-def _segments_kernel_fwd(q, k, v, sink, segments, opts):
-    out, lse = _segments_kernel(q, k, v, sink, segments, opts)
-    return (out, lse), (q, k, v, sink, segments, out, lse)
-
-
-def _segments_kernel_bwd(opts, residuals, cotangents):
-    q, k, v, sink, segments, out, lse = residuals
-    dout, dlse = cotangents
-    backend = backends.get(opts.implementation)
-    chosen = base.choose(backend, "backward with segment_ids",
-                         backend.supports_segments_backward(q, k, v, opts), opts,
-                         kernel_forward=True)
-    if chosen is base.REFERENCE_BACKEND:  # the reference's explicit backward
-        return _extras_bwd(opts, residuals, cotangents)
-    return (*chosen.segments_backward(q, k, v, out, lse, dout, dlse, segments.q_segment_ids,
-                                      segments.kv_segment_ids, opts, sink), None)
-
-
-_segments_kernel.defvjp(_segments_kernel_fwd, _segments_kernel_bwd)
 
 
 def attention_with_extras(
@@ -240,9 +311,7 @@ def attention_with_extras(
         reason = backend.supports_segments(q, k, v, opts)
         if reason is None and learnable_sink is not None and learnable_sink.ndim != 1:
             reason = "a learnable sink per batch entry (vmap) does not reach the kernel"
-        chosen = base.choose(backend, "attention with " + what, reason, opts, call="call")
-        if chosen is not base.REFERENCE_BACKEND:
-            return _segments_kernel(q, k, v, learnable_sink, segments, opts)
+        base.choose(backend, "attention with " + what, reason, opts, call="call")
     else:
         base.choose(backend, "attention with " + (what or "extras"),
                     backend.supports_extras(what or "this call"), opts, call="call")

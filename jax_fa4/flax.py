@@ -10,6 +10,18 @@
 - :func:`attention_fn` / :class:`AttentionFn`: a drop-in for ``flax.nnx.dot_product_attention``
   to pass as ``attention_fn=`` to Flax's own modules.
 
+Packed rows: both modules take ``segment_ids=`` per call (one ``[batch..., length]`` int array
+for self-attention, or a ``(q_segment_ids, kv_segment_ids)`` pair), as
+:func:`jax_fa4.flash_attention` does: tokens attend only within their segment, on the kernels
+(forward and backward) on Hopper. Padding: give padding queries and keys ids that no other
+token has (e.g. -1 and -2) and they attend to nothing (output 0); see
+:func:`jax_fa4.flash_attention`. ``AttentionFn`` takes ``segment_ids=`` as a keyword too.
+
+QK-Clip / MuonClip: ``sow_max_logits=True`` (constructor) makes each call store the per-(batch,
+head) max logit, float32 ``[batch..., num_heads]`` (``return_max_logits`` of
+:func:`jax_fa4.flash_attention`): NNX in ``nnx.Intermediate`` as ``max_logits``, Linen in
+the ``intermediates`` collection as ``max_logits``.
+
 What FlashAttention cannot do, and what happens instead:
 
 - attention dropout (``dropout_rate > 0`` and not deterministic): ``NotImplementedError``;
@@ -70,6 +82,8 @@ class AttentionFn:
       softmax_scale: default ``1/sqrt(head_dim)``.
       implementation: as in :func:`jax_fa4.flash_attention`.
       on_mask: ``"fallback"`` (pure-JAX masked attention) or ``"raise"`` for a mask or bias.
+      padding_segment_id: the id of padding tokens in ``segment_ids`` (e.g. 0), which then
+        attend to nothing (as in :func:`jax_fa4.flash_attention`).
     """
 
     causal: bool = False
@@ -78,6 +92,7 @@ class AttentionFn:
     softmax_scale: float | None = None
     implementation: str | None = None
     on_mask: str = "fallback"
+    padding_segment_id: int | None = None
 
     def __post_init__(self):
         if self.on_mask not in _ON_MASK:
@@ -100,8 +115,15 @@ class AttentionFn:
         module: Any = None,
         promote_dtype: Callable | None = None,
         is_causal: bool = False,
+        segment_ids: Any = None,
+        on_max_logits: Callable[[jax.Array], Any] | None = None,
         **unsupported: Any,
     ) -> jax.Array:
+        """The attention output (see the class docstring). ``segment_ids``: ``[batch...,
+        length]`` ints (self-attention) or a ``(q_segment_ids, kv_segment_ids)`` pair, as in
+        :func:`jax_fa4.flash_attention` (not with an explicit mask or bias).
+        ``on_max_logits``: called with the per-(batch, head) max logits ``[batch...,
+        num_heads]`` float32 (QK-Clip; the modules' ``sow_max_logits``)."""
         del broadcast_dropout, dropout_rng, precision
         if unsupported:
             raise TypeError(
@@ -122,9 +144,21 @@ class AttentionFn:
         q, k, v = (x.reshape(math.prod(lead), *x.shape[-3:]) for x in (query, key, value))
         causal = bool(self.causal or is_causal)
         if mask is None and bias is None:
-            out = api.flash_attention(q, k, v, softmax_scale=self.softmax_scale, causal=causal,
+            res = api.flash_attention(q, k, v, softmax_scale=self.softmax_scale, causal=causal,
                                       window_size=self.window_size, softcap=self.softcap,
-                                      implementation=self.implementation)
+                                      segment_ids=_flat_ids(segment_ids, lead, q, k),
+                                      padding_segment_id=(self.padding_segment_id
+                                                          if segment_ids is not None else None),
+                                      implementation=self.implementation,
+                                      return_max_logits=on_max_logits is not None)
+            out = res
+            if on_max_logits is not None:
+                out, max_logits = res
+                on_max_logits(max_logits.reshape(*query.shape[:-3], max_logits.shape[-1]))
+        elif segment_ids is not None or on_max_logits is not None:
+            raise ValueError("segment_ids and max logits are not taken together with an "
+                             "explicit mask or bias: fold the mask into segment ids, causal or "
+                             "window_size")
         elif self.on_mask == "raise":
             raise ValueError(
                 "jax_fa4 attention got an explicit mask/bias and on_mask='raise': express the "
@@ -168,6 +202,24 @@ def _check_batch_dims(query, key, value) -> tuple[int, ...]:
     return lead if lead else (1,)
 
 
+def _flat_ids(segment_ids, lead, q, k):
+    """``[batch..., length]`` segment ids (or a (q, kv) pair of them) with the batch dims
+    folded, as the folded q / k have them."""
+    if segment_ids is None:
+        return None
+    pair = isinstance(segment_ids, (tuple, list))
+    q_ids, kv_ids = segment_ids if pair else (segment_ids, segment_ids)
+    out = []
+    for name, ids, length in (("q_segment_ids", q_ids, q.shape[1]),
+                              ("kv_segment_ids", kv_ids, k.shape[1])):
+        ids = jnp.asarray(ids)
+        if ids.shape != (*lead, length) and not (lead == (1,) and ids.shape == (length,)):
+            raise ValueError(f"segment_ids: {name} must have shape {(*lead, length)} "
+                             f"(batch dims, length), got {ids.shape}")
+        out.append(ids.reshape(math.prod(lead), length))
+    return tuple(out)
+
+
 def _flat(x, lead, q, k):
     """A mask or bias broadcastable to ``[batch..., H, Sq, Sk]`` as ``(B, H, Sq, Sk)``."""
     if x is None:
@@ -204,13 +256,16 @@ def _masked_attention(q, k, v, bias, mask, opts) -> jax.Array:
     return out.reshape(b, sq, h, v.shape[3]).astype(q.dtype)
 
 
-def _options(causal, window_size, softcap, softmax_scale, implementation, on_mask) -> AttentionFn:
+def _options(causal, window_size, softcap, softmax_scale, implementation, on_mask,
+             padding_segment_id=None) -> AttentionFn:
     """Check the options once, at construction, with the API's own validation."""
     probe = np.zeros((1, 1, 1, 8), np.float32)
     options.canonicalize(probe, probe, probe, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, implementation=implementation)
+    if padding_segment_id is not None:
+        options.check_segment_ids(np.zeros((1, 1), np.int32), probe, probe, padding_segment_id)
     return AttentionFn(causal, tuple(window_size), float(softcap), softmax_scale,
-                       implementation, on_mask)
+                       implementation, on_mask, padding_segment_id)
 
 
 # -- NNX ---------------------------------------------------------------------------------------
@@ -231,6 +286,11 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       softmax_scale: default ``1/sqrt(head_dim)``.
       implementation: ``None`` (kernel on a supported GPU, reference elsewhere) or a forced one.
       on_mask: ``"fallback"`` or ``"raise"`` for an explicit mask (see the module docstring).
+      sow_max_logits: every call stores its per-(batch, head) max logits (QK-Clip) in
+        ``nnx.Intermediate`` as ``max_logits`` (``nnx.pop(module, nnx.Intermediate)``).
+      padding_segment_id: the id of padding tokens in ``segment_ids`` (e.g. 0).
+
+    The call also takes ``segment_ids=`` (packed rows, see the module docstring).
 
     For the kernels, use ``dtype=jnp.bfloat16`` (or float16): the projections then produce
     16-bit q, k, v. float32 runs the reference.
@@ -242,25 +302,43 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
                  window_size: tuple[int | None, int | None] = (None, None),
                  softcap: float = 0.0, softmax_scale: float | None = None,
                  implementation: str | None = None, on_mask: str = "fallback",
+                 sow_max_logits: bool = False, padding_segment_id: int | None = None,
                  **kwargs: Any):
         if "attention_fn" in kwargs:
             raise TypeError("jax_fa4.flax.MultiHeadAttention sets its own attention_fn; to use "
                             "jax-fa4 inside Flax's module pass "
                             "nnx.MultiHeadAttention(..., attention_fn=jax_fa4.flax.attention_fn)")
-        fn = _options(causal, window_size, softcap, softmax_scale, implementation, on_mask)
+        fn = _options(causal, window_size, softcap, softmax_scale, implementation, on_mask,
+                      padding_segment_id)
         if num_kv_heads is not None:
             kwargs["num_kv_heads"] = num_kv_heads
         super().__init__(num_heads, in_features, qkv_features, out_features,
                          in_kv_features=in_kv_features, attention_fn=fn, **kwargs)
+        self.sow_max_logits = sow_max_logits
 
     def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
-                 inputs_v: jax.Array | None = None, **kwargs: Any) -> jax.Array:
+                 inputs_v: jax.Array | None = None, *, segment_ids: Any = None,
+                 **kwargs: Any) -> jax.Array:
         decode = kwargs.get("decode")
         decode = self.decode if decode is None else decode
         if decode and self.attention_fn.window_size != (None, None):
             raise ValueError("decode=True with a window_size is not supported: the window "
                              "would be measured from the end of the cache, not the last token")
-        return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
+        extra = {}
+        if segment_ids is not None:
+            if decode:
+                raise ValueError("segment_ids are not supported with decode=True")
+            extra["segment_ids"] = segment_ids
+        if self.sow_max_logits:
+            extra["on_max_logits"] = lambda x: self.sow(nnx.Intermediate, "max_logits", x)
+        if not extra:
+            return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
+        fn = self.attention_fn
+        self.attention_fn = functools.partial(fn, **extra)  # this call's extras
+        try:
+            return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
+        finally:
+            self.attention_fn = fn
 
 
 # -- Linen -------------------------------------------------------------------------------------
@@ -270,8 +348,11 @@ class LinenMultiHeadAttention(nn.Module):
     The fields and the call of ``flax.linen.MultiHeadDotProductAttention`` (parameters
     ``query``, ``key``, ``value``, ``out``: interchangeable with it when ``num_kv_heads`` is
     unset), plus ``num_kv_heads`` (GQA/MQA), ``causal``, ``window_size``, ``softcap``,
-    ``softmax_scale``, ``implementation`` and ``on_mask`` as in :class:`MultiHeadAttention`.
-    ``decode=True`` keeps a ``cache`` collection as Linen's module does (one token per call).
+    ``softmax_scale``, ``implementation``, ``on_mask``, ``padding_segment_id`` and
+    ``sow_max_logits`` (into the
+    ``intermediates`` collection) as in :class:`MultiHeadAttention`; the call takes
+    ``segment_ids=`` too. ``decode=True`` keeps a ``cache`` collection as Linen's module does
+    (one token per call).
     """
 
     num_heads: int
@@ -297,14 +378,16 @@ class LinenMultiHeadAttention(nn.Module):
     softmax_scale: float | None = None
     implementation: str | None = None
     on_mask: str = "fallback"
+    sow_max_logits: bool = False
+    padding_segment_id: int | None = None
 
     @nn.compact
     def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
                  inputs_v: jax.Array | None = None, *, mask: jax.Array | None = None,
                  deterministic: bool | None = None, dropout_rng: jax.Array | None = None,
-                 sow_weights: bool = False) -> jax.Array:
+                 sow_weights: bool = False, segment_ids: Any = None) -> jax.Array:
         fn = _options(self.causal, self.window_size, self.softcap, self.softmax_scale,
-                      self.implementation, self.on_mask)
+                      self.implementation, self.on_mask, self.padding_segment_id)
         if inputs_k is None:
             if inputs_v is not None:
                 raise ValueError("inputs_k cannot be None when inputs_v is given")
@@ -337,9 +420,16 @@ class LinenMultiHeadAttention(nn.Module):
         m_deterministic = True
         if self.dropout_rate > 0:
             m_deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+        extra = {}
+        if segment_ids is not None:
+            if self.decode:
+                raise ValueError("segment_ids are not supported with decode=True")
+            extra["segment_ids"] = segment_ids
+        if self.sow_max_logits:
+            extra["on_max_logits"] = lambda x: self.sow("intermediates", "max_logits", x)
         x = fn(query, key, value, mask=mask, dropout_rate=self.dropout_rate,
                deterministic=m_deterministic, dtype=self.dtype,
-               module=self if sow_weights else None)
+               module=self if sow_weights else None, **extra)
         return nn.DenseGeneral(
             features=self.out_features or inputs_q.shape[-1], axis=(-2, -1),
             kernel_init=self.out_kernel_init or self.kernel_init,

@@ -41,6 +41,7 @@ class AttentionOptions:
     implementation: str  # resolved: a registered backend's name ("reference", "sm90", ...)
     forced: bool  # the caller named the implementation: no silent fallback
     deterministic: bool = False  # bitwise-reproducible gradients
+    max_logits: bool = False  # the forward also returns each row's max logit (QK-Clip)
 
     @property
     def causal(self) -> bool:
@@ -163,15 +164,34 @@ def _check_int_array(name: str, x: Any, shape: tuple[int, ...], layout: str) -> 
     return jnp.asarray(x, jnp.int32)
 
 
-def check_segment_ids(segment_ids: Any, q: Any, k: Any) -> tuple[jax.Array, jax.Array] | None:
+#: The ids a padding segment id becomes (``padding_segment_id``): queries and keys get two
+#: different values no other token may hold, so padding attends to nothing.
+PADDING_Q_ID, PADDING_KV_ID = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).min) + 1
+
+
+def check_segment_ids(segment_ids: Any, q: Any, k: Any, padding_segment_id: int | None = None
+                      ) -> tuple[jax.Array, jax.Array] | None:
     """Validate ``segment_ids``: None, one ``(B, S)`` int array (self-attention, ``Sq == Sk``)
-    or a pair ``(q_segment_ids (B, Sq), kv_segment_ids (B, Sk))``.
+    or a pair ``(q_segment_ids (B, Sq), kv_segment_ids (B, Sk))``. ``padding_segment_id``: the
+    id of padding tokens (e.g. 0, MaxText's and Levanter's convention), rewritten to
+    PADDING_Q_ID in the queries and PADDING_KV_ID in the keys, so padding sees no key and no
+    query sees padding.
 
     Returns:
         ``(q_segment_ids, kv_segment_ids)`` as int32 jax arrays, or None.
     """
     if segment_ids is None:
+        if padding_segment_id is not None:
+            raise ValueError("padding_segment_id needs segment_ids")
         return None
+    if padding_segment_id is not None:
+        if isinstance(padding_segment_id, bool) or not isinstance(padding_segment_id,
+                                                                  (int, np.integer)):
+            raise TypeError("padding_segment_id must be a Python int, got "
+                            f"{type(padding_segment_id).__name__}")
+        if padding_segment_id in (PADDING_Q_ID, PADDING_KV_ID):
+            raise ValueError(f"padding_segment_id {padding_segment_id} is reserved (the "
+                             "padding ids of the queries and keys)")
     b, sq = q.shape[:2]
     sk = k.shape[1]
     if isinstance(segment_ids, (tuple, list)):
@@ -184,8 +204,13 @@ def check_segment_ids(segment_ids: Any, q: Any, k: Any) -> tuple[jax.Array, jax.
             raise ValueError(f"a single segment_ids array needs Sq == Sk (got Sq={sq}, Sk={sk}); "
                              "pass a pair (q_segment_ids, kv_segment_ids)")
         q_ids = kv_ids = segment_ids
-    return (_check_int_array("q_segment_ids", q_ids, (b, sq), "(B, Sq)"),
-            _check_int_array("kv_segment_ids", kv_ids, (b, sk), "(B, Sk)"))
+    q_ids = _check_int_array("q_segment_ids", q_ids, (b, sq), "(B, Sq)")
+    kv_ids = _check_int_array("kv_segment_ids", kv_ids, (b, sk), "(B, Sk)")
+    if padding_segment_id is None:
+        return q_ids, kv_ids
+    pad = int(padding_segment_id)
+    return (jnp.where(q_ids == pad, PADDING_Q_ID, q_ids),
+            jnp.where(kv_ids == pad, PADDING_KV_ID, kv_ids))
 
 
 def check_static_int(name: str, x: Any) -> int:

@@ -428,6 +428,48 @@ def _key_blocks(x: jax.Array, block_k: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "window", "softcap", "block_k"))
+def row_max_logits(
+    q: jax.Array,
+    k: jax.Array,
+    *,
+    softmax_scale: float | None = None,
+    window: Window = (None, None),
+    softcap: float = 0.0,
+    block_k: int = 512,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+) -> jax.Array:
+    """Each row's largest visible score, float32 (B, H, Sq): ``max_j s_ij`` over the keys the
+    window and segment rules leave visible (``-inf`` where none), with ``s`` the scaled
+    (and capped, ``softcap * tanh(s / softcap)``) score computed in float32 from the inputs.
+    A learnable sink is not a score and never counts. What QK-Clip / MuonClip monitor: the
+    per-head max logit is ``row_max_logits(...).max(axis=-1)``. A ``lax.scan`` over blocks of
+    ``block_k`` keys (O(B * H * Sq * block_k) memory); no gradient flows through it."""
+    _check_extras(q, k, None, (q_segment_ids, kv_segment_ids, q_positions, kv_positions))
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = _scale(softmax_scale, d)
+    block_k = max(1, min(block_k, sk))
+    qg = _group(lax.stop_gradient(q).astype(jnp.float32), hkv)
+    k_blocks = _key_blocks(lax.stop_gradient(k).astype(jnp.float32), block_k)
+    starts = jnp.arange(k_blocks.shape[0]) * block_k
+    kv_aux = (_aux_blocks(kv_segment_ids, block_k), _aux_blocks(kv_positions, block_k))
+
+    def step(m, block):
+        kb, start, (kv_ids, kv_pos) = block
+        mask = _block_mask(sq, sk, window, start, block_k, q_segment_ids, q_positions,
+                           kv_ids, kv_pos)
+        s = _mask_scores(_scores(qg, kb, scale, softcap, jnp.float32), mask)
+        return jnp.maximum(m, jnp.max(s, axis=-1)), None
+
+    m, _ = lax.scan(step, jnp.full((b, hkv, h // hkv, sq), -jnp.inf, jnp.float32),
+                    (k_blocks, starts, kv_aux))
+    return _ungroup_lse(m)
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "window", "softcap", "block_k"))
 def attention_blocked(
     q: jax.Array,
     k: jax.Array,

@@ -120,7 +120,89 @@ def sharding_cases() -> dict:
         "sink_batch_heads": lambda: _sink_case(auto, bshd, P("model")),
         "sink_vmap": lambda: _sink_case(auto, P(None, "data", None, "model", None), P(),
                                         vmapped=True),
+        "segments_kernel_batch_heads": lambda: _segments_case(auto, bshd, "sm90"),
+        "segments_reference_batch_heads": lambda: _segments_case(auto, bshd, "reference"),
+        "max_logits_batch_heads": lambda: _max_logits_case(auto, bshd),
     }
+
+
+def _segments_case(mesh, spec, implementation: str) -> dict:
+    """flash_attention with segment ids (and a sink) under jit with q, k, v sharded over batch
+    and heads and the ids over the batch: "sm90" runs the segment-id kernels' route with the
+    kernels emulated on the CPU (tests/test_segments.py's stand-ins, which read the mask from
+    the tables alone), "reference" the reference's; both against the unsharded reference. The
+    kernels' inputs are recorded: each device's own batch rows and heads."""
+    from test_segments import _emulated_segments_kernel
+
+    from jax_fa4 import backends
+    from jax_fa4.backends import base
+    from jax_fa4.ffi import call
+
+    q, k, v, ct = qkv(b=4, s=96, h=4, hkv=2, d=64, dtype=jnp.bfloat16)
+    ids = jnp.asarray(np.repeat([0, 1, 2, 1], [20, 30, 40, 6])[None].repeat(4, 0)
+                      + np.arange(4)[:, None] * 10, jnp.int32)
+    sink = jnp.linspace(-1.0, 2.0, 4, dtype=jnp.float32)
+
+    def attn(impl):
+        def f(q, k, v, s):
+            return jax_fa4.flash_attention(q, k, v, causal=True, segment_ids=ids,
+                                           learnable_sink=s, return_max_logits=True,
+                                           implementation=impl)
+        return f
+
+    def loss(impl):
+        return lambda q, k, v, s: jnp.sum(attn(impl)(q, k, v, s)[0].astype(jnp.float32) * ct)
+
+    calls: list = []
+    shapes: list = []
+    real, real_pre = call.call_kernel, backends.get("sm90").backward_preprocess
+    emulated = _emulated_segments_kernel((None, 0), 0.0, calls)
+
+    def recording(config, arch, *args, out_shapes):
+        shapes.append((config.kernel_name, [list(x.shape) for x in args[:3]]))
+        return emulated(config, arch, *args, out_shapes=out_shapes)
+
+    call.call_kernel = recording
+    backends.get("sm90").backward_preprocess = base.REFERENCE_BACKEND.backward_preprocess
+    try:
+        placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+        placed.append(jax.device_put(sink, NamedSharding(mesh, P("model"))))
+        fwd = jax.jit(attn(implementation)).lower(*placed).compile()
+        out, max_logits = fwd(*placed)
+        grad = jax.jit(jax.grad(loss(implementation), argnums=(0, 1, 2, 3))).lower(
+            *placed).compile()
+        grads = grad(*placed)
+    finally:
+        call.call_kernel = real
+        backends.get("sm90").backward_preprocess = real_pre
+    want, want_max = attn("reference")(q, k, v, sink)
+    want_grads = jax.grad(loss("reference"), argnums=(0, 1, 2, 3))(q, k, v, sink)
+    scale = max(float(jnp.max(jnp.abs(x.astype(jnp.float32)))) for x in (want, *want_grads))
+    return {"out_err": max_err(out, want), "max_logits_err": max_err(max_logits, want_max),
+            "grad_err": max(max_err(g, w) for g, w in zip(grads, want_grads)), "scale": scale,
+            "out_spec": str(out.sharding.spec),
+            "fwd_collectives": collectives(fwd.as_text()),
+            "grad_collectives": collectives(grad.as_text()),
+            "kernel_shapes": shapes}
+
+
+def _max_logits_case(mesh, spec) -> dict:
+    """flash_attention(return_max_logits=True) under jit with q, k, v sharded over batch and
+    heads: the per-row max logits are one more (B, H, Sq) result sharded like lse, reduced
+    over the rows after the call."""
+    q, k, v, _ = qkv(b=4, h=4, hkv=2)
+
+    def f(q, k, v):
+        return jax_fa4.flash_attention(q, k, v, window_size=(7, 2), softcap=3.0,
+                                       return_max_logits=True)
+
+    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+    fwd = jax.jit(f).lower(*placed).compile()
+    out, max_logits = fwd(*placed)
+    want_out, want = f(q, k, v)
+    return {"out_err": max_err(out, want_out), "max_logits_err": max_err(max_logits, want),
+            "max_logits_spec": str(max_logits.sharding.spec),
+            "fwd_collectives": collectives(fwd.as_text())}
 
 
 def _sink_case(mesh, spec, sink_spec, *, vmapped=False) -> dict:
@@ -363,7 +445,9 @@ def _train_example(*args: str) -> dict:
 
 
 def train_example_cases() -> dict:
-    return {"single": _train_example, "mesh": lambda: _train_example("--mesh", "2x2")}
+    return {"single": _train_example, "mesh": lambda: _train_example("--mesh", "2x2"),
+            "pack": lambda: _train_example("--pack"),
+            "pack_mesh": lambda: _train_example("--pack", "--mesh", "2x2")}
 
 
 def _run(fn) -> dict:

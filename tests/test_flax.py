@@ -265,3 +265,62 @@ def test_unsupported_features_raise_clear_errors():
 
 def test_flax_layers_load_lazily_from_the_package():
     assert jax_fa4.flax.MultiHeadAttention is MultiHeadAttention
+
+
+# -- packed rows and max logits ----------------------------------------------------------------
+def _packed(b=2, s=40):
+    ids = np.repeat([0, 1, 2], [10, 18, 12])[None].repeat(b, 0)
+    return jnp.asarray(ids + np.arange(b)[:, None] * 5, jnp.int32)
+
+
+def test_nnx_segment_ids_and_sown_max_logits():
+    """segment_ids per call reach flash_attention (each document attends only to itself, so a
+    document run alone gives the same rows), and sow_max_logits stores the per-(batch, head)
+    max logits that return_max_logits gives, also under nnx.jit."""
+    layer = MultiHeadAttention(num_heads=4, in_features=32, num_kv_heads=2, causal=True,
+                               decode=False, sow_max_logits=True, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 40, 32))
+    ids = _packed()
+    y = layer(x, segment_ids=ids)
+    sown = nnx.pop(layer, nnx.Intermediate)["max_logits"].get_value()
+    assert len(sown) == 1 and sown[0].shape == (2, 4)
+    alone = layer(x[:, 10:28], segment_ids=ids[:, 10:28])
+    np.testing.assert_allclose(y[:, 10:28], alone, atol=1e-5)
+    nnx.pop(layer, nnx.Intermediate)
+    q = layer.query(x)
+    k = layer.key(x)
+    _, want = jax_fa4.flash_attention(q, k, k, causal=True, segment_ids=ids,
+                                      return_max_logits=True)
+    np.testing.assert_allclose(sown[0], want, rtol=1e-5)
+    y_jit = nnx.jit(lambda m, x, ids: m(x, segment_ids=ids))(layer, x, ids)
+    np.testing.assert_allclose(y_jit, y, atol=1e-5)
+    assert nnx.pop(layer, nnx.Intermediate)["max_logits"].get_value()[0].shape == (2, 4)
+    plain = MultiHeadAttention(num_heads=4, in_features=32, num_kv_heads=2, causal=True,
+                               decode=False, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(plain(x, segment_ids=ids), y, atol=1e-5)  # same params
+    assert not nnx.state(plain, nnx.Intermediate)
+
+
+def test_linen_segment_ids_and_sown_max_logits():
+    layer = LinenMultiHeadAttention(num_heads=4, causal=True, sow_max_logits=True)
+    x = jax.random.normal(jax.random.key(2), (2, 40, 32))
+    ids = _packed()
+    params = layer.init(jax.random.key(0), x, segment_ids=ids)
+    y, state = layer.apply(params, x, segment_ids=ids, mutable=["intermediates"])
+    (max_logits,) = state["intermediates"]["max_logits"]
+    assert max_logits.shape == (2, 4)
+    alone = layer.apply(params, x[:, 28:], segment_ids=ids[:, 28:], mutable=["intermediates"])[0]
+    np.testing.assert_allclose(y[:, 28:], alone, atol=1e-5)
+
+
+def test_attention_fn_segment_ids_with_batch_dims_and_bad_shapes():
+    q = jax.random.normal(jax.random.key(3), (3, 2, 40, 4, 16))
+    ids = jnp.stack([_packed()] * 3)  # (3, 2, 40)
+    got = attention_fn(q, q, q, segment_ids=ids)
+    want = jax_fa4.flash_attention(q.reshape(6, 40, 4, 16), q.reshape(6, 40, 4, 16),
+                                   q.reshape(6, 40, 4, 16), segment_ids=ids.reshape(6, 40))
+    np.testing.assert_allclose(got.reshape(want.shape), want, atol=1e-6)
+    with pytest.raises(ValueError, match=r"segment_ids: q_segment_ids must have shape"):
+        attention_fn(q, q, q, segment_ids=ids[:, :, :39])
+    with pytest.raises(ValueError, match="explicit mask"):
+        attention_fn(q, q, q, segment_ids=ids, mask=jnp.ones((40, 40), bool))

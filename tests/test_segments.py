@@ -165,6 +165,15 @@ def _masked_attention(q, k, v, visible, scale, softcap, sink):
     return jnp.einsum("bhqk,bkhd->bqhd", p, vr), lse, p
 
 
+def _row_max(q, k, visible, scale, softcap):
+    """float32 (B, H, Sq): each row's largest visible score (the max_logits output)."""
+    kr = jnp.repeat(k.astype(jnp.float32), q.shape[2] // k.shape[2], axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kr) * scale
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    return jnp.where(visible[:, None], s, -jnp.inf).max(axis=-1)
+
+
 def _emulated_segments_kernel(window, softcap, calls):
     """Stand-ins for the sm90 kernels with segment ids, reading the mask from their tables
     alone: the forward (fwd_config.segments_attention_forward_signature: float32 attention
@@ -182,7 +191,9 @@ def _emulated_segments_kernel(window, softcap, calls):
         visible &= reference.visible_mask(sq, sk, window)[None]
         sink = params[4:] if params.shape[0] > 4 else None
         out, lse, _ = _masked_attention(q, k, v, visible, params[0], softcap, sink)
-        return out.astype(out_shapes[0].dtype), lse
+        if not config.max_logits:
+            return out.astype(out_shapes[0].dtype), lse
+        return out.astype(out_shapes[0].dtype), lse, _row_max(q, k, visible, params[0], softcap)
 
     def main(config, q, k, v, dout, lse_log2, delta, params, dq_accum, tiles, keys, rows,
              kv_ids, out_shapes):
@@ -197,8 +208,11 @@ def _emulated_segments_kernel(window, softcap, calls):
         visible &= reference.visible_mask(sq, sk, window)[None]
         sink = params[4:] if config.sink_grad else None
         out32, lse, p = _masked_attention(q, k, v, visible, params[0], softcap, sink)
-        np.testing.assert_allclose(np.asarray(lse), np.asarray(
-            jnp.where(jnp.isinf(lse_log2), -jnp.inf, lse_log2 / np.log2(np.e))), rtol=1e-4)
+        # P from the lse the kernel is given, exp(s - lse_given), as the kernel computes it
+        # (so a wrong lse shows in the gradients)
+        given = jnp.where(jnp.isinf(lse_log2), -jnp.inf, lse_log2 / np.log2(np.e))
+        empty = jnp.isneginf(lse) | jnp.isneginf(given)
+        p = p * jnp.where(empty, 0.0, jnp.exp(lse - jnp.where(empty, 0.0, given)))[..., None]
         group = h // hkv
         kr = jnp.repeat(k.astype(jnp.float32), group, axis=2)
         vr = jnp.repeat(v.astype(jnp.float32), group, axis=2)
@@ -307,3 +321,31 @@ def test_a_forced_kernel_that_cannot_serve_says_why(implementation, dtype, words
     ids = jnp.zeros((1, 64), jnp.int32)
     with pytest.raises(jax_fa4.ImplementationUnavailableError, match=words):
         jax_fa4.flash_attention(q, q, q, segment_ids=ids, implementation=implementation)
+
+
+def test_padding_segment_id_attends_to_nothing():
+    """padding_segment_id=0 (the JAX trainers' convention): padding queries get out 0, lse
+    -inf and zero, finite gradients; no other query sees padding keys, which get zero
+    gradients; the rest equals the call with padding given two distinct unused ids."""
+    rng = np.random.default_rng(3)
+    b, s, h, d = 2, 50, 2, 16
+    ids = np.repeat([1, 2, 0], [20, 22, 8])[None].repeat(b, 0).astype(np.int32)
+    q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32) for _ in range(3))
+    k = k.at[:, -8:].set(1e4)  # padding keys that would dominate any softmax they entered
+
+    def f(q, k, v, **kw):
+        out, lse = jax_fa4.flash_attention(q, k, v, causal=True, return_lse=True, **kw)
+        return out, lse
+
+    out, lse = f(q, k, v, segment_ids=jnp.asarray(ids), padding_segment_id=0)
+    assert not np.asarray(out[:, -8:]).any() and np.isneginf(np.asarray(lse[:, :, -8:])).all()
+    distinct = (jnp.asarray(np.where(ids == 0, -1, ids)), jnp.asarray(np.where(ids == 0, -2, ids)))
+    want, want_lse = f(q, k, v, segment_ids=distinct)
+    np.testing.assert_allclose(out, want, atol=1e-6)
+    np.testing.assert_array_equal(lse, want_lse)
+    grads = jax.grad(lambda q, k, v: f(q, k, v, segment_ids=jnp.asarray(ids),
+                                       padding_segment_id=0)[0].sum(), argnums=(0, 1, 2))(q, k, v)
+    for g in grads:
+        assert np.isfinite(np.asarray(g)).all() and not np.asarray(g[:, -8:]).any()
+    with pytest.raises(ValueError, match="padding_segment_id needs segment_ids"):
+        jax_fa4.flash_attention(q, k, v, padding_segment_id=0)

@@ -134,6 +134,35 @@ def test_sink_under_vmap_joins_around_the_forward(suite):
     assert r["out_err"] <= TOL and r["grad_err"] <= TOL, r
 
 
+@pytest.mark.parametrize("case", ["segments_kernel_batch_heads",
+                                  "segments_reference_batch_heads"])
+def test_segment_ids_shard_with_the_batch(suite, case):
+    """Segment ids (B, S) follow q's batch sharding: each device runs the segment-id kernels
+    (emulated here) or the reference on its own batch rows and heads with its rows' ids, no
+    communication in the forward, results equal to the unsharded reference's (out, max logits
+    and gradients, a sink included)."""
+    r = _ok(suite[case])
+    assert r["fwd_collectives"] == {}, r["fwd_collectives"]
+    assert r["out_spec"] == "P('data', None, 'model', None)"
+    tol = 2 ** -7 * max(1.0, r["scale"])  # bf16 inputs, float32 emulation
+    assert r["out_err"] <= tol and r["grad_err"] <= tol, r
+    assert r["max_logits_err"] <= 1e-5 * max(1.0, r["scale"]), r
+    if case == "segments_kernel_batch_heads":
+        kinds = {name for name, _ in r["kernel_shapes"]}
+        assert {"sm90_fwd", "sm90_bwd"} <= kinds, kinds
+        # each device's forward: its 2 batch rows and 2 of the 4 query heads (the partitioner
+        # may also trace the whole batch once)
+        fwd = [shapes for name, shapes in r["kernel_shapes"] if name == "sm90_fwd"]
+        assert [[2, 96, 2, 64], [2, 96, 1, 64], [2, 96, 1, 64]] in fwd, fwd
+
+
+def test_max_logits_shard_like_lse(suite):
+    r = _ok(suite["max_logits_batch_heads"])
+    assert r["fwd_collectives"] == {}, r["fwd_collectives"]
+    assert r["max_logits_spec"] == "P('data', 'model')", r
+    assert r["out_err"] <= TOL and r["max_logits_err"] <= TOL, r
+
+
 def test_vmapped_axes_stay_sharded(suite):
     for case in ("vmap", "vmap_sharded_mapped_axis"):
         r = _ok(suite[case])

@@ -134,13 +134,19 @@ def reference_block_k(sq: int, sk: int) -> int | None:
     return None if sq * sk <= _NAIVE_MAX_SCORES else _BLOCK_K
 
 
-def reference_forward(q, k, v, opts, **extras) -> tuple[jax.Array, jax.Array]:
-    """(out, lse) by the reference; ``extras`` are further reference options (sink, segments)."""
+def reference_forward(q, k, v, opts, **extras) -> tuple[jax.Array, ...]:
+    """(out, lse) by the reference, and each row's max logit (B, H, Sq) float32 when
+    ``opts.max_logits``; ``extras`` are further reference options (sink, segments)."""
     kw = dict(softmax_scale=opts.softmax_scale, window=opts.window, softcap=opts.softcap, **extras)
     block_k = reference_block_k(q.shape[1], k.shape[1])
     if block_k is None:
-        return reference.attention(q, k, v, **kw)
-    return reference.attention_blocked(q, k, v, block_k=block_k, **kw)
+        outs = reference.attention(q, k, v, **kw)
+    else:
+        outs = reference.attention_blocked(q, k, v, block_k=block_k, **kw)
+    if not getattr(opts, "max_logits", False):
+        return outs
+    kw.pop("learnable_sink", None)
+    return (*outs, reference.row_max_logits(q, k, block_k=block_k or _BLOCK_K, **kw))
 
 
 def reference_delta(out, dout) -> jax.Array:

@@ -78,12 +78,27 @@ def _config_or_reason(make, *args, **kwargs):
 
 def _dense_config(make, q, v, opts):
     """``make``'s config (a family's ``make_*`` hook) for a dense (B, S, H, D) call, or the
-    reason none serves it (a str)."""
+    reason none serves it (a str); with ``opts.max_logits`` a config that also writes each
+    row's max logit."""
     dtype = jnp.dtype(q.dtype).name
     if dtype not in KERNEL_DTYPES:
         return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
+    extra = dict(max_logits=True) if getattr(opts, "max_logits", False) else {}
     return _config_or_reason(make, dtype, q.shape[3], v.shape[3], mask_kind(opts.window),
-                             opts.softcap > 0)
+                             opts.softcap > 0, **extra)
+
+
+def _with_row_max(config, b: int, h: int, sq: int) -> tuple:
+    """The per-row max-logit output's shape after (out, lse), for a config with max logits."""
+    if getattr(config, "max_logits", False):
+        return (jax.ShapeDtypeStruct((b, h, sq), jnp.float32),)
+    return ()
+
+
+def _join_sink(outs: tuple, sink) -> tuple:
+    """:func:`join_sink` on (out, lse[, row_max]): the sink joins out and lse only (it is not
+    a score)."""
+    return (*join_sink(outs[0], outs[1], sink), *outs[2:])
 
 
 def sum_gqa_groups(dk, dv, hkv: int, head_axis: int):
@@ -119,7 +134,9 @@ class KernelBackend(Backend):
 
     # -- hooks: the config of a problem kind (raise ValueError when no kernel serves it) ---------
     def make_forward(self, dtype: str, head_dim: int, head_dim_v: int, mask: str,
-                     has_softcap: bool):
+                     has_softcap: bool, max_logits: bool = False):
+        """The dense forward config; ``max_logits``: one that also writes each row's max
+        logit."""
         raise NotImplementedError
 
     def make_decode(self, dtype: str, head_dim: int, head_dim_v: int, has_softcap: bool,
@@ -138,8 +155,9 @@ class KernelBackend(Backend):
         raise ValueError(f"there is no paged kernel for implementation={self.name!r}")
 
     def make_segments(self, dtype: str, head_dim: int, head_dim_v: int, mask: str,
-                      has_softcap: bool):
-        """The forward config with segment ids (jax_fa4.segments' tables)."""
+                      has_softcap: bool, max_logits: bool = False):
+        """The forward config with segment ids (jax_fa4.segments' tables); ``max_logits`` as
+        in :meth:`make_forward`."""
         raise ValueError(f"there is no {self.name} kernel with segment ids yet")
 
     def backward_configs(self, q, k, v, opts) -> tuple:
@@ -154,6 +172,10 @@ class KernelBackend(Backend):
     # -- dense forward ---------------------------------------------------------------------------
     def forward_config(self, q, k, v, opts):
         """The forward kernel config serving this call, or the reason none does (a str)."""
+        if getattr(opts, "max_logits", False) and decode.plan(q.shape, k.shape,
+                                                              opts.window) is not None:
+            return ("max logits are not written by the decode-shaped kernels (few query rows "
+                    "per key)")
         return _dense_config(self.make_forward, q, v, opts)
 
     def supports_forward(self, q, k, v, opts) -> str | None:
@@ -171,7 +193,7 @@ class KernelBackend(Backend):
             return join_sink(out, lse, sink, dtype=q.dtype)
         if self.kernel_sinks:
             return self.kernel_forward(q, k, v, opts, sink=sink)
-        return join_sink(*self.kernel_forward(q, k, v, opts), sink)
+        return _join_sink(self.kernel_forward(q, k, v, opts), sink)
 
     def rewritten_out_f32(self, splits: int, sink: jax.Array | None) -> bool:
         """Whether a decode-rewritten or paged call takes the kernel's out in float32: split
@@ -200,7 +222,8 @@ class KernelBackend(Backend):
         return call_kernel(
             config, self.arch, q, k, v, kernel_params(opts, q.shape[3], sink),
             out_shapes=(jax.ShapeDtypeStruct(out_shape, out_dtype),
-                        jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
+                        jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
+                        *_with_row_max(config, b, h, sq)))
 
     def _decode_forward(self, qp, k, v, opts, out_f32: bool = False
                         ) -> tuple[jax.Array, jax.Array]:
@@ -311,7 +334,9 @@ class KernelBackend(Backend):
 
     def segments_backward(self, q, k, v, out, lse, dout, dlse, q_ids, kv_ids, opts,
                           sink: jax.Array | None = None):
-        """(dq, dk, dv, dsink) of a call with segment ids, by the family's kernels."""
+        """(dq, dk, dv, sink_rows) of a call with segment ids, by the family's kernels;
+        ``sink_rows`` (B, H) float32 (with a sink, else None): ``sum_i P_sink_i *
+        rowsum(dout * out)_i``, the output's share of the sink's gradient."""
         raise NotImplementedError
 
     def segments_forward(self, q, k, v, q_ids, kv_ids, opts, sink: jax.Array | None = None
@@ -329,12 +354,13 @@ class KernelBackend(Backend):
                                                       config.tile_n)
         b, sq, h, _ = q.shape
         in_kernel = sink if self.kernel_sinks else None
-        out, lse = call_kernel(
+        outs = call_kernel(
             config, self.arch, q, k, v, kernel_params(opts, q.shape[3], in_kernel), tiles,
             rows, kv_ids,
             out_shapes=(jax.ShapeDtypeStruct((b, sq, h, v.shape[3]), q.dtype),
-                        jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
-        return (out, lse) if self.kernel_sinks else join_sink(out, lse, sink)
+                        jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
+                        *_with_row_max(config, b, h, sq)))
+        return tuple(outs) if self.kernel_sinks else _join_sink(tuple(outs), sink)
 
     # -- varlen ----------------------------------------------------------------------------------
     def varlen_config(self, q, v, opts, max_seqlen_q: int):

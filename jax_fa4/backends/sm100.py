@@ -46,7 +46,9 @@ class Sm100Backend(KernelBackend):
     enable_env = ENABLE_ENV
     warns_reference_backward = True
 
-    def make_forward(self, dtype, head_dim, head_dim_v, mask, has_softcap):
+    def make_forward(self, dtype, head_dim, head_dim_v, mask, has_softcap, max_logits=False):
+        if max_logits:
+            raise ValueError("the sm100 forward kernel does not write max logits yet")
         return fwd_config.FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap)
 
     def make_varlen(self, dtype, head_dim, head_dim_v, mask, has_softcap):

@@ -177,11 +177,14 @@ class Sm90Backend(KernelBackend):
     kernel_sinks = True  # sinks in the forward's params; float32-out decode and paged tiles
     kernel_sink_grad = True  # the backward sums the sink's share (BwdConfig.sink_grad)
 
-    def make_forward(self, dtype, head_dim, head_dim_v, mask, has_softcap):
+    def make_forward(self, dtype, head_dim, head_dim_v, mask, has_softcap, max_logits=False):
+        if max_logits:
+            return fwd_config.max_logits_config(dtype, head_dim, head_dim_v, mask, has_softcap)
         return fwd_config.FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap)
 
-    def make_segments(self, dtype, head_dim, head_dim_v, mask, has_softcap):
-        return fwd_config.segments_config(dtype, head_dim, head_dim_v, mask, has_softcap)
+    def make_segments(self, dtype, head_dim, head_dim_v, mask, has_softcap, max_logits=False):
+        return fwd_config.segments_config(dtype, head_dim, head_dim_v, mask, has_softcap,
+                                          max_logits=max_logits)
 
     def make_decode(self, dtype, head_dim, head_dim_v, has_softcap, rows, out_f32=False):
         option = decode_tile_option()
@@ -255,10 +258,11 @@ class Sm90Backend(KernelBackend):
 
     def segments_backward(self, q, k, v, out, lse, dout, dlse, q_ids, kv_ids, opts,
                           sink: jax.Array | None = None):
-        """The backward chain with segment ids: the preprocess, the main kernel visiting only
-        the query blocks that share an id with each key block (jax_fa4.segments' tables for
-        its tile) and the postprocess; the sink's gradient from the kernel's sums of the
-        float32 output (``sink_grad``)."""
+        """(dq, dk, dv, sink_rows) by the backward chain with segment ids: the preprocess, the
+        main kernel visiting only the query blocks that share an id with each key block
+        (jax_fa4.segments' tables for its tile) and the postprocess; with a ``sink`` the
+        kernel's ``sum_i P_sink_i * rowsum(dout * out)_i`` per (batch, head) from its float32
+        view of the output (``sink_grad``; float32 (B, H)), else None."""
         from jax_fa4 import segments
         from jax_fa4.ffi.call import call_kernel
 
@@ -276,9 +280,7 @@ class Sm90Backend(KernelBackend):
         (dq,) = call_kernel(cfg.postprocess_config(), self.arch, dq_accum,
                             kernel_params(opts, d),
                             out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),))
-        dsink = None if sink is None else reference.sink_gradient_from_rows(
-            sink, lse, sink_rows, dlse)
-        return dq, dk.astype(k.dtype), dvv.astype(v.dtype), dsink
+        return dq, dk.astype(k.dtype), dvv.astype(v.dtype), sink_rows
 
     # -- varlen backward --------------------------------------------------------------------------
     def make_varlen_backward(self, dtype, head_dim, head_dim_v, mask, has_softcap, gqa,

@@ -58,22 +58,49 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["partitioned_backward", "partitioned_backward_with_sink", "partitioned_forward",
-           "partitioned_forward_with_sink"]
+__all__ = ["partitioned", "partitioned_backward", "partitioned_backward_with_sink",
+           "partitioned_forward", "partitioned_forward_with_sink"]
 
 _REPLICATED_FACTORS = ("sq", "sk", "d", "dv")
 
-# Operand kinds: (B.., S, H, X) arrays, (B.., H, S) row statistics (lse, its cotangent),
-# per-head vectors (a learnable sink: (H,), or (V.., H) under vmap, V.. the mapped dims, which
-# are B..'s leading dims) and per-(batch, head) sums (B.., H) (the sink's gradient by batch
-# entry, summed by the caller).
-_BSHX, _BHS, _H, _BH = "bshx", "bhs", "h", "bh"
-_FORWARD_IN, _FORWARD_OUT = (_BSHX,) * 3, (_BSHX, _BHS)
-_FORWARD_SINK_IN = (_BSHX,) * 3 + (_H,)
-_BACKWARD_IN = (_BSHX, _BSHX, _BSHX, _BSHX, _BHS, _BSHX, _BHS)
-_BACKWARD_OUT = (_BSHX, _BSHX, _BSHX, _BHS)
-_BACKWARD_SINK_IN = _BACKWARD_IN + (_H,)
-_BACKWARD_SINK_OUT = (_BSHX, _BSHX, _BSHX, _BH)
+# Operand kinds: (B.., S, H, X) arrays, (B.., H, S) row statistics (lse, its cotangent, the
+# per-row max logits), per-head vectors (a learnable sink: (H,), or (V.., H) under vmap, V.. the
+# mapped dims, which are B..'s leading dims), per-(batch, head) sums (B.., H) (the sink's
+# gradient by batch entry, summed by the caller) and per-token ids (B.., S) (segment ids).
+_BSHX, _BHS, _H, _BH, _BS = "bshx", "bhs", "h", "bh", "bs"
+
+# (seq, heads, last dim) factor names of each operand / result.
+_Q, _K, _V, _O = ("sq", "h", "d"), ("sk", "hkv", "d"), ("sk", "hkv", "dv"), ("sq", "h", "dv")
+_LSE = ("sq", "h", None)
+_SINK = (None, "h", None)
+
+#: Every operand and result the operations take or give, by role: (kind, factor names).
+_ROLES = {
+    "q": (_BSHX, _Q), "k": (_BSHX, _K), "v": (_BSHX, _V),
+    "out": (_BSHX, _O), "dout": (_BSHX, _O),
+    "lse": (_BHS, _LSE), "dlse": (_BHS, _LSE), "delta": (_BHS, _LSE), "row_max": (_BHS, _LSE),
+    "sink": (_H, _SINK), "dsink": (_BH, _SINK),
+    "q_ids": (_BS, ("sq", None, None)), "kv_ids": (_BS, ("sk", None, None)),
+    "dq": (_BSHX, _Q), "dk": (_BSHX, _K), "dv": (_BSHX, _V),
+}
+
+FORWARD_IN, FORWARD_OUT = ("q", "k", "v"), ("out", "lse")
+BACKWARD_IN = ("q", "k", "v", "out", "lse", "dout", "dlse")
+BACKWARD_OUT = ("dq", "dk", "dv", "delta")
+SINK_BACKWARD_OUT = ("dq", "dk", "dv", "dsink")
+SEGMENT_IDS = ("q_ids", "kv_ids")
+
+
+def _kinds(roles: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(_ROLES[r][0] for r in roles)
+
+
+def _results(roles_out: tuple[str, ...], opts) -> tuple[str, ...]:
+    """A forward's results: ``roles_out`` and, when ``opts.max_logits``, the per-row max
+    logits (B.., H, Sq) float32 after lse."""
+    if getattr(opts, "max_logits", False) and "lse" in roles_out:
+        return roles_out + ("row_max",)
+    return roles_out
 
 
 # -- folding extra leading batch dims (from vmap) into B, on each device -----------------------
@@ -100,40 +127,32 @@ def _folding(impl: Callable, kinds_in: tuple[str, ...]) -> Callable:
     return run
 
 
-# -- types of the two operations ----------------------------------------------------------------
-def _forward_avals(q, k, v):
-    """out like q with v's head dim, lse (B.., H, Sq) float32; both keep q's batch/head sharding
-    (explicit mesh axes) and q's varying manual axes (inside ``shard_map``)."""
-    _check_explicit_sharding(q, k, v)
+# -- result types ------------------------------------------------------------------------------
+def _result_avals(roles_in: tuple[str, ...], roles_out: tuple[str, ...], avals) -> tuple:
+    """The results' types from the operands' (each by role): out like q with v's head dim and
+    the row statistics (lse, delta, row_max) (B.., H, Sq) float32, keeping q's batch / head
+    sharding (explicit mesh axes) and q's varying manual axes (inside ``shard_map``); dq, dk,
+    dv like q, k, v; the sink's gradient by batch entry (B.., H) float32, sharded like lse
+    without its rows."""
+    x = dict(zip(roles_in, avals))
+    q, k, v = x["q"], x["k"], x["v"]
+    if "out" not in x:  # a forward
+        _check_explicit_sharding(q, k, v)
     *lead, sq, h, _ = q.shape
     spec = _padded(q.sharding.spec, q.ndim)
     mesh = q.sharding.mesh
-    out = q.update(shape=(*lead, sq, h, v.shape[-1]), weak_type=False,
-                   sharding=NamedSharding(mesh, PartitionSpec(*spec[:-3], None, spec[-2], None)))
-    lse = q.update(shape=(*lead, h, sq), dtype=jnp.float32, weak_type=False,
-                   sharding=NamedSharding(mesh, PartitionSpec(*spec[:-3], spec[-2], None)))
-    return out, lse
-
-
-def _forward_sink_avals(q, k, v, sink):
-    del sink
-    return _forward_avals(q, k, v)
-
-
-def _backward_avals(q, k, v, out, lse, dout, dlse):
-    """dq, dk, dv like q, k, v; delta like lse."""
-    del out, dout, dlse
-    return tuple(x.update(weak_type=False) for x in (q, k, v, lse))
-
-
-def _backward_sink_avals(q, k, v, out, lse, dout, dlse, sink):
-    """dq, dk, dv like q, k, v; the sink's gradient by batch entry (B.., H) float32, sharded
-    like lse without its rows."""
-    del out, dout, dlse, sink
-    spec = _padded(lse.sharding.spec, lse.ndim)
-    part = lse.update(shape=lse.shape[:-1], dtype=jnp.float32, weak_type=False,
-                      sharding=NamedSharding(lse.sharding.mesh, PartitionSpec(*spec[:-1])))
-    return (*(x.update(weak_type=False) for x in (q, k, v)), part)
+    rows = q.update(shape=(*lead, h, sq), dtype=jnp.float32, weak_type=False,
+                    sharding=NamedSharding(mesh, PartitionSpec(*spec[:-3], spec[-2], None)))
+    made = {
+        "out": q.update(shape=(*lead, sq, h, v.shape[-1]), weak_type=False,
+                        sharding=NamedSharding(mesh, PartitionSpec(*spec[:-3], None, spec[-2],
+                                                                   None))),
+        "dq": q.update(weak_type=False), "dk": k.update(weak_type=False),
+        "dv": v.update(weak_type=False),
+        "dsink": rows.update(shape=rows.shape[:-1], sharding=NamedSharding(
+            mesh, PartitionSpec(*spec[:-3], spec[-2]))),
+    }
+    return tuple(made.get(role, rows) for role in roles_out)
 
 
 def _check_explicit_sharding(q, k, v) -> None:
@@ -184,21 +203,21 @@ def _shardings(mesh, kinds, batch, heads) -> tuple[NamedSharding, ...]:
     specs = {_BSHX: PartitionSpec(*batch, None, heads, None),
              _BHS: PartitionSpec(*batch, heads, None),
              _H: PartitionSpec(*batch[:-1], heads),
-             _BH: PartitionSpec(*batch, heads)}
+             _BH: PartitionSpec(*batch, heads),
+             _BS: PartitionSpec(*batch, None)}
     return tuple(NamedSharding(mesh, specs[kind]) for kind in kinds)
 
 
-def _mappings(kinds, names, n_lead) -> tuple[ArrayMapping, ...]:
+def _mappings(roles, n_lead) -> tuple[ArrayMapping, ...]:
     lead = tuple(f"b{i}" for i in range(n_lead))
     out = []
-    for kind, (s, h, x) in zip(kinds, names):
-        if kind == _H:
-            out.append(ArrayMapping(*lead[:-1], h))
-        elif kind == _BH:
-            out.append(ArrayMapping(*lead, h))
-        else:
-            out.append(ArrayMapping(*lead, s, h, x) if kind == _BSHX else
-                       ArrayMapping(*lead, h, s))
+    for role in roles:
+        kind, (s, h, x) = _ROLES[role]
+        out.append({_H: lambda: ArrayMapping(*lead[:-1], h),
+                    _BH: lambda: ArrayMapping(*lead, h),
+                    _BS: lambda: ArrayMapping(*lead, s),
+                    _BHS: lambda: ArrayMapping(*lead, h, s),
+                    _BSHX: lambda: ArrayMapping(*lead, s, h, x)}[kind]())
     return tuple(out)
 
 
@@ -212,46 +231,18 @@ def _replicated(mappings) -> tuple[str, ...]:
     return tuple(f for f in order if f in _REPLICATED_FACTORS)
 
 
-# (seq, heads, last dim) factor names of each operand / result.
-_Q, _K, _V, _O = ("sq", "h", "d"), ("sk", "hkv", "d"), ("sk", "hkv", "dv"), ("sq", "h", "dv")
-_LSE = ("sq", "h", None)
-_SINK = (None, "h", None)
-
-
-def _forward_rule(opts, mesh, value_types, result_types) -> SdyShardingRule:
-    del opts, mesh, result_types
+def _rule(roles_in, roles_out, opts, mesh, value_types, result_types) -> SdyShardingRule:
+    """Shardy's rule of an operation: batch dims and heads pass through, the sequences and head
+    dims are replicated (module doc)."""
+    del mesh, result_types
     n_lead = len(value_types[0].shape) - 3
-    operands = _mappings(_FORWARD_IN, (_Q, _K, _V), n_lead)
-    results = _mappings(_FORWARD_OUT, (_O, _LSE), n_lead)
+    operands = _mappings(roles_in, n_lead)
+    results = _mappings(_results(roles_out, opts), n_lead)
     return SdyShardingRule(operands, results,
                            need_replication_factors=_replicated(operands + results))
 
 
-def _forward_sink_rule(opts, mesh, value_types, result_types) -> SdyShardingRule:
-    del opts, mesh, result_types
-    n_lead = len(value_types[0].shape) - 3
-    operands = _mappings(_FORWARD_SINK_IN, (_Q, _K, _V, _SINK), n_lead)
-    results = _mappings(_FORWARD_OUT, (_O, _LSE), n_lead)
-    return SdyShardingRule(operands, results,
-                           need_replication_factors=_replicated(operands + results))
-
-
-def _backward_rule(opts, mesh, value_types, result_types) -> SdyShardingRule:
-    del opts, mesh, result_types
-    n_lead = len(value_types[0].shape) - 3
-    operands = _mappings(_BACKWARD_IN, (_Q, _K, _V, _O, _LSE, _O, _LSE), n_lead)
-    results = _mappings(_BACKWARD_OUT, (_Q, _K, _V, _LSE), n_lead)
-    return SdyShardingRule(operands, results,
-                           need_replication_factors=_replicated(operands + results))
-
-
-def _backward_sink_rule(opts, mesh, value_types, result_types) -> SdyShardingRule:
-    del opts, mesh, result_types
-    n_lead = len(value_types[0].shape) - 3
-    operands = _mappings(_BACKWARD_SINK_IN, (_Q, _K, _V, _O, _LSE, _O, _LSE, _SINK), n_lead)
-    results = _mappings(_BACKWARD_SINK_OUT, (_Q, _K, _V, _SINK), n_lead)
-    return SdyShardingRule(operands, results,
-                           need_replication_factors=_replicated(operands + results))
+_forward_rule = functools.partial(_rule, FORWARD_IN, FORWARD_OUT)
 
 
 def _shard_local(impl: Callable, opts) -> Callable:
@@ -269,16 +260,18 @@ def _shard_local(impl: Callable, opts) -> Callable:
     return run
 
 
-def _partition(impl, kinds_in, kinds_out, opts, mesh, arg_shapes, result_shape):
+def _partition(impl, roles_in, roles_out, opts, mesh, arg_shapes, result_shape):
     del result_shape
     batch, heads = _kept_axes(mesh, arg_shapes[0], arg_shapes[1])
-    return (mesh, _shard_local(impl, opts), _shardings(mesh, kinds_out, batch, heads),
-            _shardings(mesh, kinds_in, batch, heads))
+    return (mesh, _shard_local(impl, opts),
+            _shardings(mesh, _kinds(_results(roles_out, opts)), batch, heads),
+            _shardings(mesh, _kinds(roles_in), batch, heads))
 
 
-def _infer(kinds_out, opts, mesh, arg_shapes, result_shape):  # GSPMD (Shardy off)
-    del opts, result_shape
-    return _shardings(mesh, kinds_out, *_kept_axes(mesh, arg_shapes[0], arg_shapes[1]))
+def _infer(roles_out, opts, mesh, arg_shapes, result_shape):  # GSPMD (Shardy off)
+    del result_shape
+    return _shardings(mesh, _kinds(_results(roles_out, opts)),
+                      *_kept_axes(mesh, arg_shapes[0], arg_shapes[1]))
 
 
 # -- primitives --------------------------------------------------------------------------------
@@ -301,76 +294,66 @@ def _requires_devices_during_lowering(prim: Primitive) -> None:
     dispatch.prim_requires_devices_during_lowering.add(prim)
 
 
-def _make_primitive(name: str, impl: Callable, kinds_in: tuple[str, ...],
-                    kinds_out: tuple[str, ...], abstract_eval: Callable,
-                    rule: Callable) -> Primitive:
+def partitioned(name: str, impl: Callable, roles_in: tuple[str, ...],
+                roles_out: tuple[str, ...]) -> Callable:
+    """``impl(*arrays, opts) -> results`` as an operation that shards over batch and heads:
+    ``fn(*arrays, opts)``. ``roles_in`` / ``roles_out`` name each operand and result (keys of
+    ``_ROLES``: q, k, v, out, lse, dout, dlse, sink, q_ids, kv_ids, dq, dk, dv, delta, dsink);
+    a forward (results with lse) also returns the per-row max logits (B.., H, Sq) when
+    ``opts.max_logits``. Under vmap ``impl`` gets a sink as (B, H), one row per folded batch
+    entry."""
     prim = Primitive(name)
     prim.multiple_results = True
-    impl = _folding(impl, kinds_in)
+    impl = _folding(impl, _kinds(roles_in))
 
     @functools.lru_cache(maxsize=256)
     def jitted(opts):
         return jax.jit(lambda *args: prim.bind(*args, opts=opts))
 
     prim.def_impl(lambda *args, opts: jitted(opts)(*args))
-    prim.def_abstract_eval(lambda *avals, opts: abstract_eval(*avals))
+    prim.def_abstract_eval(
+        lambda *avals, opts: _result_avals(roles_in, _results(roles_out, opts), avals))
     batching.primitive_batchers[prim] = lambda args, dims, **p: _vmap_rule(prim, args, dims, **p)
 
-    partitioned = custom_partitioning(impl, static_argnums=(len(kinds_in),))  # opts is static
-    partitioned.def_partition(
-        partition=lambda *a: _partition(impl, kinds_in, kinds_out, *a),
-        infer_sharding_from_operands=lambda *a: _infer(kinds_out, *a),
-        sharding_rule=rule,
+    partitioned_impl = custom_partitioning(impl, static_argnums=(len(roles_in),))  # opts static
+    partitioned_impl.def_partition(
+        partition=lambda *a: _partition(impl, roles_in, roles_out, *a),
+        infer_sharding_from_operands=lambda *a: _infer(roles_out, *a),
+        sharding_rule=functools.partial(_rule, roles_in, roles_out),
     )
-    mlir.register_lowering(prim, mlir.lower_fun(lambda *args, opts: partitioned(*args, opts),
-                                                multiple_results=True))
+    mlir.register_lowering(prim, mlir.lower_fun(
+        lambda *args, opts: partitioned_impl(*args, opts), multiple_results=True))
     _requires_devices_during_lowering(prim)
-    return prim
+
+    def run(*args):
+        *arrays, opts = args
+        return tuple(prim.bind(*arrays, opts=opts))
+
+    return run
 
 
 def partitioned_forward(impl: Callable) -> Callable:
-    """``impl(q, k, v, opts) -> (out, lse)`` as an operation that shards over batch and heads."""
-    prim = _make_primitive("jax_fa4_attention_fwd", impl, _FORWARD_IN, _FORWARD_OUT,
-                           _forward_avals, _forward_rule)
-
-    def forward(q, k, v, opts):
-        return tuple(prim.bind(q, k, v, opts=opts))
-
-    return forward
+    """``impl(q, k, v, opts) -> (out, lse[, row_max])`` as an operation that shards over batch
+    and heads."""
+    return partitioned("jax_fa4_attention_fwd", impl, FORWARD_IN, FORWARD_OUT)
 
 
 def partitioned_forward_with_sink(impl: Callable) -> Callable:
-    """``impl(q, k, v, sink, opts) -> (out, lse)`` with a learnable sink (H,) sharded like the
-    heads. Under vmap ``impl`` gets the sink as (B, H), one row per folded batch entry."""
-    prim = _make_primitive("jax_fa4_attention_fwd_sink", impl, _FORWARD_SINK_IN, _FORWARD_OUT,
-                           _forward_sink_avals, _forward_sink_rule)
-
-    def forward(q, k, v, sink, opts):
-        return tuple(prim.bind(q, k, v, sink, opts=opts))
-
-    return forward
+    """``impl(q, k, v, sink, opts) -> (out, lse[, row_max])`` with a learnable sink (H,)
+    sharded like the heads. Under vmap ``impl`` gets the sink as (B, H), one row per folded
+    batch entry."""
+    return partitioned("jax_fa4_attention_fwd_sink", impl, FORWARD_IN + ("sink",), FORWARD_OUT)
 
 
 def partitioned_backward(impl: Callable) -> Callable:
     """``impl(q, k, v, out, lse, dout, dlse, opts) -> (dq, dk, dv, delta)``, sharded like the
     forward (delta like lse)."""
-    prim = _make_primitive("jax_fa4_attention_bwd", impl, _BACKWARD_IN, _BACKWARD_OUT,
-                           _backward_avals, _backward_rule)
-
-    def backward(q, k, v, out, lse, dout, dlse, opts):
-        return tuple(prim.bind(q, k, v, out, lse, dout, dlse, opts=opts))
-
-    return backward
+    return partitioned("jax_fa4_attention_bwd", impl, BACKWARD_IN, BACKWARD_OUT)
 
 
 def partitioned_backward_with_sink(impl: Callable) -> Callable:
     """``impl(q, k, v, out, lse, dout, dlse, sink, opts) -> (dq, dk, dv, dsink_parts)`` with
     the learnable sink (H,) sharded like the heads and its gradient by batch entry (B.., H)
     (the caller sums the batch). Under vmap ``impl`` gets the sink as (B, H)."""
-    prim = _make_primitive("jax_fa4_attention_bwd_sink", impl, _BACKWARD_SINK_IN,
-                           _BACKWARD_SINK_OUT, _backward_sink_avals, _backward_sink_rule)
-
-    def backward(q, k, v, out, lse, dout, dlse, sink, opts):
-        return tuple(prim.bind(q, k, v, out, lse, dout, dlse, sink, opts=opts))
-
-    return backward
+    return partitioned("jax_fa4_attention_bwd_sink", impl, BACKWARD_IN + ("sink",),
+                       SINK_BACKWARD_OUT)

@@ -46,6 +46,7 @@ from jax_fa4.kernels.common.exp2 import exp2_is_software, exp2_sw
 from jax_fa4.kernels.common.layout import acc_view_mn
 
 LN2 = math.log(2.0)
+LOG2_E = math.log2(math.e)
 
 
 def exact_limit_log2(is_bf16: bool) -> float:
@@ -100,8 +101,12 @@ class OnlineSoftmax:
     """
 
     def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float = 0.0,
-                 exp2_sw_per_32: int = 0, p_is_bf16: bool = True):
+                 exp2_sw_per_32: int = 0, p_is_bf16: bool = True, track_max: bool = False):
         self.scale_log2 = scale_log2
+        # track_max: also keep each row's true running scaled max (no sink, never stale) for
+        # the max-logit output (logits_max)
+        self.track_max = bool(track_max)
+        self.seen_max = cute.make_rmem_tensor(num_rows, Float32) if track_max else None
         self.exact_limit = exact_limit_log2(p_is_bf16)
         self.num_rows = num_rows
         self.rescale_threshold = float(rescale_threshold)  # 0: rescale whenever the max grows
@@ -112,6 +117,8 @@ class OnlineSoftmax:
     def reset(self) -> None:
         self.row_max.fill(-Float32.inf)
         self.row_sum.fill(0.0)
+        if cutlass.const_expr(self.track_max):
+            self.seen_max.fill(-Float32.inf)
 
     @cute.jit
     def reset_with_sink(self, sink_log2: Float32) -> None:
@@ -124,6 +131,8 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             self.row_max[r] = sink_log2
             self.row_sum[r] = part
+        if cutlass.const_expr(self.track_max):
+            self.seen_max.fill(-Float32.inf)
 
     def step(self, acc_S: cute.Tensor, row_scale: cute.Tensor, is_first: bool):
         """P = exp2(S·scale_log2 − R) in place; row_scale = factor to rescale O by."""
@@ -139,6 +148,20 @@ class OnlineSoftmax:
         return quad_allreduce_max(row_max_local(s_mn[r, None], None, False)) * self.scale_log2
 
     @cute.jit
+    def block_max(self, s_mn: cute.Tensor, r: cutlass.Constexpr[int]) -> Float32:
+        """block_max_scaled, also folded into the row's true running max when tracked."""
+        m = self.block_max_scaled(s_mn, r)
+        if cutlass.const_expr(self.track_max):
+            self.seen_max[r] = cute.arch.fmax(self.seen_max[r], m)
+        return m
+
+    @cute.jit
+    def logits_max(self, r: cutlass.Constexpr[int]) -> Float32:
+        """Row r's largest score seen, in natural logit units: scaled max / log2 e (-inf if
+        none)."""
+        return self.seen_max[r] * Float32(1.0 / LOG2_E)
+
+    @cute.jit
     def step_always(self, acc_S: cute.Tensor, row_scale: cute.Tensor,
                     is_first: cutlass.Constexpr[bool]):
         """The v1 step: the max applied is always the running max (rescale whenever it grows)."""
@@ -146,7 +169,7 @@ class OnlineSoftmax:
         n_cols = cute.size(s_mn, mode=[1])
         for r in cutlass.range_constexpr(self.num_rows):
             r_prev = self.row_max[r]
-            r_new = self.block_max_scaled(s_mn, r)
+            r_new = self.block_max(s_mn, r)
             if cutlass.const_expr(not is_first):
                 r_new = cute.arch.fmax(r_new, r_prev)
             self.row_max[r] = r_new
@@ -170,7 +193,7 @@ class OnlineSoftmax:
         n_cols = cute.size(s_mn, mode=[1])
         for r in cutlass.range_constexpr(self.num_rows):
             r_prev = self.row_max[r]
-            r_new = cute.arch.fmax(self.block_max_scaled(s_mn, r), r_prev)
+            r_new = cute.arch.fmax(self.block_max(s_mn, r), r_prev)
             r_safe = Float32(0.0) if r_new == -Float32.inf else r_new
             # <= 0; -inf when nothing was seen before (r_prev = -inf): then always rescale (by 0)
             diff = r_prev - r_safe

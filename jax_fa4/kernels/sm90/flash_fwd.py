@@ -164,13 +164,17 @@ class FlashAttentionForwardSm90:
                  mPageTable: cute.Tensor | None = None, mSeqUsedK: cute.Tensor | None = None,
                  mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None,
                  mSegTiles: cute.Tensor | None = None, mSegRows: cute.Tensor | None = None,
-                 mKvIds: cute.Tensor | None = None):
+                 mKvIds: cute.Tensor | None = None, mMaxLogits: cute.Tensor | None = None):
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("out", mO)):
             expected = Float32 if const_expr(name == "out" and self.out_f32) else self.dtype
             if const_expr(t.element_type != expected):
                 raise TypeError(f"{name}: expected {expected}, got {t.element_type}")
         if const_expr(mLSE.element_type != Float32 or mParams.element_type != Float32):
             raise TypeError("lse and params must be float32")
+        if const_expr(self.cfg.max_logits != (mMaxLogits is not None)):
+            raise TypeError("max_logits is given exactly when the config has max logits")
+        if const_expr(mMaxLogits is not None and mMaxLogits.element_type != Float32):
+            raise TypeError(f"max_logits: expected Float32, got {mMaxLogits.element_type}")
         if const_expr(self.paged != (mPageTable is not None) or
                       self.paged != (mSeqUsedK is not None)):
             raise TypeError("page_table and seqused_k are given exactly when the config is paged")
@@ -196,6 +200,8 @@ class FlashAttentionForwardSm90:
         mQ, mK = self.qo_view(mQ, D), seq_major(mK, D)
         mV, mO = seq_major(mV, Dv), self.qo_view(mO, Dv)
         mLSE = select_modes(mLSE, (2, 1, 0))  # (Sq, H, B); varlen: (max_seqlen_q, H, batch)
+        if const_expr(mMaxLogits is not None):
+            mMaxLogits = select_modes(mMaxLogits, (2, 1, 0))  # (Sq, H, B) like lse
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
@@ -248,7 +254,7 @@ class FlashAttentionForwardSm90:
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mO if const_expr(self.varlen) else None, mLSE, mParams,
             mPageTable, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK, mSegTiles, mSegRows, mKvIds,
-            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            mMaxLogits, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
@@ -275,7 +281,8 @@ class FlashAttentionForwardSm90:
                mPageTable: cute.Tensor | None, mSeqUsedK: cute.Tensor | None,
                mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                mSegTiles: cute.Tensor | None, mSegRows: cute.Tensor | None,
-               mKvIds: cute.Tensor | None, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               mKvIds: cute.Tensor | None, mMaxLogits: cute.Tensor | None,
+               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_O: cute.CopyAtom,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
@@ -322,7 +329,8 @@ class FlashAttentionForwardSm90:
             self.run_persistent(mQ, mK, mV, mO, mLSE, mParams, sQ, sK, sV, sO,
                                 tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
                                 tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v,
-                                warp_idx, tidx, seqlen_q, seqlen_k, window_left, window_right)
+                                warp_idx, tidx, seqlen_q, seqlen_k, window_left, window_right,
+                                mMaxLogits)
         else:
             # varlen: the grid covers the longest sequence (lse is (batch, H, max_seqlen_q))
             rows = mLSE.shape[0] if const_expr(self.varlen) else seqlen_q
@@ -382,7 +390,8 @@ class FlashAttentionForwardSm90:
                          self.sink_log2(mParams, head),
                          varlen_out=(mO_gmem, q_offset) if const_expr(self.varlen) else None,
                          segments=((mSegTiles, mSegRows, mKvIds) if const_expr(self.segments)
-                                   else None))
+                                   else None),
+                         max_logits=mMaxLogits)
                 if const_expr(self.varlen):
                     if batch == mCuSeqlensQ.shape[0] - 1:
                         zero_padding_rows(mO_gmem, mCuSeqlensQ, head,
@@ -405,7 +414,7 @@ class FlashAttentionForwardSm90:
                        tma_atom_O: cute.CopyAtom, tiled_mma_qk: cute.TiledMma,
                        tiled_mma_pv: cute.TiledMma, pipeline_q, pipeline_k, pipeline_v,
                        warp_idx: Int32, tidx: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                       window_left, window_right):
+                       window_left, window_right, mMaxLogits: cute.Tensor | None = None):
         num_heads = mQ.shape[2]
         group = num_heads // mK.shape[2]
         # (batch, head) pairs per L2 section: their K+V (a kv head counted once per group) fit
@@ -469,7 +478,8 @@ class FlashAttentionForwardSm90:
                     pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
                     scale_log2, softcap_in_scale, mask, block_info,
                     m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
-                    self.sink_log2(mParams, head), (k_state, v_state, q_state))
+                    self.sink_log2(mParams, head), (k_state, v_state, q_state),
+                    max_logits=mMaxLogits)
                 t += t_stride
 
     @cute.jit
@@ -671,13 +681,15 @@ class FlashAttentionForwardSm90:
             scale_log2: Float32, softcap_in_scale, mask: AttentionMask, block_info: FwdBlocks,
             m_block: Int32, head: Int32, batch: Int32, n_block_min: Int32, n_block_max: Int32,
             seqlen_q: Int32, wg_idx: Int32, sink_log2: Float32,
-            states: cutlass.Constexpr = None, varlen_out=None, segments=None):
+            states: cutlass.Constexpr = None, varlen_out=None, segments=None,
+            max_logits: cute.Tensor | None = None):
         """One tile's mainloop and epilogue. ``sink_log2``: the rows' learnable sink times
         log2 e (-inf: none). ``states`` (persistent scheduling): the consumer's
         (k, v, q) pipeline states carried from the previous tile; returned advanced.
         ``varlen_out`` (varlen): (the packed output in global memory, the sequence's first row),
         for the row-predicated store. ``segments`` (segment ids): the (seg_tiles, seg_rows,
-        kv_ids) tables of FwdConfig.segments."""
+        kv_ids) tables of FwdConfig.segments. ``max_logits`` (FwdConfig.max_logits): the
+        (Sq, H, B) float32 output of each row's largest visible score."""
         persistent = states is not None
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
@@ -695,7 +707,7 @@ class FlashAttentionForwardSm90:
 
         num_rows = cute.size(acc_view_mn(acc_O), mode=[0])
         softmax = OnlineSoftmax(scale_log2, num_rows, self.rescale_threshold, self.exp2_sw_per_32,
-                                self.is_bf16)
+                                self.is_bf16, track_max=max_logits is not None)
         softmax.reset_with_sink(sink_log2)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         segs = None
@@ -764,6 +776,11 @@ class FlashAttentionForwardSm90:
         # ---- epilogue ----
         lse = cute.make_rmem_tensor(num_rows, Float32)
         softmax.finalize(row_scale, lse)
+        row_logits = None
+        if const_expr(max_logits is not None):
+            row_logits = cute.make_rmem_tensor(num_rows, Float32)
+            for r in cutlass.range_constexpr(num_rows):
+                row_logits[r] = softmax.logits_max(r)
         rescale_rows(acc_O, row_scale)
 
         # lse from registers: the 4 threads of a row quad hold the same value; column-0 owners write
@@ -775,6 +792,8 @@ class FlashAttentionForwardSm90:
                 row = m_block * self.tile_m + tOcO_mn[r, 0][0]
                 if row < seqlen_q:
                     mLSE[row, head, batch] = lse[r]
+                    if const_expr(max_logits is not None):
+                        max_logits[row, head, batch] = row_logits[r]
         if const_expr(self.out_f32):
             # float32 out straight from the accumulators, rows below seqlen_q (each thread's
             # column pairs are 8 contiguous bytes; the tile is small: decode shapes)
@@ -992,7 +1011,8 @@ def make_launcher(cfg: FwdConfig):
     """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config,
     ``fn(stream, q, k_cache, v_cache, params, page_table, seqused_k, out, lse)`` when it is paged,
     ``fn(stream, q, k, v, params, cu_seqlens_q, cu_seqlens_k, out, lse)`` when it is varlen,
-    ``fn(stream, q, k, v, params, seg_tiles, seg_rows, kv_ids, out, lse)`` with segment ids."""
+    ``fn(stream, q, k, v, params, seg_tiles, seg_rows, kv_ids, out, lse)`` with segment ids;
+    with max logits (FwdConfig.max_logits) a ``max_logits`` output follows lse."""
     kernel = FlashAttentionForwardSm90(cfg)
     if cfg.paged:
         @cute.jit
@@ -1011,6 +1031,24 @@ def make_launcher(cfg: FwdConfig):
                    mCuSeqlensK=cu_seqlens_k)
 
         return sm90_fwd_varlen
+    if cfg.segments and cfg.max_logits:
+        @cute.jit
+        def sm90_fwd_segments_max_logits(
+                stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
+                params: cute.Tensor, seg_tiles: cute.Tensor, seg_rows: cute.Tensor,
+                kv_ids: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, max_logits: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, mSegTiles=seg_tiles, mSegRows=seg_rows,
+                   mKvIds=kv_ids, mMaxLogits=max_logits)
+
+        return sm90_fwd_segments_max_logits
+    if cfg.max_logits:
+        @cute.jit
+        def sm90_fwd_max_logits(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                                v: cute.Tensor, params: cute.Tensor, out: cute.Tensor,
+                                lse: cute.Tensor, max_logits: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, mMaxLogits=max_logits)
+
+        return sm90_fwd_max_logits
     if cfg.segments:
         @cute.jit
         def sm90_fwd_segments(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,

@@ -137,6 +137,12 @@ class FwdConfig(KernelConfig):
     # runs of the keys). Key blocks outside a tile's range are skipped, not masked
     # (segments_attention_forward_signature).
     segments: bool = False
+    # Per-row max logits (QK-Clip / MuonClip): a float32 output (B, H, Sq) beside lse, each
+    # row's largest score as the softmax sees it (q·k·scale; softcap·tanh(q·k·scale/softcap)
+    # with a softcap), over the keys its masks and segments leave visible (-inf: none). A
+    # running max kept apart from the softmax's (which starts at the sink and may stay stale
+    # under conditional rescaling). Dense and segment-id calls only.
+    max_logits: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -197,6 +203,10 @@ class FwdConfig(KernelConfig):
             raise ValueError("sm90 forward: segment ids are implemented for dense calls with one "
                              "tile per CTA (not paged, varlen, persistent, head-major or with a "
                              "float32 out)")
+        if self.max_logits and (self.paged or self.varlen or self.qo_head_major
+                                or self.out_f32):
+            raise ValueError("sm90 forward: max logits are implemented for dense and segment-id "
+                             "calls (not paged, varlen, head-major or with a float32 out)")
         if self.paged and self.num_sms:
             raise ValueError("sm90 forward: paged KV is not implemented with persistent scheduling "
                              "(num_sms must be 0)")
@@ -262,9 +272,11 @@ class FwdConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
-        if self.segments:
-            return segments_attention_forward_signature(self.dtype, self.head_dim,
-                                                        self.head_dim_v)
+        if self.segments or self.max_logits:
+            sig = (segments_attention_forward_signature(self.dtype, self.head_dim,
+                                                        self.head_dim_v) if self.segments
+                   else attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v))
+            return with_max_logits(sig) if self.max_logits else sig
         if self.varlen:
             return varlen_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
         if self.paged:
@@ -302,6 +314,14 @@ def segments_attention_forward_signature(dtype: str, head_dim: int, head_dim_v: 
         TensorArg("kv_ids", "int32", (b, sk), (1, 1)),
     )
     return dataclasses.replace(base, inputs=base.inputs + extra)
+
+
+def with_max_logits(sig: KernelSignature) -> KernelSignature:
+    """``sig`` (a dense or segment-id forward's) with a third output after lse: max_logits
+    (B, H, Sq) float32, each row's largest visible score (FwdConfig.max_logits)."""
+    lse = next(arg for arg in sig.outputs if arg.name == "lse")
+    return dataclasses.replace(
+        sig, outputs=sig.outputs + (dataclasses.replace(lse, name="max_logits"),))
 
 
 #: Query rows of the decode tile (one consumer warpgroup): the rows of a decode call after GQA
@@ -383,11 +403,27 @@ def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask
     return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, num_sms=0, varlen=True)
 
 
+#: The largest query tile of the forward with segment ids: the 192-row tile (three consumer
+#: warpgroups of 160 registers) spilled with the per-row spans and ids at head dim 64 (causal
+#: softcap, session 24's check), and its boundary tiles visit two documents' keys for more rows.
+SEGMENTS_MAX_TILE_M = 128
+
+
 def segments_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
-                    mask: str = "none", has_softcap: bool = False) -> FwdConfig:
-    """The forward with segment ids for a problem kind: the table's tile, one tile per CTA."""
+                    mask: str = "none", has_softcap: bool = False,
+                    max_logits: bool = False) -> FwdConfig:
+    """The forward with segment ids for a problem kind: the table's tile (at most
+    SEGMENTS_MAX_TILE_M rows), one tile per CTA; ``max_logits``: with the per-row max output."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    tile_m = min(tuning_for(head_dim, head_dim_v, mask).tile_m, SEGMENTS_MAX_TILE_M)
     return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, num_sms=0,
-                          segments=True)
+                          segments=True, tile_m=tile_m, max_logits=max_logits)
+
+
+def max_logits_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
+                      mask: str = "none", has_softcap: bool = False) -> FwdConfig:
+    """The dense forward of a problem kind (the table's tuning) with the per-row max logits."""
+    return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, max_logits=True)
 
 
 def fallback_configs() -> list[FwdConfig]:
@@ -400,7 +436,8 @@ def fallback_configs() -> list[FwdConfig]:
 def shipped_configs() -> list[FwdConfig]:
     """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and
     fp16, the decode config of each row, and the paged, varlen and segment-id configs of each
-    row and mask kind; the decode and paged ones also with a float32 out."""
+    row and mask kind; the decode and paged ones also with a float32 out, the dense and
+    segment-id ones also with max logits."""
     out = []
     for dtype in FLOAT_DTYPES:
         for (d, dv), row in TUNING_TABLE.items():
@@ -411,7 +448,9 @@ def shipped_configs() -> list[FwdConfig]:
                 out += [paged_config(dtype, d, dv, mask, softcap, out_f32=f32)
                         for mask in row for f32 in (False, True)]
                 out += [varlen_config(dtype, d, dv, mask, softcap) for mask in row]
-                out += [segments_config(dtype, d, dv, mask, softcap) for mask in row]
+                out += [segments_config(dtype, d, dv, mask, softcap, max_logits=ml)
+                        for mask in row for ml in (False, True)]
+                out += [max_logits_config(dtype, d, dv, mask, softcap) for mask in row]
     return out
 
 
