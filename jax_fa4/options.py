@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fa4 import backends
+# the ids a padding segment id becomes (padding_segment_id), which the fast tables recognise
+from jax_fa4.segments import PADDING_KV_ID, PADDING_Q_ID
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -164,9 +166,6 @@ def _check_int_array(name: str, x: Any, shape: tuple[int, ...], layout: str) -> 
     return jnp.asarray(x, jnp.int32)
 
 
-#: The ids a padding segment id becomes (``padding_segment_id``): queries and keys get two
-#: different values no other token may hold, so padding attends to nothing.
-PADDING_Q_ID, PADDING_KV_ID = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).min) + 1
 
 
 def check_segment_ids(segment_ids: Any, q: Any, k: Any, padding_segment_id: int | None = None

@@ -10,8 +10,19 @@ sees (the rest are skipped, not masked) and the bulk of them every row sees whol
 all); a tile holding a row whose id is not one contiguous run is flagged, and the kernel then
 compares ids key by key in its masked blocks (its bulk is empty): exact for any ids.
 
-Everything here is O(S log S) per batch entry (three sorts, no loops), traced under
-``jax.jit`` with the ids: a new packing never recompiles.
+Two ways to the spans, both traced under ``jax.jit`` with the ids (a new packing never
+recompiles), neither with a loop:
+
+* ``Sq == Sk`` (self-attention, the packed-training case; :func:`run_spans`): O(S) scans, no
+  sort. Each token's run of equal ids; a batch row whose runs each hold a different id (ids
+  increasing from run to run, padding ignored: packing's layout) and whose query and key ids
+  agree takes the runs as exact spans. Any other row stays exact through the key-by-key
+  compare: its rows' spans become the key blocks whose id range meets the tile's (a superset
+  of the blocks holding the row's id) and its tiles are flagged.
+* otherwise (:func:`row_spans`): O(S log S), three sorts: the first and last key of each id.
+
+(XLA's sorts of a few thousand ids per row cost about 0.15 ms per call on the H200: measured,
+benchmarks/segments_bench.py, perf-log.)
 """
 
 from __future__ import annotations
@@ -22,6 +33,12 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa4.kernels import segments_config as _cols
+
+#: The ids a padding segment id becomes (``flash_attention(padding_segment_id=...)``): queries
+#: and keys get two values no other token may hold, so padding attends to nothing and no query
+#: sees padding.
+PADDING_Q_ID = int(jnp.iinfo(jnp.int32).min)
+PADDING_KV_ID = PADDING_Q_ID + 1
 
 
 def row_spans(q_ids: jax.Array, kv_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -57,6 +74,70 @@ def row_spans(q_ids: jax.Array, kv_ids: jax.Array) -> tuple[jax.Array, jax.Array
 
 def _ceil_div(x, n: int):
     return (x + n - 1) // n
+
+
+def _blocks(x, size: int, fill):
+    """(B, S) -> (B, ceil(S / size), size), the tail padded with ``fill``."""
+    b, s = x.shape
+    n = _ceil_div(s, size)
+    return jnp.pad(x, ((0, 0), (0, n * size - s)), constant_values=fill).reshape(b, n, size)
+
+
+def run_spans(q_ids: jax.Array, kv_ids: jax.Array, tile_m: int, tile_n: int
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`row_spans`' contract for ``Sq == Sk`` in O(S) scans (no sort; module doc).
+
+    A batch row is *packed* when its query and key ids agree (padding: ``PADDING_Q_ID`` /
+    ``PADDING_KV_ID`` at the same places) and no id comes back after another run (each
+    non-padding token continues its predecessor's run or has an id above every earlier one).
+    Its rows' spans are then their runs, exactly, contiguous (padding queries: empty). In any
+    other batch row, each row's span covers the key blocks whose [min, max] id range meets its
+    ``tile_m`` query tile's (with ``tile_n`` keys per block), not contiguous: the kernels then
+    compare ids key by key there, still exact."""
+    b, s = q_ids.shape
+    i32 = jnp.int32
+    idx = jnp.arange(s, dtype=i32)
+    lowest = jnp.iinfo(i32).min
+    pad_q = q_ids == PADDING_Q_ID
+    pad_k = kv_ids == PADDING_KV_ID
+    # runs: [run_start, run_end) of equal ids around each token
+    new_run = jnp.concatenate([jnp.ones((b, 1), bool), q_ids[:, 1:] != q_ids[:, :-1]], axis=1)
+    last_of_run = jnp.concatenate([new_run[:, 1:], jnp.ones((b, 1), bool)], axis=1)
+    run_start = jax.lax.cummax(jnp.where(new_run, idx, 0), axis=1)
+    run_end = jax.lax.cummin(jnp.where(last_of_run, idx + 1, s), axis=1, reverse=True)
+    # packed rows: ids agree, and every id is one run
+    agree = (q_ids == kv_ids) | (pad_q & pad_k)
+    seen_max = jax.lax.cummax(jnp.where(pad_q, lowest, q_ids), axis=1)
+    before = jnp.concatenate([jnp.full((b, 1), lowest, i32), seen_max[:, :-1]], axis=1)
+    continues = jnp.concatenate(
+        [jnp.zeros((b, 1), bool), ~pad_q[:, :-1] & ~new_run[:, 1:]], axis=1)
+    packed = (agree & (pad_q | continues | (q_ids > before))).all(axis=1, keepdims=True)
+    # other rows: the key blocks whose id range meets the query tile's
+    big = jnp.iinfo(i32).max
+    q_lo = _blocks(jnp.where(pad_q, big, q_ids), tile_m, big).min(-1)  # (B, Mb)
+    q_hi = _blocks(jnp.where(pad_q, lowest, q_ids), tile_m, lowest).max(-1)
+    k_lo = _blocks(jnp.where(pad_k, big, kv_ids), tile_n, big).min(-1)  # (B, Nb)
+    k_hi = _blocks(jnp.where(pad_k, lowest, kv_ids), tile_n, lowest).max(-1)
+    meets = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+    n_blocks = meets.shape[2]
+    any_block = meets.any(axis=2)
+    first = jnp.argmax(meets, axis=2).astype(i32)
+    last = (n_blocks - jnp.argmax(meets[:, :, ::-1], axis=2)).astype(i32)
+    tile_of = idx // tile_m
+    wide_start = jnp.where(any_block, first * tile_n, 0)[:, tile_of]
+    wide_end = jnp.where(any_block, jnp.minimum(last * tile_n, s), 0)[:, tile_of]
+    start = jnp.where(pad_q, 0, jnp.where(packed, run_start, wide_start)).astype(i32)
+    end = jnp.where(pad_q, 0, jnp.where(packed, run_end, wide_end)).astype(i32)
+    return start, end, packed | pad_q
+
+
+def spans(q_ids: jax.Array, kv_ids: jax.Array, tile_m: int, tile_n: int
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(start, end, contiguous) for the tables: :func:`run_spans` when ``Sq == Sk``, else
+    :func:`row_spans`."""
+    if q_ids.shape[1] == kv_ids.shape[1]:
+        return run_spans(q_ids, kv_ids, tile_m, tile_n)
+    return row_spans(q_ids, kv_ids)
 
 
 def tile_table(start: jax.Array, end: jax.Array, contiguous: jax.Array, tile_m: int,
@@ -115,7 +196,7 @@ def forward_tables(q_ids: jax.Array, kv_ids: jax.Array, tile_m: int, tile_n: int
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(seg_tiles, seg_rows, kv_ids) of a forward kernel with segment ids and this tile."""
     q_ids, kv_ids = q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
-    start, end, contiguous = row_spans(q_ids, kv_ids)
+    start, end, contiguous = spans(q_ids, kv_ids, tile_m, tile_n)
     return (tile_table(start, end, contiguous, tile_m, tile_n), row_table(start, end, q_ids),
             kv_ids)
 
@@ -128,7 +209,7 @@ def backward_tables(q_ids: jax.Array, kv_ids: jax.Array, tile_m: int, tile_n: in
     backward's tile, and per key block n the query blocks ``[m_lo, m_hi)`` whose visited range
     holds n ((0, 0) when none), (B, ceil(Sk / tile_n), 8) int32."""
     q_ids, kv_ids = q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
-    start, end, contiguous = row_spans(q_ids, kv_ids)
+    start, end, contiguous = spans(q_ids, kv_ids, tile_m, tile_n)
     tiles = tile_table(start, end, contiguous, tile_m, tile_n)
     b, m_blocks = tiles.shape[:2]
     n_blocks = _ceil_div(kv_ids.shape[1], tile_n)

@@ -349,3 +349,52 @@ def test_padding_segment_id_attends_to_nothing():
         assert np.isfinite(np.asarray(g)).all() and not np.asarray(g[:, -8:]).any()
     with pytest.raises(ValueError, match="padding_segment_id needs segment_ids"):
         jax_fa4.flash_attention(q, k, v, padding_segment_id=0)
+
+
+# -- the sort-free tables of self-attention (Sq == Sk) ------------------------------------------
+@pytest.mark.parametrize("tile_m, tile_n", [(128, 128), (64, 176)])
+def test_sort_free_tables_for_packed_rows_padding_and_other_ids(tile_m, tile_n):
+    """Sq == Sk: packed rows (runs of increasing ids, padding ids from padding_segment_id at
+    the end or in between) get exact spans and no flag; rows whose ids come back after another
+    run, random ids and rows whose query and key ids differ stay exact (simulated kernel rule =
+    brute force) through the flagged key-by-key path."""
+    from jax_fa4.segments import PADDING_KV_ID, PADDING_Q_ID
+
+    rng = np.random.default_rng(tile_n)
+    s = 700
+    packed = packed_ids(rng, 4, s, max_docs=7)
+    q_pad, kv_pad = packed.copy(), packed.copy()
+    q_pad[1, 500:], kv_pad[1, 500:] = PADDING_Q_ID, PADDING_KV_ID  # padding at the end
+    q_pad[2, 160:] += 100  # a new document after padding in between
+    kv_pad[2, 160:] += 100
+    q_pad[2, 100:160], kv_pad[2, 100:160] = PADDING_Q_ID, PADDING_KV_ID
+    tiles = check(q_pad, kv_pad, tile_m, tile_n)
+    assert not tiles[..., cols.SEG_IDS].any(), "packed rows must not compare ids"
+    back = packed.copy()
+    back[3, 600:650] = back[3, 0] - 1  # an id below an earlier one: maybe new, not one run
+    back[0] = np.repeat([0, 1, 0], [200, 200, 300])  # the first document's id comes back
+    tiles = check(back, back, tile_m, tile_n)
+    assert tiles[[0, 3], ..., cols.SEG_IDS].any(axis=-1).all()
+    assert not tiles[1:3, ..., cols.SEG_IDS].any()
+    rand = rng.integers(0, 4, (2, s)).astype(np.int32)
+    check(rand, rand, tile_m, tile_n)
+    other = packed[:2].copy()
+    other_kv = np.where(other == other[:, :1], -7, other)  # the first document has no keys
+    check(other, other_kv, tile_m, tile_n)
+
+
+def test_self_attention_tables_have_no_sort():
+    """The forward and backward tables of Sq == Sk calls hold no sort (XLA's sorts cost about
+    0.15 ms per call on the GPU: perf-log)."""
+    import re
+
+    def primitives(jaxpr) -> set[str]:
+        return set(re.findall(r"= (\w+)\[", str(jaxpr)))
+
+    ids = jnp.zeros((2, 1024), jnp.int32)
+    for fn in (segments.forward_tables, segments.backward_tables):
+        used = primitives(jax.make_jaxpr(lambda i: fn(i, i, 128, 128))(ids))
+        assert not used & {"sort", "while"}, (fn.__name__, used)
+    cross = primitives(jax.make_jaxpr(lambda q, k: segments.forward_tables(q, k, 128, 128))(
+        ids, jnp.zeros((2, 900), jnp.int32)))
+    assert "sort" in cross and "while" not in cross
