@@ -193,7 +193,7 @@ def _extras_forward_impl(has_sink: bool, has_ids: bool):
     return run
 
 
-def _extras_backward_impl(has_sink: bool, has_ids: bool):
+def extras_backward_impl(has_sink: bool, has_ids: bool):
     """The shard-local backward with extras: ``(q, k, v, out, lse, dout, dlse, [sink],
     [q_ids, kv_ids], opts) -> (dq, dk, dv[, d sink by batch entry (B, H) float32])`` on the
     segment-id backward kernel where the forward ran its kernel and a backward kernel serves,
@@ -235,7 +235,7 @@ def _extras_ops(has_sink: bool, has_ids: bool):
     forward = sharding.partitioned(name + "_fwd", _extras_forward_impl(has_sink, has_ids),
                                    sharding.FORWARD_IN + extra, sharding.FORWARD_OUT)
     backward = sharding.partitioned(
-        name + "_bwd", _extras_backward_impl(has_sink, has_ids), sharding.BACKWARD_IN + extra,
+        name + "_bwd", extras_backward_impl(has_sink, has_ids), sharding.BACKWARD_IN + extra,
         sharding.SINK_BACKWARD_OUT if has_sink else sharding.BACKWARD_OUT[:3])
     return forward, backward
 

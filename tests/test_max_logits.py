@@ -141,6 +141,8 @@ def test_hopper_configs_and_shipping():
     assert cfg.signature().outputs[-1].name == "max_logits"
     seg = sm90.make_segments("float16", 64, 64, "causal", True, max_logits=True)
     assert seg.segments and seg.max_logits and seg.tile_m == fwd_config.SEGMENTS_MAX_TILE_M
+    # the table's 192-row tile where it fits (no softcap, no max logits)
+    assert sm90.make_segments("bfloat16", 64, 64, "none", False).tile_m == 192
     shipped = fwd_config.shipped_configs()
     dense = [c for c in shipped if not (c.segments or c.varlen or c.paged or c.qo_head_major)]
     assert sum(c.max_logits for c in dense) * 2 == len(dense)

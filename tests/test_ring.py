@@ -23,7 +23,8 @@ def suite():
 
 
 @pytest.mark.parametrize("case", ["noncausal", "causal_zigzag", "causal_contiguous",
-                                  "causal_zigzag_mqa_softcap"])
+                                  "causal_zigzag_mqa_softcap", "noncausal_segments",
+                                  "causal_zigzag_segments", "causal_contiguous_segments"])
 def test_ring_matches_unsplit_attention_forward_and_gradients(suite, case):
     r = suite[case]
     assert "error" not in r, r.get("traceback")

@@ -23,8 +23,9 @@ Layouts (how the global sequence is split into the per-device blocks):
   but device ``i`` has ``i + 1`` blocks of work and the last device sets the pace.
 
 Causal ring attention needs self-attention blocks: the local Sq equals the local Sk (and is even
-for the zigzag layout). GQA/MQA, ``softmax_scale`` and ``softcap`` are supported; sliding windows
-are not.
+for the zigzag layout). GQA/MQA, ``softmax_scale``, ``softcap`` and segment ids (packed rows:
+each device's block carries its tokens' ids, the key ids travel around the ring with K/V) are
+supported; sliding windows are not.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class _Ring:
     layout: str
     full: options.AttentionOptions  # options of a block without mask
     diagonal: options.AttentionOptions  # options of the step-0 block (causal when causal)
+    segments: bool = False  # segment ids given (q_ids and kv_ids ride along)
 
 
 def ring_attention(
@@ -98,6 +100,8 @@ def ring_attention(
     return_lse: bool = False,
     deterministic: bool = False,
     implementation: str | None = None,
+    segment_ids: Any = None,
+    padding_segment_id: int | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention over a sequence split along the mesh axis ``axis_name``; call inside
     :func:`jax.shard_map`.
@@ -116,6 +120,12 @@ def ring_attention(
       deterministic: as in :func:`jax_fa4.flash_attention` (the ring's own accumulation order is
         fixed, so this only concerns the kernels of each block).
       implementation: as in :func:`jax_fa4.flash_attention`.
+      segment_ids: this device's segment ids, ``(B, S_local)`` (its tokens', sharded like q)
+        or a pair ``(q_segment_ids, kv_segment_ids)``, in the layout of q and k (zigzag when
+        causal with that layout: permute them with :func:`zigzag` too). Token ``i`` sees key
+        ``j`` only if their ids are equal, as in :func:`jax_fa4.flash_attention`; the key
+        ids travel around the ring with their K/V block.
+      padding_segment_id: as in :func:`jax_fa4.flash_attention`.
 
     Returns:
       this device's rows of the output ``(B, Sq_local, H, Dv)`` (and the lse with
@@ -136,9 +146,13 @@ def ring_attention(
         if layout == "zigzag" and q.shape[1] % 2:
             raise ValueError("the zigzag layout holds two chunks per device: the local length "
                              f"must be even, got {q.shape[1]} (see jax_fa4.parallel.ring.zigzag)")
-    cfg = _Ring(axis_name, bool(causal), layout, full, diagonal)
+    ids = options.check_segment_ids(segment_ids, q, k, padding_segment_id)
+    cfg = _Ring(axis_name, bool(causal), layout, full, diagonal, ids is not None)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    out, lse = _ring(q, k, v, cfg)
+    if ids is None:
+        out, lse = _ring(q, k, v, (), cfg)
+    else:
+        out, lse = _ring(q, k, v, ids, cfg)
     return (out, lse) if return_lse else out
 
 
@@ -161,10 +175,12 @@ def _merge(out, lse, block_out, block_lse):
     return w_old * out + w_new * block_out.astype(jnp.float32), new_lse
 
 
-def _attend(q, k, v, opts):
+def _attend(q, k, v, opts, ids=()):
+    """(out, lse) of one block; ``ids``: () or (q_ids, kv_ids) of the block's tokens."""
     return api.flash_attention(q, k, v, softmax_scale=opts.softmax_scale,
                                causal=opts.causal, softcap=opts.softcap, return_lse=True,
                                deterministic=opts.deterministic,
+                               segment_ids=tuple(ids) if ids else None,
                                implementation=opts.implementation if opts.forced else None)
 
 
@@ -175,101 +191,121 @@ def _nothing(q, kb, vb):
                        jnp.full((b, h, s), -jnp.inf, jnp.float32)), q, kb, vb)
 
 
-def _block_forward(q, kb, vb, step: int, src, me, cfg: _Ring):
-    """(out, lse) of this device's queries against the K/V block of device ``src``."""
+def _pair(q_ids, kv_ids, q_rows=slice(None), k_rows=slice(None)) -> tuple:
+    """(q_ids, kv_ids) of a block's query and key rows; () without segment ids."""
+    return () if q_ids is None else (q_ids[:, q_rows], kv_ids[:, k_rows])
+
+
+def _block_forward(q, kb, vb, q_ids, kv_ids, step: int, src, me, cfg: _Ring):
+    """(out, lse) of this device's queries against the K/V block of device ``src`` (with the
+    block's key ids ``kv_ids`` when there are segment ids, else None)."""
     if step == 0:
-        return _attend(q, kb, vb, cfg.diagonal)
+        return _attend(q, kb, vb, cfg.diagonal, _pair(q_ids, kv_ids))
     if not cfg.causal:
-        return _attend(q, kb, vb, cfg.full)
+        return _attend(q, kb, vb, cfg.full, _pair(q_ids, kv_ids))
     if cfg.layout == "contiguous":  # a block from before is fully visible, one from after not
-        return lax.cond(src < me, lambda: _attend(q, kb, vb, cfg.full),
+        return lax.cond(src < me, lambda: _attend(q, kb, vb, cfg.full, _pair(q_ids, kv_ids)),
                         lambda: _nothing(q, kb, vb))
     c = q.shape[1] // 2
 
     def earlier():  # src < me: both query chunks see the first key chunk, none the second
-        return _attend(q, kb[:, :c], vb[:, :c], cfg.full)
+        return _attend(q, kb[:, :c], vb[:, :c], cfg.full,
+                       _pair(q_ids, kv_ids, k_rows=slice(None, c)))
 
     def later():  # src > me: only the second query chunk sees keys, and it sees all of them
-        o, l = _attend(q[:, c:], kb, vb, cfg.full)
+        o, l = _attend(q[:, c:], kb, vb, cfg.full, _pair(q_ids, kv_ids, q_rows=slice(c, None)))
         o0, l0 = _nothing(q[:, :c], kb, vb)
         return jnp.concatenate([o0, o], axis=1), jnp.concatenate([l0, l], axis=2)
 
     return lax.cond(src < me, earlier, later)
 
 
-def _forward(q, k, v, cfg: _Ring):
+def _forward(q, k, v, ids, cfg: _Ring):
     n, me = _ring_size_and_index(cfg.axis_name)
     out = jnp.zeros((*q.shape[:3], v.shape[3]), jnp.float32)
     lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
-    kb, vb = k, v
+    q_ids, kv_ids = ids if ids else (None, None)
+    blocks = (k, v) + ((kv_ids,) if ids else ())  # the key ids ride with their K/V
     for step in range(n):
         if step + 1 < n:  # start the next hop before computing, so they can overlap
-            nxt = _shift((kb, vb), cfg.axis_name, n)
-        block_out, block_lse = _block_forward(q, kb, vb, step, (me - step) % n, me, cfg)
+            nxt = _shift(blocks, cfg.axis_name, n)
+        kb, vb, *kv_b = blocks
+        block_out, block_lse = _block_forward(q, kb, vb, q_ids, kv_b[0] if kv_b else None,
+                                              step, (me - step) % n, me, cfg)
         out, lse = _merge(out, lse, block_out, block_lse)
         if step + 1 < n:
-            kb, vb = nxt
+            blocks = nxt
     return out.astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ring(q, k, v, cfg: _Ring):
-    return _forward(q, k, v, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring(q, k, v, ids, cfg: _Ring):
+    return _forward(q, k, v, ids, cfg)
 
 
-def _ring_fwd(q, k, v, cfg: _Ring):
-    out, lse = _forward(q, k, v, cfg)
-    return (out, lse), (q, k, v, out, lse)
+def _ring_fwd(q, k, v, ids, cfg: _Ring):
+    out, lse = _forward(q, k, v, ids, cfg)
+    return (out, lse), (q, k, v, ids, out, lse)
 
 
-def _block_backward(q, kb, vb, out, lse, dout, dlse, step: int, src, me, cfg: _Ring):
+def _block_backward(q, kb, vb, out, lse, dout, dlse, q_ids, kv_ids, step: int, src, me,
+                    cfg: _Ring):
     """(dq, dk, dv) contributions of this device's queries and the K/V block of ``src``."""
 
-    def grads(*args):  # the library's backward: preprocess, then dq/dk/dv (delta unused)
-        return autodiff.backward_chain(*args)[:3]
+    def grads(q, kb, vb, out, lse, dout, dlse, opts, ids=()):
+        if ids:  # the shard-local backward with segment ids (kernel or reference)
+            return autodiff.extras_backward_impl(False, True)(
+                q, kb, vb, out, lse, dout, dlse, *ids, opts)[:3]
+        # the library's backward: preprocess, then dq/dk/dv (delta unused)
+        return autodiff.backward_chain(q, kb, vb, out, lse, dout, dlse, opts)[:3]
 
     args = (q, kb, vb, out, lse, dout, dlse)
     if step == 0:
-        return grads(*args, cfg.diagonal)
+        return grads(*args, cfg.diagonal, _pair(q_ids, kv_ids))
     if not cfg.causal:
-        return grads(*args, cfg.full)
+        return grads(*args, cfg.full, _pair(q_ids, kv_ids))
     zeros = lambda: vary_like([jnp.zeros(x.shape, x.dtype) for x in (q, kb, vb)],  # noqa: E731
                                 *args)
     if cfg.layout == "contiguous":
-        return lax.cond(src < me, lambda: grads(*args, cfg.full), zeros)
+        return lax.cond(src < me, lambda: grads(*args, cfg.full, _pair(q_ids, kv_ids)), zeros)
     c = q.shape[1] // 2
 
     def earlier():  # every query sees the first key chunk
-        dq, dk, dv = grads(q, kb[:, :c], vb[:, :c], out, lse, dout, dlse, cfg.full)
+        dq, dk, dv = grads(q, kb[:, :c], vb[:, :c], out, lse, dout, dlse, cfg.full,
+                           _pair(q_ids, kv_ids, k_rows=slice(None, c)))
         pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)  # noqa: E731
         return dq, pad(dk), pad(dv)
 
     def later():  # the second query chunk sees every key
         dq, dk, dv = grads(q[:, c:], kb, vb, out[:, c:], lse[..., c:], dout[:, c:],
-                           dlse[..., c:], cfg.full)
+                           dlse[..., c:], cfg.full, _pair(q_ids, kv_ids, q_rows=slice(c, None)))
         return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
 
     return lax.cond(src < me, earlier, later)
 
 
 def _ring_bwd(cfg: _Ring, residuals, cotangents):
-    q, k, v, out, lse = residuals
+    q, k, v, ids, out, lse = residuals
     dout, dlse = cotangents
     n, me = _ring_size_and_index(cfg.axis_name)
     dq = jnp.zeros(q.shape, jnp.float32)
     dk = jnp.zeros(k.shape, jnp.float32)
     dv = jnp.zeros(v.shape, jnp.float32)
+    q_ids, kv_ids = ids if ids else (None, None)
     kb, vb = k, v
     for step in range(n):
         if step > 0:  # the K/V block moves on with the dK/dV accumulated for it so far
-            kb, vb, dk, dv = _shift((kb, vb, dk, dv), cfg.axis_name, n)
-        dq_b, dk_b, dv_b = _block_backward(q, kb, vb, out, lse, dout, dlse, step,
-                                           (me - step) % n, me, cfg)
+            moved = _shift((kb, vb, dk, dv) + ((kv_ids,) if ids else ()), cfg.axis_name, n)
+            kb, vb, dk, dv = moved[:4]
+            kv_ids = moved[4] if ids else None
+        dq_b, dk_b, dv_b = _block_backward(q, kb, vb, out, lse, dout, dlse, q_ids, kv_ids,
+                                           step, (me - step) % n, me, cfg)
         dq = dq + dq_b.astype(jnp.float32)
         dk = dk + dk_b.astype(jnp.float32)
         dv = dv + dv_b.astype(jnp.float32)
     dk, dv = _shift((dk, dv), cfg.axis_name, n)  # the last hop brings them home
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    no_ids = None if not ids else tuple(None for _ in ids)  # integer ids: no cotangent
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), no_ids
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -403,9 +403,11 @@ def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask
     return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, num_sms=0, varlen=True)
 
 
-#: The largest query tile of the forward with segment ids: the 192-row tile (three consumer
-#: warpgroups of 160 registers) spilled with the per-row spans and ids at head dim 64 (causal
-#: softcap, session 24's check), and its boundary tiles visit two documents' keys for more rows.
+#: The query tile of the forward with segment ids where the table's does not fit: the 192-row
+#: tile (three consumer warpgroups of 160 registers) spills with the per-row spans and ids plus
+#: a softcap (head dim 64 causal, session 24's check) or the max-logit running max (LDL 24,
+#: session 25). Without those it fits and is the faster one (hd64 unmasked 0.596 vs 0.698 ms,
+#: perf-log), so only those configs take this tile.
 SEGMENTS_MAX_TILE_M = 128
 
 
@@ -413,9 +415,12 @@ def segments_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
                     mask: str = "none", has_softcap: bool = False,
                     max_logits: bool = False) -> FwdConfig:
     """The forward with segment ids for a problem kind: the table's tile (at most
-    SEGMENTS_MAX_TILE_M rows), one tile per CTA; ``max_logits``: with the per-row max output."""
+    SEGMENTS_MAX_TILE_M rows with a softcap or max logits), one tile per CTA;
+    ``max_logits``: with the per-row max output."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    tile_m = min(tuning_for(head_dim, head_dim_v, mask).tile_m, SEGMENTS_MAX_TILE_M)
+    tile_m = tuning_for(head_dim, head_dim_v, mask).tile_m
+    if has_softcap or max_logits:
+        tile_m = min(tile_m, SEGMENTS_MAX_TILE_M)
     return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, num_sms=0,
                           segments=True, tile_m=tile_m, max_logits=max_logits)
 
