@@ -289,7 +289,8 @@ def attention_with_extras(
     learnable_sink: jax.Array | None = None,
     segment_ids: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """``(out, lse)`` of :func:`jax_fa4.flash_attention` with a sink and/or segment ids.
+    """``(out, lse)`` of :func:`jax_fa4.flash_attention` with a sink and/or segment ids (and
+    each row's max logit (B, H, Sq) after them when ``opts.max_logits``).
 
     The inputs are already validated: q, k, v and ``opts`` (an
     :class:`jax_fa4.options.AttentionOptions`) by :func:`jax_fa4.options.canonicalize`, the

@@ -37,6 +37,10 @@ The sharding rule (Shardy factors; the forward shown, the backward maps
   type could not be honoured, a sequence- or head_dim-sharded q, k or v raises ``ValueError``.
 - The backward partition forces ``out``, ``dout``, ``lse`` and ``dlse`` to q's batch/head
   sharding (a cotangent can arrive replicated, e.g. from ``jnp.sum``'s transpose).
+- Every operation is described by its operands' and results' roles (``_ROLES``;
+  :func:`partitioned`): segment ids ``(b.., sq)`` / ``(b.., sk)`` follow the batch (their
+  sequence factor is replicated like q's), a sink ``(h,)`` the heads, and a forward asked for
+  max logits (``opts.max_logits``) returns the per-row max ``(b.., h, sq)`` sharded like lse.
 
 On one device, or inside ``shard_map`` with every mesh axis manual, the operations are inlined.
 """
