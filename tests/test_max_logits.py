@@ -206,3 +206,11 @@ def test_hopper_segments_route_with_an_emulated_kernel(monkeypatch):
     assert calls and all(c.segments and c.max_logits for c in calls)
     want = brute_force(q, k, 64 ** -0.5, (None, 0), 0.0, ids, ids).max(axis=-1)
     np.testing.assert_allclose(ml, want, rtol=1e-4)
+
+
+def test_decode_shaped_calls_name_the_reason_when_forced():
+    """The decode-shaped kernels (few query rows per key) do not write max logits: a forced
+    Hopper call says so; the default runs the reference for such calls."""
+    q, k = _qk(7, 2, 1, 4096, 8, 2, 64, jnp.bfloat16)
+    with pytest.raises(base.ImplementationUnavailableError, match="decode-shaped"):
+        jax_fa4.flash_attention(q, k, k, return_max_logits=True, implementation="sm90")
