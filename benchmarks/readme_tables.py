@@ -201,7 +201,7 @@ def generate(report: dict[str, Any], name: str, anchors: dict[str, Any],
                   for impls in shapes.values())
     train_rows, decode_rows, latency_rows = [], [], []
     fwd_ratios, bwd_ratios, det_ratios, decode_ratios = [], [], [], []
-    fwd_at, bwd_at, barred, below_fwd = 0, 0, 0, []
+    fwd_at, bwd_at, barred = 0, 0, 0
     for k, impls in shapes.items():
         ours, cudnn = impls.get("jax-fa4"), impls.get("cudnn")
         kind = measures(ours or cudnn or next(iter(impls.values())))
