@@ -148,17 +148,15 @@ def flash_attention(
         opts = dataclasses.replace(opts, max_logits=True)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     learnable_sink = options.check_learnable_sink(learnable_sink, q.shape[2])
-    if padding_segment_id is not None and segment_ids is None:
-        raise ValueError("padding_segment_id needs segment_ids")
+    segment_ids = options.check_segment_ids(segment_ids, q, k, padding_segment_id)
     if learnable_sink is None and segment_ids is None:
         outs = autodiff.attention(q, k, v, opts)
     elif segment_ids is None and opts.implementation != REFERENCE:
         # the backend's attention chain, the sink its forward's operand (autodiff)
         outs = autodiff.attention_with_sink(q, k, v, learnable_sink, opts)
     else:  # the segment-id kernels or the reference (autodiff.attention_with_extras)
-        outs = autodiff.attention_with_extras(
-            q, k, v, opts, learnable_sink=learnable_sink,
-            segment_ids=options.check_segment_ids(segment_ids, q, k, padding_segment_id))
+        outs = autodiff.attention_with_extras(q, k, v, opts, learnable_sink=learnable_sink,
+                                              segment_ids=segment_ids)
     out, lse = outs[0], outs[1]
     results = (out, lse) if return_lse else (out,)
     if return_max_logits:

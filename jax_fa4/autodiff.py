@@ -108,8 +108,7 @@ def forward_chain_with_sink(q, k, v, sink, opts):
     backend = base.choose(backend, "forward", backend.supports_forward(q, k, v, opts), opts,
                           call="call")
     if sink.ndim > 1:
-        outs = backend.forward(q, k, v, opts)
-        return (*base.join_sink(outs[0], outs[1], sink), *outs[2:])
+        return base.join_sink_outs(backend.forward(q, k, v, opts), sink)
     return backend.forward(q, k, v, opts, sink=sink)
 
 
@@ -184,9 +183,8 @@ def _extras_forward_impl(has_sink: bool, has_ids: bool):
         if _segments_on_kernel(backend, q, k, v, sink, q_ids, opts):
             return backend.segments_forward(q, k, v, q_ids, kv_ids, opts, sink)
         if sink is not None and sink.ndim > 1:  # one sink per batch entry (vmap): joined after
-            outs = base.reference_forward(q, k, v, opts, q_segment_ids=q_ids,
-                                          kv_segment_ids=kv_ids)
-            return (*base.join_sink(outs[0], outs[1], sink), *outs[2:])
+            return base.join_sink_outs(base.reference_forward(
+                q, k, v, opts, q_segment_ids=q_ids, kv_segment_ids=kv_ids), sink)
         return base.reference_forward(q, k, v, opts, learnable_sink=sink, q_segment_ids=q_ids,
                                       kv_segment_ids=kv_ids)
 

@@ -13,8 +13,8 @@
 Packed rows: both modules take ``segment_ids=`` per call (one ``[batch..., length]`` int array
 for self-attention, or a ``(q_segment_ids, kv_segment_ids)`` pair), as
 :func:`jax_fa4.flash_attention` does: tokens attend only within their segment, on the kernels
-(forward and backward) on Hopper. Padding: give padding queries and keys ids that no other
-token has (e.g. -1 and -2) and they attend to nothing (output 0); see
+(forward and backward) on Hopper. Padding: ``padding_segment_id=`` (constructor, e.g. 0)
+names the padding id, whose tokens then attend to nothing (output 0); see
 :func:`jax_fa4.flash_attention`. ``AttentionFn`` takes ``segment_ids=`` as a keyword too.
 
 QK-Clip / MuonClip: ``sow_max_logits=True`` (constructor) makes each call store the per-(batch,
@@ -202,6 +202,21 @@ def _check_batch_dims(query, key, value) -> tuple[int, ...]:
     return lead if lead else (1,)
 
 
+def _call_extras(segment_ids, decode: bool, sow_max_logits: bool,
+                 sow: Callable[[jax.Array], Any]) -> dict:
+    """The keyword arguments a module's call adds to its :class:`AttentionFn`: this call's
+    ``segment_ids`` (refused with ``decode=True``) and, with ``sow_max_logits``, ``sow`` as the
+    max logits' receiver."""
+    extra: dict = {}
+    if segment_ids is not None:
+        if decode:
+            raise ValueError("segment_ids are not supported with decode=True")
+        extra["segment_ids"] = segment_ids
+    if sow_max_logits:
+        extra["on_max_logits"] = sow
+    return extra
+
+
 def _flat_ids(segment_ids, lead, q, k):
     """``[batch..., length]`` segment ids (or a (q, kv) pair of them) with the batch dims
     folded, as the folded q / k have them."""
@@ -324,13 +339,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         if decode and self.attention_fn.window_size != (None, None):
             raise ValueError("decode=True with a window_size is not supported: the window "
                              "would be measured from the end of the cache, not the last token")
-        extra = {}
-        if segment_ids is not None:
-            if decode:
-                raise ValueError("segment_ids are not supported with decode=True")
-            extra["segment_ids"] = segment_ids
-        if self.sow_max_logits:
-            extra["on_max_logits"] = lambda x: self.sow(nnx.Intermediate, "max_logits", x)
+        extra = _call_extras(segment_ids, decode, self.sow_max_logits,
+                             lambda x: self.sow(nnx.Intermediate, "max_logits", x))
         if not extra:
             return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
         fn = self.attention_fn
@@ -420,13 +430,8 @@ class LinenMultiHeadAttention(nn.Module):
         m_deterministic = True
         if self.dropout_rate > 0:
             m_deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
-        extra = {}
-        if segment_ids is not None:
-            if self.decode:
-                raise ValueError("segment_ids are not supported with decode=True")
-            extra["segment_ids"] = segment_ids
-        if self.sow_max_logits:
-            extra["on_max_logits"] = lambda x: self.sow("intermediates", "max_logits", x)
+        extra = _call_extras(segment_ids, self.decode, self.sow_max_logits,
+                             lambda x: self.sow("intermediates", "max_logits", x))
         x = fn(query, key, value, mask=mask, dropout_rate=self.dropout_rate,
                deterministic=m_deterministic, dtype=self.dtype,
                module=self if sow_weights else None, **extra)

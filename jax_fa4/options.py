@@ -166,8 +166,6 @@ def _check_int_array(name: str, x: Any, shape: tuple[int, ...], layout: str) -> 
     return jnp.asarray(x, jnp.int32)
 
 
-
-
 def check_segment_ids(segment_ids: Any, q: Any, k: Any, padding_segment_id: int | None = None
                       ) -> tuple[jax.Array, jax.Array] | None:
     """Validate ``segment_ids``: None, one ``(B, S)`` int array (self-attention, ``Sq == Sk``)

@@ -155,11 +155,10 @@ def tile_table(start: jax.Array, end: jax.Array, contiguous: jax.Array, tile_m: 
     """
     b, sq = start.shape
     m_blocks = _ceil_div(sq, tile_m)
-    pad = m_blocks * tile_m - sq
     big = jnp.iinfo(jnp.int32).max
 
     def tiles(x, fill):
-        return jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill).reshape(b, m_blocks, tile_m)
+        return _blocks(x, tile_m, fill)
 
     nonempty = end > start
     # key blocks any row meets (empty rows ignored)

@@ -179,6 +179,12 @@ def join_sink(out: jax.Array, lse: jax.Array, learnable_sink: jax.Array | None,
     return out, lse_all
 
 
+def join_sink_outs(outs: tuple, learnable_sink: jax.Array | None) -> tuple:
+    """:func:`join_sink` on a forward's ``(out, lse[, row_max])``: the sink joins out and lse
+    only (it is not a score, so the max logits stay as they are)."""
+    return (*join_sink(outs[0], outs[1], learnable_sink), *outs[2:])
+
+
 class Segments(NamedTuple):
     """Per-token mask data of a batch, each ``None`` or an int32 array (see
     :func:`jax_fa4.reference.visible_mask`): ``q_segment_ids`` / ``q_positions`` ``(B, Sq)``,

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa4.backends import decode
-from jax_fa4.backends.base import Backend, join_sink, mask_kind, token_layout
+from jax_fa4.backends.base import Backend, join_sink, join_sink_outs, mask_kind, token_layout
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
 
 #: The input dtypes of the attention kernels.
@@ -93,12 +93,6 @@ def _with_row_max(config, b: int, h: int, sq: int) -> tuple:
     if getattr(config, "max_logits", False):
         return (jax.ShapeDtypeStruct((b, h, sq), jnp.float32),)
     return ()
-
-
-def _join_sink(outs: tuple, sink) -> tuple:
-    """:func:`join_sink` on (out, lse[, row_max]): the sink joins out and lse only (it is not
-    a score)."""
-    return (*join_sink(outs[0], outs[1], sink), *outs[2:])
 
 
 def sum_gqa_groups(dk, dv, hkv: int, head_axis: int):
@@ -193,7 +187,7 @@ class KernelBackend(Backend):
             return join_sink(out, lse, sink, dtype=q.dtype)
         if self.kernel_sinks:
             return self.kernel_forward(q, k, v, opts, sink=sink)
-        return _join_sink(self.kernel_forward(q, k, v, opts), sink)
+        return join_sink_outs(self.kernel_forward(q, k, v, opts), sink)
 
     def rewritten_out_f32(self, splits: int, sink: jax.Array | None) -> bool:
         """Whether a decode-rewritten or paged call takes the kernel's out in float32: split
@@ -360,7 +354,7 @@ class KernelBackend(Backend):
             out_shapes=(jax.ShapeDtypeStruct((b, sq, h, v.shape[3]), q.dtype),
                         jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
                         *_with_row_max(config, b, h, sq)))
-        return tuple(outs) if self.kernel_sinks else _join_sink(tuple(outs), sink)
+        return tuple(outs) if self.kernel_sinks else join_sink_outs(tuple(outs), sink)
 
     # -- varlen ----------------------------------------------------------------------------------
     def varlen_config(self, q, v, opts, max_seqlen_q: int):

@@ -217,11 +217,9 @@ def _mappings(roles, n_lead) -> tuple[ArrayMapping, ...]:
     out = []
     for role in roles:
         kind, (s, h, x) = _ROLES[role]
-        out.append({_H: lambda: ArrayMapping(*lead[:-1], h),
-                    _BH: lambda: ArrayMapping(*lead, h),
-                    _BS: lambda: ArrayMapping(*lead, s),
-                    _BHS: lambda: ArrayMapping(*lead, h, s),
-                    _BSHX: lambda: ArrayMapping(*lead, s, h, x)}[kind]())
+        factors = {_H: (*lead[:-1], h), _BH: (*lead, h), _BS: (*lead, s), _BHS: (*lead, h, s),
+                   _BSHX: (*lead, s, h, x)}[kind]
+        out.append(ArrayMapping(*factors))
     return tuple(out)
 
 
