@@ -122,16 +122,19 @@ def sharding_cases() -> dict:
                                         vmapped=True),
         "segments_kernel_batch_heads": lambda: _segments_case(auto, bshd, "sm90"),
         "segments_reference_batch_heads": lambda: _segments_case(auto, bshd, "reference"),
+        "segments_kernel_seq_sharded": lambda: _segments_case(auto, P(None, "data", None, None),
+                                                              "sm90"),
         "max_logits_batch_heads": lambda: _max_logits_case(auto, bshd),
     }
 
 
 def _segments_case(mesh, spec, implementation: str) -> dict:
-    """flash_attention with segment ids (and a sink) under jit with q, k, v sharded over batch
-    and heads and the ids over the batch: "sm90" runs the segment-id kernels' route with the
+    """flash_attention with segment ids (traced, and a sink) under jit with q, k, v sharded by
+    ``spec`` and the ids like q's (B, S) axes: "sm90" runs the segment-id kernels' route with the
     kernels emulated on the CPU (tests/test_segments.py's stand-ins, which read the mask from
     the tables alone), "reference" the reference's; both against the unsharded reference. The
-    kernels' inputs are recorded: each device's own batch rows and heads."""
+    kernels' inputs are recorded (over batch and heads: each device's own rows and heads; over
+    the sequence: gathered first, the generic rule)."""
     from test_segments import _emulated_segments_kernel
 
     from jax_fa4 import backends
@@ -144,14 +147,15 @@ def _segments_case(mesh, spec, implementation: str) -> dict:
     sink = jnp.linspace(-1.0, 2.0, 4, dtype=jnp.float32)
 
     def attn(impl):
-        def f(q, k, v, s):
+        def f(q, k, v, s, ids):
             return jax_fa4.flash_attention(q, k, v, causal=True, segment_ids=ids,
                                            learnable_sink=s, return_max_logits=True,
                                            implementation=impl)
         return f
 
     def loss(impl):
-        return lambda q, k, v, s: jnp.sum(attn(impl)(q, k, v, s)[0].astype(jnp.float32) * ct)
+        return lambda q, k, v, s, ids: jnp.sum(
+            attn(impl)(q, k, v, s, ids)[0].astype(jnp.float32) * ct)
 
     calls: list = []
     shapes: list = []
@@ -166,7 +170,8 @@ def _segments_case(mesh, spec, implementation: str) -> dict:
     backends.get("sm90").backward_preprocess = base.REFERENCE_BACKEND.backward_preprocess
     try:
         placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
-        placed.append(jax.device_put(sink, NamedSharding(mesh, P("model"))))
+        placed.append(jax.device_put(sink, NamedSharding(mesh, P(*spec[2:3]))))
+        placed.append(jax.device_put(ids, NamedSharding(mesh, P(*spec[:2]))))
         fwd = jax.jit(attn(implementation)).lower(*placed).compile()
         out, max_logits = fwd(*placed)
         grad = jax.jit(jax.grad(loss(implementation), argnums=(0, 1, 2, 3))).lower(
@@ -175,8 +180,8 @@ def _segments_case(mesh, spec, implementation: str) -> dict:
     finally:
         call.call_kernel = real
         backends.get("sm90").backward_preprocess = real_pre
-    want, want_max = attn("reference")(q, k, v, sink)
-    want_grads = jax.grad(loss("reference"), argnums=(0, 1, 2, 3))(q, k, v, sink)
+    want, want_max = attn("reference")(q, k, v, sink, ids)
+    want_grads = jax.grad(loss("reference"), argnums=(0, 1, 2, 3))(q, k, v, sink, ids)
     scale = max(float(jnp.max(jnp.abs(x.astype(jnp.float32)))) for x in (want, *want_grads))
     return {"out_err": max_err(out, want), "max_logits_err": max_err(max_logits, want_max),
             "grad_err": max(max_err(g, w) for g, w in zip(grads, want_grads)), "scale": scale,

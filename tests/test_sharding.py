@@ -156,6 +156,18 @@ def test_segment_ids_shard_with_the_batch(suite, case):
         assert [[2, 96, 2, 64], [2, 96, 1, 64], [2, 96, 1, 64]] in fwd, fwd
 
 
+def test_segment_ids_under_sequence_sharding_are_gathered(suite):
+    """q, k, v and the ids sharded over the sequence under jit (no ring): the generic rule
+    gathers them before the segment-id kernels (emulated), never a wrong answer."""
+    r = _ok(suite["segments_kernel_seq_sharded"])
+    assert "all-gather" in r["fwd_collectives"], r["fwd_collectives"]
+    tol = 2 ** -7 * max(1.0, r["scale"])
+    assert r["out_err"] <= tol and r["grad_err"] <= tol, r
+    assert r["max_logits_err"] <= 1e-5 * max(1.0, r["scale"]), r
+    fwd = [shapes for name, shapes in r["kernel_shapes"] if name == "sm90_fwd"]
+    assert fwd and all(shapes[0][1] == 96 for shapes in fwd), fwd  # whole sequences
+
+
 def test_max_logits_shard_like_lse(suite):
     r = _ok(suite["max_logits_batch_heads"])
     assert r["fwd_collectives"] == {}, r["fwd_collectives"]

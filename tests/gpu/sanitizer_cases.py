@@ -10,6 +10,10 @@ padded dQ rows) runs. Two forward-only cases add the decode kernels: a dense dec
 and backward kernels on packed sequences with empty, length-1 and odd lengths, and padding
 tokens around them (per-sequence TMA offsets, row-predicated stores, the work list).
 
+Group ``segments`` (issue #23): forward + backward with segment ids: packed runs with a padding id
+and a learnable sink (GQA, causal), non-contiguous ids (the key-by-key compare) with a softcap and
+max logits, and a (q_ids, kv_ids) pair on mismatched lengths (the sorted tables) with a window.
+
 Groups ``bad-varlen`` and ``bad-paged`` (memcheck only, issue #24): traced cu_seqlens, page tables
 and seqused_k that break the contract (not starting at 0, decreasing, past the packed tokens,
 negative, longer than max_seqlen; page indices past num_pages or negative; seqused_k past the
@@ -103,6 +107,50 @@ def run_varlen_cases(seed: int) -> None:
         value, grads = step(q, k, v)
         jax.block_until_ready(grads)
         _progress(f"varlen hkv={hkv} causal={causal}: ran")
+        assert bool(jnp.isfinite(value)) and all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+
+
+#: (head_dim, H, Hkv, causal, window, softcap, form): the segment-id cases (issue #23)
+SEGMENT_CASES = [
+    (128, 4, 2, True, (None, None), 0.0, "packed+padding+sink"),
+    (64, 4, 4, False, (None, None), 15.0, "non-contiguous+max_logits"),
+    (96, 2, 2, False, (40, 10), 0.0, "pair"),
+]
+
+
+def _runs(lengths: list[int], ids: list[int]) -> jax.Array:
+    return jnp.concatenate([jnp.full((n,), i, jnp.int32) for n, i in zip(lengths, ids)])[None]
+
+
+def run_segment_cases(seed: int) -> None:
+    for i, (d, h, hkv, causal, window, softcap, form) in enumerate(SEGMENT_CASES):
+        sq, sk = (SQ, SK) if form == "pair" else (SK, SK)
+        ks = jax.random.split(jax.random.key(seed + i), 5)
+        q = jax.random.normal(ks[0], (1, sq, h, d), jnp.float32).astype(jnp.bfloat16)
+        k = jax.random.normal(ks[1], (1, sk, hkv, d), jnp.float32).astype(jnp.bfloat16)
+        v = jax.random.normal(ks[2], (1, sk, hkv, d), jnp.float32).astype(jnp.bfloat16)
+        w = jax.random.normal(ks[3], (1, sq, h, d), jnp.float32)
+        extra = {}
+        if form.startswith("packed"):  # three documents, then padding (-1)
+            extra = dict(segment_ids=_runs([40, 1, 67, 23], [0, 1, 2, -1]),
+                         padding_segment_id=-1,
+                         learnable_sink=jax.random.normal(ks[4], (h,), jnp.float32))
+        elif form.startswith("non-contiguous"):  # ids come back after other runs
+            extra = dict(segment_ids=_runs([20, 33, 1, 50, 27], [5, 2, 5, 7, 2]),
+                         return_max_logits=True)
+        else:  # (q_ids, kv_ids) on Sq != Sk, one query id missing from the keys
+            extra = dict(segment_ids=(_runs([30, 40, 7], [1, 2, 3]), _runs([60, 71], [1, 2])))
+
+        def loss(q, k, v):
+            out = jax_fa4.flash_attention(q, k, v, causal=causal, window_size=window,
+                                          softcap=softcap, implementation="sm90", **extra)
+            if isinstance(out, tuple):  # (out, max_logits)
+                out = out[0] + out[1].sum()
+            return jnp.sum(out.astype(jnp.float32) * w)
+
+        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        jax.block_until_ready(grads)
+        _progress(f"segments {form}: ran")
         assert bool(jnp.isfinite(value)) and all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
 
 
@@ -206,7 +254,7 @@ def _progress(what: str) -> None:
 #: compute-sanitizer's host process crashed, rc 139, when the varlen steps ran after all the
 #: others in one process; each group alone is clean, and without the sanitizer all run in one
 #: process: session 13, docs/NOTES.md).
-GROUPS = ("dense", "varlen", "bad-varlen", "bad-paged")
+GROUPS = ("dense", "varlen", "segments", "bad-varlen", "bad-paged")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         run_varlen_cases(len(CASES) + 1)
         print("ran the varlen forward and backward steps", flush=True)
         count += 2
+    if "segments" in groups:
+        run_segment_cases(len(CASES) + 4)
+        print("ran the segment-id forward and backward steps", flush=True)
+        count += len(SEGMENT_CASES)
     if "bad-varlen" in groups:
         run_bad_varlen_cases(len(CASES) + 2)
         print("ran the varlen steps on bad traced cu_seqlens", flush=True)
