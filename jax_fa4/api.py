@@ -65,12 +65,16 @@ def flash_attention(
     implementation: str | None = None,
     return_max_logits: bool = False,
     padding_segment_id: int | None = None,
+    q_descale: jax.Array | float | None = None,
+    k_descale: jax.Array | float | None = None,
+    v_descale: jax.Array | float | None = None,
+    out_dtype: Any = None,
 ) -> jax.Array | tuple[jax.Array, ...]:
     """Scaled dot-product attention, FlashAttention-4 semantics, differentiable.
 
     Args:
       q: queries ``(B, Sq, H, D)``; bfloat16 or float16 for the GPU kernels (float32 runs the
-        reference).
+        reference), or float8_e4m3fn with k and v for the FP8 forward (``q_descale`` ...).
       k: keys ``(B, Sk, Hkv, D)``, q's dtype; H must be a multiple of Hkv (GQA / MQA).
       v: values ``(B, Sk, Hkv, Dv)``, q's dtype.
       softmax_scale: multiplies ``q·k`` before the softmax; default ``1/sqrt(D)``.
@@ -122,6 +126,14 @@ def flash_attention(
       implementation: ``None`` picks the kernel for this GPU and falls back to the pure-JAX
         reference elsewhere; ``"reference"``, ``"sm90"`` or ``"sm100"`` force one (a forced
         kernel that cannot run raises an error saying why).
+      q_descale, k_descale, v_descale: FP8 calls (q, k, v in float8_e4m3fn) only: float32
+        descale factors, each a scalar or ``(B, Hkv)`` (one per batch entry and kv head, q's
+        applying to the query heads of the group; default 1): the call attends over the
+        dequantised ``x.astype(float32) * x_descale`` (:mod:`jax_fa4.fp8`; its ``quantize``
+        helpers make them). Forward only: differentiating an FP8 call raises. Causal, windows,
+        softcap and GQA/MQA are supported; sinks, segment ids and max logits are not (yet).
+      out_dtype: FP8 calls only: the output's dtype, bfloat16 by default (the Hopper kernel
+        writes bfloat16; float16 / float32 are a cast of it).
 
     Returns:
       ``out`` of shape ``(B, Sq, H, Dv)`` in q's dtype, and with ``return_lse`` also ``lse`` of
@@ -144,9 +156,29 @@ def flash_attention(
     opts = options.canonicalize(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                 window_size=window_size, softcap=softcap,
                                 implementation=implementation, deterministic=deterministic)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    fp8_args = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale,
+                "out_dtype": out_dtype}
+    if jnp.dtype(q.dtype) == options.FP8_DTYPE:
+        unsupported = [name for name, on in (
+            ("learnable_sink", learnable_sink is not None),
+            ("segment_ids", segment_ids is not None), ("return_max_logits", return_max_logits))
+            if on]
+        if unsupported:
+            raise NotImplementedError(f"FP8 (float8_e4m3fn) attention does not support "
+                                      f"{', '.join(unsupported)} yet")
+        b, hkv = q.shape[0], k.shape[2]
+        descales = [options.check_descale(name, x, b, hkv)
+                    for name, x in list(fp8_args.items())[:3]]
+        out, lse = autodiff.fp8_attention(q, k, v, *descales, opts,
+                                          options.check_out_dtype(out_dtype))
+        return (out, lse) if return_lse else out
+    given = [name for name, x in fp8_args.items() if x is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to FP8 calls only (q, k, v in "
+                         f"float8_e4m3fn), got q of dtype {q.dtype}")
     if return_max_logits:
         opts = dataclasses.replace(opts, max_logits=True)
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     learnable_sink = options.check_learnable_sink(learnable_sink, q.shape[2])
     segment_ids = options.check_segment_ids(segment_ids, q, k, padding_segment_id)
     if learnable_sink is None and segment_ids is None:

@@ -426,3 +426,46 @@ def paged(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts
     return _paged_jit(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache),
                       jnp.asarray(page_table), jnp.asarray(seqused_k), learnable_sink, opts,
                       route)
+
+
+# -- FP8 (forward only; jax_fa4.fp8) ------------------------------------------------------------
+def fp8_route(q, k, v, opts) -> tuple:
+    """(name of the backend running the FP8 forward, its plan), decided outside the jit."""
+    backend, plan = base.planned(backends.get(opts.implementation), "FP8 attention", opts,
+                                 lambda b: b.fp8_plan(q, k, v, opts))
+    return backend.name, plan
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _fp8_attention(q, k, v, q_descale, k_descale, v_descale, opts, route):
+    name, plan = route
+    return backends.get(name).fp8_forward(q, k, v, q_descale, k_descale, v_descale, opts, plan)
+
+
+def _fp8_attention_fwd(q, k, v, q_descale, k_descale, v_descale, opts, route):
+    return _fp8_attention(q, k, v, q_descale, k_descale, v_descale, opts, route), None
+
+
+def _fp8_attention_bwd(opts, route, residuals, cotangents):
+    raise NotImplementedError(
+        "flash_attention with float8_e4m3fn inputs is forward only (prefill and inference): "
+        "it has no gradient. Train with bfloat16 inputs (and quantise for inference with "
+        "jax_fa4.fp8.quantize), or wrap the FP8 call's inputs in jax.lax.stop_gradient if the "
+        "surrounding computation is differentiated.")
+
+
+_fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("opts", "route", "out_dtype"))
+def _fp8_run(q, k, v, q_descale, k_descale, v_descale, opts, route, out_dtype):
+    out, lse = _fp8_attention(q, k, v, q_descale, k_descale, v_descale, opts, route)
+    return out.astype(out_dtype), lse
+
+
+def fp8_attention(q, k, v, q_descale, k_descale, v_descale, opts, out_dtype
+                  ) -> tuple[jax.Array, jax.Array]:
+    """(out (B, Sq, H, Dv) in ``out_dtype``, lse (B, H, Sq) float32) of a validated FP8 call:
+    e4m3 q, k, v and their (B, Hkv) float32 descales (:mod:`jax_fa4.fp8`). Forward only."""
+    return _fp8_run(q, k, v, q_descale, k_descale, v_descale, opts, fp8_route(q, k, v, opts),
+                    jnp.dtype(out_dtype))

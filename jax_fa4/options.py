@@ -72,12 +72,43 @@ def check_nonempty(name: str, x: Any) -> None:
         raise ValueError(f"{name} must have no zero-sized dimension, got shape {x.shape}")
 
 
-def check_dtypes(q: Any, k: Any, v: Any, k_name: str = "k", v_name: str = "v") -> None:
-    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-        raise TypeError(f"q must have dtype bfloat16, float16 or float32, got {q.dtype}")
+#: FP8 inputs (forward only, with descale factors): :func:`jax_fa4.flash_attention` only.
+FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def check_dtypes(q: Any, k: Any, v: Any, k_name: str = "k", v_name: str = "v",
+                 allow_fp8: bool = False) -> None:
+    supported = SUPPORTED_DTYPES + ((FP8_DTYPE,) if allow_fp8 else ())
+    if jnp.dtype(q.dtype) not in supported:
+        names = "bfloat16, float16, float32" + (" or float8_e4m3fn" if allow_fp8 else "")
+        raise TypeError(f"q must have dtype {names}, got {q.dtype}")
     for name, x in ((k_name, k), (v_name, v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+
+
+def check_descale(name: str, x: Any, b: int, hkv: int) -> jax.Array:
+    """A descale argument as (B, Hkv) float32: None -> ones, a scalar or (B, Hkv) broadcast."""
+    if x is None:
+        return jnp.ones((b, hkv), jnp.float32)
+    if not (is_array(x) or isinstance(x, (int, float))):
+        raise TypeError(f"{name} must be a float32 scalar or (B, Hkv) array, got "
+                        f"{type(x).__name__}")
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be floating (float32), got {x.dtype}")
+    if x.ndim not in (0, 2) or (x.ndim == 2 and x.shape != (b, hkv)):
+        raise ValueError(f"{name} must be a scalar or have shape (B, Hkv) = {(b, hkv)}, got "
+                         f"{x.shape}")
+    return jnp.broadcast_to(x.astype(jnp.float32), (b, hkv))
+
+
+def check_out_dtype(out_dtype: Any) -> jnp.dtype:
+    """An FP8 call's output dtype: bfloat16 (default), float16 or float32."""
+    dtype = jnp.dtype(jnp.bfloat16 if out_dtype is None else out_dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {dtype}")
+    return dtype
 
 
 def check_shapes(q: Any, k: Any, v: Any) -> None:
@@ -415,13 +446,14 @@ def options(head_dim: int, *, softmax_scale: float | None, causal: bool, window_
 def canonicalize(q: Any, k: Any, v: Any, *, softmax_scale: float | None, causal: bool,
                  window_size: Any, softcap: float, implementation: str | None,
                  deterministic: bool = False) -> AttentionOptions:
-    """Validate the inputs and options of one dense call and return its canonical options."""
+    """Validate the inputs and options of one dense call and return its canonical options
+    (float8_e4m3fn inputs allowed: :mod:`jax_fa4.fp8` checks the rest)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(name, x)
     check_rank("q", q, "(B, Sq, H, D)")
     check_rank("k", k, "(B, Sk, Hkv, D)")
     check_rank("v", v, "(B, Sk, Hkv, Dv)")
-    check_dtypes(q, k, v)
+    check_dtypes(q, k, v, allow_fp8=True)
     check_shapes(q, k, v)
     return options(q.shape[3], softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap, implementation=implementation,

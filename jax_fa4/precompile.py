@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from jax_fa4.ffi.cache import KernelCache
 from jax_fa4.ffi.compiler import SUPPORTED_ARCHS, compile_config, dsl_version
+from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE
 from jax_fa4.kernels.spec import FLOAT_DTYPES
 from jax_fa4.variants import (FAMILIES, HEAD_DIMS, SUITES, Variant, required_sass,
                               representative, variants)
@@ -157,7 +158,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", choices=SUITES, default="default",
                    help="which set of variants (default: every shipped variant)")
     p.add_argument("--arch", nargs="+", choices=SUPPORTED_ARCHS, help="target archs (default: all)")
-    p.add_argument("--dtype", nargs="+", choices=FLOAT_DTYPES, help="input dtypes")
+    p.add_argument("--dtype", nargs="+", choices=FLOAT_DTYPES + (FP8_DTYPE,),
+                   help="input dtypes (float8_e4m3fn: the FP8 forward)")
     p.add_argument("--head-dim", nargs="+", type=int, choices=HEAD_DIMS, help="head dims")
     p.add_argument("--family", nargs="+", choices=sorted(FAMILIES), help="kernel families")
     p.add_argument("--cache-dir", help="cache directory (default: $JAX_FA4_CACHE_DIR or "

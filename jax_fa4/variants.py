@@ -20,6 +20,7 @@ from jax_fa4.ffi.compiler import SUPPORTED_ARCHS
 from jax_fa4.kernels.exp2_probe_config import Exp2ProbeConfig
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.kernels.sm90 import bwd_config, fwd_config
+from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE
 from jax_fa4.kernels.sm100 import bwd_config as sm100_bwd_config
 from jax_fa4.kernels.sm100 import fwd_config as sm100_fwd_config
 from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig
@@ -38,7 +39,7 @@ class Variant:
 
 
 def _preprocess(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
-    for dtype in dtypes:
+    for dtype in (d for d in dtypes if d in FLOAT_DTYPES):  # (no FP8 backward)
         for dv in head_dims:
             yield PreprocessConfig(dtype, dv)
 
@@ -151,13 +152,15 @@ def required_sass(config: KernelConfig) -> tuple[str, ...]:
         need += ("REDG.E.ADD.F32x4",) if config.dq_red else ("UBLKRED",)
     if getattr(config, "out_f32", False):
         need += ("STG.E.64",)
+    if getattr(config, "fp8", False):  # e4m3 WGMMAs are QGMMA, not HGMMA
+        need = tuple("QGMMA" if x == "HGMMA" else x for x in need)
     return need
 
 
 #: what the GPU tests need: (dtypes, head dims) per suite
 _SUITE_GRID = {
-    "tests": (FLOAT_DTYPES, HEAD_DIMS),
-    "default": (FLOAT_DTYPES, HEAD_DIMS),
+    "tests": (FLOAT_DTYPES + (FP8_DTYPE,), HEAD_DIMS),
+    "default": (FLOAT_DTYPES + (FP8_DTYPE,), HEAD_DIMS),
 }
 
 

@@ -397,6 +397,24 @@ class Backend:
         ``segments_forward``; the reference: its own custom_vjp), else why not."""
         return None
 
+    # -- FP8 (forward only) ---------------------------------------------------------------------
+    def fp8_plan(self, q, k, v, opts) -> Hashable | str:
+        """What :meth:`fp8_forward` needs decided outside the jit (hashable), or the reason this
+        backend declines the call (a str). q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv,
+        Dv), float8_e4m3fn."""
+        return None
+
+    def fp8_forward(self, q, k, v, q_descale, k_descale, v_descale, opts, plan
+                    ) -> tuple[jax.Array, jax.Array]:
+        """(out (B, Sq, H, Dv), lse (B, H, Sq) float32) of an FP8 call: the reference on the
+        dequantised inputs (each (B, Hkv) float32 descale multiplies its tensor's kv head, and
+        q's heads of that group), in float32; out float32."""
+        from jax_fa4 import fp8
+
+        q, k, v = fp8.dequantize(q, q_descale), fp8.dequantize(k, k_descale), \
+            fp8.dequantize(v, v_descale)
+        return reference_forward(q, k, v, opts)
+
     # -- varlen ---------------------------------------------------------------------------------
     def varlen_plan(self, q, k, v, opts, max_seqlen_q: int, max_seqlen_k: int
                     ) -> Hashable | str:

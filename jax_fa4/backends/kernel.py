@@ -356,6 +356,34 @@ class KernelBackend(Backend):
                         *_with_row_max(config, b, h, sq)))
         return tuple(outs) if self.kernel_sinks else join_sink_outs(tuple(outs), sink)
 
+    # -- FP8 (forward only) ----------------------------------------------------------------------
+    def make_fp8(self, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool):
+        """The family's FP8 forward config (raises ValueError where it has none)."""
+        raise ValueError(f"there is no {self.name} FP8 forward kernel (the FP8 forward is "
+                         "Hopper's, sm90; elsewhere the reference runs it)")
+
+    def fp8_plan(self, q, k, v, opts):
+        """The FP8 forward kernel config serving this call, or the reason none does (a str)."""
+        if jnp.dtype(q.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+            return f"the FP8 kernels take float8_e4m3fn, got {q.dtype}"
+        return _config_or_reason(self.make_fp8, q.shape[3], v.shape[3], mask_kind(opts.window),
+                                 opts.softcap > 0)
+
+    def fp8_forward(self, q, k, v, q_descale, k_descale, v_descale, opts, plan):
+        """The FP8 forward kernel: v goes in transposed and key-permuted (jax_fa4.fp8.
+        kernel_values), q·k's and v's descales as one (B, Hkv, 2) float32 operand; out bfloat16."""
+        from jax_fa4 import fp8
+        from jax_fa4.ffi.call import call_kernel
+
+        b, sq, h, _ = q.shape
+        descale = jnp.stack([q_descale * k_descale, v_descale], axis=-1).astype(jnp.float32)
+        out, lse = call_kernel(
+            plan, self.arch, q, k, fp8.kernel_values(v), kernel_params(opts, q.shape[3]),
+            descale,
+            out_shapes=(jax.ShapeDtypeStruct((b, sq, h, v.shape[3]), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
+        return out, lse
+
     # -- varlen ----------------------------------------------------------------------------------
     def varlen_config(self, q, v, opts, max_seqlen_q: int):
         """The varlen forward kernel config serving this call (q (total_q, H, D), v (total_k,

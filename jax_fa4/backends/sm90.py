@@ -195,6 +195,9 @@ class Sm90Backend(KernelBackend):
             return None
         return fwd_config.decode_config(dtype, head_dim, head_dim_v, has_softcap, **option)
 
+    def make_fp8(self, head_dim, head_dim_v, mask, has_softcap):
+        return fwd_config.fp8_config(head_dim, head_dim_v, mask, has_softcap)
+
     def make_varlen(self, dtype, head_dim, head_dim_v, mask, has_softcap):
         return fwd_config.varlen_config(dtype, head_dim, head_dim_v, mask, has_softcap)
 

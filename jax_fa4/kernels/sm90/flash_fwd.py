@@ -74,7 +74,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from jax_fa4.kernels.common.convert import convert_f32_pairs
+from jax_fa4.kernels.common.convert import convert_f32_pairs, convert_p_e4m3
 from jax_fa4.kernels.common.geometry import (FwdBlocks, paged_keys, resolve_windows,
                                              varlen_sequence)
 from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, select_modes,
@@ -86,7 +86,7 @@ from jax_fa4.kernels.common.tile_scheduler import PersistentTileScheduler, Singl
 from jax_fa4.kernels.common.views import seq_major
 from jax_fa4.kernels.segments_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, SEG_N_HI,
                                             SEG_N_LO, SEG_ROW_END, SEG_ROW_ID, SEG_ROW_START)
-from jax_fa4.kernels.sm90.fwd_config import FwdConfig
+from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE, FwdConfig
 
 LOG2_E = math.log2(math.e)
 # Persistent scheduling: K+V bytes of the (batch, head) pairs of one L2 section (H200 L2: 60 MB)
@@ -129,8 +129,12 @@ class FlashAttentionForwardSm90:
     def __init__(self, cfg: FwdConfig):
         cfg.validate()
         self.cfg = cfg
-        self.dtype = cutlass.BFloat16 if cfg.dtype == "bfloat16" else cutlass.Float16
-        self.is_bf16 = cfg.dtype == "bfloat16"
+        # FP8 (cfg.fp8): e4m3 q, k, v (v transposed: vt), bfloat16 out
+        self.fp8 = cfg.fp8
+        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+                      FP8_DTYPE: cutlass.Float8E4M3FN}[cfg.dtype]
+        self.out_dtype = cutlass.BFloat16 if self.fp8 else self.dtype
+        self.is_bf16 = self.out_dtype == cutlass.BFloat16
         self.hdim, self.hdimv = cfg.head_dim, cfg.head_dim_v
         self.tile_m, self.tile_n, self.stages = cfg.tile_m, cfg.tile_n, cfg.stages
         self.is_causal = cfg.mask == "causal"
@@ -164,13 +168,20 @@ class FlashAttentionForwardSm90:
                  mPageTable: cute.Tensor | None = None, mSeqUsedK: cute.Tensor | None = None,
                  mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None,
                  mSegTiles: cute.Tensor | None = None, mSegRows: cute.Tensor | None = None,
-                 mKvIds: cute.Tensor | None = None, mMaxLogits: cute.Tensor | None = None):
+                 mKvIds: cute.Tensor | None = None, mMaxLogits: cute.Tensor | None = None,
+                 mDescale: cute.Tensor | None = None):
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("out", mO)):
-            expected = Float32 if const_expr(name == "out" and self.out_f32) else self.dtype
+            expected = self.dtype
+            if const_expr(name == "out"):
+                expected = Float32 if const_expr(self.out_f32) else self.out_dtype
             if const_expr(t.element_type != expected):
                 raise TypeError(f"{name}: expected {expected}, got {t.element_type}")
         if const_expr(mLSE.element_type != Float32 or mParams.element_type != Float32):
             raise TypeError("lse and params must be float32")
+        if const_expr(self.fp8 != (mDescale is not None)):
+            raise TypeError("descale is given exactly when the config is FP8")
+        if const_expr(mDescale is not None and mDescale.element_type != Float32):
+            raise TypeError(f"descale: expected Float32, got {mDescale.element_type}")
         if const_expr(self.cfg.max_logits != (mMaxLogits is not None)):
             raise TypeError("max_logits is given exactly when the config has max logits")
         if const_expr(mMaxLogits is not None and mMaxLogits.element_type != Float32):
@@ -198,7 +209,7 @@ class FlashAttentionForwardSm90:
                     raise TypeError(f"{name}: expected Int32, got {t.element_type}")
         D, Dv = self.hdim, self.hdimv
         mQ, mK = self.qo_view(mQ, D), seq_major(mK, D)
-        mV, mO = seq_major(mV, Dv), self.qo_view(mO, Dv)
+        mV, mO = self.v_view(mV, Dv), self.qo_view(mO, Dv)
         mLSE = select_modes(mLSE, (2, 1, 0))  # (Sq, H, B); varlen: (max_seqlen_q, H, batch)
         if const_expr(mMaxLogits is not None):
             mMaxLogits = select_modes(mMaxLogits, (2, 1, 0))  # (Sq, H, B) like lse
@@ -206,21 +217,26 @@ class FlashAttentionForwardSm90:
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             Float32, (self.num_mma_wg, 1, 1), (64, self.tile_n))
+        # V is the P·V GEMM's B operand: MN-major (V as stored) for 16-bit types; FP8 WGMMAs
+        # read both operands K-major, so the caller passes V transposed (vt, keys contiguous)
+        v_major = cute.nvgpu.OperandMajorMode.K if const_expr(self.fp8) else \
+            cute.nvgpu.OperandMajorMode.MN
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, v_major,
             Float32, (self.num_mma_wg, 1, 1), (64, Dv), a_source=warpgroup.OperandSource.RMEM)
 
         sQ_layout = make_smem_layout(self.dtype, self.tile_m, D)
         sK_layout = make_smem_layout(self.dtype, self.tile_n, D, self.stages)
-        sV_layout = make_smem_layout(self.dtype, self.tile_n, Dv, self.stages)
-        sO_layout = make_smem_layout(self.dtype, self.tile_m, Dv)
+        v_tile = (Dv, self.tile_n) if const_expr(self.fp8) else (self.tile_n, Dv)
+        sV_layout = make_smem_layout(self.dtype, *v_tile, self.stages)
+        sO_layout = make_smem_layout(self.out_dtype, self.tile_m, Dv)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, D))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             g2s, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, D))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            g2s, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, Dv))
+            g2s, mV, cute.select(sV_layout, mode=[0, 1]), v_tile)
         if const_expr(self.out_f32):  # stored from registers (mma's epilogue)
             tma_atom_O, tma_O = None, mO
         else:
@@ -231,12 +247,17 @@ class FlashAttentionForwardSm90:
         self.tx_bytes_k = self.tile_n * D * self.dtype.width // 8
         self.tx_bytes_v = self.tile_n * Dv * self.dtype.width // 8
 
+        q_elems = cute.cosize(sQ_layout)
+        if const_expr(self.fp8):
+            q_elems = max(q_elems, cute.cosize(sO_layout) * self.out_dtype.width // 8)
+
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            # Q's buffer is O's staging buffer too (FP8: 16-bit O, larger than Q)
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
@@ -254,7 +275,7 @@ class FlashAttentionForwardSm90:
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mO if const_expr(self.varlen) else None, mLSE, mParams,
             mPageTable, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK, mSegTiles, mSegRows, mKvIds,
-            mMaxLogits, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            mMaxLogits, mDescale, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
@@ -262,6 +283,23 @@ class FlashAttentionForwardSm90:
                  # two CTAs per SM: ask for the largest shared-memory carveout (given here, the
                  # DSL would otherwise query the GPU for it while compiling)
                  preferred_smem_carveout=100 if const_expr(self.cfg.ctas_per_sm > 1) else None)
+
+    def v_view(self, t: cute.Tensor, dv: int) -> cute.Tensor:
+        """v as the kernel's (S, Dv, Hkv, B) view; FP8: vt (B, Hkv, Dv, Skp) as (Dv, Skp, Hkv,
+        B), keys contiguous."""
+        if const_expr(not self.fp8):
+            return seq_major(t, dv)
+        layout = cute.make_layout((dv, t.shape[3], t.shape[1], t.shape[0]),
+                                  stride=(t.stride[2], 1, t.stride[1], t.stride[0]))
+        return cute.make_tensor(t.iterator, layout)
+
+    def v_blocks(self, mV: cute.Tensor, head_kv, batch, k_offset=None) -> cute.Tensor:
+        """One kv head's V as tiles of tile_n keys, the key block the last mode."""
+        if const_expr(self.fp8):
+            return cute.local_tile(mV[None, None, head_kv, batch], (self.hdimv, self.tile_n),
+                                   (0, None))
+        return cute.local_tile(self.sequence(mV, head_kv, batch, k_offset),
+                               (self.tile_n, self.hdimv), (None, 0))
 
     def qo_view(self, t: cute.Tensor, d: int) -> cute.Tensor:
         """q or out as the kernel's (S, D, H, B) view: from (B, S, H, D), or from (B, H, S, D)
@@ -282,7 +320,7 @@ class FlashAttentionForwardSm90:
                mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                mSegTiles: cute.Tensor | None, mSegRows: cute.Tensor | None,
                mKvIds: cute.Tensor | None, mMaxLogits: cute.Tensor | None,
-               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               mDescale: cute.Tensor | None, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_O: cute.CopyAtom,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
@@ -320,7 +358,8 @@ class FlashAttentionForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # reuses Q's buffer
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner,
+                                   dtype=self.out_dtype)  # reuses Q's buffer
 
         seqlen_q = mQ.shape[0]
         if const_expr(self.persistent):
@@ -371,6 +410,10 @@ class FlashAttentionForwardSm90:
             else:  # consumer warpgroups
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 scale = mParams[0]
+                out_scale = None
+                if const_expr(self.fp8):  # dequantisation: q·k's into the scale, v's into O's
+                    scale = scale * mDescale[batch, head_kv, 0]
+                    out_scale = mDescale[batch, head_kv, 1]
                 softcap_in_scale = None
                 if const_expr(self.has_softcap):
                     softcap = mParams[1]
@@ -391,7 +434,7 @@ class FlashAttentionForwardSm90:
                          varlen_out=(mO_gmem, q_offset) if const_expr(self.varlen) else None,
                          segments=((mSegTiles, mSegRows, mKvIds) if const_expr(self.segments)
                                    else None),
-                         max_logits=mMaxLogits)
+                         max_logits=mMaxLogits, out_scale=out_scale)
                 if const_expr(self.varlen):
                     if batch == mCuSeqlensQ.shape[0] - 1:
                         zero_padding_rows(mO_gmem, mCuSeqlensQ, head,
@@ -492,7 +535,7 @@ class FlashAttentionForwardSm90:
         """The producer's part of one tile (persistent): `load`'s order, states carried."""
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdimv), (None, 0))
+        gV = self.v_blocks(mV, head_kv, batch)
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
@@ -578,8 +621,7 @@ class FlashAttentionForwardSm90:
         kv_batch = 0 if const_expr(self.paged) else batch
         gK = cute.local_tile(self.sequence(mK, head_kv, kv_batch, k_offset),
                              (self.tile_n, self.hdim), (None, 0))
-        gV = cute.local_tile(self.sequence(mV, head_kv, kv_batch, k_offset),
-                             (self.tile_n, self.hdimv), (None, 0))
+        gV = self.v_blocks(mV, head_kv, kv_batch, k_offset)
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
@@ -682,20 +724,23 @@ class FlashAttentionForwardSm90:
             m_block: Int32, head: Int32, batch: Int32, n_block_min: Int32, n_block_max: Int32,
             seqlen_q: Int32, wg_idx: Int32, sink_log2: Float32,
             states: cutlass.Constexpr = None, varlen_out=None, segments=None,
-            max_logits: cute.Tensor | None = None):
+            max_logits: cute.Tensor | None = None, out_scale: Float32 | None = None):
         """One tile's mainloop and epilogue. ``sink_log2``: the rows' learnable sink times
         log2 e (-inf: none). ``states`` (persistent scheduling): the consumer's
         (k, v, q) pipeline states carried from the previous tile; returned advanced.
         ``varlen_out`` (varlen): (the packed output in global memory, the sequence's first row),
         for the row-predicated store. ``segments`` (segment ids): the (seg_tiles, seg_rows,
         kv_ids) tables of FwdConfig.segments. ``max_logits`` (FwdConfig.max_logits): the
-        (Sq, H, B) float32 output of each row's largest visible score."""
+        (Sq, H, B) float32 output of each row's largest visible score. ``out_scale`` (FP8):
+        v's descale, multiplied into each row's 1/Σ."""
         persistent = states is not None
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
         tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
         tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
-        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(transpose_mn(sV)))
+        # (Dv, keys) as the B operand: FP8's sV is V transposed already
+        sVt = sV if const_expr(self.fp8) else transpose_mn(sV)
+        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((self.tile_m, self.hdimv)),
                                       Float32)
         tOrP = thr_mma_pv.make_fragment_A(
@@ -781,6 +826,9 @@ class FlashAttentionForwardSm90:
             row_logits = cute.make_rmem_tensor(num_rows, Float32)
             for r in cutlass.range_constexpr(num_rows):
                 row_logits[r] = softmax.logits_max(r)
+        if const_expr(out_scale is not None):
+            for r in cutlass.range_constexpr(num_rows):
+                row_scale[r] = row_scale[r] * out_scale
         rescale_rows(acc_O, row_scale)
 
         # lse from registers: the 4 threads of a row quad hold the same value; column-0 owners write
@@ -804,7 +852,7 @@ class FlashAttentionForwardSm90:
                 if m_block * self.tile_m + tOcO[i][0] < seqlen_q:
                     tOgO[i] = acc_O[i]
         else:
-            rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
+            rO = cute.make_rmem_tensor(acc_O.layout, self.out_dtype)
             convert_f32_pairs(acc_O, rO, self.is_bf16)
 
             # every consumer warpgroup has finished its QK GEMMs (they read sQ) before O
@@ -812,7 +860,8 @@ class FlashAttentionForwardSm90:
             cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
                               number_of_threads=self.num_mma_threads)
             smem_copy_atom = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                self.out_dtype)
             smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma_pv).get_slice(tidx)
             cute.copy(smem_thr_copy, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
             if const_expr(varlen_out is not None):
@@ -882,6 +931,15 @@ class FlashAttentionForwardSm90:
 
     # --- per key block -----------------------------------------------------------------------
     @cute.jit
+    def convert_p(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
+        """P (f32, the QK accumulator) into the P·V GEMM's register operand: 16-bit pairs, or
+        (FP8) e4m3 quads in the permuted key order V's rows follow."""
+        if const_expr(self.fp8):
+            convert_p_e4m3(acc_S, tOrP)
+        else:
+            convert_f32_pairs(acc_view_as_a_operand(acc_S), tOrP, self.is_bf16)
+
+    @cute.jit
     def scores(self, ctx: cutlass.Constexpr, acc_S: cute.Tensor, n_block: Int32,
                mask_seqlen: cutlass.Constexpr[bool], mask_diag: cutlass.Constexpr[bool]):
         """S in registers -> softcap transform (if any) -> masks."""
@@ -909,7 +967,7 @@ class FlashAttentionForwardSm90:
         k_state.advance()
         self.scores(ctx, acc_S, n_block, mask_seqlen, mask_diag)
         softmax.step(acc_S, row_scale, False)  # (the sink state is the first block's past)
-        convert_f32_pairs(acc_view_as_a_operand(acc_S), tOrP, self.is_bf16)
+        self.convert_p(acc_S, tOrP)
         if const_expr(not is_first):
             self.rescale_O(acc_O, row_scale)
         if const_expr(is_first and self.zero_v_tail):
@@ -937,7 +995,7 @@ class FlashAttentionForwardSm90:
         k_state.advance()
         self.scores(ctx, acc_S, n_block, True, mask_diag)
         ctx["softmax"].step(acc_S, ctx["row_scale"], False)  # (after the sink state)
-        convert_f32_pairs(acc_view_as_a_operand(acc_S), ctx["tOrP"], self.is_bf16)
+        self.convert_p(acc_S, ctx["tOrP"])
         if const_expr(self.zero_v_tail):
             self.zero_v_rows_past_keys(ctx, v_state, n_block)
         return k_state
@@ -984,7 +1042,7 @@ class FlashAttentionForwardSm90:
         warpgroup.wait_group(0)  # PV done: P_{j-1} and V_{j-1} are free, O is final for j-1
         pipeline_v.consumer_release(v_state)
         v_state.advance()
-        convert_f32_pairs(acc_view_as_a_operand(acc_S), tOrP, self.is_bf16)
+        self.convert_p(acc_S, tOrP)
         self.rescale_O(acc_O, row_scale)
         return k_state, v_state
 
@@ -1014,6 +1072,14 @@ def make_launcher(cfg: FwdConfig):
     ``fn(stream, q, k, v, params, seg_tiles, seg_rows, kv_ids, out, lse)`` with segment ids;
     with max logits (FwdConfig.max_logits) a ``max_logits`` output follows lse."""
     kernel = FlashAttentionForwardSm90(cfg)
+    if cfg.fp8:
+        @cute.jit
+        def sm90_fwd_fp8(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                         vt: cute.Tensor, params: cute.Tensor, descale: cute.Tensor,
+                         out: cute.Tensor, lse: cute.Tensor):
+            kernel(stream, q, k, vt, params, out, lse, mDescale=descale)
+
+        return sm90_fwd_fp8
     if cfg.paged:
         @cute.jit
         def sm90_fwd_paged(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,

@@ -73,8 +73,20 @@ TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
 }
 
 
-def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm90FwdTuning:
-    return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm90 forward")
+#: The FP8 forward's dtype (e4m3 q, k, v; bfloat16 out) and its tuning table: key blocks of 32·k
+#: keys (the e4m3 P·V WGMMA's K step), half the shared memory per element of the 16-bit tiles.
+FP8_DTYPE = "float8_e4m3fn"
+FP8_TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
+    (64, 64): {"none": _T(192, 128), "causal": _T(192, 128), "local": _T(128, 128)},
+    (128, 128): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 128)},
+    (256, 256): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 128)},
+}
+
+
+def tuning_for(head_dim: int, head_dim_v: int, mask: str, dtype: str = "bfloat16"
+               ) -> Sm90FwdTuning:
+    table = FP8_TUNING_TABLE if dtype == FP8_DTYPE else TUNING_TABLE
+    return lookup_tuning(table, head_dim, head_dim_v, mask, "sm90 forward")
 
 
 @dataclass(frozen=True)
@@ -150,7 +162,7 @@ class FwdConfig(KernelConfig):
         """The config for a problem kind, tuning taken from the table (``overrides`` replace table
         fields, for experiments and the no-overlap fallback). Raises ValueError if unsupported."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        t = tuning_for(head_dim, head_dim_v, mask)
+        t = tuning_for(head_dim, head_dim_v, mask, dtype)
         fields = dict(tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages,
                       intra_wg_overlap=t.intra_wg_overlap, pingpong=t.pingpong,
                       rescale_threshold=t.rescale_threshold, num_sms=t.num_sms,
@@ -164,8 +176,11 @@ class FwdConfig(KernelConfig):
     # -- static checks ---------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ValueError naming the first unsupported feature."""
-        check_dtype_and_mask("sm90 forward", self.dtype, self.mask)
-        tuning_for(self.head_dim, self.head_dim_v, self.mask)  # head dims in the table
+        if self.dtype == FP8_DTYPE:
+            self.validate_fp8()
+        else:
+            check_dtype_and_mask("sm90 forward", self.dtype, self.mask)
+        tuning_for(self.head_dim, self.head_dim_v, self.mask, self.dtype)  # head dims in table
         if self.head_dim % 16 or self.head_dim_v % 16:
             raise ValueError("sm90 forward: head dims must be multiples of 16")
         if self.head_dim_v > self.head_dim:
@@ -237,6 +252,24 @@ class FwdConfig(KernelConfig):
                              f"{limit} B (tile {self.tile_m}x{self.tile_n}, {self.stages} stages, "
                              f"{self.ctas_per_sm} CTA(s) per SM)")
 
+    def validate_fp8(self) -> None:
+        """The FP8 forward's limits: dense calls (no paged KV, varlen, segment ids, max logits,
+        persistent grid, head-major or float32 out), key blocks and head dims of 32·k keys."""
+        check_dtype_and_mask("sm90 forward", "bfloat16", self.mask)  # the mask kind
+        if (self.paged or self.varlen or self.segments or self.max_logits or self.num_sms
+                or self.qo_head_major or self.out_f32 or self.ctas_per_sm != 1):
+            raise ValueError("sm90 forward: float8_e4m3fn is implemented for dense calls only "
+                             "(not paged, varlen, segment ids, max logits, persistent, "
+                             "head-major, float32 out or two CTAs per SM)")
+        if self.tile_n % 32 or self.head_dim % 32 or self.head_dim_v % 32:
+            raise ValueError("sm90 forward: float8_e4m3fn needs tile_n and head dims that are "
+                             f"multiples of 32 (the e4m3 WGMMA's K step), got tile_n "
+                             f"{self.tile_n}, head dims {self.head_dim}/{self.head_dim_v}")
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == FP8_DTYPE
+
     # -- derived ---------------------------------------------------------------------------------
     @property
     def num_mma_warpgroups(self) -> int:
@@ -260,18 +293,25 @@ class FwdConfig(KernelConfig):
         return {1: (240, 24), 2: (240, 24), 3: (160, 32)}[self.num_mma_warpgroups]
 
     def accumulator_registers(self) -> int:
-        """Live fp32 S, 16-bit P and fp32 O fragments per consumer thread (64 rows per
-        warpgroup, 128 threads): tile_n/2 + tile_n/4 + head_dim_v/2."""
-        return self.tile_n // 2 + self.tile_n // 4 + self.head_dim_v // 2
+        """Live fp32 S, 16-bit (FP8: 8-bit) P and fp32 O fragments per consumer thread (64 rows
+        per warpgroup, 128 threads): tile_n/2 + tile_n/4 (tile_n/8) + head_dim_v/2."""
+        p = self.tile_n // 8 if self.fp8 else self.tile_n // 4
+        return self.tile_n // 2 + p + self.head_dim_v // 2
 
     def smem_bytes(self) -> int:
-        """Q (one stage, reused for O) + K and V stages, 16-bit elements."""
+        """Q (one stage, reused for O) + K and V stages: 16-bit elements, or (FP8) one-byte
+        q / k / v with Q's buffer as large as the 16-bit O tile."""
+        if self.fp8:
+            q = max(self.tile_m * self.head_dim, 2 * self.tile_m * self.head_dim_v)
+            return q + self.stages * self.tile_n * (self.head_dim + self.head_dim_v)
         q = self.tile_m * self.head_dim
         kv = self.stages * self.tile_n * (self.head_dim + self.head_dim_v)
         return 2 * (q + kv)
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
+        if self.fp8:
+            return fp8_attention_forward_signature(self.head_dim, self.head_dim_v)
         if self.segments or self.max_logits:
             sig = (segments_attention_forward_signature(self.dtype, self.head_dim,
                                                         self.head_dim_v) if self.segments
@@ -314,6 +354,39 @@ def segments_attention_forward_signature(dtype: str, head_dim: int, head_dim_v: 
         TensorArg("kv_ids", "int32", (b, sk), (1, 1)),
     )
     return dataclasses.replace(base, inputs=base.inputs + extra)
+
+
+#: Keys per group of the FP8 forward's value permutation (the e4m3 P·V WGMMA's K step).
+FP8_KEY_GROUP = 32
+
+
+def fp8_value_permutation() -> tuple[int, ...]:
+    """perm[l]: the key (within each group of 32) whose value row the FP8 forward reads as its
+    l-th. The QK accumulator leaves each thread the column pairs {2t, 2t+1} of every 8-column
+    group; the e4m3 register-A operand of the P·V WGMMA wants columns {4t .. 4t+3} of each
+    16-column half. The kernel packs its accumulator values as they lie (no shuffles), so the
+    operand's logical key l = 16h + 4t + e holds the score of key 16h + 8(e // 2) + 2t + e % 2,
+    and V must present its rows in that order."""
+    return tuple(16 * (l // 16) + 8 * ((l % 4) // 2) + 2 * ((l % 16) // 4) + l % 2
+                 for l in range(FP8_KEY_GROUP))
+
+
+def fp8_attention_forward_signature(head_dim: int, head_dim_v: int) -> KernelSignature:
+    """``fn(stream, q, k, vt, params, descale, out, lse)`` of the FP8 forward: q (B, Sq, H, D) and
+    k (B, Sk, Hkv, D) float8_e4m3fn; vt (B, Hkv, Dv, Skp) float8_e4m3fn, v transposed (keys
+    contiguous: the e4m3 WGMMA reads both operands K-major) with its keys padded to Skp, a
+    multiple of 32, and permuted within each group of 32 (:func:`fp8_value_permutation`);
+    descale (B, Hkv, 2) float32: the q·k descale (q_descale · k_descale, folded into the softmax
+    scale) and v's (folded into the output's normalisation); out (B, Sq, H, Dv) bfloat16; params
+    and lse as in :func:`spec.attention_forward_signature`."""
+    base = attention_forward_signature(FP8_DTYPE, head_dim, head_dim_v)
+    q, k, v, params = base.inputs
+    b, sk, hkv, dv = v.sample_shape
+    vt = TensorArg("vt", FP8_DTYPE, (b, hkv, dv, sk), (1, 1, dv, FP8_KEY_GROUP))
+    descale = TensorArg("descale", "float32", (b, hkv, 2), (1, 1, 2))
+    out, lse = base.outputs
+    return dataclasses.replace(base, inputs=(q, k, vt, params, descale),
+                               outputs=(dataclasses.replace(out, dtype="bfloat16"), lse))
 
 
 def with_max_logits(sig: KernelSignature) -> KernelSignature:
@@ -411,6 +484,12 @@ def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask
 SEGMENTS_MAX_TILE_M = 128
 
 
+def fp8_config(head_dim: int, head_dim_v: int | None = None, mask: str = "none",
+               has_softcap: bool = False) -> FwdConfig:
+    """The FP8 (e4m3 in, bfloat16 out) forward of a problem kind: FP8_TUNING_TABLE's tile."""
+    return FwdConfig.make(FP8_DTYPE, head_dim, head_dim_v, mask, has_softcap)
+
+
 def segments_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
                     mask: str = "none", has_softcap: bool = False,
                     max_logits: bool = False) -> FwdConfig:
@@ -442,8 +521,10 @@ def shipped_configs() -> list[FwdConfig]:
     """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and
     fp16, the decode config of each row, and the paged, varlen and segment-id configs of each
     row and mask kind; the decode and paged ones also with a float32 out, the dense and
-    segment-id ones also with max logits."""
-    out = []
+    segment-id ones also with max logits; the FP8 forward of every FP8 table row, mask kind and
+    softcap."""
+    out = [fp8_config(d, dv, mask, softcap) for (d, dv), row in FP8_TUNING_TABLE.items()
+           for mask in row for softcap in (False, True)]
     for dtype in FLOAT_DTYPES:
         for (d, dv), row in TUNING_TABLE.items():
             for softcap in (False, True):
