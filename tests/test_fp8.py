@@ -154,6 +154,10 @@ def test_fp8_configs_and_signature():
         fwd_config.fp8_config(96)
     shipped = [c for c in fwd_config.shipped_configs() if c.fp8]
     assert len(shipped) == 18  # head dims 64, 128, 256 x 3 mask kinds x softcap
+    # the exact row max keeps each row's largest P exactly 1 in e4m3 (docs/fp8.md)
+    assert all(c.rescale_threshold == 0 for c in shipped)
+    with pytest.raises(ValueError, match="float8_e4m3fn needs rescale_threshold 0"):
+        fwd_config.FwdConfig.make("float8_e4m3fn", 256, 256, "none", rescale_threshold=8.0)
 
 
 def test_sm90_route_passes_the_kernel_its_layouts(monkeypatch):

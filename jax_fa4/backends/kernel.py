@@ -359,8 +359,7 @@ class KernelBackend(Backend):
     # -- FP8 (forward only) ----------------------------------------------------------------------
     def make_fp8(self, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool):
         """The family's FP8 forward config (raises ValueError where it has none)."""
-        raise ValueError(f"there is no {self.name} FP8 forward kernel (the FP8 forward is "
-                         "Hopper's, sm90; elsewhere the reference runs it)")
+        raise ValueError(f"there is no {self.name} FP8 forward kernel")
 
     def fp8_plan(self, q, k, v, opts):
         """The FP8 forward kernel config serving this call, or the reason none does (a str)."""
