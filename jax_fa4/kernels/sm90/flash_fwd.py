@@ -52,6 +52,13 @@ Padding isolation (varlen and paged): in the highest key block, the rows of V's 
 keys (the next sequence, padding tokens, a page's unused slots) are zeroed before the P·V GEMM
 reads them (zero_v_rows_past_keys, common/rows.py): P is 0 there, but 0·NaN is not.
 
+FP8 (FwdConfig.dtype "float8_e4m3fn", docs/fp8.md): e4m3 q, k and vt, the value operand
+transposed by the caller (B, Hkv, Dv, Skp) because e4m3 WGMMAs read both operands K-major, with
+its keys permuted within groups of 32 to match P's register packing (convert_p_e4m3: the
+accumulator's values packed as they lie, no shuffles); descale (B, Hkv, 2) folds q·k's into the
+softmax scale and v's into each row's 1/Σ; O is bfloat16, staged in Q's buffer (sized for it).
+Dense calls only, exact row max (fwd_config.FwdConfig.validate_fp8).
+
 Decode shapes reach this kernel rewritten by jax_fa4/decode.py (GQA packing, split-KV), in the
 decode tile's configs (fwd_config.decode_config / paged_config): 64 rows, often two CTAs per SM
 (ctas_per_sm), and q / out head-major, (B, H, S, D) (qo_head_major: one query token's packed
