@@ -168,8 +168,8 @@ def flash_attention(
             raise NotImplementedError(f"FP8 (float8_e4m3fn) attention does not support "
                                       f"{', '.join(unsupported)} yet")
         b, hkv = q.shape[0], k.shape[2]
-        descales = [options.check_descale(name, x, b, hkv)
-                    for name, x in list(fp8_args.items())[:3]]
+        descales = [options.check_descale(name, x, b, hkv) for name, x in (
+            ("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))]
         out, lse = autodiff.fp8_attention(q, k, v, *descales, opts,
                                           options.check_out_dtype(out_dtype))
         return (out, lse) if return_lse else out

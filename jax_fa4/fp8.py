@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_fa4.kernels.sm90.fwd_config import FP8_KEY_GROUP, fp8_value_permutation
+
 #: The FP8 dtype the kernels take.
 FP8 = jnp.float8_e4m3fn
 #: The largest finite e4m3 value.
@@ -37,7 +39,7 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     (batch entry, head) so that its largest magnitude maps to 448 (e4m3's largest value);
     ``x ≈ x_fp8.astype(float32) * descale[:, None, :, None]``. An all-zero head gets descale 1.
     For k and v, H is Hkv: their descales are what ``flash_attention`` takes; q's per query
-    head must be reduced to one per kv head first (:func:`group_descale`)."""
+    head must be reduced to one per kv head first (:func:`quantize_grouped`)."""
     x32 = jnp.asarray(x).astype(jnp.float32)
     if x32.ndim != 4:
         raise ValueError(f"x must have rank 4 with layout (B, S, H, D), got shape {x32.shape}")
@@ -56,7 +58,7 @@ def quantize_grouped(q: jax.Array, num_kv_heads: int) -> tuple[jax.Array, jax.Ar
     b, s, h, d = q.shape
     if h % num_kv_heads:
         raise ValueError(f"q heads H={h} must be a multiple of num_kv_heads={num_kv_heads}")
-    grouped = jnp.asarray(q).reshape(b, s, num_kv_heads, (h // num_kv_heads) * d)
+    grouped = q.reshape(b, s, num_kv_heads, (h // num_kv_heads) * d)
     q8, descale = quantize(grouped)
     return q8.reshape(b, s, h, d), descale
 
@@ -69,15 +71,8 @@ def dequantize(x: jax.Array, descale: jax.Array) -> jax.Array:
     return x.astype(jnp.float32) * per_head[:, None, :, None]
 
 
-#: Keys per group of the kernel's value permutation (kernels/sm90/fwd_config.py).
-_GROUP = 32
-
-
 @functools.cache
 def _permutation() -> np.ndarray:
-    from jax_fa4.kernels.sm90.fwd_config import FP8_KEY_GROUP, fp8_value_permutation
-
-    assert FP8_KEY_GROUP == _GROUP
     return np.asarray(fp8_value_permutation(), np.int32)
 
 
@@ -86,7 +81,8 @@ def kernel_values(v: jax.Array) -> jax.Array:
     multiple of 32, permuted within each group of 32 (fwd_config.fp8_value_permutation), and
     made the contiguous axis."""
     b, sk, hkv, dv = v.shape
-    skp = -(-sk // _GROUP) * _GROUP
+    group = FP8_KEY_GROUP
+    skp = -(-sk // group) * group
     v = jnp.pad(v, ((0, 0), (0, skp - sk), (0, 0), (0, 0)))
-    v = v.reshape(b, skp // _GROUP, _GROUP, hkv, dv)[:, :, _permutation()]
+    v = v.reshape(b, skp // group, group, hkv, dv)[:, :, _permutation()]
     return v.reshape(b, skp, hkv, dv).transpose(0, 2, 3, 1)
