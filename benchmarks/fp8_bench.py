@@ -38,29 +38,7 @@ from variant_harness import save, start, timing_parser
 SHAPES = ((2, 8192, 16, 128), (4, 8192, 32, 64), (2, 8192, 8, 256))
 
 
-def per_tensor(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(x in e4m3, its descale, a float32 scalar): :func:`jax_fa4.fp8.quantize` with one scale
-    for the whole tensor."""
-    x8, descale = fp8.quantize(x.reshape(1, -1, 1, x.shape[-1]))
-    return x8.reshape(x.shape), descale[0, 0]
-
-
-def cudnn_fp8(causal: bool, scale: float):
-    """cuDNN's FP8 forward (private API): e4m3 q, k, v and their scalar descales -> e4m3 out
-    (output scale 1)."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
-    mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
-
-    def f(q, k, v, qd, kd, vd):
-        one = jnp.ones((1, 1, 1, 1), jnp.float32)
-        params = {key: one for key in cudnn.fp8_params_keys}
-        params.update(descale_q=qd.reshape(1, 1, 1, 1), descale_k=kd.reshape(1, 1, 1, 1),
-                      descale_v=vd.reshape(1, 1, 1, 1))
-        out, _, _ = cudnn.dot_product_attention(q, k, v, fp8_params=params, scale=scale,
-                                                mask_type=mask, use_fp8=True, qkv_layout="BTNH")
-        return out
-    return f
+per_tensor = bench.per_tensor_e4m3
 
 
 def main(argv=None) -> int:
@@ -71,7 +49,6 @@ def main(argv=None) -> int:
     for si, (b, s, h, d) in enumerate(SHAPES):
         for causal in (False, True):
             label = f"B{b} S{s} H{h} D{d}" + (" causal" if causal else "")
-            scale = 1.0 / np.sqrt(d)
             flops = 4.0 * b * s * s * h * d / (2 if causal else 1)
             key = jax.random.key(si * 2 + causal)
             n_sets = max(2, -(-bench.ROTATION_BYTES // (3 * b * s * h * d * 2)))
@@ -89,7 +66,7 @@ def main(argv=None) -> int:
                 "jax-fa4-fp8": (fp8_sets, lambda q, k, v, qd, kd, vd: jax_fa4.flash_attention(
                     q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, causal=causal,
                     implementation="sm90")),
-                "cudnn-fp8": (ts_sets, cudnn_fp8(causal, scale)),
+                "cudnn-fp8": (ts_sets, bench.cudnn_fp8_fn(causal, d)),
                 "jax-fa4-bf16": (bf16_sets, lambda q, k, v: jax_fa4.flash_attention(
                     q, k, v, causal=causal, implementation="sm90")),
                 "cudnn-bf16": (bf16_sets, lambda q, k, v: jax.nn.dot_product_attention(
@@ -116,7 +93,7 @@ def main(argv=None) -> int:
                     q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=causal,
                     implementation="sm90")}
                 if "cudnn-fp8" in ms:
-                    outs["cudnn-fp8"] = cudnn_fp8(causal, scale)(*ts_sets[0])
+                    outs["cudnn-fp8"] = bench.cudnn_fp8_fn(causal, d)(*ts_sets[0])
                 for name, out in outs.items():
                     diff = np.asarray(out, np.float32) - np.asarray(ref, np.float32)
                     accuracy[name] = dict(rmse=float(np.sqrt(np.mean(diff ** 2))),

@@ -10,6 +10,7 @@ Usage::
     python -m jax_fa4.bench --shapes custom --B 2 --Sq 4096 --H 32 --Hkv 8 --D 128 \\
         --causal no,yes --window none,none --window 512,0
     python -m jax_fa4.bench --impls jax-fa4,cudnn --dtype fp16 --fwd-only --out /tmp/r.json
+    python -m jax_fa4.bench --dtype float8_e4m3fn      # the FP8 forward (anchors-main shapes)
 
 Shape presets (``--shapes``, comma-separated to join several): ``anchors-main`` (the anchors
 README's main table, 10 shapes), ``anchors-more`` (its "more shapes" table: GQA 32/8, head dims 96
@@ -32,6 +33,15 @@ Implementations (``--impls``), each a row per shape:
   ``Sq != Sk`` (it aligns masks top-left, FA4 bottom-right: a different function).
 * ``reference``: ``flash_attention(implementation="reference")``, skipped when its
   ``B·H·Sq·Sk`` float32 scores would exceed ``--reference-max-gb`` (XLA: ``--xla-max-gb``).
+
+FP8 (``--dtype float8_e4m3fn``, forward only: an FP8 call has no gradient): the bfloat16 inputs
+are quantised to e4m3 with one scale per tensor (``per_tensor_e4m3``), so every FP8 row reads the
+same e4m3 values: ``jax-fa4`` (``flash_attention`` with ``q_descale``/``k_descale``/``v_descale``,
+bfloat16 out; the kernel's value transform is part of the call), ``cudnn`` (cuDNN's FP8 attention
+through JAX's private module, e4m3 out; causal or no mask) and ``reference`` (float32 on the
+dequantised inputs: the base of ``fwd_rel_err``); ``jax-fa4-bf16`` times our bfloat16 forward on
+the unquantised inputs, and FP8 rows carry ``fwd_ratio_vs_bf16`` against it. Rows say
+``"dtype": "float8_e4m3fn"`` (``"bf16"`` for the bfloat16 row).
 
 Method: per shape, every implementation's programs are compiled first (compile time goes to
 ``compile_s``) and run once; then all of them, for every implementation, are timed together in
@@ -129,8 +139,12 @@ from jax_fa4.bench_shapes import (
 Inputs = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # q, k, v, do
 
 IMPLS = ("jax-fa4", "jax-fa4-det", "cudnn", "xla", "reference")
+#: ``--dtype float8_e4m3fn``: FP8 rows of jax-fa4, cuDNN and the reference, and our bfloat16
+#: forward on the same (unquantised) inputs (``jax-fa4-bf16``), forward only.
+FP8 = "float8_e4m3fn"
+FP8_IMPLS = ("jax-fa4", "cudnn", "jax-fa4-bf16", "reference")
 #: The jax-fa4 implementations and whether each passes ``deterministic=True``.
-FA4_IMPLS = {"jax-fa4": False, "jax-fa4-det": True}
+FA4_IMPLS = {"jax-fa4": False, "jax-fa4-det": True, "jax-fa4-bf16": False}
 GPU_ONLY = ("cudnn", "xla")
 #: Rotate input sets until they exceed twice the H200's 60 MB L2.
 ROTATION_BYTES = 2 * 60 * 10**6
@@ -139,7 +153,7 @@ MAX_ITERS = 2000
 #: On a GPU, one dispatch runs enough calls for this much device time (at the ceilings).
 CHAIN_TARGET_S = 200e-6
 MAX_CHAIN = 16
-DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, FP8: jnp.float8_e4m3fn}
 #: FA4 kernel family per compute-capability major.
 KERNEL_FOR_CC_MAJOR = {"9": "sm90", "10": "sm100"}
 #: Order in which a row's forward output is compared: the first that ran is the base.
@@ -158,7 +172,7 @@ ROW_KEYS = (
     "impl", "resolved_impl", "deterministic", "measures", "dtype", "B", "Sq", "Sk", "H", "Hkv",
     "D", "Dv", "causal", "window", "fwd_flops", "fwd_ms", "train_fwd_ms", "fwdbwd_ms", "bwd_ms",
     "fwd_us", "bwd_us", "fwd_tflops", "bwd_tflops", "fwd_tbps", "fwd_ratio_vs_cudnn",
-    "bwd_ratio_vs_cudnn", "fwd_spread", "train_fwd_spread", "fwdbwd_spread", "iters", "rounds",
+    "bwd_ratio_vs_cudnn", "fwd_ratio_vs_bf16", "fwd_spread", "train_fwd_spread", "fwdbwd_spread", "iters", "rounds",
     "calls_per_dispatch", "input_sets", "compile_s", "residual_bytes", "peak_mem_bytes",
     "xla_mem_bytes", "custom_calls", "fwd_rel_err", "fwd_rel_err_vs", "skipped",
 )
@@ -203,9 +217,10 @@ def _window(text: str) -> Window:
 
 def _impl_list(text: str) -> list[str]:
     impls = [x.strip() for x in text.split(",")]
-    unknown = [x for x in impls if x not in IMPLS]
+    known = tuple(dict.fromkeys(IMPLS + FP8_IMPLS))
+    unknown = [x for x in impls if x not in known]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown implementation(s) {unknown}; known: {IMPLS}")
+        raise argparse.ArgumentTypeError(f"unknown implementation(s) {unknown}; known: {known}")
     return impls
 
 
@@ -225,12 +240,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jax_fa4.bench",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", type=_shapes_spec, default="default",
+    p.add_argument("--shapes", type=_shapes_spec, default=None,
                    help=f"shape preset(s), comma-separated ({', '.join(PRESETS)}; default = "
-                        f"{' + '.join(DEFAULT_PARTS)}), or custom from the shape flags below")
+                        f"{' + '.join(DEFAULT_PARTS)}; with --dtype {FP8}: anchors-main), or "
+                        "custom from the shape flags below")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    p.add_argument("--impls", type=_impl_list, default=list(IMPLS),
-                   help=f"comma-separated subset of {','.join(IMPLS)}")
+    p.add_argument("--impls", type=_impl_list, default=None,
+                   help=f"comma-separated subset of {','.join(IMPLS)} (default: all; with "
+                        f"--dtype {FP8}: of {','.join(FP8_IMPLS)})")
     shape = p.add_argument_group("custom shapes (--shapes custom; comma lists are swept as a "
                                  "cartesian product)")
     for name, help_ in (("B", "batch"), ("Sq", "query length"),
@@ -262,6 +279,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="JSON path (default: benchmarks/results/<gpu-slug>-<date>.json); the "
                         "PNG goes next to it")
     args = p.parse_args(argv)
+    if args.shapes is None:
+        args.shapes = "anchors-main" if args.dtype == FP8 else "default"
     shape_flags = ("B", "Sq", "Sk", "H", "Hkv", "D", "Dv", "causal", "window")
     if args.shapes != "custom":
         given = [f"--{n}" for n in shape_flags if getattr(args, n) is not None]
@@ -269,6 +288,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"{', '.join(given)} need --shapes custom")
     if args.repeats < 1 or args.target_ms <= 0:
         p.error("--repeats must be >= 1 and --target-ms > 0")
+    allowed = FP8_IMPLS if args.dtype == FP8 else IMPLS
+    if args.impls is None:
+        args.impls = list(allowed)
+    wrong = [x for x in args.impls if x not in allowed]
+    if wrong:
+        p.error(f"--impls {','.join(wrong)}: not with --dtype {args.dtype} (choose from "
+                f"{','.join(allowed)})")
+    if args.dtype == FP8:
+        args.fwd_only = True  # an FP8 call has no gradient
     return args
 
 
@@ -289,8 +317,17 @@ def custom_shapes(args: argparse.Namespace) -> list[Shape]:
 
 
 # -- the implementations -----------------------------------------------------------------------
-def _fa4_fn(shape: Shape, implementation: str | None, deterministic: bool = False
-            ) -> Callable[..., jax.Array]:
+def _fa4_fn(shape: Shape, implementation: str | None, deterministic: bool = False,
+            fp8: bool = False) -> Callable[..., jax.Array]:
+    """``flash_attention`` on (q, k, v), or (``fp8``) on e4m3 (q, k, v) and their descales."""
+    if fp8:
+        def fp8_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_descale: jax.Array,
+                          k_descale: jax.Array, v_descale: jax.Array) -> jax.Array:
+            return jax_fa4.flash_attention(q, k, v, causal=shape.causal, window_size=shape.window,
+                                           q_descale=q_descale, k_descale=k_descale,
+                                           v_descale=v_descale, implementation=implementation)
+        return fp8_attention
+
     def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         return jax_fa4.flash_attention(q, k, v, causal=shape.causal, window_size=shape.window,
                                        deterministic=deterministic,
@@ -309,6 +346,50 @@ def _jax_nn_fn(shape: Shape, implementation: str) -> Callable[..., jax.Array]:
     def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **kwargs)
     return attention
+
+
+def cudnn_fp8_fn(causal: bool, head_dim: int) -> Callable[..., jax.Array]:
+    """cuDNN's FP8 flash attention, the only FP8 attention JAX has, through its private module
+    ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(use_fp8=True)``: e4m3 q,
+    k, v (B, S, H, D) and scalar float32 descales -> e4m3 out (output scale 1), causal or no
+    mask, softmax scale 1/sqrt(head_dim)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
+
+    def cudnn_fp8(q: jax.Array, k: jax.Array, v: jax.Array, q_descale: jax.Array,
+                  k_descale: jax.Array, v_descale: jax.Array) -> jax.Array:
+        one = jnp.ones((1, 1, 1, 1), jnp.float32)
+        params = {key: one for key in cudnn.fp8_params_keys}
+        params.update(descale_q=q_descale.reshape(1, 1, 1, 1),
+                      descale_k=k_descale.reshape(1, 1, 1, 1),
+                      descale_v=v_descale.reshape(1, 1, 1, 1))
+        out, _, _ = cudnn.dot_product_attention(q, k, v, fp8_params=params,
+                                                scale=1.0 / math.sqrt(head_dim), mask_type=mask,
+                                                use_fp8=True, qkv_layout="BTNH")
+        return out
+    return cudnn_fp8
+
+
+def per_tensor_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(x in e4m3, its descale as a float32 scalar): :func:`jax_fa4.fp8.quantize` with one
+    scale for the whole tensor (what cuDNN's FP8 attention takes)."""
+    from jax_fa4 import fp8
+
+    x8, descale = fp8.quantize(x.reshape(1, -1, 1, x.shape[-1]))
+    return x8.reshape(x.shape), descale[0, 0]
+
+
+def fp8_input_sets(arg_sets: Sequence[Inputs]) -> list[tuple[Any, ...]]:
+    """Each bfloat16 set (q, k, v, do) as the FP8 rows' (q8, k8, v8, q_descale, k_descale,
+    v_descale, None): per-tensor scales, so jax-fa4, cuDNN and the reference read the same e4m3
+    values (the kernel's speed does not depend on the descales' granularity); no cotangent."""
+    out = []
+    for q, k, v, _ in arg_sets:
+        quantised = [per_tensor_e4m3(x) for x in (q, k, v)]
+        out.append(tuple(x8 for x8, _ in quantised) + tuple(d for _, d in quantised) + (None,))
+    jax.block_until_ready(out)
+    return out
 
 
 def _train_fwd(fn: Callable[..., jax.Array]) -> Callable[..., Any]:
@@ -364,6 +445,9 @@ def static_skip_reason(impl: str, shape: Shape, platform: str,
     if impl in GPU_ONLY:
         if platform != "gpu":
             return f"{impl} runs only on a CUDA GPU (device platform is {platform})"
+        if getattr(args, "dtype", None) == FP8 and shape.window != (None, None):
+            return ("cuDNN's FP8 attention (JAX's private API) is timed with a causal mask or "
+                    "none, not a window")
         if shape.Dv != shape.D:
             return "jax.nn.dot_product_attention needs the value head dim equal to D"
         if shape.masked and shape.Sq != shape.Sk:
@@ -410,11 +494,15 @@ def chain_length(shape: Shape, itemsize: int, platform: str) -> int:
 
 
 def make_inputs(shape: Shape, dtype: Any, key: jax.Array, multiple_of: int) -> list[Inputs]:
-    """Random input sets, enough that together they exceed ``ROTATION_BYTES`` (at least 2), and
-    a multiple of ``multiple_of``."""
+    """Random input sets (q, k, v, do), enough that together they exceed ``ROTATION_BYTES`` (at
+    least 2), and a multiple of ``multiple_of``. For float8_e4m3fn: bfloat16 sets, counted by
+    the bytes of their e4m3 q, k, v (:func:`fp8_input_sets` quantises them)."""
     dims = ((shape.B, shape.Sq, shape.H, shape.D), (shape.B, shape.Sk, shape.Hkv, shape.D),
             (shape.B, shape.Sk, shape.Hkv, shape.Dv), (shape.B, shape.Sq, shape.H, shape.Dv))
     set_bytes = sum(math.prod(d) for d in dims) * jnp.dtype(dtype).itemsize
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+        set_bytes = sum(math.prod(d) for d in dims[:3])
+        dtype = jnp.bfloat16
     n = min(MAX_INPUT_SETS, max(2, -(-ROTATION_BYTES // set_bytes)))
     n = multiple_of * -(-n // multiple_of)
     sets = []
@@ -555,7 +643,14 @@ def peak_bytes(device: jax.Device, run: Callable[[], None], need: int) -> int | 
     return new_peak - base if exact else None
 
 
+def row_dtype(impl: str, dtype_name: str) -> str:
+    """The dtype a row of ``impl`` runs in (``jax-fa4-bf16`` is the bfloat16 row of an FP8
+    sweep)."""
+    return "bf16" if impl == "jax-fa4-bf16" else dtype_name
+
+
 def _empty_row(impl: str, shape: Shape, dtype_name: str) -> Row:
+    dtype_name = row_dtype(impl, dtype_name)
     row: Row = dict.fromkeys(ROW_KEYS)
     row.update(impl=impl, deterministic=FA4_IMPLS.get(impl, False),
                measures=shape.measures(jnp.dtype(DTYPES.get(dtype_name, jnp.bfloat16)).itemsize),
@@ -577,10 +672,12 @@ class Lowered:
     resolved: str | None = None
 
 
-def _lower(fn: Callable[..., jax.Array], inputs: Inputs, fwd_only: bool) -> Lowered:
-    """``fn``'s lowered forward, training forward and forward+backward."""
-    q, k, v, do = inputs
-    fwd = jax.jit(fn).lower(q, k, v)
+def _lower(fn: Callable[..., jax.Array], inputs: tuple[Any, ...], fwd_only: bool) -> Lowered:
+    """``fn``'s lowered forward, training forward and forward+backward; ``inputs`` is ``fn``'s
+    arguments and the cotangent ``do`` (q, k, v, do; or FP8's six arguments and None)."""
+    *fwd_args, do = inputs
+    fwd = jax.jit(fn).lower(*fwd_args)
+    q, k, v = fwd_args[:3]
     if fwd_only:
         return Lowered(fn, fwd, None, None)
     try:
@@ -590,33 +687,39 @@ def _lower(fn: Callable[..., jax.Array], inputs: Inputs, fwd_only: bool) -> Lowe
         return Lowered(fn, fwd, err, err)
 
 
-def lower_impl(impl: str, shape: Shape, kernel: str | None, inputs: Inputs, fwd_only: bool
-               ) -> Lowered:
-    """The attention function of ``impl``, its lowered programs, and (jax-fa4, jax-fa4-det)
-    what ``implementation=None`` resolved to.
+def lower_impl(impl: str, shape: Shape, kernel: str | None, inputs: tuple[Any, ...],
+               fwd_only: bool, fp8: bool = False) -> Lowered:
+    """The attention function of ``impl``, its lowered programs, and (jax-fa4, jax-fa4-det,
+    jax-fa4-bf16) what ``implementation=None`` resolved to. ``fp8``: the FP8 forward's function
+    (six arguments: e4m3 q, k, v and their descales; cuDNN's through its private FP8 API).
 
     For jax-fa4 on a GPU with a kernel family, the forced kernel is lowered first: a forward that
     cannot lower raises :class:`SkipRow`, a backward that cannot lower replaces the training
     forward and forward+backward by its error.
     """
     if impl not in FA4_IMPLS:
-        fn = _fa4_fn(shape, "reference") if impl == "reference" else _jax_nn_fn(shape, impl)
+        if impl == "reference":
+            fn = _fa4_fn(shape, "reference", fp8=fp8)
+        elif fp8 and impl == "cudnn":
+            fn = cudnn_fp8_fn(shape.causal, shape.D)
+        else:
+            fn = _jax_nn_fn(shape, impl)
         return _lower(fn, inputs, fwd_only)
     det = FA4_IMPLS[impl]
     forced_text, forced_bwd_error = None, None
     if kernel is not None:
         try:
-            forced = _lower(_fa4_fn(shape, kernel, det), inputs, fwd_only)
+            forced = _lower(_fa4_fn(shape, kernel, det, fp8), inputs, fwd_only)
         except Exception as err:
             raise SkipRow(_error_text(err)) from err
         forced_text = forced.fwd.as_text()
         if isinstance(forced.fwd_bwd, Exception):
             forced_bwd_error = SkipRow(_error_text(forced.fwd_bwd))
-    lowered = _lower(_fa4_fn(shape, None, det), inputs, fwd_only)
+    lowered = _lower(_fa4_fn(shape, None, det, fp8), inputs, fwd_only)
     text = lowered.fwd.as_text()
     if text == forced_text:
         resolved = kernel
-    elif text == jax.jit(_fa4_fn(shape, "reference", det)).lower(*inputs[:3]).as_text():
+    elif text == jax.jit(_fa4_fn(shape, "reference", det, fp8)).lower(*inputs[:-1]).as_text():
         resolved = "reference"
     else:
         resolved = "unknown"
@@ -652,10 +755,11 @@ def prepare_impl(impl: str, shape: Shape, arg_sets: list[Inputs], chain: int,
     if reason is not None:
         row["skipped"] = reason
         return Prepared(row, {})
-    fwd_sets = [a[:3] for a in arg_sets]
+    fwd_sets = [a[:-1] for a in arg_sets]
     t0 = time.perf_counter()
     try:
-        low = lower_impl(impl, shape, ctx.kernel, arg_sets[0], ctx.args.fwd_only)
+        low = lower_impl(impl, shape, ctx.kernel, arg_sets[0], ctx.args.fwd_only,
+                         fp8=row["dtype"] == FP8)
         row["resolved_impl"] = low.resolved
         fwd = low.fwd.compile()
         programs = {"fwd": make_program(low.fn, fwd, fwd_sets, chain)}
@@ -731,10 +835,9 @@ def time_shape(prepared: Sequence[Prepared], ctx: BenchContext) -> Row | None:
         if kind == "fwd":
             row["iters"] = t.iters
         row["rounds"] = len(orders) - 1
-    itemsize = jnp.dtype(ctx.dtype).itemsize
     for prep in prepared:
         if prep.row["fwd_ms"] is not None:
-            _derive(prep.row, itemsize)
+            _derive(prep.row, jnp.dtype(DTYPES[prep.row["dtype"]]).itemsize)
     return {"programs": [f"{p.row['impl']} {k}" for p, k in owners],
             "untimed_first_round": True, "round_orders": orders}
 
@@ -761,9 +864,15 @@ def row_shape(row: Row) -> Shape:
 
 
 def compare_rows(rows: list[Row], outputs: dict[str, jax.Array]) -> None:
-    """Fill the ratios to cuDNN and the forward error against the first base that ran."""
+    """Fill the ratios to cuDNN (and, in an FP8 sweep, to our bfloat16 forward) and the forward
+    error against the first base that ran. An FP8 sweep's only base is the reference on the
+    dequantised inputs (cuDNN writes e4m3), and the bfloat16 row is compared with nothing."""
     cudnn = next((r for r in rows if r["impl"] == "cudnn" and r["fwd_ms"] is not None), None)
-    base_impl = next((name for name in ERR_BASES if name in outputs), None)
+    bf16 = next((r for r in rows if r["impl"] == "jax-fa4-bf16" and r["fwd_ms"] is not None),
+                None)
+    fp8 = any(r["dtype"] == FP8 for r in rows)
+    bases = ("reference",) if fp8 else ERR_BASES
+    base_impl = next((name for name in bases if name in outputs), None)
     for row in rows:
         if row["fwd_ms"] is None:
             continue
@@ -771,7 +880,10 @@ def compare_rows(rows: list[Row], outputs: dict[str, jax.Array]) -> None:
             row["fwd_ratio_vs_cudnn"] = cudnn["fwd_ms"] / row["fwd_ms"]
             if row["bwd_tflops"] is not None and cudnn["bwd_tflops"] is not None:
                 row["bwd_ratio_vs_cudnn"] = row["bwd_tflops"] / cudnn["bwd_tflops"]
-        if base_impl is not None and row["impl"] in outputs:
+        if bf16 is not None and row["dtype"] == FP8:
+            row["fwd_ratio_vs_bf16"] = bf16["fwd_ms"] / row["fwd_ms"]
+        if base_impl is not None and row["impl"] in outputs and not (
+                fp8 and row["dtype"] != FP8):
             base = outputs[base_impl].astype(jnp.float32)
             diff = outputs[row["impl"]].astype(jnp.float32) - base
             row["fwd_rel_err"] = float(jnp.linalg.norm(diff) / jnp.linalg.norm(base))
@@ -806,9 +918,12 @@ def run_sweep(shapes: Sequence[Shape], ctx: BenchContext,
             key, sub = jax.random.split(key)
             arg_sets = None
             chain = chain_length(shape, jnp.dtype(ctx.dtype).itemsize, ctx.device.platform)
+            fp8_sets = None
             if any(static_skip_reason(i, shape, ctx.device.platform, ctx.args) is None
                    for i in impls):
                 arg_sets = make_inputs(shape, ctx.dtype, sub, chain)
+                if ctx.dtype_name == FP8:
+                    fp8_sets = fp8_input_sets(arg_sets)
             label = bench_report.shape_label(dataclasses.asdict(shape))
             prepared: list[Prepared] = []
             for impl in impls:
@@ -819,7 +934,8 @@ def run_sweep(shapes: Sequence[Shape], ctx: BenchContext,
                                                         ctx.args)
                     prepared.append(Prepared(row, {}))
                 else:
-                    prepared.append(prepare_impl(impl, shape, arg_sets, chain, ctx))
+                    sets = fp8_sets if row_dtype(impl, ctx.dtype_name) == FP8 else arg_sets
+                    prepared.append(prepare_impl(impl, shape, sets, chain, ctx))
                 bar.update()
             bar.set_postfix_str(f"time {label}")
             record = time_shape(prepared, ctx)
@@ -831,7 +947,7 @@ def run_sweep(shapes: Sequence[Shape], ctx: BenchContext,
             for row in shape_rows:
                 bar.write(f"[{len(rows) + 1}/{bar.total}] {bench_report.row_line(row)}")
                 rows.append(row)
-            del arg_sets, prepared
+            del arg_sets, fp8_sets, prepared
             if on_shape_done is not None:
                 on_shape_done(rows, records)
     return rows, records

@@ -71,18 +71,37 @@ def dequantize(x: jax.Array, descale: jax.Array) -> jax.Array:
     return x.astype(jnp.float32) * per_head[:, None, :, None]
 
 
+#: fwd_config.fp8_value_permutation as an axis permutation: a group's source key
+#: 16h + 8a + 2t + c, split as axes (h, a, t, c) of sizes (2, 2, 4, 2), goes to position
+#: 16h + 4t + 2a + c, i.e. the axes in the order (h, t, a, c).
+_GROUP_AXES = (2, 2, 4, 2)
+_GROUP_ORDER = (0, 2, 1, 3)
+
+
 @functools.cache
-def _permutation() -> np.ndarray:
-    return np.asarray(fp8_value_permutation(), np.int32)
+def _check_group_axes() -> None:
+    """The axis form above reproduces fp8_value_permutation (checked once, on the host)."""
+    keys = np.arange(FP8_KEY_GROUP).reshape(_GROUP_AXES).transpose(_GROUP_ORDER).reshape(-1)
+    if tuple(keys) != fp8_value_permutation():
+        raise AssertionError("fp8._GROUP_AXES/_GROUP_ORDER disagree with the kernel's "
+                             "fp8_value_permutation")
 
 
 def kernel_values(v: jax.Array) -> jax.Array:
     """v (B, Sk, Hkv, Dv) -> the FP8 kernel's vt (B, Hkv, Dv, Skp): keys padded with zeros to a
     multiple of 32, permuted within each group of 32 (fwd_config.fp8_value_permutation), and
-    made the contiguous axis."""
+    made the contiguous axis.
+
+    Two XLA ops, kept apart by an optimization barrier: the permutation moves whole rows of
+    Hkv·Dv bytes (coalesced on both sides), then a plain (keys, Hkv·Dv) transpose. As one op
+    (or as a gather, the first version) XLA wrote the 1-byte elements one by one, several times
+    slower (docs/perf-log.md, session 27)."""
+    _check_group_axes()
     b, sk, hkv, dv = v.shape
     group = FP8_KEY_GROUP
     skp = -(-sk // group) * group
     v = jnp.pad(v, ((0, 0), (0, skp - sk), (0, 0), (0, 0)))
-    v = v.reshape(b, skp // group, group, hkv, dv)[:, :, _permutation()]
-    return v.reshape(b, skp, hkv, dv).transpose(0, 2, 3, 1)
+    v = v.reshape(b, skp // group, *_GROUP_AXES, hkv, dv)
+    v = v.transpose(0, 1, *(2 + i for i in _GROUP_ORDER), 6, 7).reshape(b, skp, hkv, dv)
+    v = jax.lax.optimization_barrier(v)
+    return v.transpose(0, 2, 3, 1)

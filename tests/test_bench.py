@@ -470,3 +470,58 @@ def test_cute_dsl_versions_come_from_the_kernel_cache(tmp_path, monkeypatch):
     assert found["kernel_cache"] == str(tmp_path)
     assert found["kernel_cache_dsl_versions"] == {"4.8.1": 2}
     assert found["runtime_library"] == "/opt/lib/libcute_dsl_runtime.so"
+
+
+def test_fp8_flags():
+    args = bench.parse_args(["--dtype", "float8_e4m3fn"])
+    assert args.impls == list(bench.FP8_IMPLS) and args.fwd_only  # no FP8 gradient
+    assert args.shapes == "anchors-main"
+    assert bench.parse_args([]).shapes == "default"
+    with pytest.raises(SystemExit):  # xla has no FP8 row
+        bench.parse_args(["--dtype", "float8_e4m3fn", "--impls", "jax-fa4,xla"])
+    with pytest.raises(SystemExit):  # the bfloat16 comparison row belongs to an FP8 sweep
+        bench.parse_args(["--impls", "jax-fa4-bf16"])
+    ns = argparse.Namespace(reference_max_gb=4.0, xla_max_gb=36.0, dtype="float8_e4m3fn")
+    windowed = bench_shapes.Shape(1, 256, 256, 4, 4, 64, 64, False, (32, 32))
+    assert "window" in bench.static_skip_reason("cudnn", windowed, "gpu", ns)
+    assert bench.static_skip_reason("cudnn", bench_shapes.Shape(1, 256, 256, 4, 4, 64, 64, True),
+                                    "gpu", ns) is None
+
+
+def test_fp8_input_sets_share_e4m3_values():
+    shape = bench_shapes.Shape(1, 40, 40, 2, 1, 32, 32, False)
+    sets = bench.make_inputs(shape, jnp.float8_e4m3fn, jax.random.key(3), multiple_of=1)
+    assert sets[0][0].dtype == jnp.bfloat16 and len(sets) >= 2
+    fp8_sets = bench.fp8_input_sets(sets)
+    for (q, k, v, _), (q8, k8, v8, qd, kd, vd, do) in zip(sets, fp8_sets):
+        assert do is None and q8.dtype == jnp.float8_e4m3fn and qd.shape == ()
+        for x, x8, d in ((q, q8, qd), (k, k8, kd), (v, v8, vd)):
+            back = x8.astype(jnp.float32) * d
+            err = jnp.abs(back - x.astype(jnp.float32)).max() / jnp.abs(x.astype(jnp.float32)).max()
+            assert 0 < err < 0.07  # e4m3: 3 mantissa bits, one scale per tensor
+
+
+@pytest.mark.skipif(not ON_CPU, reason="checks the CPU sweep's rows")
+def test_tiny_fp8_sweep_on_cpu(tmp_path):
+    out = tmp_path / "fp8.json"
+    assert bench.main(["--dtype", "float8_e4m3fn", "--shapes", "tiny", "--repeats", "1",
+                       "--target-ms", "5", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["fwd_only"] is True and report["settings"]["dtype"] == bench.FP8
+    rows = report["rows"]
+    assert len(rows) == len(bench_shapes.PRESETS["tiny"]) * len(bench.FP8_IMPLS)
+    for row in rows:
+        assert tuple(row) == bench.ROW_KEYS
+        assert row["dtype"] == ("bf16" if row["impl"] == "jax-fa4-bf16" else bench.FP8)
+        assert row["fwdbwd_ms"] is None and row["bwd_ms"] is None
+        if row["impl"] == "cudnn":
+            assert "GPU" in row["skipped"]
+            continue
+        assert row["skipped"] is None and row["fwd_ms"] > 0, row
+        if row["impl"] == "jax-fa4-bf16":
+            assert row["fwd_rel_err"] is None and row["fwd_ratio_vs_bf16"] is None
+        else:  # the FP8 rows: against the reference on the same e4m3 inputs
+            assert row["fwd_rel_err_vs"] == "reference" and row["fwd_rel_err"] < 1e-2
+            assert row["fwd_ratio_vs_bf16"] == pytest.approx(
+                [r for r in rows if r["impl"] == "jax-fa4-bf16" and bench_report._shape_key(r)
+                 == bench_report._shape_key(row)][0]["fwd_ms"] / row["fwd_ms"])

@@ -29,6 +29,9 @@ stale max is kept: P = exp2(s·scale_log2 − m_old·scale_log2) is then at most
 8.0: no overflow in fp32 sums, bf16/fp16 P or the fp32 O accumulator), the row's O-rescale factor is
 exactly 1.0, and ``rescale_rows_if_needed`` skips the O multiply when no row of the warp needs it.
 The max stored is the one actually applied, so ``finalize`` (1/Σ and lse) stays exact.
+``rescale_skip`` keeps only the skip: the max stays exact, a row whose max did not grow gets the
+factor 1.0 exactly, and a warp none of whose rows' max grew skips its O multiply (the FP8
+forward, where a stale max would round each row's largest P to e4m3).
 
 Partial software exp2 (``exp2_sw_per_32 > 0``): of every 32 elements of a thread's row segment,
 the last ``exp2_sw_per_32`` are exponentiated by the FMA-pipe polynomial of common/exp2.py
@@ -101,7 +104,8 @@ class OnlineSoftmax:
     """
 
     def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float = 0.0,
-                 exp2_sw_per_32: int = 0, p_is_bf16: bool = True, track_max: bool = False):
+                 exp2_sw_per_32: int = 0, p_is_bf16: bool = True, track_max: bool = False,
+                 rescale_skip: bool = False):
         self.scale_log2 = scale_log2
         # track_max: also keep each row's true running scaled max (no sink, never stale) for
         # the max-logit output (logits_max)
@@ -110,6 +114,9 @@ class OnlineSoftmax:
         self.exact_limit = exact_limit_log2(p_is_bf16)
         self.num_rows = num_rows
         self.rescale_threshold = float(rescale_threshold)  # 0: rescale whenever the max grows
+        # exact max, but a row whose max did not grow gets the factor 1.0 exactly (not
+        # ex2(0)), so rescale_rows_if_needed may skip a warp's O multiply
+        self.rescale_skip = bool(rescale_skip)
         self.exp2_sw_per_32 = int(exp2_sw_per_32)  # 0: every exp2 on MUFU
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
@@ -182,6 +189,8 @@ class OnlineSoftmax:
             else:
                 # r_prev = -inf (nothing seen yet) gives exp2(-inf) = 0: correct, the sum was 0.
                 scale = cute.math.exp2(r_prev - r_safe, fastmath=True)
+                if cutlass.const_expr(self.rescale_skip):
+                    scale = Float32(1.0) if r_prev == r_safe else scale
                 row_scale[r] = scale
                 self.row_sum[r] = self.row_sum[r] * scale + p_sum
 

@@ -156,6 +156,7 @@ class FlashAttentionForwardSm90:
         self.persistent = cfg.num_sms > 0
         self.num_sms = cfg.num_sms
         self.rescale_threshold = float(cfg.rescale_threshold)
+        self.rescale_skip = cfg.rescale_skip
         self.exp2_sw_per_32 = cfg.exp2_sw_per_32
         self.paged = cfg.paged
         self.varlen = cfg.varlen
@@ -759,7 +760,8 @@ class FlashAttentionForwardSm90:
 
         num_rows = cute.size(acc_view_mn(acc_O), mode=[0])
         softmax = OnlineSoftmax(scale_log2, num_rows, self.rescale_threshold, self.exp2_sw_per_32,
-                                self.is_bf16, track_max=max_logits is not None)
+                                self.is_bf16, track_max=max_logits is not None,
+                                rescale_skip=self.rescale_skip)
         softmax.reset_with_sink(sink_log2)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         segs = None
@@ -1054,7 +1056,7 @@ class FlashAttentionForwardSm90:
         return k_state, v_state
 
     def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
-        if const_expr(self.rescale_threshold > 0.0):
+        if const_expr(self.rescale_threshold > 0.0 or self.rescale_skip):
             rescale_rows_if_needed(acc_O, row_scale)  # skipped when no row of the warp needs it
         else:
             rescale_rows(acc_O, row_scale)

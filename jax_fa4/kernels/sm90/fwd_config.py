@@ -51,6 +51,7 @@ class Sm90FwdTuning:
     rescale_threshold: float = 0.0
     num_sms: int = 0
     exp2_sw_per_32: int = 0
+    rescale_skip: bool = False
 
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Start points from FA4's H100
@@ -75,17 +76,21 @@ TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
 
 #: The FP8 forward's dtype (e4m3 q, k, v; bfloat16 out) and its tuning table: key blocks of 32·k
 #: keys (the e4m3 P·V WGMMA's K step), half the shared memory per element of the 16-bit tiles.
-#: Measured on the H200 (docs/perf-log.md, session 26, two runs): hdim 128 ping-pong with 3
-#: stages (+4-7 % over the plain tile), hdim 64 and 256 the plain tile (at 64 the options are
-#: within noise; at 256 the conditional rescale was 6 % faster but fails the accuracy rule, see
-#: validate_fp8); software exp2 lost everywhere (-3 ... -18 %).
+#: Measured on the H200 (docs/perf-log.md, sessions 26-27): hdim 128 three consumer
+#: warpgroups (192 rows) on 96-key blocks, 3 stages, 3-way ping-pong and the exact rescale skip
+#: (854-863 TFLOP/s against 729 for session 26's 128x128 ping-pong, 787-838 for 128x160),
+#: hdim 64 a 160-key block of 192 rows (+4-6 %), hdim 256 ping-pong with the rescale skip. No
+#: conditional rescale threshold (it fails the accuracy rule, see validate_fp8); software exp2
+#: lost everywhere (-3 ... -18 %).
 FP8_DTYPE = "float8_e4m3fn"
-_PP_S3 = dict(pingpong=True, stages=3)
+_PP_S3_SK = dict(pingpong=True, stages=3, rescale_skip=True)  # 3-way with tile_m 192
+_PP_SK = dict(pingpong=True, rescale_skip=True)
 FP8_TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
-    (64, 64): {"none": _T(192, 128), "causal": _T(192, 128), "local": _T(128, 128)},
-    (128, 128): {"none": _T(128, 128, **_PP_S3), "causal": _T(128, 128, **_PP_S3),
+    (64, 64): {"none": _T(192, 160), "causal": _T(192, 160), "local": _T(128, 128)},
+    (128, 128): {"none": _T(192, 96, **_PP_S3_SK), "causal": _T(192, 96, **_PP_S3_SK),
                  "local": _T(128, 128)},
-    (256, 256): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 128)},
+    (256, 256): {"none": _T(128, 128, **_PP_SK), "causal": _T(128, 128, **_PP_SK),
+                 "local": _T(128, 128)},
 }
 
 
@@ -128,6 +133,10 @@ class FwdConfig(KernelConfig):
     # scores a thread exponentiates per row, this many run the FMA-pipe polynomial of
     # common/exp2.py instead of MUFU ex2. 0 = all on MUFU (v1).
     exp2_sw_per_32: int = 0
+    # Exact conditional rescaling: the row max stays exact (rescale_threshold 0), but a warp
+    # none of whose rows' max grew in a key block skips its O multiply (the factors are then
+    # exactly 1.0). Implied by rescale_threshold > 0.
+    rescale_skip: bool = False
     # Paged KV (called by jax_fa4/backends/kernel.py): K/V are a cache of tile_n-key tiles, key block n of batch
     # entry b is tile page_table[b, n], and b has seqused_k[b] keys
     # (spec.paged_attention_forward_signature).
@@ -172,7 +181,7 @@ class FwdConfig(KernelConfig):
         fields = dict(tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages,
                       intra_wg_overlap=t.intra_wg_overlap, pingpong=t.pingpong,
                       rescale_threshold=t.rescale_threshold, num_sms=t.num_sms,
-                      exp2_sw_per_32=t.exp2_sw_per_32)
+                      exp2_sw_per_32=t.exp2_sw_per_32, rescale_skip=t.rescale_skip)
         fields.update(overrides)
         cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
                   has_softcap=bool(has_softcap), **fields)
