@@ -33,6 +33,7 @@ it serves the call, else the reference (a forced implementation raises instead).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -436,17 +437,36 @@ def fp8_route(q, k, v, opts) -> tuple:
     return backend.name, plan
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _fp8_attention(q, k, v, q_descale, k_descale, v_descale, opts, route):
-    name, plan = route
-    return backends.get(name).fp8_forward(q, k, v, q_descale, k_descale, v_descale, opts, plan)
+@dataclasses.dataclass(frozen=True)
+class Fp8Static:
+    """The FP8 forward's static parameters: the call's options, the route decided outside the
+    jit (backend name, plan) and the output dtype (the sharded operation's ``out`` type)."""
+
+    opts: Any
+    route: tuple
+    out_dtype: Any
 
 
-def _fp8_attention_fwd(q, k, v, q_descale, k_descale, v_descale, opts, route):
-    return _fp8_attention(q, k, v, q_descale, k_descale, v_descale, opts, route), None
+def _fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, static: Fp8Static):
+    name, plan = static.route
+    out, lse = backends.get(name).fp8_forward(q, k, v, q_descale, k_descale, v_descale,
+                                              static.opts, plan)
+    return out.astype(static.out_dtype), lse
 
 
-def _fp8_attention_bwd(opts, route, residuals, cotangents):
+_fp8_forward = sharding.partitioned_fp8_forward(_fp8_forward_impl)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _fp8_attention(q, k, v, q_descale, k_descale, v_descale, static):
+    return tuple(_fp8_forward(q, k, v, q_descale, k_descale, v_descale, static))
+
+
+def _fp8_attention_fwd(q, k, v, q_descale, k_descale, v_descale, static):
+    return _fp8_attention(q, k, v, q_descale, k_descale, v_descale, static), None
+
+
+def _fp8_attention_bwd(static, residuals, cotangents):
     raise NotImplementedError(
         "flash_attention with float8_e4m3fn inputs is forward only (prefill and inference): "
         "it has no gradient. Train with bfloat16 inputs (and quantise for inference with "
@@ -457,15 +477,14 @@ def _fp8_attention_bwd(opts, route, residuals, cotangents):
 _fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("opts", "route", "out_dtype"))
-def _fp8_run(q, k, v, q_descale, k_descale, v_descale, opts, route, out_dtype):
-    out, lse = _fp8_attention(q, k, v, q_descale, k_descale, v_descale, opts, route)
-    return out.astype(out_dtype), lse
+@functools.partial(jax.jit, static_argnames=("static",))
+def _fp8_run(q, k, v, q_descale, k_descale, v_descale, static):
+    return _fp8_attention(q, k, v, q_descale, k_descale, v_descale, static)
 
 
 def fp8_attention(q, k, v, q_descale, k_descale, v_descale, opts, out_dtype
                   ) -> tuple[jax.Array, jax.Array]:
     """(out (B, Sq, H, Dv) in ``out_dtype``, lse (B, H, Sq) float32) of a validated FP8 call:
     e4m3 q, k, v and their (B, Hkv) float32 descales (:mod:`jax_fa4.fp8`). Forward only."""
-    return _fp8_run(q, k, v, q_descale, k_descale, v_descale, opts, fp8_route(q, k, v, opts),
-                    jnp.dtype(out_dtype))
+    return _fp8_run(q, k, v, q_descale, k_descale, v_descale,
+                    Fp8Static(opts, fp8_route(q, k, v, opts), jnp.dtype(out_dtype)))

@@ -125,7 +125,61 @@ def sharding_cases() -> dict:
         "segments_kernel_seq_sharded": lambda: _segments_case(auto, P(None, "data", None, None),
                                                               "sm90"),
         "max_logits_batch_heads": lambda: _max_logits_case(auto, bshd),
+        "fp8_reference_batch_heads": lambda: _fp8_case(auto, bshd, "reference"),
+        "fp8_kernel_batch_heads": lambda: _fp8_case(auto, bshd, "sm90"),
+        "fp8_vmap": lambda: _fp8_vmap_case(),
     }
+
+
+def _fp8_case(mesh, spec, implementation: str) -> dict:
+    """An FP8 call (e4m3 q, k, v; (B, Hkv) descales sharded like k's batch and heads) under jit
+    with q, k, v sharded by ``spec``: "reference" runs the reference backend's FP8 forward,
+    "sm90" the kernel route with the kernel stubbed (zeros; its inputs' shapes recorded: each
+    device's own batch rows and heads). Against the unsharded reference."""
+    from jax_fa4 import fp8
+    from jax_fa4.ffi import call
+
+    q, k, v, _ = qkv(b=4, s=64, h=4, hkv=2, d=64)
+    (q8, qd), (k8, kd), (v8, vd) = fp8.quantize_grouped(q, 2), fp8.quantize(k), fp8.quantize(v)
+
+    def attn(impl):
+        return lambda q, k, v, qd, kd, vd: jax_fa4.flash_attention(
+            q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, causal=True, implementation=impl)
+
+    shapes: list = []
+    real = call.call_kernel
+
+    def recording(config, arch, *args, out_shapes):
+        shapes.append((config.kernel_name, config.dtype, [list(x.shape) for x in args[:3]]))
+        return tuple(jnp.zeros(o.shape, o.dtype) for o in out_shapes)
+
+    call.call_kernel = recording
+    try:
+        placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q8, k8, v8)]
+        placed += [jax.device_put(x, NamedSharding(mesh, P(spec[0], spec[2]))) for x in (qd, kd, vd)]
+        fwd = jax.jit(attn(implementation)).lower(*placed).compile()
+        out = fwd(*placed)
+    finally:
+        call.call_kernel = real
+    want = attn("reference")(q8, k8, v8, qd, kd, vd)
+    return {"out_err": max_err(out, want), "scale": float(jnp.max(jnp.abs(want))),
+            "out_dtype": str(out.dtype), "out_spec": str(out.sharding.spec),
+            "fwd_collectives": collectives(fwd.as_text()), "kernel_shapes": shapes}
+
+
+def _fp8_vmap_case() -> dict:
+    """jax.vmap over an FP8 call (reference backend): the mapped axis is one more batch dim."""
+    from jax_fa4 import fp8
+
+    q, k, v, _ = qkv(b=2, s=40, h=4, hkv=2, d=32)
+    (q8, qd), (k8, kd), (v8, vd) = fp8.quantize_grouped(q, 2), fp8.quantize(k), fp8.quantize(v)
+    stack = lambda x: jnp.stack([x, x[::-1]])  # noqa: E731 - two mapped entries
+    f = lambda q, k, v, qd, kd, vd: jax_fa4.flash_attention(  # noqa: E731
+        q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, implementation="reference")
+    args = [stack(x) for x in (q8, k8, v8, qd, kd, vd)]
+    got = jax.jit(jax.vmap(f))(*args)
+    want = jnp.stack([f(*[a[i] for a in args]) for i in range(2)])
+    return {"out_err": max_err(got, want), "scale": float(jnp.max(jnp.abs(want)))}
 
 
 def _segments_case(mesh, spec, implementation: str) -> dict:

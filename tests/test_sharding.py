@@ -244,3 +244,24 @@ def test_sharding_rule_replicates_sequence_and_head_dim():
     assert rule.operand_mappings[0] == ("b0", "b1", "sq", "h", "d")
     assert rule.operand_mappings[1] == ("b0", "b1", "sk", "hkv", "d")
     assert rule.result_mappings == (("b0", "b1", "sq", "h", "dv"), ("b0", "b1", "h", "sq"))
+
+
+def test_fp8_shards_over_batch_and_heads(suite):
+    """An FP8 call under jit with e4m3 q, k, v sharded over batch and heads and the (B, Hkv)
+    descales like k's batch and heads: no communication, each device's own rows and heads
+    (the kernel route's inputs recorded, the kernel stubbed), the reference backend's result
+    equal to the unsharded one, out bfloat16 sharded like q."""
+    r = _ok(suite["fp8_reference_batch_heads"])
+    assert r["fwd_collectives"] == {}, r["fwd_collectives"]
+    assert r["out_spec"] == "P('data', None, 'model', None)" and r["out_dtype"] == "bfloat16"
+    assert r["out_err"] <= 2 ** -8 * max(1.0, r["scale"]), r
+    r = _ok(suite["fp8_kernel_batch_heads"])
+    assert r["fwd_collectives"] == {}, r["fwd_collectives"]
+    fwd = [shapes for name, dtype, shapes in r["kernel_shapes"] if dtype == "float8_e4m3fn"]
+    # q (2 rows, 2 of 4 heads), k (1 of 2 kv heads), vt (B, Hkv, Dv, keys padded to 32·k)
+    assert [[2, 64, 2, 64], [2, 64, 1, 64], [2, 1, 64, 64]] in fwd, fwd
+
+
+def test_fp8_vmap(suite):
+    r = _ok(suite["fp8_vmap"])
+    assert r["out_err"] <= 1e-6 * max(1.0, r["scale"]), r

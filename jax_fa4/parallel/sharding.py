@@ -40,7 +40,8 @@ The sharding rule (Shardy factors; the forward shown, the backward maps
 - Every operation is described by its operands' and results' roles (``_ROLES``;
   :func:`partitioned`): segment ids ``(b.., sq)`` / ``(b.., sk)`` follow the batch (their
   sequence factor is replicated like q's), a sink ``(h,)`` the heads, and a forward asked for
-  max logits (``opts.max_logits``) returns the per-row max ``(b.., h, sq)`` sharded like lse.
+  max logits (``opts.max_logits``) returns the per-row max ``(b.., h, sq)`` sharded like lse;
+  the FP8 forward's descales ``(b.., hkv)`` follow the batch and k's heads.
 
 On one device, or inside ``shard_map`` with every mesh axis manual, the operations are inlined.
 """
@@ -63,7 +64,7 @@ from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 __all__ = ["partitioned", "partitioned_backward", "partitioned_backward_with_sink",
-           "partitioned_forward", "partitioned_forward_with_sink"]
+           "partitioned_forward", "partitioned_forward_with_sink", "partitioned_fp8_forward"]
 
 _REPLICATED_FACTORS = ("sq", "sk", "d", "dv")
 
@@ -86,9 +87,13 @@ _ROLES = {
     "sink": (_H, _SINK), "dsink": (_BH, _SINK),
     "q_ids": (_BS, ("sq", None, None)), "kv_ids": (_BS, ("sk", None, None)),
     "dq": (_BSHX, _Q), "dk": (_BSHX, _K), "dv": (_BSHX, _V),
+    # the FP8 forward's descales, float32 per (batch entry, kv head): sharded like k's heads
+    "q_descale": (_BH, (None, "hkv", None)), "k_descale": (_BH, (None, "hkv", None)),
+    "v_descale": (_BH, (None, "hkv", None)),
 }
 
 FORWARD_IN, FORWARD_OUT = ("q", "k", "v"), ("out", "lse")
+FP8_FORWARD_IN = FORWARD_IN + ("q_descale", "k_descale", "v_descale")
 BACKWARD_IN = ("q", "k", "v", "out", "lse", "dout", "dlse")
 BACKWARD_OUT = ("dq", "dk", "dv", "delta")
 SINK_BACKWARD_OUT = ("dq", "dk", "dv", "dsink")
@@ -132,8 +137,10 @@ def _folding(impl: Callable, kinds_in: tuple[str, ...]) -> Callable:
 
 
 # -- result types ------------------------------------------------------------------------------
-def _result_avals(roles_in: tuple[str, ...], roles_out: tuple[str, ...], avals) -> tuple:
-    """The results' types from the operands' (each by role): out like q with v's head dim and
+def _result_avals(roles_in: tuple[str, ...], roles_out: tuple[str, ...], avals, opts=None
+                  ) -> tuple:
+    """The results' types from the operands' (each by role): out like q with v's head dim (in
+    ``opts.out_dtype`` where the static parameters name one: the FP8 forward) and
     the row statistics (lse, delta, row_max) (B.., H, Sq) float32, keeping q's batch / head
     sharding (explicit mesh axes) and q's varying manual axes (inside ``shard_map``); dq, dk,
     dv like q, k, v; the sink's gradient by batch entry (B.., H) float32, sharded like lse
@@ -149,6 +156,8 @@ def _result_avals(roles_in: tuple[str, ...], roles_out: tuple[str, ...], avals) 
                     sharding=NamedSharding(mesh, PartitionSpec(*spec[:-3], spec[-2], None)))
     made = {
         "out": q.update(shape=(*lead, sq, h, v.shape[-1]), weak_type=False,
+                        dtype=q.dtype if getattr(opts, "out_dtype", None) is None
+                        else opts.out_dtype,
                         sharding=NamedSharding(mesh, PartitionSpec(*spec[:-3], None, spec[-2],
                                                                    None))),
         "dq": q.update(weak_type=False), "dk": k.update(weak_type=False),
@@ -314,7 +323,7 @@ def partitioned(name: str, impl: Callable, roles_in: tuple[str, ...],
 
     prim.def_impl(lambda *args, opts: jitted(opts)(*args))
     prim.def_abstract_eval(
-        lambda *avals, opts: _result_avals(roles_in, _results(roles_out, opts), avals))
+        lambda *avals, opts: _result_avals(roles_in, _results(roles_out, opts), avals, opts))
     batching.primitive_batchers[prim] = lambda args, dims, **p: _vmap_rule(prim, args, dims, **p)
 
     partitioned_impl = custom_partitioning(impl, static_argnums=(len(roles_in),))  # opts static
@@ -338,6 +347,13 @@ def partitioned_forward(impl: Callable) -> Callable:
     """``impl(q, k, v, opts) -> (out, lse[, row_max])`` as an operation that shards over batch
     and heads."""
     return partitioned("jax_fa4_attention_fwd", impl, FORWARD_IN, FORWARD_OUT)
+
+
+def partitioned_fp8_forward(impl: Callable) -> Callable:
+    """``impl(q, k, v, q_descale, k_descale, v_descale, static) -> (out, lse)``, the FP8
+    forward, sharded over batch and heads with the (B.., Hkv) descales split like k's heads;
+    ``out`` in ``static.out_dtype``."""
+    return partitioned("jax_fa4_attention_fwd_fp8", impl, FP8_FORWARD_IN, FORWARD_OUT)
 
 
 def partitioned_forward_with_sink(impl: Callable) -> Callable:
