@@ -172,7 +172,8 @@ ROW_KEYS = (
     "impl", "resolved_impl", "deterministic", "measures", "dtype", "B", "Sq", "Sk", "H", "Hkv",
     "D", "Dv", "causal", "window", "fwd_flops", "fwd_ms", "train_fwd_ms", "fwdbwd_ms", "bwd_ms",
     "fwd_us", "bwd_us", "fwd_tflops", "bwd_tflops", "fwd_tbps", "fwd_ratio_vs_cudnn",
-    "bwd_ratio_vs_cudnn", "fwd_ratio_vs_bf16", "fwd_spread", "train_fwd_spread", "fwdbwd_spread", "iters", "rounds",
+    "bwd_ratio_vs_cudnn", "fwd_ratio_vs_bf16", "fwd_spread", "train_fwd_spread",
+    "fwdbwd_spread", "iters", "rounds",
     "calls_per_dispatch", "input_sets", "compile_s", "residual_bytes", "peak_mem_bytes",
     "xla_mem_bytes", "custom_calls", "fwd_rel_err", "fwd_rel_err_vs", "skipped",
 )

@@ -156,7 +156,8 @@ def _fp8_case(mesh, spec, implementation: str) -> dict:
     call.call_kernel = recording
     try:
         placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q8, k8, v8)]
-        placed += [jax.device_put(x, NamedSharding(mesh, P(spec[0], spec[2]))) for x in (qd, kd, vd)]
+        descale_sharding = NamedSharding(mesh, P(spec[0], spec[2]))  # (B, Hkv): batch, heads
+        placed += [jax.device_put(x, descale_sharding) for x in (qd, kd, vd)]
         fwd = jax.jit(attn(implementation)).lower(*placed).compile()
         out = fwd(*placed)
     finally:
