@@ -38,9 +38,6 @@ from variant_harness import save, start, timing_parser
 SHAPES = ((2, 8192, 16, 128), (4, 8192, 32, 64), (2, 8192, 8, 256))
 
 
-per_tensor = bench.per_tensor_e4m3
-
-
 def main(argv=None) -> int:
     parser = timing_parser(__doc__)
     args = parser.parse_args(argv)
@@ -60,7 +57,7 @@ def main(argv=None) -> int:
                 (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x) for x in (q, k, v))
                 fp8_sets.append((q8, k8, v8, qd, kd, vd))
                 # per-tensor scales: what cuDNN takes (and the accuracy comparison reads)
-                ts = [per_tensor(x) for x in (q, k, v)]
+                ts = [bench.per_tensor_e4m3(x) for x in (q, k, v)]
                 ts_sets.append(tuple(x8 for x8, _ in ts) + tuple(sc for _, sc in ts))
             variants = {
                 "jax-fa4-fp8": (fp8_sets, lambda q, k, v, qd, kd, vd: jax_fa4.flash_attention(
