@@ -36,7 +36,7 @@ import jax_fa4
 import segments_bench as sb
 from jax_fa4 import bench, segments
 from jax_fa4.kernels import segments_config as cols
-from jax_fa4.kernels.sm90 import fwd_config
+from jax_fa4.kernels.sm90 import fwd_config, fwd_tuning
 from variant_harness import rotating_sets
 
 _real_tables = segments.forward_tables
@@ -55,24 +55,24 @@ def _bulk_tables(q_ids, kv_ids, tile_m, tile_n, *rest):
 
 
 def _persistent_table():
-    return {key: {kind: (fwd_config.Sm90FwdTuning(**{**t.__dict__, "num_sms": 132})
+    return {key: {kind: (fwd_tuning.Sm90FwdTuning(**{**t.__dict__, "num_sms": 132})
                          if kind == "none" else t) for kind, t in row.items()}
-            for key, row in fwd_config.TUNING_TABLE.items()}
+            for key, row in fwd_tuning.TUNING_TABLE.items()}
 
 
 def _traced_under(compile_fn, name: str):
     """Compile with the variant's patch in place (jit caches cleared around it)."""
-    saved_table = dict(fwd_config.TUNING_TABLE)
+    saved_table = dict(fwd_tuning.TUNING_TABLE)
     jax.clear_caches()
     if name.endswith("-pers"):
-        fwd_config.TUNING_TABLE.update(_persistent_table())
+        fwd_tuning.TUNING_TABLE.update(_persistent_table())
     if name.endswith("-bulk"):
         segments.forward_tables = _bulk_tables
     try:
         return compile_fn()
     finally:
-        fwd_config.TUNING_TABLE.clear()
-        fwd_config.TUNING_TABLE.update(saved_table)
+        fwd_tuning.TUNING_TABLE.clear()
+        fwd_tuning.TUNING_TABLE.update(saved_table)
         segments.forward_tables = _real_tables
         jax.clear_caches()
 

@@ -119,6 +119,7 @@ def test_keys_do_not_depend_on_where_the_package_lies(tmp_path):
                                     "sm100_bwd"}),
     ("kernels/common/mask.py", {"sm90_fwd"}),
     ("kernels/sm90/fwd_config.py", {"sm90_fwd"}),
+    ("kernels/sm90/fwd_tuning.py", set()),  # a tuning table: only the configs it changes
     ("kernels/segments_config.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess"}),
     ("kernels/common/softmax.py", {"sm90_fwd", "sm100_fwd"}),
     ("kernels/common/exp2.py", {"sm90_fwd", "sm100_fwd", "exp2_probe"}),
@@ -167,3 +168,25 @@ def test_closure_follows_relative_and_function_level_imports(tmp_path):
     graph = sources.import_graph(tmp_path)
     assert graph["jax_fa4"] == {"jax_fa4.top"}
     assert sources.cycles(graph) == [("jax_fa4.sub.a", "jax_fa4.sub.c")]
+
+
+def test_only_config_modules_import_the_tuning_tables():
+    """A tuning module is outside every key (sources.TUNING_MODULES): kernel code must not read
+    it, only the config modules that turn its rows into config fields (which are the key)."""
+    graph = sources.import_graph()
+    assert sources.TUNING_MODULES <= set(graph)
+    importers = {m for m, deps in graph.items() if deps & sources.TUNING_MODULES}
+    kernel_side = {m for m in importers
+                   if m.startswith("jax_fa4.kernels.") and not m.endswith("_config")}
+    assert importers and not kernel_side, kernel_side
+
+
+def test_a_table_edit_rekeys_no_kernel_source(tmp_path):
+    """Editing a tuning row leaves every kernel's source fingerprint alone: only the configs made
+    from that row change (their fields are the key)."""
+    root = _package_copy(tmp_path)
+    path = root / "jax_fa4" / "kernels" / "sm90" / "fwd_tuning.py"
+    text = path.read_text()
+    assert '"none": _T(192, 160)' in text  # the FP8 hdim-64 row
+    path.write_text(text.replace('"none": _T(192, 160)', '"none": _T(192, 128)', 1))
+    assert _keys(root) == _keys()

@@ -21,6 +21,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 PACKAGE = "jax_fa4"
+#: Modules of tuning tables: they choose configs, and what they choose reaches the generated code
+#: only as config fields, which are in the key themselves. :func:`closure` does not enter them,
+#: so a table edit recompiles only the configs it changed (tests/test_cache_keys.py checks that
+#: only config modules import them).
+TUNING_MODULES = frozenset({"jax_fa4.kernels.sm90.fwd_tuning"})
 #: The directory holding the ``jax_fa4`` package (a checkout's root, or site-packages).
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -77,11 +82,12 @@ def direct_imports(name: str, root: Path = ROOT) -> frozenset[str]:
 
 @functools.cache
 def closure(name: str, root: Path = ROOT) -> tuple[str, ...]:
-    """Module ``name`` and every package module it imports, transitively (sorted names)."""
+    """Module ``name`` and every package module it imports, transitively (sorted names), except
+    the :data:`TUNING_MODULES`."""
     seen, todo = {name}, [name]
     while todo:
         for dep in direct_imports(todo.pop(), root):
-            if dep not in seen:
+            if dep not in seen and dep not in TUNING_MODULES:
                 seen.add(dep)
                 todo.append(dep)
     return tuple(sorted(seen))

@@ -1,6 +1,6 @@
 """FlashAttention forward for Hopper (sm_90a), written in CuTe-DSL.
 
-Features: bf16/fp16, head dims from fwd_config.TUNING_TABLE (64, 96, 128, 192 with dv 128 or 192,
+Features: bf16/fp16, head dims from fwd_tuning.TUNING_TABLE (64, 96, 128, 192 with dv 128 or 192,
 256), dynamic batch / sequence lengths / head counts (one compile serves all), GQA/MQA (q head h
 reads kv head h // (H // Hkv)), key-length tail mask, bottom-right aligned causal and sliding
 window masks with key-block skipping (only boundary blocks are masked), softcap, lse output,
@@ -70,7 +70,6 @@ merge of the splits rounds to 16 bits once.
 from __future__ import annotations
 
 import enum
-import math
 
 import cuda.bindings.driver as cuda
 
@@ -88,14 +87,14 @@ from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, s
                                            transpose_mn)
 from jax_fa4.kernels.common.mask import AttentionMask
 from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows_from
-from jax_fa4.kernels.common.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
+from jax_fa4.kernels.common.softmax import (LOG2_E, OnlineSoftmax, rescale_rows,
+                                            rescale_rows_if_needed)
 from jax_fa4.kernels.common.tile_scheduler import PersistentTileScheduler, SingleTileScheduler
 from jax_fa4.kernels.common.views import seq_major
 from jax_fa4.kernels.segments_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, SEG_N_HI,
                                             SEG_N_LO, SEG_ROW_END, SEG_ROW_ID, SEG_ROW_START)
 from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE, FwdConfig
 
-LOG2_E = math.log2(math.e)
 # Persistent scheduling: K+V bytes of the (batch, head) pairs of one L2 section (H200 L2: 60 MB)
 L2_SECTION_KB = 48 * 1024
 
@@ -268,6 +267,8 @@ class FlashAttentionForwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            # one word per consumer thread, written and never read (OnlineSoftmax.pin)
+            pin: cute.struct.MemRange[Float32, self.num_mma_threads]
 
         # varlen: q is (1, total_q, H, D) and the batch and the longest sequence come from lse
         num_m_blocks = cute.ceil_div(mLSE.shape[0] if const_expr(self.varlen) else mQ.shape[0],
@@ -368,12 +369,13 @@ class FlashAttentionForwardSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner,
                                    dtype=self.out_dtype)  # reuses Q's buffer
+        sPin = storage.pin.get_tensor(cute.make_layout(self.num_mma_threads))
 
         seqlen_q = mQ.shape[0]
         if const_expr(self.persistent):
             seqlen_k = mK.shape[0]
             window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
-            self.run_persistent(mQ, mK, mV, mO, mLSE, mParams, sQ, sK, sV, sO,
+            self.run_persistent(mQ, mK, mV, mO, mLSE, mParams, sQ, sK, sV, sO, sPin,
                                 tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
                                 tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v,
                                 warp_idx, tidx, seqlen_q, seqlen_k, window_left, window_right,
@@ -434,7 +436,7 @@ class FlashAttentionForwardSm90:
                 wg_idx = (warp_idx - 4) // 4  # consumer warpgroup 0..W-1 (warp-uniform)
                 if const_expr(self.pingpong):
                     self.pingpong_init(wg_idx)
-                self.mma(mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                self.mma(mO, mLSE, sQ, sK, sV, sO, sPin, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                          pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
                          scale_log2, softcap_in_scale, mask, block_info,
                          m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
@@ -460,7 +462,8 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def run_persistent(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                        mLSE: cute.Tensor, mParams: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-                       sV: cute.Tensor, sO: cute.Tensor, tma_atom_Q: cute.CopyAtom,
+                       sV: cute.Tensor, sO: cute.Tensor, sPin: cute.Tensor,
+                       tma_atom_Q: cute.CopyAtom,
                        tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                        tma_atom_O: cute.CopyAtom, tiled_mma_qk: cute.TiledMma,
                        tiled_mma_pv: cute.TiledMma, pipeline_q, pipeline_k, pipeline_v,
@@ -525,7 +528,7 @@ class FlashAttentionForwardSm90:
                                      window_left, window_right)
                 n_block_min, n_block_max = block_info.n_block_range(m_block)
                 k_state, v_state, q_state = self.mma(
-                    mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                    mO, mLSE, sQ, sK, sV, sO, sPin, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                     pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
                     scale_log2, softcap_in_scale, mask, block_info,
                     m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
@@ -725,7 +728,7 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def mma(self, mO: cute.Tensor, mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-            sV: cute.Tensor, sO: cute.Tensor, tma_atom_O: cute.CopyAtom,
+            sV: cute.Tensor, sO: cute.Tensor, sPin: cute.Tensor, tma_atom_O: cute.CopyAtom,
             tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
             pipeline_q, pipeline_k, pipeline_v, tidx: Int32, warp_idx: Int32,
             scale_log2: Float32, softcap_in_scale, mask: AttentionMask, block_info: FwdBlocks,
@@ -773,7 +776,7 @@ class FlashAttentionForwardSm90:
                    t0ScS=t0ScS, softmax=softmax, row_scale=row_scale, mask=mask,
                    softcap_in_scale=softcap_in_scale, pipeline_k=pipeline_k,
                    pipeline_v=pipeline_v, m_block=m_block, wg_idx=wg_idx, sV=sV, tidx=tidx,
-                   segs=segs)
+                   segs=segs, pin=sPin.iterator + tidx)
         masked = self.is_causal or self.is_local or self.segments
         # block boundaries between the mask regions (see mma loop below): blocks >= n_lo_right
         # cut the causal / right-window diagonal, blocks < n_lo_bulk the left-window edge
@@ -1048,6 +1051,10 @@ class FlashAttentionForwardSm90:
         k_state.advance()
         self.scores(ctx, acc_S, n_block, mask_seqlen, mask_diag)
         softmax.step(acc_S, row_scale, False)
+        # ptxas would otherwise hoist the wait above the exponentials (it fills the row max's
+        # shuffle latency with it), serialising them behind the P·V GEMM: a shared-memory
+        # store of a value that needs every exponential keeps them before the wait
+        softmax.pin(ctx["pin"])
         warpgroup.wait_group(0)  # PV done: P_{j-1} and V_{j-1} are free, O is final for j-1
         pipeline_v.consumer_release(v_state)
         v_state.advance()

@@ -1,4 +1,5 @@
-"""Compile key and tuning table of the Hopper (sm_90a) forward attention kernel.
+"""Compile key of the Hopper (sm_90a) forward attention kernel and the configs of each problem kind
+(the tuning tables themselves live in fwd_tuning.py, outside every kernel's cache key).
 
 Importable without the compiler: nothing here imports ``cutlass`` at module level.
 
@@ -25,8 +26,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from jax_fa4.kernels.segments_config import SEG_ROW_COLUMNS, SEG_TILE_COLUMNS
+# the tables choose configs (whose fields are the key): not part of any kernel's key
+from jax_fa4.kernels.sm90.fwd_tuning import (FP8_SOFTCAP_TILE_N, FP8_TUNING_TABLE, TUNING_TABLE,
+                                             tuning_for)
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
-                                  TensorArg, attention_forward_signature, check_dtype_and_mask, lookup_tuning,
+                                  TensorArg, attention_forward_signature, check_dtype_and_mask,
                                   paged_attention_forward_signature,
                                   varlen_attention_forward_signature)
 
@@ -37,67 +41,8 @@ SMEM_LIMIT_BYTES = 227 * 1024 - 1024
 SMEM_PER_SM_BYTES = 228 * 1024
 
 
-@dataclass(frozen=True)
-class Sm90FwdTuning:
-    """The tuning choices for one (head_dim, head_dim_v, mask kind) row."""
-
-    tile_m: int  # 64 rows per consumer warpgroup
-    tile_n: int
-    stages: int = 2  # K and V pipeline depth
-    # issue S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} back to back, softmax S_j while the PV GEMM runs
-    intra_wg_overlap: bool = True
-    # v2 options (see FwdConfig for their meaning)
-    pingpong: bool = False
-    rescale_threshold: float = 0.0
-    num_sms: int = 0
-    exp2_sw_per_32: int = 0
-    rescale_skip: bool = False
-
-
-# THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Start points from FA4's H100
-# choices (docs/SM90-NOTES.md); the hdim 64 and 256 rows of "none"/"causal" are the winners of
-# benchmarks/fwd_variants.py on the H200 (docs/perf-log.md, v2 and session 11: ping-pong with the
-# rescale threshold on the causal hdim-64 tile, +7%); hdim 96 "none" is ping-pong (session 20:
-# 559-560 TFLOP/s against 431-432 without, tile 128x144 552-567, two H200 runs; causal keeps the
-# plain tile: 512-516 against 501-504 with ping-pong). Same for both 16-bit dtypes.
-# Only the rows listed here are supported (and compiled by the tests).
-_T = Sm90FwdTuning
-_PP_RS = dict(pingpong=True, rescale_threshold=8.0)
-TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
-    (64, 64): {"none": _T(192, 128), "causal": _T(192, 128, **_PP_RS), "local": _T(128, 128)},
-    (96, 96): {"none": _T(128, 128, pingpong=True), "causal": _T(128, 128), "local": _T(128, 128)},
-    (128, 128): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 128)},
-    (192, 128): {"none": _T(128, 128), "causal": _T(128, 128), "local": _T(128, 96)},
-    (192, 192): {"none": _T(128, 112), "causal": _T(128, 112), "local": _T(128, 96)},
-    (256, 256): {"none": _T(128, 80, **_PP_RS), "causal": _T(128, 80, **_PP_RS),
-                 "local": _T(128, 64)},
-}
-
-
-#: The FP8 forward's dtype (e4m3 q, k, v; bfloat16 out) and its tuning table: key blocks of 32·k
-#: keys (the e4m3 P·V WGMMA's K step), half the shared memory per element of the 16-bit tiles.
-#: Measured on the H200 (docs/perf-log.md, sessions 26-27): hdim 128 three consumer
-#: warpgroups (192 rows) on 96-key blocks, 3 stages, 3-way ping-pong and the exact rescale skip
-#: (854-863 TFLOP/s against 729 for session 26's 128x128 ping-pong, 787-838 for 128x160),
-#: hdim 64 a 160-key block of 192 rows (+4-6 %), hdim 256 ping-pong with the rescale skip. No
-#: conditional rescale threshold (it fails the accuracy rule, see validate_fp8); software exp2
-#: lost everywhere (-3 ... -18 %).
+#: The FP8 forward's dtype: e4m3 q, k, v; bfloat16 out (FP8_TUNING_TABLE gives its tiles).
 FP8_DTYPE = "float8_e4m3fn"
-_PP_S3_SK = dict(pingpong=True, stages=3, rescale_skip=True)  # 3-way with tile_m 192
-_PP_SK = dict(pingpong=True, rescale_skip=True)
-FP8_TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
-    (64, 64): {"none": _T(192, 160), "causal": _T(192, 160), "local": _T(128, 128)},
-    (128, 128): {"none": _T(192, 96, **_PP_S3_SK), "causal": _T(192, 96, **_PP_S3_SK),
-                 "local": _T(128, 128)},
-    (256, 256): {"none": _T(128, 128, **_PP_SK), "causal": _T(128, 128, **_PP_SK),
-                 "local": _T(128, 128)},
-}
-
-
-def tuning_for(head_dim: int, head_dim_v: int, mask: str, dtype: str = "bfloat16"
-               ) -> Sm90FwdTuning:
-    table = FP8_TUNING_TABLE if dtype == FP8_DTYPE else TUNING_TABLE
-    return lookup_tuning(table, head_dim, head_dim_v, mask, "sm90 forward")
 
 
 @dataclass(frozen=True)
@@ -177,12 +122,8 @@ class FwdConfig(KernelConfig):
         """The config for a problem kind, tuning taken from the table (``overrides`` replace table
         fields, for experiments and the no-overlap fallback). Raises ValueError if unsupported."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        t = tuning_for(head_dim, head_dim_v, mask, dtype)
-        fields = dict(tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages,
-                      intra_wg_overlap=t.intra_wg_overlap, pingpong=t.pingpong,
-                      rescale_threshold=t.rescale_threshold, num_sms=t.num_sms,
-                      exp2_sw_per_32=t.exp2_sw_per_32, rescale_skip=t.rescale_skip)
-        fields.update(overrides)
+        t = tuning_for(head_dim, head_dim_v, mask, dtype == FP8_DTYPE)
+        fields = {**dataclasses.asdict(t), **overrides}  # the tuning's fields are FwdConfig's
         cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
                   has_softcap=bool(has_softcap), **fields)
         cfg.validate()
@@ -195,7 +136,7 @@ class FwdConfig(KernelConfig):
             self.validate_fp8()
         else:
             check_dtype_and_mask("sm90 forward", self.dtype, self.mask)
-        tuning_for(self.head_dim, self.head_dim_v, self.mask, self.dtype)  # head dims in table
+        tuning_for(self.head_dim, self.head_dim_v, self.mask, self.fp8)  # head dims in table
         if self.head_dim % 16 or self.head_dim_v % 16:
             raise ValueError("sm90 forward: head dims must be multiples of 16")
         if self.head_dim_v > self.head_dim:
@@ -503,12 +444,6 @@ def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask
 #: session 25). Without those it fits and is the faster one (hd64 unmasked 0.596 vs 0.698 ms,
 #: perf-log), so only those configs take this tile.
 SEGMENTS_MAX_TILE_M = 128
-
-
-#: FP8 key blocks with a softcap, where the table's block leaves the softcap's tanh too few
-#: registers: hdim 64's 192x160 spills (ptxas: 63 LDL / 49 STL, the SASS check of session 27),
-#: 192x128 does not.
-FP8_SOFTCAP_TILE_N: dict[tuple[int, int], int] = {(64, 64): 128}
 
 
 def fp8_config(head_dim: int, head_dim_v: int | None = None, mask: str = "none",
