@@ -44,26 +44,11 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
 
 from jax_fa4.kernels.common.exp2 import exp2_is_software, exp2_sw
 from jax_fa4.kernels.common.layout import acc_view_mn
 
 LN2 = math.log(2.0)
-
-
-@dsl_user_op
-def st_shared_f32(ptr: cute.Pointer, value: Float32, *, loc=None, ip=None) -> None:
-    """``st.shared.f32 [ptr], value`` as a volatile asm (LLVM keeps it where it is)."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(value).ir_value(loc=loc, ip=ip)],
-        "st.shared.f32 [$0], $1;",
-        "r,f",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip,
-    )
 LOG2_E = math.log2(math.e)
 
 
@@ -162,18 +147,6 @@ class OnlineSoftmax:
             self.step_thresholded(acc_S, row_scale)
         else:
             self.step_always(acc_S, row_scale, is_first)
-
-    @cute.jit
-    def pin(self, slot: cute.Pointer) -> None:
-        """Store Σ of the row sums to ``slot`` (this thread's float32 word of shared memory,
-        never read). The store needs every exponential of the step, and ptxas keeps shared
-        stores before a following ``wgmma.wait_group``: it thus pins the step's MUFU work
-        before the wait, where it overlaps the warpgroup's in-flight P·V GEMM (without it,
-        ptxas hoists the wait into the row max's shuffle latency; sm90 flash_fwd.overlap_block)."""
-        total = self.row_sum[0]
-        for r in cutlass.range_constexpr(1, self.num_rows):
-            total = total + self.row_sum[r]
-        st_shared_f32(slot, total)
 
     @cute.jit
     def block_max_scaled(self, s_mn: cute.Tensor, r: cutlass.Constexpr[int]) -> Float32:

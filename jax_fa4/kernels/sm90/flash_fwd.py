@@ -267,8 +267,6 @@ class FlashAttentionForwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            # one word per consumer thread, written and never read (OnlineSoftmax.pin)
-            pin: cute.struct.MemRange[Float32, self.num_mma_threads]
 
         # varlen: q is (1, total_q, H, D) and the batch and the longest sequence come from lse
         num_m_blocks = cute.ceil_div(mLSE.shape[0] if const_expr(self.varlen) else mQ.shape[0],
@@ -369,13 +367,12 @@ class FlashAttentionForwardSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner,
                                    dtype=self.out_dtype)  # reuses Q's buffer
-        sPin = storage.pin.get_tensor(cute.make_layout(self.num_mma_threads))
 
         seqlen_q = mQ.shape[0]
         if const_expr(self.persistent):
             seqlen_k = mK.shape[0]
             window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
-            self.run_persistent(mQ, mK, mV, mO, mLSE, mParams, sQ, sK, sV, sO, sPin,
+            self.run_persistent(mQ, mK, mV, mO, mLSE, mParams, sQ, sK, sV, sO,
                                 tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
                                 tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v,
                                 warp_idx, tidx, seqlen_q, seqlen_k, window_left, window_right,
@@ -436,7 +433,7 @@ class FlashAttentionForwardSm90:
                 wg_idx = (warp_idx - 4) // 4  # consumer warpgroup 0..W-1 (warp-uniform)
                 if const_expr(self.pingpong):
                     self.pingpong_init(wg_idx)
-                self.mma(mO, mLSE, sQ, sK, sV, sO, sPin, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                self.mma(mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                          pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
                          scale_log2, softcap_in_scale, mask, block_info,
                          m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
@@ -462,8 +459,7 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def run_persistent(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                        mLSE: cute.Tensor, mParams: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-                       sV: cute.Tensor, sO: cute.Tensor, sPin: cute.Tensor,
-                       tma_atom_Q: cute.CopyAtom,
+                       sV: cute.Tensor, sO: cute.Tensor, tma_atom_Q: cute.CopyAtom,
                        tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                        tma_atom_O: cute.CopyAtom, tiled_mma_qk: cute.TiledMma,
                        tiled_mma_pv: cute.TiledMma, pipeline_q, pipeline_k, pipeline_v,
@@ -528,7 +524,7 @@ class FlashAttentionForwardSm90:
                                      window_left, window_right)
                 n_block_min, n_block_max = block_info.n_block_range(m_block)
                 k_state, v_state, q_state = self.mma(
-                    mO, mLSE, sQ, sK, sV, sO, sPin, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                    mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                     pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
                     scale_log2, softcap_in_scale, mask, block_info,
                     m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
@@ -728,7 +724,7 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def mma(self, mO: cute.Tensor, mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-            sV: cute.Tensor, sO: cute.Tensor, sPin: cute.Tensor, tma_atom_O: cute.CopyAtom,
+            sV: cute.Tensor, sO: cute.Tensor, tma_atom_O: cute.CopyAtom,
             tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
             pipeline_q, pipeline_k, pipeline_v, tidx: Int32, warp_idx: Int32,
             scale_log2: Float32, softcap_in_scale, mask: AttentionMask, block_info: FwdBlocks,
@@ -776,7 +772,7 @@ class FlashAttentionForwardSm90:
                    t0ScS=t0ScS, softmax=softmax, row_scale=row_scale, mask=mask,
                    softcap_in_scale=softcap_in_scale, pipeline_k=pipeline_k,
                    pipeline_v=pipeline_v, m_block=m_block, wg_idx=wg_idx, sV=sV, tidx=tidx,
-                   segs=segs, pin=sPin.iterator + tidx)
+                   segs=segs)
         masked = self.is_causal or self.is_local or self.segments
         # block boundaries between the mask regions (see mma loop below): blocks >= n_lo_right
         # cut the causal / right-window diagonal, blocks < n_lo_bulk the left-window edge
@@ -1051,10 +1047,9 @@ class FlashAttentionForwardSm90:
         k_state.advance()
         self.scores(ctx, acc_S, n_block, mask_seqlen, mask_diag)
         softmax.step(acc_S, row_scale, False)
-        # ptxas would otherwise hoist the wait above the exponentials (it fills the row max's
-        # shuffle latency with it), serialising them behind the P·V GEMM: a shared-memory
-        # store of a value that needs every exponential keeps them before the wait
-        softmax.pin(ctx["pin"])
+        # (ptxas hoists this wait above the exponentials, into the row max's shuffle latency;
+        # pinning them before it measured 5 % slower at bf16 hdim 128 and no faster for FP8:
+        # docs/perf-log.md, session 28)
         warpgroup.wait_group(0)  # PV done: P_{j-1} and V_{j-1} are free, O is final for j-1
         pipeline_v.consumer_release(v_state)
         v_state.advance()
