@@ -58,10 +58,10 @@ TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
 #: warpgroups (192 rows) on 96-key blocks, 3 stages, 3-way ping-pong and the exact rescale skip
 #: (854-863 TFLOP/s against 729 for session 26's 128x128 ping-pong, 787-838 for 128x160),
 #: hdim 64 a 160-key block of 192 rows (+4-6 %), hdim 256 ping-pong with the rescale skip; hdim
-#: 128 causal without the skip (session 28, two runs in one process each: 749 / 774 against 712 /
-#: 690 with it; why the skip loses there is not measured). No
-#: conditional rescale threshold (it fails the accuracy rule, see validate_fp8); software exp2
-#: lost everywhere (-3 ... -18 %).
+#: 128 causal without the skip (session 28: 749 / 774 against 712 / 690 with it in two
+#: in-process comparisons, while the bench across runs is flat; not understood, see perf-log).
+#: No conditional rescale threshold (it fails the accuracy rule, see validate_fp8); software
+#: exp2 lost everywhere (-3 ... -18 %).
 _PP_S3_SK = dict(pingpong=True, stages=3, rescale_skip=True)  # 3-way with tile_m 192
 _PP_SK = dict(pingpong=True, rescale_skip=True)
 FP8_TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
