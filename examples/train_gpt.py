@@ -254,6 +254,9 @@ def train(cfg: Config, *, steps: int, seed: int, implementation: str | None,
         "compile_s": round(compile_s, 2) if steps else None,
         "tokens_per_s": round((steps - 1) * tokens_per_step / elapsed) if steps > 1 else None,
         "losses": losses,
+        # the allocator's high-water mark on each device (None where it does not say)
+        "peak_bytes_per_device": [(d.memory_stats() or {}).get("peak_bytes_in_use")
+                                  for d in jax.local_devices()],
     }
 
 

@@ -484,6 +484,21 @@ def custom_call_targets(hlo_text: str) -> dict[str, int]:
     return counts
 
 
+#: The collectives XLA may insert into a sharded program, as they appear in compiled HLO text.
+COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
+
+
+def collectives(hlo_text: str) -> dict[str, list[str]]:
+    """Result shapes of each collective in compiled HLO text, e.g. ``{"all-reduce": ["f32[]"]}``
+    (an async pair ``-start``/``-done`` counts once)."""
+    found: dict[str, list[str]] = {}
+    for op in COLLECTIVES:
+        shapes = re.findall(rf"^\s*\S+ = (.+?) {op}(?:-start)?\(", hlo_text, re.M)
+        if shapes:
+            found[op] = shapes
+    return found
+
+
 # -- measuring ---------------------------------------------------------------------------------
 def chain_length(shape: Shape, itemsize: int, platform: str) -> int:
     """Attention calls per dispatch: 1, except on a GPU for shapes whose device time (by a lower
@@ -618,30 +633,45 @@ def time_programs(programs: Sequence[Program], *, repeats: int, target_s: float,
 
 
 def peak_bytes(device: jax.Device, run: Callable[[], None], need: int) -> int | None:
-    """Allocator bytes in use at the peak of ``run()`` minus those in use before it.
+    """Allocator bytes in use at the peak of ``run()`` minus those in use before it, on
+    ``device`` (see :func:`peak_bytes_per_device`)."""
+    return peak_bytes_per_device([device], run, need)[0]
 
-    The high-water mark cannot be reset, so a ballast buffer first lifts the bytes in use to the
-    old mark; ``need`` (bytes the run may allocate) decides whether that fits.
+
+def peak_bytes_per_device(devices: Sequence[jax.Device], run: Callable[[], None],
+                          need: int) -> list[int | None]:
+    """Per device, allocator bytes in use at the peak of ``run()`` minus those in use before it
+    (None where the allocator does not say, or where the figure would not be exact).
+
+    The high-water mark cannot be reset, so a ballast buffer on each device first lifts the
+    bytes in use to the old mark; ``need`` (bytes the run may allocate per device) decides
+    whether that fits.
     """
-    stats = device.memory_stats() or {}
-    if "peak_bytes_in_use" not in stats:
+    stats = [device.memory_stats() or {} for device in devices]
+    if any("peak_bytes_in_use" not in s for s in stats):
         run()
-        return None
-    gap = stats["peak_bytes_in_use"] - stats["bytes_in_use"]
-    ballast = None
-    if gap > 0 and stats["peak_bytes_in_use"] + need + 2**30 < stats.get("bytes_limit", 0):
-        try:  # the allocator may still refuse (fragmentation): then measure without it
-            ballast = jnp.zeros((gap,), jnp.uint8, device=device)
-            ballast.block_until_ready()
-        except jax.errors.JaxRuntimeError:
-            ballast = None
-    stats = device.memory_stats()
-    base, mark = stats["bytes_in_use"], stats["peak_bytes_in_use"]
+        return [None] * len(devices)
+    ballast, exact_before = [], []
+    for device, s in zip(devices, stats):
+        gap = s["peak_bytes_in_use"] - s["bytes_in_use"]
+        buf = None
+        if gap > 0 and s["peak_bytes_in_use"] + need + 2**30 < s.get("bytes_limit", 0):
+            try:  # the allocator may still refuse (fragmentation): then measure without it
+                buf = jnp.zeros((gap,), jnp.uint8, device=device)
+                buf.block_until_ready()
+            except jax.errors.JaxRuntimeError:
+                buf = None
+        ballast.append(buf)
+        exact_before.append(buf is not None or gap <= 0)
+    before = [device.memory_stats() for device in devices]
     run()
-    new_peak = device.memory_stats()["peak_bytes_in_use"]
-    exact = ballast is not None or gap <= 0 or new_peak > mark
+    result: list[int | None] = []
+    for device, s, exact in zip(devices, before, exact_before):
+        new_peak = device.memory_stats()["peak_bytes_in_use"]
+        exact = exact or new_peak > s["peak_bytes_in_use"]
+        result.append(new_peak - s["bytes_in_use"] if exact else None)
     del ballast
-    return new_peak - base if exact else None
+    return result
 
 
 def row_dtype(impl: str, dtype_name: str) -> str:

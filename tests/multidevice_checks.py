@@ -6,7 +6,8 @@ The test process has already initialised JAX with one CPU device, so these check
 interpreter with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (set below, before JAX is
 imported). Each check returns measurements (errors, collectives in the compiled HLO, shardings,
 error messages, training losses) that ``tests/test_sharding.py``, ``tests/test_ring.py``,
-``tests/test_sm100_bwd_wiring.py`` and ``tests/test_train_example.py`` assert on. The process
+``tests/test_sm100_bwd_wiring.py``, ``tests/test_train_example.py`` and
+``tests/test_multi_gpu_script.py`` assert on. The process
 runs one check per line of stdin, ``SUITE CASE`` (a name in ``SUITES``, one of its checks), and
 prints its measurements as one ``RESULT`` line of JSON; the tests keep one such process and ask
 it for the checks they assert on (``tests/test_sharding.py``'s ``multidevice_suite``).
@@ -23,7 +24,6 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import faulthandler  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import traceback  # noqa: E402
@@ -34,22 +34,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_fa4  # noqa: E402
+from jax_fa4.bench import collectives  # noqa: E402
 from jax_fa4.parallel import ring  # noqa: E402
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
-COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
-
-
-def collectives(hlo: str) -> dict[str, list[str]]:
-    """Result shapes of each collective in compiled HLO text, e.g. {"all-reduce": ["f32[]"]}."""
-    found: dict[str, list[str]] = {}
-    for op in COLLECTIVES:
-        shapes = re.findall(rf"^\s*\S+ = (.+?) {op}(?:-start)?\(", hlo, re.M)
-        if shapes:
-            found[op] = shapes
-    return found
-
-
 def qkv(b=4, s=32, h=4, hkv=2, d=16, dtype=jnp.float32, seed=0):
     ks = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(ks[0], (b, s, h, d), jnp.float32).astype(dtype)
@@ -523,6 +511,26 @@ def train_example_cases() -> dict:
             "pack_mesh": lambda: _train_example("--pack", "--mesh", "2x2")}
 
 
+# -- benchmarks/multi_gpu.py at its smoke sizes --------------------------------------------------
+def _multi_gpu_script(*args: str) -> dict:
+    """The report of ``benchmarks/multi_gpu.py --smoke`` on the 4 devices (``args`` added)."""
+    sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
+    try:
+        import multi_gpu
+    finally:
+        sys.path.pop(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "report.json"
+        status = multi_gpu.main(["--smoke", "--out", str(out), *args])
+        return {"status": status, "report": json.loads(out.read_text())}
+
+
+def multi_gpu_cases() -> dict:
+    return {"checks_and_ring": lambda: _multi_gpu_script(
+        "--parts", "checks,ring", "--checks", "sharded_batch_heads_causal,ring_causal_zigzag",
+        "--repeats", "1", "--target-ms", "1")}
+
+
 def _run(fn) -> dict:
     try:
         return fn()
@@ -532,7 +540,7 @@ def _run(fn) -> dict:
 
 #: Each suite's checks, by name: functions returning their measurements.
 SUITES = {"sharding": sharding_cases, "ring": ring_cases, "sm100_bwd": sm100_bwd_cases,
-          "train_example": train_example_cases}
+          "train_example": train_example_cases, "multi_gpu": multi_gpu_cases}
 CASE_TIMEOUT_S = 300
 
 

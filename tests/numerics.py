@@ -10,6 +10,8 @@ the rounding granularity of that dtype near 0.3. The same rule applies to dq, dk
 Also: :func:`random_qkv`, fresh normal q, k, v of given shapes.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,14 +46,31 @@ def assert_fa4_close(out, ref, pt, *, softcap: bool = False, name: str = "out") 
         raise AssertionError(
             f"{name}: shapes differ: out {jnp.shape(out)}, ref {ref.shape}, pt {jnp.shape(pt)}"
         )
+    e = fa4_error(out, ref, pt, softcap=softcap)
+    if not e.passed:
+        raise AssertionError(
+            f"{name}: max|out - ref| = {e.err:.4g} exceeds the bound {e.bound:.4g} "
+            f"= {3 if softcap else 2} * max|pt - ref| ({e.pt_err:.4g}) + atol ({e.atol:.4g})"
+        )
+
+
+class Fa4Error(NamedTuple):
+    """One comparison by FA4's rule: ``passed`` is ``err <= bound`` (False when NaN)."""
+    err: float  # max|out - ref|
+    bound: float  # m * pt_err + atol
+    pt_err: float  # max|pt - ref|
+    atol: float
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.err <= self.bound)
+
+
+def fa4_error(out, ref, pt, *, softcap: bool = False) -> Fa4Error:
+    """FA4's rule (module docstring) measured on same-shaped ``out``, ``ref`` and ``pt``."""
+    ref = jnp.asarray(ref)
     ref32 = np.asarray(ref, np.float32)
     atol = 2 * float(np.max(np.abs(np.asarray(ref + 0.3 - 0.3, np.float32) - ref32)))
     err = float(np.max(np.abs(np.asarray(out, np.float32) - ref32)))
     pt_err = float(np.max(np.abs(np.asarray(pt, np.float32) - ref32)))
-    mult = 3 if softcap else 2
-    bound = mult * pt_err + atol
-    if not err <= bound:
-        raise AssertionError(
-            f"{name}: max|out - ref| = {err:.4g} exceeds the bound {bound:.4g} "
-            f"= {mult} * max|pt - ref| ({pt_err:.4g}) + atol ({atol:.4g})"
-        )
+    return Fa4Error(err, (3 if softcap else 2) * pt_err + atol, pt_err, atol)
