@@ -9,6 +9,9 @@ Two tiers (README, "Development"):
 * **exhaustive** (``python -m pytest --exhaustive``; run it after any change under
   ``jax_fa4/kernels/``): every listed and every shipped variant.
 
+Tests with many cases of a few kinds take their parameters through :func:`per_class`: the
+quick tier runs one case per kind, ``--exhaustive`` all of them.
+
 Objects come from one kernel cache per checkout (``.pytest_cache/d/jax-fa4-kernels``, keyed by
 config, arch, kernel sources and DSL version like any jax-fa4 cache), so a variant is compiled
 once, not once per test or per run; the session fixture ``shipped_cache`` fills it in parallel.
@@ -19,13 +22,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from jax_fa4 import sass
 from jax_fa4.variants import Variant, representative, variants
+
+T = TypeVar("T")
 
 #: Set from ``--exhaustive`` by tests/conftest.py before any test module is collected.
 EXHAUSTIVE = False
@@ -100,6 +106,19 @@ def quick_choice(index: int) -> set[Variant]:
     lists' own option checks run in full with ``--exhaustive``."""
     return set(representative(list(_LISTS[index]), prefer=shipped_representatives(),
                               every_value=False))
+
+
+def per_class(params: Sequence[T], key: Callable[[T], Hashable]) -> list[T]:
+    """A parametrize list for both tiers: with ``--exhaustive`` all of ``params``; in the quick
+    tier the first of each class ``key(param)`` (for tests whose cases are many variations of a
+    few kinds, each kind still runs in CI). Read at collection time (``EXHAUSTIVE`` is set by
+    then)."""
+    if EXHAUSTIVE:
+        return list(params)
+    first: dict[Hashable, T] = {}
+    for param in params:
+        first.setdefault(key(param), param)
+    return list(first.values())
 
 
 def shipped_object(cache, config, arch: str) -> tuple[bytes, float]:

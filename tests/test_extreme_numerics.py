@@ -4,6 +4,7 @@ windows, segment ids, varlen, paged), through the public API under ``jax.jit``, 
 float64 oracle. The cases and the checks are in tests/extreme_cases.py, shared with
 tests/gpu/test_extreme_numerics.py (the same cases on the Hopper kernels).
 
+The quick tier runs one case of each class (:func:`case_class`), ``--exhaustive`` all of them.
 Also the reference's other forms on the same masks and magnitudes: the blocked (online-softmax)
 forward and the blocked explicit backward, which the API runs only above 4096² scores per head.
 """
@@ -14,17 +15,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from compiled import per_class
 from extreme_cases import CASES, check_case, make_problem, oracle
 from jax_fa4 import reference
 from numerics import assert_fa4_close
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def case_class(case) -> tuple:
+    """The quick tier runs one case per class (``--exhaustive``: every case): the layout, the
+    score range (standard, large, beyond the lse's float32 precision), segment ids, and whether a
+    sink or softcap takes part."""
+    scores = "normal" if case.score is None else ("beyond" if case.beyond_lse_precision
+                                                  else "large")
+    return case.kind, scores, case.segments is not None, case.sink or case.softcap > 0
+
+
+@pytest.mark.parametrize("case", per_class(CASES, case_class), ids=lambda c: c.name)
 def test_extreme_case_reference(case):
     check_case(case, "reference")
 
 
-_BLOCKED = [c for c in CASES if c.kind == "dense"]
+_BLOCKED = per_class([c for c in CASES if c.kind == "dense"], case_class)
 
 
 @pytest.mark.parametrize("case", _BLOCKED, ids=lambda c: c.name)
