@@ -117,22 +117,13 @@ def oracles(q, k, v, ct_out, ct_lse, causal: bool) -> tuple[Record, Record]:
     FA4's rule compares them) and from the naive computation in the inputs' dtype."""
     window = (None, 0) if causal else (None, None)
 
-    def results(compute_dtype, q, k, v):
-        def loss(q, k, v):
-            out, lse = reference.attention(q, k, v, window=window, compute_dtype=compute_dtype)
-            value = (jnp.sum(out.astype(jnp.float32) * ct_out.astype(jnp.float32))
-                     + jnp.sum(lse * ct_lse))
-            return value, (out, lse)
+    def run(compute_dtype, *inputs) -> Record:
+        program = grad_program(lambda q, k, v: reference.attention(
+            q, k, v, window=window, compute_dtype=compute_dtype), ct_out, ct_lse)
+        results = results_record(program(*inputs))
+        return {n: x if n == "lse" else x.astype(ct_out.dtype) for n, x in results.items()}
 
-        grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-        dtype = ct_out.dtype
-        return {"out": out.astype(dtype), "lse": lse,
-                **{n: g.astype(dtype) for n, g in zip(("dq", "dk", "dv"), grads)}}
-
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    ref = jax.jit(lambda *a: results(jnp.float32, *a))(*f32)
-    pt = jax.jit(lambda *a: results(q.dtype, *a))(q, k, v)
-    return ref, pt
+    return run(jnp.float32, *(x.astype(jnp.float32) for x in (q, k, v))), run(q.dtype, q, k, v)
 
 
 def compare(got: Record, ref: Record, pt: Record) -> Record:
@@ -142,6 +133,14 @@ def compare(got: Record, ref: Record, pt: Record) -> Record:
         e = fa4_error(value, ref[name], pt[name])
         errors[name] = {"err": e.err, "bound": e.bound, "passed": e.passed}
     return errors
+
+
+def poison(devices: Sequence[jax.Device], nbytes: int = 1 << 28) -> None:
+    """Fill and free a block on every GPU, so that fresh outputs start as NaN, not zeros."""
+    for device in devices:
+        if device.platform == "cpu":
+            continue
+        jnp.full((nbytes // 4,), jnp.nan, jnp.float32, device=device).block_until_ready().delete()
 
 
 def collective_counts(compiled: Any) -> dict[str, int]:
@@ -196,6 +195,7 @@ def sharded_check(devices: Sequence[jax.Device], layout: str, causal: bool,
         q, k, v, causal=causal, return_lse=True), ct_out, ct_lse)
     placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
     compiled = program.lower(*placed).compile()
+    poison(devices)
     got = results_record(compiled(*placed))
     errors = compare(got, *oracles(q, k, v, ct_out, ct_lse, causal))
     counts = collective_counts(compiled)
@@ -229,6 +229,7 @@ def ring_check(devices: Sequence[jax.Device], causal: bool, layout: str, sizes: 
     program = grad_program(attention, ct_out, ct_lse)
     placed = [jax.device_put(x, NamedSharding(mesh, P(None, "sp"))) for x in (q, k, v)]
     compiled = program.lower(*placed).compile()
+    poison(devices)
     got = results_record(compiled(*placed))
     errors = compare(got, *oracles(q, k, v, ct_out, ct_lse, causal))
     return {"shape": dict(B=2, S=s, H=h, Hkv=hkv, D=sizes.head_dim), "devices": n,
@@ -403,7 +404,7 @@ def block_baselines(device: jax.Device, counts: Sequence[int], sizes: Sizes, arg
     rows = []
     for n in counts:
         for seq in scaling_seqs(sizes, n):
-            for causal in (False, True):
+            for causal in args.causal:
                 blocks = block_times(device, seq // n, causal, h, hkv, d, args, n)
                 rows.append({"devices": n, "seq": seq, "causal": causal, "block": blocks,
                              "fwd_ideal_ms": ideal_ms(blocks, n, causal, "fwd_ms"),
@@ -583,6 +584,8 @@ def parse_args(argv: Sequence[str] | None):
     p.add_argument("--checks", help="comma-separated check names (default: all)")
     p.add_argument("--seqs", help="comma-separated ring scaling lengths (default: 32k, 128k; "
                    "and 512k, 1M on 8 or more GPUs)")
+    p.add_argument("--masks", default="full,causal",
+                   help="ring scaling and block baselines: full, causal or both (default)")
     p.add_argument("--block-baselines", metavar="N,N,...",
                    help="also time, on the first GPU, the single-GPU kernel on the per-device "
                         "blocks of N-GPU rings")
@@ -595,6 +598,10 @@ def parse_args(argv: Sequence[str] | None):
     p.add_argument("--result", type=pathlib.Path, help="the result file for --readme")
     args = p.parse_args(argv)
     args.parts = [x for x in args.parts.split(",") if x]
+    masks = [x for x in args.masks.split(",") if x]
+    if not masks or set(masks) - {"full", "causal"}:
+        p.error(f"--masks: expected full, causal or both, got {args.masks!r}")
+    args.causal = [m == "causal" for m in ("full", "causal") if m in masks]
     bad = sorted(set(args.parts) - set(PARTS))
     if bad:
         p.error(f"--parts: unknown {bad}; choose from {', '.join(PARTS)}")
@@ -662,7 +669,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         save()
     if "ring" in args.parts:
         for seq in scaling_seqs(sizes, n):
-            for causal in (False, True):
+            for causal in args.causal:
                 try:
                     r = ring_scaling(devices, seq, causal, sizes, args)
                     print(f"  ring S={seq} {'causal' if causal else 'full'} on {n}: fwd "

@@ -528,7 +528,7 @@ def _multi_gpu_script(*args: str) -> dict:
 def multi_gpu_cases() -> dict:
     return {"checks_and_ring": lambda: _multi_gpu_script(
         "--parts", "checks,ring", "--checks", "sharded_batch_heads_causal,ring_causal_zigzag",
-        "--repeats", "1", "--target-ms", "1")}
+        "--masks", "causal", "--repeats", "1", "--target-ms", "1")}
 
 
 def _run(fn) -> dict:
