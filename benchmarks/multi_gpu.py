@@ -143,6 +143,12 @@ def poison(devices: Sequence[jax.Device], nbytes: int = 1 << 28) -> None:
         jnp.full((nbytes // 4,), jnp.nan, jnp.float32, device=device).block_until_ready().delete()
 
 
+def rel_diff(a, b) -> float:
+    """max|a - b| over max(1, max|b|)."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.max(np.abs(a - b))) / max(1.0, float(np.max(np.abs(b))))
+
+
 def collective_counts(compiled: Any) -> dict[str, int]:
     return {op: len(shapes) for op, shapes in bench.collectives(compiled.as_text()).items()}
 
@@ -175,6 +181,11 @@ def results_record(program_out) -> Record:
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
+def one_device(program: Callable, device: jax.Device, *inputs) -> Record:
+    """``program``'s results with every input on ``device`` alone."""
+    return results_record(program(*(jax.device_put(x, device) for x in inputs)))
+
+
 # -- checks ------------------------------------------------------------------------------------
 def sharded_check(devices: Sequence[jax.Device], layout: str, causal: bool,
                   sizes: Sizes, seed: int = 0) -> Record:
@@ -198,12 +209,16 @@ def sharded_check(devices: Sequence[jax.Device], layout: str, causal: bool,
     poison(devices)
     got = results_record(compiled(*placed))
     errors = compare(got, *oracles(q, k, v, ct_out, ct_lse, causal))
+    # Each device runs the same kernels on its rows / heads: one GPU agrees to rounding.
+    one = one_device(program, devices[0], q, k, v)
+    vs_one = {n: rel_diff(got[n], one[n]) for n in ("out", "dq", "dk", "dv")}
     counts = collective_counts(compiled)
     gathered = sorted(op for op in ("all-gather", "all-to-all") if op in counts)
     return {"shape": dict(B=b, Sq=sq, Sk=sk, H=h, Hkv=hkv, D=sizes.head_dim),
             "mesh": dict(mesh.shape), "spec": str(spec), "errors": errors,
-            "collectives": counts, "gathered": gathered,
-            "passed": not gathered and all(e["passed"] for e in errors.values())}
+            "rel_diff_vs_one_gpu": vs_one, "collectives": counts, "gathered": gathered,
+            "passed": (not gathered and all(e["passed"] for e in errors.values())
+                       and all(x <= 1e-2 for x in vs_one.values()))}
 
 
 def ring_check(devices: Sequence[jax.Device], causal: bool, layout: str, sizes: Sizes,
@@ -231,11 +246,20 @@ def ring_check(devices: Sequence[jax.Device], causal: bool, layout: str, sizes: 
     compiled = program.lower(*placed).compile()
     poison(devices)
     got = results_record(compiled(*placed))
-    errors = compare(got, *oracles(q, k, v, ct_out, ct_lse, causal))
+    ref, pt = oracles(q, k, v, ct_out, ct_lse, causal)
+    errors = compare(got, ref, pt)
+    # On GPUs, FA4's rule with one GPU's kernels on the whole sequence as the baseline: the
+    # ring is as accurate as one GPU (out and gradients; elsewhere the one-device result is the
+    # float32-accurate reference, no baseline for a 16-bit result).
+    vs_one: Record = {}
+    if devices[0].platform != "cpu":
+        one = one_device(grad_program(lambda q, k, v: jax_fa4.flash_attention(
+            q, k, v, causal=causal, return_lse=True), ct_out, ct_lse), devices[0], q, k, v)
+        vs_one = compare({n: got[n] for n in ("out", "dq", "dk", "dv")}, ref, one)
     return {"shape": dict(B=2, S=s, H=h, Hkv=hkv, D=sizes.head_dim), "devices": n,
             "layout": layout if causal else "contiguous", "errors": errors,
-            "collectives": collective_counts(compiled),
-            "passed": all(e["passed"] for e in errors.values())}
+            "errors_vs_one_gpu": vs_one, "collectives": collective_counts(compiled),
+            "passed": all(e["passed"] for e in (*errors.values(), *vs_one.values()))}
 
 
 def load_train_gpt():
@@ -260,11 +284,14 @@ def gpt_check(mesh_spec: str, sizes: Sizes) -> Record:
     k = max(1, len(kernel) // 6)
     rel = float(np.max(np.abs(kernel - ref) / np.abs(ref)))
     learned = bool(kernel[-k:].mean() < kernel[:k].mean() - (1.0 if not sizes.tiny_gpt else 0))
+    # no drift: the last steps' mean loss within 2 % of the reference's
+    drift = float(abs(kernel[-k:].mean() - ref[-k:].mean()) / ref[-k:].mean())
     return {"mesh": runs["auto"]["mesh"], "implementation": runs["auto"]["implementation"],
-            "steps": sizes.check_steps, "max_rel_loss_diff": rel,
+            "steps": sizes.check_steps, "max_rel_loss_diff": rel, "last_steps_drift": drift,
             "first_losses": kernel[:k].tolist(), "last_losses": kernel[-k:].tolist(),
             "reference_last_losses": ref[-k:].tolist(), "learned": learned,
-            "passed": bool(np.all(np.isfinite(kernel)) and rel <= 0.03 and learned)}
+            "passed": bool(np.all(np.isfinite(kernel)) and rel <= 0.03 and drift <= 0.02
+                           and learned)}
 
 
 def check_cases(devices: Sequence[jax.Device], sizes: Sizes) -> dict[str, Callable[[], Record]]:

@@ -38,6 +38,8 @@ from jax_fa4.bench import collectives  # noqa: E402
 from jax_fa4.parallel import ring  # noqa: E402
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
 def qkv(b=4, s=32, h=4, hkv=2, d=16, dtype=jnp.float32, seed=0):
     ks = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(ks[0], (b, s, h, d), jnp.float32).astype(dtype)

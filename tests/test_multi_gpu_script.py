@@ -43,8 +43,12 @@ def test_smoke_run_passes_its_checks_and_records_them(smoke):
         assert all(0 < e["bound"] and e["err"] <= e["bound"] for e in check["errors"].values())
     sharded = report["checks"]["sharded_batch_heads_causal"]
     assert sharded["mesh"] == {"data": 2, "model": 2} and sharded["gathered"] == []
+    assert set(sharded["rel_diff_vs_one_gpu"]) == {"out", "dq", "dk", "dv"}
+    assert all(x <= 1e-2 for x in sharded["rel_diff_vs_one_gpu"].values())
     ring = report["checks"]["ring_causal_zigzag"]
     assert ring["collectives"].get("collective-permute", 0) > 0, ring["collectives"]
+    # the ring against one GPU's kernels as FA4's baseline runs on GPUs only
+    assert ring["errors_vs_one_gpu"] == {}
 
 
 def test_smoke_run_measures_ring_scaling(smoke):
