@@ -6,7 +6,7 @@
         --cache-dir .device/kernel-cache                  # build them (CPU machine, no GPU)
     python benchmarks/bwd_variants.py --shapes d128 --variants det,m128n128s1p1
 
-For every anchor shape, the GQA 32/8 and the head dim 96 shapes (``jax_fa4.bench_shapes``),
+For every anchor shape, the GQA 32/8 and the head dim 96 shapes (``jax_fa4.tools.bench_shapes``),
 bf16, causal and not, it runs the backward chain the library runs (preprocess kernel,
 ``sm90_bwd`` main kernel, dQ postprocess, the GQA head sum) under each main-kernel config of
 ``variants_for``: the tuning table's (``v1``), every other tile / stage combination the config validator accepts
@@ -19,8 +19,8 @@ one more Q stage; ``plain``: none of them) that the table does not pick,
 the deterministic kernel (``det``, ``det+swap``, ``det+defer``).
 Each is timed as its own program on saved forward outputs (out, lse from the forward kernel), so the
 figure is the backward alone: TFLOP/s = 2.5 × forward FLOPs / time. cuDNN's backward is timed the
-way ``jax_fa4.bench`` does it, t(fwd + bwd) − t(fwd), in the same process; the ratio is to that.
-Timing is ``jax_fa4.bench``'s (warm-up, alternating rounds, median, rotated inputs).
+way ``jax_fa4.tools.bench`` does it, t(fwd + bwd) − t(fwd), in the same process; the ratio is to that.
+Timing is ``jax_fa4.tools.bench``'s (warm-up, alternating rounds, median, rotated inputs).
 
 Checks per variant, on the first input set: dq, dk, dv against v1's (the GPU-tested default):
 ``max|x − x_v1| / max|x_v1|`` must stay below ``--max-rel-diff`` (bf16 rounding of differently
@@ -105,7 +105,7 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[t
 
 
 def shapes_for(group: str = "all"):
-    from jax_fa4.bench_shapes import ANCHOR_SHAPES, D96_SHAPES, GQA_SHAPES
+    from jax_fa4.tools.bench_shapes import ANCHOR_SHAPES, D96_SHAPES, GQA_SHAPES
 
     return [s for s in ANCHOR_SHAPES + GQA_SHAPES + D96_SHAPES if s.D in SHAPE_GROUPS[group]]
 
@@ -159,7 +159,7 @@ def run(args) -> dict[str, Any]:
     import numpy as np
 
     import jax_fa4
-    from jax_fa4 import bench
+    from jax_fa4.tools import bench
 
     names = harness.variant_names(args)
     shapes = shapes_for(args.shapes)

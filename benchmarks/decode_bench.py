@@ -1,7 +1,7 @@
 """Decode speed on the GPU: K/V bytes read per second, dense and paged, against cuDNN.
 
 Issue #8's decode shapes: one query token (``Sq = 1``), GQA 32/8, head dim 128, bf16, batch
-32–128 and 4k–128k keys. Per shape, in one process and with ``jax_fa4.bench``'s timing (warm-up,
+32–128 and 4k–128k keys. Per shape, in one process and with ``jax_fa4.tools.bench``'s timing (warm-up,
 rounds rotating which program opens them, median; input sets rotated so that together they
 exceed twice the L2):
 
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4 import bench
+from jax_fa4.tools import bench
 from jax_fa4.backends import decode
 from jax_fa4.kernels.sm90.fwd_config import DECODE_OPTIONS
 from variant_harness import save, start, timing_parser

@@ -1,6 +1,6 @@
 """Diagnosis: where a decode call's time goes (API call vs the bare kernel), on the GPU.
 
-Times, in one process with ``jax_fa4.bench``'s method, the API's decode call against the same
+Times, in one process with ``jax_fa4.tools.bench``'s method, the API's decode call against the same
 forward kernel called on pre-packed inputs (``call_kernel``), a transpose pair alone, the paged
 API (64- and 128-key tiles) against its bare kernel, and cuDNN; prints µs and K/V TB/s and
 writes ``$OUT/diag.json``. Session 14 ran it at the two-CTA decode option (before it became the
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4 import bench
+from jax_fa4.tools import bench
 from jax_fa4.backends import sm90
 from jax_fa4.ffi.call import call_kernel
 from jax_fa4.kernels.sm90.fwd_config import decode_config, paged_config, DECODE_OPTIONS

@@ -1,6 +1,6 @@
 """Diagnosis: the varlen forward against dense, API call vs bare kernel, on the GPU.
 
-Times, in one process with ``jax_fa4.bench``'s method, the dense and varlen forward through the
+Times, in one process with ``jax_fa4.tools.bench``'s method, the dense and varlen forward through the
 API and as bare ``call_kernel`` calls on the same tokens (16 × 2048 and 64 × 512, H 16, hdim
 128, bf16, unmasked); prints µs and TFLOP/s, the compiled programs' op counts, and writes
 ``$OUT/diag_varlen.json`` and the varlen API program's HLO. Session 14: the bare varlen kernel is
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4 import bench
+from jax_fa4.tools import bench
 from jax_fa4.backends import sm90
 from jax_fa4.ffi.call import call_kernel
 from jax_fa4.kernels.sm90.fwd_config import FwdConfig, varlen_config

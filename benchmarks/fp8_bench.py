@@ -1,6 +1,6 @@
 """The FP8 (e4m3) forward against cuDNN's FP8 attention and our bfloat16 forward (issue #26).
 
-Per shape (B, S, H, D; self-attention, causal and not), in one process with ``jax_fa4.bench``'s
+Per shape (B, S, H, D; self-attention, causal and not), in one process with ``jax_fa4.tools.bench``'s
 timing (warm-up, rounds rotating which program opens them, median, input sets rotated past the
 L2), forward only:
 
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4 import bench, fp8
+from jax_fa4.tools import bench, fp8
 from variant_harness import save, start, timing_parser
 
 #: (B, S, H, D): 16k tokens per call (S >= 8k, the issue's long-prefill regime)

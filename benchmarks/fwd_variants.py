@@ -6,13 +6,13 @@
         --cache-dir .device/kernel-cache                  # build them (CPU machine, no GPU)
     python benchmarks/fwd_variants.py --shapes d64 --variants v1,3wg+pp --repeats 9
 
-For every anchor shape (``jax_fa4.bench_shapes.ANCHOR_SHAPES``: B·S·H·D of the peers' table,
+For every anchor shape (``jax_fa4.tools.bench_shapes.ANCHOR_SHAPES``: B·S·H·D of the peers' table,
 and ``D96_SHAPES``, the extra table's head dim 96 pair; causal and not, bf16) it runs the
 kernel directly (``jax_fa4.ffi.call.call_kernel``, bypassing the dispatch, so a config that is not the table's default can run) under each config of
 ``variants_for(D, Dv, mask)``, and cuDNN (``jax.nn.dot_product_attention(implementation=
 "cudnn")``) in the same process. ``variant_configs()`` lists exactly the kernels it needs.
 
-Timing (``jax_fa4.bench``'s method): every program is compiled and warmed up, then the rounds of
+Timing (``jax_fa4.tools.bench``'s method): every program is compiled and warmed up, then the rounds of
 all programs of one shape alternate (v1, pp, ..., cuDNN, v1, ...), so a drift in clocks biases
 the ratios little; each round is as many back-to-back dispatches as fill ``--target-ms``,
 synchronised with ``block_until_ready``; the figure is the median round. Dispatches rotate over
@@ -94,7 +94,7 @@ def variants_for(head_dim: int, head_dim_v: int, mask: str) -> list[tuple[str, A
 
 
 def shapes_for(group: str = "all"):
-    from jax_fa4.bench_shapes import ANCHOR_SHAPES, D96_SHAPES
+    from jax_fa4.tools.bench_shapes import ANCHOR_SHAPES, D96_SHAPES
 
     return [s for s in ANCHOR_SHAPES + D96_SHAPES if s.D in SHAPE_GROUPS[group]]
 
@@ -162,7 +162,7 @@ def run(args) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    from jax_fa4 import bench
+    from jax_fa4.tools import bench
 
     names = harness.variant_names(args)
     shapes = shapes_for(args.shapes)

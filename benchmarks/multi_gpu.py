@@ -58,9 +58,9 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_fa4
-from jax_fa4 import bench, reference
-from jax_fa4.bench_env import versions
-from jax_fa4.bench_shapes import Shape
+from jax_fa4.tools import bench, reference
+from jax_fa4.tools.bench_env import versions
+from jax_fa4.tools.bench_shapes import Shape
 from jax_fa4.parallel import ring
 from readme_tables import _table, render
 from variant_harness import error_text, timing_parser
@@ -316,7 +316,7 @@ def check_cases(devices: Sequence[jax.Device], sizes: Sizes) -> dict[str, Callab
 
 # -- ring scaling ------------------------------------------------------------------------------
 def timed(programs: Sequence[tuple[Any, tuple]], args) -> list[float]:
-    """Median ms per call of each (compiled, args), rounds rotating as in jax_fa4.bench."""
+    """Median ms per call of each (compiled, args), rounds rotating as in jax_fa4.tools.bench."""
     progs = [bench.Program(c, [a], 1) for c, a in programs]
     return [t.ms for t in bench.time_programs(progs, repeats=args.repeats,
                                               target_s=args.target_ms / 1e3, sync_each=False)]

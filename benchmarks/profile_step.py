@@ -6,7 +6,7 @@ implementation, for a profiler.
         python benchmarks/profile_step.py --impl jax-fa4 --B 4 --S 8192 --H 16 --D 128 --causal
 
 Runs ``--steps`` jitted forward+backward steps of one shape (the benchmark's own programs,
-``jax_fa4.bench``) after one warm-up step and blocks after each, so a profiler that skips the
+``jax_fa4.tools.bench``) after one warm-up step and blocks after each, so a profiler that skips the
 warm-up's launches sees steady-state kernels: jax-fa4's (``--impl jax-fa4`` or ``jax-fa4-det``)
 or cuDNN's (``--impl cudnn``, through ``jax.nn.dot_product_attention``) in the same process
 setup. The kernel-name filters (ours: ``Sm90Bwd``/``BwdPreprocess``/``BwdPostprocess`` in the
@@ -21,8 +21,8 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import bench
-from jax_fa4.bench_shapes import Shape
+from jax_fa4.tools import bench
+from jax_fa4.tools.bench_shapes import Shape
 
 
 def main(argv=None) -> int:

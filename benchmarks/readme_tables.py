@@ -6,8 +6,8 @@ Usage::
     python benchmarks/readme_tables.py --check    # exit 1 when README.md differs from them
 
 The result file: among ``benchmarks/results/*.json`` whose ``settings.shapes`` is ``default``
-and which are ``complete`` (a run of ``python -m jax_fa4.bench``, or two halves joined by
-``python -m jax_fa4.bench merge``), the one with the newest ``date`` (ties: the later name).
+and which are ``complete`` (a run of ``python -m jax_fa4.tools.bench``, or two halves joined by
+``python -m jax_fa4.tools.bench merge``), the one with the newest ``date`` (ties: the later name).
 ``--result`` names one instead. FA4's figures come from ``benchmarks/anchors.json``.
 
 Generated sections, between markers (nothing in them is typed by hand):
@@ -138,7 +138,7 @@ def _caption(report: dict[str, Any], name: str, anchors: dict[str, Any]) -> str:
              f"{report['date'][:10]} (`{name}`"]
     if report.get("merged_from"):
         parts.append(", " + " + ".join(f"`--shapes {m['shapes']}`" for m in report["merged_from"])
-                     + " joined by `python -m jax_fa4.bench merge`")
+                     + " joined by `python -m jax_fa4.tools.bench merge`")
     impls = settings.get("impls", [])
     others = [name for impl, name in (("xla", "XLA"), ("reference", "reference")) if impl in impls]
     tail = ""

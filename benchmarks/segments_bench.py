@@ -4,7 +4,7 @@ Issue #23's bar: ``flash_attention(..., segment_ids=...)`` on rows of 8k tokens 
 documents of 512–4k tokens at ≥ 0.95× the dense kernel's TFLOP/s, counting only the FLOPs
 inside documents (what a packed model needs), forward (and forward+backward once a backward
 kernel takes segment ids: ``--with-backward``). Per shape (B rows of S tokens, H heads, hdim D,
-bf16; causal and not), in one process with ``jax_fa4.bench``'s timing (warm-up, rounds rotating
+bf16; causal and not), in one process with ``jax_fa4.tools.bench``'s timing (warm-up, rounds rotating
 which program opens them, median, input sets rotated past the L2):
 
 * ``dense``: ``flash_attention`` on (B, S, H, D), no segment ids (all S² FLOPs useful);
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4 import bench
+from jax_fa4.tools import bench
 from variant_harness import labelled_shapes, rotating_sets, save, start, timing_parser
 
 #: (B, S, H, D): rows of 8k tokens (the issue's shape) at hdim 128 and 64

@@ -1,6 +1,6 @@
 """Where the time of a forward with segment ids goes, against the dense kernel (issue #23).
 
-For each of segments_bench.py's shapes, forward only, in one process with ``jax_fa4.bench``'s
+For each of segments_bench.py's shapes, forward only, in one process with ``jax_fa4.tools.bench``'s
 timing (input sets rotated past the L2), useful TFLOP/s relative to ``dense``:
 
 * ``dense``: the whole rows (the bar's reference); ``dense-pers`` (unmasked only): the same
@@ -34,7 +34,7 @@ import numpy as np
 
 import jax_fa4
 import segments_bench as sb
-from jax_fa4 import bench, segments
+from jax_fa4.tools import bench, segments
 from jax_fa4.kernels import segments_config as cols
 from jax_fa4.kernels.sm90 import fwd_config, fwd_tuning
 from variant_harness import rotating_sets

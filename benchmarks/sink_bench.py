@@ -1,7 +1,7 @@
 """The cost of a learnable sink on the Hopper kernels: the same call with and without one.
 
 Per shape (bf16, the anchors' training shapes at head dims 64, 128 and 256, causal and not), in
-one process with ``jax_fa4.bench``'s timing (warm-up, rounds rotating which program opens them,
+one process with ``jax_fa4.tools.bench``'s timing (warm-up, rounds rotating which program opens them,
 median, input sets rotated past the L2), forward and forward+backward of
 ``jax_fa4.flash_attention(..., implementation="sm90")``:
 
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fa4
-from jax_fa4 import bench
+from jax_fa4.tools import bench
 from variant_harness import labelled_shapes, rotating_sets, save, start, timing_parser
 
 #: (B, S, H, D)

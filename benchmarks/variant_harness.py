@@ -44,8 +44,8 @@ def variant_names(args) -> list[str] | None:
 def precompile(configs: list[Any], cache_dir: str | None) -> int:
     """Build ``configs`` for sm_90a into the kernel cache (the CPU machine's side of a run)."""
     from jax_fa4.ffi.cache import KernelCache
-    from jax_fa4.precompile import build
-    from jax_fa4.variants import Variant
+    from jax_fa4.tools.precompile import build
+    from jax_fa4.tools.variants import Variant
 
     for record in build([Variant(c, "sm_90a") for c in configs], KernelCache(cache_dir)):
         print(record)
@@ -62,13 +62,13 @@ def labelled_shapes(shapes):
 
 def rotating_sets(key, shape: tuple[int, ...], per_set: int = 4) -> list[tuple[Any, ...]]:
     """Enough sets of ``per_set`` standard-normal bf16 arrays of ``shape`` (from ``key``) to
-    exceed ``jax_fa4.bench.ROTATION_BYTES`` together: timing rotates through them, so no
+    exceed ``jax_fa4.tools.bench.ROTATION_BYTES`` together: timing rotates through them, so no
     program's inputs stay in the L2."""
     import math
 
     import jax
     import jax.numpy as jnp
-    from jax_fa4 import bench
+    from jax_fa4.tools import bench
 
     n_sets = max(2, -(-bench.ROTATION_BYTES // (per_set * math.prod(shape) * 2)))
     return [tuple(jax.random.normal(k, shape, jnp.bfloat16)

@@ -3,7 +3,7 @@
 Issue #8's bar: forward and forward+backward of ``jax_fa4.flash_attention_varlen`` within 10 %
 of the dense ``jax_fa4.flash_attention`` TFLOP/s when the packed batch holds the same tokens.
 Per shape (B sequences of S tokens, H heads, hdim D, bf16; causal and not), in one process with
-``jax_fa4.bench``'s timing (warm-up, rounds rotating which program opens them, median, input
+``jax_fa4.tools.bench``'s timing (warm-up, rounds rotating which program opens them, median, input
 sets rotated past the L2):
 
 * ``dense``: ``flash_attention`` on (B, S, H, D);
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4 import bench
+from jax_fa4.tools import bench
 from variant_harness import labelled_shapes, rotating_sets, save, start, timing_parser
 
 #: (B, S, H, D): the anchors' hdim-128 training shapes, and many short documents

@@ -3,7 +3,7 @@
 Two tiers (README, "Development"):
 
 * **quick** (``python -m pytest``, what CI runs): the compile tests run over
-  :func:`tiered` lists, i.e. the representative variants of ``jax_fa4.variants.representative``
+  :func:`tiered` lists, i.e. the representative variants of ``jax_fa4.tools.variants.representative``
   (one per arch × kernel kind × head-dim class × mode, plus enough to cover every config
   option's values), and the shipped-variant check over the representative set;
 * **exhaustive** (``python -m pytest --exhaustive``; run it after any change under
@@ -15,7 +15,7 @@ quick tier runs one case per kind, ``--exhaustive`` all of them.
 Objects come from one kernel cache per checkout (``.pytest_cache/d/jax-fa4-kernels``, keyed by
 config, arch, kernel sources and DSL version like any jax-fa4 cache), so a variant is compiled
 once, not once per test or per run; the session fixture ``shipped_cache`` fills it in parallel.
-Disassembly is :mod:`jax_fa4.sass` (NVIDIA's cuobjdump / nvdisasm wheels, the test extra).
+Disassembly is :mod:`jax_fa4.tools.sass` (NVIDIA's cuobjdump / nvdisasm wheels, the test extra).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import TypeVar
 
 import pytest
 
-from jax_fa4 import sass
-from jax_fa4.variants import Variant, representative, variants
+from jax_fa4.tools import sass
+from jax_fa4.tools.variants import Variant, representative, variants
 
 T = TypeVar("T")
 
@@ -149,7 +149,7 @@ _DISASSEMBLED: dict[str, tuple[sass.Kernel, ...]] = {}  # object sha256 -> its k
 
 
 def disassembled(obj: bytes) -> tuple[sass.Kernel, ...]:
-    """``jax_fa4.sass.kernels(obj)``, memoised per object (in memory and under SASS_DIR)."""
+    """``jax_fa4.tools.sass.kernels(obj)``, memoised per object (in memory and under SASS_DIR)."""
     digest = hashlib.sha256(obj).hexdigest()
     if digest not in _DISASSEMBLED:
         _DISASSEMBLED[digest] = sass.stored_kernels(obj, SASS_DIR)
@@ -183,7 +183,7 @@ def assert_no_local_memory(k: sass.Kernel) -> None:
 def shipped_problems(cache, selected: Sequence[Variant], jobs: int) -> list[str]:
     """``precompile.check`` over ``selected`` (compiled into ``cache`` first), with the
     memoised listings of :func:`disassembled`."""
-    from jax_fa4 import precompile
+    from jax_fa4.tools import precompile
 
     precompile.build(selected, cache, progress=False, jobs=jobs)
     return precompile.check(selected, cache, progress=False, jobs=jobs, disassemble=disassembled)

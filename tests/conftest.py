@@ -127,9 +127,9 @@ def shipped_cache(request):
     variant a collected test's ``tiered`` list names, compiled in parallel on first use;
     compile tests read their objects from it (and add what else they compile). It persists in
     ``.pytest_cache`` (keys hash the kernel sources, so edits rekey)."""
-    from jax_fa4 import precompile
+    from jax_fa4.tools import precompile
     from jax_fa4.ffi.cache import KernelCache
-    from jax_fa4.variants import variants
+    from jax_fa4.tools.variants import variants
 
     if getattr(request.config, "cache", None) is not None:
         root = request.config.cache.mkdir("jax-fa4-kernels")

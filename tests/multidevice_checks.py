@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_fa4  # noqa: E402
-from jax_fa4.bench import collectives  # noqa: E402
+from jax_fa4.tools.bench import collectives  # noqa: E402
 from jax_fa4.parallel import ring  # noqa: E402
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"

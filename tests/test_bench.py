@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_fa4 import bench, bench_env, bench_report, bench_shapes
+from jax_fa4.tools import bench, bench_env, bench_report, bench_shapes
 from jax_fa4.reference import visible_mask
 
 ON_CPU = jax.devices()[0].platform == "cpu"
@@ -235,15 +235,9 @@ def test_sass_diff_pairs_variants_across_a_new_default_field():
     """A config field added with a default (the code it generated before) keeps the variant's
     key, so the old and the new checkout's variants pair up; a non-default value does not."""
     import dataclasses
-    import sys
-    from pathlib import Path
     from typing import ClassVar
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        import sass_diff
-    finally:
-        sys.path.pop(0)
+    from jax_fa4.tools import sass_diff
 
     @dataclasses.dataclass(frozen=True)
     class Old:

@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import pytest
 
 import jax_fa4
-from jax_fa4 import backends, precompile
+from jax_fa4 import backends
+from jax_fa4.tools import precompile
 from jax_fa4.ffi import runtime
 from jax_fa4.ffi.cache import KernelCache
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
-from jax_fa4.variants import representative, variants
+from jax_fa4.tools.variants import representative, variants
 import compiled
 from compiled import assert_no_local_memory, compiled_sass, needs_disassembler
 

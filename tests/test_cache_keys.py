@@ -20,7 +20,7 @@ from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.kernels.sm90 import bwd_config, fwd_config
 from jax_fa4.kernels.sm100 import bwd_config as sm100_bwd_config
 from jax_fa4.kernels.sm100 import fwd_config as sm100_fwd_config
-from jax_fa4.variants import FAMILIES
+from jax_fa4.tools.variants import FAMILIES
 
 #: Import cycles the package is allowed: none (the last two, ``api`` <-> ``varlen`` and the backward
 #: ops' circle through ``ops``, went with the backends redesign).

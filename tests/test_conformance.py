@@ -13,7 +13,7 @@ what the backend is:
   is a shipped variant (so the exhaustive tier compiles and SASS-checks it), a served backward
   lowers to the backend's backward kernels, and declined calls do what the API documents.
 
-The GPU suite's kernel cache is the ``tests`` suite of ``jax_fa4.variants``; a last test checks
+The GPU suite's kernel cache is the ``tests`` suite of ``jax_fa4.tools.variants``; a last test checks
 that it holds every kernel the GPU cases of the validated kernel backends need.
 """
 
@@ -29,7 +29,7 @@ from conformance import (CASES, Case, check_backend, check_declines, gpu_is_defa
                          watch_fallbacks)
 from jax_fa4 import backends
 from jax_fa4.ffi import call
-from jax_fa4.variants import Variant, variants
+from jax_fa4.tools.variants import Variant, variants
 
 CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
 
@@ -94,7 +94,7 @@ def _check_lowering(backend, case: Case) -> None:
     assert sorted(objects) == sorted(_placeholder(c, a) for c, a in kernels), objects
     shipped = _variants("default", backend.arch)
     unshipped = [c.describe() for c, a in kernels if Variant(c, a) not in shipped]
-    assert not unshipped, f"kernels not in jax_fa4.variants' shipped set: {unshipped}"
+    assert not unshipped, f"kernels not in jax_fa4.tools.variants' shipped set: {unshipped}"
     check_declines(backend, watched, backward_reason if case.differentiable else None)
     if case.differentiable and backward_reason is None:
         configs = {c for c, _ in kernels}

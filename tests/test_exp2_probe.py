@@ -20,7 +20,7 @@ import pytest
 from jax_fa4.ffi.compiler import compiler_available
 from jax_fa4.kernels.common.exp2 import POLY_COEFFS, exp2_sw_numpy, fma_f32
 from jax_fa4.kernels.exp2_probe_config import Exp2ProbeConfig
-from jax_fa4.variants import Variant, variants
+from jax_fa4.tools.variants import Variant, variants
 
 from compiled import compiled_sass, needs_disassembler
 from exp2_model import check_exp2, probe_inputs

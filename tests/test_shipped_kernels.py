@@ -1,12 +1,12 @@
-"""Every shipped kernel variant ships clean; the quick tier's representative rule; jax_fa4.sass.
+"""Every shipped kernel variant ships clean; the quick tier's representative rule; jax_fa4.tools.sass.
 
 * ``test_shipped_variants_have_clean_sass``: the quick tier checks the representative variants
-  (``jax_fa4.variants.representative``), ``--exhaustive`` every shipped variant of both archs
-  (the same check as ``python -m jax_fa4.precompile --check``): no local memory, at most 255
+  (``jax_fa4.tools.variants.representative``), ``--exhaustive`` every shipped variant of both archs
+  (the same check as ``python -m jax_fa4.tools.precompile --check``): no local memory, at most 255
   registers, shared memory within 227 KB, the instructions of ``variants.REQUIRED_SASS``.
 * The representative rule covers what it promises (every class, every option value), so a
   change that breaks one head dim, mode or option value of a family breaks a checked variant.
-* The SASS parser (``jax_fa4.sass``) on a listing of known content and on a real object.
+* The SASS parser (``jax_fa4.tools.sass``) on a listing of known content and on a real object.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pytest
 
 import compiled
 from compiled import needs_disassembler, shipped_problems
-from jax_fa4 import precompile, sass
+from jax_fa4.tools import precompile, sass
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
-from jax_fa4.variants import (REQUIRED_SASS, Variant, representative, variant_class,
+from jax_fa4.tools.variants import (REQUIRED_SASS, Variant, representative, variant_class,
                               variant_features, variant_mode, variants)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def test_quick_tier_keeps_one_listed_config_per_class():
             assert any(v in shipped for v in quick if variant_class(v) == cls)
 
 
-# -- jax_fa4.sass -------------------------------------------------------------------------------
+# -- jax_fa4.tools.sass -------------------------------------------------------------------------------
 _LISTING = """
 Resource usage:
  Common:
@@ -138,7 +138,7 @@ def test_listing_parser(monkeypatch):
 
 
 def test_normalised_sass_compares_instructions_only():
-    """What benchmarks/sass_diff.py compares: two listings of the same code at other addresses,
+    """What jax_fa4/tools/sass_diff.py compares: two listings of the same code at other addresses,
     with other encodings and immediates, normalise to the same lines; another opcode or
     predicate does not."""
     a = ("        /*0010*/                   IMAD R4, R7, 0x400, R0 ;   /* 0x0000040007047824 */\n"
@@ -156,11 +156,8 @@ def test_normalised_sass_compares_instructions_only():
 
 def test_sass_diff_tells_register_allocation_from_changed_instructions():
     """A manifest entry keeps enough to classify a difference without the old listing."""
-    import importlib.util
+    from jax_fa4.tools import sass_diff
 
-    spec = importlib.util.spec_from_file_location("sass_diff", REPO / "benchmarks" / "sass_diff.py")
-    sass_diff = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sass_diff)
     old = ["IMAD R4, R7, X, R0", "@P0 BRA X", "UIADD3 UR6, UP1, UPT, UR14, X, URZ"]
     renamed = ["IMAD R5, R9, X, R0", "@P1 BRA X", "UIADD3 UR4, UP0, UPT, UR14, X, URZ"]
     more = old + ["VIMNMX R4, R4, R2, PT", "@!P2 VIMNMX R4, R4, RZ, PT"]

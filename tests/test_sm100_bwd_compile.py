@@ -3,7 +3,7 @@
 Nothing here runs a kernel (no Blackwell GPU exists in this project). Each config of
 ``bwd_config.test_configs()`` (every head dim, every mask kind, softcap, GQA, deterministic, fp16)
 is compiled through the binding's own path (``compile_config(config, "sm_100a")``: dynamic B/S/H)
-and its SASS read with jax_fa4.sass (the quick tier: the representative configs, tests/compiled.py;
+and its SASS read with jax_fa4.tools.sass (the quick tier: the representative configs, tests/compiled.py;
 ``--exhaustive``: all of them; every shipped variant: tests/test_shipped_kernels.py):
 
   * tcgen05 MMAs (UTCHMMA: 5 GEMMs × their k-blocks), commits (UTCBAR), TMEM loads / stores

@@ -6,7 +6,7 @@ needs. Each config of ``fwd_config.test_configs()`` is compiled through the proj
 ``compile_config(config, "sm_100a")`` (the binding's path: dynamic B/S/H; objects from the
 session's ``shipped_cache``; the quick tier: the representative configs, tests/compiled.py;
 ``--exhaustive``: all of them; every shipped variant: tests/test_shipped_kernels.py) and its SASS
-read with jax_fa4.sass:
+read with jax_fa4.tools.sass:
 
   * tcgen05 MMAs (UTCHMMA for bf16/fp16), tcgen05.commit (UTCBAR), TMEM loads/stores (LDTM/STTM),
     TMA loads and stores (UTMALDG/UTMASTG; varlen: no TMA store but exactly the 16-byte row
@@ -14,7 +14,7 @@ read with jax_fa4.sass:
   * TMEM allocation balanced: on sm_100a ``tcgen05.alloc`` assembles to
     ``UTCATOMSWS.FIND_AND_SET`` (twice per allocation site: the first try and the retry loop),
     ``tcgen05.relinquish_alloc_permit`` to ``UVIRTCOUNT.DEALLOC.SMPOOL`` and ``tcgen05.dealloc`` to
-    ``UTCATOMSWS.AND`` (read from the SASS listing: ``python -m jax_fa4.sass --sass-out``);
+    ``UTCATOMSWS.AND`` (read from the SASS listing: ``python -m jax_fa4.tools.sass --sass-out``);
   * no local memory (LDL/STL), no stack, shared memory within 227 KB; warp specialisation:
     launched at 65536 / threads registers, ``USETMAXREG`` to exactly the config's split.
 

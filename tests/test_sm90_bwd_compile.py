@@ -2,7 +2,7 @@
 
 Variants of the main kernel (every head dim × mask kind, softcap, GQA, fp16, deterministic,
 swap_sdp) and every postprocess are compiled through the binding's own path
-(``compile_config``: dynamic B/S/H) and their SASS inspected (jax_fa4.sass): HGMMA, TMA loads
+(``compile_config``: dynamic B/S/H) and their SASS inspected (jax_fa4.tools.sass): HGMMA, TMA loads
 (UTMALDG), the dQ reduce-add (the dQ warp's bulk UBLKRED, or with dq_red the MMA threads'
 REDG.F32x4), setmaxnreg both ways, no local memory (LDL/STL,
 stack). Registers, shared memory and compile time are printed per variant (``pytest -s``;

@@ -1,7 +1,7 @@
 """The sm90 forward kernel compiles for sm_90a on a CPU-only machine, with clean SASS.
 
 Variants are compiled with dynamic B/S/H (symbolic dims) and their cubins inspected
-(jax_fa4.sass): HGMMA (warpgroup MMA), UTMALDG/UTMASTG (TMA), setmaxnreg in both directions,
+(jax_fa4.tools.sass): HGMMA (warpgroup MMA), UTMALDG/UTMASTG (TMA), setmaxnreg in both directions,
 MUFU.EX2, no local memory (LDL/STL, stack). Registers, shared memory and compile time are
 printed per variant (run with -s to see them; docs/perf-log.md records them). The quick tier
 runs the representative configs of each list (tests/compiled.py), ``--exhaustive`` all of them;

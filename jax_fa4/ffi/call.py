@@ -27,7 +27,7 @@ from jax_fa4.ffi.runtime import CALL_TARGET, RuntimeLibraryNotFoundError, regist
 from jax_fa4.kernels.spec import KernelConfig
 from jax_fa4.parallel.manual_axes import vary_like
 
-PRECOMPILE_HINT = "python -m jax_fa4.precompile"
+PRECOMPILE_HINT = "python -m jax_fa4.tools.precompile"
 
 
 class KernelNotAvailableError(RuntimeError):

@@ -4,7 +4,7 @@
 # its log (and the benchmark its JSON) under $OUT as it goes, so a step cut short keeps its output.
 #   bash .device/on-device.sh bash tools/device/batch.sh tests bench-main
 # Steps: tests (tests/gpu with pytest-xdist), sanitizers, bench (the whole default sweep),
-# bench-main / bench-more (its two halves: python -m jax_fa4.bench merge joins them), profile-bwd
+# bench-main / bench-more (its two halves: python -m jax_fa4.tools.bench merge joins them), profile-bwd
 # (Nsight Compute on one training step, ours and cuDNN's: tools/device/profile.sh).
 set -uo pipefail
 out=${OUT:-/tmp/out}
@@ -25,10 +25,10 @@ for s in "$@"; do
              --ignore tests/gpu/test_sanitizers.py -rfEs ;;
     sanitizers) step sanitizers 300 python -m pytest tests/gpu/test_sanitizers.py -q \
                   -p no:cacheprovider ;;
-    bench) step bench 560 python -m jax_fa4.bench --out "$out/bench.json" ;;
-    bench-main) step bench-main 380 python -m jax_fa4.bench --shapes anchors-main \
+    bench) step bench 560 python -m jax_fa4.tools.bench --out "$out/bench.json" ;;
+    bench-main) step bench-main 380 python -m jax_fa4.tools.bench --shapes anchors-main \
                   --out "$out/bench-main.json" ;;
-    bench-more) step bench-more 380 python -m jax_fa4.bench --shapes anchors-more,latency \
+    bench-more) step bench-more 380 python -m jax_fa4.tools.bench --shapes anchors-more,latency \
                   --out "$out/bench-more.json" ;;
     profile-bwd) step profile-bwd 300 bash tools/device/profile.sh ;;
     *) echo "unknown step $s"; status=2 ;;

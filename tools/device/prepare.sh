@@ -5,7 +5,7 @@
 #   runtime-version            the nvidia-cutlass-dsl version it came from (compile with the same)
 #   on-device.sh               the wrapper every GPU command starts with (tools/device/on-device.sh)
 # Then precompile the kernels the run needs into .device/kernel-cache, e.g.
-#   python -m jax_fa4.precompile --suite tests --arch sm_90a --cache-dir .device/kernel-cache
+#   python -m jax_fa4.tools.precompile --suite tests --arch sm_90a --cache-dir .device/kernel-cache
 # and on the GPU machine, from the project root: bash .device/on-device.sh <command>.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)

@@ -1,5 +1,5 @@
 """The benchmark's report side: the printed table and the progress line of a result row, the
-plot of TFLOP/s against sequence length, and ``python -m jax_fa4.bench merge``, which joins result
+plot of TFLOP/s against sequence length, and ``python -m jax_fa4.tools.bench merge``, which joins result
 files that split one sweep's shapes into one file.
 """
 
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jax_fa4.bench_shapes import PRESETS, preset_shapes
+from jax_fa4.tools.bench_shapes import PRESETS, preset_shapes
 
-#: One row of a result file (``jax_fa4.bench.ROW_KEYS`` lists its keys).
+#: One row of a result file (``jax_fa4.tools.bench.ROW_KEYS`` lists its keys).
 Row = dict[str, Any]
 
 
@@ -222,8 +222,8 @@ def merge_reports(reports: Sequence[dict[str, Any]], names: Sequence[str]) -> di
 
 
 def merge_main(argv: Sequence[str]) -> int:
-    """``python -m jax_fa4.bench merge A.json B.json [...] --out C.json``."""
-    p = argparse.ArgumentParser(prog="python -m jax_fa4.bench merge",
+    """``python -m jax_fa4.tools.bench merge A.json B.json [...] --out C.json``."""
+    p = argparse.ArgumentParser(prog="python -m jax_fa4.tools.bench merge",
                                 description=merge_reports.__doc__.split("\n\n")[0])
     p.add_argument("files", type=Path, nargs="+")
     p.add_argument("--out", type=Path, required=True)

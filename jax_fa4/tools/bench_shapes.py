@@ -1,9 +1,9 @@
 """The benchmark's shapes: :class:`Shape` (one attention problem: its FLOPs under FA4's mask,
-the bytes it moves, what a row of it measures) and the presets ``python -m jax_fa4.bench
+the bytes it moves, what a row of it measures) and the presets ``python -m jax_fa4.tools.bench
 --shapes`` sweeps (the anchors README's tables, latency shapes, a tiny CPU set).
 
-Shared by the sweep (:mod:`jax_fa4.bench`), the merging of result files
-(:mod:`jax_fa4.bench_report`) and the scripts under ``benchmarks/``; it needs NumPy only.
+Shared by the sweep (:mod:`jax_fa4.tools.bench`), the merging of result files
+(:mod:`jax_fa4.tools.bench_report`) and the scripts under ``benchmarks/``; it needs NumPy only.
 """
 
 from __future__ import annotations

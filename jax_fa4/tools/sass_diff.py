@@ -1,16 +1,16 @@
 """Compare the SASS of kernel variants between two checkouts (no GPU needed).
 
-    python benchmarks/sass_diff.py ../old-checkout --family sm90_bwd --head-dim 128 --dtype bfloat16
-    git worktree add /work/old HEAD~3 && python benchmarks/sass_diff.py /work/old --family sm90_fwd
+    python -m jax_fa4.tools.sass_diff ../old-checkout --family sm90_bwd --head-dim 128 --dtype bfloat16
+    git worktree add /work/old HEAD~3 && python -m jax_fa4.tools.sass_diff /work/old --family sm90_fwd
 
 For a refactor that should not change the generated code, this is the proof that needs no GPU
-run: every selected shipped variant (``jax_fa4.variants``, default suite) is compiled from each
+run: every selected shipped variant (``jax_fa4.tools.variants``, default suite) is compiled from each
 checkout (each in its own process, importing that checkout's ``jax_fa4``) and disassembled with
-this checkout's ``jax_fa4/sass.py``; instructions are compared with addresses, encodings and
+this checkout's ``jax_fa4/tools/sass.py``; instructions are compared with addresses, encodings and
 immediates stripped. Variants are matched by their family, arch and the config fields that differ
 from their defaults (so a new field added with a default that keeps the old code still pairs
 with the old variant); variants without a partner are listed apart. ``--representative`` narrows
-the selection to its representative variants (``jax_fa4.variants.representative``: every mode and
+the selection to its representative variants (``jax_fa4.tools.variants.representative``: every mode and
 every option value of each family), a quick sample of a large selection. Both sides compile with
 one ``PYTHONHASHSEED`` (0 unless set) and, where ``setarch`` exists, with address-space
 randomisation off: the DSL's embedded ptxas (13.4) allocates registers of some sm100_bwd kernels
@@ -28,9 +28,9 @@ the new side). ``--cache-dir DIR`` takes this checkout's objects from a kernel c
 exhaustive test tier's ``.pytest_cache/d/jax-fa4-kernels``), compiling what it lacks on
 ``--jobs`` processes:
 
-    python benchmarks/sass_diff.py --write-manifest benchmarks/results/sass-manifest.json \
+    python -m jax_fa4.tools.sass_diff --write-manifest benchmarks/results/sass-manifest.json \
         --cache-dir .pytest_cache/d/jax-fa4-kernels
-    python benchmarks/sass_diff.py --manifest benchmarks/results/sass-manifest.json \
+    python -m jax_fa4.tools.sass_diff --manifest benchmarks/results/sass-manifest.json \
         --cache-dir .pytest_cache/d/jax-fa4-kernels --family sm90_bwd
 
 Cached objects were compiled with address randomisation on, so a few sm100_bwd variants may
@@ -53,12 +53,12 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parents[2]  # this checkout's root
 
 
 def sass_module():
-    """This checkout's jax_fa4/sass.py (stdlib only), whichever ``jax_fa4`` is imported."""
-    spec = importlib.util.spec_from_file_location("jax_fa4_sass", HERE / "jax_fa4" / "sass.py")
+    """This checkout's jax_fa4/tools/sass.py (stdlib only), whichever ``jax_fa4`` is imported."""
+    spec = importlib.util.spec_from_file_location("jax_fa4_sass", Path(__file__).with_name("sass.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve the module by name
     spec.loader.exec_module(module)
@@ -78,7 +78,11 @@ def dump(root: str, out_dir: str, selection: dict, only_representative: bool) ->
     """(In a child process) compile the selection from ``root``; write {key: sass lines}."""
     sys.path.insert(0, root)
     from jax_fa4.ffi.compiler import compile_config
-    from jax_fa4.variants import representative, variants
+
+    try:
+        from jax_fa4.tools.variants import representative, variants
+    except ModuleNotFoundError:  # a checkout from before the tools moved into jax_fa4.tools
+        from jax_fa4.variants import representative, variants
 
     sass = sass_module()
     result = {}
@@ -95,10 +99,10 @@ def cached_sass(selection: dict, only_representative: bool, cache_dir: str, jobs
     """{key: normalised sass lines} of this checkout's selection, its objects from the kernel
     cache at ``cache_dir`` (compiled into it first where missing, on ``jobs`` processes)."""
     sys.path.insert(0, str(HERE))
-    from jax_fa4 import precompile
+    from jax_fa4.tools import precompile
     from jax_fa4.ffi.cache import KernelCache
     from jax_fa4.ffi.compiler import dsl_version
-    from jax_fa4.variants import representative, variants
+    from jax_fa4.tools.variants import representative, variants
 
     sass = sass_module()
     selected = variants(**selection)
@@ -109,7 +113,7 @@ def cached_sass(selection: dict, only_representative: bool, cache_dir: str, jobs
 
     def lines(v) -> list[str]:
         obj = cache.get(v.config, v.arch, version).object_bytes
-        # the disassembly store the test tiers keep beside the cache (jax_fa4.sass.stored_kernels)
+        # the disassembly store the test tiers keep beside the cache (jax_fa4.tools.sass.stored_kernels)
         found = sass.stored_kernels(obj, cache.root / "sass")
         return [line for k in found for line in k.normalised()]
 

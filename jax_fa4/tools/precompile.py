@@ -1,16 +1,16 @@
 """Build kernels into the persistent cache ahead of time, on any machine (no GPU needed).
 
-    python -m jax_fa4.precompile                         # every shipped variant, sm_90a and sm_100a
-    python -m jax_fa4.precompile --suite tests --arch sm_90a --cache-dir .device/kernel-cache
-    python -m jax_fa4.precompile --dtype bfloat16 --head-dim 128 --family bwd_preprocess
-    python -m jax_fa4.precompile --list                  # what the cache holds
-    python -m jax_fa4.precompile --suite tests --arch sm_90a --cache-dir .device/kernel-cache \
+    python -m jax_fa4.tools.precompile                         # every shipped variant, sm_90a and sm_100a
+    python -m jax_fa4.tools.precompile --suite tests --arch sm_90a --cache-dir .device/kernel-cache
+    python -m jax_fa4.tools.precompile --dtype bfloat16 --head-dim 128 --family bwd_preprocess
+    python -m jax_fa4.tools.precompile --list                  # what the cache holds
+    python -m jax_fa4.tools.precompile --suite tests --arch sm_90a --cache-dir .device/kernel-cache \
         --from-cache .pytest_cache/d/jax-fa4-kernels     # copy what another cache has built
-    python -m jax_fa4.precompile --check                 # ... and SASS-check every variant
+    python -m jax_fa4.tools.precompile --check                 # ... and SASS-check every variant
 
 ``--check`` is the exhaustive kernel check (run it after any change under ``jax_fa4/kernels/``):
 every selected variant compiled (or read from the cache) and its SASS inspected
-(:mod:`jax_fa4.sass`): no local memory, at most 255 registers, shared memory within 227 KB, the
+(:mod:`jax_fa4.tools.sass`): no local memory, at most 255 registers, shared memory within 227 KB, the
 instructions its kernel kind is built on (``variants.required_sass``). ``--representative``
 narrows any selection to the quick test tier's variants (``variants.representative``).
 
@@ -32,7 +32,7 @@ from jax_fa4.ffi.cache import KernelCache
 from jax_fa4.ffi.compiler import SUPPORTED_ARCHS, compile_config, dsl_version
 from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE
 from jax_fa4.kernels.spec import FLOAT_DTYPES
-from jax_fa4.variants import (FAMILIES, HEAD_DIMS, SUITES, Variant, required_sass,
+from jax_fa4.tools.variants import (FAMILIES, HEAD_DIMS, SUITES, Variant, required_sass,
                               representative, variants)
 
 
@@ -110,11 +110,11 @@ def build(selected: Sequence[Variant], cache: KernelCache, *, force: bool = Fals
 
 
 def variant_problems(variant: Variant, object_bytes: bytes, kernels=None) -> list[str]:
-    """What keeps one compiled variant from shipping (:func:`jax_fa4.sass.problems` on each
+    """What keeps one compiled variant from shipping (:func:`jax_fa4.tools.sass.problems` on each
     kernel function of its object, with its config's shared memory and its kind's required
     instructions); an object without exactly one kernel function is a problem too. ``kernels``:
-    the object's already disassembled ``jax_fa4.sass.kernels``."""
-    from jax_fa4 import sass
+    the object's already disassembled ``jax_fa4.tools.sass.kernels``."""
+    from jax_fa4.tools import sass
 
     label = variant.describe()
     found = sass.kernels(object_bytes) if kernels is None else list(kernels)
@@ -130,7 +130,7 @@ def check(selected: Sequence[Variant], cache: KernelCache, *, progress: bool = T
     """SASS-check every variant of ``selected`` (each must be in ``cache``: :func:`build`
     first); one line per problem, empty when all are clean. Disassembly runs ``jobs`` at a
     time (separate processes: cuobjdump / nvdisasm); ``disassemble(object_bytes)`` replaces
-    ``jax_fa4.sass.kernels`` (the tests pass one that memoises listings)."""
+    ``jax_fa4.tools.sass.kernels`` (the tests pass one that memoises listings)."""
     from tqdm import tqdm
 
     version = dsl_version()
@@ -153,7 +153,7 @@ def check(selected: Sequence[Variant], cache: KernelCache, *, progress: bool = T
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jax_fa4.precompile", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m jax_fa4.tools.precompile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=SUITES, default="default",
                    help="which set of variants (default: every shipped variant)")

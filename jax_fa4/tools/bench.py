@@ -2,15 +2,15 @@
 
 Usage::
 
-    python -m jax_fa4.bench                      # default sweep: every anchor shape + latency
-    python -m jax_fa4.bench --shapes anchors-main --out A.json       # the default sweep split
-    python -m jax_fa4.bench --shapes anchors-more,latency --out B.json   # in two runs, and
-    python -m jax_fa4.bench merge A.json B.json --out C.json         # joined into one file
-    python -m jax_fa4.bench --shapes tiny        # a few small shapes (CPU smoke run)
-    python -m jax_fa4.bench --shapes custom --B 2 --Sq 4096 --H 32 --Hkv 8 --D 128 \\
+    python -m jax_fa4.tools.bench                      # default sweep: every anchor shape + latency
+    python -m jax_fa4.tools.bench --shapes anchors-main --out A.json       # the default sweep split
+    python -m jax_fa4.tools.bench --shapes anchors-more,latency --out B.json   # in two runs, and
+    python -m jax_fa4.tools.bench merge A.json B.json --out C.json         # joined into one file
+    python -m jax_fa4.tools.bench --shapes tiny        # a few small shapes (CPU smoke run)
+    python -m jax_fa4.tools.bench --shapes custom --B 2 --Sq 4096 --H 32 --Hkv 8 --D 128 \\
         --causal no,yes --window none,none --window 512,0
-    python -m jax_fa4.bench --impls jax-fa4,cudnn --dtype fp16 --fwd-only --out /tmp/r.json
-    python -m jax_fa4.bench --dtype float8_e4m3fn      # the FP8 forward (anchors-main shapes)
+    python -m jax_fa4.tools.bench --impls jax-fa4,cudnn --dtype fp16 --fwd-only --out /tmp/r.json
+    python -m jax_fa4.tools.bench --dtype float8_e4m3fn      # the FP8 forward (anchors-main shapes)
 
 Shape presets (``--shapes``, comma-separated to join several): ``anchors-main`` (the anchors
 README's main table, 10 shapes), ``anchors-more`` (its "more shapes" table: GQA 32/8, head dims 96
@@ -99,9 +99,9 @@ kernel cache's entries were compiled with, and the CuTe-DSL runtime library).
 ``benchmarks/readme_tables.py`` writes README's speed tables from the newest default-sweep file.
 
 This module parses the command line, builds, times and checks the programs and writes the result
-file; the shapes and presets are in :mod:`jax_fa4.bench_shapes`, the table, the plot and
-``merge`` in :mod:`jax_fa4.bench_report`, the GPU state and the versions in
-:mod:`jax_fa4.bench_env`.
+file; the shapes and presets are in :mod:`jax_fa4.tools.bench_shapes`, the table, the plot and
+``merge`` in :mod:`jax_fa4.tools.bench_report`, the GPU state and the versions in
+:mod:`jax_fa4.tools.bench_env`.
 """
 
 from __future__ import annotations
@@ -125,9 +125,9 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 import jax_fa4
-from jax_fa4 import bench_env, bench_report
-from jax_fa4.bench_report import Row
-from jax_fa4.bench_shapes import (
+from jax_fa4.tools import bench_env, bench_report
+from jax_fa4.tools.bench_report import Row
+from jax_fa4.tools.bench_shapes import (
     DEFAULT_PARTS,
     LATENCY_SHAPES,
     PRESETS,
@@ -238,7 +238,7 @@ def _shapes_spec(text: str) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jax_fa4.bench",
+    p = argparse.ArgumentParser(prog="python -m jax_fa4.tools.bench",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", type=_shapes_spec, default=None,
@@ -1006,7 +1006,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or (Path("benchmarks/results")
                        / f"{bench_report.slug(device.device_kind)}-{today}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = list(sys.orig_argv) if argv is None else ["python", "-m", "jax_fa4.bench", *argv]
+    command = list(sys.orig_argv) if argv is None else ["python", "-m", "jax_fa4.tools.bench", *argv]
     state_before = bench_env.gpu_state()
     driver, package_versions = bench_env.driver_version(state_before), bench_env.versions()
 

@@ -13,7 +13,7 @@ The disassemblers come from NVIDIA's wheels ``nvidia-cuda-cuobjdump`` and ``nvid
 ``cuobjdump`` (its ``nvdisasm`` then comes from ``$NVDISASM_PATH`` or ``PATH``). The parsing
 here is the project's own.
 
-    python -m jax_fa4.sass kernel.o [more.o ...]      # one summary line per kernel
+    python -m jax_fa4.tools.sass kernel.o [more.o ...]      # one summary line per kernel
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class Kernel:
 
     def normalised(self) -> list[str]:
         """The instructions with hex immediates replaced by ``X``: what stays equal when only
-        addresses and constants move (``benchmarks/sass_diff.py``)."""
+        addresses and constants move (``jax_fa4/tools/sass_diff.py``)."""
         return [re.sub(r"0x[0-9a-f]+", "X", i) for i in self.instructions]
 
     def summary(self) -> str:
@@ -216,7 +216,7 @@ def kernels(obj: bytes, name_contains: str | None = None) -> list[Kernel]:
 def stored_kernels(obj: bytes, store: Path | None) -> tuple[Kernel, ...]:
     """:func:`kernels` of ``obj``, kept under ``store`` (when given) as ``<sha256 of obj>.json.gz``
     so a listing is disassembled once: the test tiers keep their store beside their kernel cache
-    (``<cache>/sass``), and ``benchmarks/sass_diff.py --cache-dir`` reads and fills the same one."""
+    (``<cache>/sass``), and ``jax_fa4/tools/sass_diff.py --cache-dir`` reads and fills the same one."""
     path = store / f"{hashlib.sha256(obj).hexdigest()}.json.gz" if store is not None else None
     if path is not None and path.exists():
         try:
@@ -287,7 +287,7 @@ def problems(kernel: Kernel, *, dynamic_smem_bytes: int, must_have: Iterable[str
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m jax_fa4.sass", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m jax_fa4.tools.sass", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("objects", nargs="+", type=Path, help="kernel objects, cubins or exports")
     p.add_argument("--sass-out", type=Path, help="write each kernel's SASS listing here")
