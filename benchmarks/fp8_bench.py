@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4.tools import bench, fp8
+from jax_fa4 import fp8
+from jax_fa4.tools import bench
 from variant_harness import save, start, timing_parser
 
 #: (B, S, H, D): 16k tokens per call (S >= 8k, the issue's long-prefill regime)

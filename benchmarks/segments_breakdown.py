@@ -34,7 +34,8 @@ import numpy as np
 
 import jax_fa4
 import segments_bench as sb
-from jax_fa4.tools import bench, segments
+from jax_fa4 import segments
+from jax_fa4.tools import bench
 from jax_fa4.kernels import segments_config as cols
 from jax_fa4.kernels.sm90 import fwd_config, fwd_tuning
 from variant_harness import rotating_sets

@@ -2,10 +2,11 @@
 
 Two tiers (README, "Development"):
 
-* **quick** (``python -m pytest``, what CI runs): the compile tests run over
-  :func:`tiered` lists, i.e. the representative variants of ``jax_fa4.tools.variants.representative``
-  (one per arch × kernel kind × head-dim class × mode, plus enough to cover every config
-  option's values), and the shipped-variant check over the representative set;
+* **quick** (``python -m pytest``, what CI runs): one compiled kernel per arch × kernel kind ×
+  mode (``jax_fa4.tools.variants.family_mode_class``): the shipped-variant SASS check over one
+  shipped variant of each such class, and each compile test over one config of each class of
+  its :func:`tiered` list (a shipped one where it can, so the two share their compiles). A new
+  kernel family or mode adds one kernel per arch to the tier, a new option or head dim none;
 * **exhaustive** (``python -m pytest --exhaustive``; run it after any change under
   ``jax_fa4/kernels/``): every listed and every shipped variant.
 
@@ -29,7 +30,7 @@ from typing import TypeVar
 import pytest
 
 from jax_fa4.tools import sass
-from jax_fa4.tools.variants import Variant, representative, variants
+from jax_fa4.tools.variants import Variant, family_mode_class, representative, variants
 
 T = TypeVar("T")
 
@@ -80,13 +81,20 @@ _MISSING = _disassembler_missing()
 needs_disassembler = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
 
 
+def quick_sample(selected: Sequence[Variant], prefer: Iterable[Variant] = ()) -> list[Variant]:
+    """The quick tier's rule: one of ``selected`` per arch × kernel kind × mode, a variant of
+    ``prefer`` winning (``variants.representative`` with ``family_mode_class``)."""
+    return representative(selected, prefer=set(prefer), every_value=False,
+                          classes=family_mode_class)
+
+
 @functools.cache
 def shipped_representatives() -> tuple[Variant, ...]:
-    """The quick tier's shipped variants (every arch and family): ``variants.representative``
-    of the shipped set, preferring the variants the collected compile tests list (so that their
-    own quick-tier choice is mostly compiled anyway). Called once collection is done."""
+    """The quick tier's shipped variants (every arch and family): :func:`quick_sample` of the
+    shipped set, preferring the variants the collected compile tests list (so that their own
+    quick-tier choice is mostly compiled anyway). Called once collection is done."""
     listed = {v for members in _LISTS for v in members}
-    return tuple(representative(variants("default"), prefer=listed))
+    return tuple(quick_sample(variants("default"), prefer=listed))
 
 
 def tiered(configs: Iterable, arch: str) -> list:
@@ -100,12 +108,9 @@ def tiered(configs: Iterable, arch: str) -> list:
 
 
 def quick_choice(index: int) -> set[Variant]:
-    """The quick tier's members of :func:`tiered` list ``index``: one per class of
-    ``variants.variant_class`` (arch × kind × head-dim class × mode), a shipped representative
-    winning: the shipped set already covers every option value of the shipped kernels, the
-    lists' own option checks run in full with ``--exhaustive``."""
-    return set(representative(list(_LISTS[index]), prefer=shipped_representatives(),
-                              every_value=False))
+    """The quick tier's members of :func:`tiered` list ``index``: :func:`quick_sample` of the
+    list, a shipped representative winning; every member runs with ``--exhaustive``."""
+    return set(quick_sample(_LISTS[index], prefer=shipped_representatives()))
 
 
 def per_class(params: Sequence[T], key: Callable[[T], Hashable]) -> list[T]:

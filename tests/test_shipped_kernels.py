@@ -1,11 +1,11 @@
 """Every shipped kernel variant ships clean; the quick tier's representative rule; jax_fa4.tools.sass.
 
-* ``test_shipped_variants_have_clean_sass``: the quick tier checks the representative variants
-  (``jax_fa4.tools.variants.representative``), ``--exhaustive`` every shipped variant of both archs
+* ``test_shipped_variants_have_clean_sass``: the quick tier checks one shipped variant per arch ×
+  kernel kind × mode (tests/compiled.py), ``--exhaustive`` every shipped variant of both archs
   (the same check as ``python -m jax_fa4.tools.precompile --check``): no local memory, at most 255
   registers, shared memory within 227 KB, the instructions of ``variants.REQUIRED_SASS``.
-* The representative rule covers what it promises (every class, every option value), so a
-  change that breaks one head dim, mode or option value of a family breaks a checked variant.
+* The representative rule covers what it promises (every class, every option value), and the
+  quick tier's sample one kernel per arch × kind × mode.
 * The SASS parser (``jax_fa4.tools.sass``) on a listing of known content and on a real object.
 """
 
@@ -21,8 +21,8 @@ import compiled
 from compiled import needs_disassembler, shipped_problems
 from jax_fa4.tools import precompile, sass
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
-from jax_fa4.tools.variants import (REQUIRED_SASS, Variant, representative, variant_class,
-                              variant_features, variant_mode, variants)
+from jax_fa4.tools.variants import (REQUIRED_SASS, Variant, family_mode_class, representative,
+                                    variant_class, variant_features, variant_mode, variants)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,12 +34,11 @@ def test_shipped_variants_have_clean_sass(shipped_cache):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("rule", ["plain", "quick tier"])
-def test_representatives_cover_every_class_and_option_value(rule):
-    """The rule alone, and as the quick tier applies it (preferring the compile tests' configs)."""
+def test_representatives_cover_every_class_and_option_value():
+    """``variants.representative`` (``--representative`` of precompile and sass_diff): every
+    class and every option value of each family, deterministically, a small share of the set."""
     shipped = variants("default")
-    chosen = (representative(shipped) if rule == "plain"
-              else list(compiled.shipped_representatives()))
+    chosen = representative(shipped)
     assert set(chosen) <= set(shipped) and len(chosen) == len(set(chosen))
     assert {variant_class(v) for v in chosen} == {variant_class(v) for v in shipped}
     kinds = {variant_class(v)[:2] for v in shipped}
@@ -47,14 +46,26 @@ def test_representatives_cover_every_class_and_option_value(rule):
         every = set().union(*(variant_features(v) for v in shipped if variant_class(v)[:2] == kind))
         got = set().union(*(variant_features(v) for v in chosen if variant_class(v)[:2] == kind))
         assert got == every, (kind, every - got)
-    # both archs, every kind of kernel and every mode are there; the set stays small
+    assert len(chosen) < 0.15 * len(shipped)
+    assert representative(shipped) == chosen  # the rule is deterministic
+
+
+def test_quick_tier_compiles_one_shipped_kernel_per_arch_kind_and_mode():
+    """The quick tier's shipped sample: exactly one variant of every arch × kernel kind × mode
+    of the shipped set (so its size grows with families and modes, not with options or head
+    dims), both archs, every kernel kind and every mode present."""
+    shipped = variants("default")
+    chosen = list(compiled.shipped_representatives())
+    assert set(chosen) <= set(shipped) and len(chosen) == len(set(chosen))
+    classes = {family_mode_class(v) for v in shipped}
+    assert sorted(map(family_mode_class, chosen)) == sorted(classes)
     assert {v.arch for v in chosen} == {"sm_90a", "sm_100a"}
     assert {variant_mode(v.config) for v in chosen} == {"dense", "varlen", "paged", "decode",
                                                         "deterministic"}
     assert {v.config.kernel_name for v in chosen} == set(REQUIRED_SASS) - {"exp2_probe"}
-    assert len(chosen) < 0.15 * len(shipped)
-    if rule == "plain":
-        assert representative(shipped) == chosen  # the rule is deterministic
+    # a new option value or head dim adds nothing to the tier
+    wider = shipped + [Variant(PreprocessConfig("float16", 80), "sm_90a")]
+    assert len(compiled.quick_sample(wider)) == len(compiled.quick_sample(shipped))
 
 
 def test_representative_prefers_what_is_compiled_anyway():
@@ -80,12 +91,12 @@ def test_quick_tier_keeps_one_listed_config_per_class():
     listed = set(compiled._LISTS[index])
     quick = compiled.quick_choice(index)
     assert quick <= listed
-    classes = {variant_class(v) for v in listed}
-    assert {variant_class(v) for v in quick} == classes and len(quick) == len(classes)
+    classes = {family_mode_class(v) for v in listed}
+    assert {family_mode_class(v) for v in quick} == classes and len(quick) == len(classes)
     shipped = set(compiled.shipped_representatives())
     for cls in classes:
-        if any(v in shipped for v in listed if variant_class(v) == cls):
-            assert any(v in shipped for v in quick if variant_class(v) == cls)
+        if any(v in shipped for v in listed if family_mode_class(v) == cls):
+            assert any(v in shipped for v in quick if family_mode_class(v) == cls)
 
 
 # -- jax_fa4.tools.sass -------------------------------------------------------------------------------

@@ -12,7 +12,8 @@
 every selected variant compiled (or read from the cache) and its SASS inspected
 (:mod:`jax_fa4.tools.sass`): no local memory, at most 255 registers, shared memory within 227 KB, the
 instructions its kernel kind is built on (``variants.required_sass``). ``--representative``
-narrows any selection to the quick test tier's variants (``variants.representative``).
+narrows any selection to its representative variants (``variants.representative``: every
+class and every option value of each family).
 
 Copy the cache directory to the GPU machines and point ``JAX_FA4_CACHE_DIR`` at it: they then run
 with only the CuTe-DSL runtime library, no compiler. Also installed as ``jax-fa4-precompile``.
@@ -175,7 +176,8 @@ def _parser() -> argparse.ArgumentParser:
                         "registers and shared memory within limits, required instructions); "
                         "exit 1 on any problem")
     p.add_argument("--representative", action="store_true",
-                   help="only the quick test tier's representative variants of the selection")
+                   help="only the representative variants of the selection (every class and "
+                        "option value of each family)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="compile in this many processes (default: one per CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

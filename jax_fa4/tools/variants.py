@@ -13,7 +13,7 @@ tier compiles and SASS-checks in place of all of them (see its docstring).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from jax_fa4.ffi.compiler import SUPPORTED_ARCHS
@@ -220,6 +220,12 @@ def variant_class(variant: Variant) -> tuple[str, str, str, str]:
     return variant.arch, config.kernel_name, head_dim_class(config), variant_mode(config)
 
 
+def family_mode_class(variant: Variant) -> tuple[str, str, str]:
+    """(arch, kernel kind, mode): the classes of the quick test tier, one compile each, so a
+    new kernel family or mode adds one kernel per arch to it, a new option or head dim none."""
+    return variant.arch, variant.config.kernel_name, variant_mode(variant.config)
+
+
 def variant_features(variant: Variant) -> frozenset[tuple[str, object]]:
     """(field, value) of every config field but the head dims (those make the class)."""
     config = variant.config
@@ -228,13 +234,15 @@ def variant_features(variant: Variant) -> frozenset[tuple[str, object]]:
 
 
 def representative(selected: Sequence[Variant], prefer: Collection[Variant] = (), *,
-                   every_value: bool = True) -> list[Variant]:
+                   every_value: bool = True,
+                   classes: Callable[[Variant], Hashable] = variant_class) -> list[Variant]:
     """A small subset of ``selected`` that still exercises every kernel family's code paths.
 
     The rule (deterministic, in ``selected``'s order):
 
-    1. one variant of every class of :func:`variant_class` (arch × kernel kind × head-dim class ×
-       mode: dense, varlen, paged, decode, deterministic), the one that adds the most
+    1. one variant of every class of ``classes`` (by default :func:`variant_class`: arch ×
+       kernel kind × head-dim class × mode: dense, varlen, paged, decode, deterministic;
+       the quick test tier passes :func:`family_mode_class`), the one that adds the most
        (field, value) pairs of its config not yet covered within its (arch, kernel kind),
        a variant of ``prefer`` (already compiled elsewhere) winning over any other;
     2. then, per (arch, kernel kind), more variants until every value that any config field
@@ -243,7 +251,9 @@ def representative(selected: Sequence[Variant], prefer: Collection[Variant] = ()
 
     So a change that breaks one head dim, one mode, or one value of any option of a family breaks
     a chosen variant, while the set stays ~8 % of the shipped one. ``every_value=False`` stops
-    after step 1 (one variant per class).
+    after step 1 (one variant per class): with ``classes=family_mode_class`` that is the quick
+    test tier's sample: one kernel per arch × kind × mode, each adding the most option values
+    not yet covered.
     """
     prefer = set(prefer)
     by_kind: dict[tuple[str, str], list[Variant]] = {}
@@ -258,10 +268,10 @@ def representative(selected: Sequence[Variant], prefer: Collection[Variant] = ()
             picked.append(v)
             covered.update(variant_features(v))
 
-        classes: dict[tuple, list[Variant]] = {}
+        groups: dict[Hashable, list[Variant]] = {}
         for v in members:
-            classes.setdefault(variant_class(v), []).append(v)
-        for candidates in classes.values():
+            groups.setdefault(classes(v), []).append(v)
+        for candidates in groups.values():
             take(max(candidates, key=lambda v: (v in prefer, len(variant_features(v) - covered))))
         needed = set().union(*(variant_features(v) for v in members)) if every_value else set()
         while needed - covered:
