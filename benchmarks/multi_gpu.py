@@ -58,7 +58,8 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_fa4
-from jax_fa4.tools import bench, reference
+from jax_fa4 import reference
+from jax_fa4.tools import bench
 from jax_fa4.tools.bench_env import versions
 from jax_fa4.tools.bench_shapes import Shape
 from jax_fa4.parallel import ring
