@@ -499,7 +499,7 @@ def train_scaling(n: int, sizes: Sizes) -> list[Record]:
 
 
 # -- README ------------------------------------------------------------------------------------
-README = ROOT / "README.md"
+README = ROOT / "docs" / "sharding.md"
 RESULTS = ROOT / "benchmarks" / "results"
 RING_GOAL, TRAIN_GOAL = 0.90, 0.95  # issue #25: ring at 128k on 8 GPUs; training vs linear
 
