@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_fa4
+from compiled import per_class
 from jax_fa4.parallel import ring
 from test_sharding import multidevice_suite
 
@@ -22,9 +23,18 @@ def suite():
     return multidevice_suite("ring")
 
 
-@pytest.mark.parametrize("case", ["noncausal", "causal_zigzag", "causal_contiguous",
-                                  "causal_zigzag_mqa_softcap", "noncausal_segments",
-                                  "causal_zigzag_segments", "causal_contiguous_segments"])
+def _ring_class(case: str) -> str:
+    """The quick tier runs one case per class (``--exhaustive``: all): the ring's layout
+    (non-causal, causal zig-zag, causal contiguous), and segment ids on any layout."""
+    if case.endswith("_segments"):
+        return "segments"
+    return case if case == "noncausal" else case.split("_")[1]
+
+
+@pytest.mark.parametrize("case", per_class(["noncausal", "causal_zigzag", "causal_contiguous",
+                                            "causal_zigzag_mqa_softcap", "causal_zigzag_segments",
+                                            "noncausal_segments", "causal_contiguous_segments"],
+                                           _ring_class))
 def test_ring_matches_unsplit_attention_forward_and_gradients(suite, case):
     r = suite[case]
     assert "error" not in r, r.get("traceback")

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import per_class
 
 import jax_fa4
 from jax_fa4 import backends, reference, segments
@@ -75,8 +76,9 @@ def check(q_ids, kv_ids, tile_m, tile_n):
     return tiles
 
 
-@pytest.mark.parametrize("tile_m, tile_n", [(128, 128), (64, 176), (192, 128)])
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed, tile_m, tile_n", per_class(
+    [(seed, *tile) for seed in range(3) for tile in ((128, 128), (64, 176), (192, 128))],
+    key=lambda case: case[1:]))  # quick tier: one seed per tile shape
 def test_packed_documents(seed, tile_m, tile_n):
     rng = np.random.default_rng(seed)
     s = int(rng.integers(300, 900))

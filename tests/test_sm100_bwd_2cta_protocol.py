@@ -143,6 +143,7 @@ from collections import defaultdict, deque
 from functools import partial
 
 import pytest
+from compiled import per_class
 from test_sm100_bwd_protocol import WARP, BwdSim, PipelineAsync, Reduce
 from test_sm100_fwd_protocol import (
     Barrier,
@@ -1054,6 +1055,10 @@ def simulate(cfg: Sm100BwdConfig, seqlen_q: int, seqlen_k: int, heads: int, slot
 # Tests
 # ---------------------------------------------------------------------------------------------
 MASKS = ("none", "causal", "local")
+#: (mask, deterministic) of the random-schedule checks, the richest mask of each first: the quick
+#: tier runs one per ``deterministic`` value (tests/compiled.py), ``--exhaustive`` all six.
+SCHEDULES = per_class([(m, d) for m in ("local", "causal", "none") for d in (False, True)],
+                      key=lambda case: case[1])
 RUNS = 12  # per (mask, deterministic) case
 
 
@@ -1105,8 +1110,7 @@ def wait_sites(deterministic: bool) -> set:
     return sites
 
 
-@pytest.mark.parametrize("deterministic", (False, True), ids=("nondet", "det"))
-@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("mask, deterministic", SCHEDULES, ids=lambda c: str(c))
 def test_protocol_random_schedules(mask, deterministic):
     """Random grids (odd lengths, a CTA past seqlen_k, windows, 1-2 heads, one cluster up to the
     whole grid resident) under random schedules: no deadlock, parity alias, arrival overrun,
@@ -1351,8 +1355,7 @@ def test_serial_config():
     assert set(cta.tma) == {"kv", "q", "do"} and cta.sQt is cta.sQ and cta.sdOt is cta.sdO
 
 
-@pytest.mark.parametrize("deterministic", (False, True), ids=("nondet", "det"))
-@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("mask, deterministic", SCHEDULES, ids=lambda c: str(c))
 def test_serial_protocol_random_schedules(mask, deterministic):
     """test_protocol_random_schedules for head dim 192 (the serial layout and MMA order), over
     the dq_cols / dq_stages pairs that fit shared memory and the load orders that run."""

@@ -82,6 +82,7 @@ from collections import defaultdict, deque
 from functools import partial
 
 import pytest
+from compiled import per_class
 from test_sm100_fwd_protocol import (
     Barrier,
     PipelineState,
@@ -813,6 +814,10 @@ def _configs() -> list[Sm100BwdConfig]:
 
 CONFIGS = _configs()
 MASKS = ("none", "causal", "local")
+#: (mask, deterministic) of the random-schedule checks, the richest mask of each first: the quick
+#: tier runs one per ``deterministic`` value (tests/compiled.py), ``--exhaustive`` all six.
+SCHEDULES = per_class([(m, d) for m in ("local", "causal", "none") for d in (False, True)],
+                      key=lambda case: case[1])
 RUNS = 60  # per (mask, deterministic) case
 
 
@@ -853,8 +858,7 @@ def wait_sites(deterministic: bool) -> set:
     return sites
 
 
-@pytest.mark.parametrize("deterministic", (False, True), ids=("nondet", "det"))
-@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("mask, deterministic", SCHEDULES, ids=lambda c: str(c))
 def test_protocol_random_schedules(mask, deterministic):
     """Random grids (odd lengths, windows, 1-2 heads, 1 SM slot up to the whole grid at once)
     under random schedules: no deadlock, parity alias, arrival overrun or data hazard; every dQ

@@ -63,6 +63,7 @@ import random
 from collections import defaultdict, deque
 
 import pytest
+from compiled import per_class
 
 LANES = 128  # threads of a warpgroup (one per TMEM lane / query row)
 N_BLOCKS_CHOICES = (0, 1, 2, 3, 5)
@@ -730,7 +731,10 @@ def simulate(q_tiles: int, kv_stages: int, varlen: bool, work: list[int], seed: 
 # ---------------------------------------------------------------------------------------------
 # Tests
 # ---------------------------------------------------------------------------------------------
-CASES = [(q, s, v) for q in (1, 2) for s in (2, 3, 5) for v in (False, True)]
+#: (q_tiles, kv_stages, varlen): the quick tier runs one kv_stages per (q_tiles, varlen)
+#: (tests/compiled.py), ``--exhaustive`` all twelve.
+CASES = per_class([(q, s, v) for q in (1, 2) for s in (3, 2, 5) for v in (False, True)],
+                  key=lambda case: (case[0], case[2]))
 RUNS_PER_CASE = 250
 
 
