@@ -95,7 +95,8 @@ def kernel_values(v: jax.Array) -> jax.Array:
     Two XLA ops, kept apart by an optimization barrier: the permutation moves whole rows of
     Hkv·Dv bytes (coalesced on both sides), then a plain (keys, Hkv·Dv) transpose. As one op
     (or as a gather, the first version) XLA wrote the 1-byte elements one by one, several times
-    slower (docs/perf-log.md, session 27)."""
+    slower (201-396 against 39-56 µs per call at S = 8k: value_transform_us in
+    benchmarks/results/fp8-tiles-nvidia-h200-2026-12-03.json)."""
     _check_group_axes()
     b, sk, hkv, dv = v.shape
     group = FP8_KEY_GROUP

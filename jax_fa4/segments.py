@@ -21,8 +21,10 @@ recompiles), neither with a loop:
   of the blocks holding the row's id) and its tiles are flagged.
 * otherwise (:func:`row_spans`): O(S log S), three sorts: the first and last key of each id.
 
-(XLA's sorts of a few thousand ids per row cost about 0.15 ms per call on the H200: measured,
-benchmarks/segments_bench.py, perf-log.)
+(XLA's sorts of a few thousand ids per row cost about 0.15 ms per call on the H200: measured
+with benchmarks/segments_bench.py, in benchmarks/results/
+segments-traced-sorted-tables-nvidia-h200-2026-12-03.json against
+segments-traced-nvidia-h200-2026-12-03.json.)
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def row_spans(q_ids: jax.Array, kv_ids: jax.Array) -> tuple[jax.Array, jax.Array
         perm = jnp.argsort(ki, stable=True)  # equal ids keep their positions' order
         sorted_ids = ki[perm]
         # method "sort": one sort, no loop (the default bisects in a while loop, which on a
-        # GPU waits on the host every iteration: ~0.3 ms per call measured)
+        # GPU waits on the host every iteration: 0.2-0.4 ms per call, in benchmarks/results/:
+        # segments-scan-nvidia-h200-2026-12-03.json against segments-nvidia-h200-2026-12-03.json)
         lo = jnp.searchsorted(sorted_ids, qi, side="left", method="sort")
         hi = jnp.searchsorted(sorted_ids, qi, side="right", method="sort")
         count = (hi - lo).astype(jnp.int32)

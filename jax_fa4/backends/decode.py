@@ -24,7 +24,7 @@ kernel call fix that:
 Every kernel backend runs these rewrites (:meth:`jax_fa4.backends.kernel.KernelBackend.forward`
 and ``paged_forward``); which tile serves the rewritten call is the backend's choice (its
 ``make_decode``: on Hopper a 64-row decode tile, :mod:`jax_fa4.backends.sm90`). Speed:
-docs/perf-log.md (decode).
+docs/kernels/sm90-forward.md (decode).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ MIN_CHUNK = 1024
 MAX_SPLITS = 16
 #: Split until the (packed) tiles give each SM this many (read at trace time). One: a split
 #: costs its merge (a float32 pass over every chunk's output) and the q repeat, which a second
-#: wave of tiles did not repay (B32·Sk4096: 4.09 against 3.95 TB/s at two, docs/perf-log.md).
+#: wave of tiles did not repay (B32·Sk4096: 4.09 against 3.95 TB/s at two,
+#: benchmarks/results/decode-options-nvidia-h200-2026-11-30.json).
 TILES_PER_SM = 1
 #: SM count assumed when no GPU is visible at trace time (an H100 / H200).
 DEFAULT_SMS = 132

@@ -8,7 +8,7 @@ is a free reshape) when the packed rows fit it. ``JAX_FA4_DECODE_TILE`` (read at
 comparisons) selects the training tile (``0``) or a decode-tile alternative (a name in
 ``fwd_config.DECODE_OPTIONS``, also for paged calls). Paged KV calls run the 64-row decode tile
 in its paged mode (``paged_config``; page_size a multiple of its 64-key block); varlen calls the
-varlen forward (``varlen_config``). Speed: docs/perf-log.md (decode).
+varlen forward (``varlen_config``). Speed: docs/kernels/sm90-forward.md (decode).
 
 Dense backward (jax_fa4/kernels/sm90/bwd_config.py), :meth:`Sm90Backend.backward`:
 
@@ -68,7 +68,8 @@ def decode_tile_option() -> dict | None:
 #: from its last key block down, as the dense kernels launch: a sequence's CTAs run together and
 #: share its Q / dO / K / V in L2) or "heavy_first" (the key blocks with the most query blocks to
 #: visit first, ties in sequence order). On the H200 "sequence" was 6 % ahead at 64 × 512 causal
-#: and within ±2 % elsewhere (docs/perf-log.md). JAX_FA4_VARLEN_BWD_ORDER overrides.
+#: and within ±2 % elsewhere (benchmarks/results/varlen-work-rows-nvidia-h200-2026-11-30.json).
+#: JAX_FA4_VARLEN_BWD_ORDER overrides.
 VARLEN_BWD_ORDER = "sequence"
 
 

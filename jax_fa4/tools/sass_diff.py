@@ -14,8 +14,9 @@ the selection to its representative variants (``jax_fa4.tools.variants.represent
 every option value of each family), a quick sample of a large selection. Both sides compile with
 one ``PYTHONHASHSEED`` (0 unless set) and, where ``setarch`` exists, with address-space
 randomisation off: the DSL's embedded ptxas (13.4) allocates registers of some sm100_bwd kernels
-differently depending on where its heap lands (identical PTX, different SASS; docs/NOTES.md), which
-would read as a difference. This makes such noise rare, not impossible.
+differently depending on where its heap lands (identical PTX, different SASS;
+docs/kernels/README.md), which would read as a difference. This makes such noise rare, not
+impossible.
 Prints one line per variant (``same`` / ``DIFFERS (...)``, saying whether only the register
 allocation differs, or which opcode counts changed) and exits 1 if any differs.
 

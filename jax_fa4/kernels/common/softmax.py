@@ -36,7 +36,9 @@ forward, where a stale max would round each row's largest P to e4m3).
 Partial software exp2 (``exp2_sw_per_32 > 0``): of every 32 elements of a thread's row segment,
 the last ``exp2_sw_per_32`` are exponentiated by the FMA-pipe polynomial of common/exp2.py
 (relative error < 2^-13.4) instead of MUFU ``ex2`` (16 per clock per SM against 128 FMAs). On
-Hopper it measured slower at every share tried (docs/perf-log.md): off by default.
+Hopper it measured slower at every share tried (16-bit hdim 64:
+benchmarks/results/fwd-variants-d64-nvidia-h200-2026-11-30.json; FP8:
+fp8-tuning-nvidia-h200-2026-12-03.json; docs/kernels/sm90-forward.md): off by default.
 """
 
 import math

@@ -46,9 +46,9 @@ MMA order per iteration j: Sᵀ_j; [dQ_{j-1}, dK_{j-1}]; wait dq_empty_{j-1}; dP
 dV_j. TMEM: allocated by the MMA warp, permit relinquished right after, freed by it after every
 TMEM user passed the dealloc barrier (each after its last tcgen05.wait::ld).
 
-Not yet (docs/perf-log-sm100.md): head dims 192/128 and 256 (TMEM: FA4's overlapped 2-CTA map
-and its split kernels), persistence / scheduler, overlap of the dQ TMEM drain with the next dPᵀ
-(the reduce warps hold dPᵀ's columns until their last chunk load).
+Not yet (docs/kernels/sm100.md): head dim 256 (FA4's split 2-CTA kernels; 192/128 is the 2-CTA
+kernel's), persistence / scheduler, overlap of the dQ TMEM drain with the next dPᵀ (the reduce
+warps hold dPᵀ's columns until their last chunk load).
 """
 
 from __future__ import annotations

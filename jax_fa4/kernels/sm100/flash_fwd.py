@@ -70,7 +70,7 @@ tile would overwrite the next sequence's rows): each correction thread writes it
 registers, 16 bytes per store, when the row is below seqlen_q. The extra batch slice (batch ==
 number of sequences) writes zeros to the packed output rows outside every sequence.
 
-Missing relative to FA4 (see docs/perf-log-sm100.md): 2-CTA MMA, the L2 head swizzle, the "last
+Missing relative to FA4 (see docs/kernels/sm100.md): 2-CTA MMA, the L2 head swizzle, the "last
 quarter of P" early PV start, a dedicated hdim-256 kernel.
 """
 

@@ -54,7 +54,7 @@ class Sm100FwdTuning:
 
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Start points from FA4's B200
-# choices (docs/SM100-NOTES.md: 16/128 emulated exps, 8/128 in some causal cases; 8/128 for
+# choices (16/128 emulated exps, 8/128 in some causal cases; 8/128 for
 # local masks too, whose softmax with softcap spills at 16/128 in 184 registers), sized for the
 # shared memory of this kernel (q_tiles × (Q + O staging) + the K/V ring + 2-3 KB of row
 # statistics); not measured (no Blackwell GPU yet). Same for both 16-bit dtypes. Only the rows

@@ -49,8 +49,9 @@ block only waits on key blocks of the same (head, batch) launched before it: no 
 ``cfg.swap_sdp`` (the head dim 128 row, with ``stats_smem``): the S / dP GEMMs computed
 transposed, so that Pᵀ and dSᵀ stay in registers as the A operands of the dV / dK GEMMs
 (``swapped_loop``).
-``cfg.dq_red`` (opt-in): each MMA thread adds its dQ fragment into dq_accum itself
-(``red.global.add.v4.f32``); no dQ buffer, dQ warp, stores, fence or barriers per block.
+``cfg.dq_red`` (with swap_sdp, the head dim 128 row): each MMA thread adds its dQ fragment into
+dq_accum itself (``red.global.add.v4.f32``); no dQ buffer, dQ warp, stores, fence or barriers
+per block.
 Unmasked, non-deterministic, non-swapped kernels walk their query blocks from a start that
 depends on the key block (``rotate``), so that lockstep key blocks add into different dQ blocks.
 

@@ -125,18 +125,22 @@ class Sm90BwdTuning:
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Warpgroup layouts of the five
 # GEMMs follow from the tile (BwdConfig.wg_layouts). Start points from FA4's H100 choices
-# (docs/SM90-NOTES.md) restricted to what the kernel implements (no swapAB, P and dS through shared
-# memory). hdim 64, 128 and 256 re-measured on the H200 over every valid tile / stage combination
-# (benchmarks/bwd_variants.py, docs/perf-log-bwd.md): with the dQ warp these start points are the
-# fastest; hdim 96 and 192 are not re-measured. Key blocks launch from the last one down
-# (reverse_launch): +1–8 % on 11 of the 12 anchor shapes (session 12, docs/perf-log-bwd.md).
+# restricted to what the kernel implements (P and dS through shared memory, except swap_sdp).
+# hdim 64, 128 and 256 re-measured on the H200 over every valid tile / stage combination
+# (benchmarks/bwd_variants.py: benchmarks/results/bwd-variants-nvidia-h200-2026-11-30.json, and
+# bwd-variants-d128-rotated-rounds-nvidia-h200-2026-11-30.json for the P / dS buffers): these
+# start points are the fastest; hdim 96 and 192 are not re-measured. Key blocks launch from the
+# last one down (reverse_launch): +1–8 % on 11 of the 12 anchor shapes
+# (benchmarks/results/bwd-variants-rev-nvidia-h200-2026-11-30.json).
 # defer_dk_wait (opt-in) measured 0.3–4 % slower than the plain loop on all 8 head dim 128
-# shapes (session 20, benchmarks/bwd_variants.py, docs/perf-log-bwd.md): off everywhere.
-# hdim 128: swap_sdp with stats_smem (session 21), +1 … +5 % on all 8 head dim 128 shapes against
-# the plain loop, and dq_red on top, +1 … +4 % more; hdim 96 causal: swap_sdp with stats_smem,
-# +5.5 % (unmasked: 2 % slower, off) (docs/perf-log-bwd.md). A row's swap_sdp applies without
-# softcap and when not deterministic (make); its reverse_launch only where swap_sdp is off, its
-# stats_smem and dq_red only with it.
+# shapes (benchmarks/bwd_variants.py; measured, no result file kept): off everywhere.
+# hdim 128: swap_sdp with stats_smem, +1 … +5 % on all 8 head dim 128 shapes against the plain
+# loop (benchmarks/results/bwd-variants-stats-nvidia-h200-2026-12-02.json), and dq_red on top,
+# +1 … +5 % more (bwd-variants-red-nvidia-h200-2026-12-02.json); hdim 96 causal: swap_sdp with
+# stats_smem, +5.5 % (unmasked: 2 % slower, off;
+# benchmarks/results/bwd-variants-d96-forms-nvidia-h200-2026-12-02.json). A row's swap_sdp
+# applies without softcap and when not deterministic (make); its reverse_launch only where
+# swap_sdp is off, its stats_smem and dq_red only with it. docs/kernels/sm90-backward.md.
 _T = Sm90BwdTuning
 _REV = dict(reverse_launch=True)
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
@@ -192,8 +196,9 @@ class BwdConfig(KernelConfig):
     # wait for a query block's dK GEMM (and release its Q stage) only once the next block's S
     # and dP GEMMs are issued, so that the tensor pipe runs dK straight into the next S while
     # the warpgroup hands dQ over (needs stages >= 2: the next Q loads while dK reads this one).
-    # Opt-in: 0.3–4 % slower than the plain loop at head dim 128 on the H200 (session 20; the
-    # next Q stage frees later), kept for benchmarks/bwd_variants.py at the other head dims.
+    # Opt-in: 0.3–4 % slower than the plain loop at head dim 128 on the H200 (measured, no
+    # result file kept; the next Q stage frees later), kept for benchmarks/bwd_variants.py at
+    # the other head dims.
     defer_dk_wait: bool = False
     # each query block's lse_log2 and delta loaded into shared memory by a producer warp (cp.async,
     # as deep as the Q pipeline) instead of into registers by every MMA thread from global memory:
@@ -228,8 +233,9 @@ class BwdConfig(KernelConfig):
              segments: bool = False) -> "BwdConfig":
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         t = tuning_for(head_dim, head_dim_v, mask)
-        # swap_sdp spills with softcap (validate) and was measured slower deterministic (session
-        # 12): the plain loop there, with the row's launch order and statistics from registers
+        # swap_sdp spills with softcap (validate) and was measured slower deterministic
+        # (benchmarks/results/bwd-variants-swap-nvidia-h200-2026-11-30.json): the plain loop
+        # there, with the row's launch order and statistics from registers
         swap = t.swap_sdp and not has_softcap and not deterministic
         # sink_grad's per-column sums spill in the swapped loop (its 16 + 16 column statistics
         # are live there: hdim 128 GQA LDL 23, fp16 local LDL 2): the plain loop
@@ -504,7 +510,7 @@ _GPU_TEST_DETERMINISTIC = [
 ]
 
 
-# swap_sdp forms (not in the tuning table until measured) of these variants
+# the problems whose swap_sdp forms (OPT_IN_FORMS) the GPU test runs, whatever the table picks
 _GPU_TEST_SWAP = [
     ("bfloat16", 128, 128, "none", False, False), ("bfloat16", 128, 128, "causal", False, False),
     ("bfloat16", 128, 128, "none", False, True), ("bfloat16", 96, 96, "local", False, False),

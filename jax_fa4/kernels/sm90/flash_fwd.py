@@ -43,10 +43,11 @@ an id that is not one contiguous run.
 Varlen (FwdConfig.varlen, not persistent): q, k, v, out are packed sequences viewed as one batch
 entry (1, total, H, ·); CTA (m, h, b) reads sequence b's rows [cu_seqlens[b], cu_seqlens[b + 1])
 through TMA from that offset (rows past the sequence are loaded but masked as the key tail, or
-never stored), a tile past the sequence's end does nothing, and O is stored row by row below
-seqlen_q (16-byte pieces from the shared-memory tile) instead of by TMA, which would overwrite
-the next sequence. lse is (batch, H, max_seqlen_q): its shape sets the grid, plus one batch slice
-whose CTAs write 0 to the packed rows outside every sequence (zero_padding_rows).
+never stored), a tile past the sequence's end does nothing, and O is TMA-stored for a tile
+inside the sequence, row by row below seqlen_q (16-byte pieces from the shared-memory tile) for
+its last, partial tile, where a TMA store would overwrite the next sequence. lse is
+(batch, H, max_seqlen_q): its shape sets the grid, plus one batch slice whose CTAs write 0 to
+the packed rows outside every sequence (zero_padding_rows).
 
 Padding isolation (varlen and paged): in the highest key block, the rows of V's stage past the
 keys (the next sequence, padding tokens, a page's unused slots) are zeroed before the P·V GEMM
@@ -1049,7 +1050,7 @@ class FlashAttentionForwardSm90:
         softmax.step(acc_S, row_scale, False)
         # (ptxas hoists this wait above the exponentials, into the row max's shuffle latency;
         # pinning them before it measured 5 % slower at bf16 hdim 128 and no faster for FP8:
-        # docs/perf-log.md, session 28)
+        # benchmarks/results/fwd-pin-ab-session28-nvidia-h200-2026-12-03.json)
         warpgroup.wait_group(0)  # PV done: P_{j-1} and V_{j-1} are free, O is final for j-1
         pipeline_v.consumer_release(v_state)
         v_state.advance()

@@ -219,8 +219,9 @@ class FwdConfig(KernelConfig):
                              "head-major, float32 out or two CTAs per SM)")
         if self.rescale_threshold:
             # with the exact max, each row's largest P is exactly 1.0 in e4m3; a stale max
-            # rounds that dominant term by up to 6 % (3 mantissa bits): 1.7x the error in an
-            # emulation, and the H200 tests failed FA4's rule with threshold 8 (session 26)
+            # rounds that dominant term by up to 6 % (3 mantissa bits): up to 1.7x the error in
+            # an emulation (no result file kept), and the H200 tests failed FA4's rule with
+            # threshold 8 at hdim 256 (benchmarks/results/fp8-nvidia-h200-2026-12-03.json, note)
             raise ValueError("sm90 forward: float8_e4m3fn needs rescale_threshold 0 (a stale "
                              "row max would round the largest P to e4m3)")
         if self.tile_n % 32 or self.head_dim % 32 or self.head_dim_v % 32:
@@ -367,7 +368,8 @@ DECODE_TILE_M = 64
 
 #: The decode tile's shapes, best first (the first that fits a head dim is shipped): two CTAs per
 #: SM, each with two stages of 64 keys (one CTA's K/V stream runs through the other's prologue
-#: and epilogue: 4.13 against 3.95 TB/s for one CTA per SM at B32·Sk4096, docs/perf-log.md);
+#: and epilogue: 4.13 against 4.09 TB/s for one CTA per SM at B32·Sk4096, both one wave of
+#: tiles, benchmarks/results/decode-options-nvidia-h200-2026-11-30.json);
 #: one stage where two do not fit half an SM's shared memory (head dims 192/192); one CTA per
 #: SM with the table's key block where two CTAs do not fit at all (head dim 256: registers).
 DECODE_TILES: tuple[dict, ...] = (
@@ -440,9 +442,10 @@ def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask
 
 #: The query tile of the forward with segment ids where the table's does not fit: the 192-row
 #: tile (three consumer warpgroups of 160 registers) spills with the per-row spans and ids plus
-#: a softcap (head dim 64 causal, session 24's check) or the max-logit running max (LDL 24,
-#: session 25). Without those it fits and is the faster one (hd64 unmasked 0.596 vs 0.698 ms,
-#: perf-log), so only those configs take this tile.
+#: a softcap (head dim 64 causal) or the max-logit running max (LDL 24; `precompile --check`).
+#: Without those it fits and is the faster one (hd64 unmasked 0.596 vs 0.698 ms:
+#: benchmarks/results/segments-hd64-tile192-nvidia-h200-2026-12-03.json against
+#: segments-hd64-tile128-nvidia-h200-2026-12-03.json), so only those configs take this tile.
 SEGMENTS_MAX_TILE_M = 128
 
 

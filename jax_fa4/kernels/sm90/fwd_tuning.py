@@ -33,12 +33,17 @@ class Sm90FwdTuning:
 
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Start points from FA4's H100
-# choices (docs/SM90-NOTES.md); the hdim 64 and 256 rows of "none"/"causal" are the winners of
-# benchmarks/fwd_variants.py on the H200 (docs/perf-log.md, v2 and session 11: ping-pong with the
-# rescale threshold on the causal hdim-64 tile, +7%); hdim 96 "none" is ping-pong (session 20:
-# 559-560 TFLOP/s against 431-432 without, tile 128x144 552-567, two H200 runs; causal keeps the
-# plain tile: 512-516 against 501-504 with ping-pong). Same for both 16-bit dtypes.
-# Only the rows listed here are supported (and compiled by the tests).
+# choices; the hdim 64 and 256 rows of "none"/"causal" are the winners of
+# benchmarks/fwd_variants.py on the H200 (three consumer warpgroups at hdim 64, ping-pong with
+# the rescale threshold at hdim 256: benchmarks/results/fwd-variants-nvidia-h200-2026-11-30.json;
+# the same on the causal hdim-64 tile, 479 against 447 TFLOP/s:
+# benchmarks/results/fwd-variants-d64-pp-nvidia-h200-2026-11-30.json); hdim 96 "none" is
+# ping-pong (559-560 TFLOP/s against 431-432 without, tile 128x144 552-567, two H200 runs; causal
+# keeps the plain tile: 512-516 against 501-504 with ping-pong; in benchmarks/results/:
+# fwd-variants-d96-nvidia-h200-2026-12-02.json, fwd-variants-d96-nvidia-h200-2026-12-02-2.json).
+# Same for both 16-bit dtypes. Only the rows listed here are supported (and compiled by the
+# tests).
+# docs/kernels/sm90-forward.md has the options measured and not shipped.
 _T = Sm90FwdTuning
 _PP_RS = dict(pingpong=True, rescale_threshold=8.0)
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
@@ -54,14 +59,15 @@ TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
 
 #: The FP8 forward's tuning table (e4m3 q, k, v; bfloat16 out): key blocks of 32·k
 #: keys (the e4m3 P·V WGMMA's K step), half the shared memory per element of the 16-bit tiles.
-#: Measured on the H200 (docs/perf-log.md, sessions 26-27): hdim 128 three consumer
-#: warpgroups (192 rows) on 96-key blocks, 3 stages, 3-way ping-pong and the exact rescale skip
-#: (854-863 TFLOP/s against 729 for session 26's 128x128 ping-pong, 787-838 for 128x160),
-#: hdim 64 a 160-key block of 192 rows (+4-6 %), hdim 256 ping-pong with the rescale skip; hdim
-#: 128 causal without the skip (session 28: 749 / 774 against 712 / 690 with it in two
-#: in-process comparisons, while the bench across runs is flat; not understood, see perf-log).
-#: No conditional rescale threshold (it fails the accuracy rule, see validate_fp8); software
-#: exp2 lost everywhere (-3 ... -18 %).
+#: Measured on the H200 (benchmarks/results/fp8-tiles-nvidia-h200-2026-12-03.json): hdim 128
+#: three consumer warpgroups (192 rows) on 96-key blocks, 3 stages, 3-way ping-pong and the
+#: exact rescale skip (854-863 TFLOP/s against 729 for a 128x128 ping-pong tile, 787-838 for
+#: 128x160), hdim 64 a 160-key block of 192 rows (+4-6 %), hdim 256 ping-pong with the rescale
+#: skip; hdim 128 causal without the skip (749 / 774 against 712 / 690 with it in two
+#: in-process comparisons, measured, no result file kept, while the bench across runs is flat;
+#: not understood). No conditional rescale threshold (it fails the accuracy rule, see
+#: validate_fp8); software exp2 lost everywhere (-3 ... -18 %:
+#: benchmarks/results/fp8-tuning-nvidia-h200-2026-12-03.json).
 _PP_S3_SK = dict(pingpong=True, stages=3, rescale_skip=True)  # 3-way with tile_m 192
 _PP_SK = dict(pingpong=True, rescale_skip=True)
 FP8_TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90FwdTuning]] = {
@@ -81,6 +87,6 @@ def tuning_for(head_dim: int, head_dim_v: int, mask: str, fp8: bool = False) -> 
 
 
 #: FP8 key blocks with a softcap, where the table's block leaves the softcap's tanh too few
-#: registers: hdim 64's 192x160 spills (ptxas: 63 LDL / 49 STL, the SASS check of session 27),
+#: registers: hdim 64's 192x160 spills (ptxas: 63 LDL / 49 STL in `precompile --check`),
 #: 192x128 does not.
 FP8_SOFTCAP_TILE_N: dict[tuple[int, int], int] = {(64, 64): 128}
