@@ -1050,7 +1050,7 @@ class FlashAttentionForwardSm90:
         softmax.step(acc_S, row_scale, False)
         # (ptxas hoists this wait above the exponentials, into the row max's shuffle latency;
         # pinning them before it measured 5 % slower at bf16 hdim 128 and no faster for FP8:
-        # benchmarks/results/fwd-pin-ab-session28-nvidia-h200-2026-12-03.json)
+        # benchmarks/results/fwd-exp-pin-ab-nvidia-h200-2026-12-03.json)
         warpgroup.wait_group(0)  # PV done: P_{j-1} and V_{j-1} are free, O is final for j-1
         pipeline_v.consumer_release(v_state)
         v_state.advance()
