@@ -6,10 +6,11 @@
         --cache-dir .device/kernel-cache                  # build them (CPU machine, no GPU)
     python benchmarks/bwd_variants.py --shapes d128 --variants det,m128n128s1p1
 
-For every anchor shape, the GQA 32/8 and the head dim 96 shapes (``jax_fa4.tools.bench_shapes``),
-bf16, causal and not, it runs the backward chain the library runs (preprocess kernel,
-``sm90_bwd`` main kernel, dQ postprocess, the GQA head sum) under each main-kernel config of
-``variants_for``: the tuning table's (``v1``), every other tile / stage combination the config validator accepts
+For every anchor shape, the GQA 32/8 and the head dim 96 shapes
+(``jax_fa4.tools.bench_shapes``), bf16, causal and not, it runs the backward chain the library
+runs (preprocess kernel, ``sm90_bwd`` main kernel, dQ postprocess, the GQA head sum) under each
+main-kernel config of ``jax_fa4.tools.variant_sweeps.bwd_variants_for``: the tuning table's
+(``v1``), every other tile / stage combination the config validator accepts
 (``m{tile_m}n{tile_n}s{stages}p{pds_stages}``, with ``+swap`` for the swap_sdp form of the
 same tile), the table's tile in the other launch order (``rev``: from the last key block down;
 ``fwd-launch``: from the first up), the dK wait the other way (``defer`` / ``no-defer``:
@@ -17,10 +18,11 @@ same tile), the table's tile in the other launch order (``rev``: from the last k
 ``BwdConfig.stats_smem``; ``swap+stats``; ``red``: ``BwdConfig.dq_red``, and ``red+s3`` with
 one more Q stage; ``plain``: none of them) that the table does not pick,
 the deterministic kernel (``det``, ``det+swap``, ``det+defer``).
-Each is timed as its own program on saved forward outputs (out, lse from the forward kernel), so the
-figure is the backward alone: TFLOP/s = 2.5 × forward FLOPs / time. cuDNN's backward is timed the
-way ``jax_fa4.tools.bench`` does it, t(fwd + bwd) − t(fwd), in the same process; the ratio is to that.
-Timing is ``jax_fa4.tools.bench``'s (warm-up, alternating rounds, median, rotated inputs).
+Each is timed as its own program on saved forward outputs (out, lse from the forward kernel),
+so the figure is the backward alone: TFLOP/s = 2.5 × forward FLOPs / time. cuDNN's backward is
+timed the way ``jax_fa4.tools.bench`` does it, t(fwd + bwd) − t(fwd), in the same process; the
+ratio is to that. Timing is ``jax_fa4.tools.bench``'s (warm-up, alternating rounds, median,
+rotated inputs).
 
 Checks per variant, on the first input set: dq, dk, dv against v1's (the GPU-tested default):
 ``max|x − x_v1| / max|x_v1|`` must stay below ``--max-rel-diff`` (bf16 rounding of differently
@@ -33,15 +35,12 @@ table variant × shape of TFLOP/s (ratio to cuDNN's backward).
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import math
 import traceback
 from typing import Any, NamedTuple
 
-import variant_harness as harness
-from fwd_variants import _label
-from variant_harness import SHAPE_GROUPS
+from jax_fa4.tools import bench_harness, variant_sweeps as sweeps
+from jax_fa4.tools.variant_sweeps import shape_label
 
 
 class Opts(NamedTuple):
@@ -54,81 +53,7 @@ class Opts(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------------
-# the configs (importable without JAX's GPU backend or the compiler)
-# ---------------------------------------------------------------------------------------------
-def variants_for(head_dim: int, head_dim_v: int, mask: str, gqa: bool) -> list[tuple[str, Any]]:
-    """(name, BwdConfig) to time for one problem kind; the first is the table's (v1)."""
-    from jax_fa4.kernels.sm90.bwd_config import (OPT_IN_FORMS, BwdConfig, with_stats_smem,
-                                                 with_swap_sdp, without_swap_sdp)
-
-    def valid(cfg) -> bool:  # over shared memory, GEMMs that do not split, swap_sdp limits
-        try:
-            cfg.validate()
-        except ValueError:
-            return False
-        return True
-
-    base = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa)
-    out = [("v1", base)]
-
-    def add(name: str, cfg) -> None:  # valid and not already listed under another name
-        if valid(cfg) and all(cfg != c for _, c in out):
-            out.append((name, cfg))
-
-    # the loop forms (OPT_IN_FORMS: swap, stats, swap+stats, red) and none of them ("plain":
-    # the plain loop, statistics from registers, dQ through the dQ warp)
-    plain = dataclasses.replace(without_swap_sdp(base), stats_smem=False, dq_red=False)
-    for name, form in OPT_IN_FORMS.items():
-        add(name, form(base))
-    add("plain", plain)
-    # dQ added by the MMA threads with one more Q stage
-    add("red+s3", dataclasses.replace(base, dq_red=True, stages=base.stages + 1))
-    # the other launch order: "rev" (from the last key block down) or "fwd-launch"
-    add("fwd-launch" if base.reverse_launch else "rev",
-        dataclasses.replace(base, reverse_launch=not base.reverse_launch))
-    add("no-defer" if base.defer_dk_wait else "defer",
-        dataclasses.replace(base, defer_dk_wait=not base.defer_dk_wait))
-    # tiles and stages: the plain loop, and "+swap" its swap_sdp form (with the table's stats)
-    for tm, tn, stages, pds, swap in itertools.product((64, 128), (64, 128), (1, 2, 3), (1, 2),
-                                                       (False, True)):
-        cfg = dataclasses.replace(plain, tile_m=tm, tile_n=tn, stages=stages, pds_stages=pds,
-                                  defer_dk_wait=plain.defer_dk_wait and stages > 1)
-        cfg = with_stats_smem(with_swap_sdp(cfg), base.stats_smem) if swap else cfg
-        add(f"m{tm}n{tn}s{stages}p{pds}" + ("+swap" if swap else ""), cfg)
-    det = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa, deterministic=True)
-    add("det", det)
-    add("det+no-defer" if det.defer_dk_wait else "det+defer",
-        dataclasses.replace(det, defer_dk_wait=not det.defer_dk_wait))
-    if not base.swap_sdp:
-        add("det+swap", with_swap_sdp(det))
-    return out
-
-
-def shapes_for(group: str = "all"):
-    from jax_fa4.tools.bench_shapes import ANCHOR_SHAPES, D96_SHAPES, GQA_SHAPES
-
-    return [s for s in ANCHOR_SHAPES + GQA_SHAPES + D96_SHAPES if s.D in SHAPE_GROUPS[group]]
-
-
-def _variants(shape, names: list[str] | None) -> list[tuple[str, Any]]:
-    mask = "causal" if shape.causal else "none"
-    return [(n, c) for n, c in variants_for(shape.D, shape.Dv, mask, shape.H != shape.Hkv)
-            if names is None or n in names or n == "v1"]
-
-
-def variant_configs(group: str = "all", names: list[str] | None = None) -> list[Any]:
-    """Every kernel config the run needs (main kernels and their postprocesses, each once)."""
-    configs = []
-    for shape in shapes_for(group):
-        for _, cfg in _variants(shape, names):
-            for c in (cfg, cfg.postprocess_config()):
-                if c not in configs:
-                    configs.append(c)
-    return configs
-
-
-# ---------------------------------------------------------------------------------------------
-# running
+# running (the configs: jax_fa4.tools.variant_sweeps.bwd_variants_for)
 # ---------------------------------------------------------------------------------------------
 def _backward_fn(cfg, opts: Opts):
     from jax_fa4 import backends
@@ -161,12 +86,12 @@ def run(args) -> dict[str, Any]:
     import jax_fa4
     from jax_fa4.tools import bench
 
-    names = harness.variant_names(args)
-    shapes = shapes_for(args.shapes)
-    device, start = harness.start(args, len(shapes))
+    names = sweeps.variant_names(args)
+    shapes = sweeps.bwd_shapes(args.shapes)
+    device, start = bench_harness.start(args, len(shapes))
     rows: list[dict[str, Any]] = []
     for si, shape in enumerate(shapes):
-        label = _label(shape) + ("" if shape.H == shape.Hkv else f" Hkv{shape.Hkv}")
+        label = shape_label(shape) + ("" if shape.H == shape.Hkv else f" Hkv{shape.Hkv}")
         opts = Opts(1.0 / math.sqrt(shape.D), (None, 0) if shape.causal else (None, None))
         fwd = jax.jit(lambda q, k, v: jax_fa4.flash_attention(  # noqa: E731
             q, k, v, causal=shape.causal, return_lse=True, implementation="sm90"))
@@ -174,7 +99,7 @@ def run(args) -> dict[str, Any]:
         arg_sets = [(q, k, v, do, *fwd(q, k, v)) for q, k, v, do in inputs]
         flops = 2.5 * shape.fwd_flops()
         programs, entries, base = [], [], None
-        for name, cfg in _variants(shape, names):
+        for name, cfg in sweeps.bwd_shape_variants(shape, names):
             row = {"shape": label, "B": shape.B, "S": shape.Sq, "H": shape.H, "Hkv": shape.Hkv,
                    "D": shape.D, "causal": shape.causal, "variant": name,
                    "config": cfg.describe(), "flops": flops}
@@ -196,7 +121,7 @@ def run(args) -> dict[str, Any]:
                 programs.append(bench.make_program(fn, compiled, arg_sets, 1))
                 entries.append(row)
             except Exception as err:  # a missing kernel or a failed launch: record, go on
-                row["skipped"] = harness.error_text(err)
+                row["skipped"] = bench_harness.error_text(err)
                 if args.verbose:
                     traceback.print_exc()
             rows.append(row)
@@ -212,7 +137,7 @@ def run(args) -> dict[str, Any]:
                                                [s[:3] for s in inputs], 1))
             programs.append(bench.make_program(f2, f2.lower(*inputs[0]).compile(), inputs, 1))
         except Exception as err:
-            cud_row["skipped"] = harness.error_text(err)
+            cud_row["skipped"] = bench_harness.error_text(err)
         timings = bench.time_programs(programs, repeats=args.repeats,
                                       target_s=args.target_ms / 1e3, sync_each=False)
         for row, t in zip(entries, timings[:n_ours]):
@@ -222,24 +147,24 @@ def run(args) -> dict[str, Any]:
             ms = timings[n_ours + 1].ms - timings[n_ours].ms
             cud_row.update(ms=ms, fwd_ms=timings[n_ours].ms, tflops=flops / (ms * 1e-3) / 1e12)
         rows.append(cud_row)
-        harness.finish_shape(rows, label, si, len(shapes), start)
+        sweeps.finish_shape(rows, label, si, len(shapes), start)
         del arg_sets, inputs, programs
-    return harness.report(device, args, start, rows)
+    return bench_harness.report(device, args, start, rows)
 
 
 def main(argv=None) -> int:
-    p = harness.parser(__doc__)
+    p = sweeps.parser(__doc__)
     p.add_argument("--max-rel-diff", type=float, default=2e-2,
                    help="largest max|x - x_v1| / max|x_v1| accepted for dq, dk, dv")
     args = p.parse_args(argv)
-    configs = variant_configs(args.shapes, harness.variant_names(args))
+    configs = sweeps.bwd_variant_configs(args.shapes, sweeps.variant_names(args))
     if args.list:
         for cfg in configs:
             print(cfg.describe())
         return 0
     if args.precompile:
-        return harness.precompile(configs, args.cache_dir)
-    return harness.write(run(args), "bwd-variants", args.out)
+        return sweeps.precompile(configs, args.cache_dir)
+    return sweeps.write(run(args), "bwd-variants", args.out)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Decode speed on the GPU: K/V bytes read per second, dense and paged, against cuDNN.
 
 Issue #8's decode shapes: one query token (``Sq = 1``), GQA 32/8, head dim 128, bf16, batch
-32–128 and 4k–128k keys. Per shape, in one process and with ``jax_fa4.tools.bench``'s timing (warm-up,
-rounds rotating which program opens them, median; input sets rotated so that together they
-exceed twice the L2):
+32–128 and 4k–128k keys. Per shape, in one process and with ``jax_fa4.tools.bench``'s timing
+(warm-up, rounds rotating which program opens them, median; input sets rotated so that together
+they exceed twice the L2):
 
 * ``dense``: ``jax_fa4.flash_attention(implementation="sm90")`` (decode rewrite: GQA packing,
   split-KV, the shipped decode tile: two CTAs per SM, head-major q and out);
@@ -23,8 +23,8 @@ exceed twice the L2):
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on the dense K/V.
 
 The figure is ``TB/s`` of K/V read: ``B·Sk·Hkv·(D + Dv)·2`` bytes over the time per call (what
-the peers reach: 4.2–4.4 TB/s on the H200, shared/anchors/README.md). Every variant's output is
-compared with cuDNN's (``rel_err``). Writes JSON with the command, GPU and date.
+the peers reach: 4.2–4.4 TB/s on the H200, ``benchmarks/anchors.json``). Every variant's output
+is compared with cuDNN's (``rel_err``). Writes JSON with the command, GPU and date.
 
     python benchmarks/decode_bench.py --out benchmarks/results/decode-<gpu>-<date>.json
 """
@@ -43,7 +43,7 @@ import jax_fa4
 from jax_fa4.tools import bench
 from jax_fa4.backends import decode
 from jax_fa4.kernels.sm90.fwd_config import DECODE_OPTIONS
-from variant_harness import save, start, timing_parser
+from jax_fa4.tools.bench_harness import save, start, timing_parser
 
 H, HKV, D = 32, 8, 128
 PAGE = 128

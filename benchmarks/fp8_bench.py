@@ -1,8 +1,8 @@
 """The FP8 (e4m3) forward against cuDNN's FP8 attention and our bfloat16 forward (issue #26).
 
-Per shape (B, S, H, D; self-attention, causal and not), in one process with ``jax_fa4.tools.bench``'s
-timing (warm-up, rounds rotating which program opens them, median, input sets rotated past the
-L2), forward only:
+Per shape (B, S, H, D; self-attention, causal and not), in one process with
+``jax_fa4.tools.bench``'s timing (warm-up, rounds rotating which program opens them, median,
+input sets rotated past the L2), forward only:
 
 * ``jax-fa4-fp8``: ``flash_attention`` on e4m3 q, k, v with per-(batch, kv head) descales,
   bfloat16 out (the kernel; v's transpose for the kernel is part of the call);
@@ -33,7 +33,7 @@ import numpy as np
 import jax_fa4
 from jax_fa4 import fp8
 from jax_fa4.tools import bench
-from variant_harness import save, start, timing_parser
+from jax_fa4.tools.bench_harness import save, start, timing_parser
 
 #: (B, S, H, D): 16k tokens per call (S >= 8k, the issue's long-prefill regime)
 SHAPES = ((2, 8192, 16, 128), (4, 8192, 32, 64), (2, 8192, 8, 256))

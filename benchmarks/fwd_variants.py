@@ -6,17 +6,19 @@
         --cache-dir .device/kernel-cache                  # build them (CPU machine, no GPU)
     python benchmarks/fwd_variants.py --shapes d64 --variants v1,3wg+pp --repeats 9
 
-For every anchor shape (``jax_fa4.tools.bench_shapes.ANCHOR_SHAPES``: B·S·H·D of the peers' table,
-and ``D96_SHAPES``, the extra table's head dim 96 pair; causal and not, bf16) it runs the
-kernel directly (``jax_fa4.ffi.call.call_kernel``, bypassing the dispatch, so a config that is not the table's default can run) under each config of
-``variants_for(D, Dv, mask)``, and cuDNN (``jax.nn.dot_product_attention(implementation=
-"cudnn")``) in the same process. ``variant_configs()`` lists exactly the kernels it needs.
+For every anchor shape (``jax_fa4.tools.bench_shapes.ANCHOR_SHAPES``: B·S·H·D of the peers'
+table, and ``D96_SHAPES``, the extra table's head dim 96 pair; causal and not, bf16) it runs the
+kernel directly (``jax_fa4.ffi.call.call_kernel``, bypassing the dispatch, so a config that is
+not the table's default can run) under each config of
+``jax_fa4.tools.variant_sweeps.fwd_variants_for(D, Dv, mask)``, and cuDNN
+(``jax.nn.dot_product_attention(implementation="cudnn")``) in the same process. ``--list``
+prints exactly the kernels it needs.
 
-Timing (``jax_fa4.tools.bench``'s method): every program is compiled and warmed up, then the rounds of
-all programs of one shape alternate (v1, pp, ..., cuDNN, v1, ...), so a drift in clocks biases
-the ratios little; each round is as many back-to-back dispatches as fill ``--target-ms``,
-synchronised with ``block_until_ready``; the figure is the median round. Dispatches rotate over
-several random input sets (together > 2 × the 60 MB L2).
+Timing (``jax_fa4.tools.bench``'s method): every program is compiled and warmed up, then the
+rounds of all programs of one shape alternate (v1, pp, ..., cuDNN, v1, ...), so a drift in
+clocks biases the ratios little; each round is as many back-to-back dispatches as fill
+``--target-ms``, synchronised with ``block_until_ready``; the figure is the median round.
+Dispatches rotate over several random input sets (together > 2 × the 60 MB L2).
 
 Checks per variant, on the first input set: ``max|out - out_v1|`` and ``max|lse - lse_v1|``
 against the v1 default config (the measured-correct one; differences are rounding-level,
@@ -32,90 +34,16 @@ table variant × shape of TFLOP/s (ratio to cuDNN). Whole run on an H200: ~2-3 m
 from __future__ import annotations
 
 import math
-import sys
 import traceback
 from typing import Any
 
-import variant_harness as harness
-from variant_harness import SHAPE_GROUPS
-
-H200_SMS = 132  # the persistent variants' grid (an H100 SXM has 132 SMs too)
+from jax_fa4.tools import bench_harness, variant_sweeps as sweeps
+from jax_fa4.tools.variant_sweeps import shape_label
 
 
 # ---------------------------------------------------------------------------------------------
-# the configs (importable without JAX's GPU backend or the compiler)
+# running (the configs: jax_fa4.tools.variant_sweeps.fwd_variants_for)
 # ---------------------------------------------------------------------------------------------
-def variants_for(head_dim: int, head_dim_v: int, mask: str) -> list[tuple[str, Any]]:
-    """(name, FwdConfig) to time for one (head dim, mask kind); the first is the v1 default."""
-    from jax_fa4.kernels.sm90.fwd_config import FwdConfig
-
-    base = dict(dtype="bfloat16", head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
-                has_softcap=False)
-    out = [("v1", FwdConfig.make(**base))]
-
-    def add(name: str, **overrides) -> None:
-        try:
-            out.append((name, FwdConfig.make(**base, **overrides)))
-        except ValueError as err:  # e.g. over shared memory / registers: not a variant here
-            print(f"[fwd_variants] {name} d={head_dim} {mask}: {err}", file=sys.stderr)
-
-    add("pp", pingpong=True)
-    add("pp+rs8", pingpong=True, rescale_threshold=8.0)
-    add("pp+persist", pingpong=True, num_sms=H200_SMS)
-    if head_dim in (64, 128):
-        add("rs8", rescale_threshold=8.0)
-    if head_dim == 64:
-        add("3wg", tile_m=192)
-        add("3wg+pp", tile_m=192, pingpong=True)
-        add("3wg+pp+rs8", tile_m=192, pingpong=True, rescale_threshold=8.0)
-        add("3wg+pp+rs8+persist", tile_m=192, pingpong=True, rescale_threshold=8.0,
-            num_sms=H200_SMS)
-        for per_32 in (4, 6, 8):  # partial software exp2 (FMA pipe), tile 192
-            add(f"3wg+sx{per_32}", tile_m=192, exp2_sw_per_32=per_32)
-        add("3wg+pp+rs8+sx6", tile_m=192, pingpong=True, rescale_threshold=8.0, exp2_sw_per_32=6)
-    elif head_dim == 96:  # the non-causal tile is the one to find (issue #22)
-        add("rs8", rescale_threshold=8.0)
-        add("n144", tile_n=144)
-        add("pp+n144", pingpong=True, tile_n=144)
-        add("n96", tile_n=96)
-        for n in (160, 176, 192):
-            add(f"n{n}", tile_n=n)
-        add("pp+n176", pingpong=True, tile_n=176)
-        add("n144+s3", tile_n=144, stages=3)
-        add("3wg", tile_m=192)
-        add("3wg+pp", tile_m=192, pingpong=True)
-        add("3wg+pp+rs8", tile_m=192, pingpong=True, rescale_threshold=8.0)
-        add("3wg+n144", tile_m=192, tile_n=144)
-        add("3wg+pp+n144", tile_m=192, pingpong=True, tile_n=144)
-    elif head_dim == 128:
-        add("pp+n176", pingpong=True, tile_n=176)
-        add("s3", stages=3)  # a third K/V stage (224 KB of shared memory)
-    return out
-
-
-def shapes_for(group: str = "all"):
-    from jax_fa4.tools.bench_shapes import ANCHOR_SHAPES, D96_SHAPES
-
-    return [s for s in ANCHOR_SHAPES + D96_SHAPES if s.D in SHAPE_GROUPS[group]]
-
-
-def variant_configs(group: str = "all", names: list[str] | None = None) -> list[Any]:
-    """Every kernel config the run needs (each once): precompile exactly these."""
-    configs = []
-    for shape in shapes_for(group):
-        for name, cfg in variants_for(shape.D, shape.Dv, "causal" if shape.causal else "none"):
-            if (names is None or name in names) and cfg not in configs:
-                configs.append(cfg)
-    return configs
-
-
-# ---------------------------------------------------------------------------------------------
-# running
-# ---------------------------------------------------------------------------------------------
-def _label(shape) -> str:
-    return f"B{shape.B} S{shape.Sq} H{shape.H} D{shape.D}" + (" causal" if shape.causal else "")
-
-
 def _kernel_fn(cfg, shape):
     import jax
     import jax.numpy as jnp
@@ -137,10 +65,10 @@ def _kernel_fn(cfg, shape):
 
 def _reference_check(out, q, k, v, shape, rows: int) -> dict[str, float]:
     """FA4's rule on the last ``rows`` query rows of batch 0, heads 0-1 (all keys)."""
-    import jax.numpy as jnp
     import numpy as np
 
     from jax_fa4 import reference
+    from jax_fa4.tools.fa4_rule import fa4_error
 
     hs = slice(0, min(2, shape.H))
     qs, ks, vs = q[:1, -rows:, hs], k[:1, :, hs], v[:1, :, hs]
@@ -148,14 +76,10 @@ def _reference_check(out, q, k, v, shape, rows: int) -> dict[str, float]:
               window=(None, 0) if shape.causal else (None, None))
     ref, _ = reference.attention(qs, ks, vs, **kw)
     pt, _ = reference.attention(qs, ks, vs, compute_dtype=q.dtype, **kw)
-    ref = np.asarray(ref, np.float32)
-    got = np.asarray(out[:1, -rows:, hs], np.float32)
-    err = float(np.max(np.abs(got - ref)))
-    pt_err = float(np.max(np.abs(np.asarray(pt, np.float32) - ref)))
-    ref_j = jnp.asarray(ref)
-    atol = 2 * float(jnp.max(jnp.abs((ref_j + 0.3 - 0.3) - ref_j)))
-    return {"ref_err": err, "ref_bound": 2 * pt_err + atol,
-            "ref_nan": bool(np.isnan(got).any())}
+    got = out[:1, -rows:, hs]
+    e = fa4_error(got, np.asarray(ref, np.float32), pt)  # atol at float32's granularity
+    return {"ref_err": e.err, "ref_bound": e.bound,
+            "ref_nan": bool(np.isnan(np.asarray(got, np.float32)).any())}
 
 
 def run(args) -> dict[str, Any]:
@@ -164,13 +88,13 @@ def run(args) -> dict[str, Any]:
 
     from jax_fa4.tools import bench
 
-    names = harness.variant_names(args)
-    shapes = shapes_for(args.shapes)
-    device, start = harness.start(args, len(shapes))
+    names = sweeps.variant_names(args)
+    shapes = sweeps.fwd_shapes(args.shapes)
+    device, start = bench_harness.start(args, len(shapes))
     rows: list[dict[str, Any]] = []
     for si, shape in enumerate(shapes):
         mask = "causal" if shape.causal else "none"
-        variants = [(n, c) for n, c in variants_for(shape.D, shape.Dv, mask)
+        variants = [(n, c) for n, c in sweeps.fwd_variants_for(shape.D, shape.Dv, mask)
                     if names is None or n in names or n == "v1"]
         arg_sets = bench.make_inputs(shape, jnp.bfloat16, jax.random.key(1000 + si), 1)
         arg_sets = [(q, k, v) for q, k, v, _ in arg_sets]
@@ -179,7 +103,7 @@ def run(args) -> dict[str, Any]:
         programs, entries = [], []
         base_out = None
         for name, cfg in variants:
-            row = {"shape": _label(shape), "B": shape.B, "S": shape.Sq, "H": shape.H,
+            row = {"shape": shape_label(shape), "B": shape.B, "S": shape.Sq, "H": shape.H,
                    "D": shape.D, "causal": shape.causal, "variant": name,
                    "config": cfg.describe(), "flops": flops}
             try:
@@ -204,11 +128,11 @@ def run(args) -> dict[str, Any]:
                 programs.append(bench.make_program(fn, compiled, arg_sets, 1))
                 entries.append(row)
             except Exception as err:  # a missing kernel or a failed check: record, go on
-                row["skipped"] = harness.error_text(err)
+                row["skipped"] = bench_harness.error_text(err)
                 if args.verbose:
                     traceback.print_exc()
             rows.append(row)
-        cudnn_row = {"shape": _label(shape), "B": shape.B, "S": shape.Sq, "H": shape.H,
+        cudnn_row = {"shape": shape_label(shape), "B": shape.B, "S": shape.Sq, "H": shape.H,
                      "D": shape.D, "causal": shape.causal, "variant": "cudnn", "flops": flops}
         try:
             cfn = jax.jit(bench._jax_nn_fn(shape, "cudnn"))
@@ -216,20 +140,20 @@ def run(args) -> dict[str, Any]:
             programs.append(bench.make_program(cfn, ccompiled, arg_sets, 1))
             entries.append(cudnn_row)
         except Exception as err:
-            cudnn_row["skipped"] = harness.error_text(err)
+            cudnn_row["skipped"] = bench_harness.error_text(err)
         rows.append(cudnn_row)
         del base_out
         timings = bench.time_programs(programs, repeats=args.repeats,
                                       target_s=args.target_ms / 1e3, sync_each=False)
         for row, t in zip(entries, timings):
             row.update(ms=t.ms, spread=t.spread, iters=t.iters, tflops=flops / (t.ms * 1e-3) / 1e12)
-        harness.finish_shape(rows, _label(shape), si, len(shapes), start)
+        sweeps.finish_shape(rows, shape_label(shape), si, len(shapes), start)
         del arg_sets, programs
-    return harness.report(device, args, start, rows)
+    return bench_harness.report(device, args, start, rows)
 
 
 def configs_for(args) -> list[Any]:
-    configs = variant_configs(args.shapes, harness.variant_names(args))
+    configs = sweeps.fwd_variant_configs(args.shapes, sweeps.variant_names(args))
     if args.with_tests:  # the GPU tests' option configs (tests/gpu/test_sm90_fwd.py)
         from jax_fa4.kernels.sm90.fwd_config import option_test_configs
 
@@ -238,7 +162,7 @@ def configs_for(args) -> list[Any]:
 
 
 def main(argv=None) -> int:
-    p = harness.parser(__doc__)
+    p = sweeps.parser(__doc__)
     p.add_argument("--ref-rows", type=int, default=256)
     p.add_argument("--max-diff", type=float, default=0.0625,
                    help="largest |out - out_v1| accepted (bf16 outputs, rounding differences)")
@@ -250,8 +174,8 @@ def main(argv=None) -> int:
             print(cfg.describe())
         return 0
     if args.precompile:
-        return harness.precompile(configs_for(args), args.cache_dir)
-    return harness.write(run(args), "fwd-variants", args.out)
+        return sweeps.precompile(configs_for(args), args.cache_dir)
+    return sweeps.write(run(args), "fwd-variants", args.out)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The cost of a learnable sink on the Hopper kernels: the same call with and without one.
 
 Per shape (bf16, the anchors' training shapes at head dims 64, 128 and 256, causal and not), in
-one process with ``jax_fa4.tools.bench``'s timing (warm-up, rounds rotating which program opens them,
-median, input sets rotated past the L2), forward and forward+backward of
+one process with ``jax_fa4.tools.bench``'s timing (warm-up, rounds rotating which program opens
+them, median, input sets rotated past the L2), forward and forward+backward of
 ``jax_fa4.flash_attention(..., implementation="sm90")``:
 
 * ``plain``: no sink;
@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 import jax_fa4
 from jax_fa4.tools import bench
-from variant_harness import labelled_shapes, rotating_sets, save, start, timing_parser
+from jax_fa4.tools.bench_harness import (labelled_shapes, rotating_sets, save, start,
+                                         timing_parser)
 
 #: (B, S, H, D)
 SHAPES = ((4, 8192, 32, 64), (4, 8192, 16, 128), (4, 8192, 8, 256))

@@ -1,7 +1,8 @@
 """Packed (varlen) training speed on the GPU against the dense kernels at the same total tokens.
 
-Issue #8's bar: forward and forward+backward of ``jax_fa4.flash_attention_varlen`` within 10 %
-of the dense ``jax_fa4.flash_attention`` TFLOP/s when the packed batch holds the same tokens.
+The bar (issue #8): forward and forward+backward of ``jax_fa4.flash_attention_varlen`` within
+10 % of the dense ``jax_fa4.flash_attention`` TFLOP/s when the packed batch holds the same
+tokens.
 Per shape (B sequences of S tokens, H heads, hdim D, bf16; causal and not), in one process with
 ``jax_fa4.tools.bench``'s timing (warm-up, rounds rotating which program opens them, median, input
 sets rotated past the L2):
@@ -32,7 +33,8 @@ import numpy as np
 
 import jax_fa4
 from jax_fa4.tools import bench
-from variant_harness import labelled_shapes, rotating_sets, save, start, timing_parser
+from jax_fa4.tools.bench_harness import (labelled_shapes, rotating_sets, save, start,
+                                         timing_parser)
 
 #: (B, S, H, D): the anchors' hdim-128 training shapes, and many short documents
 SHAPES = ((16, 2048, 16, 128), (4, 8192, 16, 128), (64, 512, 16, 128))

@@ -1,6 +1,6 @@
 """Compiled kernels in tests: the test tiers, the session's kernel cache, SASS reports.
 
-Two tiers (README, "Development"):
+Two tiers (docs/development.md):
 
 * **quick** (``python -m pytest``, what CI runs): one compiled kernel per arch × kernel kind ×
   mode (``jax_fa4.tools.variants.family_mode_class``): the shipped-variant SASS check over one

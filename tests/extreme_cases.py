@@ -537,7 +537,7 @@ def check_case(case: Case, implementation: str, before_run=None) -> None:
         assert_fa4_close(g, r.astype(g.dtype), p, softcap=softcap, name=f"{name} {gname}")
 
 
-#: The kernels' exact range (their documented contract, docs in README "Numerics"): a row whose
+#: The kernels' exact range (their documented contract, docs/api.md, "Numerics"): a row whose
 #: largest scaled score m (softmax_scale·q·k, or the sink if larger) has |m·log2 e| at or past
 #: this, by input dtype, comes out as NaN (out and lse); below it the row is exact.
 KERNEL_EXACT_LIMIT_LOG2 = {"bfloat16": 2.0 ** 31, "float16": 2.0 ** 27}

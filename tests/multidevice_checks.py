@@ -513,14 +513,11 @@ def train_example_cases() -> dict:
             "pack_mesh": lambda: _train_example("--pack", "--mesh", "2x2")}
 
 
-# -- benchmarks/multi_gpu.py at its smoke sizes --------------------------------------------------
+# -- the multi-GPU run (jax_fa4.tools.multi_gpu) at its smoke sizes -----------------------------
 def _multi_gpu_script(*args: str) -> dict:
     """The report of ``benchmarks/multi_gpu.py --smoke`` on the 4 devices (``args`` added)."""
-    sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
-    try:
-        import multi_gpu
-    finally:
-        sys.path.pop(0)
+    from jax_fa4.tools import multi_gpu
+
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "report.json"
         status = multi_gpu.main(["--smoke", "--out", str(out), *args])

@@ -1,20 +1,15 @@
-"""FA4's numerical acceptance rule, shared by the test files.
+"""FA4's numerical acceptance rule for the test files: :func:`assert_fa4_close`.
 
-``ref`` is attention computed in float32 from the same (low-precision) inputs and ``pt`` the
-same naive attention computed in the low precision. A result passes when
-
-    max|out - ref| <= m * max|pt - ref| + atol,   atol = 2 * max|(ref + 0.3 - 0.3) - ref|,
-
-with ``m = 2`` (``3`` with softcap). ``atol`` is evaluated in ``ref``'s own dtype, so it is
-the rounding granularity of that dtype near 0.3. The same rule applies to dq, dk and dv.
+The rule itself (``max|out - ref| <= m * max|pt - ref| + atol``, ``ref`` the float32
+computation, ``pt`` the naive low-precision one) and its measurement, :func:`fa4_error`, live in
+``jax_fa4.tools.fa4_rule``, which the benchmark scripts use too.
 Also: :func:`random_qkv`, fresh normal q, k, v of given shapes.
 """
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from jax_fa4.tools.fa4_rule import fa4_error
 
 
 def random_qkv(b, sq, sk, h, hkv, d, dv=None, dtype=jnp.float32, seed=0):
@@ -28,7 +23,8 @@ def random_qkv(b, sq, sk, h, hkv, d, dv=None, dtype=jnp.float32, seed=0):
 
 
 def assert_fa4_close(out, ref, pt, *, softcap: bool = False, name: str = "out") -> None:
-    """Assert FA4's rule ``max|out - ref| <= m * max|pt - ref| + atol`` (see module docstring).
+    """Assert FA4's rule ``max|out - ref| <= m * max|pt - ref| + atol``
+    (``jax_fa4.tools.fa4_rule``).
 
     Args:
         out: the result under test.
@@ -52,25 +48,3 @@ def assert_fa4_close(out, ref, pt, *, softcap: bool = False, name: str = "out") 
             f"{name}: max|out - ref| = {e.err:.4g} exceeds the bound {e.bound:.4g} "
             f"= {3 if softcap else 2} * max|pt - ref| ({e.pt_err:.4g}) + atol ({e.atol:.4g})"
         )
-
-
-class Fa4Error(NamedTuple):
-    """One comparison by FA4's rule: ``passed`` is ``err <= bound`` (False when NaN)."""
-    err: float  # max|out - ref|
-    bound: float  # m * pt_err + atol
-    pt_err: float  # max|pt - ref|
-    atol: float
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.err <= self.bound)
-
-
-def fa4_error(out, ref, pt, *, softcap: bool = False) -> Fa4Error:
-    """FA4's rule (module docstring) measured on same-shaped ``out``, ``ref`` and ``pt``."""
-    ref = jnp.asarray(ref)
-    ref32 = np.asarray(ref, np.float32)
-    atol = 2 * float(np.max(np.abs(np.asarray(ref + 0.3 - 0.3, np.float32) - ref32)))
-    err = float(np.max(np.abs(np.asarray(out, np.float32) - ref32)))
-    pt_err = float(np.max(np.abs(np.asarray(pt, np.float32) - ref32)))
-    return Fa4Error(err, (3 if softcap else 2) * pt_err + atol, pt_err, atol)

@@ -203,22 +203,16 @@ def test_tiny_sweep_on_cpu(tmp_path, capsys):
 
 
 def test_backward_variant_sweep_lists_valid_distinct_configs():
-    """benchmarks/bwd_variants.py: per shape, v1 is the tuning table's config, every other
-    variant is a distinct config the validator accepts (the run precompiles exactly these)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        import bwd_variants
-    finally:
-        sys.path.pop(0)
+    """benchmarks/bwd_variants.py's configs (jax_fa4.tools.variant_sweeps): per shape, v1 is the
+    tuning table's config, every other variant is a distinct config the validator accepts (the
+    run precompiles exactly these)."""
     from jax_fa4.kernels.sm90.bwd_config import BwdConfig
+    from jax_fa4.tools import variant_sweeps
 
-    for shape in bwd_variants.shapes_for("all"):
+    for shape in variant_sweeps.bwd_shapes("all"):
         gqa = shape.H != shape.Hkv
         mask = "causal" if shape.causal else "none"
-        variants = bwd_variants.variants_for(shape.D, shape.Dv, mask, gqa)
+        variants = variant_sweeps.bwd_variants_for(shape.D, shape.Dv, mask, gqa)
         names = [n for n, _ in variants]
         assert names[0] == "v1" and "det" in names and len(set(names)) == len(names)
         assert variants[0][1] == BwdConfig.make("bfloat16", shape.D, shape.Dv, mask, False, gqa)
@@ -227,8 +221,26 @@ def test_backward_variant_sweep_lists_valid_distinct_configs():
         for cfg in cfgs:
             cfg.validate()
             assert cfg.gqa == gqa and cfg.mask == mask
-    needed = bwd_variants.variant_configs("d128", ["det"])
+    needed = variant_sweeps.bwd_variant_configs("d128", ["det"])
     assert {c.kernel_name for c in needed} == {"sm90_bwd", "sm90_bwd_postprocess"}
+
+
+def test_forward_variant_sweep_lists_each_needed_config_once():
+    """benchmarks/fwd_variants.py's configs: v1 is the tuning table's, names are unique, and
+    ``--list`` / ``--precompile`` cover every listed config once."""
+    from jax_fa4.kernels.sm90.fwd_config import FwdConfig
+    from jax_fa4.tools import variant_sweeps
+
+    listed = []
+    for shape in variant_sweeps.fwd_shapes("d128"):
+        mask = "causal" if shape.causal else "none"
+        variants = variant_sweeps.fwd_variants_for(shape.D, shape.Dv, mask)
+        names = [n for n, _ in variants]
+        assert names[0] == "v1" and len(set(names)) == len(names) > 1
+        assert variants[0][1] == FwdConfig.make("bfloat16", shape.D, shape.Dv, mask, False)
+        listed += [c for _, c in variants]
+    needed = variant_sweeps.fwd_variant_configs("d128")
+    assert len(set(needed)) == len(needed) and set(needed) == set(listed)
 
 
 def test_sass_diff_pairs_variants_across_a_new_default_field():
@@ -519,3 +531,105 @@ def test_tiny_fp8_sweep_on_cpu(tmp_path):
             assert row["fwd_ratio_vs_bf16"] == pytest.approx(
                 [r for r in rows if r["impl"] == "jax-fa4-bf16" and bench_report._shape_key(r)
                  == bench_report._shape_key(row)][0]["fwd_ms"] / row["fwd_ms"])
+
+
+#: Calls that put a folder on the import path or import a module by name or path.
+_IMPORTING_CALLS = {"insert", "append", "extend", "import_module", "spec_from_file_location",
+                    "run_path", "run_module", "SourceFileLoader", "__import__"}
+
+
+def cross_imports(root) -> list[str]:
+    """Where a file under ``root/tests`` imports one of ``root/benchmarks`` or the other way,
+    by name (``import``, ``from ... import``) or through ``sys.path`` / ``importlib`` / ``runpy``
+    with the other folder's path; a script under benchmarks/ may not touch ``sys.path`` at all.
+    Also where the library (``jax_fa4`` outside ``tools/``) imports ``jax_fa4.tools``."""
+    import ast
+
+    bench_files = sorted((root / "benchmarks").glob("*.py"))
+    test_files = sorted((root / "tests").rglob("*.py"))
+    names = {"tests": {p.stem for p in bench_files} | {"benchmarks"},
+             "benchmarks": ({p.stem for p in test_files}
+                            | {p.name for p in (root / "tests").rglob("*") if p.is_dir()}
+                            | {"tests"})}
+    found = []
+    for side, files in (("tests", test_files), ("benchmarks", bench_files)):
+        other = "benchmarks" if side == "tests" else "tests"
+        for path in files:
+            text = path.read_text()
+            where = path.relative_to(root).as_posix()
+            for node in sorted(ast.walk(ast.parse(text, str(path))),
+                               key=lambda n: getattr(n, "lineno", 0)):
+                if isinstance(node, ast.Import):
+                    modules = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    modules = [node.module or ""]
+                else:
+                    modules = []
+                for module in modules:
+                    if module.split(".")[0] in names[side]:
+                        found.append(f"{where}:{node.lineno} imports {module}")
+                if isinstance(node, ast.Call):
+                    func = node.func
+                    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                    if name not in _IMPORTING_CALLS:
+                        continue
+                    source = ast.unparse(node)
+                    touches_path = (name in ("insert", "append", "extend")
+                                    and ast.unparse(func).startswith("sys.path"))
+                    reaches = other in source.lower()
+                    if ((touches_path and side == "benchmarks")
+                            or ((touches_path or name not in ("insert", "append", "extend"))
+                                and reaches)):
+                        what = f"reaches {other}/" if reaches else "changes sys.path"
+                        found.append(f"{where}:{node.lineno} {what}: {source[:80]}")
+                elif isinstance(node, (ast.Assign, ast.AugAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    if any(ast.unparse(t).startswith("sys.path") for t in targets) and (
+                            side == "benchmarks" or other in ast.unparse(node).lower()):
+                        found.append(f"{where}:{node.lineno} changes sys.path: "
+                                     f"{ast.unparse(node)[:80]}")
+    for path in sorted((root / "jax_fa4").rglob("*.py")):
+        if "tools" in path.relative_to(root / "jax_fa4").parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                package = ".".join(path.relative_to(root).with_suffix("").parts[:-node.level]
+                                   if node.level else ())
+                base = ".".join(x for x in (package, node.module or "") if x)
+                modules = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            if any(m == "jax_fa4.tools" or m.startswith("jax_fa4.tools.") for m in modules):
+                found.append(f"{path.relative_to(root).as_posix()}:{node.lineno} imports the tools")
+    return found
+
+
+def test_tests_and_benchmarks_do_not_import_each_other():
+    """What both need lives in the package (``jax_fa4.tools``); the library never imports it."""
+    assert (REPO / "benchmarks").is_dir() and (REPO / "tests" / "numerics.py").is_file()
+    assert cross_imports(REPO) == []
+
+
+def test_cross_imports_are_found(tmp_path):
+    """The check above finds each way across (it would not pass on a tree that had one)."""
+    for folder in ("tests/gpu", "benchmarks", "jax_fa4/tools", "jax_fa4/backends"):
+        (tmp_path / folder).mkdir(parents=True)
+    files = {
+        "tests/numerics.py": "import jax\n",
+        "tests/gpu/test_x.py": "import sys\nsys.path.insert(0, str(ROOT / 'benchmarks'))\n",
+        "tests/test_y.py": "from multi_gpu import main\n",
+        "tests/test_z.py": "import runpy\nrunpy.run_path('benchmarks/multi_gpu.py')\n",
+        "benchmarks/multi_gpu.py": "import sys\nsys.path.insert(0, 'x')\nfrom numerics import e\n",
+        "benchmarks/other.py": "import multi_gpu\nimport tests.numerics\n",
+        "jax_fa4/backends/base.py": "from ..tools import bench\n",
+        "jax_fa4/tools/bench.py": "import jax_fa4\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    found = cross_imports(tmp_path)
+    assert [f.split(" ")[0] for f in found] == [
+        "tests/gpu/test_x.py:2", "tests/test_y.py:1", "tests/test_z.py:2",
+        "benchmarks/multi_gpu.py:2", "benchmarks/multi_gpu.py:3", "benchmarks/other.py:2",
+        "jax_fa4/backends/base.py:1"], found

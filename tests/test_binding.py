@@ -79,7 +79,7 @@ def test_registration_loads_the_handlers_without_the_compiler(tmp_path):
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_precompile_builds_the_tiers_shipped_variants(shipped_cache, arch):
-    """The session cache holds the tier's shipped variants (all with --exhaustive, else the
+    """The run's kernel cache holds the tier's shipped variants (all with --exhaustive, else the
     representative ones), each with its arch and compile time; building the same selection
     again compiles nothing."""
     want = [v for v in (variants("default") if compiled.EXHAUSTIVE

@@ -143,8 +143,9 @@ def test_kernel_values_follow_the_p_fragment():
 
 def test_kernel_values_moves_rows_then_transposes():
     """kernel_values is a row permutation (whole Hkv·Dv rows move) and a plain transpose, kept
-    apart by an optimization barrier; no gather and no fused byte-wise reshuffle (session 26's
-    gather cost 0.2-0.4 ms per call on the H200, ~8x the two ops)."""
+    apart by an optimization barrier; no gather and no fused byte-wise reshuffle (a gather cost
+    0.2-0.4 ms per call on the H200, ~8x the two ops:
+    benchmarks/results/fp8-tiles-nvidia-h200-2026-12-03.json)."""
     v = jnp.zeros((2, 96, 3, 32), jnp.float8_e4m3fn)
     hlo = jax.jit(fp8.kernel_values).lower(v).as_text()
     assert "gather" not in hlo and "optimization_barrier" in hlo

@@ -1,5 +1,6 @@
-"""benchmarks/multi_gpu.py: its checks, ring scaling and report on 4 simulated CPU devices (the
-reference implementation runs), and the pieces that decide pass or fail and the scaling figures.
+"""The multi-GPU run (``benchmarks/multi_gpu.py``, ``jax_fa4.tools.multi_gpu``): its checks, ring
+scaling and report on 4 simulated CPU devices (the reference implementation runs), and the pieces
+that decide pass or fail and the scaling figures.
 
 The script's GPU runs (issue #25) need a machine of several GPUs; here it must run end to end,
 record what it measured, and fail a wrong result.
@@ -8,19 +9,13 @@ record what it measured, and fail a wrong result.
 from __future__ import annotations
 
 import json
-import pathlib
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_fa4.tools import multi_gpu
 from test_sharding import multidevice_suite
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-import multi_gpu  # noqa: E402
-
-sys.path.pop(0)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +111,8 @@ def test_readme_section_follows_the_result(tmp_path):
 
 
 def test_bad_arguments_are_refused_by_name(capsys):
-    for argv, word in ((["--masks", "diagonal"], "--masks"), (["--parts", "ring,speed"], "--parts")):
+    for argv, word in ((["--masks", "diagonal"], "--masks"),
+                       (["--parts", "ring,speed"], "--parts")):
         with pytest.raises(SystemExit):
             multi_gpu.parse_args(argv)
         assert word in capsys.readouterr().err

@@ -1,26 +1,20 @@
-"""benchmarks/readme_tables.py: README's speed sections are what the newest result file gives."""
+"""jax_fa4.tools.readme_tables: README's speed sections are what the newest result file gives."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-try:
-    import readme_tables
-finally:
-    sys.path.pop(0)
+from jax_fa4.tools import readme_tables
 
 
 def test_readme_matches_the_generator():
     current, generated, result = readme_tables.build()
     assert result == readme_tables.newest_result()
-    assert current == generated, "README is stale: run python benchmarks/readme_tables.py"
+    assert current == generated, "README is stale: run python -m jax_fa4.tools.readme_tables"
     assert readme_tables.main(["--check"]) == 0
 
 

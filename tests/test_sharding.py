@@ -29,7 +29,7 @@ TOL = 1e-5
 
 class _ChecksProcess:
     """This test process's ``multidevice_checks.py``: started on the first request and kept for
-    the rest of the session (one interpreter for all the checks), answering one check at a time."""
+    the rest of the test run (one interpreter for all the checks), answering one check at a time."""
 
     proc: subprocess.Popen | None = None
     stderr = None

@@ -50,7 +50,7 @@ needs_compiler = pytest.mark.skipif(not _compiler_available(), reason="needs nvi
 
 
 def _compile_and_report(cfg, cache):
-    """(the kernel's SASS, its listing, compile seconds); the object from the session cache."""
+    """(the kernel's SASS, its listing, compile seconds); the object from ``shipped_cache``."""
     k, seconds = compiled_report(cache, cfg, ARCH)
     assert "FlashAttentionBackwardSm100" in k.name, k.name
     return k, k.sass, seconds

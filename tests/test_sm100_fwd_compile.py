@@ -4,7 +4,7 @@ Nothing here runs a kernel (no Blackwell GPU exists in this project): it proves 
 traces, lowers and assembles for sm_100a, and that the machine code has the structure the design
 needs. Each config of ``fwd_config.test_configs()`` is compiled through the project's own
 ``compile_config(config, "sm_100a")`` (the binding's path: dynamic B/S/H; objects from the
-session's ``shipped_cache``; the quick tier: the representative configs, tests/compiled.py;
+test run's ``shipped_cache``; the quick tier: the representative configs, tests/compiled.py;
 ``--exhaustive``: all of them; every shipped variant: tests/test_shipped_kernels.py) and its SASS
 read with jax_fa4.tools.sass:
 
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(not compiler_available(), reason="needs nvidia-c
 
 
 def _compile_and_report(config: FwdConfig, cache):
-    """(the kernel's SASS, its listing, compile seconds); the object from the session cache."""
+    """(the kernel's SASS, its listing, compile seconds); the object from ``shipped_cache``."""
     k, seconds = compiled_report(cache, config, ARCH)
     assert "FlashAttentionForwardSm100" in k.name, k.name
     return k, k.sass, seconds

@@ -319,7 +319,7 @@ def test_accumulator_views_match_mma_layouts(tile_n):
     from jax_fa4.ffi.compiler import set_target_arch
     from jax_fa4.kernels.common.layout import acc_layout_as_a_operand, acc_layout_mn
 
-    set_target_arch(ARCH)  # earlier tests in the session may have compiled for sm_100a
+    set_target_arch(ARCH)  # earlier tests in this process may have compiled for sm_100a
     tile_m, dv = 128, 128
     found = {}
 

@@ -5,5 +5,10 @@
 * ``sass``: disassemble compiled kernels and check them (spills, local memory, required opcodes).
 * ``bench``: the benchmark sweep against cuDNN and the peers (``jax-fa4-bench``), with its
   shapes (``bench_shapes``), result tables and plots (``bench_report``) and the GPU state a
-  result file records (``bench_env``).
+  result file records (``bench_env``); ``readme_tables`` writes README's speed tables from the
+  newest sweep (``python -m jax_fa4.tools.readme_tables``).
+* What the scripts under ``benchmarks/`` and the tests share: ``bench_harness`` (the scripts'
+  timing flags, input sets, result file), ``variant_sweeps`` (the configs the kernel-variant
+  sweeps time), ``fa4_rule`` (FA4's numerical acceptance rule) and ``multi_gpu`` (the multi-GPU
+  checks and scaling run, ``python benchmarks/multi_gpu.py``).
 """

@@ -96,7 +96,8 @@ the GPU's state from nvidia-smi before and after the sweep (``gpu_state``: clock
 power, throttle reasons), the driver and the versions of the stack (jax, jaxlib, the CUDA
 plugin, cuDNN, and ``cute_dsl``: ``nvidia-cutlass-dsl`` when installed, the DSL versions the
 kernel cache's entries were compiled with, and the CuTe-DSL runtime library).
-``benchmarks/readme_tables.py`` writes README's speed tables from the newest default-sweep file.
+``python -m jax_fa4.tools.readme_tables`` writes README's speed tables from the newest default-sweep
+file.
 
 This module parses the command line, builds, times and checks the programs and writes the result
 file; the shapes and presets are in :mod:`jax_fa4.tools.bench_shapes`, the table, the plot and

@@ -158,7 +158,7 @@ def run_segment_cases(seed: int) -> None:
 # Inside jax.jit the varlen / paged metadata is traced, so no call-time validation runs: these
 # cases hand the kernels values that break the contract and require only that the kernels finish
 # with no memcheck error (the results are meaningless by design), plus finite paged outputs,
-# which the clamping rules make well defined (README, "Bad metadata under jit").
+# which the clamping rules make well defined (docs/api.md, "Bad metadata under jit").
 
 #: Varlen: three sequences packed between 3 leading and 5 trailing padding tokens; max_seqlen
 #: 100, not a multiple of any query tile, so a longer sequence reaches the grid's partial tile.
@@ -253,7 +253,7 @@ def _progress(what: str) -> None:
 #: Case groups, each run in its own process by tests/gpu/test_sanitizers.py (on the H200,
 #: compute-sanitizer's host process crashed, rc 139, when the varlen steps ran after all the
 #: others in one process; each group alone is clean, and without the sanitizer all run in one
-#: process: session 13, docs/NOTES.md).
+#: process; docs/NOTES.md).
 GROUPS = ("dense", "varlen", "segments", "bad-varlen", "bad-paged")
 
 

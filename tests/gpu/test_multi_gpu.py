@@ -1,24 +1,19 @@
-"""Several GPUs: benchmarks/multi_gpu.py's correctness checks, one test each.
+"""Several GPUs: the multi-GPU run's correctness checks, one test each.
 
-Sharded ``flash_attention`` (batch, heads with GQA, both), ring attention (causal zig-zag and
-contiguous, non-causal), forward and backward against the float32 reference by FA4's rule, and
-the GPT example's ``--mesh`` runs against the reference implementation (the script's
-docstring). Needs at least two GPUs (skipped otherwise); the ``gpu`` marker comes from
-tests/gpu/conftest.py. ``python benchmarks/multi_gpu.py`` runs the same checks and records them.
+The checks of ``jax_fa4.tools.multi_gpu``: sharded ``flash_attention`` (batch, heads with GQA,
+both), ring attention (causal zig-zag and contiguous, non-causal), forward and backward against
+the float32 reference by FA4's rule, and the GPT example's ``--mesh`` runs against the reference
+implementation (the module's docstring). Needs at least two GPUs (skipped otherwise); the
+``gpu`` marker comes from tests/gpu/conftest.py. ``python benchmarks/multi_gpu.py`` runs the
+same checks and records them.
 """
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import jax
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-import multi_gpu  # noqa: E402
-
-sys.path.pop(0)
+from jax_fa4.tools import multi_gpu
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs at least 2 GPUs")
 

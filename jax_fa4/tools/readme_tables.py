@@ -2,13 +2,14 @@
 
 Usage::
 
-    python benchmarks/readme_tables.py            # rewrite README.md's generated sections
-    python benchmarks/readme_tables.py --check    # exit 1 when README.md differs from them
+    python -m jax_fa4.tools.readme_tables            # rewrite README.md's generated sections
+    python -m jax_fa4.tools.readme_tables --check    # exit 1 when README.md differs from them
 
 The result file: among ``benchmarks/results/*.json`` whose ``settings.shapes`` is ``default``
 and which are ``complete`` (a run of ``python -m jax_fa4.tools.bench``, or two halves joined by
 ``python -m jax_fa4.tools.bench merge``), the one with the newest ``date`` (ties: the later name).
-``--result`` names one instead. FA4's figures come from ``benchmarks/anchors.json``.
+``--result`` names one instead. FA4's figures come from ``benchmarks/anchors.json``. Paths are
+those of the checkout this module lies in (README.md and benchmarks/ at its root).
 
 Generated sections, between markers (nothing in them is typed by hand):
 
@@ -34,11 +35,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: jax_fa4/tools/ is two below
 RESULTS = ROOT / "benchmarks" / "results"
 ANCHORS = ROOT / "benchmarks" / "anchors.json"
 README = ROOT / "README.md"
-#: The bar of issue #22: at least FA4's ratio to cuDNN (its goal is 5 % beyond).
+#: The bar: at least FA4's ratio to cuDNN (issue #22; its goal is 5 % beyond).
 BAR_FACTOR = 1.00
 SECTIONS = ("bench", "bench-status-fwd", "bench-status-bwd", "bench-status-det",
             "bench-status-decode")
@@ -120,7 +121,8 @@ def _shape_cells(k: tuple) -> list[str]:
             str(D) if D == Dv else f"{D}/{Dv}", "yes" if causal else "no"]
 
 
-def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+def markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+    """A Markdown table's lines."""
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
             *("| " + " | ".join(cells) + " |" for cells in body)]
 
@@ -154,7 +156,8 @@ def _caption(report: dict[str, Any], name: str, anchors: dict[str, Any]) -> str:
     dsl = versions.get("cute_dsl") or {}
     dsl_versions = sorted(dsl.get("kernel_cache_dsl_versions") or {})
     if dsl.get("nvidia-cutlass-dsl") or versions.get("nvidia-cutlass-dsl"):
-        stack.append(f"nvidia-cutlass-dsl {dsl.get('nvidia-cutlass-dsl') or versions['nvidia-cutlass-dsl']}")
+        dsl_version = dsl.get("nvidia-cutlass-dsl") or versions["nvidia-cutlass-dsl"]
+        stack.append(f"nvidia-cutlass-dsl {dsl_version}")
     elif dsl_versions:
         stack.append("kernels compiled with CuTe-DSL " + ", ".join(dsl_versions))
     else:
@@ -253,16 +256,16 @@ def generate(report: dict[str, Any], name: str, anchors: dict[str, Any],
         header.append("bwd jax-fa4 deterministic")
     lines = [_caption(report, name, anchors), "",
              "Training shapes (attention speed, TFLOP/s; \"FA4\" is the anchors' figure from "
-             "another process, for reference):", "", *_table(header, train_rows)]
+             "another process, for reference):", "", *markdown_table(header, train_rows)]
     if decode_rows:
         lines += ["", "Decode (Sq = 1): K/V bytes read per second (TB/s), the figure that "
                   "matters there:", "",
-                  *_table(["B", "Sq×Sk", "H/Hkv", "D", "jax-fa4", "cuDNN", "ratio", "bar",
+                  *markdown_table(["B", "Sq×Sk", "H/Hkv", "D", "jax-fa4", "cuDNN", "ratio", "bar",
                            "FA4"], decode_rows)]
     if latency_rows:
         lines += ["", "Latency shapes: µs per call, which time launch and dispatch overhead, not "
                   "attention speed (their TFLOP/s are in the file but mean nothing here):", "",
-                  *_table(["B", "S", "H/Hkv", "D", "causal", "fwd jax-fa4", "fwd cuDNN",
+                  *markdown_table(["B", "S", "H/Hkv", "D", "causal", "fwd jax-fa4", "fwd cuDNN",
                            "bwd jax-fa4", "bwd cuDNN"], latency_rows)]
     fwd_sum = (f"{_range(fwd_ratios)} cuDNN, at FA4's bar on {fwd_at} of {barred}"
                if fwd_ratios else "not measured")
@@ -339,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.writelines(difflib.unified_diff(
                 current.splitlines(True), new.splitlines(True), str(args.readme), "generated"))
             print(f"{args.readme} is not what {result.name} generates: run "
-                  f"python benchmarks/readme_tables.py", file=sys.stderr)
+                  f"python -m jax_fa4.tools.readme_tables", file=sys.stderr)
             return 1
         return 0
     if current != new:
