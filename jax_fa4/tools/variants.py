@@ -20,10 +20,11 @@ from jax_fa4.ffi.compiler import SUPPORTED_ARCHS
 from jax_fa4.kernels.exp2_probe_config import Exp2ProbeConfig
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.kernels.sm90 import bwd_config, fwd_config
-from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE
+from jax_fa4.kernels.sm90.bwd_config import BwdConfig, with_swap_sdp, without_swap_sdp
+from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE, FwdConfig
 from jax_fa4.kernels.sm100 import bwd_config as sm100_bwd_config
 from jax_fa4.kernels.sm100 import fwd_config as sm100_fwd_config
-from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig
+from jax_fa4.kernels.spec import FLOAT_DTYPES, MASK_KINDS, KernelConfig
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 SUITES = ("tests", "default")
@@ -50,10 +51,116 @@ def _sm90_fwd(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[Kerne
             yield cfg
 
 
+# -- test-only configs: what the tests compile and run beyond the shipped set -------------------
+# (kept here, outside the kernel config modules: they are in no product dispatch, and editing them
+# rekeys no kernel)
+def sm90_fwd_fallback_configs() -> list[FwdConfig]:
+    """The simpler serial mainloop (no intra-warpgroup overlap) at hdim 128 bf16: a cross-check
+    for the GPU tests, and a fallback should the overlapped mainloop misbehave."""
+    return [FwdConfig.make("bfloat16", 128, 128, mask, softcap, intra_wg_overlap=False)
+            for mask in MASK_KINDS for softcap in (False, True)]
+
+
+def sm90_fwd_option_configs() -> list[FwdConfig]:
+    """Representative configs of the v2 tuning options (some are table defaults now): ping-pong,
+    3 consumer warpgroups at hdim 64 (tile 192×128, 3-way ping-pong), conditional rescaling, a
+    wider key tile at hdim 128, ping-pong at hdim 192/256, persistent scheduling. The compile
+    test checks their SASS and the GPU tests (tests/gpu/test_sm90_fwd.py) run them against the
+    reference: precompile them for it."""
+    m = FwdConfig.make
+    return [
+        m("bfloat16", 64, 64, "none", tile_m=192),
+        m("bfloat16", 64, 64, "causal", tile_m=192, pingpong=True, rescale_threshold=8.0),
+        m("bfloat16", 64, 64, "local", True, tile_m=192, pingpong=True),
+        m("bfloat16", 64, 64, "none", pingpong=True),
+        m("bfloat16", 128, 128, "none", rescale_threshold=8.0),
+        m("bfloat16", 128, 128, "causal", pingpong=True),
+        m("bfloat16", 128, 128, "none", pingpong=True, rescale_threshold=8.0),
+        m("bfloat16", 128, 128, "local", pingpong=True, rescale_threshold=8.0),
+        m("bfloat16", 128, 128, "causal", pingpong=True, tile_n=176),
+        m("float16", 128, 128, "causal", True, pingpong=True, rescale_threshold=8.0),
+        m("bfloat16", 192, 128, "causal", pingpong=True),
+        m("bfloat16", 192, 192, "none", pingpong=True),
+        m("bfloat16", 256, 256, "none", pingpong=True),
+        m("bfloat16", 256, 256, "causal", pingpong=True, rescale_threshold=8.0),
+        # persistent: few CTAs (odd counts) so each loops over many tiles in the tests' shapes
+        m("bfloat16", 128, 128, "causal", pingpong=True, num_sms=7),
+        m("bfloat16", 64, 64, "none", tile_m=192, pingpong=True, rescale_threshold=8.0, num_sms=5),
+        m("bfloat16", 128, 128, "local", intra_wg_overlap=False, num_sms=3),
+        m("bfloat16", 256, 256, "causal", pingpong=True, num_sms=132),
+        # partial software exp2 on the FMA pipe
+        m("bfloat16", 64, 64, "causal", tile_m=192, exp2_sw_per_32=8),
+        m("float16", 128, 128, "none", exp2_sw_per_32=4),
+    ]
+
+
+#: (dtype, head_dim, head_dim_v, mask, softcap, gqa) of the cases in tests/gpu/test_sm90_bwd.py
+SM90_BWD_GPU_MAINS = (
+    [("bfloat16", 128, 128, m, cap, False) for m in MASK_KINDS for cap in (False, True)]
+    + [("bfloat16", 128, 128, "none", False, True), ("bfloat16", 128, 128, "causal", False, True),
+       ("bfloat16", 128, 128, "causal", True, True)]
+    + [("float16", 128, 128, m, False, False) for m in MASK_KINDS]
+    + [("float16", 128, 128, "none", True, False)]
+    + [("bfloat16", 64, 64, m, False, False) for m in MASK_KINDS]
+    + [("bfloat16", 64, 64, "none", False, True)]
+    + [("bfloat16", 96, 96, "none", False, False), ("bfloat16", 96, 96, "local", False, False),
+       ("bfloat16", 96, 96, "causal", False, True)]
+    + [("bfloat16", 192, 128, "none", False, False), ("bfloat16", 192, 128, "causal", False, False),
+       ("bfloat16", 192, 128, "local", False, True)]
+    + [("bfloat16", 256, 256, "none", False, False), ("bfloat16", 256, 256, "causal", False, False),
+       ("bfloat16", 256, 256, "local", False, True)]
+    + [("float16", 256, 256, "none", False, False)]
+)
+
+#: deterministic (ordered dQ) variants the GPU test runs: MHA and GQA, every mask kind
+SM90_BWD_GPU_DETERMINISTIC = [
+    ("bfloat16", 128, 128, "causal", False, False), ("bfloat16", 128, 128, "none", False, True),
+    ("bfloat16", 64, 64, "local", False, False), ("bfloat16", 256, 256, "causal", False, False),
+]
+
+#: the problems whose OPT_IN_FORMS the GPU test runs (forms the tuning table may not pick)
+SM90_BWD_GPU_SWAP = [
+    ("bfloat16", 128, 128, "none", False, False), ("bfloat16", 128, 128, "causal", False, False),
+    ("bfloat16", 128, 128, "none", False, True), ("bfloat16", 96, 96, "local", False, False),
+    ("float16", 128, 128, "none", False, False),
+]
+
+#: The forms of a table kernel that tests/gpu/test_sm90_bwd.py checks against the reference on
+#: the SM90_BWD_GPU_SWAP problems, whatever the table picks (name -> config transform): the
+#: transposed S / dP loop and the statistics through shared memory, each alone and together
+#: (dQ through the dQ warp), and the table's kernel with dQ added by the MMA threads (dq_red).
+OPT_IN_FORMS: dict[str, Callable[[BwdConfig], BwdConfig]] = {
+    "swap": lambda cfg: dataclasses.replace(with_swap_sdp(cfg), stats_smem=False, dq_red=False),
+    "stats": lambda cfg: dataclasses.replace(without_swap_sdp(cfg), stats_smem=True,
+                                             dq_red=False),
+    "swap+stats": lambda cfg: dataclasses.replace(with_swap_sdp(cfg), stats_smem=True,
+                                                  dq_red=False),
+    "red": lambda cfg: dataclasses.replace(cfg, dq_red=True),
+}
+
+
+def _with_postprocess(mains: Iterable[BwdConfig]) -> list[KernelConfig]:
+    """``mains``, then each one's dQ postprocess config once."""
+    mains = list(mains)
+    return [*mains, *dict.fromkeys(c.postprocess_config() for c in mains)]
+
+
+def sm90_bwd_gpu_configs() -> list[KernelConfig]:
+    """The configs tests/gpu/test_sm90_bwd.py runs (main kernels, then their postprocesses);
+    that test checks it needs nothing else."""
+    mains = [BwdConfig.make(*v) for v in SM90_BWD_GPU_MAINS]
+    mains += [BwdConfig.make(*v, deterministic=True) for v in SM90_BWD_GPU_DETERMINISTIC]
+    for form in OPT_IN_FORMS.values():
+        mains += [form(BwdConfig.make(*v)) for v in SM90_BWD_GPU_SWAP]
+    for cfg in mains:
+        cfg.validate()
+    return _with_postprocess(mains)
+
+
 def _sm90_fwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
     yield from _sm90_fwd(dtypes, head_dims)
-    yield from fwd_config.fallback_configs()  # the GPU tests cross-check the serial mainloop
-    yield from fwd_config.option_test_configs()  # performance options awaiting validation
+    yield from sm90_fwd_fallback_configs()  # the GPU tests cross-check the serial mainloop
+    yield from sm90_fwd_option_configs()  # performance options awaiting validation
     for cfg in fwd_config.decode_option_configs():  # decode-tile options (decode_bench.py),
         yield cfg  # in both out dtypes (split-KV chunks and sinks come back in float32)
         yield dataclasses.replace(cfg, out_f32=True)
@@ -95,7 +202,7 @@ def _sm90_bwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable
     mains += [bwd_config.BwdConfig.make(*v, deterministic=True) for v in _GPU_DETERMINISTIC_BWD]
     mains += [bwd_config.BwdConfig.make(*v) for v in _GPU_SANITIZER_BWD]
     extra = [*mains, *(c.postprocess_config() for c in mains)]
-    for cfg in dict.fromkeys([*bwd_config.test_variants(), *extra]):
+    for cfg in dict.fromkeys([*sm90_bwd_gpu_configs(), *extra]):
         if cfg.dtype in dtypes and cfg.head_dim in head_dims:
             yield cfg
 
