@@ -172,35 +172,109 @@ def _sm90_bwd(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[Kerne
             yield cfg
 
 
-#: (dtype, head_dim, head_dim_v, mask, softcap, gqa) of the varlen gradients of
-#: tests/gpu/test_varlen.py, and of the deterministic gradients of tests/gpu/test_preprocess.py
-#: and tests/gpu/test_sm90_bwd.py (they run through the API, so the kernels they need are listed
-#: here, outside every kernel's import closure: editing the list rekeys nothing; a GPU run on a
-#: cache of only the tests suite, ``JAX_FA4_REQUIRE_GPU=1``, fails on any kernel missing here).
-_GPU_VARLEN_BWD = (
-    [("bfloat16", 128, 128, m, False, g) for m in ("none", "causal") for g in (False, True)]
-    + [("bfloat16", 128, 128, "local", False, True), ("bfloat16", 64, 64, "none", False, False),
-       ("bfloat16", 64, 64, "causal", False, False), ("bfloat16", 96, 96, "none", False, False),
-       ("bfloat16", 192, 128, "causal", False, True), ("bfloat16", 256, 256, "causal", False, False),
-       ("float16", 128, 128, "local", True, False)])
-_GPU_DETERMINISTIC_BWD = (("bfloat16", 128, 128, "causal", False, True),
-                          ("bfloat16", 64, 64, "causal", False, False))
-#: ... and of the gradients tests/gpu/sanitizer_cases.py runs under compute-sanitizer
-_GPU_SANITIZER_BWD = (("bfloat16", 64, 64, "none", False, False),
-                      ("bfloat16", 64, 64, "causal", False, True),
-                      ("bfloat16", 96, 96, "local", False, False),
-                      ("bfloat16", 128, 128, "none", False, False),
-                      ("bfloat16", 128, 128, "causal", False, True),
-                      ("bfloat16", 128, 128, "local", True, False),
-                      ("bfloat16", 192, 128, "causal", False, False),
-                      ("bfloat16", 256, 256, "causal", False, False),
-                      ("bfloat16", 256, 256, "none", True, False))
+#: The backward problem kinds that the GPU tests' calls through the API reach, by test module.
+#: The GPU suite runs on a cache of only the tests suite (README, "Development"), where a kernel
+#: missing fails its test with KernelNotAvailableError (JAX_FA4_REQUIRE_GPU=1). Kinds, not
+#: configs: :func:`backward_kind_config` turns each into the main kernel the sm90 backend picks
+#: for it (BwdConfig.make, varlen_config, segments_config: the tuning table's choice), so a tuning
+#: change moves them with the product. Each entry is exactly what its module's calls reach:
+#: tests/test_gpu_suite_kernels.py lowers those calls for CUDA (each extreme-numerics case at its
+#: dtype, the case lists, runners' parameters, the sanitizer groups, ...) and fails on a kind
+#: missing here or listed but reached no more, naming it. test_properties.py: its explicit
+#: examples (the drawn cases range over every shipped bfloat16 kernel). Listed here, outside
+#: every kernel's import closure: editing the table rekeys nothing.
+#: Notation: ``"<bf16|fp16> <head dim>[/<head dim v>] <none|causal|local> [softcap] [gqa] [sink]
+#: [det|segments|varlen]"`` (gqa: fewer kv heads than query heads; sink: a learnable sink, the
+#: sink_grad kernel; det: deterministic=True; segments: segment ids; varlen: packed sequences).
+GPU_API_BACKWARD: dict[str, tuple[str, ...]] = {
+    "tests/gpu/test_extreme_numerics.py": (
+        "bf16 128 none gqa", "bf16 128 none gqa sink", "bf16 128 none softcap gqa",
+        "bf16 128 none softcap gqa sink", "bf16 128 causal gqa", "bf16 128 causal gqa sink",
+        "bf16 128 local gqa", "bf16 128 local softcap gqa sink", "fp16 128 none gqa",
+        "fp16 128 causal gqa", "fp16 128 causal gqa sink", "fp16 128 causal softcap gqa",
+        "fp16 128 local gqa", "fp16 128 local softcap gqa", "bf16 128 none gqa segments",
+        "bf16 128 causal gqa sink segments", "bf16 128 none gqa varlen",
+        "bf16 128 causal gqa varlen", "bf16 128 causal gqa sink varlen",
+        "fp16 128 local softcap gqa varlen",
+    ),
+    "tests/gpu/test_padding_isolation.py": (
+        "bf16 64 none varlen", "bf16 64 causal varlen", "bf16 128 none gqa varlen",
+        "bf16 128 causal gqa varlen", "bf16 128 causal gqa sink varlen", "bf16 256 causal varlen",
+    ),
+    "tests/gpu/test_properties.py": (
+        "bf16 64 none gqa", "bf16 128 causal gqa sink", "bf16 128 local softcap sink varlen",
+    ),
+    "tests/gpu/test_varlen.py": (
+        "bf16 64 none varlen", "bf16 64 causal varlen", "bf16 96 none varlen",
+        "bf16 128 none varlen", "bf16 128 none gqa varlen", "bf16 128 causal varlen",
+        "bf16 128 causal gqa varlen", "bf16 128 local gqa varlen",
+        "bf16 192/128 causal gqa varlen", "bf16 256 causal varlen",
+        "fp16 128 local softcap varlen",
+    ),
+    "tests/gpu/test_single_rounding.py": (
+        "bf16 64 none sink", "bf16 64 none gqa sink", "bf16 64 causal gqa sink",
+        "bf16 64 local sink", "bf16 192/128 none gqa sink", "bf16 192/128 local softcap gqa sink",
+        "bf16 256 causal gqa sink", "bf16 256 local sink", "bf16 128 none gqa sink varlen",
+        "bf16 256 none gqa sink varlen", "bf16 256 causal gqa sink varlen",
+    ),
+    "tests/gpu/test_segments.py": (
+        "bf16 128 causal gqa segments", "bf16 128 causal gqa sink segments",
+    ),
+    "tests/gpu/sanitizer_cases.py": (
+        "bf16 64 none", "bf16 64 causal gqa", "bf16 96 local", "bf16 128 none",
+        "bf16 128 causal gqa", "bf16 128 local softcap", "bf16 192/128 causal",
+        "bf16 256 none softcap", "bf16 256 causal", "bf16 64 none softcap segments",
+        "bf16 96 local segments", "bf16 128 causal gqa sink segments", "bf16 128 none varlen",
+        "bf16 128 causal varlen", "bf16 128 causal gqa varlen",
+        "bf16 128 local softcap gqa varlen",
+    ),
+    "tests/gpu/test_sm90_bwd.py": (
+        "bf16 128 none gqa", "bf16 128 none gqa sink", "bf16 128 causal gqa",
+        "bf16 128 causal gqa sink", "bf16 64 causal det",
+    ),
+    "tests/gpu/test_preprocess.py": (
+        "bf16 128 none gqa", "bf16 128 causal gqa", "bf16 128 causal gqa det",
+    ),
+    "tests/gpu/test_max_logits.py": (
+        "bf16 128 causal gqa det",
+    ),
+}
+
+_SHORT_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+_KIND_FLAGS = ("softcap", "gqa", "sink", "det", "segments", "varlen")
+
+
+def backward_kind_config(kind: str) -> BwdConfig:
+    """The sm90 backward main kernel of a problem kind in GPU_API_BACKWARD's notation: what the
+    backend picks for it (dense, deterministic, segment-id and varlen calls alike)."""
+    words = kind.split()
+    if len(words) < 3 or words[0] not in _SHORT_DTYPES or not set(words[3:]) <= set(_KIND_FLAGS):
+        raise ValueError(f"not a backward kind: {kind!r}")
+    dims = [int(x) for x in words[1].split("/")]
+    flags = set(words[3:])
+    problem = (_SHORT_DTYPES[words[0]], dims[0], dims[-1], words[2], "softcap" in flags,
+               "gqa" in flags)
+    sink = "sink" in flags
+    if "varlen" in flags:
+        return bwd_config.varlen_config(*problem, sink_grad=sink)
+    if "segments" in flags:
+        return bwd_config.segments_config(*problem, sink_grad=sink)
+    return BwdConfig.make(*problem, deterministic="det" in flags, sink_grad=sink)
+
+
+def backward_kind(config: BwdConfig) -> str:
+    """The problem kind of an sm90 backward main config, in GPU_API_BACKWARD's notation."""
+    short = {v: k for k, v in _SHORT_DTYPES.items()}[config.dtype]
+    dims = (str(config.head_dim) if config.head_dim == config.head_dim_v
+            else f"{config.head_dim}/{config.head_dim_v}")
+    on = {"softcap": config.has_softcap, "gqa": config.gqa, "sink": config.sink_grad,
+          "det": config.deterministic, "segments": config.segments, "varlen": config.varlen}
+    return " ".join([short, dims, config.mask, *(f for f in _KIND_FLAGS if on[f])])
 
 
 def _sm90_bwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
-    mains = [bwd_config.varlen_config(*v) for v in _GPU_VARLEN_BWD]
-    mains += [bwd_config.BwdConfig.make(*v, deterministic=True) for v in _GPU_DETERMINISTIC_BWD]
-    mains += [bwd_config.BwdConfig.make(*v) for v in _GPU_SANITIZER_BWD]
+    kinds = dict.fromkeys(k for module in GPU_API_BACKWARD.values() for k in module)
+    mains = [backward_kind_config(k) for k in kinds]
     extra = [*mains, *(c.postprocess_config() for c in mains)]
     for cfg in dict.fromkeys([*sm90_bwd_gpu_configs(), *extra]):
         if cfg.dtype in dtypes and cfg.head_dim in head_dims:
