@@ -155,9 +155,9 @@ def run(args) -> dict[str, Any]:
 def configs_for(args) -> list[Any]:
     configs = sweeps.fwd_variant_configs(args.shapes, sweeps.variant_names(args))
     if args.with_tests:  # the GPU tests' option configs (tests/gpu/test_sm90_fwd.py)
-        from jax_fa4.kernels.sm90.fwd_config import option_test_configs
+        from jax_fa4.tools.variants import sm90_fwd_option_configs
 
-        configs += [c for c in option_test_configs() if c not in configs]
+        configs += [c for c in sm90_fwd_option_configs() if c not in configs]
     return configs
 
 
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-diff", type=float, default=0.0625,
                    help="largest |out - out_v1| accepted (bf16 outputs, rounding differences)")
     p.add_argument("--with-tests", action="store_true",
-                   help="--list / --precompile also cover fwd_config.option_test_configs()")
+                   help="--list / --precompile also cover variants.sm90_fwd_option_configs()")
     args = p.parse_args(argv)
     if args.list:
         for cfg in configs_for(args):

@@ -8,13 +8,15 @@ what the backend is:
 * a kernel backend whose GPU is the default device: tests/gpu/test_conformance.py runs the case
   on it (skipped here, with that pointer);
 * a kernel backend whose GPU is absent: compile-only. The forced call (its gradient, or the
-  forward of a paged case) is lowered for CUDA with placeholder kernel objects (nothing is
-  compiled): every custom call is one of the backend's kernels, every kernel config it asks for
-  is a shipped variant (so the exhaustive tier compiles and SASS-checks it), a served backward
-  lowers to the backend's backward kernels, and declined calls do what the API documents.
+  forward of a paged case) is lowered for CUDA with placeholder kernel objects
+  (tests/cuda_lowering.py: nothing is compiled): every custom call is one of the backend's
+  kernels, every kernel config it asks for is a shipped variant (so the exhaustive tier
+  compiles and SASS-checks it), a served backward lowers to the backend's backward kernels,
+  and declined calls do what the API documents.
 
-The GPU suite's kernel cache is the ``tests`` suite of ``jax_fa4.tools.variants``; a last test checks
-that it holds every kernel the GPU cases of the validated kernel backends need.
+The GPU suite's kernel cache is the ``tests`` suite of ``jax_fa4.tools.variants``; a last test
+checks that it holds every kernel the GPU cases of the validated kernel backends need (the GPU
+suite's other calls: tests/test_gpu_suite_kernels.py).
 """
 
 from __future__ import annotations
@@ -27,30 +29,17 @@ import pytest
 import jax_fa4
 from conformance import (CASES, Case, check_backend, check_declines, gpu_is_default_device,
                          watch_fallbacks)
+from cuda_lowering import lower_for_cuda, placeholder
 from jax_fa4 import backends
-from jax_fa4.ffi import call
 from jax_fa4.tools.variants import Variant, variants
-
-CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
-
-
-def _placeholder(config, arch: str) -> str:
-    """What stands for the object of (config, arch) in a lowered program."""
-    return f"conformance placeholder: {arch} {config.describe()}"
 
 
 @functools.cache
 def lowered(name: str, case: Case):
     """(the kernels (config, arch) the forced call asks for, the custom calls' objects in the
     lowered text, the fallbacks and warnings reported), or the ImplementationUnavailableError
-    the call raised; the call lowered for CUDA as on a machine without a GPU, once per
-    process."""
-    kernels = []
-
-    def kernel_object(config, arch, cache=None):
-        kernels.append((config, arch))
-        return _placeholder(config, arch).encode()
-
+    the call raised; the call lowered for CUDA as on a machine without a GPU
+    (``cuda_lowering.lower_for_cuda``), once per process."""
     backend = backends.get(name)
     backward_reason = case.reasons(backend, case.forced_options(name))[1]
     attention = case.attention(name)
@@ -58,20 +47,12 @@ def lowered(name: str, case: Case):
     if case.differentiable:
         program = jax.grad(lambda q, k, v: sum(x.sum() for x in attention(q, k, v)),
                            argnums=(0, 1, 2))
-    with (pytest.MonkeyPatch.context() as mp,
-          watch_fallbacks(expected=case.differentiable and backward_reason is not None)
-          as watched):
-        mp.setattr(call, "kernel_object", kernel_object)
-        mp.setattr(backends, "gpu_compute_capability", lambda: None)
+    with watch_fallbacks(expected=case.differentiable and backward_reason is not None
+                         ) as watched:
         try:
-            text = jax.export.export(
-                jax.jit(program), platforms=["cuda"],
-                disabled_checks=jax_fa4.export_disabled_safety_checks())(*case.shapes()
-                                                                         ).mlir_module()
+            kernels, objects = lower_for_cuda(program, *case.shapes())
         except jax_fa4.ImplementationUnavailableError as err:
             return err
-    objects = [line.split('module = "', 1)[1].split('"', 1)[0]
-               for line in text.splitlines() if CUSTOM_CALL in line]
     return kernels, objects, watched
 
 
@@ -91,7 +72,7 @@ def _check_lowering(backend, case: Case) -> None:
     assert not isinstance(result, Exception), result
     kernels, objects, watched = result
     assert kernels and {arch for _, arch in kernels} == {backend.arch}, kernels
-    assert sorted(objects) == sorted(_placeholder(c, a) for c, a in kernels), objects
+    assert sorted(objects) == sorted(placeholder(c, a) for c, a in kernels), objects
     shipped = _variants("default", backend.arch)
     unshipped = [c.describe() for c, a in kernels if Variant(c, a) not in shipped]
     assert not unshipped, f"kernels not in jax_fa4.tools.variants' shipped set: {unshipped}"

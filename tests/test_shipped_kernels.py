@@ -82,9 +82,9 @@ def test_representative_prefers_what_is_compiled_anyway():
 def test_quick_tier_keeps_one_listed_config_per_class():
     """A tiered list marks every config (all run with --exhaustive); the quick tier keeps one
     per class of the list, a shipped representative where the list has one."""
-    from jax_fa4.kernels.sm90.fwd_config import option_test_configs
+    from jax_fa4.tools.variants import sm90_fwd_option_configs
 
-    configs = option_test_configs()
+    configs = sm90_fwd_option_configs()
     params = compiled.tiered(configs, "sm_90a")
     assert [p.values[0] for p in params] == list(dict.fromkeys(configs))
     index = params[0].marks[0].args[0]

@@ -28,9 +28,10 @@ import pytest
 from compiled import assert_no_local_memory, compiled_report, needs_disassembler, tiered
 from jax_fa4.kernels.sm90.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TUNING_TABLE,
                                              BwdConfig, BwdPostprocessConfig, shipped_configs,
-                                             test_variants, varlen_config)
-from jax_fa4.kernels.sm90.bwd_config import (_GPU_TEST_SWAP, swap_sdp_config, with_stats_smem,
-                                             with_swap_sdp, without_swap_sdp)
+                                             varlen_config)
+from jax_fa4.kernels.sm90.bwd_config import (swap_sdp_config, with_stats_smem, with_swap_sdp,
+                                             without_swap_sdp)
+from jax_fa4.tools.variants import SM90_BWD_GPU_SWAP, sm90_bwd_gpu_configs
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = "sm_90a"
@@ -109,7 +110,7 @@ def test_postprocess_compiles_with_clean_sass(cfg, shipped_cache):
 # ------------------------------------------------------------------------------------------------
 def test_config_module_does_not_import_the_compiler():
     code = ("import sys; import jax_fa4.kernels.sm90.bwd_config as m; "
-            "m.BwdConfig.make('bfloat16', 128); m.shipped_configs(); m.test_variants(); "
+            "m.BwdConfig.make('bfloat16', 128); m.shipped_configs(); "
             "assert not any(k == 'cutlass' or k.startswith('cutlass.') for k in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
@@ -189,7 +190,7 @@ def test_deterministic_kernel_compiles_with_clean_sass(cfg, shipped_cache):
 def _swap_configs() -> list[BwdConfig]:
     """swap_sdp (the table's head dim 128 rows and head dim 96 causal): what the GPU test runs,
     plus deterministic."""
-    return [swap_sdp_config(*v) for v in _GPU_TEST_SWAP] + [
+    return [swap_sdp_config(*v) for v in SM90_BWD_GPU_SWAP] + [
         swap_sdp_config("bfloat16", 128, 128, "causal", False, False, True),
         swap_sdp_config("bfloat16", 128, 128, "none", False, True, True)]
 
@@ -209,7 +210,7 @@ def test_swap_sdp_kernel_compiles_with_clean_sass(cfg, shipped_cache):
 def _stats_configs() -> list[BwdConfig]:
     """stats_smem (with swap_sdp in the table's rows): its GPU test's problems, plain and swapped,
     plus a deterministic one, softcap and one tile_m 128 table row (four rows per lane)."""
-    out = [with_stats_smem(BwdConfig.make(*v)) for v in _GPU_TEST_SWAP]
+    out = [with_stats_smem(BwdConfig.make(*v)) for v in SM90_BWD_GPU_SWAP]
     out += [with_stats_smem(BwdConfig.make("bfloat16", 128, 128, "causal", True, False, True)),
             with_stats_smem(BwdConfig.make("bfloat16", 64, 64, "local", True, True))]
     return out
@@ -341,7 +342,7 @@ def test_every_shipped_variant_fits_shared_memory():
     assert all(c.smem_bytes() <= SMEM_LIMIT_BYTES for c in mains)
     posts = [c for c in shipped_configs() if isinstance(c, BwdPostprocessConfig)]
     assert all(c.postprocess_config() in posts for c in mains)
-    tv = test_variants()
+    tv = sm90_bwd_gpu_configs()
     assert all(c.postprocess_config() in tv for c in tv if isinstance(c, BwdConfig))
 
 

@@ -26,8 +26,8 @@ import pytest
 from compiled import assert_no_local_memory, compiled_sass, needs_disassembler, tiered
 from jax_fa4.kernels.common.geometry import FwdBlocks, resolve_windows
 from jax_fa4.kernels.sm90.fwd_config import (FwdConfig, TUNING_TABLE, decode_config,
-                                              decode_option_configs, fallback_configs,
-                                              option_test_configs)
+                                              decode_option_configs)
+from jax_fa4.tools.variants import sm90_fwd_fallback_configs, sm90_fwd_option_configs
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = "sm_90a"
@@ -41,7 +41,7 @@ def _training_configs() -> list[FwdConfig]:
            for softcap in (False, True)]
     out += [FwdConfig.make("float16", 128, 128, mask, softcap)
             for mask in ("none", "causal", "local") for softcap in (False, True)]
-    return out + list(fallback_configs())
+    return out + list(sm90_fwd_fallback_configs())
 
 
 def _id(cfg: FwdConfig) -> str:
@@ -121,7 +121,7 @@ def _option_id(cfg: FwdConfig) -> str:
 
 
 @needs_disassembler
-@pytest.mark.parametrize("cfg", tiered(option_test_configs(), ARCH), ids=_option_id)
+@pytest.mark.parametrize("cfg", tiered(sm90_fwd_option_configs(), ARCH), ids=_option_id)
 def test_v2_options_compile_with_clean_sass(cfg, shipped_cache):
     """The v2 tuning options (ping-pong, 3 consumer warpgroups, conditional rescaling): the
     representative configs the GPU tests run, with the SASS facts each option must leave."""

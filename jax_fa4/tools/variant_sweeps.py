@@ -102,8 +102,9 @@ def fwd_variant_configs(group: str = "all", names: list[str] | None = None) -> l
 def bwd_variants_for(head_dim: int, head_dim_v: int, mask: str,
                      gqa: bool) -> list[tuple[str, Any]]:
     """(name, BwdConfig) to time for one problem kind; the first is the table's (v1)."""
-    from jax_fa4.kernels.sm90.bwd_config import (OPT_IN_FORMS, BwdConfig, with_stats_smem,
-                                                 with_swap_sdp, without_swap_sdp)
+    from jax_fa4.kernels.sm90.bwd_config import (BwdConfig, with_stats_smem, with_swap_sdp,
+                                                 without_swap_sdp)
+    from jax_fa4.tools.variants import OPT_IN_FORMS
 
     def valid(cfg: Any) -> bool:  # over shared memory, GEMMs that do not split, swap_sdp limits
         try:

@@ -20,10 +20,11 @@ from jax_fa4.ffi.compiler import SUPPORTED_ARCHS
 from jax_fa4.kernels.exp2_probe_config import Exp2ProbeConfig
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.kernels.sm90 import bwd_config, fwd_config
-from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE
+from jax_fa4.kernels.sm90.bwd_config import BwdConfig, with_swap_sdp, without_swap_sdp
+from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE, FwdConfig
 from jax_fa4.kernels.sm100 import bwd_config as sm100_bwd_config
 from jax_fa4.kernels.sm100 import fwd_config as sm100_fwd_config
-from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig
+from jax_fa4.kernels.spec import FLOAT_DTYPES, MASK_KINDS, KernelConfig
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 SUITES = ("tests", "default")
@@ -50,10 +51,116 @@ def _sm90_fwd(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[Kerne
             yield cfg
 
 
+# -- test-only configs: what the tests compile and run beyond the shipped set -------------------
+# (kept here, outside the kernel config modules: they are in no product dispatch, and editing them
+# rekeys no kernel)
+def sm90_fwd_fallback_configs() -> list[FwdConfig]:
+    """The simpler serial mainloop (no intra-warpgroup overlap) at hdim 128 bf16: a cross-check
+    for the GPU tests, and a fallback should the overlapped mainloop misbehave."""
+    return [FwdConfig.make("bfloat16", 128, 128, mask, softcap, intra_wg_overlap=False)
+            for mask in MASK_KINDS for softcap in (False, True)]
+
+
+def sm90_fwd_option_configs() -> list[FwdConfig]:
+    """Representative configs of the v2 tuning options (some are table defaults now): ping-pong,
+    3 consumer warpgroups at hdim 64 (tile 192×128, 3-way ping-pong), conditional rescaling, a
+    wider key tile at hdim 128, ping-pong at hdim 192/256, persistent scheduling. The compile
+    test checks their SASS and the GPU tests (tests/gpu/test_sm90_fwd.py) run them against the
+    reference: precompile them for it."""
+    m = FwdConfig.make
+    return [
+        m("bfloat16", 64, 64, "none", tile_m=192),
+        m("bfloat16", 64, 64, "causal", tile_m=192, pingpong=True, rescale_threshold=8.0),
+        m("bfloat16", 64, 64, "local", True, tile_m=192, pingpong=True),
+        m("bfloat16", 64, 64, "none", pingpong=True),
+        m("bfloat16", 128, 128, "none", rescale_threshold=8.0),
+        m("bfloat16", 128, 128, "causal", pingpong=True),
+        m("bfloat16", 128, 128, "none", pingpong=True, rescale_threshold=8.0),
+        m("bfloat16", 128, 128, "local", pingpong=True, rescale_threshold=8.0),
+        m("bfloat16", 128, 128, "causal", pingpong=True, tile_n=176),
+        m("float16", 128, 128, "causal", True, pingpong=True, rescale_threshold=8.0),
+        m("bfloat16", 192, 128, "causal", pingpong=True),
+        m("bfloat16", 192, 192, "none", pingpong=True),
+        m("bfloat16", 256, 256, "none", pingpong=True),
+        m("bfloat16", 256, 256, "causal", pingpong=True, rescale_threshold=8.0),
+        # persistent: few CTAs (odd counts) so each loops over many tiles in the tests' shapes
+        m("bfloat16", 128, 128, "causal", pingpong=True, num_sms=7),
+        m("bfloat16", 64, 64, "none", tile_m=192, pingpong=True, rescale_threshold=8.0, num_sms=5),
+        m("bfloat16", 128, 128, "local", intra_wg_overlap=False, num_sms=3),
+        m("bfloat16", 256, 256, "causal", pingpong=True, num_sms=132),
+        # partial software exp2 on the FMA pipe
+        m("bfloat16", 64, 64, "causal", tile_m=192, exp2_sw_per_32=8),
+        m("float16", 128, 128, "none", exp2_sw_per_32=4),
+    ]
+
+
+#: (dtype, head_dim, head_dim_v, mask, softcap, gqa) of the cases in tests/gpu/test_sm90_bwd.py
+SM90_BWD_GPU_MAINS = (
+    [("bfloat16", 128, 128, m, cap, False) for m in MASK_KINDS for cap in (False, True)]
+    + [("bfloat16", 128, 128, "none", False, True), ("bfloat16", 128, 128, "causal", False, True),
+       ("bfloat16", 128, 128, "causal", True, True)]
+    + [("float16", 128, 128, m, False, False) for m in MASK_KINDS]
+    + [("float16", 128, 128, "none", True, False)]
+    + [("bfloat16", 64, 64, m, False, False) for m in MASK_KINDS]
+    + [("bfloat16", 64, 64, "none", False, True)]
+    + [("bfloat16", 96, 96, "none", False, False), ("bfloat16", 96, 96, "local", False, False),
+       ("bfloat16", 96, 96, "causal", False, True)]
+    + [("bfloat16", 192, 128, "none", False, False), ("bfloat16", 192, 128, "causal", False, False),
+       ("bfloat16", 192, 128, "local", False, True)]
+    + [("bfloat16", 256, 256, "none", False, False), ("bfloat16", 256, 256, "causal", False, False),
+       ("bfloat16", 256, 256, "local", False, True)]
+    + [("float16", 256, 256, "none", False, False)]
+)
+
+#: deterministic (ordered dQ) variants the GPU test runs: MHA and GQA, every mask kind
+SM90_BWD_GPU_DETERMINISTIC = [
+    ("bfloat16", 128, 128, "causal", False, False), ("bfloat16", 128, 128, "none", False, True),
+    ("bfloat16", 64, 64, "local", False, False), ("bfloat16", 256, 256, "causal", False, False),
+]
+
+#: the problems whose OPT_IN_FORMS the GPU test runs (forms the tuning table may not pick)
+SM90_BWD_GPU_SWAP = [
+    ("bfloat16", 128, 128, "none", False, False), ("bfloat16", 128, 128, "causal", False, False),
+    ("bfloat16", 128, 128, "none", False, True), ("bfloat16", 96, 96, "local", False, False),
+    ("float16", 128, 128, "none", False, False),
+]
+
+#: The forms of a table kernel that tests/gpu/test_sm90_bwd.py checks against the reference on
+#: the SM90_BWD_GPU_SWAP problems, whatever the table picks (name -> config transform): the
+#: transposed S / dP loop and the statistics through shared memory, each alone and together
+#: (dQ through the dQ warp), and the table's kernel with dQ added by the MMA threads (dq_red).
+OPT_IN_FORMS: dict[str, Callable[[BwdConfig], BwdConfig]] = {
+    "swap": lambda cfg: dataclasses.replace(with_swap_sdp(cfg), stats_smem=False, dq_red=False),
+    "stats": lambda cfg: dataclasses.replace(without_swap_sdp(cfg), stats_smem=True,
+                                             dq_red=False),
+    "swap+stats": lambda cfg: dataclasses.replace(with_swap_sdp(cfg), stats_smem=True,
+                                                  dq_red=False),
+    "red": lambda cfg: dataclasses.replace(cfg, dq_red=True),
+}
+
+
+def _with_postprocess(mains: Iterable[BwdConfig]) -> list[KernelConfig]:
+    """``mains``, then each one's dQ postprocess config once."""
+    mains = list(mains)
+    return [*mains, *dict.fromkeys(c.postprocess_config() for c in mains)]
+
+
+def sm90_bwd_gpu_configs() -> list[KernelConfig]:
+    """The configs tests/gpu/test_sm90_bwd.py runs (main kernels, then their postprocesses);
+    that test checks it needs nothing else."""
+    mains = [BwdConfig.make(*v) for v in SM90_BWD_GPU_MAINS]
+    mains += [BwdConfig.make(*v, deterministic=True) for v in SM90_BWD_GPU_DETERMINISTIC]
+    for form in OPT_IN_FORMS.values():
+        mains += [form(BwdConfig.make(*v)) for v in SM90_BWD_GPU_SWAP]
+    for cfg in mains:
+        cfg.validate()
+    return _with_postprocess(mains)
+
+
 def _sm90_fwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
     yield from _sm90_fwd(dtypes, head_dims)
-    yield from fwd_config.fallback_configs()  # the GPU tests cross-check the serial mainloop
-    yield from fwd_config.option_test_configs()  # performance options awaiting validation
+    yield from sm90_fwd_fallback_configs()  # the GPU tests cross-check the serial mainloop
+    yield from sm90_fwd_option_configs()  # performance options awaiting validation
     for cfg in fwd_config.decode_option_configs():  # decode-tile options (decode_bench.py),
         yield cfg  # in both out dtypes (split-KV chunks and sinks come back in float32)
         yield dataclasses.replace(cfg, out_f32=True)
@@ -65,37 +172,111 @@ def _sm90_bwd(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[Kerne
             yield cfg
 
 
-#: (dtype, head_dim, head_dim_v, mask, softcap, gqa) of the varlen gradients of
-#: tests/gpu/test_varlen.py, and of the deterministic gradients of tests/gpu/test_preprocess.py
-#: and tests/gpu/test_sm90_bwd.py (they run through the API, so the kernels they need are listed
-#: here, outside every kernel's import closure: editing the list rekeys nothing; a GPU run on a
-#: cache of only the tests suite, ``JAX_FA4_REQUIRE_GPU=1``, fails on any kernel missing here).
-_GPU_VARLEN_BWD = (
-    [("bfloat16", 128, 128, m, False, g) for m in ("none", "causal") for g in (False, True)]
-    + [("bfloat16", 128, 128, "local", False, True), ("bfloat16", 64, 64, "none", False, False),
-       ("bfloat16", 64, 64, "causal", False, False), ("bfloat16", 96, 96, "none", False, False),
-       ("bfloat16", 192, 128, "causal", False, True), ("bfloat16", 256, 256, "causal", False, False),
-       ("float16", 128, 128, "local", True, False)])
-_GPU_DETERMINISTIC_BWD = (("bfloat16", 128, 128, "causal", False, True),
-                          ("bfloat16", 64, 64, "causal", False, False))
-#: ... and of the gradients tests/gpu/sanitizer_cases.py runs under compute-sanitizer
-_GPU_SANITIZER_BWD = (("bfloat16", 64, 64, "none", False, False),
-                      ("bfloat16", 64, 64, "causal", False, True),
-                      ("bfloat16", 96, 96, "local", False, False),
-                      ("bfloat16", 128, 128, "none", False, False),
-                      ("bfloat16", 128, 128, "causal", False, True),
-                      ("bfloat16", 128, 128, "local", True, False),
-                      ("bfloat16", 192, 128, "causal", False, False),
-                      ("bfloat16", 256, 256, "causal", False, False),
-                      ("bfloat16", 256, 256, "none", True, False))
+#: The backward problem kinds that the GPU tests' calls through the API reach, by test module.
+#: The GPU suite runs on a cache of only the tests suite (README, "Development"), where a kernel
+#: missing fails its test with KernelNotAvailableError (JAX_FA4_REQUIRE_GPU=1). Kinds, not
+#: configs: :func:`backward_kind_config` turns each into the main kernel the sm90 backend picks
+#: for it (BwdConfig.make, varlen_config, segments_config: the tuning table's choice), so a tuning
+#: change moves them with the product. Each entry is exactly what its module's calls reach:
+#: tests/test_gpu_suite_kernels.py lowers those calls for CUDA (each extreme-numerics case at its
+#: dtype, the case lists, runners' parameters, the sanitizer groups, ...) and fails on a kind
+#: missing here or listed but reached no more, naming it. test_properties.py: its explicit
+#: examples (the drawn cases range over every shipped bfloat16 kernel). Listed here, outside
+#: every kernel's import closure: editing the table rekeys nothing.
+#: Notation: ``"<bf16|fp16> <head dim>[/<head dim v>] <none|causal|local> [softcap] [gqa] [sink]
+#: [det|segments|varlen]"`` (gqa: fewer kv heads than query heads; sink: a learnable sink, the
+#: sink_grad kernel; det: deterministic=True; segments: segment ids; varlen: packed sequences).
+GPU_API_BACKWARD: dict[str, tuple[str, ...]] = {
+    "tests/gpu/test_extreme_numerics.py": (
+        "bf16 128 none gqa", "bf16 128 none gqa sink", "bf16 128 none softcap gqa",
+        "bf16 128 none softcap gqa sink", "bf16 128 causal gqa", "bf16 128 causal gqa sink",
+        "bf16 128 local gqa", "bf16 128 local softcap gqa sink", "fp16 128 none gqa",
+        "fp16 128 causal gqa", "fp16 128 causal gqa sink", "fp16 128 causal softcap gqa",
+        "fp16 128 local gqa", "fp16 128 local softcap gqa", "bf16 128 none gqa segments",
+        "bf16 128 causal gqa sink segments", "bf16 128 none gqa varlen",
+        "bf16 128 causal gqa varlen", "bf16 128 causal gqa sink varlen",
+        "fp16 128 local softcap gqa varlen",
+    ),
+    "tests/gpu/test_padding_isolation.py": (
+        "bf16 64 none varlen", "bf16 64 causal varlen", "bf16 128 none gqa varlen",
+        "bf16 128 causal gqa varlen", "bf16 128 causal gqa sink varlen", "bf16 256 causal varlen",
+    ),
+    "tests/gpu/test_properties.py": (
+        "bf16 64 none gqa", "bf16 128 causal gqa sink", "bf16 128 local softcap sink varlen",
+    ),
+    "tests/gpu/test_varlen.py": (
+        "bf16 64 none varlen", "bf16 64 causal varlen", "bf16 96 none varlen",
+        "bf16 128 none varlen", "bf16 128 none gqa varlen", "bf16 128 causal varlen",
+        "bf16 128 causal gqa varlen", "bf16 128 local gqa varlen",
+        "bf16 192/128 causal gqa varlen", "bf16 256 causal varlen",
+        "fp16 128 local softcap varlen",
+    ),
+    "tests/gpu/test_single_rounding.py": (
+        "bf16 64 none sink", "bf16 64 none gqa sink", "bf16 64 causal gqa sink",
+        "bf16 64 local sink", "bf16 192/128 none gqa sink", "bf16 192/128 local softcap gqa sink",
+        "bf16 256 causal gqa sink", "bf16 256 local sink", "bf16 128 none gqa sink varlen",
+        "bf16 256 none gqa sink varlen", "bf16 256 causal gqa sink varlen",
+    ),
+    "tests/gpu/test_segments.py": (
+        "bf16 128 causal gqa segments", "bf16 128 causal gqa sink segments",
+    ),
+    "tests/gpu/sanitizer_cases.py": (
+        "bf16 64 none", "bf16 64 causal gqa", "bf16 96 local", "bf16 128 none",
+        "bf16 128 causal gqa", "bf16 128 local softcap", "bf16 192/128 causal",
+        "bf16 256 none softcap", "bf16 256 causal", "bf16 64 none softcap segments",
+        "bf16 96 local segments", "bf16 128 causal gqa sink segments", "bf16 128 none varlen",
+        "bf16 128 causal varlen", "bf16 128 causal gqa varlen",
+        "bf16 128 local softcap gqa varlen",
+    ),
+    "tests/gpu/test_sm90_bwd.py": (
+        "bf16 128 none gqa", "bf16 128 none gqa sink", "bf16 128 causal gqa",
+        "bf16 128 causal gqa sink", "bf16 64 causal det",
+    ),
+    "tests/gpu/test_preprocess.py": (
+        "bf16 128 none gqa", "bf16 128 causal gqa", "bf16 128 causal gqa det",
+    ),
+    "tests/gpu/test_max_logits.py": (
+        "bf16 128 causal gqa det",
+    ),
+}
+
+_SHORT_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+_KIND_FLAGS = ("softcap", "gqa", "sink", "det", "segments", "varlen")
+
+
+def backward_kind_config(kind: str) -> BwdConfig:
+    """The sm90 backward main kernel of a problem kind in GPU_API_BACKWARD's notation: what the
+    backend picks for it (dense, deterministic, segment-id and varlen calls alike)."""
+    words = kind.split()
+    if len(words) < 3 or words[0] not in _SHORT_DTYPES or not set(words[3:]) <= set(_KIND_FLAGS):
+        raise ValueError(f"not a backward kind: {kind!r}")
+    dims = [int(x) for x in words[1].split("/")]
+    flags = set(words[3:])
+    problem = (_SHORT_DTYPES[words[0]], dims[0], dims[-1], words[2], "softcap" in flags,
+               "gqa" in flags)
+    sink = "sink" in flags
+    if "varlen" in flags:
+        return bwd_config.varlen_config(*problem, sink_grad=sink)
+    if "segments" in flags:
+        return bwd_config.segments_config(*problem, sink_grad=sink)
+    return BwdConfig.make(*problem, deterministic="det" in flags, sink_grad=sink)
+
+
+def backward_kind(config: BwdConfig) -> str:
+    """The problem kind of an sm90 backward main config, in GPU_API_BACKWARD's notation."""
+    short = {v: k for k, v in _SHORT_DTYPES.items()}[config.dtype]
+    dims = (str(config.head_dim) if config.head_dim == config.head_dim_v
+            else f"{config.head_dim}/{config.head_dim_v}")
+    on = {"softcap": config.has_softcap, "gqa": config.gqa, "sink": config.sink_grad,
+          "det": config.deterministic, "segments": config.segments, "varlen": config.varlen}
+    return " ".join([short, dims, config.mask, *(f for f in _KIND_FLAGS if on[f])])
 
 
 def _sm90_bwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
-    mains = [bwd_config.varlen_config(*v) for v in _GPU_VARLEN_BWD]
-    mains += [bwd_config.BwdConfig.make(*v, deterministic=True) for v in _GPU_DETERMINISTIC_BWD]
-    mains += [bwd_config.BwdConfig.make(*v) for v in _GPU_SANITIZER_BWD]
+    kinds = dict.fromkeys(k for module in GPU_API_BACKWARD.values() for k in module)
+    mains = [backward_kind_config(k) for k in kinds]
     extra = [*mains, *(c.postprocess_config() for c in mains)]
-    for cfg in dict.fromkeys([*bwd_config.test_variants(), *extra]):
+    for cfg in dict.fromkeys([*sm90_bwd_gpu_configs(), *extra]):
         if cfg.dtype in dtypes and cfg.head_dim in head_dims:
             yield cfg
 

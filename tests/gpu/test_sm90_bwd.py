@@ -6,7 +6,7 @@ float32 forward's out and lse), ``pt`` = the gradient of the naive attention com
 dtype (``reference.attention(..., compute_dtype=dtype)``). The kernel gets what the library feeds
 it: out in the input dtype, delta / lse_log2 from the preprocess kernel.
 
-Kernels come precompiled: every config used here is in ``bwd_config.test_variants()``
+Kernels come precompiled: every config used here is in ``variants.sm90_bwd_gpu_configs()``
 (checked by test_cases_are_precompiled).
 """
 
@@ -23,7 +23,7 @@ import pytest
 
 import jax_fa4
 from jax_fa4 import backends, reference
-from jax_fa4.kernels.sm90.bwd_config import OPT_IN_FORMS, test_variants
+from jax_fa4.tools.variants import OPT_IN_FORMS, sm90_bwd_gpu_configs
 from numerics import assert_fa4_close
 
 
@@ -97,7 +97,7 @@ CASES = [
 ]
 
 
-# deterministic (ordered dQ) kernels: bwd_config._GPU_TEST_DETERMINISTIC
+# deterministic (ordered dQ) kernels: variants.SM90_BWD_GPU_DETERMINISTIC
 DETERMINISTIC_CASES = [
     Case(BF, 128, 128, 1023, 1024, 4, 4, CAUSAL),
     Case(BF, 128, 128, 203, 1113, 4, 4, CAUSAL),  # causal, more keys than queries, key tail
@@ -107,7 +107,7 @@ DETERMINISTIC_CASES = [
 ]
 
 
-# loop forms of the table's kernels (bwd_config._GPU_TEST_SWAP, OPT_IN_FORMS): swap_sdp (Sᵀ /
+# loop forms of the table's kernels (variants.SM90_BWD_GPU_SWAP, OPT_IN_FORMS): swap_sdp (Sᵀ /
 # dPᵀ GEMMs, P and dS in registers for dV / dK), stats_smem (lse_log2 / delta through shared
 # memory), both, and dq_red (dQ added by the MMA threads). The table picks some of them (head dim
 # 128: all three; head dim 96 causal: swap + stats); every form is checked here whatever the
@@ -199,7 +199,7 @@ def _run(c: Case, seed: int = 0, form: str | None = None):
 
 
 def test_cases_are_precompiled():
-    available = set(test_variants())
+    available = set(sm90_bwd_gpu_configs())
     for cases, opts, forms in ((CASES, Opts, [None]), (DETERMINISTIC_CASES, DetOpts, [None]),
                                (SWAP_CASES, Opts, list(OPT_IN_FORMS))):
         for c, form in itertools.product(cases, forms):

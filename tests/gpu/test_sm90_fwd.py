@@ -10,10 +10,10 @@ Fresh random inputs per case; device memory is filled with NaN before each kerne
 unwritten output element cannot pass. A few cases run the kernel twice and require bitwise
 equal results (a moving result is a race).
 
-Kernels needed in the cache: every ``FwdConfig`` from ``shipped_configs()``,
-``fallback_configs()`` and ``option_test_configs()`` of ``jax_fa4.kernels.sm90.fwd_config``
-(precompile them on the CPU machine; ``python benchmarks/fwd_variants.py --precompile
---with-tests`` builds the option configs).
+Kernels needed in the cache: every ``FwdConfig`` from ``jax_fa4.kernels.sm90.fwd_config``'s
+``shipped_configs()`` and ``jax_fa4.tools.variants``' ``sm90_fwd_fallback_configs()`` and
+``sm90_fwd_option_configs()`` (precompile them on the CPU machine;
+``python benchmarks/fwd_variants.py --precompile --with-tests`` builds the option configs).
 The last tests call those configs directly (``jax_fa4.ffi.call.call_kernel``), bypassing the API:
 the serial (no intra-warpgroup overlap) mainloop, and the raw ``params`` contract.
 """
@@ -277,9 +277,9 @@ def test_raw_kernel(mask, softcap, window, overlap):
 
 # --- v2 tuning options (ping-pong, 3 consumer warpgroups, conditional rescaling) ----------------
 def _option_configs():
-    from jax_fa4.kernels.sm90.fwd_config import option_test_configs
+    from jax_fa4.tools.variants import sm90_fwd_option_configs
 
-    return option_test_configs()
+    return sm90_fwd_option_configs()
 
 
 def _option_id(cfg):

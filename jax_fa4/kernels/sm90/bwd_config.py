@@ -484,40 +484,6 @@ def _with_postprocess(mains: list[BwdConfig]) -> list[KernelConfig]:
     return [*mains, *post]
 
 
-# (dtype, head_dim, head_dim_v, mask, softcap, gqa) of the cases in tests/gpu/test_sm90_bwd.py
-_GPU_TEST_MAINS = (
-    [("bfloat16", 128, 128, m, cap, False) for m in MASK_KINDS for cap in (False, True)]
-    + [("bfloat16", 128, 128, "none", False, True), ("bfloat16", 128, 128, "causal", False, True),
-       ("bfloat16", 128, 128, "causal", True, True)]
-    + [("float16", 128, 128, m, False, False) for m in MASK_KINDS]
-    + [("float16", 128, 128, "none", True, False)]
-    + [("bfloat16", 64, 64, m, False, False) for m in MASK_KINDS]
-    + [("bfloat16", 64, 64, "none", False, True)]
-    + [("bfloat16", 96, 96, "none", False, False), ("bfloat16", 96, 96, "local", False, False),
-       ("bfloat16", 96, 96, "causal", False, True)]
-    + [("bfloat16", 192, 128, "none", False, False), ("bfloat16", 192, 128, "causal", False, False),
-       ("bfloat16", 192, 128, "local", False, True)]
-    + [("bfloat16", 256, 256, "none", False, False), ("bfloat16", 256, 256, "causal", False, False),
-       ("bfloat16", 256, 256, "local", False, True)]
-    + [("float16", 256, 256, "none", False, False)]
-)
-
-
-# deterministic (ordered dQ) variants the GPU test runs: MHA and GQA, every mask kind
-_GPU_TEST_DETERMINISTIC = [
-    ("bfloat16", 128, 128, "causal", False, False), ("bfloat16", 128, 128, "none", False, True),
-    ("bfloat16", 64, 64, "local", False, False), ("bfloat16", 256, 256, "causal", False, False),
-]
-
-
-# the problems whose swap_sdp forms (OPT_IN_FORMS) the GPU test runs, whatever the table picks
-_GPU_TEST_SWAP = [
-    ("bfloat16", 128, 128, "none", False, False), ("bfloat16", 128, 128, "causal", False, False),
-    ("bfloat16", 128, 128, "none", False, True), ("bfloat16", 96, 96, "local", False, False),
-    ("float16", 128, 128, "none", False, False),
-]
-
-
 def with_swap_sdp(cfg: BwdConfig) -> BwdConfig:
     """``cfg`` with swap_sdp on and, unless deterministic, the forward launch order (reversed,
     swap_sdp spills at hdim 128 with GQA: see validate); its loop waits for dK at once."""
@@ -540,35 +506,8 @@ def without_swap_sdp(cfg: BwdConfig) -> BwdConfig:
     return replace(cfg, swap_sdp=False, reverse_launch=reverse)
 
 
-#: The forms of a table kernel that tests/gpu/test_sm90_bwd.py checks against the reference on
-#: the _GPU_TEST_SWAP problems, whatever the table picks (name -> config transform): the
-#: transposed S / dP loop and the statistics through shared memory, each alone and together
-#: (dQ through the dQ warp), and the table's kernel with dQ added by the MMA threads (dq_red).
-OPT_IN_FORMS = {
-    "swap": lambda cfg: replace(with_swap_sdp(cfg), stats_smem=False, dq_red=False),
-    "stats": lambda cfg: replace(without_swap_sdp(cfg), stats_smem=True, dq_red=False),
-    "swap+stats": lambda cfg: replace(with_swap_sdp(cfg), stats_smem=True, dq_red=False),
-    "red": lambda cfg: replace(cfg, dq_red=True),
-}
-
-
 def swap_sdp_config(*problem) -> BwdConfig:
     """The table's config for ``problem`` (BwdConfig.make's arguments) with swap_sdp on."""
     cfg = with_swap_sdp(BwdConfig.make(*problem))
     cfg.validate()
     return cfg
-
-
-def test_variants() -> list[KernelConfig]:
-    """The configs tests/gpu/test_sm90_bwd.py runs (main kernels, then their postprocesses);
-    that test checks it needs nothing else."""
-    mains = [BwdConfig.make(*v) for v in _GPU_TEST_MAINS]
-    mains += [BwdConfig.make(*v, deterministic=True) for v in _GPU_TEST_DETERMINISTIC]
-    for form in OPT_IN_FORMS.values():
-        mains += [form(BwdConfig.make(*v)) for v in _GPU_TEST_SWAP]
-    for cfg in mains:
-        cfg.validate()
-    return _with_postprocess(mains)
-
-
-test_variants.__test__ = False  # not a pytest test

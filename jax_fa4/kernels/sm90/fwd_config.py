@@ -29,7 +29,7 @@ from jax_fa4.kernels.segments_config import SEG_ROW_COLUMNS, SEG_TILE_COLUMNS
 # the tables choose configs (whose fields are the key): not part of any kernel's key
 from jax_fa4.kernels.sm90.fwd_tuning import (FP8_SOFTCAP_TILE_N, FP8_TUNING_TABLE, TUNING_TABLE,
                                              tuning_for)
-from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
+from jax_fa4.kernels.spec import (FLOAT_DTYPES, KernelConfig, KernelSignature,
                                   TensorArg, attention_forward_signature, check_dtype_and_mask,
                                   paged_attention_forward_signature,
                                   varlen_attention_forward_signature)
@@ -480,13 +480,6 @@ def max_logits_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
     return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, max_logits=True)
 
 
-def fallback_configs() -> list[FwdConfig]:
-    """The simpler serial mainloop (no intra-warpgroup overlap) at hdim 128 bf16: a cross-check
-    for the GPU tests, and a fallback should the overlapped mainloop misbehave."""
-    return [FwdConfig.make("bfloat16", 128, 128, mask, softcap, intra_wg_overlap=False)
-            for mask in MASK_KINDS for softcap in (False, True)]
-
-
 def shipped_configs() -> list[FwdConfig]:
     """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and
     fp16, the decode config of each row, and the paged, varlen and segment-id configs of each
@@ -516,35 +509,3 @@ def decode_option_configs() -> list[FwdConfig]:
     return [c for o in DECODE_OPTIONS.values()
             for c in (decode_config("bfloat16", 128, 128, **o),
                       paged_config("bfloat16", 128, 128, **o))]
-
-
-def option_test_configs() -> list[FwdConfig]:
-    """Representative configs of the v2 tuning options (some are table defaults now): ping-pong, 3 consumer
-    warpgroups at hdim 64 (tile 192×128, 3-way ping-pong), conditional rescaling, a wider key
-    tile at hdim 128, ping-pong at hdim 192/256, persistent scheduling. The compile test checks their SASS and the GPU
-    tests (tests/gpu/test_sm90_fwd.py) run them against the reference: precompile them for it."""
-    m = FwdConfig.make
-    return [
-        m("bfloat16", 64, 64, "none", tile_m=192),
-        m("bfloat16", 64, 64, "causal", tile_m=192, pingpong=True, rescale_threshold=8.0),
-        m("bfloat16", 64, 64, "local", True, tile_m=192, pingpong=True),
-        m("bfloat16", 64, 64, "none", pingpong=True),
-        m("bfloat16", 128, 128, "none", rescale_threshold=8.0),
-        m("bfloat16", 128, 128, "causal", pingpong=True),
-        m("bfloat16", 128, 128, "none", pingpong=True, rescale_threshold=8.0),
-        m("bfloat16", 128, 128, "local", pingpong=True, rescale_threshold=8.0),
-        m("bfloat16", 128, 128, "causal", pingpong=True, tile_n=176),
-        m("float16", 128, 128, "causal", True, pingpong=True, rescale_threshold=8.0),
-        m("bfloat16", 192, 128, "causal", pingpong=True),
-        m("bfloat16", 192, 192, "none", pingpong=True),
-        m("bfloat16", 256, 256, "none", pingpong=True),
-        m("bfloat16", 256, 256, "causal", pingpong=True, rescale_threshold=8.0),
-        # persistent: few CTAs (odd counts) so each loops over many tiles in the tests' shapes
-        m("bfloat16", 128, 128, "causal", pingpong=True, num_sms=7),
-        m("bfloat16", 64, 64, "none", tile_m=192, pingpong=True, rescale_threshold=8.0, num_sms=5),
-        m("bfloat16", 128, 128, "local", intra_wg_overlap=False, num_sms=3),
-        m("bfloat16", 256, 256, "causal", pingpong=True, num_sms=132),
-        # partial software exp2 on the FMA pipe
-        m("bfloat16", 64, 64, "causal", tile_m=192, exp2_sw_per_32=8),
-        m("float16", 128, 128, "none", exp2_sw_per_32=4),
-    ]
