@@ -1,0 +1,65 @@
+"""The whole-step benchmark (``jax_fa4.tools.step_bench``) end to end on tiny CPU configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+from jax_fa4.tools import step_bench
+
+ENTRY_KEYS = {"config", "B", "S", "d_model", "H", "Hkv", "D", "layers", "vocab", "packed",
+              "mlp_hidden", "tokens_per_step", "impls", "skipped", "documents", "params",
+              "round_orders", "baseline", "wall_s"}
+IMPL_KEYS = {"compile_s", "loss_step0", "qkv_grad_norms_step0", "hlo_counts", "step_ms",
+             "step_spread", "step_rounds_ms", "tokens_per_s"}
+ATTN_KEYS = {"attn_train_fwd_ms", "attn_fwdbwd_ms", "attn_bwd_ms", "attention_share_of_step"}
+
+
+def test_smoke_run_writes_the_result_and_both_models_agree(tmp_path: Path) -> None:
+    out = tmp_path / "step.json"
+    hlo = tmp_path / "hlo"
+    assert step_bench.main(["--smoke", "--layers", "1", "--rounds", "1", "--steps", "1",
+                            "--warmup", "0", "--attn-target-ms", "1", "--hlo", str(hlo), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["complete"] and report["settings"]["impls"] == ["jax-fa4", "xla"]
+    assert {"gpu", "versions", "gpu_state", "command", "date", "timing"} <= set(report)
+    dense, packed = report["configs"]
+    assert ENTRY_KEYS <= set(dense) and ENTRY_KEYS <= set(packed)
+    for impl in ("jax-fa4", "xla"):
+        assert IMPL_KEYS | ATTN_KEYS <= set(dense["impls"][impl])
+        assert dense["impls"][impl]["step_ms"] > 0
+        assert (hlo / f"smoke-{impl}.hlo.txt").read_text().startswith("HloModule")
+    # Timed rounds: rounded up to every implementation opening one, after an untimed round.
+    assert dense["round_orders"] == [["jax-fa4", "xla"], ["xla", "jax-fa4"], ["jax-fa4", "xla"]]
+    assert dense["baseline"] == "xla" and dense["step_speedup"] > 0
+    check = dense["check"]
+    assert check["agree"], check
+    assert check["loss_rel_diff"] <= step_bench.LOSS_RTOL
+    assert check["qkv_grad_norm_rel_diff"] <= step_bench.GRAD_RTOL
+    # Packed rows: ours only, the baseline's reason recorded; documents of S/16..S/2 tokens.
+    assert set(packed["impls"]) == {"jax-fa4"} and "segment ids" in packed["skipped"]["xla"]
+    assert all(sum(row) == packed["S"] for row in packed["documents"])
+    assert all(n <= packed["S"] // 2 for row in packed["documents"] for n in row)
+    assert "step_speedup" not in packed
+
+
+def test_the_first_step_check_sees_a_different_attention(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agreement check can fail: a baseline without the causal mask disagrees."""
+    real = step_bench.attention_fn
+
+    def patched(impl: str) -> step_bench.AttentionFn:
+        if impl != "xla":
+            return real(impl)
+        return lambda q, k, v, ids: jax.nn.dot_product_attention(q, k, v, implementation="xla")
+
+    monkeypatch.setattr(step_bench, "attention_fn", patched)
+    out = tmp_path / "step.json"
+    assert step_bench.main(["--smoke", "--configs", "smoke", "--layers", "1", "--rounds", "1",
+                            "--steps", "1", "--warmup", "0", "--no-attention", "--out", str(out)]) == 0
+    check = json.loads(out.read_text())["configs"][0]["check"]
+    assert not check["agree"], check
+    assert check["qkv_grad_norm_rel_diff"] > step_bench.GRAD_RTOL
