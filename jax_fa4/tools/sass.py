@@ -34,13 +34,10 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from jax_fa4.kernels.spec import SMEM_CAPACITY_BYTES, SMEM_SYSTEM_RESERVE_BYTES
+
 #: ``e_machine`` of a CUDA ELF.
 EM_CUDA = 190
-#: A CTA's shared-memory limit on sm_90 and sm_100 (dynamic plus static, beyond the reserve).
-SMEM_LIMIT_BYTES = 227 * 1024
-#: Static shared memory every cubin lists: the system's per-CTA reserve (.nv.shared.reserved),
-#: outside the 227 KB a CTA may use.
-RESERVED_SMEM_BYTES = 1024
 MAX_REGISTERS = 255
 
 ENV_CUOBJDUMP = "JAX_FA4_CUOBJDUMP"
@@ -275,9 +272,9 @@ def problems(kernel: Kernel, *, dynamic_smem_bytes: int, must_have: Iterable[str
                      f"{kernel.count('STL')}, stack {kernel.stack}, local {kernel.local})")
     if kernel.registers > MAX_REGISTERS:
         found.append(f"{label}: {kernel.registers} registers (max {MAX_REGISTERS})")
-    shared = max(kernel.shared_static - RESERVED_SMEM_BYTES, 0) + dynamic_smem_bytes
-    if shared > SMEM_LIMIT_BYTES:
-        found.append(f"{label}: {shared} B of shared memory (max {SMEM_LIMIT_BYTES})")
+    shared = max(kernel.shared_static - SMEM_SYSTEM_RESERVE_BYTES, 0) + dynamic_smem_bytes
+    if shared > SMEM_CAPACITY_BYTES:
+        found.append(f"{label}: {shared} B of shared memory (max {SMEM_CAPACITY_BYTES})")
     missing = [op for op in must_have if not kernel.count(op)]
     if missing:
         found.append(f"{label}: no {', '.join(missing)} in its SASS")

@@ -25,6 +25,8 @@ kernel finds its batch entry's rows.
 
 from __future__ import annotations
 
+from jax_fa4.kernels.spec import PARAM_WINDOW_LEFT, PARAM_WINDOW_RIGHT
+
 
 def _is_py(*values) -> bool:
     return all(isinstance(v, (bool, int)) for v in values)
@@ -71,12 +73,13 @@ def _ceil_div(x, n: int):
 # windows and sequences
 # --------------------------------------------------------------------------------------------
 def resolve_windows(params, seqlen_q, seqlen_k, is_local: bool):
-    """(window_left, window_right) of a local mask from ``params[2:4]`` (-1, any negative, =
+    """(window_left, window_right) of a local mask from ``params[PARAM_WINDOW_LEFT]`` and
+    ``params[PARAM_WINDOW_RIGHT]`` (-1, any negative, =
     unbounded; converted to Int32 in a kernel), each clamped to the side's length (seqlen_k,
     seqlen_q) when unbounded or wider; (0, 0) for the other masks, which never read them."""
     if not is_local:
         return 0, 0
-    wl, wr = params[2], params[3]
+    wl, wr = params[PARAM_WINDOW_LEFT], params[PARAM_WINDOW_RIGHT]
     if not _is_py(wl, wr):
         from cutlass import Int32
 

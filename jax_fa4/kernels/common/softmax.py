@@ -39,17 +39,13 @@ the last ``exp2_sw_per_32`` are exponentiated by the FMA-pipe polynomial of comm
 Hopper it measured slower at every share tried (docs/perf-log.md): off by default.
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
 from jax_fa4.kernels.common.exp2 import exp2_is_software, exp2_sw
 from jax_fa4.kernels.common.layout import acc_view_mn
-
-LN2 = math.log(2.0)
-LOG2_E = math.log2(math.e)
+from jax_fa4.kernels.spec import LN2, LOG2_E
 
 
 def exact_limit_log2(is_bf16: bool) -> float:

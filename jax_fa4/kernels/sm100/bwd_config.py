@@ -42,13 +42,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
-                                  attention_backward_signature, check_dtype_and_mask,
-                                  lookup_tuning)
+from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, SMEM_BUDGET_BYTES, KernelConfig,
+                                  KernelSignature, attention_backward_signature,
+                                  check_dtype_and_mask, lookup_tuning)
 
 
-#: Shared memory per CTA on sm_100 (227 KB), minus room for mbarriers and alignment.
-SMEM_LIMIT_BYTES = 227 * 1024 - 1024
 #: Tensor memory columns per SM (128 lanes × 512 columns × 32 bit).
 TMEM_COLUMNS = 512
 
@@ -159,9 +157,9 @@ class Sm100BwdConfig(KernelConfig):
                                  f"divide head_dim {self.head_dim}")
         if self.tmem_columns() > TMEM_COLUMNS:
             raise ValueError(f"sm100 backward: {self.tmem_columns()} TMEM columns exceed {TMEM_COLUMNS}")
-        if self.smem_bytes() > SMEM_LIMIT_BYTES:
+        if self.smem_bytes() > SMEM_BUDGET_BYTES:
             raise ValueError(f"sm100 backward: {self.smem_bytes()} B of shared memory exceeds "
-                             f"{SMEM_LIMIT_BYTES} B ({self.describe()})")
+                             f"{SMEM_BUDGET_BYTES} B ({self.describe()})")
 
     # -- derived ---------------------------------------------------------------------------------
     #: 16 warps: 0-3 dQ reduce, 4-11 compute (two warpgroups, each half of the query columns),

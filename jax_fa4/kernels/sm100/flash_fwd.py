@@ -93,13 +93,13 @@ from jax_fa4.kernels.common.exp2 import exp2_is_software, exp2_sw_x2
 from jax_fa4.kernels.common.geometry import (FwdBlocks, paged_keys, resolve_windows,
                                              varlen_sequence)
 from jax_fa4.kernels.common.layout import select_modes
+from jax_fa4.kernels.common.scores import score_scales
 from jax_fa4.kernels.common.softmax import exact_limit_log2
 from jax_fa4.kernels.common.views import dim_major, seq_major
 from jax_fa4.kernels.sm100 import tile_order
 from jax_fa4.kernels.sm100.fwd_config import FwdConfig
+from jax_fa4.kernels.spec import LN2, PARAM_SCALE
 
-LOG2_E = math.log2(math.e)
-LN2 = math.log(2.0)
 LANES = 128  # TMEM lanes = query rows of one Q tile = threads of one warpgroup
 
 
@@ -783,16 +783,8 @@ class FlashAttentionForwardSm100:
         """Softmax of Q tile ``t`` (0 with q_tiles = 1)."""
         ld_s, tTtS0, tTcS, p_io = self.softmax_tmem_copies(qk_mma, tmem_ptr, lane)
 
-        scale = mParams[0]
-        softcap_in_scale = Float32(0.0)
-        if const_expr(self.has_softcap):
-            softcap = mParams[1]
-            # tanh(s·scale/softcap), then ·softcap·log2 e (rcp.approx: an IEEE division is a
-            # subroutine call, around which ptxas spills the live registers)
-            softcap_in_scale = scale * cute.arch.rcp_approx(softcap)
-            scale_log2 = softcap * LOG2_E
-        else:
-            scale_log2 = scale * LOG2_E
+        scales = score_scales(mParams[PARAM_SCALE], mParams, self.has_softcap)
+        scale_log2, tanh_in_scale = scales.scale_log2, scales.tanh_in_scale
 
         s_full, stats_full, p_full = bars["s_full"], bars["stats_full"], bars["p_full"]
         sum_full, sum_empty = bars["sum_full"], bars["sum_empty"]
@@ -817,7 +809,7 @@ class FlashAttentionForwardSm100:
                                                  tTtS0.layout), tSrS)
                 cute.arch.fence_view_async_tmem_load()
                 row_max, acc_scale = self.row_max_step(tSrS, tTcS, row, n_block, row_max,
-                                                       scale_log2, softcap_in_scale, tblk)
+                                                       scale_log2, tanh_in_scale, tblk)
                 # the factor goes to the correction warpgroup before the exponentials, so the
                 # O rescale overlaps them (read there only for j > 0)
                 sScale[lane, buf] = acc_scale
@@ -847,7 +839,7 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def row_max_step(self, tSrS: cute.Tensor, tTcS: cute.Tensor, row: Int32, n_block: Int32,
-                     row_max: Float32, scale_log2: Float32, softcap_in_scale: Float32,
+                     row_max: Float32, scale_log2: Float32, tanh_in_scale: Float32,
                      blk: cutlass.Constexpr):
         """Softcap and mask one key block of one row in place; return the new applied scaled
         max and the factor O and the row sum must be rescaled by (1.0 when the conditional
@@ -855,7 +847,7 @@ class FlashAttentionForwardSm100:
         n = cute.size(tSrS)
         if const_expr(self.has_softcap):
             for i in cutlass.range_constexpr(n):
-                tSrS[i] = cute.math.tanh(tSrS[i] * softcap_in_scale, fastmath=True)
+                tSrS[i] = cute.math.tanh(tSrS[i] * tanh_in_scale, fastmath=True)
         # masks: key-length tail always (cheap: one compare per element), causal / window;
         # visible columns [left, right) relative to the block
         left, right = self.band(blk).visible_cols(row, n_block)

@@ -22,15 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jax_fa4.kernels.spec import (FLOAT_DTYPES, KernelConfig, KernelSignature,
-                                  attention_forward_signature, check_dtype_and_mask, lookup_tuning,
+from jax_fa4.kernels.spec import (FLOAT_DTYPES, SMEM_CAPACITY_BYTES, KernelConfig,
+                                  KernelSignature, attention_forward_signature,
+                                  check_dtype_and_mask, lookup_tuning,
                                   paged_attention_forward_signature,
                                   varlen_attention_forward_signature)
 
 
-#: Dynamic shared memory a CTA may use on sm_100: 227 KB (the SM's 228 KB minus the 1 KB the
-#: system reserves per CTA, which the cubin lists as `.nv.shared.reserved` static memory).
-SMEM_LIMIT_BYTES = 227 * 1024
 #: Tensor memory columns per SM (128 lanes × 512 columns × 32 bit).
 TMEM_COLUMNS = 512
 #: SM count of a B200: the persistent grid size. A configuration value, never queried from the
@@ -155,9 +153,9 @@ class FwdConfig(KernelConfig):
                              f"{self.launch_registers()} registers per thread at launch")
         if self.tmem_columns() > TMEM_COLUMNS:
             raise ValueError(f"sm100 forward: {self.tmem_columns()} TMEM columns exceed {TMEM_COLUMNS}")
-        if self.smem_bytes() > SMEM_LIMIT_BYTES:
+        if self.smem_bytes() > SMEM_CAPACITY_BYTES:
             raise ValueError(f"sm100 forward: {self.smem_bytes()} B of shared memory exceeds "
-                             f"{SMEM_LIMIT_BYTES} B ({self.kv_stages} K/V stages)")
+                             f"{SMEM_CAPACITY_BYTES} B ({self.kv_stages} K/V stages)")
 
     # -- derived ---------------------------------------------------------------------------------
     @property

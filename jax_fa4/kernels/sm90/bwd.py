@@ -99,6 +99,7 @@ from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
 from jax_fa4.kernels.common.convert import convert_f32_pairs
 from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, select_modes,
                                             transpose_mn)
+from jax_fa4.kernels.common.scores import score_scales
 from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows_from
 from jax_fa4.kernels.common.views import seq_major
 from jax_fa4.kernels.sm90.bwd_common import (dq_fragment_view, make_smem_layout,
@@ -106,8 +107,8 @@ from jax_fa4.kernels.sm90.bwd_common import (dq_fragment_view, make_smem_layout,
 from jax_fa4.kernels.segments_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, SEG_KEY_M_HI,
                                             SEG_KEY_M_LO, SEG_ROW_END, SEG_ROW_ID, SEG_ROW_START)
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig, sink_smem_floats
+from jax_fa4.kernels.spec import LOG2_E, PARAM_SCALE, PARAM_SINKS
 
-LOG2_E = math.log2(math.e)
 _FLT_MIN_NORMAL = 1.1754943508222875e-38  # 2**-126
 
 
@@ -820,16 +821,10 @@ class FlashAttentionBackwardSm90:
             sdQ_wg = cute.local_tile(sdQ, (self.dq_wg_elems,), (wg_idx,))
             tdQsdQ = dq_fragment_view(sdQ_wg, self.dq_regs, tidx_in_wg)
 
-        scale = mParams[0]
-        if const_expr(self.has_softcap):
-            softcap = mParams[1]
-            tanh_in_scale = scale / softcap
-            scale_log2 = softcap * LOG2_E
-            inv_scale_log2 = Float32(1.0) / scale_log2
-        else:
-            tanh_in_scale = scale
-            scale_log2 = scale * LOG2_E
-            inv_scale_log2 = None
+        scale = mParams[PARAM_SCALE]
+        scales = score_scales(scale, mParams, self.has_softcap, inverse=True)
+        scale_log2, tanh_in_scale = scales.scale_log2, scales.tanh_in_scale
+        inv_scale_log2 = scales.inv_scale_log2
         kv_tail = BwdBlocks.kv_tail(block_info, n_block)  # only the last key block has a tail
         pds_barrier = int(NamedBarrier.PDS)
         # sink_grad: Σ over this thread's (row, key) elements of e^{σ − lse_row}·P·dP, kept in
@@ -839,7 +834,8 @@ class FlashAttentionBackwardSm90:
         if const_expr(self.sink_grad):
             sink_acc = (sink[1], tidx)
             sink[1][tidx] = Float32(0.0)
-            sink[1][self.num_mma_threads + self.num_mma_threads // 32] = mParams[4 + head] * LOG2_E
+            sink[1][self.num_mma_threads + self.num_mma_threads // 32] = (
+                mParams[PARAM_SINKS + head] * LOG2_E)
 
         if const_expr(segs is not None):
             # the key block's ids into shared memory once (mask_p compares against them)

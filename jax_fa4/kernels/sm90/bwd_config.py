@@ -50,9 +50,10 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from jax_fa4.kernels.segments_config import SEG_ROW_COLUMNS, SEG_TILE_COLUMNS
-from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
-                                  TensorArg, attention_backward_signature,
-                                  check_dtype_and_mask, lookup_tuning)
+from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, NUM_PARAMS, SMEM_BUDGET_BYTES,
+                                  KernelConfig, KernelSignature, TensorArg,
+                                  attention_backward_signature, check_dtype_and_mask,
+                                  lookup_tuning)
 
 
 #: Columns of a varlen backward work row (varlen_attention_backward_signature).
@@ -90,7 +91,7 @@ def varlen_attention_backward_signature(dtype: str, head_dim: int, head_dim_v: i
         packed("v", dtype, tk, hkv, dv), packed("dout", dtype, tq, h, dv),
         TensorArg("lse_log2", "float32", (1, h, tq), (1, 1, 1), batched=False),
         TensorArg("delta", "float32", (1, h, tq), (1, 1, 1), batched=False),
-        TensorArg("params", "float32", (4,), (4,), batched=False),
+        TensorArg("params", "float32", (NUM_PARAMS,), (NUM_PARAMS,), batched=False),
         accum,
         TensorArg("cu_seqlens_q", "int32", (b + 1,), (1,), batched=False),
         TensorArg("cu_seqlens_k", "int32", (b + 1,), (1,), batched=False),
@@ -98,10 +99,6 @@ def varlen_attention_backward_signature(dtype: str, head_dim: int, head_dim_v: i
     )
     outputs = (accum, packed("dk", dkv_dtype, tk, hdk, d), packed("dv", dkv_dtype, tk, hdk, dv))
     return KernelSignature(inputs=inputs, outputs=outputs, aliases=((7, 0),))
-
-
-#: Shared memory a CTA may use on sm_90 (227 KB) minus room for mbarriers and alignment.
-SMEM_LIMIT_BYTES = 227 * 1024 - 1024
 
 
 def sink_smem_floats(num_mma_threads: int) -> int:
@@ -305,9 +302,9 @@ class BwdConfig(KernelConfig):
             if m_ext != 64 * wm or n_ext % (16 * wn):
                 raise ValueError(f"sm90 backward: GEMM {name} {m_ext}x{n_ext} does not split over "
                                  f"warpgroups {wm}x{wn}")
-        if self.smem_bytes() > SMEM_LIMIT_BYTES:
+        if self.smem_bytes() > SMEM_BUDGET_BYTES:
             raise ValueError(f"sm90 backward: {self.smem_bytes()} B of shared memory exceeds "
-                             f"{SMEM_LIMIT_BYTES} B ({self.describe()})")
+                             f"{SMEM_BUDGET_BYTES} B ({self.describe()})")
 
     # -- derived ---------------------------------------------------------------------------------
     num_mma_warpgroups: ClassVar[int] = 2
@@ -393,7 +390,7 @@ class BwdPostprocessConfig(KernelConfig):
             return KernelSignature(
                 inputs=(TensorArg("dq_accum", "float32", (1, h, tiles * tm * d), (1, 1, tm * d),
                                   batched=False),
-                        TensorArg("params", "float32", (4,), (4,), batched=False),
+                        TensorArg("params", "float32", (NUM_PARAMS,), (NUM_PARAMS,), batched=False),
                         TensorArg("cu_seqlens_q", "int32", (b + 1,), (1,), batched=False),
                         TensorArg("tile_seq", "int32", (tiles,), (1,), batched=False)),
                 outputs=(TensorArg("dq", self.dtype, (1, tq, h, d), (1, 1, 1, d),
@@ -401,7 +398,7 @@ class BwdPostprocessConfig(KernelConfig):
             )
         return KernelSignature(
             inputs=(TensorArg("dq_accum", "float32", (b, h, sq * d), (1, 1, tm * d)),
-                    TensorArg("params", "float32", (4,), (4,), batched=False)),
+                    TensorArg("params", "float32", (NUM_PARAMS,), (NUM_PARAMS,), batched=False)),
             outputs=(TensorArg("dq", self.dtype, (b, sq, h, d), (1, 1, 1, d)),),
         )
 

@@ -87,13 +87,14 @@ from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, s
                                            transpose_mn)
 from jax_fa4.kernels.common.mask import AttentionMask
 from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows_from
-from jax_fa4.kernels.common.softmax import (LOG2_E, OnlineSoftmax, rescale_rows,
-                                            rescale_rows_if_needed)
+from jax_fa4.kernels.common.scores import score_scales
+from jax_fa4.kernels.common.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from jax_fa4.kernels.common.tile_scheduler import PersistentTileScheduler, SingleTileScheduler
 from jax_fa4.kernels.common.views import seq_major
 from jax_fa4.kernels.segments_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, SEG_N_HI,
                                             SEG_N_LO, SEG_ROW_END, SEG_ROW_ID, SEG_ROW_START)
 from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE, FwdConfig
+from jax_fa4.kernels.spec import LOG2_E, NUM_PARAMS, PARAM_SCALE, PARAM_SINKS
 
 # Persistent scheduling: K+V bytes of the (batch, head) pairs of one L2 section (H200 L2: 60 MB)
 L2_SECTION_KB = 48 * 1024
@@ -416,18 +417,12 @@ class FlashAttentionForwardSm90:
                               q_offset, k_offset)
             else:  # consumer warpgroups
                 cute.arch.setmaxregister_increase(self.mma_regs)
-                scale = mParams[0]
+                scale = mParams[PARAM_SCALE]
                 out_scale = None
                 if const_expr(self.fp8):  # dequantisation: q·k's into the scale, v's into O's
                     scale = scale * mDescale[batch, head_kv, 0]
                     out_scale = mDescale[batch, head_kv, 1]
-                softcap_in_scale = None
-                if const_expr(self.has_softcap):
-                    softcap = mParams[1]
-                    softcap_in_scale = scale / softcap  # tanh(s·scale/softcap), then ·softcap·log2 e
-                    scale_log2 = softcap * LOG2_E
-                else:
-                    scale_log2 = scale * LOG2_E
+                scales = score_scales(scale, mParams, self.has_softcap)
                 mask = AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                      window_left, window_right)
                 wg_idx = (warp_idx - 4) // 4  # consumer warpgroup 0..W-1 (warp-uniform)
@@ -435,7 +430,7 @@ class FlashAttentionForwardSm90:
                     self.pingpong_init(wg_idx)
                 self.mma(mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                          pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
-                         scale_log2, softcap_in_scale, mask, block_info,
+                         scales.scale_log2, scales.tanh_in_scale, mask, block_info,
                          m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
                          self.sink_log2(mParams, head),
                          varlen_out=(mO_gmem, q_offset) if const_expr(self.varlen) else None,
@@ -500,14 +495,7 @@ class FlashAttentionForwardSm90:
                     t += t_stride
         else:  # consumer warpgroups
             cute.arch.setmaxregister_increase(self.mma_regs)
-            scale = mParams[0]
-            softcap_in_scale = None
-            if const_expr(self.has_softcap):
-                softcap = mParams[1]
-                softcap_in_scale = scale / softcap
-                scale_log2 = softcap * LOG2_E
-            else:
-                scale_log2 = scale * LOG2_E
+            scales = score_scales(mParams[PARAM_SCALE], mParams, self.has_softcap)
             wg_idx = (warp_idx - 4) // 4
             if const_expr(self.pingpong):
                 self.pingpong_init(wg_idx)  # once: every tile leaves one arrival pending
@@ -526,7 +514,7 @@ class FlashAttentionForwardSm90:
                 k_state, v_state, q_state = self.mma(
                     mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                     pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
-                    scale_log2, softcap_in_scale, mask, block_info,
+                    scales.scale_log2, scales.tanh_in_scale, mask, block_info,
                     m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
                     self.sink_log2(mParams, head), (k_state, v_state, q_state),
                     max_logits=mMaxLogits)
@@ -707,11 +695,11 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def sink_log2(self, mParams: cute.Tensor, head: Int32) -> Float32:
-        """σ·log2 e of query head ``head``'s learnable sink: params[4 + head] when params carries
-        sinks (length 4 + H), else -inf (no sink)."""
+        """σ·log2 e of query head ``head``'s learnable sink: params[PARAM_SINKS + head] when params
+        carries sinks (length NUM_PARAMS + H), else -inf (no sink)."""
         sink = -Float32.inf
-        if mParams.shape[0] > 4:
-            sink = mParams[4 + head] * LOG2_E
+        if mParams.shape[0] > NUM_PARAMS:
+            sink = mParams[PARAM_SINKS + head] * LOG2_E
         return sink
 
     @cute.jit
@@ -727,7 +715,7 @@ class FlashAttentionForwardSm90:
             sV: cute.Tensor, sO: cute.Tensor, tma_atom_O: cute.CopyAtom,
             tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
             pipeline_q, pipeline_k, pipeline_v, tidx: Int32, warp_idx: Int32,
-            scale_log2: Float32, softcap_in_scale, mask: AttentionMask, block_info: FwdBlocks,
+            scale_log2: Float32, tanh_in_scale, mask: AttentionMask, block_info: FwdBlocks,
             m_block: Int32, head: Int32, batch: Int32, n_block_min: Int32, n_block_max: Int32,
             seqlen_q: Int32, wg_idx: Int32, sink_log2: Float32,
             states: cutlass.Constexpr = None, varlen_out=None, segments=None,
@@ -770,7 +758,7 @@ class FlashAttentionForwardSm90:
         ctx = dict(tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
                    tOrVt=tOrVt, acc_O=acc_O, tOrP=tOrP, acc_S_shape=acc_S_shape, tScS=tScS,
                    t0ScS=t0ScS, softmax=softmax, row_scale=row_scale, mask=mask,
-                   softcap_in_scale=softcap_in_scale, pipeline_k=pipeline_k,
+                   tanh_in_scale=tanh_in_scale, pipeline_k=pipeline_k,
                    pipeline_v=pipeline_v, m_block=m_block, wg_idx=wg_idx, sV=sV, tidx=tidx,
                    segs=segs)
         masked = self.is_causal or self.is_local or self.segments
@@ -953,7 +941,7 @@ class FlashAttentionForwardSm90:
         """S in registers -> softcap transform (if any) -> masks."""
         if const_expr(self.has_softcap):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
-                acc_S[i] = cute.math.tanh(acc_S[i] * ctx["softcap_in_scale"], fastmath=True)
+                acc_S[i] = cute.math.tanh(acc_S[i] * ctx["tanh_in_scale"], fastmath=True)
         if const_expr(mask_seqlen or mask_diag):
             ctx["mask"].apply(acc_S, ctx["tScS"], ctx["t0ScS"], ctx["m_block"], n_block,
                               mask_seqlen, mask_diag and self.is_causal, mask_diag and self.is_local,
