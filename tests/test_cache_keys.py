@@ -46,13 +46,15 @@ EXPECTED_FILES = {
     "bwd_preprocess": _SPEC | {_K + "preprocess.py", _K + "preprocess_config.py"},
     "sm90_fwd": _SPEC | _SEG | _COMMON_FWD | {_K + f"common/{m}.py" for m in (
         "geometry", "mask", "rows", "scores", "softmax", "tile_scheduler")} | {
-        _K + "sm90/flash_fwd.py", _K + "sm90/fwd_config.py"},
+        _K + "sm90/flash_fwd.py", _K + "sm90/common.py", _K + "sm90/fwd_config.py"},
     "sm90_bwd": _SPEC | _SEG | {_K + f"common/{m}.py" for m in (
         "geometry", "convert", "layout", "rows", "scores", "views")} | {
-        _K + "sm90/bwd.py", _K + "sm90/bwd_common.py", _K + "sm90/bwd_config.py"},
+        _K + "sm90/bwd.py", _K + "sm90/bwd_common.py", _K + "sm90/common.py",
+        _K + "sm90/bwd_config.py"},
     "sm90_bwd_postprocess": _SPEC | _SEG | {_K + f"common/{m}.py" for m in (
-        "convert", "geometry", "layout", "rows")} | {
-        _K + "sm90/bwd_postprocess.py", _K + "sm90/bwd_common.py", _K + "sm90/bwd_config.py"},
+        "convert", "geometry", "layout", "rows", "views")} | {
+        _K + "sm90/bwd_postprocess.py", _K + "sm90/bwd_common.py", _K + "sm90/common.py",
+        _K + "sm90/bwd_config.py"},
     "sm100_fwd": _SPEC | _COMMON_FWD | {
         _K + "common/geometry.py", _K + "common/scores.py", _K + "common/softmax.py",
         _K + "sm100/flash_fwd.py",
@@ -116,6 +118,9 @@ def test_keys_do_not_depend_on_where_the_package_lies(tmp_path):
     ("kernels/sm100/tile_order.py", {"sm100_fwd"}),
     ("kernels/sm100/bwd_2cta.py", {"sm100_bwd"}),
     ("kernels/sm90/bwd_common.py", {"sm90_bwd", "sm90_bwd_postprocess"}),
+    ("kernels/sm90/common.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess"}),
+    ("kernels/common/views.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess", "sm100_fwd",
+                                 "sm100_bwd"}),
     ("kernels/common/geometry.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess", "sm100_fwd",
                                     "sm100_bwd"}),
     ("kernels/common/mask.py", {"sm90_fwd"}),

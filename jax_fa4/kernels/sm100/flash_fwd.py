@@ -95,7 +95,7 @@ from jax_fa4.kernels.common.geometry import (FwdBlocks, paged_keys, resolve_wind
 from jax_fa4.kernels.common.layout import select_modes
 from jax_fa4.kernels.common.scores import score_scales
 from jax_fa4.kernels.common.softmax import exact_limit_log2
-from jax_fa4.kernels.common.views import dim_major, seq_major
+from jax_fa4.kernels.common.views import dim_major, seq_major, sequence
 from jax_fa4.kernels.sm100 import tile_order
 from jax_fa4.kernels.sm100.fwd_config import FwdConfig
 from jax_fa4.kernels.spec import LN2, PARAM_SCALE
@@ -514,15 +514,6 @@ class FlashAttentionForwardSm100:
         window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
         return q_offset, k_offset, (seqlen_q, seqlen_k, window_left, window_right)
 
-    def sequence(self, mX: cute.Tensor, head, batch, offset=None, seq_mode: int = 0):
-        """One head of one batch entry of a (S, D, H, B) tensor (``seq_mode`` 0) or a (D, S, H,
-        B) one (1): ``mX[:, :, head, batch]``, or (varlen, packed as one batch entry) the rows
-        from ``offset`` on."""
-        if const_expr(offset is None):
-            return mX[None, None, head, batch]
-        coord = (offset, 0) if seq_mode == 0 else (0, offset)
-        return cute.domain_offset(coord, mX[None, None, head, 0])
-
     def band(self, blk: cutlass.Constexpr) -> FwdBlocks:
         """The tile geometry of ``blk``: work tiles of ``cta_rows`` query rows (all ``q_tiles``
         Q tiles visit the same key blocks; rows mask the rest)."""
@@ -570,14 +561,14 @@ class FlashAttentionForwardSm100:
             m_block, head, batch, q_offset, k_offset, _, n_min, n_max = self.tile_blocks(
                 idx, sched, blk, paged, varlen)
             head_kv = head // qhead_per_kvhead
-            gQ = cute.local_tile(self.sequence(mQ, head, batch, q_offset), (self.tile_m, D),
+            gQ = cute.local_tile(sequence(mQ, head, batch, q_offset), (self.tile_m, D),
                                  (None, 0))
             # paged: K and V are the cache as one batch entry of tile_n-key tiles; key block n of
             # this batch entry is tile page_table[batch, n] (kv_tile); varlen: from k_offset on
             kv_batch = 0 if const_expr(self.paged) else batch
-            gK = cute.local_tile(self.sequence(mK, head_kv, kv_batch, k_offset),
+            gK = cute.local_tile(sequence(mK, head_kv, kv_batch, k_offset),
                                  (self.tile_n, D), (None, 0))
-            gV = cute.local_tile(self.sequence(mV, head_kv, kv_batch, k_offset, seq_mode=1),
+            gV = cute.local_tile(sequence(mV, head_kv, kv_batch, k_offset, seq_mode=1),
                                  (Dv, self.tile_n), (0, None))
             tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 3),
                                                cute.group_modes(qk_thr.partition_A(gQ), 0, 3))
@@ -980,7 +971,7 @@ class FlashAttentionForwardSm100:
                 row = (m_block * self.q_tiles + t) * self.tile_m + lane_row
                 if const_expr(self.varlen):
                     # this thread's row of the sequence's output tile (no shared-memory staging)
-                    mO_seq = self.sequence(varlen[4], head, 0, q_offset)
+                    mO_seq = sequence(varlen[4], head, 0, q_offset)
                     tTgO = self.thread_rows(cute.local_tile(
                         mO_seq, (self.tile_m, self.hdimv), (m_block * self.q_tiles + t, 0)),
                         pv_thr, thr_ld_o)

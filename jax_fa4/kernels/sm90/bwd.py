@@ -101,9 +101,9 @@ from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, s
                                             transpose_mn)
 from jax_fa4.kernels.common.scores import score_scales
 from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows_from
-from jax_fa4.kernels.common.views import seq_major
-from jax_fa4.kernels.sm90.bwd_common import (dq_fragment_view, make_smem_layout,
-                                             make_tiled_mma_dq, sequence)
+from jax_fa4.kernels.common.views import seq_major, sequence
+from jax_fa4.kernels.sm90.bwd_common import dq_fragment_view, make_tiled_mma_dq
+from jax_fa4.kernels.sm90.common import make_smem_layout, wgmma
 from jax_fa4.kernels.segments_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, SEG_KEY_M_HI,
                                             SEG_KEY_M_LO, SEG_ROW_END, SEG_ROW_ID, SEG_ROW_START)
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig, sink_smem_floats
@@ -189,19 +189,6 @@ def st_release_gpu_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) ->
         "st.release.gpu.global.s32 [$0], $1;", "l,r",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip)
-
-
-@cute.jit
-def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-          zero_init: cutlass.Constexpr[bool]):
-    """Issue acc (+)= A·B over all K blocks as one WGMMA group (no wait)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
 
 
 # ------------------------------------------------------------------------------------------------

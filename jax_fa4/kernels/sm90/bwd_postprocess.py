@@ -31,8 +31,9 @@ from jax_fa4.kernels.common.convert import convert_f32_pairs
 from jax_fa4.kernels.common.geometry import packed_span
 from jax_fa4.kernels.common.layout import select_modes
 from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows
-from jax_fa4.kernels.sm90.bwd_common import (dq_fragment_view, make_smem_layout,
-                                             make_tiled_mma_dq, sequence)
+from jax_fa4.kernels.common.views import sequence
+from jax_fa4.kernels.sm90.bwd_common import dq_fragment_view, make_tiled_mma_dq
+from jax_fa4.kernels.sm90.common import make_smem_layout
 from jax_fa4.kernels.sm90.bwd_config import BwdPostprocessConfig
 from jax_fa4.kernels.spec import PARAM_SCALE
 

@@ -78,7 +78,6 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
 
 from jax_fa4.kernels.common.convert import convert_f32_pairs, convert_p_e4m3
 from jax_fa4.kernels.common.geometry import (FwdBlocks, paged_keys, resolve_windows,
@@ -90,9 +89,10 @@ from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows
 from jax_fa4.kernels.common.scores import score_scales
 from jax_fa4.kernels.common.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from jax_fa4.kernels.common.tile_scheduler import PersistentTileScheduler, SingleTileScheduler
-from jax_fa4.kernels.common.views import seq_major
+from jax_fa4.kernels.common.views import seq_major, sequence
 from jax_fa4.kernels.segments_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, SEG_N_HI,
                                             SEG_N_LO, SEG_ROW_END, SEG_ROW_ID, SEG_ROW_START)
+from jax_fa4.kernels.sm90.common import make_smem_layout, wgmma
 from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE, FwdConfig
 from jax_fa4.kernels.spec import LOG2_E, NUM_PARAMS, PARAM_SCALE, PARAM_SINKS
 
@@ -108,28 +108,6 @@ class NamedBarrier(enum.IntEnum):
     # varlen / paged: consumer warpgroup w's zeroed V rows are written before its P·V GEMM
     # (5, 6, 7), 128 threads
     ZERO_TAIL_WG0 = 5
-
-
-@cute.jit
-def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-          zero_init: cutlass.Constexpr[bool]):
-    """Issue acc (+)= A·B over all K blocks as one WGMMA group (no wait)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-
-
-def make_smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
-    """Row-major (cols contiguous) swizzled layout usable by TMA and as a WGMMA operand."""
-    atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
 class FlashAttentionForwardSm90:
@@ -234,9 +212,9 @@ class FlashAttentionForwardSm90:
             Float32, (self.num_mma_wg, 1, 1), (64, Dv), a_source=warpgroup.OperandSource.RMEM)
 
         sQ_layout = make_smem_layout(self.dtype, self.tile_m, D)
-        sK_layout = make_smem_layout(self.dtype, self.tile_n, D, self.stages)
+        sK_layout = make_smem_layout(self.dtype, self.tile_n, D, stages=self.stages)
         v_tile = (Dv, self.tile_n) if const_expr(self.fp8) else (self.tile_n, Dv)
-        sV_layout = make_smem_layout(self.dtype, *v_tile, self.stages)
+        sV_layout = make_smem_layout(self.dtype, *v_tile, stages=self.stages)
         sO_layout = make_smem_layout(self.out_dtype, self.tile_m, Dv)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -306,7 +284,7 @@ class FlashAttentionForwardSm90:
         if const_expr(self.fp8):
             return cute.local_tile(mV[None, None, head_kv, batch], (self.hdimv, self.tile_n),
                                    (0, None))
-        return cute.local_tile(self.sequence(mV, head_kv, batch, k_offset),
+        return cute.local_tile(sequence(mV, head_kv, batch, k_offset),
                                (self.tile_n, self.hdimv), (None, 0))
 
     def qo_view(self, t: cute.Tensor, d: int) -> cute.Tensor:
@@ -609,12 +587,12 @@ class FlashAttentionForwardSm90:
              pipeline_q, pipeline_k, pipeline_v, mPageTable: cute.Tensor | None,
              m_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
              n_block_min: Int32, n_block_max: Int32, q_offset=None, k_offset=None):
-        gQ = cute.local_tile(self.sequence(mQ, head, batch, q_offset), (self.tile_m, self.hdim),
+        gQ = cute.local_tile(sequence(mQ, head, batch, q_offset), (self.tile_m, self.hdim),
                              (m_block, 0))
         # paged: K and V are the whole cache as one batch entry, (1, pages·page_size, Hkv, ·), and
         # key block n of this batch entry is the cache's tile page_table[batch, n] (kv_tile)
         kv_batch = 0 if const_expr(self.paged) else batch
-        gK = cute.local_tile(self.sequence(mK, head_kv, kv_batch, k_offset),
+        gK = cute.local_tile(sequence(mK, head_kv, kv_batch, k_offset),
                              (self.tile_n, self.hdim), (None, 0))
         gV = self.v_blocks(mV, head_kv, kv_batch, k_offset)
         one = cute.make_layout(1)
@@ -685,13 +663,6 @@ class FlashAttentionForwardSm90:
                     v_tile = self.kv_tile(mPageTable, batch, n_block_min)
                     cute.copy(tma_atom_V, tVgV[None, v_tile], tVsV[None, v_state.index],
                               tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
-
-    def sequence(self, mX: cute.Tensor, head, batch, offset=None) -> cute.Tensor:
-        """The (rows, dim) view of one head of one sequence of a (S, D, H, B) tensor: batch entry
-        ``batch``, or (varlen, packed as one batch entry) the rows from ``offset`` on."""
-        if const_expr(offset is None):
-            return mX[None, None, head, batch]
-        return cute.domain_offset((offset, 0), mX[None, None, head, 0])
 
     @cute.jit
     def sink_log2(self, mParams: cute.Tensor, head: Int32) -> Float32:
@@ -841,7 +812,7 @@ class FlashAttentionForwardSm90:
         if const_expr(self.out_f32):
             # float32 out straight from the accumulators, rows below seqlen_q (each thread's
             # column pairs are 8 contiguous bytes; the tile is small: decode shapes)
-            gO = cute.local_tile(self.sequence(mO, head, batch), (self.tile_m, self.hdimv),
+            gO = cute.local_tile(sequence(mO, head, batch), (self.tile_m, self.hdimv),
                                  (m_block, 0))
             tOgO = thr_mma_pv.partition_C(gO)
             for i in cutlass.range_constexpr(cute.size(acc_O)):
@@ -873,7 +844,7 @@ class FlashAttentionForwardSm90:
                 else:
                     cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
                                       number_of_threads=self.num_mma_threads)
-                    gO = cute.local_tile(self.sequence(mO_gmem, head, 0, q_offset),
+                    gO = cute.local_tile(sequence(mO_gmem, head, 0, q_offset),
                                          (self.tile_m, self.hdimv), (m_block, 0))
                     store_rows(sO, gO, rows, self.num_mma_threads, tidx)
             else:
@@ -911,7 +882,7 @@ class FlashAttentionForwardSm90:
         if warp_idx == 0:
             cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
                               number_of_threads=self.num_mma_threads)
-            gO = cute.local_tile(self.sequence(mO, head, batch, q_offset),
+            gO = cute.local_tile(sequence(mO, head, batch, q_offset),
                                  (self.tile_m, self.hdimv), (m_block, 0))
             tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
                                                cute.group_modes(sO, 0, 2),
