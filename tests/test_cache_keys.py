@@ -127,6 +127,9 @@ def test_keys_do_not_depend_on_where_the_package_lies(tmp_path):
     ("kernels/common/scores.py", {"sm90_fwd", "sm90_bwd", "sm100_fwd", "sm100_bwd"}),
     ("kernels/sm90/fwd_config.py", {"sm90_fwd"}),
     ("kernels/sm90/fwd_tuning.py", set()),  # a tuning table: only the configs it changes
+    ("kernels/sm90/bwd_tuning.py", set()),
+    ("kernels/sm100/fwd_tuning.py", set()),
+    ("kernels/sm100/bwd_tuning.py", set()),
     ("kernels/segments_config.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess"}),
     ("kernels/common/softmax.py", {"sm90_fwd", "sm100_fwd"}),
     ("kernels/common/exp2.py", {"sm90_fwd", "sm100_fwd", "exp2_probe"}),

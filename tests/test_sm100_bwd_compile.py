@@ -31,9 +31,10 @@ from pathlib import Path
 import pytest
 
 from jax_fa4.kernels.common.geometry import BwdBlocks
-from jax_fa4.kernels.sm100.bwd_config import (MASK_KINDS, TMEM_COLUMNS, TUNING_TABLE,
-                                              Sm100BwdConfig, shipped_configs, test_configs)
-from jax_fa4.kernels.spec import SMEM_BUDGET_BYTES
+from jax_fa4.kernels.sm100.bwd_config import (TMEM_COLUMNS, Sm100BwdConfig, shipped_configs,
+                                              test_configs)
+from jax_fa4.kernels.sm100.bwd_tuning import TUNING_TABLE
+from jax_fa4.kernels.spec import MASK_KINDS, SMEM_BUDGET_BYTES
 
 REPO = Path(__file__).resolve().parents[1]
 from compiled import compiled_report, needs_disassembler, tiered

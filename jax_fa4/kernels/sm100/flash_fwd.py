@@ -1,6 +1,6 @@
 """FlashAttention forward for Blackwell (sm_100a), written in CuTe-DSL: v2 of the FA4 design.
 
-Features: bf16/fp16, head dims from fwd_config.TUNING_TABLE (64, 96, 128, 192/128, 256), dynamic
+Features: bf16/fp16, head dims from fwd_tuning.TUNING_TABLE (64, 96, 128, 192/128, 256), dynamic
 batch / sequence lengths / head counts (one compile serves all), GQA/MQA (q head h reads kv head
 h // (H // Hkv)), key-length tail mask, bottom-right aligned causal and sliding-window masks with
 key-block skipping, softcap, lse output; software exp2 on the FMA pipe for a compile-time share

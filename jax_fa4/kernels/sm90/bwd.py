@@ -3,7 +3,7 @@
 Computes dK, dV and a float32 partial dQ (see bwd_config.py for the call contract and the
 dq_accum layout; bwd_postprocess.py turns dq_accum into dq).
 
-Features: bf16/fp16, head dims from bwd_config.TUNING_TABLE, dynamic batch / sequence lengths /
+Features: bf16/fp16, head dims from bwd_tuning.TUNING_TABLE, dynamic batch / sequence lengths /
 head counts (one compile serves all), GQA/MQA (query head h reads kv head h // (H / Hkv); GQA
 configs write float32 dK/dV per query head), key-length tail, bottom-right aligned causal and
 sliding-window masks with query-block skipping (a block is masked only when it cuts a boundary),
