@@ -1,4 +1,4 @@
-"""Compiled kernels in tests: the test tiers, the session's kernel cache, SASS reports.
+"""Compiled kernels in tests: the test tiers, the test run's kernel cache, SASS reports.
 
 Two tiers (docs/development.md):
 
@@ -15,7 +15,7 @@ quick tier runs one case per kind, ``--exhaustive`` all of them.
 
 Objects come from one kernel cache per checkout (``.pytest_cache/d/jax-fa4-kernels``, keyed by
 config, arch, kernel sources and DSL version like any jax-fa4 cache), so a variant is compiled
-once, not once per test or per run; the session fixture ``shipped_cache`` fills it in parallel.
+once, not once per test or per run; the run-wide fixture ``shipped_cache`` fills it in parallel.
 Disassembly is :mod:`jax_fa4.tools.sass` (NVIDIA's cuobjdump / nvdisasm wheels, the test extra).
 """
 
@@ -39,7 +39,7 @@ EXHAUSTIVE = False
 #: Every :func:`tiered` list (as variants), in the order the test modules registered them.
 _LISTS: list[tuple[Variant, ...]] = []
 #: The variants the selected tests take as parameters (tests/conftest.py fills it once
-#: collection is done, so the session fixture compiles them all in parallel up front).
+#: collection is done, so the run-wide fixture compiles them all in parallel up front).
 REQUESTED: list[Variant] = []
 
 
@@ -127,7 +127,7 @@ def per_class(params: Sequence[T], key: Callable[[T], Hashable]) -> list[T]:
 
 
 def shipped_object(cache, config, arch: str) -> tuple[bytes, float]:
-    """(object, compile seconds) of ``config`` for ``arch`` from ``cache`` (the session's),
+    """(object, compile seconds) of ``config`` for ``arch`` from ``cache`` (the test run's),
     compiled and stored there first when missing."""
     from jax_fa4.ffi.compiler import compile_config, dsl_version
 
@@ -147,7 +147,7 @@ def compiled_object(cache, config, arch: str) -> bytes:
     return shipped_object(cache, config, arch)[0]
 
 
-#: Where disassembled listings persist (set by the session fixture: beside its kernel cache),
+#: Where disassembled listings persist (set by the run-wide fixture: beside its kernel cache),
 #: so xdist workers and later runs read an object's SASS instead of disassembling it again.
 SASS_DIR: Path | None = None
 _DISASSEMBLED: dict[str, tuple[sass.Kernel, ...]] = {}  # object sha256 -> its kernels
@@ -170,7 +170,7 @@ def kernel_sass(obj: bytes, name_contains: str | None = None) -> sass.Kernel:
 
 
 def compiled_sass(cache, config, arch: str) -> sass.Kernel:
-    """:func:`kernel_sass` of ``config``'s object from the session cache."""
+    """:func:`kernel_sass` of ``config``'s object from the test run's cache."""
     return kernel_sass(compiled_object(cache, config, arch))
 
 

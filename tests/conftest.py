@@ -1,4 +1,4 @@
-"""Shared test setup: the test tiers, the session's kernel cache, the ``gpu`` marker.
+"""Shared test setup: the test tiers, the test run's kernel cache, the ``gpu`` marker.
 
 * ``--exhaustive``: every shipped kernel variant compiled and SASS-checked (tests/compiled.py);
   without it, the quick tier's representative variants.

@@ -45,19 +45,22 @@ _COMMON_FWD = {_K + f"common/{m}.py" for m in ("convert", "exp2", "layout", "vie
 EXPECTED_FILES = {
     "bwd_preprocess": _SPEC | {_K + "preprocess.py", _K + "preprocess_config.py"},
     "sm90_fwd": _SPEC | _SEG | _COMMON_FWD | {_K + f"common/{m}.py" for m in (
-        "geometry", "mask", "rows", "softmax", "tile_scheduler")} | {
-        _K + "sm90/flash_fwd.py", _K + "sm90/fwd_config.py"},
+        "geometry", "mask", "rows", "scores", "softmax", "tile_scheduler")} | {
+        _K + "sm90/flash_fwd.py", _K + "sm90/common.py", _K + "sm90/fwd_config.py"},
     "sm90_bwd": _SPEC | _SEG | {_K + f"common/{m}.py" for m in (
-        "geometry", "convert", "layout", "rows", "views")} | {
-        _K + "sm90/bwd.py", _K + "sm90/bwd_common.py", _K + "sm90/bwd_config.py"},
+        "geometry", "convert", "layout", "rows", "scores", "views")} | {
+        _K + "sm90/bwd.py", _K + "sm90/bwd_common.py", _K + "sm90/common.py",
+        _K + "sm90/bwd_config.py"},
     "sm90_bwd_postprocess": _SPEC | _SEG | {_K + f"common/{m}.py" for m in (
-        "convert", "geometry", "layout", "rows")} | {
-        _K + "sm90/bwd_postprocess.py", _K + "sm90/bwd_common.py", _K + "sm90/bwd_config.py"},
+        "convert", "geometry", "layout", "rows", "views")} | {
+        _K + "sm90/bwd_postprocess.py", _K + "sm90/bwd_common.py", _K + "sm90/common.py",
+        _K + "sm90/bwd_config.py"},
     "sm100_fwd": _SPEC | _COMMON_FWD | {
-        _K + "common/geometry.py", _K + "common/softmax.py", _K + "sm100/flash_fwd.py",
+        _K + "common/geometry.py", _K + "common/scores.py", _K + "common/softmax.py",
+        _K + "sm100/flash_fwd.py",
         _K + "sm100/fwd_config.py", _K + "sm100/tile_order.py"},
     "sm100_bwd": _SPEC | {_K + f"common/{m}.py" for m in (
-        "geometry", "convert", "layout", "views")} | {_K + f"sm100/{m}.py" for m in (
+        "geometry", "convert", "layout", "scores", "views")} | {_K + f"sm100/{m}.py" for m in (
         "bwd", "bwd_2cta", "bwd_config", "bwd_launcher")},
     "exp2_probe": _SPEC | {_K + "common/exp2.py", _K + "exp2_probe.py",
                            _K + "exp2_probe_config.py"},
@@ -115,11 +118,18 @@ def test_keys_do_not_depend_on_where_the_package_lies(tmp_path):
     ("kernels/sm100/tile_order.py", {"sm100_fwd"}),
     ("kernels/sm100/bwd_2cta.py", {"sm100_bwd"}),
     ("kernels/sm90/bwd_common.py", {"sm90_bwd", "sm90_bwd_postprocess"}),
+    ("kernels/sm90/common.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess"}),
+    ("kernels/common/views.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess", "sm100_fwd",
+                                 "sm100_bwd"}),
     ("kernels/common/geometry.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess", "sm100_fwd",
                                     "sm100_bwd"}),
     ("kernels/common/mask.py", {"sm90_fwd"}),
+    ("kernels/common/scores.py", {"sm90_fwd", "sm90_bwd", "sm100_fwd", "sm100_bwd"}),
     ("kernels/sm90/fwd_config.py", {"sm90_fwd"}),
     ("kernels/sm90/fwd_tuning.py", set()),  # a tuning table: only the configs it changes
+    ("kernels/sm90/bwd_tuning.py", set()),
+    ("kernels/sm100/fwd_tuning.py", set()),
+    ("kernels/sm100/bwd_tuning.py", set()),
     ("kernels/segments_config.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess"}),
     ("kernels/common/softmax.py", {"sm90_fwd", "sm100_fwd"}),
     ("kernels/common/exp2.py", {"sm90_fwd", "sm100_fwd", "exp2_probe"}),

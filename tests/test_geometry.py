@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from jax_fa4.kernels.common.geometry import (FwdBlocks, packed_span, paged_keys,
+from jax_fa4.kernels.common.geometry import (BwdBlocks, FwdBlocks, packed_span, paged_keys,
                                              resolve_windows, varlen_sequence)
 
 
@@ -44,3 +44,38 @@ def test_a_varlen_tile_past_its_sequence_visits_no_key_block():
             assert hi <= lo, (kind, m)
         else:
             assert (lo, hi) == blocks.n_block_range(m) and hi > lo, (kind, m)
+
+
+@pytest.mark.parametrize("window", [(None, None), (None, 0), (None, 5), (70, 3), (0, 0),
+                                    (300, None), (1000, 1000)], ids=str)
+def test_the_sm90_work_order_counts_the_kernels_query_block_range(window):
+    """backends/sm90.visited_query_blocks (the varlen backward's work order, elementwise on
+    int32 arrays under jit) gives, per key block, the length of the range the backward kernel
+    computes on its resolved params (BwdBlocks.m_block_range on Python ints)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_fa4.backends import sm90
+    from jax_fa4.backends.base import mask_kind
+    from jax_fa4.kernels.spec import NUM_PARAMS, PARAM_WINDOW_LEFT, PARAM_WINDOW_RIGHT
+
+    tm, tn = 64, 128
+    lens = [(sq, sk) for sq in (1, 63, 64, 200, 513) for sk in (1, 127, 128, 300, 700)]
+    rows = [(sq, sk, n) for sq, sk in lens for n in range(-(-sk // tn))]
+    len_q, len_k, n_block = (jnp.asarray(c, jnp.int32) for c in zip(*rows))
+    got = jax.jit(sm90.visited_query_blocks, static_argnums=(3, 4, 5))(
+        len_q, len_k, n_block, tm, tn, window)
+    kind = mask_kind(window)
+    params = [0.0] * NUM_PARAMS
+    params[PARAM_WINDOW_LEFT] = -1 if window[0] is None else window[0]
+    params[PARAM_WINDOW_RIGHT] = -1 if window[1] is None else window[1]
+    want = []
+    for sq, sk, n in rows:
+        wl, wr = resolve_windows(params, sq, sk, kind == "local")
+        lo, hi = BwdBlocks(tm, tn, kind == "causal", kind == "local", sq, sk, wl,
+                           wr).m_block_range(n)
+        want.append(max(hi - lo, 0))
+    assert np.asarray(got).tolist() == want
+    if window in ((None, 0), (70, 3), (0, 0)):  # the band skips query blocks somewhere
+        assert any(w < -(-sq // tm) for w, (sq, _, _) in zip(want, rows))

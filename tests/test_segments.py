@@ -387,7 +387,7 @@ def test_sort_free_tables_for_packed_rows_padding_and_other_ids(tile_m, tile_n):
 
 def test_self_attention_tables_have_no_sort():
     """The forward and backward tables of Sq == Sk calls hold no sort (XLA's sorts cost about
-    0.15 ms per call on the GPU: perf-log)."""
+    0.15 ms per call on the GPU)."""
     import re
 
     def primitives(jaxpr) -> set[str]:

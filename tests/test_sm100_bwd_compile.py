@@ -31,9 +31,10 @@ from pathlib import Path
 import pytest
 
 from jax_fa4.kernels.common.geometry import BwdBlocks
-from jax_fa4.kernels.sm100.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TMEM_COLUMNS,
-                                              TUNING_TABLE, Sm100BwdConfig, shipped_configs,
+from jax_fa4.kernels.sm100.bwd_config import (TMEM_COLUMNS, Sm100BwdConfig, shipped_configs,
                                               test_configs)
+from jax_fa4.kernels.sm100.bwd_tuning import TUNING_TABLE
+from jax_fa4.kernels.spec import MASK_KINDS, SMEM_BUDGET_BYTES
 
 REPO = Path(__file__).resolve().parents[1]
 from compiled import compiled_report, needs_disassembler, tiered
@@ -153,7 +154,7 @@ def test_every_shipped_variant_fits():
     assert len(shipped) == 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 2 * 2 * 2
     assert len(set(shipped)) == len(shipped)
     for c in shipped:
-        assert c.smem_bytes() <= SMEM_LIMIT_BYTES, c.describe()
+        assert c.smem_bytes() <= SMEM_BUDGET_BYTES, c.describe()
         assert c.tmem_columns() <= TMEM_COLUMNS, c.describe()
         assert c.tmem_alloc_columns() in (32, 64, 128, 256, 512)
         off = c.tmem_offsets()

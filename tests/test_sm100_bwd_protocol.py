@@ -15,7 +15,7 @@ PipelineState, PipelineTmaUmma, imported, not copied) extended by ``BwdSim``:
     issue order per CTA; a tcgen05.commit arrives once the CTA's MMAs issued before it are done),
     its own mbarriers, shared memory and TMEM; CTAs launch in linear-id order (key block fastest,
     then head) into a random number of SM slots, a slot frees when all of the CTA's warps exit
-    (the launch-order assumption of docs/perf-log-sm100.md, "Backward (sm_100a) v1");
+    (the launch-order assumption of docs/kernels/sm100.md);
   * arrive.expect_tx of several TMA copies (K and V share one kv stage: transaction count 2);
   * PipelineAsync (cutlass/pipeline/sm90.py): full = 32 producer-thread arrivals (the load warp's
     producer_commit), empty = 256 consumer-thread arrivals (every compute thread's

@@ -18,8 +18,8 @@ read with jax_fa4.tools.sass:
   * no local memory (LDL/STL), no stack, shared memory within 227 KB; warp specialisation:
     launched at 65536 / threads registers, ``USETMAXREG`` to exactly the config's split.
 
-Registers, shared memory and compile time per variant are printed (pytest -s) and recorded in
-docs/perf-log-sm100.md. ``test_tmem_fragment_maps`` checks the TMEM register maps at trace time;
+Registers, shared memory and compile time per variant are printed (pytest -s).
+``test_tmem_fragment_maps`` checks the TMEM register maps at trace time;
 tests/test_sm100_fwd_protocol.py model-checks the synchronisation.
 """
 
@@ -31,7 +31,8 @@ import pytest
 
 from compiled import compiled_report, needs_disassembler, tiered
 from jax_fa4.ffi.compiler import compiler_available
-from jax_fa4.kernels.sm100.fwd_config import SMEM_LIMIT_BYTES, FwdConfig, shipped_configs, test_configs
+from jax_fa4.kernels.sm100.fwd_config import FwdConfig, shipped_configs, test_configs
+from jax_fa4.kernels.spec import SMEM_CAPACITY_BYTES
 
 ARCH = "sm_100a"
 
@@ -50,7 +51,7 @@ def test_configs_are_shipped_and_valid():
     for cfg in test_configs():
         assert cfg in shipped
         cfg.validate()
-        assert cfg.smem_bytes() <= SMEM_LIMIT_BYTES
+        assert cfg.smem_bytes() <= SMEM_CAPACITY_BYTES
     # each dense variant also paged and varlen
     assert len(shipped) == 180 and sum(c.paged for c in shipped) == 60
     assert sum(c.varlen for c in shipped) == 60 and not any(c.paged and c.varlen for c in shipped)
@@ -120,7 +121,7 @@ def test_compiles_with_clean_sass(config, shipped_cache):
                                                  sass)) == sorted([correction, other])
     # the reserved 1 KB is the system's (.nv.shared.reserved); the kernel checks while tracing
     # that its shared storage is exactly config.smem_bytes(), which validate() bounds
-    assert k.shared_static <= 1024 and config.smem_bytes() <= SMEM_LIMIT_BYTES
+    assert k.shared_static <= 1024 and config.smem_bytes() <= SMEM_CAPACITY_BYTES
 
 
 @needs_disassembler

@@ -26,11 +26,12 @@ from pathlib import Path
 import pytest
 
 from compiled import assert_no_local_memory, compiled_report, needs_disassembler, tiered
-from jax_fa4.kernels.sm90.bwd_config import (MASK_KINDS, SMEM_LIMIT_BYTES, TUNING_TABLE,
-                                             BwdConfig, BwdPostprocessConfig, shipped_configs,
+from jax_fa4.kernels.sm90.bwd_config import (MASK_KINDS, TUNING_TABLE, BwdConfig,
+                                             BwdPostprocessConfig, shipped_configs,
                                              varlen_config)
 from jax_fa4.kernels.sm90.bwd_config import (swap_sdp_config, with_stats_smem, with_swap_sdp,
                                              without_swap_sdp)
+from jax_fa4.kernels.spec import SMEM_BUDGET_BYTES
 from jax_fa4.tools.variants import SM90_BWD_GPU_SWAP, sm90_bwd_gpu_configs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -236,7 +237,7 @@ def test_stats_smem_validation():
     assert staged.stats_smem and not base.stats_smem
     # two float32 rows of tile_m per Q stage, inside the budget at the tightest head dim
     assert staged.smem_bytes() == base.smem_bytes() + 2 * base.stages * base.tile_m * 4
-    assert staged.smem_bytes() <= SMEM_LIMIT_BYTES
+    assert staged.smem_bytes() <= SMEM_BUDGET_BYTES
     assert staged.key_dict() != base.key_dict()
 
 
@@ -339,7 +340,7 @@ def test_every_shipped_variant_fits_shared_memory():
     plain = {replace(c, swap_sdp=False, stats_smem=False, dq_red=False, reverse_launch=False)
              for c in mains if not c.varlen and not c.deterministic}
     assert all(replace(c, varlen=False) in plain for c in varlen)
-    assert all(c.smem_bytes() <= SMEM_LIMIT_BYTES for c in mains)
+    assert all(c.smem_bytes() <= SMEM_BUDGET_BYTES for c in mains)
     posts = [c for c in shipped_configs() if isinstance(c, BwdPostprocessConfig)]
     assert all(c.postprocess_config() in posts for c in mains)
     tv = sm90_bwd_gpu_configs()

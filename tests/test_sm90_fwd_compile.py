@@ -3,8 +3,8 @@
 Variants are compiled with dynamic B/S/H (symbolic dims) and their cubins inspected
 (jax_fa4.tools.sass): HGMMA (warpgroup MMA), UTMALDG/UTMASTG (TMA), setmaxnreg in both directions,
 MUFU.EX2, no local memory (LDL/STL, stack). Registers, shared memory and compile time are
-printed per variant (run with -s to see them; docs/perf-log.md records them). The quick tier
-runs the representative configs of each list (tests/compiled.py), ``--exhaustive`` all of them;
+printed per variant (run with -s to see them). The quick tier runs one config per arch × kind ×
+mode of each list (tests/compiled.py), ``--exhaustive`` all of them;
 every shipped variant's SASS: tests/test_shipped_kernels.py.
 
 Plus CPU-only checks of the pieces whose mistakes would be silent on the GPU:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import warnings
 from typing import Any, Hashable, NamedTuple
 
@@ -45,6 +44,7 @@ from jax import lax
 
 from jax_fa4 import reference
 from jax_fa4.kernels.preprocess_config import LSE_LOG2_MARGIN, LSE_LOG2_MARGIN_FROM
+from jax_fa4.kernels.spec import LOG2_E
 
 #: The name of the reference backend (what every fallback runs).
 REFERENCE = "reference"
@@ -360,7 +360,7 @@ class Backend:
         """``delta = rowsum(dout * out)`` (B, H, Sq) float32 and ``lse * log2(e)`` (+inf for
         -inf rows, the margin on huge rows: the preprocess kernel's rule,
         jax_fa4/kernels/preprocess_config.py)."""
-        lse_log2 = lse.astype(jnp.float32) * jnp.float32(math.log2(math.e))
+        lse_log2 = lse.astype(jnp.float32) * jnp.float32(LOG2_E)
         huge = jnp.abs(lse_log2) >= LSE_LOG2_MARGIN_FROM
         lse_log2 = jnp.where(huge, lse_log2 + jnp.abs(lse_log2) * jnp.float32(LSE_LOG2_MARGIN),
                              lse_log2)

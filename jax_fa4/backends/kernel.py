@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax_fa4.backends import decode
 from jax_fa4.backends.base import Backend, join_sink, join_sink_outs, mask_kind, token_layout
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
+from jax_fa4.kernels.spec import (NUM_PARAMS, PARAM_SCALE, PARAM_SOFTCAP, PARAM_WINDOW_LEFT,
+                                  PARAM_WINDOW_RIGHT)
 
 #: The input dtypes of the attention kernels.
 KERNEL_DTYPES = ("bfloat16", "float16")
@@ -37,9 +39,10 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 
 def kernel_params(opts, head_dim: int | None = None, sink: jax.Array | None = None
                   ) -> jax.Array:
-    """Run-time scalars of the attention kernels: [scale, softcap, window_left, window_right],
-    followed by the learnable sink of each query head when ``sink`` (H,) is given (forward
-    kernels of ``kernel_sinks`` families).
+    """Run-time scalars of the attention kernels at the slots of ``jax_fa4.kernels.spec``
+    (``PARAM_SCALE``, ``PARAM_SOFTCAP``, ``PARAM_WINDOW_LEFT``, ``PARAM_WINDOW_RIGHT``), followed
+    at ``PARAM_SINKS`` by the learnable sink of each query head when ``sink`` (H,) is given
+    (kernels of ``kernel_sinks`` families).
 
     ``opts`` needs ``.softmax_scale`` (None: ``1/sqrt(head_dim)``), ``.softcap`` (0 or None: off)
     and ``.window`` ((left, right), None = unbounded).
@@ -48,8 +51,11 @@ def kernel_params(opts, head_dim: int | None = None, sink: jax.Array | None = No
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     left, right = opts.window
-    values = (scale, opts.softcap or 0.0, -1 if left is None else left,
-              -1 if right is None else right)
+    values = [0.0] * NUM_PARAMS
+    values[PARAM_SCALE] = scale
+    values[PARAM_SOFTCAP] = opts.softcap or 0.0
+    values[PARAM_WINDOW_LEFT] = -1 if left is None else left
+    values[PARAM_WINDOW_RIGHT] = -1 if right is None else right
     # Scalars stay literals in the jaxpr (no captured constant array: custom_partitioning
     # bodies must not close over constants).
     params = jnp.stack([jnp.float32(x) for x in values])

@@ -28,6 +28,7 @@ from __future__ import annotations
 from jax_fa4.backends.kernel import KernelBackend, backward_kind, kernel_params
 from jax_fa4.kernels.sm100 import fwd_config
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
+from jax_fa4.kernels.spec import PARAM_SCALE
 
 ARCH = "sm_100a"
 #: ``JAX_FA4_ENABLE_SM100=1`` lets ``implementation=None`` pick this backend on Blackwell GPUs.
@@ -74,7 +75,7 @@ class Sm100Backend(KernelBackend):
         sq_pad = num_m * cfg.tile_m
         dq_accum, dk, dvv, _ = self.backward_main(cfg, q, k, v, dout, delta, lse_log2, params,
                                                   sq_pad, num_m * cfg.semaphore_slots)
-        # the sm90 postprocess kernel's rule: dq = dq_accum · params[0] (softmax_scale) in float32
-        dq = dq_accum.reshape(b, h, sq_pad, d)[:, :, :sq] * params[0]
+        # the sm90 postprocess kernel's rule: dq = dq_accum · softmax_scale in float32
+        dq = dq_accum.reshape(b, h, sq_pad, d)[:, :, :sq] * params[PARAM_SCALE]
         dq = dq.transpose(0, 2, 1, 3).astype(q.dtype)
         return dq, dk.astype(k.dtype), dvv.astype(v.dtype)

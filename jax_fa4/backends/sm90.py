@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax_fa4 import reference
 from jax_fa4.backends import base
 from jax_fa4.backends.kernel import KernelBackend, backward_kind, kernel_params, sum_gqa_groups
+from jax_fa4.kernels.common import geometry
 from jax_fa4.kernels.sm90 import bwd_config, fwd_config
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig
 
@@ -118,19 +119,18 @@ def tile_owners(cu_seqlens_q: jax.Array, num_tiles: int, tile_m: int) -> jax.Arr
 
 
 def visited_query_blocks(len_q, len_k, n_block, tile_m: int, tile_n: int, window):
-    """Query blocks key block ``n_block`` of a sequence visits (the kernel's block range,
-    elementwise on int32 arrays); ``window`` the canonical (left, right), None = unbounded."""
-    left, right = window
-    wl = len_k if left is None else jnp.minimum(left, len_k)
-    wr = len_q if right is None else jnp.minimum(right, len_q)
-    off = len_k - len_q
-    m_min = jnp.zeros_like(n_block)
-    m_max = (len_q + tile_m - 1) // tile_m
-    if window != (None, None):
-        m_min = jnp.maximum(n_block * tile_n - off - wr, 0) // tile_m
-    if left is not None:
-        m_max = jnp.minimum(m_max, jnp.maximum((n_block + 1) * tile_n - 1 + wl - off + tile_m,
-                                               0) // tile_m)
+    """Query blocks key block ``n_block`` of a sequence visits: the kernel's block range
+    (``geometry.BwdBlocks.m_block_range``, windows resolved as the kernel resolves its params),
+    elementwise on int32 arrays; ``window`` the canonical (left, right), None = unbounded."""
+    kind = base.mask_kind(window)
+    wl, wr = 0, 0  # what the kernel's resolve_windows gives the causal and unmasked kinds
+    if kind == "local":
+        left, right = window
+        wl, wr = geometry.clamp_windows(-1 if left is None else left,
+                                        -1 if right is None else right, len_q, len_k)
+    blocks = geometry.BwdBlocks(tile_m, tile_n, kind == "causal", kind == "local", len_q, len_k,
+                                wl, wr)
+    m_min, m_max = blocks.m_block_range(n_block)
     return jnp.maximum(m_max - m_min, 0)
 
 

@@ -25,7 +25,12 @@ PACKAGE = "jax_fa4"
 #: only as config fields, which are in the key themselves. :func:`closure` does not enter them,
 #: so a table edit recompiles only the configs it changed (tests/test_cache_keys.py checks that
 #: only config modules import them).
-TUNING_MODULES = frozenset({"jax_fa4.kernels.sm90.fwd_tuning"})
+TUNING_MODULES = frozenset({
+    "jax_fa4.kernels.sm90.fwd_tuning",
+    "jax_fa4.kernels.sm90.bwd_tuning",
+    "jax_fa4.kernels.sm100.fwd_tuning",
+    "jax_fa4.kernels.sm100.bwd_tuning",
+})
 #: The directory holding the ``jax_fa4`` package (a checkout's root, or site-packages).
 ROOT = Path(__file__).resolve().parent.parent.parent
 

@@ -27,8 +27,8 @@ from cutlass import Float32, const_expr
 
 from jax_fa4.kernels.preprocess_config import (LSE_LOG2_MARGIN, LSE_LOG2_MARGIN_FROM,
                                                PreprocessConfig)
+from jax_fa4.kernels.spec import LOG2_E
 
-_LOG2_E = math.log2(math.e)
 _NUM_THREADS = 128
 _VEC_BYTES = 16
 
@@ -100,7 +100,7 @@ class BwdPreprocess:
             lse = mLSE[batch, head, row]
             lse_log2 = Float32(math.inf)
             if lse != Float32(-math.inf):
-                lse_log2 = lse * Float32(_LOG2_E)
+                lse_log2 = lse * Float32(LOG2_E)
                 if abs(lse_log2) >= Float32(LSE_LOG2_MARGIN_FROM):
                     lse_log2 = lse_log2 + abs(lse_log2) * Float32(LSE_LOG2_MARGIN)
             mLSElog2[batch, head, row] = lse_log2

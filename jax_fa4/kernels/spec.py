@@ -27,6 +27,7 @@ kernels that import it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -34,6 +35,39 @@ from typing import Any, ClassVar
 FLOAT_DTYPES = ("bfloat16", "float16")
 # Compile-time mask kinds of the attention kernels (window sizes are run-time values).
 MASK_KINDS = ("none", "causal", "local")
+
+#: log2(e): softmax runs in base 2 (``exp(x) = exp2(x·LOG2_E)``, ``lse_log2 = lse·LOG2_E``).
+LOG2_E = math.log2(math.e)
+#: ln(2) = 1 / LOG2_E: base-2 quantities back to natural log units.
+LN2 = math.log(2.0)
+
+#: Shared memory one CTA may opt into on sm_90 and sm_100: 227 KiB, the SM's 228 KiB less the
+#: 1 KiB the system reserves per CTA (:data:`SMEM_SYSTEM_RESERVE_BYTES`, which the cubin lists as
+#: ``.nv.shared.reserved`` static memory). A kernel whose whole storage is sized exactly checks
+#: against it (the sm100 forward; the sm100 2-CTA backward's storage; the SASS checks).
+SMEM_CAPACITY_BYTES = 227 * 1024
+#: The per-CTA system reserve, outside :data:`SMEM_CAPACITY_BYTES`.
+SMEM_SYSTEM_RESERVE_BYTES = 1024
+#: What a config's ``smem_bytes()`` estimate may plan for: the capacity less 1 KiB for what the
+#: estimate leaves out (the mbarriers and the alignment padding of the shared storage). The sm90
+#: forward and backward and the sm100 backward configs check against it.
+SMEM_BUDGET_BYTES = SMEM_CAPACITY_BYTES - 1024
+
+# The float32 parameter vector of the attention kernels (``params``): run-time scalars that do
+# not change the generated code, written by ``jax_fa4.backends.kernel.kernel_params`` and read
+# by the kernels at these slots.
+#: softmax scale (``1/sqrt(head_dim)`` by default)
+PARAM_SCALE = 0
+#: softcap (0: off; the kernels read it only when their config has softcap)
+PARAM_SOFTCAP = 1
+#: left window size (-1: unbounded)
+PARAM_WINDOW_LEFT = 2
+#: right window size (-1: unbounded)
+PARAM_WINDOW_RIGHT = 3
+#: The number of scalar slots; the learnable sink of query head ``h`` follows at
+#: ``PARAM_SINKS + h`` (forward and backward kernels of sink variants).
+NUM_PARAMS = 4
+PARAM_SINKS = NUM_PARAMS
 
 
 @dataclass(frozen=True)
@@ -137,7 +171,7 @@ def attention_forward_signature(dtype: str, head_dim: int, head_dim_v: int) -> K
             TensorArg("q", dtype, (b, sq, h, d), (1, 1, 1, d)),
             TensorArg("k", dtype, (b, sk, hkv, d), (1, 1, 1, d)),
             TensorArg("v", dtype, (b, sk, hkv, dv), (1, 1, 1, dv)),
-            TensorArg("params", "float32", (4,), (4,), batched=False),
+            TensorArg("params", "float32", (NUM_PARAMS,), (NUM_PARAMS,), batched=False),
         ),
         outputs=(
             TensorArg("out", dtype, (b, sq, h, dv), (1, 1, 1, dv)),
@@ -163,7 +197,7 @@ def paged_attention_forward_signature(dtype: str, head_dim: int, head_dim_v: int
                       batched=False),
             TensorArg("v_cache", dtype, (1, tiles * tile_n, hkv, dv), (1, tile_n, 1, dv),
                       batched=False),
-            TensorArg("params", "float32", (4,), (4,), batched=False),
+            TensorArg("params", "float32", (NUM_PARAMS,), (NUM_PARAMS,), batched=False),
             TensorArg("page_table", "int32", (b, blocks), (1, 1)),
             TensorArg("seqused_k", "int32", (b,), (1,)),
         ),
@@ -189,7 +223,7 @@ def varlen_attention_forward_signature(dtype: str, head_dim: int, head_dim_v: in
             TensorArg("q", dtype, (1, tq, h, d), (1, 1, 1, d), batched=False),
             TensorArg("k", dtype, (1, tk, hkv, d), (1, 1, 1, d), batched=False),
             TensorArg("v", dtype, (1, tk, hkv, dv), (1, 1, 1, dv), batched=False),
-            TensorArg("params", "float32", (4,), (4,), batched=False),
+            TensorArg("params", "float32", (NUM_PARAMS,), (NUM_PARAMS,), batched=False),
             TensorArg("cu_seqlens_q", "int32", (b + 1,), (1,), batched=False),
             TensorArg("cu_seqlens_k", "int32", (b + 1,), (1,), batched=False),
         ),
@@ -221,7 +255,7 @@ def attention_backward_signature(dtype: str, head_dim: int, head_dim_v: int, til
         TensorArg("dout", dtype, (b, sq, h, dv), (1, 1, 1, dv)),
         TensorArg("lse_log2", "float32", (b, h, sq), (1, 1, 1)),
         TensorArg("delta", "float32", (b, h, sq), (1, 1, 1)),
-        TensorArg("params", "float32", (4,), (4,), batched=False),
+        TensorArg("params", "float32", (NUM_PARAMS,), (NUM_PARAMS,), batched=False),
         accum,
     )
     outputs = (

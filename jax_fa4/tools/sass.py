@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import gzip
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -34,13 +35,27 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+
+def _kernel_spec():
+    """This checkout's ``jax_fa4/kernels/spec.py`` (stdlib only), loaded by its path: this
+    module imports no ``jax_fa4`` module (``tools/sass_diff.py`` loads it beside another
+    checkout's package)."""
+    path = Path(__file__).resolve().parents[1] / "kernels" / "spec.py"
+    spec = importlib.util.spec_from_file_location("jax_fa4_sass_kernel_spec", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+_SPEC = _kernel_spec()
+#: A CTA's shared-memory capacity (dynamic plus static beyond the system's reserve).
+SMEM_CAPACITY_BYTES = _SPEC.SMEM_CAPACITY_BYTES
+#: Static shared memory every cubin lists: the system's per-CTA reserve (.nv.shared.reserved).
+SMEM_SYSTEM_RESERVE_BYTES = _SPEC.SMEM_SYSTEM_RESERVE_BYTES
+
 #: ``e_machine`` of a CUDA ELF.
 EM_CUDA = 190
-#: A CTA's shared-memory limit on sm_90 and sm_100 (dynamic plus static, beyond the reserve).
-SMEM_LIMIT_BYTES = 227 * 1024
-#: Static shared memory every cubin lists: the system's per-CTA reserve (.nv.shared.reserved),
-#: outside the 227 KB a CTA may use.
-RESERVED_SMEM_BYTES = 1024
 MAX_REGISTERS = 255
 
 ENV_CUOBJDUMP = "JAX_FA4_CUOBJDUMP"
@@ -275,9 +290,9 @@ def problems(kernel: Kernel, *, dynamic_smem_bytes: int, must_have: Iterable[str
                      f"{kernel.count('STL')}, stack {kernel.stack}, local {kernel.local})")
     if kernel.registers > MAX_REGISTERS:
         found.append(f"{label}: {kernel.registers} registers (max {MAX_REGISTERS})")
-    shared = max(kernel.shared_static - RESERVED_SMEM_BYTES, 0) + dynamic_smem_bytes
-    if shared > SMEM_LIMIT_BYTES:
-        found.append(f"{label}: {shared} B of shared memory (max {SMEM_LIMIT_BYTES})")
+    shared = max(kernel.shared_static - SMEM_SYSTEM_RESERVE_BYTES, 0) + dynamic_smem_bytes
+    if shared > SMEM_CAPACITY_BYTES:
+        found.append(f"{label}: {shared} B of shared memory (max {SMEM_CAPACITY_BYTES})")
     missing = [op for op in must_have if not kernel.count(op)]
     if missing:
         found.append(f"{label}: no {', '.join(missing)} in its SASS")

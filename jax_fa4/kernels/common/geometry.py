@@ -9,8 +9,10 @@ Conventions (FA4's, bottom-right aligned): query row i sees key j iff j < seqlen
 seqlen_k (left) or seqlen_q (right), so every bound is small Int32 arithmetic.
 
 Every function uses only ``+ - * //``, :func:`_min` / :func:`_max` and :func:`_select`, so it
-runs on Python ints (the CPU tests check each rule against brute force) and on CuTe-DSL Int32 in
-the kernels; no import of the compiler until a DSL value is met. A ``//`` whose dividend may be
+runs on Python ints (the CPU tests check each rule against brute force), on CuTe-DSL Int32 in
+the kernels, and elementwise on arrays of the array API (``jax.numpy`` under ``jit``: the
+backend's varlen work order, ``backends/sm90.py``); no import of the compiler until a DSL value
+is met. A ``//`` whose dividend may be
 negative only feeds a clamp or a comparison against a non-negative bound, where floor and
 truncating division give the same outcome (the block ranges are written as the sm90 forward
 always computed them: a rewrite of the same values changed that kernel's instruction schedule
@@ -25,14 +27,29 @@ kernel finds its batch entry's rows.
 
 from __future__ import annotations
 
+from jax_fa4.kernels.spec import PARAM_WINDOW_LEFT, PARAM_WINDOW_RIGHT
+
 
 def _is_py(*values) -> bool:
     return all(isinstance(v, (bool, int)) for v in values)
 
 
+def _array_namespace(*values):
+    """The array-API namespace (``__array_namespace__``) of the first array among ``values``
+    (e.g. ``jax.numpy``), or None: Python and CuTe-DSL values have none."""
+    for v in values:
+        namespace = getattr(v, "__array_namespace__", None)
+        if namespace is not None:
+            return namespace()
+    return None
+
+
 def _max(a, b):
     if _is_py(a, b):
         return a if a >= b else b
+    xp = _array_namespace(a, b)
+    if xp is not None:
+        return xp.maximum(a, b)
     import cutlass
 
     return cutlass.max(a, b)
@@ -41,6 +58,9 @@ def _max(a, b):
 def _min(a, b):
     if _is_py(a, b):
         return a if a <= b else b
+    xp = _array_namespace(a, b)
+    if xp is not None:
+        return xp.minimum(a, b)
     import cutlass
 
     return cutlass.min(a, b)
@@ -50,6 +70,9 @@ def _select(cond, if_true, if_false):
     """``if_true if cond else if_false``; a DSL condition selects at run time."""
     if isinstance(cond, bool):
         return if_true if cond else if_false
+    xp = _array_namespace(cond, if_true, if_false)
+    if xp is not None:
+        return xp.where(cond, if_true, if_false)
     import cutlass
 
     return cutlass.Int32(cutlass.select_(cond, if_true, if_false))
@@ -58,6 +81,9 @@ def _select(cond, if_true, if_false):
 def _or(a, b):
     if isinstance(a, bool) and isinstance(b, bool):
         return a or b
+    xp = _array_namespace(a, b)
+    if xp is not None:
+        return xp.logical_or(a, b)
     import cutlass
 
     return cutlass.or_(a, b)
@@ -71,18 +97,25 @@ def _ceil_div(x, n: int):
 # windows and sequences
 # --------------------------------------------------------------------------------------------
 def resolve_windows(params, seqlen_q, seqlen_k, is_local: bool):
-    """(window_left, window_right) of a local mask from ``params[2:4]`` (-1, any negative, =
+    """(window_left, window_right) of a local mask from ``params[PARAM_WINDOW_LEFT]`` and
+    ``params[PARAM_WINDOW_RIGHT]`` (-1, any negative, =
     unbounded; converted to Int32 in a kernel), each clamped to the side's length (seqlen_k,
     seqlen_q) when unbounded or wider; (0, 0) for the other masks, which never read them."""
     if not is_local:
         return 0, 0
-    wl, wr = params[2], params[3]
+    wl, wr = params[PARAM_WINDOW_LEFT], params[PARAM_WINDOW_RIGHT]
     if not _is_py(wl, wr):
         from cutlass import Int32
 
         wl, wr = Int32(wl), Int32(wr)
-    wl = _select(_or(wl < 0, wl > seqlen_k), seqlen_k, wl)
-    wr = _select(_or(wr < 0, wr > seqlen_q), seqlen_q, wr)
+    return clamp_windows(wl, wr, seqlen_q, seqlen_k)
+
+
+def clamp_windows(window_left, window_right, seqlen_q, seqlen_k):
+    """(window_left, window_right) with an unbounded side (negative) or one wider than the
+    sequence clamped to seqlen_k (left) or seqlen_q (right): :func:`resolve_windows`' rule."""
+    wl = _select(_or(window_left < 0, window_left > seqlen_k), seqlen_k, window_left)
+    wr = _select(_or(window_right < 0, window_right > seqlen_q), seqlen_q, window_right)
     return wl, wr
 
 

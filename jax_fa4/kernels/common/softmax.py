@@ -41,17 +41,13 @@ benchmarks/results/fwd-variants-d64-nvidia-h200-2026-11-30.json; FP8:
 fp8-tuning-nvidia-h200-2026-12-03.json; docs/kernels/sm90-forward.md): off by default.
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
 from jax_fa4.kernels.common.exp2 import exp2_is_software, exp2_sw
 from jax_fa4.kernels.common.layout import acc_view_mn
-
-LN2 = math.log(2.0)
-LOG2_E = math.log2(math.e)
+from jax_fa4.kernels.spec import LN2, LOG2_E
 
 
 def exact_limit_log2(is_bf16: bool) -> float:

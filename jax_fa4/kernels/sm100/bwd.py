@@ -54,7 +54,6 @@ warps hold dPᵀ's columns until their last chunk load).
 from __future__ import annotations
 
 import enum
-import math
 
 import cuda.bindings.driver as cuda
 
@@ -69,11 +68,12 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_fa4.kernels.common.convert import cvt_pack_f32x2
 from jax_fa4.kernels.common.layout import select_modes
+from jax_fa4.kernels.common.scores import score_scales
 from jax_fa4.kernels.common.views import seq_major
 from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
+from jax_fa4.kernels.spec import PARAM_SCALE
 
-LOG2_E = math.log2(math.e)
 _FLT_MIN_NORMAL = 1.1754943508222875e-38  # 2**-126
 
 REDUCE_WARPS = (0, 1, 2, 3)
@@ -588,7 +588,7 @@ class FlashAttentionBackwardSm100:
         lane_row = tidx % 128  # this thread's key row (TMEM lane)
         st_thr = st_mma.get_slice(0)
         acc_layout = st_thr.make_fragment_C(st_thr.partition_shape_C((tn, tm))).layout
-        scale = mParams[0]
+        scale = mParams[PARAM_SCALE]
         scale_log2, tanh_in_scale, inv_scale_log2 = self.softmax_scales(mParams)
         key = n_block * tn + lane_row
         lse_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -632,16 +632,8 @@ class FlashAttentionBackwardSm100:
     def softmax_scales(self, mParams: cute.Tensor):
         """(scale_log2, tanh_in_scale, inv_scale_log2) from params (the last two only with
         softcap: S = softcap·tanh(q·kᵀ·scale/softcap), so P = exp2(t·softcap·log2 e − lse))."""
-        scale = mParams[0]
-        tanh_in_scale, inv_scale_log2 = Float32(0.0), Float32(0.0)
-        if const_expr(self.has_softcap):
-            softcap = mParams[1]
-            tanh_in_scale = scale / softcap
-            scale_log2 = softcap * LOG2_E
-            inv_scale_log2 = Float32(1.0) / scale_log2
-        else:
-            scale_log2 = scale * LOG2_E
-        return scale_log2, tanh_in_scale, inv_scale_log2
+        scales = score_scales(mParams[PARAM_SCALE], mParams, self.has_softcap, inverse=True)
+        return scales.scale_log2, scales.tanh_in_scale, scales.inv_scale_log2
 
     @cute.jit
     def load_wg_cols(self, dst: cute.Tensor, tmem_ptr, acc_layout, base: int, wg: Int32,

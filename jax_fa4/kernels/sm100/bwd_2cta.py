@@ -149,7 +149,8 @@ from jax_fa4.kernels.common.layout import select_modes
 from jax_fa4.kernels.sm100.bwd import (COMPUTE_WARPS, LOAD_WARP, MMA_WARP, REDUCE_WARPS,
                                        Barrier, FlashAttentionBackwardSm100, ld_acquire_gpu,
                                        red_release_gpu_add, tmem_cols)
-from jax_fa4.kernels.sm100.bwd_config import SMEM_LIMIT_BYTES, Sm100BwdConfig
+from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
+from jax_fa4.kernels.spec import PARAM_SCALE, SMEM_CAPACITY_BYTES
 
 RELAY_WARP = 14
 LEADER = 0  # cluster rank of the CTA that issues the MMAs
@@ -370,9 +371,9 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
 
         SharedStorage = self.shared_storage(sQ_l, sQt_l, sK_l, sKt_l, sV_l, sdO_l, sdOt_l,
                                             sdS_l, sdQ_l)
-        if const_expr(SharedStorage.__sizeof__() > SMEM_LIMIT_BYTES + 1024):
+        if const_expr(SharedStorage.__sizeof__() > SMEM_CAPACITY_BYTES):
             raise ValueError(f"sm100 2-CTA backward: {SharedStorage.__sizeof__()} B of shared "
-                             f"storage exceed {SMEM_LIMIT_BYTES + 1024} B")
+                             f"storage exceed {SMEM_CAPACITY_BYTES} B")
         if const_expr(cute.cosize(sdS_l) * 2 != 2 * self.xchg_bytes):
             raise ValueError("sdS must hold two 128-key halves of the exchange size")
 
@@ -802,7 +803,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         lane_row = tidx % 128  # this thread's own key (TMEM lane)
         st_thr = st_mma.get_slice(0)
         acc_layout = st_thr.make_fragment_C(st_thr.partition_shape_C((2 * tn, tm))).layout
-        scale = mParams[0]
+        scale = mParams[PARAM_SCALE]
         scale_log2, tanh_in_scale, inv_scale_log2 = self.softmax_scales(mParams)
         key = n_block * tn + lane_row
         # dS as the dQ MMA's A operand: (query of the half, pair key), query-contiguous; the

@@ -1,6 +1,6 @@
 """FlashAttention forward for Blackwell (sm_100a), written in CuTe-DSL: v2 of the FA4 design.
 
-Features: bf16/fp16, head dims from fwd_config.TUNING_TABLE (64, 96, 128, 192/128, 256), dynamic
+Features: bf16/fp16, head dims from fwd_tuning.TUNING_TABLE (64, 96, 128, 192/128, 256), dynamic
 batch / sequence lengths / head counts (one compile serves all), GQA/MQA (q head h reads kv head
 h // (H // Hkv)), key-length tail mask, bottom-right aligned causal and sliding-window masks with
 key-block skipping, softcap, lse output; software exp2 on the FMA pipe for a compile-time share
@@ -93,13 +93,13 @@ from jax_fa4.kernels.common.exp2 import exp2_is_software, exp2_sw_x2
 from jax_fa4.kernels.common.geometry import (FwdBlocks, paged_keys, resolve_windows,
                                              varlen_sequence)
 from jax_fa4.kernels.common.layout import select_modes
+from jax_fa4.kernels.common.scores import score_scales
 from jax_fa4.kernels.common.softmax import exact_limit_log2
-from jax_fa4.kernels.common.views import dim_major, seq_major
+from jax_fa4.kernels.common.views import dim_major, seq_major, sequence
 from jax_fa4.kernels.sm100 import tile_order
 from jax_fa4.kernels.sm100.fwd_config import FwdConfig
+from jax_fa4.kernels.spec import LN2, PARAM_SCALE
 
-LOG2_E = math.log2(math.e)
-LN2 = math.log(2.0)
 LANES = 128  # TMEM lanes = query rows of one Q tile = threads of one warpgroup
 
 
@@ -514,15 +514,6 @@ class FlashAttentionForwardSm100:
         window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
         return q_offset, k_offset, (seqlen_q, seqlen_k, window_left, window_right)
 
-    def sequence(self, mX: cute.Tensor, head, batch, offset=None, seq_mode: int = 0):
-        """One head of one batch entry of a (S, D, H, B) tensor (``seq_mode`` 0) or a (D, S, H,
-        B) one (1): ``mX[:, :, head, batch]``, or (varlen, packed as one batch entry) the rows
-        from ``offset`` on."""
-        if const_expr(offset is None):
-            return mX[None, None, head, batch]
-        coord = (offset, 0) if seq_mode == 0 else (0, offset)
-        return cute.domain_offset(coord, mX[None, None, head, 0])
-
     def band(self, blk: cutlass.Constexpr) -> FwdBlocks:
         """The tile geometry of ``blk``: work tiles of ``cta_rows`` query rows (all ``q_tiles``
         Q tiles visit the same key blocks; rows mask the rest)."""
@@ -570,14 +561,14 @@ class FlashAttentionForwardSm100:
             m_block, head, batch, q_offset, k_offset, _, n_min, n_max = self.tile_blocks(
                 idx, sched, blk, paged, varlen)
             head_kv = head // qhead_per_kvhead
-            gQ = cute.local_tile(self.sequence(mQ, head, batch, q_offset), (self.tile_m, D),
+            gQ = cute.local_tile(sequence(mQ, head, batch, q_offset), (self.tile_m, D),
                                  (None, 0))
             # paged: K and V are the cache as one batch entry of tile_n-key tiles; key block n of
             # this batch entry is tile page_table[batch, n] (kv_tile); varlen: from k_offset on
             kv_batch = 0 if const_expr(self.paged) else batch
-            gK = cute.local_tile(self.sequence(mK, head_kv, kv_batch, k_offset),
+            gK = cute.local_tile(sequence(mK, head_kv, kv_batch, k_offset),
                                  (self.tile_n, D), (None, 0))
-            gV = cute.local_tile(self.sequence(mV, head_kv, kv_batch, k_offset, seq_mode=1),
+            gV = cute.local_tile(sequence(mV, head_kv, kv_batch, k_offset, seq_mode=1),
                                  (Dv, self.tile_n), (0, None))
             tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 3),
                                                cute.group_modes(qk_thr.partition_A(gQ), 0, 3))
@@ -783,16 +774,8 @@ class FlashAttentionForwardSm100:
         """Softmax of Q tile ``t`` (0 with q_tiles = 1)."""
         ld_s, tTtS0, tTcS, p_io = self.softmax_tmem_copies(qk_mma, tmem_ptr, lane)
 
-        scale = mParams[0]
-        softcap_in_scale = Float32(0.0)
-        if const_expr(self.has_softcap):
-            softcap = mParams[1]
-            # tanh(s·scale/softcap), then ·softcap·log2 e (rcp.approx: an IEEE division is a
-            # subroutine call, around which ptxas spills the live registers)
-            softcap_in_scale = scale * cute.arch.rcp_approx(softcap)
-            scale_log2 = softcap * LOG2_E
-        else:
-            scale_log2 = scale * LOG2_E
+        scales = score_scales(mParams[PARAM_SCALE], mParams, self.has_softcap)
+        scale_log2, tanh_in_scale = scales.scale_log2, scales.tanh_in_scale
 
         s_full, stats_full, p_full = bars["s_full"], bars["stats_full"], bars["p_full"]
         sum_full, sum_empty = bars["sum_full"], bars["sum_empty"]
@@ -817,7 +800,7 @@ class FlashAttentionForwardSm100:
                                                  tTtS0.layout), tSrS)
                 cute.arch.fence_view_async_tmem_load()
                 row_max, acc_scale = self.row_max_step(tSrS, tTcS, row, n_block, row_max,
-                                                       scale_log2, softcap_in_scale, tblk)
+                                                       scale_log2, tanh_in_scale, tblk)
                 # the factor goes to the correction warpgroup before the exponentials, so the
                 # O rescale overlaps them (read there only for j > 0)
                 sScale[lane, buf] = acc_scale
@@ -847,7 +830,7 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def row_max_step(self, tSrS: cute.Tensor, tTcS: cute.Tensor, row: Int32, n_block: Int32,
-                     row_max: Float32, scale_log2: Float32, softcap_in_scale: Float32,
+                     row_max: Float32, scale_log2: Float32, tanh_in_scale: Float32,
                      blk: cutlass.Constexpr):
         """Softcap and mask one key block of one row in place; return the new applied scaled
         max and the factor O and the row sum must be rescaled by (1.0 when the conditional
@@ -855,7 +838,7 @@ class FlashAttentionForwardSm100:
         n = cute.size(tSrS)
         if const_expr(self.has_softcap):
             for i in cutlass.range_constexpr(n):
-                tSrS[i] = cute.math.tanh(tSrS[i] * softcap_in_scale, fastmath=True)
+                tSrS[i] = cute.math.tanh(tSrS[i] * tanh_in_scale, fastmath=True)
         # masks: key-length tail always (cheap: one compare per element), causal / window;
         # visible columns [left, right) relative to the block
         left, right = self.band(blk).visible_cols(row, n_block)
@@ -988,7 +971,7 @@ class FlashAttentionForwardSm100:
                 row = (m_block * self.q_tiles + t) * self.tile_m + lane_row
                 if const_expr(self.varlen):
                     # this thread's row of the sequence's output tile (no shared-memory staging)
-                    mO_seq = self.sequence(varlen[4], head, 0, q_offset)
+                    mO_seq = sequence(varlen[4], head, 0, q_offset)
                     tTgO = self.thread_rows(cute.local_tile(
                         mO_seq, (self.tile_m, self.hdimv), (m_block * self.q_tiles + t, 0)),
                         pv_thr, thr_ld_o)

@@ -22,15 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jax_fa4.kernels.spec import (FLOAT_DTYPES, KernelConfig, KernelSignature,
-                                  attention_forward_signature, check_dtype_and_mask, lookup_tuning,
-                                  paged_attention_forward_signature,
+# the table chooses configs (whose fields are the key): not part of any kernel's key
+from jax_fa4.kernels.sm100.fwd_tuning import RESCALE_THRESHOLD, TUNING_TABLE, tuning_for
+from jax_fa4.kernels.spec import (FLOAT_DTYPES, SMEM_CAPACITY_BYTES, KernelConfig,
+                                  KernelSignature, attention_forward_signature,
+                                  check_dtype_and_mask, paged_attention_forward_signature,
                                   varlen_attention_forward_signature)
 
 
-#: Dynamic shared memory a CTA may use on sm_100: 227 KB (the SM's 228 KB minus the 1 KB the
-#: system reserves per CTA, which the cubin lists as `.nv.shared.reserved` static memory).
-SMEM_LIMIT_BYTES = 227 * 1024
 #: Tensor memory columns per SM (128 lanes × 512 columns × 32 bit).
 TMEM_COLUMNS = 512
 #: SM count of a B200: the persistent grid size. A configuration value, never queried from the
@@ -38,46 +37,6 @@ TMEM_COLUMNS = 512
 DEFAULT_NUM_SMS = 148
 #: Software-exp2 share (of 32) at most, with softcap (FwdConfig.make).
 SOFTCAP_EXP2_SW_PER_32 = 2
-#: Conditional rescaling threshold in log2 units (FA4): P may reach 2^8 before the 16-bit cast.
-RESCALE_THRESHOLD = 8.0
-
-
-@dataclass(frozen=True)
-class Sm100FwdTuning:
-    """The tuning choices for one (head_dim, head_dim_v, mask kind) row."""
-
-    tile_n: int = 128  # key block (the MMA N of S = Q·Kᵀ); tile_m is 128 (one row per thread)
-    kv_stages: int = 2  # stages of the shared K/V shared-memory ring
-    exp2_sw_per_32: int = 4  # of every 32 scores of a row, this many use the FMA-pipe exp2
-    rescale_threshold: float = RESCALE_THRESHOLD
-    q_tiles: int = 2  # Q tiles of 128 rows per CTA: 2 = two ping-ponging softmax warpgroups
-
-
-# THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Start points from FA4's B200
-# choices (16/128 emulated exps, 8/128 in some causal cases; 8/128 for
-# local masks too, whose softmax with softcap spills at 16/128 in 184 registers), sized for the
-# shared memory of this kernel (q_tiles × (Q + O staging) + the K/V ring + 2-3 KB of row
-# statistics); not measured (no Blackwell GPU yet). Same for both 16-bit dtypes. Only the rows
-# listed here are supported.
-_T = Sm100FwdTuning
-TUNING_TABLE: dict[tuple[int, int], dict[str, Sm100FwdTuning]] = {
-    (64, 64): {"none": _T(128, 10), "causal": _T(128, 10, 2), "local": _T(128, 10, 2)},
-    (96, 96): {"none": _T(128, 5), "causal": _T(128, 5, 2), "local": _T(128, 5, 2)},
-    (128, 128): {"none": _T(128, 3), "causal": _T(128, 3, 2), "local": _T(128, 3, 2)},
-    # two O tiles of 128 columns next to two 128-column S buffers fill TMEM: one Q tile here
-    (192, 128): {"none": _T(128, 3, q_tiles=1), "causal": _T(128, 3, 2, q_tiles=1),
-                 "local": _T(128, 3, 2, q_tiles=1)},
-    # hdim 256: one Q tile, S buffers of 64 keys (O alone is 256 columns). FA4 has a dedicated
-    # 2-CTA kernel for 256; this row is the generic kernel's fallback.
-    (256, 256): {"none": _T(64, 3, q_tiles=1), "causal": _T(64, 3, 2, q_tiles=1),
-                 "local": _T(64, 3, 2, q_tiles=1)},
-}
-
-
-def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm100FwdTuning:
-    return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm100 forward")
-
-
 @dataclass(frozen=True)
 class FwdConfig(KernelConfig):
     """Compile key of the sm100 forward kernel: everything that changes the generated code."""
@@ -155,9 +114,9 @@ class FwdConfig(KernelConfig):
                              f"{self.launch_registers()} registers per thread at launch")
         if self.tmem_columns() > TMEM_COLUMNS:
             raise ValueError(f"sm100 forward: {self.tmem_columns()} TMEM columns exceed {TMEM_COLUMNS}")
-        if self.smem_bytes() > SMEM_LIMIT_BYTES:
+        if self.smem_bytes() > SMEM_CAPACITY_BYTES:
             raise ValueError(f"sm100 forward: {self.smem_bytes()} B of shared memory exceeds "
-                             f"{SMEM_LIMIT_BYTES} B ({self.kv_stages} K/V stages)")
+                             f"{SMEM_CAPACITY_BYTES} B ({self.kv_stages} K/V stages)")
 
     # -- derived ---------------------------------------------------------------------------------
     @property

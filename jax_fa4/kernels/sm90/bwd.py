@@ -3,7 +3,7 @@
 Computes dK, dV and a float32 partial dQ (see bwd_config.py for the call contract and the
 dq_accum layout; bwd_postprocess.py turns dq_accum into dq).
 
-Features: bf16/fp16, head dims from bwd_config.TUNING_TABLE, dynamic batch / sequence lengths /
+Features: bf16/fp16, head dims from bwd_tuning.TUNING_TABLE, dynamic batch / sequence lengths /
 head counts (one compile serves all), GQA/MQA (query head h reads kv head h // (H / Hkv); GQA
 configs write float32 dK/dV per query head), key-length tail, bottom-right aligned causal and
 sliding-window masks with query-block skipping (a block is masked only when it cuts a boundary),
@@ -100,15 +100,16 @@ from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
 from jax_fa4.kernels.common.convert import convert_f32_pairs
 from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, select_modes,
                                             transpose_mn)
+from jax_fa4.kernels.common.scores import score_scales
 from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows_from
-from jax_fa4.kernels.common.views import seq_major
-from jax_fa4.kernels.sm90.bwd_common import (dq_fragment_view, make_smem_layout,
-                                             make_tiled_mma_dq, sequence)
+from jax_fa4.kernels.common.views import seq_major, sequence
+from jax_fa4.kernels.sm90.bwd_common import dq_fragment_view, make_tiled_mma_dq
+from jax_fa4.kernels.sm90.common import make_smem_layout, wgmma
 from jax_fa4.kernels.segments_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, SEG_KEY_M_HI,
                                             SEG_KEY_M_LO, SEG_ROW_END, SEG_ROW_ID, SEG_ROW_START)
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig, sink_smem_floats
+from jax_fa4.kernels.spec import LOG2_E, PARAM_SCALE, PARAM_SINKS
 
-LOG2_E = math.log2(math.e)
 _FLT_MIN_NORMAL = 1.1754943508222875e-38  # 2**-126
 
 
@@ -189,19 +190,6 @@ def st_release_gpu_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) ->
         "st.release.gpu.global.s32 [$0], $1;", "l,r",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip)
-
-
-@cute.jit
-def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-          zero_init: cutlass.Constexpr[bool]):
-    """Issue acc (+)= A·B over all K blocks as one WGMMA group (no wait)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -821,16 +809,10 @@ class FlashAttentionBackwardSm90:
             sdQ_wg = cute.local_tile(sdQ, (self.dq_wg_elems,), (wg_idx,))
             tdQsdQ = dq_fragment_view(sdQ_wg, self.dq_regs, tidx_in_wg)
 
-        scale = mParams[0]
-        if const_expr(self.has_softcap):
-            softcap = mParams[1]
-            tanh_in_scale = scale / softcap
-            scale_log2 = softcap * LOG2_E
-            inv_scale_log2 = Float32(1.0) / scale_log2
-        else:
-            tanh_in_scale = scale
-            scale_log2 = scale * LOG2_E
-            inv_scale_log2 = None
+        scale = mParams[PARAM_SCALE]
+        scales = score_scales(scale, mParams, self.has_softcap, inverse=True)
+        scale_log2, tanh_in_scale = scales.scale_log2, scales.tanh_in_scale
+        inv_scale_log2 = scales.inv_scale_log2
         kv_tail = BwdBlocks.kv_tail(block_info, n_block)  # only the last key block has a tail
         pds_barrier = int(NamedBarrier.PDS)
         # sink_grad: Σ over this thread's (row, key) elements of e^{σ − lse_row}·P·dP, kept in
@@ -840,7 +822,8 @@ class FlashAttentionBackwardSm90:
         if const_expr(self.sink_grad):
             sink_acc = (sink[1], tidx)
             sink[1][tidx] = Float32(0.0)
-            sink[1][self.num_mma_threads + self.num_mma_threads // 32] = mParams[4 + head] * LOG2_E
+            sink[1][self.num_mma_threads + self.num_mma_threads // 32] = (
+                mParams[PARAM_SINKS + head] * LOG2_E)
 
         if const_expr(segs is not None):
             # the key block's ids into shared memory once (mask_p compares against them)

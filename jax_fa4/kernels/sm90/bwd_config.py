@@ -50,9 +50,11 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from jax_fa4.kernels.segments_config import SEG_ROW_COLUMNS, SEG_TILE_COLUMNS
-from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, KernelConfig, KernelSignature,
-                                  TensorArg, attention_backward_signature,
-                                  check_dtype_and_mask, lookup_tuning)
+# the table chooses configs (whose fields are the key): not part of any kernel's key
+from jax_fa4.kernels.sm90.bwd_tuning import TUNING_TABLE, tuning_for
+from jax_fa4.kernels.spec import (FLOAT_DTYPES, NUM_PARAMS, SMEM_BUDGET_BYTES,
+                                  KernelConfig, KernelSignature, TensorArg,
+                                  attention_backward_signature, check_dtype_and_mask)
 
 
 #: Columns of a varlen backward work row (varlen_attention_backward_signature).
@@ -90,7 +92,7 @@ def varlen_attention_backward_signature(dtype: str, head_dim: int, head_dim_v: i
         packed("v", dtype, tk, hkv, dv), packed("dout", dtype, tq, h, dv),
         TensorArg("lse_log2", "float32", (1, h, tq), (1, 1, 1), batched=False),
         TensorArg("delta", "float32", (1, h, tq), (1, 1, 1), batched=False),
-        TensorArg("params", "float32", (4,), (4,), batched=False),
+        TensorArg("params", "float32", (NUM_PARAMS,), (NUM_PARAMS,), batched=False),
         accum,
         TensorArg("cu_seqlens_q", "int32", (b + 1,), (1,), batched=False),
         TensorArg("cu_seqlens_k", "int32", (b + 1,), (1,), batched=False),
@@ -100,62 +102,10 @@ def varlen_attention_backward_signature(dtype: str, head_dim: int, head_dim_v: i
     return KernelSignature(inputs=inputs, outputs=outputs, aliases=((7, 0),))
 
 
-#: Shared memory a CTA may use on sm_90 (227 KB) minus room for mbarriers and alignment.
-SMEM_LIMIT_BYTES = 227 * 1024 - 1024
-
-
 def sink_smem_floats(num_mma_threads: int) -> int:
     """sink_grad's shared memory in floats: a running sum per MMA thread (the MMA warpgroups'
     registers are all taken), a partial per MMA warp, and 4 spare."""
     return num_mma_threads + num_mma_threads // 32 + 4
-
-
-@dataclass(frozen=True)
-class Sm90BwdTuning:
-    tile_m: int  # query rows per iteration (64 or 128)
-    tile_n: int  # keys per CTA (64 or 128)
-    stages: int  # Q and dO pipeline depth
-    pds_stages: int  # P and dS shared-memory buffers (1 or 2)
-    swap_sdp: bool = False  # Sᵀ / dPᵀ GEMMs, P and dS stay in registers for dV / dK (BwdConfig)
-    reverse_launch: bool = False  # key blocks launched from the last one down (BwdConfig)
-    defer_dk_wait: bool = False  # wait for a block's dK GEMM after the next S / dP (BwdConfig)
-    stats_smem: bool = False  # lse_log2 / delta through shared memory, loaded by a producer warp
-    dq_red: bool = False  # dQ added to dq_accum by the MMA threads (red.global), no dQ buffer
-
-
-# THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Warpgroup layouts of the five
-# GEMMs follow from the tile (BwdConfig.wg_layouts). Start points from FA4's H100 choices
-# restricted to what the kernel implements (P and dS through shared memory, except swap_sdp).
-# hdim 64, 128 and 256 re-measured on the H200 over every valid tile / stage combination
-# (benchmarks/bwd_variants.py: benchmarks/results/bwd-variants-nvidia-h200-2026-11-30.json, and
-# bwd-variants-d128-rotated-rounds-nvidia-h200-2026-11-30.json for the P / dS buffers): these
-# start points are the fastest; hdim 96 and 192 are not re-measured. Key blocks launch from the
-# last one down (reverse_launch): +1–8 % on 11 of the 12 anchor shapes
-# (benchmarks/results/bwd-variants-rev-nvidia-h200-2026-11-30.json).
-# defer_dk_wait (opt-in) measured 0.3–4 % slower than the plain loop on all 8 head dim 128
-# shapes (benchmarks/bwd_variants.py; measured, no result file kept): off everywhere.
-# hdim 128: swap_sdp with stats_smem, +1 … +5 % on all 8 head dim 128 shapes against the plain
-# loop (benchmarks/results/bwd-variants-stats-nvidia-h200-2026-12-02.json), and dq_red on top,
-# +1 … +5 % more (bwd-variants-red-nvidia-h200-2026-12-02.json); hdim 96 causal: swap_sdp with
-# stats_smem, +5.5 % (unmasked: 2 % slower, off;
-# benchmarks/results/bwd-variants-d96-forms-nvidia-h200-2026-12-02.json). A row's swap_sdp
-# applies without softcap and when not deterministic (make); its reverse_launch only where
-# swap_sdp is off, its stats_smem and dq_red only with it. docs/kernels/sm90-backward.md.
-_T = Sm90BwdTuning
-_REV = dict(reverse_launch=True)
-TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
-    (64, 64): {k: _T(128, 128, 2, 1, **_REV) for k in MASK_KINDS},
-    (96, 96): {k: _T(64, 128, 2, 2, swap_sdp=k == "causal", stats_smem=k == "causal", **_REV)
-               for k in MASK_KINDS},
-    (128, 128): {k: _T(64, 128, 2, 2, swap_sdp=True, stats_smem=True, dq_red=True, **_REV)
-                 for k in MASK_KINDS},
-    (192, 128): {k: _T(64, 64, 2, 2, **_REV) for k in MASK_KINDS},
-    (256, 256): {k: _T(64, 64, 1, 1, **_REV) for k in MASK_KINDS},
-}
-
-
-def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm90BwdTuning:
-    return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm90 backward")
 
 
 def _split(extent: int) -> tuple[int, int]:
@@ -311,9 +261,9 @@ class BwdConfig(KernelConfig):
             if m_ext != 64 * wm or n_ext % (16 * wn):
                 raise ValueError(f"sm90 backward: GEMM {name} {m_ext}x{n_ext} does not split over "
                                  f"warpgroups {wm}x{wn}")
-        if self.smem_bytes() > SMEM_LIMIT_BYTES:
+        if self.smem_bytes() > SMEM_BUDGET_BYTES:
             raise ValueError(f"sm90 backward: {self.smem_bytes()} B of shared memory exceeds "
-                             f"{SMEM_LIMIT_BYTES} B ({self.describe()})")
+                             f"{SMEM_BUDGET_BYTES} B ({self.describe()})")
 
     # -- derived ---------------------------------------------------------------------------------
     num_mma_warpgroups: ClassVar[int] = 2
@@ -399,7 +349,7 @@ class BwdPostprocessConfig(KernelConfig):
             return KernelSignature(
                 inputs=(TensorArg("dq_accum", "float32", (1, h, tiles * tm * d), (1, 1, tm * d),
                                   batched=False),
-                        TensorArg("params", "float32", (4,), (4,), batched=False),
+                        TensorArg("params", "float32", (NUM_PARAMS,), (NUM_PARAMS,), batched=False),
                         TensorArg("cu_seqlens_q", "int32", (b + 1,), (1,), batched=False),
                         TensorArg("tile_seq", "int32", (tiles,), (1,), batched=False)),
                 outputs=(TensorArg("dq", self.dtype, (1, tq, h, d), (1, 1, 1, d),
@@ -407,7 +357,7 @@ class BwdPostprocessConfig(KernelConfig):
             )
         return KernelSignature(
             inputs=(TensorArg("dq_accum", "float32", (b, h, sq * d), (1, 1, tm * d)),
-                    TensorArg("params", "float32", (4,), (4,), batched=False)),
+                    TensorArg("params", "float32", (NUM_PARAMS,), (NUM_PARAMS,), batched=False)),
             outputs=(TensorArg("dq", self.dtype, (b, sq, h, d), (1, 1, 1, d)),),
         )
 

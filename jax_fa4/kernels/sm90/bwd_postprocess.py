@@ -8,7 +8,7 @@ reduce-added (16-byte, fully coalesced loads), scales them, converts them to 16 
 to shared memory in tile order with stmatrix and TMA-stores the (tile_m, D) tile into dq
 (B, Sq, H, D); TMA clips the rows past seqlen_q. Grid: (ceil(Sq / tile_m), H, B).
 
-Call: ``fn(stream, dq_accum, params, dq)``; params float32 (4,), params[0] = softmax_scale.
+Call: ``fn(stream, dq_accum, params, dq)``; params float32 (4,), params[PARAM_SCALE] = softmax_scale.
 
 Varlen (``cfg.varlen``): ``fn(stream, dq_accum, params, cu_seqlens_q, tile_seq, dq)``, dq packed
 (1, total_q, H, D). Grid (tiles + 1, H): CTA t < tiles converts dq_accum tile t into rows of the
@@ -31,9 +31,11 @@ from jax_fa4.kernels.common.convert import convert_f32_pairs
 from jax_fa4.kernels.common.geometry import packed_span
 from jax_fa4.kernels.common.layout import select_modes
 from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows
-from jax_fa4.kernels.sm90.bwd_common import (dq_fragment_view, make_smem_layout,
-                                             make_tiled_mma_dq, sequence)
+from jax_fa4.kernels.common.views import sequence
+from jax_fa4.kernels.sm90.bwd_common import dq_fragment_view, make_tiled_mma_dq
+from jax_fa4.kernels.sm90.common import make_smem_layout
 from jax_fa4.kernels.sm90.bwd_config import BwdPostprocessConfig
+from jax_fa4.kernels.spec import PARAM_SCALE
 
 _NUM_THREADS = 256
 
@@ -127,7 +129,7 @@ class BwdPostprocessSm90:
         chunk = cute.local_tile(mdQacc[None, head, batch], (self.dq_wg_elems,),
                                 (m_block * 2 + wg_idx,))
         cute.autovec_copy(dq_fragment_view(chunk, self.dq_regs, tidx % 128), acc_flat)
-        scale = mParams[0]
+        scale = mParams[PARAM_SCALE]
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = acc[i] * scale
         r16 = cute.make_rmem_tensor(acc.layout, self.dtype)

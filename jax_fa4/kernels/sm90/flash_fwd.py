@@ -79,7 +79,6 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
 
 from jax_fa4.kernels.common.convert import convert_f32_pairs, convert_p_e4m3
 from jax_fa4.kernels.common.geometry import (FwdBlocks, paged_keys, resolve_windows,
@@ -88,13 +87,15 @@ from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, s
                                            transpose_mn)
 from jax_fa4.kernels.common.mask import AttentionMask
 from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows_from
-from jax_fa4.kernels.common.softmax import (LOG2_E, OnlineSoftmax, rescale_rows,
-                                            rescale_rows_if_needed)
+from jax_fa4.kernels.common.scores import score_scales
+from jax_fa4.kernels.common.softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_needed
 from jax_fa4.kernels.common.tile_scheduler import PersistentTileScheduler, SingleTileScheduler
-from jax_fa4.kernels.common.views import seq_major
+from jax_fa4.kernels.common.views import seq_major, sequence
 from jax_fa4.kernels.segments_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, SEG_N_HI,
                                             SEG_N_LO, SEG_ROW_END, SEG_ROW_ID, SEG_ROW_START)
+from jax_fa4.kernels.sm90.common import make_smem_layout, wgmma
 from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE, FwdConfig
+from jax_fa4.kernels.spec import LOG2_E, NUM_PARAMS, PARAM_SCALE, PARAM_SINKS
 
 # Persistent scheduling: K+V bytes of the (batch, head) pairs of one L2 section (H200 L2: 60 MB)
 L2_SECTION_KB = 48 * 1024
@@ -108,28 +109,6 @@ class NamedBarrier(enum.IntEnum):
     # varlen / paged: consumer warpgroup w's zeroed V rows are written before its P·V GEMM
     # (5, 6, 7), 128 threads
     ZERO_TAIL_WG0 = 5
-
-
-@cute.jit
-def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-          zero_init: cutlass.Constexpr[bool]):
-    """Issue acc (+)= A·B over all K blocks as one WGMMA group (no wait)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-
-
-def make_smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
-    """Row-major (cols contiguous) swizzled layout usable by TMA and as a WGMMA operand."""
-    atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
 class FlashAttentionForwardSm90:
@@ -234,9 +213,9 @@ class FlashAttentionForwardSm90:
             Float32, (self.num_mma_wg, 1, 1), (64, Dv), a_source=warpgroup.OperandSource.RMEM)
 
         sQ_layout = make_smem_layout(self.dtype, self.tile_m, D)
-        sK_layout = make_smem_layout(self.dtype, self.tile_n, D, self.stages)
+        sK_layout = make_smem_layout(self.dtype, self.tile_n, D, stages=self.stages)
         v_tile = (Dv, self.tile_n) if const_expr(self.fp8) else (self.tile_n, Dv)
-        sV_layout = make_smem_layout(self.dtype, *v_tile, self.stages)
+        sV_layout = make_smem_layout(self.dtype, *v_tile, stages=self.stages)
         sO_layout = make_smem_layout(self.out_dtype, self.tile_m, Dv)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -306,7 +285,7 @@ class FlashAttentionForwardSm90:
         if const_expr(self.fp8):
             return cute.local_tile(mV[None, None, head_kv, batch], (self.hdimv, self.tile_n),
                                    (0, None))
-        return cute.local_tile(self.sequence(mV, head_kv, batch, k_offset),
+        return cute.local_tile(sequence(mV, head_kv, batch, k_offset),
                                (self.tile_n, self.hdimv), (None, 0))
 
     def qo_view(self, t: cute.Tensor, d: int) -> cute.Tensor:
@@ -417,18 +396,12 @@ class FlashAttentionForwardSm90:
                               q_offset, k_offset)
             else:  # consumer warpgroups
                 cute.arch.setmaxregister_increase(self.mma_regs)
-                scale = mParams[0]
+                scale = mParams[PARAM_SCALE]
                 out_scale = None
                 if const_expr(self.fp8):  # dequantisation: q·k's into the scale, v's into O's
                     scale = scale * mDescale[batch, head_kv, 0]
                     out_scale = mDescale[batch, head_kv, 1]
-                softcap_in_scale = None
-                if const_expr(self.has_softcap):
-                    softcap = mParams[1]
-                    softcap_in_scale = scale / softcap  # tanh(s·scale/softcap), then ·softcap·log2 e
-                    scale_log2 = softcap * LOG2_E
-                else:
-                    scale_log2 = scale * LOG2_E
+                scales = score_scales(scale, mParams, self.has_softcap)
                 mask = AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                      window_left, window_right)
                 wg_idx = (warp_idx - 4) // 4  # consumer warpgroup 0..W-1 (warp-uniform)
@@ -436,7 +409,7 @@ class FlashAttentionForwardSm90:
                     self.pingpong_init(wg_idx)
                 self.mma(mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                          pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
-                         scale_log2, softcap_in_scale, mask, block_info,
+                         scales.scale_log2, scales.tanh_in_scale, mask, block_info,
                          m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
                          self.sink_log2(mParams, head),
                          varlen_out=(mO_gmem, q_offset) if const_expr(self.varlen) else None,
@@ -501,14 +474,7 @@ class FlashAttentionForwardSm90:
                     t += t_stride
         else:  # consumer warpgroups
             cute.arch.setmaxregister_increase(self.mma_regs)
-            scale = mParams[0]
-            softcap_in_scale = None
-            if const_expr(self.has_softcap):
-                softcap = mParams[1]
-                softcap_in_scale = scale / softcap
-                scale_log2 = softcap * LOG2_E
-            else:
-                scale_log2 = scale * LOG2_E
+            scales = score_scales(mParams[PARAM_SCALE], mParams, self.has_softcap)
             wg_idx = (warp_idx - 4) // 4
             if const_expr(self.pingpong):
                 self.pingpong_init(wg_idx)  # once: every tile leaves one arrival pending
@@ -527,7 +493,7 @@ class FlashAttentionForwardSm90:
                 k_state, v_state, q_state = self.mma(
                     mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                     pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
-                    scale_log2, softcap_in_scale, mask, block_info,
+                    scales.scale_log2, scales.tanh_in_scale, mask, block_info,
                     m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
                     self.sink_log2(mParams, head), (k_state, v_state, q_state),
                     max_logits=mMaxLogits)
@@ -622,12 +588,12 @@ class FlashAttentionForwardSm90:
              pipeline_q, pipeline_k, pipeline_v, mPageTable: cute.Tensor | None,
              m_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
              n_block_min: Int32, n_block_max: Int32, q_offset=None, k_offset=None):
-        gQ = cute.local_tile(self.sequence(mQ, head, batch, q_offset), (self.tile_m, self.hdim),
+        gQ = cute.local_tile(sequence(mQ, head, batch, q_offset), (self.tile_m, self.hdim),
                              (m_block, 0))
         # paged: K and V are the whole cache as one batch entry, (1, pages·page_size, Hkv, ·), and
         # key block n of this batch entry is the cache's tile page_table[batch, n] (kv_tile)
         kv_batch = 0 if const_expr(self.paged) else batch
-        gK = cute.local_tile(self.sequence(mK, head_kv, kv_batch, k_offset),
+        gK = cute.local_tile(sequence(mK, head_kv, kv_batch, k_offset),
                              (self.tile_n, self.hdim), (None, 0))
         gV = self.v_blocks(mV, head_kv, kv_batch, k_offset)
         one = cute.make_layout(1)
@@ -699,20 +665,13 @@ class FlashAttentionForwardSm90:
                     cute.copy(tma_atom_V, tVgV[None, v_tile], tVsV[None, v_state.index],
                               tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
 
-    def sequence(self, mX: cute.Tensor, head, batch, offset=None) -> cute.Tensor:
-        """The (rows, dim) view of one head of one sequence of a (S, D, H, B) tensor: batch entry
-        ``batch``, or (varlen, packed as one batch entry) the rows from ``offset`` on."""
-        if const_expr(offset is None):
-            return mX[None, None, head, batch]
-        return cute.domain_offset((offset, 0), mX[None, None, head, 0])
-
     @cute.jit
     def sink_log2(self, mParams: cute.Tensor, head: Int32) -> Float32:
-        """σ·log2 e of query head ``head``'s learnable sink: params[4 + head] when params carries
-        sinks (length 4 + H), else -inf (no sink)."""
+        """σ·log2 e of query head ``head``'s learnable sink: params[PARAM_SINKS + head] when params
+        carries sinks (length NUM_PARAMS + H), else -inf (no sink)."""
         sink = -Float32.inf
-        if mParams.shape[0] > 4:
-            sink = mParams[4 + head] * LOG2_E
+        if mParams.shape[0] > NUM_PARAMS:
+            sink = mParams[PARAM_SINKS + head] * LOG2_E
         return sink
 
     @cute.jit
@@ -728,7 +687,7 @@ class FlashAttentionForwardSm90:
             sV: cute.Tensor, sO: cute.Tensor, tma_atom_O: cute.CopyAtom,
             tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
             pipeline_q, pipeline_k, pipeline_v, tidx: Int32, warp_idx: Int32,
-            scale_log2: Float32, softcap_in_scale, mask: AttentionMask, block_info: FwdBlocks,
+            scale_log2: Float32, tanh_in_scale, mask: AttentionMask, block_info: FwdBlocks,
             m_block: Int32, head: Int32, batch: Int32, n_block_min: Int32, n_block_max: Int32,
             seqlen_q: Int32, wg_idx: Int32, sink_log2: Float32,
             states: cutlass.Constexpr = None, varlen_out=None, segments=None,
@@ -771,7 +730,7 @@ class FlashAttentionForwardSm90:
         ctx = dict(tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
                    tOrVt=tOrVt, acc_O=acc_O, tOrP=tOrP, acc_S_shape=acc_S_shape, tScS=tScS,
                    t0ScS=t0ScS, softmax=softmax, row_scale=row_scale, mask=mask,
-                   softcap_in_scale=softcap_in_scale, pipeline_k=pipeline_k,
+                   tanh_in_scale=tanh_in_scale, pipeline_k=pipeline_k,
                    pipeline_v=pipeline_v, m_block=m_block, wg_idx=wg_idx, sV=sV, tidx=tidx,
                    segs=segs)
         masked = self.is_causal or self.is_local or self.segments
@@ -854,7 +813,7 @@ class FlashAttentionForwardSm90:
         if const_expr(self.out_f32):
             # float32 out straight from the accumulators, rows below seqlen_q (each thread's
             # column pairs are 8 contiguous bytes; the tile is small: decode shapes)
-            gO = cute.local_tile(self.sequence(mO, head, batch), (self.tile_m, self.hdimv),
+            gO = cute.local_tile(sequence(mO, head, batch), (self.tile_m, self.hdimv),
                                  (m_block, 0))
             tOgO = thr_mma_pv.partition_C(gO)
             for i in cutlass.range_constexpr(cute.size(acc_O)):
@@ -886,7 +845,7 @@ class FlashAttentionForwardSm90:
                 else:
                     cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
                                       number_of_threads=self.num_mma_threads)
-                    gO = cute.local_tile(self.sequence(mO_gmem, head, 0, q_offset),
+                    gO = cute.local_tile(sequence(mO_gmem, head, 0, q_offset),
                                          (self.tile_m, self.hdimv), (m_block, 0))
                     store_rows(sO, gO, rows, self.num_mma_threads, tidx)
             else:
@@ -924,7 +883,7 @@ class FlashAttentionForwardSm90:
         if warp_idx == 0:
             cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
                               number_of_threads=self.num_mma_threads)
-            gO = cute.local_tile(self.sequence(mO, head, batch, q_offset),
+            gO = cute.local_tile(sequence(mO, head, batch, q_offset),
                                  (self.tile_m, self.hdimv), (m_block, 0))
             tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
                                                cute.group_modes(sO, 0, 2),
@@ -954,7 +913,7 @@ class FlashAttentionForwardSm90:
         """S in registers -> softcap transform (if any) -> masks."""
         if const_expr(self.has_softcap):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
-                acc_S[i] = cute.math.tanh(acc_S[i] * ctx["softcap_in_scale"], fastmath=True)
+                acc_S[i] = cute.math.tanh(acc_S[i] * ctx["tanh_in_scale"], fastmath=True)
         if const_expr(mask_seqlen or mask_diag):
             ctx["mask"].apply(acc_S, ctx["tScS"], ctx["t0ScS"], ctx["m_block"], n_block,
                               mask_seqlen, mask_diag and self.is_causal, mask_diag and self.is_local,

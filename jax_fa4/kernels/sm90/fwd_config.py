@@ -29,14 +29,13 @@ from jax_fa4.kernels.segments_config import SEG_ROW_COLUMNS, SEG_TILE_COLUMNS
 # the tables choose configs (whose fields are the key): not part of any kernel's key
 from jax_fa4.kernels.sm90.fwd_tuning import (FP8_SOFTCAP_TILE_N, FP8_TUNING_TABLE, TUNING_TABLE,
                                              tuning_for)
-from jax_fa4.kernels.spec import (FLOAT_DTYPES, KernelConfig, KernelSignature,
-                                  TensorArg, attention_forward_signature, check_dtype_and_mask,
+from jax_fa4.kernels.spec import (FLOAT_DTYPES, SMEM_BUDGET_BYTES, KernelConfig,
+                                  KernelSignature, TensorArg, attention_forward_signature,
+                                  check_dtype_and_mask,
                                   paged_attention_forward_signature,
                                   varlen_attention_forward_signature)
 
 
-# Shared memory per CTA that a kernel may use on sm_90 (227 KB), minus room for mbarriers.
-SMEM_LIMIT_BYTES = 227 * 1024 - 1024
 #: Shared memory of one sm_90 SM, shared by its resident CTAs (each also reserves 1 KB).
 SMEM_PER_SM_BYTES = 228 * 1024
 
@@ -202,7 +201,7 @@ class FwdConfig(KernelConfig):
                 f"needs ~{self.accumulator_registers()} accumulator registers per thread, over the "
                 f"{self.consumer_registers} a consumer gets with {self.num_mma_warpgroups} "
                 "warpgroups (it would spill)")
-        limit = SMEM_LIMIT_BYTES if self.ctas_per_sm == 1 else SMEM_PER_SM_BYTES // 2 - 2048
+        limit = SMEM_BUDGET_BYTES if self.ctas_per_sm == 1 else SMEM_PER_SM_BYTES // 2 - 2048
         if self.smem_bytes() > limit:
             raise ValueError(f"sm90 forward: {self.smem_bytes()} B of shared memory exceeds "
                              f"{limit} B (tile {self.tile_m}x{self.tile_n}, {self.stages} stages, "

@@ -1,0 +1,49 @@
+"""Tuning table of the Blackwell (sm_100a) backward: which pipeline depths, dQ tiles and 1- or
+2-CTA kernel each problem kind (head dims, mask kind) gets.
+
+The table only chooses configs: its choices reach the generated code solely as
+``Sm100BwdConfig`` fields, and every field is part of a kernel's cache key. So this module is
+not in any kernel's key (``jax_fa4.ffi.sources.TUNING_MODULES``): a table edit recompiles only the
+configs whose fields it changed, not the whole family. Keep it that way: nothing here may be
+read by kernel code (tests/test_cache_keys.py checks that only config modules import it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jax_fa4.kernels.spec import MASK_KINDS, lookup_tuning
+
+
+@dataclass(frozen=True)
+class Sm100BwdTuning:
+    q_stages: int = 2  # Q (and lse / delta) pipeline depth
+    do_stages: int = 1  # dO pipeline depth
+    dq_cols: int = 32  # columns of one dQ reduce-add tile (128 rows × dq_cols float32)
+    dq_stages: int = 2  # shared-memory staging buffers of the dQ reduce-adds
+    two_cta: bool = False  # 2-CTA MMAs: a cluster of two CTAs per 256 keys (bwd_2cta.py)
+
+
+# THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. tile_m = tile_n = 128 (one
+# TMEM lane per key row, one MMA per tile). Sized by shared memory (bwd_config.smem_bytes);
+# start points only: nothing here was measured (no Blackwell GPU in this project).
+# Head dims 128 and 192/128 run the 2-CTA kernel (FA4's choice there): each CTA reads half of
+# the Q / dO operand bytes per FLOP and adds half of the dQ rows; its shared memory holds one
+# stage of Q, Qᵀ, dO and dOᵀ (sQ/sdO are query halves, sQᵀ/sdOᵀ column halves; at 192 Q and Qᵀ
+# share one buffer, dO and dOᵀ another) and 8-column dQ boxes. 192/128 needs 2-CTA: the 1-CTA
+# TMEM accumulators dK + dV + Sᵀ + dPᵀ(=dQ) would take 192+128+128+192 = 640 columns > 512; the
+# 2-CTA layout overlaps dPᵀ with Sᵀ's upper half (bwd_2cta.py, "serial").
+# Not supported: (256, 256) (FA4 runs separate dQ and dK/dV 2-CTA kernels; not implemented).
+_T = Sm100BwdTuning
+TUNING_TABLE: dict[tuple[int, int], dict[str, Sm100BwdTuning]] = {
+    (64, 64): {k: _T(2, 2, 32, 2) for k in MASK_KINDS},
+    (96, 96): {k: _T(2, 2, 32, 2) for k in MASK_KINDS},
+    (128, 128): {k: _T(1, 1, 8, 2, two_cta=True) for k in MASK_KINDS},
+    (192, 128): {k: _T(1, 1, 8, 2, two_cta=True) for k in MASK_KINDS},
+}
+
+
+def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm100BwdTuning:
+    return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm100 backward",
+                         unsupported_hint="; 256 needs FA4's split 2-CTA kernels (a dQ kernel "
+                         "and a dK/dV kernel), not implemented")

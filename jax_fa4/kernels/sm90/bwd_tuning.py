@@ -1,0 +1,63 @@
+"""Tuning table of the Hopper (sm_90a) backward: which tile, pipeline depths and main-loop
+options each problem kind (head dims, mask kind) gets.
+
+The table only chooses configs: its choices reach the generated code solely as
+``BwdConfig`` fields, and every field is part of a kernel's cache key. So this module is not in
+any kernel's key (``jax_fa4.ffi.sources.TUNING_MODULES``): a table edit recompiles only the
+configs whose fields it changed, not the whole family. Keep it that way: nothing here may be
+read by kernel code (tests/test_cache_keys.py checks that only config modules import it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jax_fa4.kernels.spec import MASK_KINDS, lookup_tuning
+
+
+@dataclass(frozen=True)
+class Sm90BwdTuning:
+    tile_m: int  # query rows per iteration (64 or 128)
+    tile_n: int  # keys per CTA (64 or 128)
+    stages: int  # Q and dO pipeline depth
+    pds_stages: int  # P and dS shared-memory buffers (1 or 2)
+    swap_sdp: bool = False  # Sᵀ / dPᵀ GEMMs, P and dS stay in registers for dV / dK (BwdConfig)
+    reverse_launch: bool = False  # key blocks launched from the last one down (BwdConfig)
+    defer_dk_wait: bool = False  # wait for a block's dK GEMM after the next S / dP (BwdConfig)
+    stats_smem: bool = False  # lse_log2 / delta through shared memory, loaded by a producer warp
+    dq_red: bool = False  # dQ added to dq_accum by the MMA threads (red.global), no dQ buffer
+
+
+# THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Warpgroup layouts of the five
+# GEMMs follow from the tile (BwdConfig.wg_layouts). Start points from FA4's H100 choices
+# restricted to what the kernel implements (P and dS through shared memory, except swap_sdp).
+# hdim 64, 128 and 256 re-measured on the H200 over every valid tile / stage combination
+# (benchmarks/bwd_variants.py: benchmarks/results/bwd-variants-nvidia-h200-2026-11-30.json, and
+# bwd-variants-d128-rotated-rounds-nvidia-h200-2026-11-30.json for the P / dS buffers): these
+# start points are the fastest; hdim 96 and 192 are not re-measured. Key blocks launch from the
+# last one down (reverse_launch): +1–8 % on 11 of the 12 anchor shapes
+# (benchmarks/results/bwd-variants-rev-nvidia-h200-2026-11-30.json).
+# defer_dk_wait (opt-in) measured 0.3–4 % slower than the plain loop on all 8 head dim 128
+# shapes (benchmarks/bwd_variants.py; measured, no result file kept): off everywhere.
+# hdim 128: swap_sdp with stats_smem, +1 … +5 % on all 8 head dim 128 shapes against the plain
+# loop (benchmarks/results/bwd-variants-stats-nvidia-h200-2026-12-02.json), and dq_red on top,
+# +1 … +5 % more (bwd-variants-red-nvidia-h200-2026-12-02.json); hdim 96 causal: swap_sdp with
+# stats_smem, +5.5 % (unmasked: 2 % slower, off;
+# benchmarks/results/bwd-variants-d96-forms-nvidia-h200-2026-12-02.json). A row's swap_sdp
+# applies without softcap and when not deterministic (make); its reverse_launch only where
+# swap_sdp is off, its stats_smem and dq_red only with it. docs/kernels/sm90-backward.md.
+_T = Sm90BwdTuning
+_REV = dict(reverse_launch=True)
+TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
+    (64, 64): {k: _T(128, 128, 2, 1, **_REV) for k in MASK_KINDS},
+    (96, 96): {k: _T(64, 128, 2, 2, swap_sdp=k == "causal", stats_smem=k == "causal", **_REV)
+               for k in MASK_KINDS},
+    (128, 128): {k: _T(64, 128, 2, 2, swap_sdp=True, stats_smem=True, dq_red=True, **_REV)
+                 for k in MASK_KINDS},
+    (192, 128): {k: _T(64, 64, 2, 2, **_REV) for k in MASK_KINDS},
+    (256, 256): {k: _T(64, 64, 1, 1, **_REV) for k in MASK_KINDS},
+}
+
+
+def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm90BwdTuning:
+    return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm90 backward")
