@@ -26,12 +26,11 @@ from pathlib import Path
 import pytest
 
 from compiled import assert_no_local_memory, compiled_report, needs_disassembler, tiered
-from jax_fa4.kernels.sm90.bwd_config import (MASK_KINDS, TUNING_TABLE, BwdConfig,
-                                             BwdPostprocessConfig, shipped_configs,
-                                             varlen_config)
+from jax_fa4.kernels.sm90.bwd_config import (TUNING_TABLE, BwdConfig, BwdPostprocessConfig,
+                                             shipped_configs, varlen_config)
 from jax_fa4.kernels.sm90.bwd_config import (swap_sdp_config, with_stats_smem, with_swap_sdp,
                                              without_swap_sdp)
-from jax_fa4.kernels.spec import SMEM_BUDGET_BYTES
+from jax_fa4.kernels.spec import MASK_KINDS, SMEM_BUDGET_BYTES
 from jax_fa4.tools.variants import SM90_BWD_GPU_SWAP, sm90_bwd_gpu_configs
 
 REPO = Path(__file__).resolve().parents[1]

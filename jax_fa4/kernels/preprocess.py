@@ -38,7 +38,8 @@ def _dtype(name: str) -> type[cutlass.Numeric]:
 
 
 class BwdPreprocess:
-    """``delta = rowsum(out * dout)`` and ``lse * log2(e)`` in one pass over ``out`` and ``dout``."""
+    """``delta = rowsum(out * dout)`` and ``lse * log2(e)`` in one pass over ``out`` and
+    ``dout``."""
 
     def __init__(self, config: PreprocessConfig):
         self.dtype = _dtype(config.dtype)
@@ -89,7 +90,8 @@ class BwdPreprocess:
             gdO = mdO[batch, row, head, None]
             for i in cutlass.range_constexpr(self.chunks_per_thread):
                 chunk = lane_in_row + i * self.threads_per_row
-                if const_expr((i + 1) * self.threads_per_row <= self.num_chunks) or chunk < self.num_chunks:
+                if (const_expr((i + 1) * self.threads_per_row <= self.num_chunks)
+                        or chunk < self.num_chunks):
                     o = cute.local_tile(gO, (self.vec,), (chunk,)).load().to(Float32)
                     do = cute.local_tile(gdO, (self.vec,), (chunk,)).load().to(Float32)
                     acc += (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)

@@ -38,7 +38,8 @@ class PreprocessConfig(KernelConfig):
 
     def __post_init__(self) -> None:
         if self.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"bwd_preprocess: dtype must be one of {FLOAT_DTYPES}, got {self.dtype!r}")
+            raise ValueError(f"bwd_preprocess: dtype must be one of {FLOAT_DTYPES}, "
+                             f"got {self.dtype!r}")
         if self.head_dim_v % 8 or not 8 <= self.head_dim_v <= 512:
             raise ValueError("bwd_preprocess: head_dim_v must be a multiple of 8 in [8, 512], "
                              f"got {self.head_dim_v}")

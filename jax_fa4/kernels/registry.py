@@ -12,7 +12,8 @@ A launcher module defines ``make_launcher(config)``, returning the ``@cute.jit``
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jax_fa4.kernels.spec import KernelConfig
 

@@ -3,8 +3,8 @@
     2^x = 2^j · 2^f,   j = floor(x) (integer), f = x − j ∈ [0, 1)
 
 * **Range reduction (Cody–Waite, one step, exact).** ``x`` is clamped to ≥ −127, then
-  ``r = x + (2^23 + 2^22)`` is added *rounding toward −∞*: in [2^23, 2^24) the float spacing is 1, so
-  ``r`` is exactly ``2^23 + 2^22 + floor(x)`` and ``floor(x)`` sits in the low mantissa bits of
+  ``r = x + (2^23 + 2^22)`` is added *rounding toward −∞*: in [2^23, 2^24) the float spacing is 1,
+  so ``r`` is exactly ``2^23 + 2^22 + floor(x)`` and ``floor(x)`` sits in the low mantissa bits of
   ``r``. ``j = r − (2^23 + 2^22)`` and ``f = x − j`` are then exact (no rounding at all), so the
   reduction adds no error.
 * **2^f on [0, 1)** by a degree-3 polynomial, minimax for *relative* error with the constant term

@@ -73,7 +73,8 @@ def quad_allreduce_sum(x: Float32) -> Float32:
 def _tree(vals, op):
     """Reduce a Python list of DSL scalars pairwise (trace-time helper, no AST rewriting)."""
     while len(vals) > 1:
-        vals = [op(vals[j], vals[j + 1]) if j + 1 < len(vals) else vals[j] for j in range(0, len(vals), 2)]
+        vals = [op(vals[j], vals[j + 1]) if j + 1 < len(vals) else vals[j]
+                for j in range(0, len(vals), 2)]
     return vals[0]
 
 

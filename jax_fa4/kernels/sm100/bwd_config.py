@@ -32,9 +32,9 @@ elementwise op, ``jax_fa4/backends/sm100.py``); no separate postprocess kernel i
 Deterministic configs: CTA (n_block, h, b) adds its dQ partial of query block m only when
 dq_semaphore[b, h, m] equals its rank among the key blocks that visit m (key blocks in
 increasing order, ``common/geometry.BwdBlocks.dq_rank``), then increments it (release) once
-its reduce-adds completed, so the float32 sums happen in one fixed order on every run. The 2-CTA kernel
-(``two_cta``) orders each 64-row half of a query block on its own slot, dq_semaphore
-(B, H, 2·ceil(Sq/128)) slot 2m + r, by the rank of the key *pair* among the pairs that visit m.
+its reduce-adds completed, so the float32 sums happen in one fixed order on every run. The 2-CTA
+kernel (``two_cta``) orders each 64-row half of a query block on its own slot, dq_semaphore (B, H,
+2·ceil(Sq/128)) slot 2m + r, by the rank of the key *pair* among the pairs that visit m.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class Sm100BwdConfig(KernelConfig):
     head_dim_v: int = 128
     mask: str = "none"  # "none" | "causal" | "local"
     has_softcap: bool = False
-    gqa: bool = False  # dk/dv float32 per query head (caller sums groups) instead of dtype per kv head
+    # dk/dv float32 per query head (the caller sums the groups) instead of dtype per kv head
+    gqa: bool = False
     deterministic: bool = False  # ordered dQ reduce-adds through dq_semaphore
     # tuning (from TUNING_TABLE via `make`)
     q_stages: int = 2
@@ -78,7 +79,7 @@ class Sm100BwdConfig(KernelConfig):
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
              has_softcap: bool = False, gqa: bool = False, deterministic: bool = False,
-             **overrides) -> "Sm100BwdConfig":
+             **overrides) -> Sm100BwdConfig:
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         t = tuning_for(head_dim, head_dim_v, mask)
         fields = dict(q_stages=t.q_stages, do_stages=t.do_stages, dq_cols=t.dq_cols,
@@ -123,7 +124,8 @@ class Sm100BwdConfig(KernelConfig):
                 raise ValueError(f"sm100 backward: dq_cols {self.dq_cols} must be 16 or 32 and "
                                  f"divide head_dim {self.head_dim}")
         if self.tmem_columns() > TMEM_COLUMNS:
-            raise ValueError(f"sm100 backward: {self.tmem_columns()} TMEM columns exceed {TMEM_COLUMNS}")
+            raise ValueError(f"sm100 backward: {self.tmem_columns()} TMEM columns exceed "
+                             f"{TMEM_COLUMNS}")
         if self.smem_bytes() > SMEM_BUDGET_BYTES:
             raise ValueError(f"sm100 backward: {self.smem_bytes()} B of shared memory exceeds "
                              f"{SMEM_BUDGET_BYTES} B ({self.describe()})")

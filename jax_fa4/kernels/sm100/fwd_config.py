@@ -55,18 +55,19 @@ class FwdConfig(KernelConfig):
     rescale_threshold: float = RESCALE_THRESHOLD
     q_tiles: int = 2
     num_sms: int = DEFAULT_NUM_SMS
-    # Paged KV (as on sm90; jax_fa4/backends/kernel.py calls it): K/V are a cache of tile_n-key tiles, key block n
-    # of batch entry b is tile page_table[b, n], and b has seqused_k[b] keys.
+    # Paged KV (as on sm90; jax_fa4/backends/kernel.py calls it): K/V are a cache of tile_n-key
+    # tiles, key block n of batch entry b is tile page_table[b, n], and b has seqused_k[b] keys.
     paged: bool = False
-    # Varlen (as on sm90; jax_fa4/backends/kernel.py calls it): q, k, v, out packed along one axis, sequence b's
-    # rows [cu_seqlens[b], cu_seqlens[b + 1]); lse (batch, H, max_seqlen_q) sets the tile count.
+    # Varlen (as on sm90; jax_fa4/backends/kernel.py calls it): q, k, v, out packed along one axis,
+    # sequence b's rows [cu_seqlens[b], cu_seqlens[b + 1]); lse (batch, H, max_seqlen_q) sets the
+    # tile count.
     varlen: bool = False
 
     tile_m: ClassVar[int] = 128  # one TMEM lane (one softmax thread) per query row
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
-             has_softcap: bool = False, **overrides) -> "FwdConfig":
+             has_softcap: bool = False, **overrides) -> FwdConfig:
         """The config for a problem kind, tuning from the table (``overrides`` replace table
         fields, for experiments). Raises ValueError if unsupported."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -113,7 +114,8 @@ class FwdConfig(KernelConfig):
             raise ValueError(f"sm100 forward: register split {self.registers()} does not fit "
                              f"{self.launch_registers()} registers per thread at launch")
         if self.tmem_columns() > TMEM_COLUMNS:
-            raise ValueError(f"sm100 forward: {self.tmem_columns()} TMEM columns exceed {TMEM_COLUMNS}")
+            raise ValueError(f"sm100 forward: {self.tmem_columns()} TMEM columns exceed "
+                             f"{TMEM_COLUMNS}")
         if self.smem_bytes() > SMEM_CAPACITY_BYTES:
             raise ValueError(f"sm100 forward: {self.smem_bytes()} B of shared memory exceeds "
                              f"{SMEM_CAPACITY_BYTES} B ({self.kv_stages} K/V stages)")

@@ -18,7 +18,8 @@ Structure (one CTA = one block of tile_n keys of one (batch, query head); not pe
       `cp.reduce.async.bulk.add.f32`, and hands the buffers back (DQ_EMPTY) once read.
   * warpgroups 1, 2 = MMA (consumers), per query block m:
       S = Q·Kᵀ, dP = dO·Vᵀ (WGMMA, operands in shared memory; dP overlaps the exp of S)
-      P = exp2(S·scale_log2 − lse_log2)   [softcap: S ← tanh(S·scale/softcap), scale_log2 ← softcap·log2 e]
+      P = exp2(S·scale_log2 − lse_log2)
+          [softcap: S ← tanh(S·scale/softcap), scale_log2 ← softcap·log2 e]
       P ← 0 outside the mask (only on blocks that cut a boundary)
       dS = P∘(dP − delta) [∘ (1 − tanh²)]
       P, dS → 16 bits → shared memory (stmatrix), fence, one named barrier for both warpgroups
@@ -55,17 +56,17 @@ per block.
 Unmasked, non-deterministic, non-swapped kernels walk their query blocks from a start that
 depends on the key block (``rotate``), so that lockstep key blocks add into different dQ blocks.
 
-Varlen (``cfg.varlen``, called by jax_fa4/backends/sm90.py): q, k, v, dout, dk, dv are sequences packed as one
-batch entry. CTA (x, head) takes key block ``work[x, 1]`` of sequence ``work[x, 0]`` (the caller
-lists the work items, and so chooses their launch order); the sequence's offsets, lengths and
-first dq_accum tile come in the same work row (one round of loads; cu_seqlens_k is read only by
-the item that zeroes the padding keys), its loads from TMA views offset to its first row (rows
-past its end are the next sequence's: the key tail is masked and the query rows past seqlen_q
-have P = dS = 0 as above);
-its query block m reduce-adds into dq_accum tile ``(cu_seqlens_q[b] + b·tile_m) // tile_m + m``,
-which no other sequence touches; dK / dV of a key block inside the sequence are TMA-stored from the
-sequence's first row on, those of its last, partial block row by row below seqlen_k (16-byte
-pieces: a whole-tile TMA store would overwrite the next sequence's rows).
+Varlen (``cfg.varlen``, called by jax_fa4/backends/sm90.py): q, k, v, dout, dk, dv are sequences
+packed as one batch entry. CTA (x, head) takes key block ``work[x, 1]`` of sequence ``work[x, 0]``
+(the caller lists the work items, and so chooses their launch order); the sequence's offsets,
+lengths and first dq_accum tile come in the same work row (one round of loads; cu_seqlens_k is read
+only by the item that zeroes the padding keys), its loads from TMA views offset to its first row
+(rows past its end are the next sequence's: the key tail is masked and the query rows past seqlen_q
+have P = dS = 0 as above); its query block m reduce-adds into dq_accum tile ``(cu_seqlens_q[b] +
+b·tile_m) // tile_m + m``, which no other sequence touches; dK / dV of a key block inside the
+sequence are TMA-stored from the sequence's first row on, those of its last, partial block row by
+row below seqlen_k (16-byte pieces: a whole-tile TMA store would overwrite the next sequence's
+rows).
 
 ``cfg.sink_grad`` (a learnable sink; params carries σ_h for every query head): before each
 block's dS, every MMA thread adds Σ_rows e^{σ − lse_row}·Σ_cols P·dP of its elements to its own
@@ -567,8 +568,10 @@ class FlashAttentionBackwardSm90:
         if m_block_max > m_block_min:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipeline_kv.producer_acquire(kv_state)
-            cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
-            cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+            cute.copy(tma_atom_K, tKgK, tKsK,
+                      tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+            cute.copy(tma_atom_V, tVgV, tVsV,
+                      tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             start = self.first_visit(n_block, m_block_min, m_block_max)
             for it in cutlass.range(m_block_min, m_block_max, unroll=1):
@@ -909,7 +912,8 @@ class FlashAttentionBackwardSm90:
 
                     # P -> shared memory (the previous iteration's readers are done: see PDS)
                     if const_expr(self.pds_stages == 1):
-                        cute.arch.barrier(barrier_id=pds_barrier, number_of_threads=self.num_mma_threads)
+                        cute.arch.barrier(barrier_id=pds_barrier,
+                                          number_of_threads=self.num_mma_threads)
                     rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
                     convert_f32_pairs(acc_S, rP, self.is_bf16)
                     cute.copy(st_thr, st_thr.retile(rP), tPsP[None, None, None, pds_idx])
@@ -935,7 +939,8 @@ class FlashAttentionBackwardSm90:
                     cute.copy(st_thr, st_thr.retile(rdS), tdSsdS[None, None, None, pds_idx])
 
                     cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> WGMMA reads
-                    cute.arch.barrier(barrier_id=pds_barrier, number_of_threads=self.num_mma_threads)
+                    cute.arch.barrier(barrier_id=pds_barrier,
+                                      number_of_threads=self.num_mma_threads)
 
                     # dV += Pᵀ·dO, dQ = dS·K, dK += dSᵀ·Q
                     wgmma(mma_dv, acc_dV, tdVrPt[None, None, None, pds_idx],

@@ -17,8 +17,9 @@ Two kernels (see bwd.py and bwd_postprocess.py):
       delta    (B, H, Sq)         float32  rowsum(out·dout)
       params   (4,)               float32  [softmax_scale, softcap (0 = off), window_left,
                                             window_right] (-1 = unbounded), batched=False
-      dq_accum (B, H, Sq_pad·D)   float32  zero-filled by the caller; Sq_pad = ceil(Sq/tile_m)·tile_m.
-                                            Input 7, aliased to output 0 (updated in place).
+      dq_accum (B, H, Sq_pad·D)   float32  zero-filled by the caller;
+                                            Sq_pad = ceil(Sq/tile_m)·tile_m. Input 7, aliased to
+                                            output 0 (updated in place).
       dq_sem   (B, H, Sq_pad/tile_m) int32    deterministic configs only: zero-filled ordering
                                             counters, one per query block. Input 8, aliased to
                                             output 3 (the launcher takes it after dq_accum).
@@ -29,18 +30,18 @@ Two kernels (see bwd.py and bwd_postprocess.py):
       sink_part (B, H, ceil(Sk/tile_n)) float32: key block n's Σ_i e^{σ_h − lse_i}·Σ_j P_ij·dP_ij
       (BwdConfig.sink_grad).
 
-Varlen configs (``varlen=True``, called by jax_fa4/backends/sm90.py) take packed sequences instead (see
-``varlen_attention_backward_signature``): one CTA per (work item, query head), a work item being
-one key block of one sequence, listed by the caller.
+Varlen configs (``varlen=True``, called by jax_fa4/backends/sm90.py) take packed sequences instead
+(see ``varlen_attention_backward_signature``): one CTA per (work item, query head), a work item
+being one key block of one sequence, listed by the caller.
 
 ``sm90_bwd_postprocess`` (BwdPostprocessConfig): dq (B, Sq, H, D) = dq_accum · softmax_scale in the
 input dtype. ``fn(stream, dq_accum, params, dq)``.
 
-dq_accum layout: per (b, h) a run of Sq_pad·D floats; m-block ``m`` owns [m·tile_m·D, (m+1)·tile_m·D),
-split into one contiguous chunk per dQ warpgroup, each in the dQ WGMMA's accumulator-fragment order
-(chunk c of 4 floats of thread t at float offset (c·128 + t)·4). The postprocess rebuilds the same
-tiled MMA to undo it, so the two configs must agree on (tile_m, head_dim): use
-``BwdConfig.postprocess_config()``.
+dq_accum layout: per (b, h) a run of Sq_pad·D floats; m-block ``m`` owns [m·tile_m·D,
+(m+1)·tile_m·D), split into one contiguous chunk per dQ warpgroup, each in the dQ WGMMA's
+accumulator-fragment order (chunk c of 4 floats of thread t at float offset (c·128 + t)·4). The
+postprocess rebuilds the same tiled MMA to undo it, so the two configs must agree on (tile_m,
+head_dim): use ``BwdConfig.postprocess_config()``.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ class BwdConfig(KernelConfig):
     head_dim_v: int = 128
     mask: str = "none"  # "none" | "causal" | "local"
     has_softcap: bool = False
-    gqa: bool = False  # dk/dv float32 per query head (caller sums groups) instead of dtype per kv head
+    # dk/dv float32 per query head (the caller sums the groups) instead of dtype per kv head
+    gqa: bool = False
     deterministic: bool = False  # dQ chunks reduce-added in key-block order (dq_sem counters)
     # tuning (from TUNING_TABLE via `make`)
     tile_m: int = 64
@@ -180,7 +182,7 @@ class BwdConfig(KernelConfig):
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
              has_softcap: bool = False, gqa: bool = False,
              deterministic: bool = False, sink_grad: bool = False,
-             segments: bool = False) -> "BwdConfig":
+             segments: bool = False) -> BwdConfig:
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         t = tuning_for(head_dim, head_dim_v, mask)
         # swap_sdp spills with softcap (validate) and was measured slower deterministic
@@ -248,7 +250,8 @@ class BwdConfig(KernelConfig):
                              "derivative keeps every column's lse live); use swap_sdp=False")
         if self.swap_sdp and max(self.head_dim, self.head_dim_v) > 128:
             raise ValueError("sm90 backward: swap_sdp needs head dims <= 128 (registers: dK, dV "
-                             f"accumulators of 64 keys each), not {self.head_dim}/{self.head_dim_v}")
+                             "accumulators of 64 keys each), not "
+                             f"{self.head_dim}/{self.head_dim_v}")
         # every GEMM's per-warpgroup N extent must be a multiple of 16 (8 for WGMMA, 16 for the
         # shared-memory swizzle atoms used by the transposed operands)
         lay = self.wg_layouts()
@@ -288,7 +291,7 @@ class BwdConfig(KernelConfig):
         kv_ids = self.tile_n * 4 if self.segments else 0  # the key block's segment ids
         return q + do + k + v + pds + dq + stats + sink + kv_ids
 
-    def postprocess_config(self) -> "BwdPostprocessConfig":
+    def postprocess_config(self) -> BwdPostprocessConfig:
         return BwdPostprocessConfig(dtype=self.dtype, head_dim=self.head_dim, tile_m=self.tile_m,
                                     varlen=self.varlen)
 

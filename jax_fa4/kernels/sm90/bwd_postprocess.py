@@ -8,7 +8,8 @@ reduce-added (16-byte, fully coalesced loads), scales them, converts them to 16 
 to shared memory in tile order with stmatrix and TMA-stores the (tile_m, D) tile into dq
 (B, Sq, H, D); TMA clips the rows past seqlen_q. Grid: (ceil(Sq / tile_m), H, B).
 
-Call: ``fn(stream, dq_accum, params, dq)``; params float32 (4,), params[PARAM_SCALE] = softmax_scale.
+Call: ``fn(stream, dq_accum, params, dq)``; params float32 (4,), params[PARAM_SCALE] =
+softmax_scale.
 
 Varlen (``cfg.varlen``): ``fn(stream, dq_accum, params, cu_seqlens_q, tile_seq, dq)``, dq packed
 (1, total_q, H, D). Grid (tiles + 1, H): CTA t < tiles converts dq_accum tile t into rows of the

@@ -307,7 +307,8 @@ class FlashAttentionForwardSm90:
                mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                mSegTiles: cute.Tensor | None, mSegRows: cute.Tensor | None,
                mKvIds: cute.Tensor | None, mMaxLogits: cute.Tensor | None,
-               mDescale: cute.Tensor | None, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               mDescale: cute.Tensor | None, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
+               tma_atom_V: cute.CopyAtom,
                tma_atom_O: cute.CopyAtom,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
@@ -768,7 +769,8 @@ class FlashAttentionForwardSm90:
             # 2) blocks cutting the causal / right-window diagonal
             if const_expr(masked):
                 for i in cutlass.range(n_hi - n_lo_right, unroll=1):
-                    k_state, v_state = block(ctx, k_state, v_state, n_hi - 1 - i, False, False, True)
+                    k_state, v_state = block(ctx, k_state, v_state, n_hi - 1 - i, False, False,
+                                             True)
                 n_hi = cutlass.min(n_hi, n_lo_right)
             # 3) the bulk, unmasked
             for i in cutlass.range(n_hi - n_lo_bulk, unroll=1):
@@ -777,7 +779,8 @@ class FlashAttentionForwardSm90:
             if const_expr(self.is_local or self.segments):
                 n_hi = cutlass.min(n_hi, n_lo_bulk)
                 for i in cutlass.range(n_hi - n_block_min, unroll=1):
-                    k_state, v_state = block(ctx, k_state, v_state, n_hi - 1 - i, False, False, True)
+                    k_state, v_state = block(ctx, k_state, v_state, n_hi - 1 - i, False, False,
+                                             True)
             # 5) the last block's P·V
             if const_expr(self.overlap):
                 v_state = self.last_half_block(ctx, v_state)
@@ -916,7 +919,8 @@ class FlashAttentionForwardSm90:
                 acc_S[i] = cute.math.tanh(acc_S[i] * ctx["tanh_in_scale"], fastmath=True)
         if const_expr(mask_seqlen or mask_diag):
             ctx["mask"].apply(acc_S, ctx["tScS"], ctx["t0ScS"], ctx["m_block"], n_block,
-                              mask_seqlen, mask_diag and self.is_causal, mask_diag and self.is_local,
+                              mask_seqlen, mask_diag and self.is_causal,
+                              mask_diag and self.is_local,
                               ctx["segs"] if const_expr(mask_diag) else None)
 
     @cute.jit
@@ -925,7 +929,8 @@ class FlashAttentionForwardSm90:
                      mask_diag: cutlass.Constexpr[bool]):
         """No overlap: S = Q·Kᵀ, wait, softmax, O = O·rescale + P·V, wait."""
         pipeline_k, pipeline_v = ctx["pipeline_k"], ctx["pipeline_v"]
-        acc_O, tOrP, softmax, row_scale = ctx["acc_O"], ctx["tOrP"], ctx["softmax"], ctx["row_scale"]
+        acc_O, tOrP = ctx["acc_O"], ctx["tOrP"]
+        softmax, row_scale = ctx["softmax"], ctx["row_scale"]
         pipeline_k.consumer_wait(k_state)
         acc_S = cute.make_rmem_tensor(ctx["acc_S_shape"], Float32)
         wgmma(ctx["tiled_mma_qk"], acc_S, ctx["tSrQ"], ctx["tSrK"][None, None, None, k_state.index],
@@ -992,7 +997,8 @@ class FlashAttentionForwardSm90:
         """Overlap, block j: issue S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1}; softmax S_j while the PV
         GEMM runs; then P_j (overwrites P_{j-1} only after its GEMM completed) and O rescale."""
         pipeline_k, pipeline_v = ctx["pipeline_k"], ctx["pipeline_v"]
-        acc_O, tOrP, softmax, row_scale = ctx["acc_O"], ctx["tOrP"], ctx["softmax"], ctx["row_scale"]
+        acc_O, tOrP = ctx["acc_O"], ctx["tOrP"]
+        softmax, row_scale = ctx["softmax"], ctx["row_scale"]
         pipeline_k.consumer_wait(k_state)
         self.pingpong_sync(ctx["wg_idx"])  # our turn to issue GEMMs
         acc_S = cute.make_rmem_tensor(ctx["acc_S_shape"], Float32)

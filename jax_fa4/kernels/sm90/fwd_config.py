@@ -55,7 +55,8 @@ class FwdConfig(KernelConfig):
     head_dim_v: int = 128
     mask: str = "none"  # "none" | "causal" | "local"
     has_softcap: bool = False
-    # Tuning (derived from TUNING_TABLE by `FwdConfig.make`; part of the key because it changes code).
+    # Tuning (derived from TUNING_TABLE by `FwdConfig.make`; part of the key because it changes
+    # code).
     tile_m: int = 128  # 64 rows per consumer warpgroup: 128 = 2 warpgroups, 192 = 3
     tile_n: int = 128
     stages: int = 2
@@ -81,12 +82,12 @@ class FwdConfig(KernelConfig):
     # none of whose rows' max grew in a key block skips its O multiply (the factors are then
     # exactly 1.0). Implied by rescale_threshold > 0.
     rescale_skip: bool = False
-    # Paged KV (called by jax_fa4/backends/kernel.py): K/V are a cache of tile_n-key tiles, key block n of batch
-    # entry b is tile page_table[b, n], and b has seqused_k[b] keys
+    # Paged KV (called by jax_fa4/backends/kernel.py): K/V are a cache of tile_n-key tiles, key
+    # block n of batch entry b is tile page_table[b, n], and b has seqused_k[b] keys
     # (spec.paged_attention_forward_signature).
     paged: bool = False
-    # Varlen (called by jax_fa4/backends/kernel.py): q, k, v, out packed along one axis, sequence boundaries from
-    # cu_seqlens (spec.varlen_attention_forward_signature).
+    # Varlen (called by jax_fa4/backends/kernel.py): q, k, v, out packed along one axis, sequence
+    # boundaries from cu_seqlens (spec.varlen_attention_forward_signature).
     varlen: bool = False
     # CTAs resident per SM (1 or 2): 2 halves each CTA's registers (launch bound
     # ``min_blocks_per_mp``; one consumer warpgroup only) and must fit half the shared memory.
@@ -117,7 +118,7 @@ class FwdConfig(KernelConfig):
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
-             has_softcap: bool = False, **overrides) -> "FwdConfig":
+             has_softcap: bool = False, **overrides) -> FwdConfig:
         """The config for a problem kind, tuning taken from the table (``overrides`` replace table
         fields, for experiments and the no-overlap fallback). Raises ValueError if unsupported."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -139,14 +140,16 @@ class FwdConfig(KernelConfig):
         if self.head_dim % 16 or self.head_dim_v % 16:
             raise ValueError("sm90 forward: head dims must be multiples of 16")
         if self.head_dim_v > self.head_dim:
-            raise ValueError("sm90 forward: head_dim_v > head_dim not supported (O reuses Q's smem)")
+            raise ValueError("sm90 forward: head_dim_v > head_dim not supported (O reuses Q's "
+                             "shared memory)")
         if self.tile_m not in (64, 128, 192):
             raise ValueError(f"sm90 forward: tile_m {self.tile_m} not supported (64, 128 or 192)")
         if self.pingpong and self.tile_m == 64:
             raise ValueError("sm90 forward: pingpong needs two or three consumer warpgroups "
                              "(tile_m 128 or 192), not tile_m 64")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
-            raise ValueError(f"sm90 forward: tile_n {self.tile_n} must be a multiple of 16 in [16, 256]")
+            raise ValueError(f"sm90 forward: tile_n {self.tile_n} must be a multiple of 16 in "
+                             "[16, 256]")
         if self.stages < 1:
             raise ValueError("sm90 forward: stages must be >= 1")
         if self.pingpong and not self.intra_wg_overlap:
@@ -154,8 +157,8 @@ class FwdConfig(KernelConfig):
                              "mainloop is fenced by the ping-pong barriers)")
         if not (isinstance(self.rescale_threshold, (int, float)) and 0.0 <= self.rescale_threshold
                 <= 16.0):
-            raise ValueError(f"sm90 forward: rescale_threshold {self.rescale_threshold!r} must be in "
-                             "[0, 16] (log2 units; 0 = always rescale)")
+            raise ValueError(f"sm90 forward: rescale_threshold {self.rescale_threshold!r} must be "
+                             "in [0, 16] (log2 units; 0 = always rescale)")
         if not (isinstance(self.exp2_sw_per_32, int) and 0 <= self.exp2_sw_per_32 <= 32):
             raise ValueError(f"sm90 forward: exp2_sw_per_32 {self.exp2_sw_per_32!r} must be an "
                              "int in [0, 32]")
