@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                     else speed_variants(b, s, h, d, causal, flat))
         variants = {n: v for n, v in variants.items() if only is None or n in only}
         programs, names = [], []
-        for name, (lens, attn) in variants.items():
+        for name, (_lens, attn) in variants.items():
             def fwd(q, k, v, do, ids, cu, attn=attn):
                 return attn(q, k, v, ids, cu)
 

@@ -1,6 +1,7 @@
 """Attention and its gradient with jax-fa4, checked against the pure-JAX reference.
 
-    python examples/attention_grad.py [--batch 2 --seqlen 1024 --heads 8 --kv-heads 2 --head-dim 128]
+    python examples/attention_grad.py [--batch 2 --seqlen 1024 --heads 8 --kv-heads 2 \
+                                       --head-dim 128]
 
 On a Hopper GPU this runs jax-fa4's kernels; on a CPU (or an unsupported GPU) the same call runs
 the reference implementation, so the script works anywhere.

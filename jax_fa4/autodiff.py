@@ -225,7 +225,7 @@ def extras_backward_impl(has_sink: bool, has_ids: bool):
     return run
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _extras_ops(has_sink: bool, has_ids: bool):
     """(forward, backward) operations with these extras, sharded over batch and heads
     (:func:`jax_fa4.parallel.sharding.partitioned`; segment ids (B.., S) follow the batch)."""

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -256,7 +257,8 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                         validate: bool = False) -> None:
     """Packed q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), int32 cu_seqlens
     (batch + 1,) and static max_seqlen ints. Values are checked wherever they are known at the
-    call (:func:`concrete_values`); traced ones only with ``validate`` (:func:`check_at_run_time`)."""
+    call (:func:`concrete_values`); traced ones only with ``validate``
+    (:func:`check_at_run_time`)."""
     for name, x, layout in (("q", q, "(total_q, H, D)"), ("k", k, "(total_k, Hkv, D)"),
                             ("v", v, "(total_k, Hkv, Dv)")):
         check_array(name, x)

@@ -34,7 +34,8 @@ Optional extras (all functions, keyword-only, default off):
   only if their ids are equal, on top of the window rule.
 - ``q_positions`` ``(B, Sq)`` / ``kv_positions`` ``(B, Sk)`` int: the positions the window rule
   compares (default ``i + Sk - Sq`` and ``j``, i.e. bottom-right alignment). Packed
-  variable-length batches (:func:`jax_fa4.flash_attention_varlen`) use them to align each sequence on its own.
+  variable-length batches (:func:`jax_fa4.flash_attention_varlen`) use them to align each sequence
+  on its own.
 
 The masking rule lives in :func:`visible_mask` only.
 

@@ -25,7 +25,8 @@ import dataclasses
 import re
 import warnings
 import zlib
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

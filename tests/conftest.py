@@ -40,8 +40,9 @@ def _share_xla_compilations(config) -> None:
     """XLA's persistent compilation cache in ``.pytest_cache``, shared by the xdist workers and
     by later runs: many tests compile the same small programs (the reference at a few shapes,
     the same options through several entry points), and on a 2-core machine compiling them is
-    most of a test's time (CPU runs only: the GPU suite keeps XLA's defaults). Keys hash the program, the compile options and the jax/XLA version,
-    so an entry never serves a different program. ``JAX_FA4_TEST_XLA_CACHE=0`` turns it off."""
+    most of a test's time (CPU runs only: the GPU suite keeps XLA's defaults). Keys hash the
+    program, the compile options and the jax/XLA version, so an entry never serves a different
+    program. ``JAX_FA4_TEST_XLA_CACHE=0`` turns it off."""
     if getattr(config, "cache", None) is None:  # -p no:cacheprovider
         return
     import jax

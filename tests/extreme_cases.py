@@ -547,8 +547,9 @@ def check_beyond_range(case: Case, implementation: str, before_run=None) -> int:
     """The forward of a huge-score ``case`` on a kernel: each row past the exact range
     (:data:`KERNEL_EXACT_LIMIT_LOG2`, from the float64 oracle's row max, the sink included
     where it joins inside the kernel; rows within a factor 2 of the limit are not judged) is
-    NaN in every output element and in lse, never a finite value; rows without keys are exactly 0 / -inf (or the sink); the other rows are finite and
-    by FA4's rule. Returns the number of rows found past the range."""
+    NaN in every output element and in lse, never a finite value; rows without keys are exactly 0 /
+    -inf (or the sink); the other rows are finite and by FA4's rule. Returns the number of rows
+    found past the range."""
     pb = make_problem(case, implementation)
     name = f"{case.name} [{implementation}]"
     dtype = jnp.dtype(case.dtype)
@@ -577,7 +578,8 @@ def check_beyond_range(case: Case, implementation: str, before_run=None) -> int:
 
     for where in np.argwhere(beyond):
         b, h, i = where
-        assert np.isnan(lse[b, h, i]), f"{name}: row {tuple(where)} past the range: lse {lse[b, h, i]}"
+        assert np.isnan(lse[b, h, i]), (f"{name}: row {tuple(where)} past the range: "
+                                        f"lse {lse[b, h, i]}")
         assert np.isnan(out32[b, h, i]).all(), f"{name}: row {tuple(where)} past the range not NaN"
     empty = ~seen
     assert (out32[empty] == 0).all(), f"{name}: rows without keys not 0"

@@ -5,8 +5,8 @@ forward and the preprocess are the reference; the sm100 backward
 (``jax_fa4/kernels/sm100/bwd_config.py``) returns dq_accum as the kernel leaves it (row-major
 (Sq_pad, D) per (b, h), unscaled, the rows past Sq NaN so that the caller must drop them) and, for
 GQA configs, dK / dV per *query* head in float32. With them the sm100 route's JAX side
-(jax_fa4.backends.sm100 and kernel, autodiff, sharding) runs on the CPU and must give the reference's numbers.
-Shared by tests/test_sm100_bwd_wiring.py and tests/multidevice_checks.py.
+(jax_fa4.backends.sm100 and kernel, autodiff, sharding) runs on the CPU and must give the
+reference's numbers. Shared by tests/test_sm100_bwd_wiring.py and tests/multidevice_checks.py.
 """
 
 from __future__ import annotations

@@ -273,8 +273,8 @@ def test_sass_diff_pairs_variants_across_a_new_default_field():
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
-def _fake_prepared(impl: str, shape: "bench_shapes.Shape", kinds: tuple[str, ...]
-                   ) -> "bench.Prepared":
+def _fake_prepared(impl: str, shape: bench_shapes.Shape, kinds: tuple[str, ...]
+                   ) -> bench.Prepared:
     row = bench._empty_row(impl, shape, "bf16")
     return bench.Prepared(row, {kind: f"{impl} {kind}" for kind in kinds})
 

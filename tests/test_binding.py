@@ -85,7 +85,8 @@ def test_precompile_builds_the_tiers_shipped_variants(shipped_cache, arch):
     want = [v for v in (variants("default") if compiled.EXHAUSTIVE
                         else compiled.shipped_representatives()) if v.arch == arch]
     metas = {json.dumps(m["config"], sort_keys=True): m
-             for m in (json.loads(p.read_text()) for p in (shipped_cache.root / arch).glob("*.json"))}
+             for m in (json.loads(p.read_text())
+                       for p in (shipped_cache.root / arch).glob("*.json"))}
     for v in want:
         meta = metas.get(json.dumps(v.config.key_dict(), sort_keys=True))
         assert meta is not None, v.describe()

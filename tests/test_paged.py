@@ -253,7 +253,9 @@ def test_new_seqused_and_page_table_do_not_retrace():
 def test_vmap():
     q, k_cache, v_cache, table, seqused = _cache(2, 1, 2, 2, 8, 8, 16, num_pages=6,
                                                  max_pages=2, seqused=(5, 20), seed=3)
-    f = lambda q: flash_attention_paged(q, k_cache, v_cache, table, seqused)
+    def f(q):
+        return flash_attention_paged(q, k_cache, v_cache, table, seqused)
+
     qs = jnp.stack([q, 2 * q])
     out = jax.vmap(f)(qs)
     for i in range(2):

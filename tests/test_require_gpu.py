@@ -1,6 +1,6 @@
 """``JAX_FA4_REQUIRE_GPU=1`` (the GPU machine's runs): GPU tests fail instead of skipping, and a
-kernel implementation that would run the pure-JAX reference is reported (``jax_fa4.backends.base.reference_fallback``)
-and, in the GPU suite, refused."""
+kernel implementation that would run the pure-JAX reference is reported
+(``jax_fa4.backends.base.reference_fallback``) and, in the GPU suite, refused."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def _shapes(d: int, dv: int, dtype=jnp.bfloat16) -> tuple:
     b, sq, h = 1, 16, 2
     f32 = jnp.float32
     return (jax.ShapeDtypeStruct((b, sq, h, d), dtype), jax.ShapeDtypeStruct((b, sq, h, d), dtype),
-            jax.ShapeDtypeStruct((b, sq, h, dv), dtype), jax.ShapeDtypeStruct((b, sq, h, dv), dtype),
+            jax.ShapeDtypeStruct((b, sq, h, dv), dtype),
+            jax.ShapeDtypeStruct((b, sq, h, dv), dtype),
             jax.ShapeDtypeStruct((b, h, sq), f32), jax.ShapeDtypeStruct((b, sq, h, dv), dtype),
             jax.ShapeDtypeStruct((b, h, sq), f32), jax.ShapeDtypeStruct((b, h, sq), f32))
 

@@ -1,4 +1,5 @@
-"""Every shipped kernel variant ships clean; the quick tier's representative rule; jax_fa4.tools.sass.
+"""Every shipped kernel variant ships clean; the quick tier's representative rule;
+jax_fa4.tools.sass.
 
 * ``test_shipped_variants_have_clean_sass``: the quick tier checks one shipped variant per arch ×
   kernel kind × mode (tests/compiled.py), ``--exhaustive`` every shipped variant of both archs
@@ -99,7 +100,7 @@ def test_quick_tier_keeps_one_listed_config_per_class():
             assert any(v in shipped for v in quick if family_mode_class(v) == cls)
 
 
-# -- jax_fa4.tools.sass -------------------------------------------------------------------------------
+# -- jax_fa4.tools.sass ---------------------------------------------------------------------------
 _LISTING = """
 Resource usage:
  Common:

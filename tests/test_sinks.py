@@ -133,7 +133,9 @@ def test_gradients_match_brute_force(case):
     backward plus sink_gradient)."""
     q, k, v, sink, dout, dlse = _inputs(case, seed=3)
     want = _brute_force_grads(case, q, k, v, sink, dout, dlse)
-    f = lambda q, k, v, s: reference.attention(q, k, v, learnable_sink=s, **_options(case))
+    def f(q, k, v, s):
+        return reference.attention(q, k, v, learnable_sink=s, **_options(case))
+
     (out, lse), vjp = jax.vjp(f, q, k, v, sink)
     for name, got, w in zip(NAMES, vjp((dout, dlse)), want):
         _assert_close(got, w, f"vjp {name}")
@@ -155,8 +157,10 @@ def test_blocked_gradients_match_brute_force():
     case = CASES[1]
     q, k, v, sink, dout, dlse = _inputs(case, seed=4)
     want = _brute_force_grads(case, q, k, v, sink, dout, dlse)
-    f = lambda q, k, v, s: reference.attention_blocked(q, k, v, learnable_sink=s, block_k=4,
-                                                       **_options(case))
+    def f(q, k, v, s):
+        return reference.attention_blocked(q, k, v, learnable_sink=s, block_k=4,
+                                           **_options(case))
+
     (out, lse), vjp = jax.vjp(f, q, k, v, sink)
     for name, got, w in zip(NAMES, vjp((dout, dlse)), want):
         _assert_close(got, w, f"vjp blocked {name}")

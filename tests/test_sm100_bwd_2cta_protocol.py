@@ -2,11 +2,11 @@
 model.
 
 jax_fa4/kernels/sm100/bwd_2cta.py (head dims 128 and 192 / Dv 128, tcgen05 ``cta_group::2``) can
-be compiled here but never run (no Blackwell GPU): its protocol across the two CTAs of a cluster must be right by
-construction. Its specification is the module docstring of bwd_2cta.py (warp roles, the leader's
-MMA order, every barrier with its count and arrivers, the DSMEM exchange of dS, the relay warp,
-TMEM offsets, the deterministic dQ order); this file transcribes it role by role as Python
-generators (load_warp, mma_warp, compute_warps + epilogue, relay_warp, reduce_warps) and runs
+be compiled here but never run (no Blackwell GPU): its protocol across the two CTAs of a cluster
+must be right by construction. Its specification is the module docstring of bwd_2cta.py (warp roles,
+the leader's MMA order, every barrier with its count and arrivers, the DSMEM exchange of dS, the
+relay warp, TMEM offsets, the deterministic dQ order); this file transcribes it role by role as
+Python generators (load_warp, mma_warp, compute_warps + epilogue, relay_warp, reduce_warps) and runs
 whole grids of clusters under random schedules. Both variants of the docstring are modelled,
 selected by the config: head dim 128 (below) and the *serial* layout of head dim 192 / Dv 128
 (``Sm100BwdConfig.serial``, see "Serial layout" further down).
@@ -1098,7 +1098,8 @@ def wait_sites(deterministic: bool) -> set:
     every compute warp's lse release of block j)."""
     sites = {("load", "q.empty"), ("load", "qt.empty"), ("load", "do.empty"),
              ("load", "dot.empty"),
-             ("mma", "kv.full"), ("mma", "q.full"), ("mma", "do.full"), ("mma", "ds_full"), ("mma", "xchg_leader"),
+             ("mma", "kv.full"), ("mma", "q.full"), ("mma", "do.full"), ("mma", "ds_full"),
+             ("mma", "xchg_leader"),
              ("mma", "dq_empty"), ("mma", "p_full"), ("mma", "tmem_dealloc"),
              ("mma", "bar.TMEM_DEALLOC"),
              ("compute", "lse.full"), ("compute", "s_full"), ("compute", "dp_full"),
@@ -1413,8 +1414,8 @@ def test_serial_mutation_missing_ds_barrier():
 
 @pytest.mark.parametrize("mut", ("late_dq_empty_wait", "no_dq_empty_wait"))
 def test_serial_mutation_dq_empty_wait(mut):
-    """dq_empty_{j−1} waited only after Sᵀ_j (before dPᵀ_j), or not at all: Sᵀ_j overwrites dQ_{j−1}'s
-    columns [416, 448) while the reduce warps still drain them."""
+    """dq_empty_{j−1} waited only after Sᵀ_j (before dPᵀ_j), or not at all: Sᵀ_j overwrites
+    dQ_{j−1}'s columns [416, 448) while the reduce warps still drain them."""
     err = fails(mut, cfg=make_serial_cfg(), sq=3 * TILE, match=("TMEM[dq", "expecting ('dQ'"))
     assert "reduce" in err or "tensor" in err, err
 

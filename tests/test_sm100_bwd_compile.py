@@ -3,8 +3,9 @@
 Nothing here runs a kernel (no Blackwell GPU exists in this project). Each config of
 ``bwd_config.test_configs()`` (every head dim, every mask kind, softcap, GQA, deterministic, fp16)
 is compiled through the binding's own path (``compile_config(config, "sm_100a")``: dynamic B/S/H)
-and its SASS read with jax_fa4.tools.sass (the quick tier: the representative configs, tests/compiled.py;
-``--exhaustive``: all of them; every shipped variant: tests/test_shipped_kernels.py):
+and its SASS read with jax_fa4.tools.sass (the quick tier: the representative configs,
+tests/compiled.py; ``--exhaustive``: all of them; every shipped variant:
+tests/test_shipped_kernels.py):
 
   * tcgen05 MMAs (UTCHMMA: 5 GEMMs × their k-blocks), commits (UTCBAR), TMEM loads / stores
     (LDTM / STTM), TMA loads (UTMALDG), the dQ TMA reduce-adds (UTMAREDG), MUFU.EX2 (MUFU.TANH
@@ -36,8 +37,9 @@ from jax_fa4.kernels.sm100.bwd_config import (TMEM_COLUMNS, Sm100BwdConfig, ship
 from jax_fa4.kernels.sm100.bwd_tuning import TUNING_TABLE
 from jax_fa4.kernels.spec import MASK_KINDS, SMEM_BUDGET_BYTES
 
-REPO = Path(__file__).resolve().parents[1]
 from compiled import compiled_report, needs_disassembler, tiered
+
+REPO = Path(__file__).resolve().parents[1]
 ARCH = "sm_100a"
 
 

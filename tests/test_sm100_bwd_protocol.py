@@ -68,9 +68,9 @@ blocks, 1-2 heads, 1 SM slot up to the whole grid resident, softcap on / off, de
 off, the shipped tunings of d64 / d96 / d128 and accepted stage-count variants (q_stages ≠
 do_stages, dq_stages 1-3, dq_cols 16 / 32). Found: ``q_stages=1`` (then accepted by
 Sm100BwdConfig.validate, shipped nowhere) deadlocks on every schedule once a CTA visits two query
-blocks; validate now refuses it (test_one_q_stage_deadlocks_and_is_refused). Redundant in the current MMA order
-(mutating them changes no outcome): the ds_empty wait (dp_full_j's commit follows dK_{j−1}) and
-the lse.empty wait (q.empty of the same stage comes later).
+blocks; validate now refuses it (test_one_q_stage_deadlocks_and_is_refused). Redundant in the
+current MMA order (mutating them changes no outcome): the ds_empty wait (dp_full_j's commit follows
+dK_{j−1}) and the lse.empty wait (q.empty of the same stage comes later).
 """
 
 from __future__ import annotations

@@ -696,7 +696,7 @@ class ForwardModel:
         every = list(self.bars.values()) + [self.pipeline_q.full, self.pipeline_q.empty,
                                            self.pipeline_kv.full, self.pipeline_kv.empty]
         waits = defaultdict(list)
-        for (actor, bar), n in sim.waits.items():
+        for (_actor, bar), n in sim.waits.items():
             waits[bar].append(n)
         for bar in itertools.chain.from_iterable(every):
             if bar.pending != bar.count or bar.tx:

@@ -52,7 +52,8 @@ def test_fma_f32_is_correctly_rounded():
         exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
         want = np.float32(float(exact))  # float(Fraction) rounds correctly to f64 ...
         # ... and f64 -> f32 can double-round only at an f32 midpoint: compare to both neighbours
-        cands = [want, np.nextafter(want, np.float32(-np.inf)), np.nextafter(want, np.float32(np.inf))]
+        cands = [want, np.nextafter(want, np.float32(-np.inf)),
+                 np.nextafter(want, np.float32(np.inf))]
         best = min(cands, key=lambda v: (abs(Fraction(float(v)) - exact),
                                          int(np.asarray(v, np.float32).view(np.int32)) & 1))
         assert got[i] == best, (a[i], b[i], c[i], got[i], best)
@@ -108,7 +109,8 @@ def test_exp2_matches_rounded_polynomial_structure():
     f = x - np.floor(x)
     p = exp2_sw_numpy(f.astype(np.float32))
     assert np.all((p >= 1.0) & (p < 2.0))
-    np.testing.assert_array_equal(exp2_sw_numpy(x), np.ldexp(exp2_sw_numpy(f), np.floor(x).astype(int)))
+    np.testing.assert_array_equal(exp2_sw_numpy(x),
+                                  np.ldexp(exp2_sw_numpy(f), np.floor(x).astype(int)))
 
 
 def test_exp2_tiny_negative_inputs_have_floor_minus_one():
@@ -158,7 +160,8 @@ def online_softmax(score_blocks, v_blocks, scale_log2, threshold, exp2=np.exp2):
             if threshold is None:
                 need = need | (m_new > m)
             m_applied = np.where(need, m_new, m)
-            acc_scale = np.where(need, np.exp2(m * c - m_applied * c), np.float32(1)).astype(np.float32)
+            acc_scale = np.where(need, np.exp2(m * c - m_applied * c),
+                                 np.float32(1)).astype(np.float32)
             rescales += int(np.count_nonzero(need & np.isfinite(m)))
             m = m_applied
             m_safe = np.where(np.isneginf(m), np.float32(0), m)

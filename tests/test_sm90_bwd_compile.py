@@ -11,8 +11,8 @@ docs/perf-log-bwd.md). The quick tier runs the representative configs of each li
 tests/test_shipped_kernels.py.
 
 Plus CPU-only checks of what would fail silently on the GPU: the query-block ranges, the
-"needs a mask" test and the per-row visible columns (common/geometry.py) against brute force; the config
-contract (signature, alias, no compiler import, validator messages, smem budget).
+"needs a mask" test and the per-row visible columns (common/geometry.py) against brute force; the
+config contract (signature, alias, no compiler import, validator messages, smem budget).
 """
 
 from __future__ import annotations

@@ -91,7 +91,8 @@ def _decode_id(cfg: FwdConfig) -> str:
 
 
 @needs_disassembler
-@pytest.mark.parametrize("cfg", tiered([decode_config("bfloat16", d, dv) for (d, dv) in TUNING_TABLE]
+@pytest.mark.parametrize("cfg", tiered([decode_config("bfloat16", d, dv)
+                                        for (d, dv) in TUNING_TABLE]
                                        + [decode_config("float16", 128, 128, has_softcap=True)],
                                        ARCH), ids=_decode_id)
 def test_decode_tile_compiles_with_clean_sass(cfg, shipped_cache):
@@ -112,7 +113,8 @@ def test_decode_tile_alternatives_compile(cfg, shipped_cache):
 
 
 def _option_id(cfg: FwdConfig) -> str:
-    parts = [cfg.dtype[:4], f"{cfg.head_dim}/{cfg.head_dim_v}", cfg.mask, f"{cfg.tile_m}x{cfg.tile_n}"]
+    parts = [cfg.dtype[:4], f"{cfg.head_dim}/{cfg.head_dim_v}", cfg.mask,
+             f"{cfg.tile_m}x{cfg.tile_n}"]
     parts += ["pp"] * cfg.pingpong + [f"rs{cfg.rescale_threshold:g}"] * (cfg.rescale_threshold > 0)
     parts += ["softcap"] * cfg.has_softcap + ["serial"] * (not cfg.intra_wg_overlap)
     parts += [f"persist{cfg.num_sms}"] * (cfg.num_sms > 0)
@@ -241,7 +243,9 @@ def test_block_ranges_cover_exactly_the_visible_keys(kind, tile_m, tile_n):
         for m in range(-(-sq // tile_m)):
             rows = range(m * tile_m, min((m + 1) * tile_m, sq))
             lo, hi = bi.n_block_range(m)
-            vis = {(i, j) for i in rows for j in range(sk) if _visible(i, j, sq, sk, kind, wl0 if wl0 >= 0 else 10**9, wr0 if wr0 >= 0 else 10**9)}
+            vis = {(i, j) for i in rows for j in range(sk)
+                   if _visible(i, j, sq, sk, kind, wl0 if wl0 >= 0 else 10**9,
+                               wr0 if wr0 >= 0 else 10**9)}
             where = f"sq={sq} sk={sk} window=({wl0},{wr0}) m={m}"
             # 1) every visible key lies in a visited block
             assert all(lo <= j // tile_n < hi for _, j in vis), where

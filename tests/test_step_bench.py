@@ -22,7 +22,8 @@ def test_smoke_run_writes_the_result_and_both_models_agree(tmp_path: Path) -> No
     out = tmp_path / "step.json"
     hlo = tmp_path / "hlo"
     assert step_bench.main(["--smoke", "--layers", "1", "--rounds", "1", "--steps", "1",
-                            "--warmup", "0", "--attn-target-ms", "1", "--hlo", str(hlo), "--out", str(out)]) == 0
+                            "--warmup", "0", "--attn-target-ms", "1", "--hlo", str(hlo),
+                            "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["complete"] and report["settings"]["impls"] == ["jax-fa4", "xla"]
     assert {"gpu", "versions", "gpu_state", "command", "date", "timing"} <= set(report)
@@ -59,7 +60,8 @@ def test_the_first_step_check_sees_a_different_attention(tmp_path: Path,
     monkeypatch.setattr(step_bench, "attention_fn", patched)
     out = tmp_path / "step.json"
     assert step_bench.main(["--smoke", "--configs", "smoke", "--layers", "1", "--rounds", "1",
-                            "--steps", "1", "--warmup", "0", "--no-attention", "--out", str(out)]) == 0
+                            "--steps", "1", "--warmup", "0", "--no-attention",
+                            "--out", str(out)]) == 0
     check = json.loads(out.read_text())["configs"][0]["check"]
     assert not check["agree"], check
     assert check["qkv_grad_norm_rel_diff"] > step_bench.GRAD_RTOL

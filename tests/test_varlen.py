@@ -46,7 +46,9 @@ def _packed(lens_q, lens_k, h, hkv, d, dv, seed, pad_q=PAD_Q, pad_k=PAD_K):
 @functools.partial(jax.jit, static_argnames=("window", "softcap", "softmax_scale"))
 def _ref_vjp(q, k, v, sink, dout, dlse, **options):
     """reference.attention of one (B = 1) problem and its vjp, in one compiled program."""
-    f = lambda q, k, v, s: reference.attention(q, k, v, learnable_sink=s, **options)
+    def f(q, k, v, s):
+        return reference.attention(q, k, v, learnable_sink=s, **options)
+
     (out, lse), vjp = jax.vjp(f, q, k, v, sink)
     return out, lse, vjp((dout, dlse))
 
@@ -182,8 +184,9 @@ def test_vmap_over_a_leading_axis():
     lens_q, lens_k = (3, 4), (4, 2)
     q, k, v, *_ = _packed(lens_q, lens_k, 2, 2, 8, 8, seed=3, pad_q=0, pad_k=0)
     qs, ks, vs = (jnp.stack([x, -x]) for x in (q, k, v))
-    f = lambda q, k, v: flash_attention_varlen(q, k, v, _cu(lens_q), _cu(lens_k), 4, 4,
-                                               causal=True)
+    def f(q, k, v):
+        return flash_attention_varlen(q, k, v, _cu(lens_q), _cu(lens_k), 4, 4, causal=True)
+
     out = jax.vmap(f)(qs, ks, vs)
     for i in range(2):
         np.testing.assert_allclose(out[i], f(qs[i], ks[i], vs[i]), **TOL)
@@ -581,7 +584,7 @@ def test_work_table_lists_every_key_block_once(order, window):
     # jitted: one compile per trial (op by op, every op of the table compiles for each shape)
     table_of = jax.jit(sm90.work_table, static_argnums=(2, 3, 4, 5, 6))
     visited = jax.jit(sm90.visited_query_blocks, static_argnums=(3, 4, 5))
-    for trial in range(6):
+    for _trial in range(6):
         batch = int(rng.integers(1, 7))
         lens_q, lens_k = _random_lengths(rng, batch, 400), _random_lengths(rng, batch, 600)
         total_k = int(lens_k.sum()) + int(rng.integers(0, 50))
@@ -627,7 +630,7 @@ def test_dq_accum_tiles_of_sequences_are_disjoint(tile_m):
     # trial's dq_accum holds; the tiles past it belong to no sequence)
     num_tiles = 40
     owners = jax.jit(sm90.tile_owners, static_argnums=(1, 2))
-    for trial in range(200):
+    for _trial in range(200):
         batch = int(rng.integers(1, 9))
         lens = _random_lengths(rng, batch, 3 * tile_m)
         cu = _cu(lens)

@@ -36,7 +36,8 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from typing import Any, Hashable, NamedTuple
+from collections.abc import Hashable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

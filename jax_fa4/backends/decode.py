@@ -30,7 +30,7 @@ docs/kernels/sm90-forward.md (decode).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

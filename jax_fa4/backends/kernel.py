@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Hashable
+from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
@@ -185,7 +185,8 @@ class KernelBackend(Backend):
     def forward(self, q, k, v, opts, sink: jax.Array | None = None
                 ) -> tuple[jax.Array, jax.Array]:
         """The forward kernel, with the learnable ``sink`` (H,) joined (module doc);
-        decode-shaped calls run it on GQA-packed, split-KV inputs (:mod:`jax_fa4.backends.decode`)."""
+        decode-shaped calls run it on GQA-packed, split-KV inputs
+        (:mod:`jax_fa4.backends.decode`)."""
         plan = decode.plan(q.shape, k.shape, opts.window)
         if plan is not None:
             out, lse = decode.run(q, k, v, opts, plan, functools.partial(

@@ -34,7 +34,7 @@ costs only its own blocks; its dQ partial sums go to tiles no other sequence sha
 from __future__ import annotations
 
 import os
-from typing import Hashable
+from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp

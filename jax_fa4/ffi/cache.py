@@ -34,9 +34,10 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from jax_fa4.ffi import sources
 from jax_fa4.kernels.registry import launcher_module

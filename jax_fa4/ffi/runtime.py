@@ -45,7 +45,8 @@ class RuntimeLibraryNotFoundError(RuntimeError):
 
 
 def find_runtime_library() -> Path:
-    """Path of ``libcute_dsl_runtime.so``: ``$JAX_FA4_CUTE_RUNTIME_LIB``, else the installed wheel."""
+    """Path of ``libcute_dsl_runtime.so``: ``$JAX_FA4_CUTE_RUNTIME_LIB``, else the installed
+    wheel."""
     env = os.environ.get(ENV_RUNTIME_LIB)
     if env:
         path = Path(env)

@@ -1007,7 +1007,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or (Path("benchmarks/results")
                        / f"{bench_report.slug(device.device_kind)}-{today}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = list(sys.orig_argv) if argv is None else ["python", "-m", "jax_fa4.tools.bench", *argv]
+    command = (list(sys.orig_argv) if argv is None
+               else ["python", "-m", "jax_fa4.tools.bench", *argv])
     state_before = bench_env.gpu_state()
     driver, package_versions = bench_env.driver_version(state_before), bench_env.versions()
 

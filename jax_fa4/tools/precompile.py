@@ -1,17 +1,18 @@
 """Build kernels into the persistent cache ahead of time, on any machine (no GPU needed).
 
-    python -m jax_fa4.tools.precompile                         # every shipped variant, sm_90a and sm_100a
+    python -m jax_fa4.tools.precompile                  # every shipped variant, sm_90a and sm_100a
     python -m jax_fa4.tools.precompile --suite tests --arch sm_90a --cache-dir .device/kernel-cache
     python -m jax_fa4.tools.precompile --dtype bfloat16 --head-dim 128 --family bwd_preprocess
-    python -m jax_fa4.tools.precompile --list                  # what the cache holds
-    python -m jax_fa4.tools.precompile --suite tests --arch sm_90a --cache-dir .device/kernel-cache \
-        --from-cache .pytest_cache/d/jax-fa4-kernels     # copy what another cache has built
-    python -m jax_fa4.tools.precompile --check                 # ... and SASS-check every variant
+    python -m jax_fa4.tools.precompile --list           # what the cache holds
+    python -m jax_fa4.tools.precompile --suite tests --arch sm_90a \
+        --cache-dir .device/kernel-cache \
+        --from-cache .pytest_cache/d/jax-fa4-kernels    # copy what another cache has built
+    python -m jax_fa4.tools.precompile --check          # ... and SASS-check every variant
 
 ``--check`` is the exhaustive kernel check (run it after any change under ``jax_fa4/kernels/``):
 every selected variant compiled (or read from the cache) and its SASS inspected
-(:mod:`jax_fa4.tools.sass`): no local memory, at most 255 registers, shared memory within 227 KB, the
-instructions its kernel kind is built on (``variants.required_sass``). ``--representative``
+(:mod:`jax_fa4.tools.sass`): no local memory, at most 255 registers, shared memory within 227 KB,
+the instructions its kernel kind is built on (``variants.required_sass``). ``--representative``
 narrows any selection to its representative variants (``variants.representative``: every
 class and every option value of each family).
 
@@ -50,8 +51,8 @@ def build(selected: Sequence[Variant], cache: KernelCache, *, force: bool = Fals
     ``source``: another cache (e.g. the exhaustive test tier's) whose entries for the same key
     (config, arch, kernel sources, DSL version) are copied instead of compiled (not with
     ``force``); they are verified on reading (sha256), so a damaged one is compiled instead.
-    ``jobs > 1`` compiles in that many worker processes (the DSL's tracing state is per process); the cache is written by this
-    process only.
+    ``jobs > 1`` compiles in that many worker processes (the DSL's tracing state is per process);
+    the cache is written by this process only.
     """
     from tqdm import tqdm
 

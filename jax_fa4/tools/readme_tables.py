@@ -49,7 +49,7 @@ Row = dict[str, Any]
 # -- choosing the file -------------------------------------------------------------------------
 def _date(report: dict[str, Any]) -> datetime.datetime:
     value = datetime.datetime.fromisoformat(report["date"])
-    return value if value.tzinfo else value.replace(tzinfo=datetime.timezone.utc)
+    return value if value.tzinfo else value.replace(tzinfo=datetime.UTC)
 
 
 def newest_result(results: Path = RESULTS) -> Path:

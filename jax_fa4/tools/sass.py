@@ -231,7 +231,8 @@ def kernels(obj: bytes, name_contains: str | None = None) -> list[Kernel]:
 def stored_kernels(obj: bytes, store: Path | None) -> tuple[Kernel, ...]:
     """:func:`kernels` of ``obj``, kept under ``store`` (when given) as ``<sha256 of obj>.json.gz``
     so a listing is disassembled once: the test tiers keep their store beside their kernel cache
-    (``<cache>/sass``), and ``jax_fa4/tools/sass_diff.py --cache-dir`` reads and fills the same one."""
+    (``<cache>/sass``), and ``jax_fa4/tools/sass_diff.py --cache-dir`` reads and fills the same
+    one."""
     path = store / f"{hashlib.sha256(obj).hexdigest()}.json.gz" if store is not None else None
     if path is not None and path.exists():
         try:

@@ -1,17 +1,19 @@
 """Compare the SASS of kernel variants between two checkouts (no GPU needed).
 
-    python -m jax_fa4.tools.sass_diff ../old-checkout --family sm90_bwd --head-dim 128 --dtype bfloat16
-    git worktree add /work/old HEAD~3 && python -m jax_fa4.tools.sass_diff /work/old --family sm90_fwd
+    python -m jax_fa4.tools.sass_diff ../old-checkout --family sm90_bwd --head-dim 128 \
+        --dtype bfloat16
+    git worktree add /work/old HEAD~3 \
+        && python -m jax_fa4.tools.sass_diff /work/old --family sm90_fwd
 
 For a refactor that should not change the generated code, this is the proof that needs no GPU
-run: every selected shipped variant (``jax_fa4.tools.variants``, default suite) is compiled from each
-checkout (each in its own process, importing that checkout's ``jax_fa4``) and disassembled with
+run: every selected shipped variant (``jax_fa4.tools.variants``, default suite) is compiled from
+each checkout (each in its own process, importing that checkout's ``jax_fa4``) and disassembled with
 this checkout's ``jax_fa4/tools/sass.py``; instructions are compared with addresses, encodings and
 immediates stripped. Variants are matched by their family, arch and the config fields that differ
 from their defaults (so a new field added with a default that keeps the old code still pairs
 with the old variant); variants without a partner are listed apart. ``--representative`` narrows
-the selection to its representative variants (``jax_fa4.tools.variants.representative``: every mode and
-every option value of each family), a quick sample of a large selection. Both sides compile with
+the selection to its representative variants (``jax_fa4.tools.variants.representative``: every mode
+and every option value of each family), a quick sample of a large selection. Both sides compile with
 one ``PYTHONHASHSEED`` (0 unless set) and, where ``setarch`` exists, with address-space
 randomisation off: the DSL's embedded ptxas (13.4) allocates registers of some sm100_bwd kernels
 differently depending on where its heap lands (identical PTX, different SASS;
@@ -59,7 +61,8 @@ HERE = Path(__file__).resolve().parents[2]  # this checkout's root
 
 def sass_module():
     """This checkout's jax_fa4/tools/sass.py (stdlib only), whichever ``jax_fa4`` is imported."""
-    spec = importlib.util.spec_from_file_location("jax_fa4_sass", Path(__file__).with_name("sass.py"))
+    spec = importlib.util.spec_from_file_location("jax_fa4_sass",
+                                                  Path(__file__).with_name("sass.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve the module by name
     spec.loader.exec_module(module)
@@ -114,7 +117,8 @@ def cached_sass(selection: dict, only_representative: bool, cache_dir: str, jobs
 
     def lines(v) -> list[str]:
         obj = cache.get(v.config, v.arch, version).object_bytes
-        # the disassembly store the test tiers keep beside the cache (jax_fa4.tools.sass.stored_kernels)
+        # the disassembly store the test tiers keep beside the cache
+        # (jax_fa4.tools.sass.stored_kernels)
         found = sass.stored_kernels(obj, cache.root / "sass")
         return [line for k in found for line in k.normalised()]
 

@@ -1,8 +1,8 @@
 """The Hopper paged-KV forward kernel against the float32 reference, on an H100/H200.
 
 ``jax_fa4.flash_attention_paged(..., implementation="sm90", return_lse=True)`` (the paged
-kernel, with decode shapes GQA-packed and split by jax_fa4/backends/decode.py) is compared by FA4's rule
-(tests/numerics.py) with the reference on each sequence's keys: the cache pages gathered in
+kernel, with decode shapes GQA-packed and split by jax_fa4/backends/decode.py) is compared by FA4's
+rule (tests/numerics.py) with the reference on each sequence's keys: the cache pages gathered in
 page-table order, keys at or past ``seqused_k[b]`` masked, causal / windows aligned to
 ``seqused_k[b]``. Pages are shuffled across sequences; page-table entries past a sequence's used
 pages hold -1 or stale pages (never read). Outputs land in NaN-poisoned memory.

@@ -37,7 +37,8 @@ def _inputs(key, shape, dtype):
 def test_preprocess_kernel_matches_float32(shape, dtype):
     out, dout, lse = _inputs(jax.random.key(sum(shape)), shape, dtype)
     poison_device_memory()
-    delta, lse_log2 = jax.jit(lambda o, d, l: backends.get("sm90").backward_preprocess(o, d, l))(out, dout, lse)
+    preprocess = jax.jit(lambda o, d, l: backends.get("sm90").backward_preprocess(o, d, l))
+    delta, lse_log2 = preprocess(out, dout, lse)
     want = np.einsum("bshd,bshd->bhs", np.asarray(out, np.float64), np.asarray(dout, np.float64))
     np.testing.assert_allclose(np.asarray(delta), want, rtol=1e-5, atol=1e-4 * math.sqrt(shape[3]))
     lse_np = np.asarray(lse)
@@ -66,7 +67,8 @@ def test_preprocess_kernel_under_vmap():
     stack = lambda x: jnp.stack([x, x * 2])  # noqa: E731
     f = jax.jit(jax.vmap(lambda o, d, l: backends.get("sm90").backward_preprocess(o, d, l)))
     delta, _ = f(stack(out), stack(dout), stack(lse))
-    single, _ = jax.jit(lambda o, d, l: backends.get("sm90").backward_preprocess(o, d, l))(out, dout, lse)
+    preprocess = jax.jit(lambda o, d, l: backends.get("sm90").backward_preprocess(o, d, l))
+    single, _ = preprocess(out, dout, lse)
     np.testing.assert_allclose(np.asarray(delta[0]), np.asarray(single), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(delta[1]), 4 * np.asarray(single), rtol=1e-5, atol=1e-4)
 

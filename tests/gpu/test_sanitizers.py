@@ -26,7 +26,8 @@ CASES = Path(__file__).with_name("sanitizer_cases.py")
 #: (tool, case group): every group under memcheck, the well-formed ones under racecheck too
 #: (the bad-metadata groups, issue #24, only have to stay in bounds).
 RUNS = [(tool, group) for tool in ("memcheck", "racecheck")
-        for group in ("dense", "varlen", "segments")] + [("memcheck", "bad-varlen"), ("memcheck", "bad-paged")]
+        for group in ("dense", "varlen", "segments")] + [("memcheck", "bad-varlen"),
+                                                         ("memcheck", "bad-paged")]
 
 
 @pytest.mark.parametrize("tool,group", RUNS)

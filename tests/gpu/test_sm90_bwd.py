@@ -206,7 +206,8 @@ def test_cases_are_precompiled():
             q = jax.ShapeDtypeStruct((c.b, c.sq, c.h, c.d), c.dtype)
             k = jax.ShapeDtypeStruct((c.b, c.sk, c.hkv, c.d), c.dtype)
             v = jax.ShapeDtypeStruct((c.b, c.sk, c.hkv, c.dv), c.dtype)
-            main, post = backends.get("sm90").backward_configs(q, k, v, opts(None, c.window, c.softcap))
+            main, post = backends.get("sm90").backward_configs(q, k, v,
+                                                               opts(None, c.window, c.softcap))
             if form is not None:
                 main = OPT_IN_FORMS[form](main)
             assert main in available and post in available, (_id(c), form)
@@ -315,7 +316,8 @@ def test_grad_through_the_api_matches_the_reference(causal):
     dout = jax.random.normal(ks[3], (b, sq, h, d), jnp.float32).astype(jnp.bfloat16)
     w = dout.astype(jnp.float32)
     f, got = _api_grads(q, k, v, w, causal=causal, implementation="sm90")
-    assert f.lower(q, k, v).as_text().count("CuteDSLRT_NvJaxCutlassCall_v2") == 4  # fwd, pre, bwd, post
+    # fwd, pre, bwd, post
+    assert f.lower(q, k, v).as_text().count("CuteDSLRT_NvJaxCutlassCall_v2") == 4
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     _, ref = _api_grads(f32(q), f32(k), f32(v), w, causal=causal, implementation="reference")
     window = CAUSAL if causal else (None, None)

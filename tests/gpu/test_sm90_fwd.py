@@ -66,7 +66,8 @@ def _check_lse(lse, ref_lse, pt_lse, softcap):
     if fin.any():
         err = np.max(np.abs(lse[fin] - ref_lse[fin]))
         pt_err = np.max(np.abs(pt_lse[fin] - ref_lse[fin]))
-        bound = (3 if softcap else 2) * pt_err + 1e-3 * max(1.0, float(np.max(np.abs(ref_lse[fin]))))
+        bound = ((3 if softcap else 2) * pt_err
+                 + 1e-3 * max(1.0, float(np.max(np.abs(ref_lse[fin])))))
         assert err <= bound, f"lse: max err {err:.4g} > bound {bound:.4g} (pt err {pt_err:.4g})"
     return ref_inf
 
@@ -86,7 +87,8 @@ def check_forward(out, lse, ref, pt, softcap: float, name: str) -> None:
 def run_case(b, sq, sk, h, hkv, d, dv=None, dtype=jnp.bfloat16, causal=False,
              window=(None, None), softcap=0.0, softmax_scale=None, repeat=False):
     dv = d if dv is None else dv
-    seed = zlib.crc32(repr((b, sq, sk, h, hkv, d, dv, str(dtype), causal, window, softcap)).encode())
+    seed = zlib.crc32(repr((b, sq, sk, h, hkv, d, dv, str(dtype), causal, window,
+                            softcap)).encode())
     q, k, v = _inputs(seed, b, sq, sk, h, hkv, d, dv, dtype)
     fn = _kernel_fn(causal, window, softcap, softmax_scale)
     poison_device_memory()
@@ -171,7 +173,7 @@ def test_causal_with_left_window():
 
 
 # --- softcap -------------------------------------------------------------------------------------
-# --- decode shapes: GQA packing, split-KV, the head-major decode tile (jax_fa4/backends) -----------
+# --- decode shapes: GQA packing, split-KV, the head-major decode tile (jax_fa4/backends) ---------
 @pytest.fixture(params=[False, True], ids=["tile128", "decode-tile"])
 def decode_tile(request, monkeypatch):
     """Both forward tiles behind the decode rewrite (the 64-row decode tile is the default)."""
@@ -283,7 +285,8 @@ def _option_configs():
 
 
 def _option_id(cfg):
-    parts = [cfg.dtype[:4], f"{cfg.head_dim}-{cfg.head_dim_v}", cfg.mask, f"{cfg.tile_m}x{cfg.tile_n}"]
+    parts = [cfg.dtype[:4], f"{cfg.head_dim}-{cfg.head_dim_v}", cfg.mask,
+             f"{cfg.tile_m}x{cfg.tile_n}"]
     parts += ["pp"] * cfg.pingpong + [f"rs{cfg.rescale_threshold:g}"] * (cfg.rescale_threshold > 0)
     parts += ["softcap"] * cfg.has_softcap + ["serial"] * (not cfg.intra_wg_overlap)
     return "-".join(parts + [f"persist{cfg.num_sms}"] * (cfg.num_sms > 0))

@@ -49,7 +49,8 @@ def main() -> None:
     per_op: dict[str, float] = collections.Counter()
     for r in rows:
         op = r.get("Source", "").split()[0:1]
-        op = op[0] if op and not op[0].startswith("@") else " ".join(r.get("Source", "").split()[:2])
+        op = (op[0] if op and not op[0].startswith("@")
+              else " ".join(r.get("Source", "").split()[:2]))
         per_op[op.split(".")[0]] += _number(r[total_col])
     print("\nsamples per opcode:")
     for op, n in sorted(per_op.items(), key=lambda kv: -kv[1])[:20]:
