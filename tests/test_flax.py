@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import per_class
 from flax import nnx
 
 import jax_fa4
@@ -72,7 +73,7 @@ LAYERS = [
 
 
 # -- NNX ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("layer", per_class(LAYERS, key=lambda layer: "causal" in layer))
 def test_nnx_module_matches_plain_jax_forward_and_gradients(layer):
     m = MultiHeadAttention(num_heads=layer["heads"], in_features=F,
                            num_kv_heads=layer["kv_heads"], causal=layer.get("causal", False),

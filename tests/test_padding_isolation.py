@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
+from compiled import per_class
 
 from jax_fa4 import autodiff, options
 from jax_fa4.api import flash_attention_paged, flash_attention_varlen
@@ -85,8 +86,9 @@ PAGED_CASES = {  # name: (sq, h, hkv, d, dv, flash_attention_paged options, with
 }
 
 
-@pytest.mark.parametrize("pages_per_block", [None, 1, 3], ids=["dense", "split1", "split3"])
-@pytest.mark.parametrize("case", PAGED_CASES)
+@pytest.mark.parametrize("case, pages_per_block", per_class(  # quick tier: one case per form
+    [(c, p) for c in reversed(PAGED_CASES) for p in (None, 1, 3)], key=lambda case: case[1]),
+    ids=str)
 def test_paged_padding_isolated(case, pages_per_block):
     """Forward of a paged call: the dense gather (``None``) and the split-KV scan over chunks of
     1 and 3 pages (3: the last chunk is padded past the table)."""

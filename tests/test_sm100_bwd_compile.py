@@ -37,7 +37,7 @@ from jax_fa4.kernels.sm100.bwd_config import (TMEM_COLUMNS, Sm100BwdConfig, ship
 from jax_fa4.kernels.sm100.bwd_tuning import TUNING_TABLE
 from jax_fa4.kernels.spec import MASK_KINDS, SMEM_BUDGET_BYTES
 
-from compiled import compiled_report, needs_disassembler, tiered
+from compiled import compiled_report, needs_disassembler, per_class, tiered
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = "sm_100a"
@@ -210,8 +210,8 @@ _WINDOWS = [(None, 0), (0, 0), (5, None), (None, 7), (37, 3), (0, 130), (300, 30
             (64, 0), (200, 5)]
 
 
-@pytest.mark.parametrize("tn", [128, 256], ids=["key-block", "key-pair"])
-@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("kind, tn", per_class(  # quick tier: one key-block size per mask kind
+    [(k, tn) for tn in (256, 128) for k in MASK_KINDS], key=lambda case: case[0]), ids=str)
 def test_block_arithmetic_matches_brute_force(kind, tn):
     """tn = 128: the 1-CTA kernel's key blocks (and the 2-CTA kernel's element masks); tn = 256:
     the 2-CTA kernel's pairs (query-block range and dQ turn of a cluster)."""

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import per_class
 
 import jax_fa4
 from jax_fa4 import autodiff, backends, options, reference
@@ -464,8 +465,9 @@ KERNEL_CASES = [  # (h, hkv, d, dv, kwargs, with_sink): head dims the kernels sh
 ]
 
 
-@pytest.mark.parametrize("implementation", ["sm90", "sm100"])
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+@pytest.mark.parametrize("case, implementation", per_class(  # quick tier: one case per backend
+    [(c, impl) for i in (2, 1, 0) for impl in ("sm90", "sm100") for c in KERNEL_CASES[i:i + 1]],
+    key=lambda case: case[1]), ids=str)
 def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch):
     """implementation="sm90" / "sm100" runs that architecture's varlen kernel route (lse
     gathered from the padded layout, padding rows zeroed, the sink joined; for sm90 the backward
