@@ -5,7 +5,8 @@
 #   bash .device/on-device.sh bash tools/device/batch.sh tests bench-main
 # Steps: tests (tests/gpu with pytest-xdist), sanitizers, bench (the whole default sweep),
 # bench-main / bench-more (its two halves: python -m jax_fa4.tools.bench merge joins them), profile-bwd
-# (Nsight Compute on one training step, ours and cuDNN's: tools/device/profile.sh).
+# (Nsight Compute on one training step, ours and cuDNN's: tools/device/profile.sh), step-bench
+# (a decoder's whole jitted training step, ours against cuDNN's: jax_fa4.tools.step_bench).
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -21,7 +22,7 @@ step() {  # step NAME SECONDS COMMAND...
 }
 for s in "$@"; do
   case $s in
-    tests) step tests 200 python -m pytest tests/gpu -q -n 8 --timeout 240 -p no:cacheprovider \
+    tests) step tests 480 python -m pytest tests/gpu -q -n 14 --timeout 300 -p no:cacheprovider \
              --ignore tests/gpu/test_sanitizers.py -rfEs ;;
     sanitizers) step sanitizers 300 python -m pytest tests/gpu/test_sanitizers.py -q \
                   -p no:cacheprovider ;;
@@ -31,6 +32,8 @@ for s in "$@"; do
     bench-more) step bench-more 380 python -m jax_fa4.tools.bench --shapes anchors-more,latency \
                   --out "$out/bench-more.json" ;;
     profile-bwd) step profile-bwd 300 bash tools/device/profile.sh ;;
+    step-bench) step step-bench 480 python -m jax_fa4.tools.step_bench --out "$out/step.json" \
+                  --hlo "$out/hlo" ;;
     *) echo "unknown step $s"; status=2 ;;
   esac
 done
