@@ -13,11 +13,10 @@ main-kernel config of ``jax_fa4.tools.variant_sweeps.bwd_variants_for``: the tun
 (``v1``), every other tile / stage combination the config validator accepts
 (``m{tile_m}n{tile_n}s{stages}p{pds_stages}``, with ``+swap`` for the swap_sdp form of the
 same tile), the table's tile in the other launch order (``rev``: from the last key block down;
-``fwd-launch``: from the first up), the dK wait the other way (``defer`` / ``no-defer``:
-``BwdConfig.defer_dk_wait``), the loop forms (``swap``: ``BwdConfig.swap_sdp``; ``stats``:
-``BwdConfig.stats_smem``; ``swap+stats``; ``red``: ``BwdConfig.dq_red``, and ``red+s3`` with
-one more Q stage; ``plain``: none of them) that the table does not pick,
-the deterministic kernel (``det``, ``det+swap``, ``det+defer``).
+``fwd-launch``: from the first up), the loop forms (``swap``: ``BwdConfig.swap_sdp``;
+``stats``: ``BwdConfig.stats_smem``; ``swap+stats``; ``red``: ``BwdConfig.dq_red``, and
+``red+s3`` with one more Q stage; ``plain``: none of them) that the table does not pick,
+the deterministic kernel (``det``, ``det+swap``).
 Each is timed as its own program on saved forward outputs (out, lse from the forward kernel),
 so the figure is the backward alone: TFLOP/s = 2.5 × forward FLOPs / time. cuDNN's backward is
 timed the way ``jax_fa4.tools.bench`` does it, t(fwd + bwd) − t(fwd), in the same process; the

@@ -150,23 +150,6 @@ def test_launch_order_of_the_deterministic_kernels():
                 reverse_launch=True).validate()
 
 
-def test_defer_dk_wait_is_opt_in_and_validated():
-    """The deferred dK wait (measured slower at head dim 128) is off in the table; the validator
-    refuses it with one Q stage (the next block's Q must load while this block's dK still reads
-    its own) or the swapped loop, and the swapped form turns it off."""
-    for (d, dv), row in TUNING_TABLE.items():
-        for mask in row:
-            for det in (False, True):
-                assert not BwdConfig.make("bfloat16", d, dv, mask, deterministic=det).defer_dk_wait
-    deferred = replace(BwdConfig.make("bfloat16", 96, mask="none"), defer_dk_wait=True)
-    deferred.validate()
-    with pytest.raises(ValueError, match="defer_dk_wait"):
-        replace(deferred, stages=1).validate()
-    with pytest.raises(ValueError, match="defer_dk_wait"):
-        replace(deferred, swap_sdp=True, reverse_launch=False).validate()
-    assert not with_swap_sdp(deferred).defer_dk_wait
-
-
 def _deterministic_variants():
     """Ordered dQ: every head dim, each with the register-tightest options (local, softcap, GQA)
     or plain causal MHA."""

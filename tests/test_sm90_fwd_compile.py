@@ -15,7 +15,6 @@ Plus CPU-only checks of the pieces whose mistakes would be silent on the GPU:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import subprocess
 import sys
@@ -118,7 +117,6 @@ def _option_id(cfg: FwdConfig) -> str:
     parts += ["pp"] * cfg.pingpong + [f"rs{cfg.rescale_threshold:g}"] * (cfg.rescale_threshold > 0)
     parts += ["softcap"] * cfg.has_softcap + ["serial"] * (not cfg.intra_wg_overlap)
     parts += [f"persist{cfg.num_sms}"] * (cfg.num_sms > 0)
-    parts += [f"sx{cfg.exp2_sw_per_32}"] * (cfg.exp2_sw_per_32 > 0)
     return "-".join(parts)
 
 
@@ -152,12 +150,6 @@ def test_v2_options_compile_with_clean_sass(cfg, shipped_cache):
     assert (k.count("VOTE.ANY") > 0) == (cfg.rescale_threshold > 0)
     assert (k.count("MUFU.TANH") > 0) == cfg.has_softcap
     assert k.count("STSM") > 0 and k.count("MUFU.EX2") > 0
-    if cfg.exp2_sw_per_32:  # that share of the ex2 moved from MUFU to FFMA polynomials
-        b = compiled_sass(shipped_cache, dataclasses.replace(cfg, exp2_sw_per_32=0), ARCH)
-        moved = b.count("MUFU.EX2") - k.count("MUFU.EX2")
-        body = b.count("MUFU.EX2") * cfg.exp2_sw_per_32 // 32  # rounding: the rescale's ex2
-        assert moved > 0 and abs(moved - body) <= 4, (moved, body)
-        assert k.count("FFMA") - b.count("FFMA") >= 3 * moved  # 3 Horner FMAs each
 
 
 # ------------------------------------------------------------------------------------------------

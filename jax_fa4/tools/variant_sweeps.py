@@ -57,9 +57,6 @@ def fwd_variants_for(head_dim: int, head_dim_v: int, mask: str) -> list[tuple[st
         add("3wg+pp+rs8", tile_m=192, pingpong=True, rescale_threshold=8.0)
         add("3wg+pp+rs8+persist", tile_m=192, pingpong=True, rescale_threshold=8.0,
             num_sms=H200_SMS)
-        for per_32 in (4, 6, 8):  # partial software exp2 (FMA pipe), tile 192
-            add(f"3wg+sx{per_32}", tile_m=192, exp2_sw_per_32=per_32)
-        add("3wg+pp+rs8+sx6", tile_m=192, pingpong=True, rescale_threshold=8.0, exp2_sw_per_32=6)
     elif head_dim == 96:  # the non-causal tile is the one to find (issue #22)
         add("rs8", rescale_threshold=8.0)
         add("n144", tile_n=144)
@@ -131,19 +128,14 @@ def bwd_variants_for(head_dim: int, head_dim_v: int, mask: str,
     # the other launch order: "rev" (from the last key block down) or "fwd-launch"
     add("fwd-launch" if base.reverse_launch else "rev",
         dataclasses.replace(base, reverse_launch=not base.reverse_launch))
-    add("no-defer" if base.defer_dk_wait else "defer",
-        dataclasses.replace(base, defer_dk_wait=not base.defer_dk_wait))
     # tiles and stages: the plain loop, and "+swap" its swap_sdp form (with the table's stats)
     for tm, tn, stages, pds, swap in itertools.product((64, 128), (64, 128), (1, 2, 3), (1, 2),
                                                        (False, True)):
-        cfg = dataclasses.replace(plain, tile_m=tm, tile_n=tn, stages=stages, pds_stages=pds,
-                                  defer_dk_wait=plain.defer_dk_wait and stages > 1)
+        cfg = dataclasses.replace(plain, tile_m=tm, tile_n=tn, stages=stages, pds_stages=pds)
         cfg = with_stats_smem(with_swap_sdp(cfg), base.stats_smem) if swap else cfg
         add(f"m{tm}n{tn}s{stages}p{pds}" + ("+swap" if swap else ""), cfg)
     det = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa, deterministic=True)
     add("det", det)
-    add("det+no-defer" if det.defer_dk_wait else "det+defer",
-        dataclasses.replace(det, defer_dk_wait=not det.defer_dk_wait))
     if not base.swap_sdp:
         add("det+swap", with_swap_sdp(det))
     return out

@@ -88,9 +88,6 @@ def sm90_fwd_option_configs() -> list[FwdConfig]:
         m("bfloat16", 64, 64, "none", tile_m=192, pingpong=True, rescale_threshold=8.0, num_sms=5),
         m("bfloat16", 128, 128, "local", intra_wg_overlap=False, num_sms=3),
         m("bfloat16", 256, 256, "causal", pingpong=True, num_sms=132),
-        # partial software exp2 on the FMA pipe
-        m("bfloat16", 64, 64, "causal", tile_m=192, exp2_sw_per_32=8),
-        m("float16", 128, 128, "none", exp2_sw_per_32=4),
     ]
 
 

@@ -76,9 +76,6 @@ sink_part[batch, head, x]. Σ_j P_ij·dP_ij = dO_i·O_i with O as the forward ac
 float32, so the caller's d sink (jax_fa4/autodiff.py) no longer takes the 16-bit output's
 error through delta. The plain loop only (BwdConfig.validate).
 
-``cfg.defer_dk_wait`` (opt-in, measured slower at head dim 128): a block's dK GEMM is waited for
-after the next block's S / dP are issued, its Q stage released then.
-
 Not yet: persistence.
 """
 
@@ -227,7 +224,6 @@ class FlashAttentionBackwardSm90:
         # start each key block at its own first query block already).
         # (Not with swap_sdp: its two extra loop registers spill there at hdim 128 with GQA.)
         self.rotate = cfg.mask == "none" and not cfg.deterministic and not cfg.swap_sdp
-        self.defer_dk_wait = cfg.defer_dk_wait  # (bwd_config.BwdConfig)
         self.stats_smem = cfg.stats_smem  # (bwd_config.BwdConfig)
         self.dq_red = cfg.dq_red  # (bwd_config.BwdConfig)
         self.dq_elems = 4 if cfg.dq_red else cfg.tile_m * cfg.head_dim  # (dq_red: no dQ buffer)
@@ -639,14 +635,6 @@ class FlashAttentionBackwardSm90:
                 st_release_gpu_s32(last.iterator, n_block + 1)
 
     @cute.jit
-    def release_previous(self, pipeline_q, state):
-        """Release the Q stage of the query block before ``state``'s (a consumer release reads
-        only the stage index)."""
-        index = (state.index + (self.stages - 1)) % self.stages
-        pipeline_q.consumer_release(pipeline.PipelineState(self.stages, state.count, index,
-                                                           state.phase))
-
-    @cute.jit
     def load_stats(self, mLSE: cute.Tensor, mDelta: cute.Tensor, sLSE: cute.Tensor,
                    sDelta: cute.Tensor, pipeline_stats, n_block: Int32, head: Int32,
                    batch: Int32, m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32):
@@ -900,10 +888,6 @@ class FlashAttentionBackwardSm90:
                     s_mn = acc_view_mn(acc_S)
                     dp_mn = acc_view_mn(acc_dP)
                     warpgroup.wait_group(1)  # S is ready, dP may still run
-                    if const_expr(self.defer_dk_wait):
-                        # (and the previous block's dK GEMM, issued before S: its Q stage is free)
-                        if it > m_block_min:
-                            self.release_previous(pipeline_q, state)
                     self.scores_to_p(s_mn, lse, scale_log2, tanh_in_scale, per_col=False)
                     if need_mask:
                         self.mask_p(s_mn, tScS_mn, m_block, n_block, block_info,
@@ -953,13 +937,9 @@ class FlashAttentionBackwardSm90:
                     pipeline_do.consumer_release(state)
 
                     self.hand_dq_over(acc_dQ, tdQsdQ, wg_idx, it > m_block_min, tdQgdQ, m_block)
-                    if const_expr(not self.defer_dk_wait):
-                        warpgroup.wait_group(0)  # dK done
-                        pipeline_q.consumer_release(state)
+                    warpgroup.wait_group(0)  # dK done
+                    pipeline_q.consumer_release(state)
                     state.advance()
-                if const_expr(self.defer_dk_wait):
-                    warpgroup.wait_group(0)  # the last block's dK
-                    self.release_previous(pipeline_q, state)
 
         if const_expr(self.sink_grad):
             self.store_sink_part(sink, head, batch, tidx)

@@ -145,13 +145,6 @@ class BwdConfig(KernelConfig):
     # must not (validate). Under a causal mask the last key blocks are the lightest, so this
     # launches light blocks first.
     reverse_launch: bool = False
-    # wait for a query block's dK GEMM (and release its Q stage) only once the next block's S
-    # and dP GEMMs are issued, so that the tensor pipe runs dK straight into the next S while
-    # the warpgroup hands dQ over (needs stages >= 2: the next Q loads while dK reads this one).
-    # Opt-in: 0.3–4 % slower than the plain loop at head dim 128 on the H200 (measured, no
-    # result file kept; the next Q stage frees later), kept for benchmarks/bwd_variants.py at
-    # the other head dims.
-    defer_dk_wait: bool = False
     # each query block's lse_log2 and delta loaded into shared memory by a producer warp (cp.async,
     # as deep as the Q pipeline) instead of into registers by every MMA thread from global memory:
     # one global load per row instead of one per row and MMA warpgroup, and none in the MMA loop
@@ -198,7 +191,6 @@ class BwdConfig(KernelConfig):
                   swap_sdp=swap,
                   reverse_launch=((mask == "causal") if deterministic
                                   else t.reverse_launch and not swap),
-                  defer_dk_wait=t.defer_dk_wait and not swap,
                   stats_smem=t.stats_smem and swap,
                   dq_red=t.dq_red and swap, sink_grad=bool(sink_grad),
                   segments=bool(segments))
@@ -215,10 +207,6 @@ class BwdConfig(KernelConfig):
                              "(tile_m, tile_n in {64, 128})")
         if self.head_dim % 16 or self.head_dim_v % 16:
             raise ValueError("sm90 backward: head dims must be multiples of 16")
-        if self.defer_dk_wait and (self.stages < 2 or self.swap_sdp):
-            raise ValueError("sm90 backward: defer_dk_wait needs stages >= 2 (the next query "
-                             "block's Q loads while this block's dK reads its own) and the "
-                             "unswapped loop (swap_sdp=False)")
         if self.swap_sdp and self.reverse_launch and not self.deterministic:
             raise ValueError("sm90 backward: swap_sdp with reverse_launch spills registers (hdim "
                              "128 with GQA); use reverse_launch=False")
@@ -439,9 +427,8 @@ def _with_postprocess(mains: list[BwdConfig]) -> list[KernelConfig]:
 
 def with_swap_sdp(cfg: BwdConfig) -> BwdConfig:
     """``cfg`` with swap_sdp on and, unless deterministic, the forward launch order (reversed,
-    swap_sdp spills at hdim 128 with GQA: see validate); its loop waits for dK at once."""
-    return replace(cfg, swap_sdp=True, reverse_launch=cfg.reverse_launch and cfg.deterministic,
-                   defer_dk_wait=False)
+    swap_sdp spills at hdim 128 with GQA: see validate)."""
+    return replace(cfg, swap_sdp=True, reverse_launch=cfg.reverse_launch and cfg.deterministic)
 
 
 def with_stats_smem(cfg: BwdConfig, on: bool = True) -> BwdConfig:

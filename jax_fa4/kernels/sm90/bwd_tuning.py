@@ -23,7 +23,6 @@ class Sm90BwdTuning:
     pds_stages: int  # P and dS shared-memory buffers (1 or 2)
     swap_sdp: bool = False  # Sᵀ / dPᵀ GEMMs, P and dS stay in registers for dV / dK (BwdConfig)
     reverse_launch: bool = False  # key blocks launched from the last one down (BwdConfig)
-    defer_dk_wait: bool = False  # wait for a block's dK GEMM after the next S / dP (BwdConfig)
     stats_smem: bool = False  # lse_log2 / delta through shared memory, loaded by a producer warp
     dq_red: bool = False  # dQ added to dq_accum by the MMA threads (red.global), no dQ buffer
 
@@ -37,8 +36,9 @@ class Sm90BwdTuning:
 # start points are the fastest; hdim 96 and 192 are not re-measured. Key blocks launch from the
 # last one down (reverse_launch): +1–8 % on 11 of the 12 anchor shapes
 # (benchmarks/results/bwd-variants-rev-nvidia-h200-2026-11-30.json).
-# defer_dk_wait (opt-in) measured 0.3–4 % slower than the plain loop on all 8 head dim 128
-# shapes (benchmarks/bwd_variants.py; measured, no result file kept): off everywhere.
+# Waiting for a block's dK GEMM only after the next block's S / dP measured 0.3–4 % slower than
+# the plain loop on all 8 head dim 128 shapes (measured, no result file kept): the option was
+# removed (docs/kernels/sm90-backward.md, "Options measured and not shipped").
 # hdim 128: swap_sdp with stats_smem, +1 … +5 % on all 8 head dim 128 shapes against the plain
 # loop (benchmarks/results/bwd-variants-stats-nvidia-h200-2026-12-02.json), and dq_red on top,
 # +1 … +5 % more (bwd-variants-red-nvidia-h200-2026-12-02.json); hdim 96 causal: swap_sdp with

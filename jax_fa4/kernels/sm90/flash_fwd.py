@@ -136,7 +136,6 @@ class FlashAttentionForwardSm90:
         self.num_sms = cfg.num_sms
         self.rescale_threshold = float(cfg.rescale_threshold)
         self.rescale_skip = cfg.rescale_skip
-        self.exp2_sw_per_32 = cfg.exp2_sw_per_32
         self.paged = cfg.paged
         self.varlen = cfg.varlen
         self.out_f32 = cfg.out_f32
@@ -719,8 +718,8 @@ class FlashAttentionForwardSm90:
         t0ScS = tiled_mma_qk.get_slice(0).partition_C(cS)
 
         num_rows = cute.size(acc_view_mn(acc_O), mode=[0])
-        softmax = OnlineSoftmax(scale_log2, num_rows, self.rescale_threshold, self.exp2_sw_per_32,
-                                self.is_bf16, track_max=max_logits is not None,
+        softmax = OnlineSoftmax(scale_log2, num_rows, self.rescale_threshold,
+                                p_is_bf16=self.is_bf16, track_max=max_logits is not None,
                                 rescale_skip=self.rescale_skip)
         softmax.reset_with_sink(sink_log2)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)

@@ -74,10 +74,6 @@ class FwdConfig(KernelConfig):
     # L2 sections of (batch, head) pairs (common/tile_scheduler.py). N is the GPU's SM count,
     # given here (never queried: compiling needs no GPU): 132 on H100/H200 SXM.
     num_sms: int = 0
-    # Partial software exp2 (FA4's Blackwell technique, measured here on Hopper): of every 32
-    # scores a thread exponentiates per row, this many run the FMA-pipe polynomial of
-    # common/exp2.py instead of MUFU ex2. 0 = all on MUFU (v1).
-    exp2_sw_per_32: int = 0
     # Exact conditional rescaling: the row max stays exact (rescale_threshold 0), but a warp
     # none of whose rows' max grew in a key block skips its O multiply (the factors are then
     # exactly 1.0). Implied by rescale_threshold > 0.
@@ -159,9 +155,6 @@ class FwdConfig(KernelConfig):
                 <= 16.0):
             raise ValueError(f"sm90 forward: rescale_threshold {self.rescale_threshold!r} must be "
                              "in [0, 16] (log2 units; 0 = always rescale)")
-        if not (isinstance(self.exp2_sw_per_32, int) and 0 <= self.exp2_sw_per_32 <= 32):
-            raise ValueError(f"sm90 forward: exp2_sw_per_32 {self.exp2_sw_per_32!r} must be an "
-                             "int in [0, 32]")
         if self.qo_head_major and self.varlen:
             raise ValueError("sm90 forward: varlen q and out are packed (1, total, H, D), not "
                              "head-major")

@@ -28,7 +28,6 @@ class Sm90FwdTuning:
     pingpong: bool = False
     rescale_threshold: float = 0.0
     num_sms: int = 0
-    exp2_sw_per_32: int = 0
     rescale_skip: bool = False
 
 
