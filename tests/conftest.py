@@ -1,7 +1,7 @@
 """Shared test setup: the test tiers, the test run's kernel cache, the ``gpu`` marker.
 
 * ``--exhaustive``: every shipped kernel variant compiled and SASS-checked (tests/compiled.py);
-  without it, the quick tier's representative variants.
+  without it, the quick tier's: one kernel per arch × kernel kind × mode.
 * ``gpu`` tests skip cleanly without a Hopper GPU, unless ``JAX_FA4_REQUIRE_GPU=1`` (the GPU
   machine's runs set it): then a missing Hopper GPU fails them, and so does a call that would
   run the pure-JAX reference where a kernel was expected (tests/gpu/conftest.py).

@@ -5,9 +5,9 @@ swap_sdp) and every postprocess are compiled through the binding's own path
 (``compile_config``: dynamic B/S/H) and their SASS inspected (jax_fa4.tools.sass): HGMMA, TMA loads
 (UTMALDG), the dQ reduce-add (the dQ warp's bulk UBLKRED, or with dq_red the MMA threads'
 REDG.F32x4), setmaxnreg both ways, no local memory (LDL/STL,
-stack). Registers, shared memory and compile time are printed per variant (``pytest -s``;
-docs/perf-log-bwd.md). The quick tier runs the representative configs of each list
-(tests/compiled.py), ``--exhaustive`` all of them; every shipped variant's SASS:
+stack). Registers, shared memory and compile time are printed per variant (``pytest -s``).
+The quick tier runs one config per arch × kind × mode of each list (tests/compiled.py),
+``--exhaustive`` all of them; every shipped variant's SASS:
 tests/test_shipped_kernels.py.
 
 Plus CPU-only checks of what would fail silently on the GPU: the query-block ranges, the

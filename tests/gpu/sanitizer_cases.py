@@ -253,7 +253,7 @@ def _progress(what: str) -> None:
 #: Case groups, each run in its own process by tests/gpu/test_sanitizers.py (on the H200,
 #: compute-sanitizer's host process crashed, rc 139, when the varlen steps ran after all the
 #: others in one process; each group alone is clean, and without the sanitizer all run in one
-#: process; docs/NOTES.md).
+#: process).
 GROUPS = ("dense", "varlen", "segments", "bad-varlen", "bad-paged")
 
 

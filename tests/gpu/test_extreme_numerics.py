@@ -25,11 +25,12 @@ pytestmark = pytest.mark.gpu
 #: softmax exponent is one FFMA, s·scale·log2 e − R with R = round(m·scale·log2 e); past the
 #: range half an ulp of R takes the row's largest P out of range (kernels/common/softmax.py), so
 #: those rows are written as NaN (out and lse; test_beyond_the_exact_range_is_nan), never a
-#: finite wrong value. Three exact fallbacks were measured and not kept (docs/perf-log.md): a
-#: per-row branch (forward −5 … −15 %), one warp-uniform vote per key block (forward −6 … −13 %
-#: at head dims 64–128, benchmarks/results/exact-exponent-vote-ab-nvidia-h200-2026-12-02.json)
-#: and a lax.cond to the reference on NaN rows (18–75 µs per call, a host round trip). Softcap
-#: bounds the logits: those cases pass.
+#: finite wrong value. Three exact fallbacks were measured and not kept
+#: (docs/kernels/sm90-forward.md): a per-row branch (forward −5 … −15 %), one warp-uniform vote per
+#: key block (forward −6 … −13 % at head dims 64–128,
+#: benchmarks/results/exact-exponent-vote-ab-nvidia-h200-2026-12-02.json) and a lax.cond to the
+#: reference on NaN rows (18–75 µs per call, a host round trip). Softcap bounds the logits: those
+#: cases pass.
 BEYOND_FFMA = pytest.mark.xfail(
     strict=True, reason="scores past the one-FFMA exponent's exact range are NaN (issue #24)")
 
