@@ -1003,12 +1003,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = BenchContext(args, device, device_kernel(device), DTYPES[args.dtype], args.dtype)
     print(f"jax {jax.__version__} on {device.device_kind} ({device.platform}); "
           f"{len(shapes)} shapes x {len(args.impls)} impls, {args.dtype}", flush=True)
-    today = datetime.date.today().isoformat()
-    out = args.out or (Path("benchmarks/results")
-                       / f"{bench_report.slug(device.device_kind)}-{today}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    command = (list(sys.orig_argv) if argv is None
-               else ["python", "-m", "jax_fa4.tools.bench", *argv])
+    out = bench_report.result_path(args.out, device.device_kind)
+    command = bench_report.run_command("jax_fa4.tools.bench", argv)
     state_before = bench_env.gpu_state()
     driver, package_versions = bench_env.driver_version(state_before), bench_env.versions()
 
@@ -1042,6 +1038,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shapes, ctx, on_shape_done=lambda rows, records: write(rows, records, complete=False))
     write(rows, records, complete=True)
     png = out.with_suffix(".png")
+    today = datetime.date.today().isoformat()
     bench_report.plot(rows, png, f"{device.device_kind}, {args.dtype}, {today}")
     bench_report.print_table(rows)
     print(f"wrote {out} and {png}; total wall time {time.perf_counter() - start:.1f} s")

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -140,6 +142,20 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
 def slug(text: str) -> str:
     """A GPU name as it goes into a result file's name (``NVIDIA H200`` -> ``nvidia-h200``)."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
+
+
+def result_path(out: Path | None, device_kind: str, prefix: str = "") -> Path:
+    """``out``, or ``benchmarks/results/<prefix><gpu>-<today>.json``; its folder created."""
+    today = datetime.date.today().isoformat()
+    path = out or Path("benchmarks/results") / f"{prefix}{slug(device_kind)}-{today}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_command(module: str, argv: Sequence[str] | None) -> list[str]:
+    """The command a result file records: this process's, or ``python -m module argv`` when
+    ``main`` was called with arguments."""
+    return list(sys.orig_argv) if argv is None else ["python", "-m", module, *argv]
 
 
 # -- merging result files ----------------------------------------------------------------------

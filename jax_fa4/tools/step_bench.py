@@ -64,7 +64,6 @@ import json
 import math
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -562,12 +561,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.impls = ["jax-fa4", "cudnn" if platform == "gpu" and not args.smoke else "xla"]
     print(f"jax {jax.__version__} on {device.device_kind} ({platform}); "
           f"{len(args.config_list)} configs x {args.impls}", flush=True)
-    today = datetime.date.today().isoformat()
-    out = args.out or (Path("benchmarks/results")
-                       / f"step-{bench_report.slug(device.device_kind)}-{today}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    command = (list(sys.orig_argv) if argv is None
-               else ["python", "-m", "jax_fa4.tools.step_bench", *argv])
+    out = bench_report.result_path(args.out, device.device_kind, prefix="step-")
+    command = bench_report.run_command("jax_fa4.tools.step_bench", argv)
     state_before = bench_env.gpu_state()
     entries: list[dict[str, Any]] = []
 
