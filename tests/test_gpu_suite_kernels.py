@@ -1,7 +1,7 @@
 """The GPU suite's kernels are in the ``tests`` suite of ``jax_fa4.tools.variants``.
 
 The GPU suite (tests/gpu) runs on a kernel cache of ``precompile --suite tests --arch sm_90a``
-(docs/development.md); a kernel missing there fails its test with KernelNotAvailableError, on
+(README, "Development"); a kernel missing there fails its test with KernelNotAvailableError, on
 the GPU only. Here the GPU tests' calls are lowered for CUDA on any machine
 (tests/cuda_lowering.py: each kernel lookup recorded, nothing compiled), and every kernel they
 lower to must be a variant of that suite; a failure names each missing config and the GPU tests
@@ -22,8 +22,8 @@ The calls, taken from the GPU tests' own data and code wherever it can be done w
   GPU tests that take a gradient in their own body (:data:`GRADIENT_TESTS`): their code runs with
   ``jax.jit`` standing in (:class:`_Jax`: a jitted call is lowered, not run; random inputs are
   zeros), up to the first jitted call, or to the end where only finiteness is checked;
-* tests/gpu/test_properties.py: its explicit examples and the cases its derandomised profile
-  draws, each lowered as tests/attention_properties.py would run it;
+* the explicit examples of tests/gpu/test_properties.py: the programs tests/attention_properties.py
+  would run (its drawn cases are not covered: they range over every shipped bfloat16 kernel);
 * the parametrized forward calls of tests/gpu/test_max_logits.py and test_fp8.py, rebuilt from
   their parameters.
 
@@ -416,31 +416,6 @@ def property_examples(needs: Needs) -> None:
                 test.hypothesis.inner_test(*example.args, **example.kwargs)
 
 
-def property_draws(needs: Needs) -> None:
-    """The cases tests/gpu/test_properties.py draws (its profile is derandomised: the same cases
-    on every run), each lowered as tests/attention_properties.py would run it."""
-    import attention_properties
-    from tests.gpu import test_properties as module
-
-    drawn: list[tuple[Callable, str, object]] = []
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("check_dense", "check_varlen", "check_paged"):
-            check = getattr(attention_properties, name)
-            mp.setattr(module, name, lambda case, *_, check=check, **__: drawn.append(
-                (check, _node(module, check, repr(case)), case)))
-        for test in (module.test_dense_matches_naive, module.test_segment_ids_match_naive,
-                     module.test_varlen_matches_naive, module.test_paged_matches_naive):
-            test()
-    for check, node, case in drawn:
-        def lower(fn, *args, node=node, **_):
-            needs.lower(node, fn, *args)
-            raise _Lowered
-
-        with pytest.MonkeyPatch.context() as mp, pytest.raises(_Lowered):
-            mp.setattr(attention_properties, "_run", lower)
-            check(case, module.IMPLEMENTATION, attention_properties.GPU_SPACE)
-
-
 def runner_based(needs: Needs) -> None:
     from tests.gpu import test_paged, test_segments, test_single_rounding, test_varlen
 
@@ -525,7 +500,6 @@ GROUPS: dict[str, Callable[[Needs], None]] = {
     "sanitizer_cases": sanitizer_cases,
     "gradient_tests": gradient_tests,
     "property_examples": property_examples,
-    "property_draws": property_draws,
     "forward_parameters": forward_parameters,
 }
 #: The groups whose calls go through the API (test_sm90_bwd.py's lists call the backend with

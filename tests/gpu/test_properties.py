@@ -8,9 +8,8 @@ write and does not is caught.
 Segment ids run the forward and backward kernels with segment ids.
 
 Default profile ``jax-fa4-gpu`` (more examples than the CPU file, derandomized); choose another
-with ``JAX_FA4_HYPOTHESIS_PROFILE`` (e.g. ``jax-fa4-explore``). Kernels needed in the cache: the
-default profile's draws are in ``--suite tests`` (tests/test_gpu_suite_kernels.py checks); another
-profile draws from every shipped bfloat16 variant (``--suite default --dtype bfloat16``).
+with ``JAX_FA4_HYPOTHESIS_PROFILE`` (e.g. ``jax-fa4-explore``). Kernels needed in the cache:
+every shipped forward, backward, varlen and paged config (``--suite default``).
 """
 
 from __future__ import annotations
