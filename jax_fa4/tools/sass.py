@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import gzip
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -34,25 +33,6 @@ import sys
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-
-
-def _kernel_spec():
-    """This checkout's ``jax_fa4/kernels/spec.py`` (stdlib only), loaded by its path: this
-    module imports no ``jax_fa4`` module (``tools/sass_diff.py`` loads it beside another
-    checkout's package)."""
-    path = Path(__file__).resolve().parents[1] / "kernels" / "spec.py"
-    spec = importlib.util.spec_from_file_location("jax_fa4_sass_kernel_spec", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-_SPEC = _kernel_spec()
-#: A CTA's shared-memory capacity (dynamic plus static beyond the system's reserve).
-SMEM_CAPACITY_BYTES = _SPEC.SMEM_CAPACITY_BYTES
-#: Static shared memory every cubin lists: the system's per-CTA reserve (.nv.shared.reserved).
-SMEM_SYSTEM_RESERVE_BYTES = _SPEC.SMEM_SYSTEM_RESERVE_BYTES
 
 #: ``e_machine`` of a CUDA ELF.
 EM_CUDA = 190
@@ -284,6 +264,10 @@ def problems(kernel: Kernel, *, dynamic_smem_bytes: int, must_have: Iterable[str
     over 255 registers, over 227 KB of shared memory (``dynamic_smem_bytes`` plus the static
     beyond the system's 1 KB reserve), a missing instruction of ``must_have`` (opcode prefixes,
     as :meth:`Kernel.count` takes them)."""
+    # imported here: the rest of this module is stdlib only (tools/sass_diff.py loads it beside
+    # another checkout's package)
+    from jax_fa4.kernels.spec import SMEM_CAPACITY_BYTES, SMEM_SYSTEM_RESERVE_BYTES
+
     label = label or kernel.name
     found = []
     if kernel.spills:
