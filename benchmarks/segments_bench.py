@@ -59,6 +59,7 @@ from jax_fa4 import segments
 from jax_fa4.kernels import segments_config as cols
 from jax_fa4.kernels.sm90 import fwd_config, fwd_tuning
 from jax_fa4.tools import bench
+from jax_fa4.tools.bench_shapes import document_lengths
 from jax_fa4.tools.bench_harness import (labelled_shapes, rotating_sets, save, start,
                                          timing_parser)
 
@@ -70,16 +71,8 @@ Variants = dict[str, tuple[list[int], Callable]]
 
 
 def documents(rng: np.random.Generator, s: int) -> list[int]:
-    """Lengths in [DOC_MIN, DOC_MAX] summing to s (the last one takes the rest)."""
-    lens = []
-    while s - sum(lens) > DOC_MAX:
-        lens.append(int(rng.integers(DOC_MIN, DOC_MAX + 1)))
-    rest = s - sum(lens)
-    if rest < DOC_MIN and lens:  # fold a short tail into the previous document
-        lens[-1] += rest
-    else:
-        lens.append(rest)
-    return lens
+    """Lengths in [DOC_MIN, DOC_MAX] summing to s (``bench_shapes.document_lengths``)."""
+    return document_lengths(rng, s, DOC_MIN, DOC_MAX)
 
 
 def packed_rows(b: int, s: int, d: int, causal: bool) -> list[list[int]]:

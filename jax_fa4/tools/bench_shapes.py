@@ -138,3 +138,17 @@ PRESETS: dict[str, tuple[Shape, ...]] = {
 def preset_shapes(spec: str) -> tuple[Shape, ...]:
     """The shapes of a comma-separated list of presets, each once, in order."""
     return _unique([s for name in spec.split(",") for s in PRESETS[name]])
+
+
+def document_lengths(rng: np.random.Generator, s: int, doc_min: int, doc_max: int) -> list[int]:
+    """One packed row of ``s`` tokens cut into documents of ``doc_min`` to ``doc_max`` tokens
+    (the last takes the rest; a tail shorter than ``doc_min`` joins the document before it)."""
+    lens: list[int] = []
+    while s - sum(lens) > doc_max:
+        lens.append(int(rng.integers(doc_min, doc_max + 1)))
+    rest = s - sum(lens)
+    if rest < doc_min and lens:
+        lens[-1] += rest
+    else:
+        lens.append(rest)
+    return lens

@@ -76,7 +76,7 @@ import numpy as np
 import jax_fa4
 from jax_fa4.ffi import runtime
 from jax_fa4.tools import bench, bench_env, bench_report
-from jax_fa4.tools.bench_shapes import Shape
+from jax_fa4.tools.bench_shapes import Shape, document_lengths
 
 Params = dict[str, Any]
 
@@ -229,17 +229,10 @@ def make_step(cfg: Config, impl: str) -> Callable[..., Any]:
 
 # -- data --------------------------------------------------------------------------------------
 def documents(cfg: Config) -> list[list[int]]:
-    """Each row's document lengths: S/16 to S/2 tokens, the last cut to fit (fixed cuts)."""
+    """Each row's document lengths: S/16 to S/2 tokens (512 to 4096 at 8k, as
+    benchmarks/segments_bench.py cuts), the same cuts in every run."""
     rng = np.random.default_rng(cfg.B * cfg.S + cfg.D)
-    rows = []
-    for _ in range(cfg.B):
-        lens, left = [], cfg.S
-        while left:
-            n = min(int(rng.integers(cfg.S // 16, cfg.S // 2 + 1)), left)
-            lens.append(n)
-            left -= n
-        rows.append(lens)
-    return rows
+    return [document_lengths(rng, cfg.S, cfg.S // 16, cfg.S // 2) for _ in range(cfg.B)]
 
 
 def make_batches(cfg: Config, count: int, seed: int = 0
