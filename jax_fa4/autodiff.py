@@ -1,6 +1,13 @@
-"""Every ``custom_vjp`` rule: each runs the backend the options name, never a family by name.
+"""Every differentiation rule: each runs the backend the options name, never a family by name.
 
-Dense (:func:`attention`): the forward saves (q, k, v, out, lse); the backward runs the backend's
+The differentiable calls (dense, dense + sink, sink / segment ids, varlen) are ``custom_jvp``
+functions: their JVP rule returns the forward's outputs and tangents through
+:func:`jax_fa4.tangents.linear`, which is the float32 reference's JVP in forward mode
+(``jax.jvp``, ``jax.linearize``, ``jax.jacfwd``) and, transposed in reverse mode (``jax.grad``),
+the backward chain below on the saved (q, k, v, out, lse): the same kernels and residuals as a
+``custom_vjp`` would run. Paged and FP8 calls are forward only (``custom_vjp`` rules that raise).
+
+Dense (:func:`attention`): reverse mode keeps (q, k, v, out, lse); the backward runs the backend's
 preprocess (``delta = rowsum(dO * O)``) and then its backward proper. Both halves are bound
 through :mod:`jax_fa4.parallel.sharding`, so under ``jax.jit`` with q, k, v sharded over batch
 and heads each device runs them on its own shard (see that module for the rules).
@@ -19,11 +26,10 @@ Segment ids (:func:`attention_with_extras`): the backend's forward kernel with s
 where it has one (``Backend.segments_forward``: key blocks that share no id with a query tile
 skipped, :mod:`jax_fa4.segments`), else the reference; its backward by the backend's kernels
 with segment ids where they serve the call (``Backend.segments_backward``), else the
-reference's explicit FlashAttention backward plus the sink's gradient. A sink on the
-reference: the reference's own ``custom_vjp`` over ``(q, k, v, sink)``, whose forward saves
-``(q, k, v, sink, out, lse)``.
+reference's explicit FlashAttention backward plus the sink's gradient; reverse mode keeps
+``(q, k, v, sink, segment ids, out, lse)``.
 
-Varlen (:func:`varlen`): one ``custom_vjp`` over the packed batch, jitted with the backend's plan
+Varlen (:func:`varlen`): one rule over the packed batch, jitted with the backend's plan
 as a static argument; its backward is the backend's varlen backward, or the reference's packed
 backward where the backend has none. Paged KV (:func:`paged`): forward only.
 
@@ -44,6 +50,7 @@ from jax_fa4 import backends, reference
 from jax_fa4.backends import base
 from jax_fa4.backends.base import Segments
 from jax_fa4.parallel import sharding
+from jax_fa4.tangents import linear
 
 
 # -- dense -------------------------------------------------------------------------------------
@@ -119,47 +126,80 @@ _backward = sharding.partitioned_backward(backward_chain)
 _backward_sink = sharding.partitioned_backward_with_sink(backward_chain_with_sink)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+# -- forward mode ------------------------------------------------------------------------------
+def _reference_tangents(opts, primals, tangents, *, forward=None, **extras):
+    """(t_out, t_lse): the JVP of the float32 reference's forward at ``primals`` = (q, k, v[,
+    sink]) along ``tangents`` (the same masks, window, softcap and ``extras``); ``forward``
+    replaces :func:`jax_fa4.backends.base.reference_forward` (``(q, k, v, sink) -> (out,
+    lse)``)."""
+    opts = dataclasses.replace(opts, max_logits=False)
+    if forward is None:
+        def forward(q, k, v, sink):
+            return base.reference_forward(q, k, v, opts, learnable_sink=sink, **extras)
+    if len(primals) == 3:  # no sink
+        def run(q, k, v):
+            return forward(q, k, v, None)[:2]
+    else:
+        def run(q, k, v, sink):
+            return forward(q, k, v, sink)[:2]
+    return jax.jvp(run, tuple(primals), tuple(tangents))[1]
+
+
+def _with_tangents(outs, residuals, tangents, tangent, transpose):
+    """The JVP rule's output tangents for ``outs`` = (out, lse[, row_max]): (t_out, t_lse) by
+    :func:`jax_fa4.tangents.linear` (``tangent(residuals, tangents)`` in forward mode; in reverse
+    mode its transpose ``transpose(residuals, (dout, dlse))``, the backward chain), and zeros
+    for the row max, a statistic without a gradient. ``residuals``: any pytree of arrays."""
+    flat, tree = jax.tree.flatten(residuals)
+    t_out, t_lse = linear(
+        lambda res, tans: list(tangent(jax.tree.unflatten(tree, res), tans)),
+        lambda res, cts: list(transpose(jax.tree.unflatten(tree, res), cts)),
+        flat, list(tangents))
+    return (t_out, t_lse, *(jnp.zeros_like(x) for x in outs[2:]))
+
+
+# -- dense (and a learnable sink) -------------------------------------------------------------
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
 def attention(q, k, v, opts):
     """(out, lse) with ``opts`` an :class:`jax_fa4.options.AttentionOptions`, and each row's
-    max logit (B, H, Sq) when ``opts.max_logits`` (a statistic: its cotangent is dropped)."""
+    max logit (B, H, Sq) when ``opts.max_logits`` (a statistic: no gradient flows through it).
+    Reverse mode runs the backend's backward on the saved (q, k, v, out, lse); forward mode
+    the reference's JVP (:mod:`jax_fa4.tangents`)."""
     return _forward(q, k, v, opts)
 
 
-def _fwd(q, k, v, opts):
-    outs = _forward(q, k, v, opts)
-    return outs, (q, k, v, outs[0], outs[1])
+@attention.defjvp
+def _attention_jvp(opts, primals, tangents):
+    outs = _forward(*primals, opts)
+
+    def transpose(res, cts):
+        return _backward(*res, *cts, opts)[:3]
+
+    return outs, _with_tangents(
+        outs, (*primals, outs[0], outs[1]), tangents,
+        lambda res, tans: _reference_tangents(opts, res[:3], tans), transpose)
 
 
-def _bwd(opts, residuals, cotangents):
-    q, k, v, out, lse = residuals
-    dout, dlse = cotangents[:2]
-    return _backward(q, k, v, out, lse, dout, dlse, opts)[:3]
-
-
-attention.defvjp(_fwd, _bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
 def attention_with_sink(q, k, v, sink, opts):
     """(out, lse[, row_max]) with a learnable sink ``(H,)`` joining every row's denominator."""
     return _forward_sink(q, k, v, sink, opts)
 
 
-def _sink_fwd(q, k, v, sink, opts):
+@attention_with_sink.defjvp
+def _attention_with_sink_jvp(opts, primals, tangents):
+    q, k, v, sink = primals
     outs = _forward_sink(q, k, v, sink, opts)
-    return outs, (q, k, v, sink, outs[0], outs[1])
 
+    def transpose(res, cts):
+        q, k, v, sink, out, lse = res
+        dq, dk, dv, parts = _backward_sink(q, k, v, out, lse, *cts, sink, opts)
+        dsink = parts.reshape(-1, parts.shape[-1]).sum(axis=0)
+        return dq, dk, dv, dsink.astype(sink.dtype)
 
-def _sink_bwd(opts, residuals, cotangents):
-    q, k, v, sink, out, lse = residuals
-    dout, dlse = cotangents[:2]
-    dq, dk, dv, parts = _backward_sink(q, k, v, out, lse, dout, dlse, sink, opts)
-    dsink = parts.reshape(-1, parts.shape[-1]).sum(axis=0)
-    return dq, dk, dv, dsink.astype(sink.dtype)
-
-
-attention_with_sink.defvjp(_sink_fwd, _sink_bwd)
+    return outs, _with_tangents(
+        outs, (q, k, v, sink, outs[0], outs[1]), tangents,
+        lambda res, tans: _reference_tangents(opts, res[:4], tans), transpose)
 
 
 # -- sink and segment ids (the segment-id kernels or the reference) ---------------------------
@@ -245,18 +285,32 @@ def _extra_arrays(sink, segments: Segments) -> tuple:
     return ((sink,) if sink is not None else ()) + ids
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
 def _extras(q, k, v, sink, segments, opts):
     forward, _ = _extras_ops(sink is not None, segments.q_segment_ids is not None)
     return forward(q, k, v, *_extra_arrays(sink, segments), opts)
 
 
-def _extras_fwd(q, k, v, sink, segments, opts):
+@_extras.defjvp
+def _extras_jvp(opts, primals, tangents):
+    q, k, v, sink, segments = primals
     outs = _extras(q, k, v, sink, segments, opts)
-    return outs, (q, k, v, sink, segments, outs[0], outs[1])
+    n = 3 + (sink is not None)
+
+    def tangent(res, tans):
+        q, k, v, sink, segments = res[:5]
+        return _reference_tangents(opts, (q, k, v, sink)[:n], tans, **segments._asdict())
+
+    def transpose(res, cts):
+        return _extras_backward(opts, res, cts)[:n]
+
+    return outs, _with_tangents(outs, (*primals, outs[0], outs[1]), tangents[:n], tangent,
+                                transpose)
 
 
-def _extras_bwd(opts, residuals, cotangents):
+def _extras_backward(opts, residuals, cotangents):
+    """(dq, dk, dv, d sink or None) of :func:`_extras` from its saved (q, k, v, sink, segments,
+    out, lse) and the cotangents of (out, lse)."""
     q, k, v, sink, segments, out, lse = residuals
     dout, dlse = cotangents[:2]
     has_ids = segments.q_segment_ids is not None
@@ -272,11 +326,7 @@ def _extras_bwd(opts, residuals, cotangents):
     if sink is not None:  # the gradient by batch entry, summed
         parts = grads[3]
         dsink = parts.reshape(-1, parts.shape[-1]).sum(axis=0).astype(sink.dtype)
-    # no cotangent for the integer segment data
-    return (*grads[:3], dsink, None)
-
-
-_extras.defvjp(_extras_fwd, _extras_bwd)
+    return (*grads[:3], dsink)
 
 
 def attention_with_extras(
@@ -319,20 +369,38 @@ def attention_with_extras(
 
 
 # -- varlen ------------------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8))
 def _varlen_attention(q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, opts, route):
     name, plan = route
     return backends.get(name).varlen_forward(q, k, v, sink, segments, cu_seqlens_q,
                                              cu_seqlens_k, opts, plan)
 
 
-def _varlen_fwd(q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, opts, route):
-    out, lse = _varlen_attention(q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, opts,
-                                 route)
-    return (out, lse), (q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, out, lse)
+@_varlen_attention.defjvp
+def _varlen_jvp(opts, route, primals, tangents):
+    q, k, v, sink, segments, cu_q, cu_k = primals
+    outs = _varlen_attention(q, k, v, sink, segments, cu_q, cu_k, opts, route)
+    n = 3 + (sink is not None)
+
+    def tangent(res, tans):
+        q, k, v, sink, segments, cu_q, cu_k = res[:7]
+
+        def forward(q, k, v, sink):  # the reference's packed forward
+            return base.REFERENCE_BACKEND.varlen_forward(q, k, v, sink, segments, cu_q, cu_k,
+                                                         opts, None)
+
+        return _reference_tangents(opts, (q, k, v, sink)[:n], tans, forward=forward)
+
+    def transpose(res, cts):
+        return _varlen_backward(opts, route, res, cts)[:n]
+
+    return outs, _with_tangents(outs, (*primals, outs[0], outs[1]), tangents[:n], tangent,
+                                transpose)
 
 
-def _varlen_bwd(opts, route, residuals, cotangents):
+def _varlen_backward(opts, route, residuals, cotangents):
+    """(dq, dk, dv, d sink or None) of :func:`_varlen_attention` from its saved inputs and
+    (out, lse), and the cotangents of (out, lse)."""
     q, k, v, sink, segments, cu_q, cu_k, out, lse = residuals
     dout, dlse = cotangents
     name, plan = route
@@ -342,10 +410,7 @@ def _varlen_bwd(opts, route, residuals, cotangents):
                          kernel_forward=True)
     dq, dk, dv, dsink = chosen.varlen_backward(q, k, v, sink, segments, cu_q, cu_k, out, lse,
                                                dout, dlse, opts, plan)
-    return dq, dk, dv, dsink, None, None, None
-
-
-_varlen_attention.defvjp(_varlen_fwd, _varlen_bwd)
+    return dq, dk, dv, dsink
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "route", "max_seqlen_q", "max_seqlen_k"))

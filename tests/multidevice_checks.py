@@ -86,6 +86,25 @@ def _sharded_case(mesh, spec, *, kv_spec=None, b=4, h=4, hkv=2, dtype=jnp.float3
     }
 
 
+def _jvp_case(mesh, spec) -> dict:
+    """Forward mode under jit with sharded inputs: the tangent keeps the inputs' sharding."""
+    q, k, v, _ = qkv()
+    tangents = qkv(seed=1)[:3]
+
+    def jvp(q, k, v, tq, tk, tv):
+        return jax.jvp(lambda *x: jax_fa4.flash_attention(*x, causal=True), (q, k, v),
+                       (tq, tk, tv))
+
+    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, *tangents)]
+    compiled = jax.jit(jvp).lower(*placed).compile()
+    out, tangent = compiled(*placed)
+    want_out, want_tangent = jax.jit(jvp)(q, k, v, *tangents)
+    return {"out_err": max_err(out, want_out), "tangent_err": max_err(tangent, want_tangent),
+            "scale": float(jnp.max(jnp.abs(want_tangent))),
+            "tangent_spec": str(tangent.sharding.spec),
+            "collectives": collectives(compiled.as_text())}
+
+
 def sharding_cases() -> dict:
     auto = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     heads4 = jax.make_mesh((4,), ("model",), axis_types=(AxisType.Auto,))
@@ -115,6 +134,7 @@ def sharding_cases() -> dict:
         "segments_kernel_seq_sharded": lambda: _segments_case(auto, P(None, "data", None, None),
                                                               "sm90"),
         "max_logits_batch_heads": lambda: _max_logits_case(auto, bshd),
+        "jvp_batch_and_heads": lambda: _jvp_case(auto, bshd),
         "fp8_reference_batch_heads": lambda: _fp8_case(auto, bshd, "reference"),
         "fp8_kernel_batch_heads": lambda: _fp8_case(auto, bshd, "sm90"),
         "fp8_vmap": lambda: _fp8_vmap_case(),

@@ -179,6 +179,32 @@ def test_grad_on_hopper_runs_the_backward_kernels(shipped_cache, monkeypatch, de
     call.clear_memory_cache()
 
 
+def test_jvp_on_hopper_runs_the_forward_kernel_once(shipped_cache, monkeypatch):
+    """jax.jvp through flash_attention(implementation="sm90"): the primal output is the forward
+    kernel's (one custom call, the same kernel as jax.grad's forward) and the tangent is the
+    reference's JVP (no backward kernel)."""
+    from jax_fa4.ffi import call
+
+    monkeypatch.setenv("JAX_FA4_CACHE_DIR", str(shipped_cache.root))
+    call.clear_memory_cache()
+    ks = jax.random.split(jax.random.key(1), 3)
+    q, k, v = (jax.random.normal(kk, (2, 77, 4, 128), jnp.float32).astype(jnp.bfloat16)
+               for kk in ks)
+
+    def jvp(q, k, v, tq, tk, tv):
+        return jax.jvp(lambda *x: jax_fa4.flash_attention(*x, causal=True,
+                                                          implementation="sm90"),
+                       (q, k, v), (tq, tk, tv))
+
+    exported = jax.export.export(jax.jit(jvp), platforms=["cuda"],
+                                 disabled_checks=jax_fa4.export_disabled_safety_checks())(
+        q, k, v, q, k, v)
+    assert exported.mlir_module().count(
+        "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2") == 1
+    assert [a.shape for a in exported.out_avals] == [q.shape, q.shape]
+    call.clear_memory_cache()
+
+
 def test_deterministic_backward_lowers_with_its_counters(cache_dir):
     """The ordered-dQ kernel's extra operand (int32 counters, aliased in place) goes through
     the JAX wrapper, the alias check and the CUDA lowering."""

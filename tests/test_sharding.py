@@ -175,6 +175,17 @@ def test_max_logits_shard_like_lse(suite):
     assert r["out_err"] <= TOL and r["max_logits_err"] <= TOL, r
 
 
+def test_forward_mode_keeps_batch_and_head_sharding(suite):
+    """jax.jvp under jit with q, k, v and their tangents sharded over batch and heads: the
+    tangent (the reference's JVP) keeps the sharding, nothing is gathered, and it equals the
+    unsharded program's."""
+    r = _ok(suite["jvp_batch_and_heads"])
+    assert r["collectives"] == {}, r["collectives"]
+    # (the spec may drop its trailing unsharded axis: the same sharding)
+    assert r["tangent_spec"] in ("P('data', None, 'model', None)", "P('data', None, 'model')"), r
+    assert r["out_err"] <= TOL and r["tangent_err"] <= TOL * max(1.0, r["scale"]), r
+
+
 def test_vmapped_axes_stay_sharded(suite):
     for case in ("vmap", "vmap_sharded_mapped_axis"):
         r = _ok(suite[case])
