@@ -470,6 +470,8 @@ def profile_config(cfg: Config, runners: Sequence[Runner],
         if kernels is not None:
             (where / "step-kernels.json").write_text(json.dumps(kernels) + "\n")
         row["profile"] = profile
+        if jax.devices()[0].platform == "gpu" and profile.get("source") == "host thunks":
+            row["profile_warning"] = "no GPU kernels in the trace (CUPTI): host thunks read"
         if "error" not in profile:
             profiles[runner.impl] = profile
     base = next((i for i in ("cudnn", "xla") if i in profiles), None)

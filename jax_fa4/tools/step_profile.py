@@ -423,7 +423,8 @@ def analyse(events: Sequence[Event], hlo_text: str | None, steps: int, layers: i
             ) -> dict[str, Any]:
     """One implementation's traced steps: per-step scalars (median over steps, and each
     step's span), per layer, per category, the kernel groups, the copies / transposes, the
-    largest gaps of the median step, the host side and the HLO's command buffers."""
+    largest gaps of the median step, the host side, the HLO's command buffers, and the median
+    step's kernels in order (``median_step_kernels``, for a file of its own)."""
     ops, hlo = parse_hlo(hlo_text) if hlo_text else ({}, {})
     kernels = device_kernels(events, hlo.get("module"))
     runs, consistent = split_steps(kernels, steps)
@@ -490,6 +491,9 @@ def markdown(config: str, base_name: str, ours: dict[str, Any], base: dict[str, 
     """The side-by-side tables of one config (us per step and per layer)."""
     lines = [f"### {config}: jax-fa4 vs {base_name} ({cmp['layers']} layers, us; median of "
              f"{ours.get('steps')} / {base.get('steps')} traced steps)", "",
+             f"Kernels from {ours.get('source')} / {base.get('source')}; steps consistent: "
+             f"{ours.get('steps_consistent')} / {base.get('steps_consistent')}; kernels per "
+             f"step: {ours.get('kernels_per_step')} / {base.get('kernels_per_step')}.", "",
              f"| per step | jax-fa4 | {base_name} | diff | diff per layer |",
              "|---|---|---|---|---|"]
     for key, row in cmp["step_us"].items():
@@ -502,11 +506,12 @@ def markdown(config: str, base_name: str, ours: dict[str, Any], base: dict[str, 
                      f"{_n(row['diff'], '+.1f')} | {_n(row['diff_per_layer'], '+.1f')} |")
     for title, rows in (("only jax-fa4 runs", cmp["only_ours"]),
                         (f"only {base_name} runs", cmp["only_base"])):
-        lines += ["", f"| {title} | category | count / step | us / step | HLO ops |",
-                  "|---|---|---|---|---|"]
+        lines += ["", f"| {title} | category | count / step | us / step | count / layer | "
+                  "us / layer | HLO ops |", "|---|---|---|---|---|---|---|"]
         for name, g in list(rows.items())[:TOP_ROWS]:
             lines.append(f"| `{name[:90]}` | {g['category']} | {_n(g['count'], '.1f')} | "
-                         f"{_n(g['us'])} | {', '.join(g['hlo_ops'][:4])} |")
+                         f"{_n(g['us'])} | {_n(g['count'] / cmp['layers'], '.2f')} | "
+                         f"{_n(g['us'] / cmp['layers'])} | {', '.join(g['hlo_ops'][:4])} |")
     lines += ["", f"| both run, largest differences | category | count ours / {base_name} | "
               f"us ours / {base_name} | diff |", "|---|---|---|---|---|"]
     for name, g in cmp["changed"].items():
