@@ -21,8 +21,10 @@ ATTN_KEYS = {"attn_train_fwd_ms", "attn_fwdbwd_ms", "attn_bwd_ms", "attention_sh
 def test_smoke_run_writes_the_result_and_both_models_agree(tmp_path: Path) -> None:
     out = tmp_path / "step.json"
     hlo = tmp_path / "hlo"
+    prof = tmp_path / "profile"
     assert step_bench.main(["--smoke", "--layers", "1", "--rounds", "1", "--steps", "1",
                             "--warmup", "0", "--attn-target-ms", "1", "--hlo", str(hlo),
+                            "--profile", str(prof), "--profile-steps", "2",
                             "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["complete"] and report["settings"]["impls"] == ["jax-fa4", "xla"]
@@ -45,6 +47,30 @@ def test_smoke_run_writes_the_result_and_both_models_agree(tmp_path: Path) -> No
     assert all(sum(row) == packed["S"] for row in packed["documents"])
     assert all(n <= packed["S"] // 2 for row in packed["documents"] for n in row)
     assert "step_speedup" not in packed
+    # --profile: each step traced and read (on the CPU the XLA runtime's thunks are the kernels),
+    # ours against the baseline side by side; packed rows: ours alone, no comparison.
+    for impl in ("jax-fa4", "xla"):
+        p = dense["impls"][impl]["profile"]
+        assert p["source"] == "host thunks" and p["steps"] == 2 and p["kernels_per_step"] > 0
+        step = p["step_us"]
+        assert 0 < step["busy_us"] <= step["span_us"]
+        assert step["idle_us"] == pytest.approx(step["span_us"] - step["busy_us"])
+        assert step["attention_us"] == 0  # no attention kernel on the CPU: XLA fusions
+        assert step["around_attention_us"] == pytest.approx(step["span_us"])
+        assert p["per_layer_us"]["span_us"] == pytest.approx(step["span_us"])  # one layer
+        assert sum(g["count"] for g in p["groups"].values()) == pytest.approx(
+            p["kernels_per_step"])
+        assert p["hlo"]["module"] == "jit_step"
+        kernels = json.loads((prof / "smoke" / impl / "step-kernels.json").read_text())
+        assert len(kernels) == p["kernels_per_step"]
+        assert list((prof / "smoke" / impl).rglob("*.xplane.pb"))
+    cmp = dense["profile"]
+    assert cmp["step_us"]["span_us"]["diff"] == pytest.approx(
+        dense["impls"]["jax-fa4"]["profile"]["step_us"]["span_us"]
+        - dense["impls"]["xla"]["profile"]["step_us"]["span_us"])
+    assert "profile" in packed["impls"]["jax-fa4"] and "profile" not in packed
+    tables = (prof / "profile.md").read_text()
+    assert tables == dense["profile_table"] and tables.startswith("### smoke: jax-fa4 vs xla")
 
 
 def test_the_first_step_check_sees_a_different_attention(tmp_path: Path,

@@ -5,7 +5,7 @@ Usage::
 
     python -m jax_fa4.tools.step_bench                        # every config, on a GPU
     python -m jax_fa4.tools.step_bench --configs b8s2k-16-4-d128,b2s8k-16-4-d128
-    python -m jax_fa4.tools.step_bench --out $OUT/step.json --profile $OUT/trace --hlo $OUT/hlo
+    python -m jax_fa4.tools.step_bench --out step.json --profile prof --hlo hlo
     python -m jax_fa4.tools.step_bench --smoke                # tiny sizes on the CPU
 
 The model (plain JAX, bfloat16 parameters and activations): token embedding; ``--layers``
@@ -45,8 +45,15 @@ GPU, XLA in ``--smoke``). "Attention alone" times, at the config's shape, the at
 training forward and forward+backward with ``jax_fa4.tools.bench``'s programs and rotation
 (input sets rotated past twice the L2); ``attn_bwd_ms`` = forward+backward - training forward.
 
-``--profile DIR`` traces ``--profile-steps`` steps of each implementation per config with
-``jax.profiler.trace`` (``DIR/<config>/<impl>``); ``--hlo DIR`` writes each step's optimized
+``--profile DIR`` traces ``--profile-steps`` back-to-back steps of each implementation per
+config with ``jax.profiler.trace`` after the timed rounds (``DIR/<config>/<impl>``) and reads
+them with ``jax_fa4.tools.step_profile``: per implementation (``profile`` in its entry) the
+kernels of one step grouped by name and category (GEMM, XLA fusions, copies / transposes with
+their HLO ops, attention kernels, memsets / memcpys), busy time, span, idle gaps, host-side
+launches; per config (``profile``, ``profile_table``) ours against the baseline per category
+and per layer, "around the attention" (span - attention kernels) and the kernels only one side
+runs; ``DIR/profile.md`` collects the tables and ``DIR/<config>/<impl>/step-kernels.json`` holds
+the median traced step's kernels in order. ``--hlo DIR`` writes each step's optimized
 HLO (``DIR/<config>-<impl>.hlo.txt``). The result file holds, per implementation, counts of
 copies, transposes, fusions and custom-call targets in that HLO (``hlo_counts``).
 
@@ -75,7 +82,7 @@ import numpy as np
 
 import jax_fa4
 from jax_fa4.ffi import runtime
-from jax_fa4.tools import bench, bench_env, bench_report
+from jax_fa4.tools import bench, bench_env, bench_report, step_profile
 from jax_fa4.tools.bench_shapes import Shape, document_lengths
 
 Params = dict[str, Any]
@@ -415,17 +422,7 @@ def run_config(cfg: Config, impls: Sequence[str], args: argparse.Namespace,
             step_ms=med, step_spread=round((max(xs) - min(xs)) / med, 4), step_rounds_ms=xs,
             tokens_per_s=cfg.B * cfg.S / med * 1e3)
     if args.profile is not None:
-        for runner in runners:
-            where = args.profile / cfg.name / runner.impl
-            where.mkdir(parents=True, exist_ok=True)
-            try:
-                with jax.profiler.trace(str(where)):
-                    for i in range(args.profile_steps):
-                        runner.run(batches[i % len(batches)])
-                    jax.block_until_ready(runner.params)
-                entry["impls"][runner.impl]["trace_dir"] = str(where)
-            except Exception as err:  # a failed trace keeps the timings
-                entry["impls"][runner.impl]["trace_error"] = bench_env.error_text(err)
+        profile_config(cfg, runners, batches, entry, args)
     for runner in runners:
         runner.params = None  # free the parameters before the attention-alone inputs
     if not args.no_attention:
@@ -441,6 +438,47 @@ def run_config(cfg: Config, impls: Sequence[str], args: argparse.Namespace,
                 cfg.layers * row["attn_fwdbwd_ms"] / row_step["step_ms"])
     compare(entry, first)
     return entry
+
+
+def profile_config(cfg: Config, runners: Sequence[Runner],
+                   batches: Sequence[tuple[jax.Array, ...]], entry: dict[str, Any],
+                   args: argparse.Namespace) -> None:
+    """Trace ``--profile-steps`` back-to-back steps of each implementation into
+    ``DIR/<config>/<impl>`` and analyse them (``jax_fa4.tools.step_profile``): the profile in
+    ``entry["impls"][impl]["profile"]``, the median step's kernels in
+    ``DIR/<config>/<impl>/step-kernels.json``; with ours and a baseline, their comparison in
+    ``entry["profile"]`` and its markdown tables in ``entry["profile_table"]``."""
+    profiles: dict[str, dict[str, Any]] = {}
+    for runner in runners:
+        where = args.profile / cfg.name / runner.impl
+        row = entry["impls"][runner.impl]
+
+        def run(runner: Runner = runner) -> None:
+            for i in range(args.profile_steps):
+                runner.run(batches[i % len(batches)])
+            jax.block_until_ready(runner.params)
+
+        try:
+            trace = step_profile.capture(run, where)
+            profile = step_profile.analyse(step_profile.load_events(trace), runner.hlo,
+                                           args.profile_steps, cfg.layers)
+        except Exception as err:  # a failed trace keeps the timings
+            row["trace_error"] = bench_env.error_text(err)
+            continue
+        row["trace_dir"] = str(where)
+        kernels = profile.pop("median_step_kernels", None)
+        if kernels is not None:
+            (where / "step-kernels.json").write_text(json.dumps(kernels) + "\n")
+        row["profile"] = profile
+        if jax.devices()[0].platform == "gpu" and profile.get("source") == "host thunks":
+            row["profile_warning"] = "no GPU kernels in the trace (CUPTI): host thunks read"
+        if "error" not in profile:
+            profiles[runner.impl] = profile
+    base = next((i for i in ("cudnn", "xla") if i in profiles), None)
+    if "jax-fa4" in profiles and base is not None:
+        entry["profile"] = step_profile.compare(profiles["jax-fa4"], profiles[base], cfg.layers)
+        entry["profile_table"] = step_profile.markdown(cfg.name, base, profiles["jax-fa4"],
+                                                       profiles[base], entry["profile"])
 
 
 def compare(entry: dict[str, Any], first: dict[str, tuple[float, list[float]]]) -> None:
@@ -488,6 +526,14 @@ def markdown_table(entries: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def write_profile_tables(where: Path | None, entries: Sequence[dict[str, Any]]) -> None:
+    """``DIR/profile.md``: every profiled config's side-by-side tables so far."""
+    tables = [e["profile_table"] for e in entries if "profile_table" in e]
+    if where is not None and tables:
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "profile.md").write_text("\n".join(tables))
+
+
 # -- command line ------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jax_fa4.tools.step_bench",
@@ -510,8 +556,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="wall time of one attention-alone round")
     p.add_argument("--no-attention", action="store_true", help="skip the attention-alone timing")
     p.add_argument("--profile", type=Path, default=None,
-                   help="trace steps with jax.profiler into DIR/<config>/<impl>")
-    p.add_argument("--profile-steps", type=int, default=3)
+                   help="trace steps with jax.profiler into DIR/<config>/<impl> and write the "
+                        "per-kernel side by side (DIR/profile.md, the result file)")
+    p.add_argument("--profile-steps", type=int, default=3,
+                   help="back-to-back steps per trace (the figures are their median)")
     p.add_argument("--hlo", type=Path, default=None,
                    help="write each step's optimized HLO to DIR/<config>-<impl>.hlo.txt")
     p.add_argument("--seed", type=int, default=0)
@@ -533,8 +581,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         wrong = [x for x in args.impls if x not in IMPLS]
         if wrong:
             p.error(f"unknown implementation(s) {wrong}; known: {', '.join(IMPLS)}")
-    if min(args.rounds, args.steps) < 1 or args.warmup < 0:
-        p.error("--rounds and --steps must be >= 1, --warmup >= 0")
+    if min(args.rounds, args.steps, args.profile_steps) < 1 or args.warmup < 0:
+        p.error("--rounds, --steps and --profile-steps must be >= 1, --warmup >= 0")
     return args
 
 
@@ -600,8 +648,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"({entry['wall_s']} s){' ' + entry['error'] if 'error' in entry else ''}",
               flush=True)
         write(complete=False)
+        write_profile_tables(args.profile, entries)
     write(complete=True)
     print(markdown_table(entries))
+    for e in entries:
+        if "profile_table" in e:
+            print("\n" + e["profile_table"])
     print(f"wrote {out}; total wall time {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -6,7 +6,9 @@
 # Steps: tests (tests/gpu with pytest-xdist), sanitizers, bench (the whole default sweep),
 # bench-main / bench-more (its two halves: python -m jax_fa4.tools.bench merge joins them), profile-bwd
 # (Nsight Compute on one training step, ours and cuDNN's: tools/device/profile.sh), step-bench
-# (a decoder's whole jitted training step, ours against cuDNN's: jax_fa4.tools.step_bench).
+# (a decoder's whole jitted training step, ours against cuDNN's: jax_fa4.tools.step_bench, with
+# its per-kernel profile: step.json, step-profile.md and step-files.tar.xz, the traces and HLO;
+# STEP_BENCH_ARGS adds flags, e.g. STEP_BENCH_ARGS="--configs b8s2k-16-4-d128 --no-attention").
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -20,6 +22,18 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n 3 "$out/$name.log"
   [ "$rc" -eq 0 ] || status=1
 }
+pack_step_files() {  # the step benchmark's traces and HLO as one tarball, its tables beside it
+  local dir="$out/step-files" tarball="$out/step-files.tar.xz"
+  [ -d "$dir" ] || return 0
+  [ -f "$dir/profile/profile.md" ] && cp "$dir/profile/profile.md" "$out/step-profile.md"
+  XZ_OPT=-T0 tar -C "$out" -cJf "$tarball" step-files
+  if [ "$(stat -c %s "$tarball")" -gt 15000000 ]; then  # too large to come back: no raw traces
+    XZ_OPT=-T0 tar -C "$out" -cJf "$tarball" --exclude '*.xplane.pb' --exclude '*.trace.json.gz' \
+      step-files
+  fi
+  rm -rf "$dir"
+  ls -l "$tarball"
+}
 for s in "$@"; do
   case $s in
     tests) step tests 480 python -m pytest tests/gpu -q -n 14 --timeout 300 -p no:cacheprovider \
@@ -32,8 +46,10 @@ for s in "$@"; do
     bench-more) step bench-more 380 python -m jax_fa4.tools.bench --shapes anchors-more,latency \
                   --out "$out/bench-more.json" ;;
     profile-bwd) step profile-bwd 300 bash tools/device/profile.sh ;;
-    step-bench) step step-bench 480 python -m jax_fa4.tools.step_bench --out "$out/step.json" \
-                  --hlo "$out/hlo" ;;
+    step-bench) step step-bench 500 python -m jax_fa4.tools.step_bench --out "$out/step.json" \
+                  --hlo "$out/step-files/hlo" --profile "$out/step-files/profile" \
+                  ${STEP_BENCH_ARGS:-}
+                pack_step_files ;;
     *) echo "unknown step $s"; status=2 ;;
   esac
 done
