@@ -37,10 +37,9 @@ OPTIONS = {
     "window-negative-right": {"local_window_size": (4, -2)},
     "window-negative-left": {"local_window_size": (-1, 3)},
     "window-empty": {"local_window_size": (-3, 1)},
-    "causal-window": {"is_causal": True, "local_window_size": (2, 3)},
-    "scale": {"scale": 0.3},
+    "causal-window-scale": {"is_causal": True, "local_window_size": (2, 3), "scale": 0.3},
 }
-LENGTHS = ["none", "q", "kv", "both"]
+LENGTHS = ["none", "kv", "both"]  # (query lengths alone: in the gradient cases)
 
 
 def _inputs(shape, dtype=jnp.float32, seed=0):
@@ -78,7 +77,8 @@ def test_matches_jax_nn(shape, opts, lengths):
     _assert_same(got, want)
 
 
-@pytest.mark.parametrize("opts", ["causal", "window-left", "window-wide", "causal-window"])
+@pytest.mark.parametrize("opts", ["causal", "window-left", "window-wide",
+                                  "causal-window-scale"])
 @pytest.mark.parametrize("shape", ["gqa-t<s", "mqa-t>s"])
 def test_the_cases_catch_a_wrong_window_mapping(shape, opts):
     """flash_attention's bottom-right alignment, or a window one key wider each side, as the
@@ -90,10 +90,12 @@ def test_the_cases_catch_a_wrong_window_mapping(shape, opts):
     left, right = kw.get("local_window_size", (None, None))
     if kw.get("is_causal"):
         right = 0
-    bottom_right = jax_fa4.flash_attention(q, k, v, window_size=(left, right))
+    bottom_right = jax_fa4.flash_attention(q, k, v, window_size=(left, right),
+                                           softmax_scale=kw.get("scale"))
     unbounded = q.shape[1] + k.shape[1]
-    wider = jax.nn.dot_product_attention(  # one more key on each side
-        q, k, v, local_window_size=tuple(unbounded if w is None else w + 1 for w in (left, right)))
+    wider_window = tuple(unbounded if w is None else w + 1 for w in (left, right))  # +1 key
+    wider = jax.nn.dot_product_attention(q, k, v, scale=kw.get("scale"),
+                                         local_window_size=wider_window)
     for wrong in (bottom_right, wider):
         assert float(jnp.max(jnp.abs(wrong - want))) > 100 * ATOL
 
