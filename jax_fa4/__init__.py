@@ -7,6 +7,7 @@ reference that runs everywhere else.
 from jax_fa4.api import flash_attention, flash_attention_paged, flash_attention_varlen
 from jax_fa4.backends.base import ImplementationUnavailableError
 from jax_fa4.ffi.runtime import export_disabled_safety_checks
+from jax_fa4.nn import dot_product_attention
 from jax_fa4.options import AttentionOptions
 from jax_fa4.parallel.ring import ring_attention, unzigzag, zigzag
 
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionOptions",
     "ImplementationUnavailableError",
+    "dot_product_attention",
     "export_disabled_safety_checks",
     "flash_attention",
     "flash_attention_paged",

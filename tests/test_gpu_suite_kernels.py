@@ -25,7 +25,8 @@ The calls, taken from the GPU tests' own data and code wherever it can be done w
 * the explicit examples of tests/gpu/test_properties.py: the programs tests/attention_properties.py
   would run (its drawn cases are not covered: they range over every shipped bfloat16 kernel);
 * the parametrized forward calls of tests/gpu/test_max_logits.py and test_fp8.py, rebuilt from
-  their parameters.
+  their parameters;
+* tests/gpu/test_dot_product_attention.py's calls, from its case table and call builder.
 
 The backward kernels those calls reach through the API come from
 ``jax_fa4.tools.variants.GPU_API_BACKWARD``, a table of problem kinds by GPU test module; a second
@@ -455,6 +456,17 @@ def forward_parameters(needs: Needs) -> None:
                         softcap=p["softcap"], return_lse=True, implementation="sm90"), *args)
 
 
+def dot_product_attention_cases(needs: Needs) -> None:
+    """tests/gpu/test_dot_product_attention.py's jitted calls, each lowered."""
+    from tests.gpu import test_dot_product_attention as module
+
+    test = module.test_lowers_to_kernels_and_matches_jax_nn
+    for case, ((b, t, s, n, kh, h), _, _) in module.CASES.items():
+        args = (_spec((b, t, n, h), jnp.bfloat16), _spec((b, s, kh, h), jnp.bfloat16),
+                _spec((b, s, kh, h), jnp.bfloat16), module.lengths(case, spec=True))
+        needs.lower(_node(module, test, case), module.attend(case), *args)
+
+
 def sanitizer_cases(needs: Needs) -> None:
     """Every case group of tests/gpu/sanitizer_cases.py (run under compute-sanitizer by
     test_sanitizers.py), its jitted calls lowered; its checks (finite results) see zeros."""
@@ -501,6 +513,7 @@ GROUPS: dict[str, Callable[[Needs], None]] = {
     "gradient_tests": gradient_tests,
     "property_examples": property_examples,
     "forward_parameters": forward_parameters,
+    "dot_product_attention": dot_product_attention_cases,
 }
 #: The groups whose calls go through the API (test_sm90_bwd.py's lists call the backend with
 #: the configs of variants.SM90_BWD_GPU_*)
