@@ -128,12 +128,16 @@ def bwd_variants_for(head_dim: int, head_dim_v: int, mask: str,
     # the other launch order: "rev" (from the last key block down) or "fwd-launch"
     add("fwd-launch" if base.reverse_launch else "rev",
         dataclasses.replace(base, reverse_launch=not base.reverse_launch))
-    # tiles and stages: the plain loop, and "+swap" its swap_sdp form (with the table's stats)
-    for tm, tn, stages, pds, swap in itertools.product((64, 128), (64, 128), (1, 2, 3), (1, 2),
-                                                       (False, True)):
+    # tiles and stages: the plain loop, "+swap" its swap_sdp form (with the table's stats) and
+    # "+red" its dq_red form (no dQ buffer: the shared memory it frees may take another stage)
+    for tm, tn, stages, pds, form in itertools.product((64, 128), (64, 128), (1, 2, 3), (1, 2),
+                                                       ("", "+swap", "+red")):
         cfg = dataclasses.replace(plain, tile_m=tm, tile_n=tn, stages=stages, pds_stages=pds)
-        cfg = with_stats_smem(with_swap_sdp(cfg), base.stats_smem) if swap else cfg
-        add(f"m{tm}n{tn}s{stages}p{pds}" + ("+swap" if swap else ""), cfg)
+        if form == "+swap":
+            cfg = with_stats_smem(with_swap_sdp(cfg), base.stats_smem)
+        elif form == "+red":
+            cfg = dataclasses.replace(cfg, dq_red=True)
+        add(f"m{tm}n{tn}s{stages}p{pds}{form}", cfg)
     det = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa, deterministic=True)
     add("det", det)
     if not base.swap_sdp:
