@@ -4,9 +4,10 @@
   parameters, so checkpoints are interchangeable) whose attention runs jax-fa4, plus the options
   ``causal``, ``window_size``, ``softcap``, ``softmax_scale``, ``implementation`` and
   ``on_mask``. ``num_kv_heads`` < ``num_heads`` gives GQA/MQA.
-- :class:`LinenMultiHeadAttention`: the Linen equivalent, with the parameter names of
-  ``flax.linen.MultiHeadDotProductAttention`` (``query``, ``key``, ``value``, ``out``) and the
-  same extra options, ``num_kv_heads`` included.
+- :class:`LinenMultiHeadAttention`: ``flax.linen.MultiHeadDotProductAttention`` (its fields,
+  call and parameters, and its automatic name as a submodule) with the same extra options,
+  ``num_kv_heads`` included; :class:`LinenMultiHeadAttentionAlias` is Flax's alias
+  ``flax.linen.MultiHeadAttention``.
 - :func:`attention_fn` / :class:`AttentionFn`: a drop-in for ``flax.nnx.dot_product_attention``
   to pass as ``attention_fn=`` to Flax's own modules.
 
@@ -37,7 +38,15 @@ What FlashAttention cannot do, and what happens instead:
   local attention. Autoregressive decoding (``decode=True``) uses the fallback, since the cache
   brings an occupancy mask; with ``causal=True`` that is exact (one query, bottom-right aligned),
   a ``window_size`` is refused there.
-- ``precision``: ignored; scores and softmax always accumulate in float32.
+- ``precision``: used by the modules' projections, not by the attention, whose scores and
+  softmax accumulate in float32 (float64 and complex inputs: below). Linen's
+  ``force_fp32_for_softmax`` changes nothing for them (the softmax is float32 either way).
+- float64 (``jax_enable_x64``) and complex inputs, which Flax takes and
+  :func:`jax_fa4.flash_attention` does not: the pure-JAX attention above (mask or not), computed
+  in their own dtype as Flax's Linen attention computes them (``jax.nn.dot_product_attention``,
+  NNX's default, rounds their softmax to float32 and drops imaginary parts). A forced kernel
+  ``implementation``, ``force_fp32_for_softmax=True``, ``segment_ids`` and ``sow_max_logits``
+  raise ``ValueError`` with them.
 - ``input_positions`` (RoPE in Flax's attention_fn protocol): ``TypeError``; apply RoPE to
   q and k before the call.
 """
@@ -344,7 +353,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     The call also takes ``segment_ids=`` (packed rows, see the module docstring).
 
     For the kernels, use ``dtype=jnp.bfloat16`` (or float16): the projections then produce
-    16-bit q, k, v. float32 runs the reference.
+    16-bit q, k, v. float32 runs the reference; float64 and complex run the pure-JAX attention
+    in their own dtype (see the module docstring).
     """
 
     def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -387,7 +397,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
             self.attention_fn = fn
 
 
-# -- Linen ---------------------------------------------------------------------------------------
+# -- Linen -------------------------------------------------------------------------------------
 class LinenMultiHeadAttention(nn.Module):
     """``flax.linen.MultiHeadDotProductAttention`` running jax-fa4's attention.
 

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 import flax
+import jax
 import pytest
 
 import jax_fa4
@@ -96,6 +97,10 @@ def test_flax_attention_suite(flax_tests, tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # none of this repository's settings
     env = dict(os.environ, FA4_FLAX_SUITE_REPORT=str(report), PYTHONPATH=os.pathsep.join(
         [str(SUITE), str(Path(jax_fa4.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    if jax.config.jax_compilation_cache_dir:  # tests/conftest.py's XLA cache serves it too
+        env.update(JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     files = [str(flax_tests / path) for path in FLAX_TEST_FILES]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-c", str(tmp_path / "pytest.ini"),
