@@ -49,6 +49,8 @@ What FlashAttention cannot do, and what happens instead:
   raise ``ValueError`` with them.
 - ``input_positions`` (RoPE in Flax's attention_fn protocol): ``TypeError``; apply RoPE to
   q and k before the call.
+- Linen's custom einsums over the attention weights (``qk_attn_weights_einsum_cls``,
+  ``attn_weights_value_einsum_cls``): ``ValueError``.
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ class AttentionFn:
         promote_dtype: Callable | None = None,
         is_causal: bool = False,
         force_fp32_for_softmax: bool = False,
+        qk_attn_weights_einsum: Callable | None = None,
+        attn_weights_value_einsum: Callable | None = None,
         segment_ids: Any = None,
         on_max_logits: Callable[[jax.Array], Any] | None = None,
         **unsupported: Any,
@@ -143,7 +147,9 @@ class AttentionFn:
         num_heads]`` float32 (QK-Clip; the modules' ``sow_max_logits``).
         ``force_fp32_for_softmax`` (Linen's ``attention_fn`` protocol): the softmax of 16-bit
         and float32 inputs is float32 either way; with float64 or complex inputs, whose
-        softmax runs in their own dtype, ``True`` raises ``ValueError``."""
+        softmax runs in their own dtype, ``True`` raises ``ValueError``.
+        ``qk_attn_weights_einsum`` / ``attn_weights_value_einsum`` (Linen's protocol: custom
+        einsums over the attention weights): ``ValueError``."""
         del broadcast_dropout, dropout_rng, precision
         if unsupported:
             raise TypeError(
@@ -155,6 +161,8 @@ class AttentionFn:
                 f"jax_fa4 attention has no attention-probability dropout (dropout_rate="
                 f"{dropout_rate}, deterministic=False): use dropout_rate=0.0 (dropout on the "
                 "attention output or residual instead), or deterministic=True")
+        _refuse_einsums(qk_attn_weights_einsum=qk_attn_weights_einsum,
+                        attn_weights_value_einsum=attn_weights_value_einsum)
         if module is not None:
             raise ValueError("sow_weights=True needs the attention weights, which "
                              "FlashAttention never materialises; use jax.nn.dot_product_attention"
@@ -231,6 +239,14 @@ def _promote(query, key, value, dtype, promote_dtype):
         return promote_dtype((query, key, value), dtype=dtype)
     dtype = dtype if dtype is not None else jnp.result_type(query, key, value)
     return tuple(jnp.asarray(x, dtype) for x in (query, key, value))
+
+
+def _refuse_einsums(**einsums: Callable | None) -> None:
+    """Linen's custom einsums over the attention weights (AQT's), which never exist here."""
+    given = [name for name, fn in einsums.items() if fn is not None]
+    if given:
+        raise ValueError(f"{' and '.join(given)}: custom einsums over the attention weights, "
+                         "which FlashAttention never materialises, are not supported")
 
 
 def _check_batch_dims(query, key, value) -> tuple[int, ...]:
@@ -517,13 +533,8 @@ class LinenMultiHeadAttention(nn.Module):
                             "to use jax-fa4 inside Flax's module pass "
                             "nn.MultiHeadDotProductAttention(..., "
                             "attention_fn=jax_fa4.flax.attention_fn)")
-        einsums = [name for name in ("qk_attn_weights_einsum_cls",
-                                     "attn_weights_value_einsum_cls")
-                   if getattr(self, name) is not None]
-        if einsums:
-            raise ValueError(f"{' and '.join(einsums)}: custom einsums over the attention "
-                             "weights, which FlashAttention never materialises, are not "
-                             "supported")
+        _refuse_einsums(qk_attn_weights_einsum_cls=self.qk_attn_weights_einsum_cls,
+                        attn_weights_value_einsum_cls=self.attn_weights_value_einsum_cls)
 
     def _decode_step(self, key, value, mask):
         """Write this token's k/v into the cache; the mask hides the slots not written yet."""

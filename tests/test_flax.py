@@ -428,6 +428,12 @@ def test_linen_takes_flax_fields():
     with pytest.raises(ValueError, match="qk_attn_weights_einsum_cls"):
         LinenMultiHeadAttention(num_heads=4,
                                 qk_attn_weights_einsum_cls=lambda: jnp.einsum).apply(params, x)
+    # Flax's module passes its einsums to an attention_fn that names them: refused, not dropped
+    einsums = dict(qk_attn_weights_einsum_cls=lambda: jnp.einsum,
+                   attn_weights_value_einsum_cls=lambda: jnp.einsum)
+    with pytest.raises(ValueError, match="attn_weights_value_einsum: custom einsums"):
+        nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=attention_fn,
+                                        **einsums).apply(params, x)
 
 
 def test_linen_call_takes_inputs_kv_with_flax_warnings():
