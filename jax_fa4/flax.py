@@ -4,9 +4,10 @@
   parameters, so checkpoints are interchangeable) whose attention runs jax-fa4, plus the options
   ``causal``, ``window_size``, ``softcap``, ``softmax_scale``, ``implementation`` and
   ``on_mask``. ``num_kv_heads`` < ``num_heads`` gives GQA/MQA.
-- :class:`LinenMultiHeadAttention`: the Linen equivalent, with the parameter names of
-  ``flax.linen.MultiHeadDotProductAttention`` (``query``, ``key``, ``value``, ``out``) and the
-  same extra options, ``num_kv_heads`` included.
+- :class:`LinenMultiHeadAttention`: ``flax.linen.MultiHeadDotProductAttention`` (its fields,
+  call and parameters, and its automatic name as a submodule) with the same extra options,
+  ``num_kv_heads`` included; :class:`LinenMultiHeadAttentionAlias` is Flax's alias
+  ``flax.linen.MultiHeadAttention``.
 - :func:`attention_fn` / :class:`AttentionFn`: a drop-in for ``flax.nnx.dot_product_attention``
   to pass as ``attention_fn=`` to Flax's own modules.
 
@@ -37,9 +38,19 @@ What FlashAttention cannot do, and what happens instead:
   local attention. Autoregressive decoding (``decode=True``) uses the fallback, since the cache
   brings an occupancy mask; with ``causal=True`` that is exact (one query, bottom-right aligned),
   a ``window_size`` is refused there.
-- ``precision``: ignored; scores and softmax always accumulate in float32.
+- ``precision``: used by the modules' projections, not by the attention, whose scores and
+  softmax accumulate in float32 (float64 and complex inputs: below). Linen's
+  ``force_fp32_for_softmax`` changes nothing for them (the softmax is float32 either way).
+- float64 (``jax_enable_x64``) and complex inputs, which Flax takes and
+  :func:`jax_fa4.flash_attention` does not: the pure-JAX attention above (mask or not), computed
+  in their own dtype as Flax's Linen attention computes them (``jax.nn.dot_product_attention``,
+  NNX's default, rounds their softmax to float32 and drops imaginary parts). A forced kernel
+  ``implementation``, ``force_fp32_for_softmax=True``, ``segment_ids`` and ``sow_max_logits``
+  raise ``ValueError`` with them.
 - ``input_positions`` (RoPE in Flax's attention_fn protocol): ``TypeError``; apply RoPE to
   q and k before the call.
+- Linen's custom einsums over the attention weights (``qk_attn_weights_einsum_cls``,
+  ``attn_weights_value_einsum_cls``): ``ValueError``.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -59,9 +71,14 @@ from jax import lax
 
 from jax_fa4 import api, options, reference
 
-__all__ = ["AttentionFn", "LinenMultiHeadAttention", "MultiHeadAttention", "attention_fn"]
+__all__ = ["AttentionFn", "LinenMultiHeadAttention", "LinenMultiHeadAttentionAlias",
+           "MultiHeadAttention", "attention_fn"]
 
 _ON_MASK = ("fallback", "raise")
+
+#: Input dtypes that Flax's attention takes and FlashAttention's kernels and float32 reference do
+#: not: the layers run them on the pure-JAX attention, computed in their own dtype.
+FLAX_ONLY_DTYPES = (jnp.dtype(jnp.float64), jnp.dtype(jnp.complex64), jnp.dtype(jnp.complex128))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +133,9 @@ class AttentionFn:
         module: Any = None,
         promote_dtype: Callable | None = None,
         is_causal: bool = False,
+        force_fp32_for_softmax: bool = False,
+        qk_attn_weights_einsum: Callable | None = None,
+        attn_weights_value_einsum: Callable | None = None,
         segment_ids: Any = None,
         on_max_logits: Callable[[jax.Array], Any] | None = None,
         **unsupported: Any,
@@ -124,7 +144,12 @@ class AttentionFn:
         length]`` ints (self-attention) or a ``(q_segment_ids, kv_segment_ids)`` pair, as in
         :func:`jax_fa4.flash_attention` (not with an explicit mask or bias).
         ``on_max_logits``: called with the per-(batch, head) max logits ``[batch...,
-        num_heads]`` float32 (QK-Clip; the modules' ``sow_max_logits``)."""
+        num_heads]`` float32 (QK-Clip; the modules' ``sow_max_logits``).
+        ``force_fp32_for_softmax`` (Linen's ``attention_fn`` protocol): the softmax of 16-bit
+        and float32 inputs is float32 either way; with float64 or complex inputs, whose
+        softmax runs in their own dtype, ``True`` raises ``ValueError``.
+        ``qk_attn_weights_einsum`` / ``attn_weights_value_einsum`` (Linen's protocol: custom
+        einsums over the attention weights): ``ValueError``."""
         del broadcast_dropout, dropout_rng, precision
         if unsupported:
             raise TypeError(
@@ -136,6 +161,8 @@ class AttentionFn:
                 f"jax_fa4 attention has no attention-probability dropout (dropout_rate="
                 f"{dropout_rate}, deterministic=False): use dropout_rate=0.0 (dropout on the "
                 "attention output or residual instead), or deterministic=True")
+        _refuse_einsums(qk_attn_weights_einsum=qk_attn_weights_einsum,
+                        attn_weights_value_einsum=attn_weights_value_einsum)
         if module is not None:
             raise ValueError("sow_weights=True needs the attention weights, which "
                              "FlashAttention never materialises; use jax.nn.dot_product_attention"
@@ -144,7 +171,11 @@ class AttentionFn:
         lead = _check_batch_dims(query, key, value)
         q, k, v = (x.reshape(math.prod(lead), *x.shape[-3:]) for x in (query, key, value))
         causal = bool(self.causal or is_causal)
-        if mask is None and bias is None:
+        flax_only = jnp.dtype(q.dtype) in FLAX_ONLY_DTYPES
+        if flax_only:
+            self._check_flax_only_dtype(q.dtype, force_fp32_for_softmax, segment_ids,
+                                        on_max_logits)
+        if mask is None and bias is None and not flax_only:
             res = api.flash_attention(q, k, v, softmax_scale=self.softmax_scale, causal=causal,
                                       window_size=self.window_size, softcap=self.softcap,
                                       segment_ids=_flat_ids(segment_ids, lead, q, k),
@@ -160,19 +191,38 @@ class AttentionFn:
             raise ValueError("segment_ids and max logits are not taken together with an "
                              "explicit mask or bias: fold the mask into segment ids, causal or "
                              "window_size")
-        elif self.on_mask == "raise":
+        elif self.on_mask == "raise" and (mask is not None or bias is not None):
             raise ValueError(
                 "jax_fa4 attention got an explicit mask/bias and on_mask='raise': express the "
                 "mask as causal=True / is_causal=True or window_size, or use on_mask='fallback'"
                 " (pure-JAX masked attention)")
         else:
-            # Validates the options exactly as the kernel path would.
-            opts = options.canonicalize(q, k, v, softmax_scale=self.softmax_scale,
-                                        causal=causal, window_size=self.window_size,
-                                        softcap=self.softcap, implementation="reference")
+            # Validates the options exactly as the kernel path would (float64 and complex
+            # inputs, which it refuses: their shapes and the options).
+            if flax_only:
+                options.check_shapes(q, k, v)
+            check = (functools.partial(options.options, q.shape[3]) if flax_only
+                     else functools.partial(options.canonicalize, q, k, v))
+            opts = check(softmax_scale=self.softmax_scale, causal=causal,
+                         window_size=self.window_size, softcap=self.softcap,
+                         implementation="reference")
             out = _masked_attention(q, k, v, _flat(bias, lead, q, k), _flat(mask, lead, q, k),
                                     opts)
         return out.reshape(*query.shape[:-3], *out.shape[1:])
+
+    def _check_flax_only_dtype(self, dtype: Any, force_fp32_for_softmax: bool, segment_ids: Any,
+                               on_max_logits: Callable | None) -> None:
+        """Refuse what the pure-JAX attention of float64 / complex inputs cannot honour."""
+        if self.implementation not in (None, "reference"):
+            raise ValueError(f"{dtype} inputs run the pure-JAX attention in their own dtype, "
+                             f"not implementation={self.implementation!r} (whose kernels take "
+                             "bfloat16 or float16): use implementation=None or 'reference'")
+        if force_fp32_for_softmax:
+            raise ValueError(f"force_fp32_for_softmax=True with {dtype} inputs: jax_fa4 runs "
+                             "their softmax in their own dtype, never rounded to float32")
+        if segment_ids is not None or on_max_logits is not None:
+            raise ValueError(f"segment_ids and max logits need bfloat16, float16 or float32 "
+                             f"inputs, got {dtype}")
 
 
 attention_fn = AttentionFn()
@@ -189,6 +239,14 @@ def _promote(query, key, value, dtype, promote_dtype):
         return promote_dtype((query, key, value), dtype=dtype)
     dtype = dtype if dtype is not None else jnp.result_type(query, key, value)
     return tuple(jnp.asarray(x, dtype) for x in (query, key, value))
+
+
+def _refuse_einsums(**einsums: Callable | None) -> None:
+    """Linen's custom einsums over the attention weights (AQT's), which never exist here."""
+    given = [name for name, fn in einsums.items() if fn is not None]
+    if given:
+        raise ValueError(f"{' and '.join(given)}: custom einsums over the attention weights, "
+                         "which FlashAttention never materialises, are not supported")
 
 
 def _check_batch_dims(query, key, value) -> tuple[int, ...]:
@@ -248,17 +306,19 @@ def _flat(x, lead, q, k):
 
 
 def _masked_attention(q, k, v, bias, mask, opts) -> jax.Array:
-    """Pure-JAX attention with an explicit mask and bias: float32 scores and softmax."""
+    """Pure-JAX attention with an explicit mask and bias: float32 scores and softmax (float64 and
+    complex inputs: in their own dtype)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     hi = lax.Precision.HIGHEST
-    qg = q.astype(jnp.float32).reshape(b, sq, hkv, h // hkv, d)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg * opts.softmax_scale, k.astype(jnp.float32),
+    ct = jnp.promote_types(q.dtype, jnp.float32)
+    qg = q.astype(ct).reshape(b, sq, hkv, h // hkv, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg * opts.softmax_scale, k.astype(ct),
                    precision=hi).reshape(b, h, sq, sk)
     if opts.softcap > 0:
         s = opts.softcap * jnp.tanh(s / opts.softcap)
     if bias is not None:
-        s = s + bias.astype(jnp.float32)
+        s = s + bias.astype(ct)
     visible = reference.visible_mask(sq, sk, opts.window)[None, None]
     if mask is not None:
         visible = visible & mask.astype(bool)
@@ -266,9 +326,9 @@ def _masked_attention(q, k, v, bias, mask, opts) -> jax.Array:
     m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
     e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     total = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(total > 0, total, 1.0)  # rows with no visible key: 0
+    p = e / jnp.where(jnp.abs(total) > 0, total, 1.0)  # rows with no visible key: 0
     out = jnp.einsum("bhgqk,bkhd->bqhgd", p.reshape(b, hkv, h // hkv, sq, sk),
-                     v.astype(jnp.float32), precision=hi)
+                     v.astype(ct), precision=hi)
     return out.reshape(b, sq, h, v.shape[3]).astype(q.dtype)
 
 
@@ -309,7 +369,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     The call also takes ``segment_ids=`` (packed rows, see the module docstring).
 
     For the kernels, use ``dtype=jnp.bfloat16`` (or float16): the projections then produce
-    16-bit q, k, v. float32 runs the reference.
+    16-bit q, k, v. float32 runs the reference; float64 and complex run the pure-JAX attention
+    in their own dtype (see the module docstring).
     """
 
     def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -354,16 +415,30 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
 
 # -- Linen -------------------------------------------------------------------------------------
 class LinenMultiHeadAttention(nn.Module):
-    """Linen multi-head attention running jax-fa4's attention.
+    """``flax.linen.MultiHeadDotProductAttention`` running jax-fa4's attention.
 
-    The fields and the call of ``flax.linen.MultiHeadDotProductAttention`` (parameters
-    ``query``, ``key``, ``value``, ``out``: interchangeable with it when ``num_kv_heads`` is
-    unset), plus ``num_kv_heads`` (GQA/MQA), ``causal``, ``window_size``, ``softcap``,
-    ``softmax_scale``, ``implementation``, ``on_mask``, ``padding_segment_id`` and
-    ``sow_max_logits`` (into the
-    ``intermediates`` collection) as in :class:`MultiHeadAttention`; the call takes
-    ``segment_ids=`` too. ``decode=True`` keeps a ``cache`` collection as Linen's module does
-    (one token per call).
+    The fields (in Flax's order) and the call of ``flax.linen.MultiHeadDotProductAttention``
+    (``module(inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
+    deterministic=None, dropout_rng=None, sow_weights=False)``, with Flax's deprecation
+    warnings), the same parameters (``query``, ``key``, ``value``, ``out``, and ``query_ln`` /
+    ``key_ln`` with ``normalize_qk``) and, as a submodule, the same automatic name
+    (``MultiHeadDotProductAttention_0``, ...: this class's Linen name is Flax's), so parameter
+    trees and checkpoints are interchangeable with Flax's layer when ``num_kv_heads`` is unset.
+    Flax's ``nn.MultiHeadAttention`` alias is :class:`LinenMultiHeadAttentionAlias`.
+
+    Extra fields, after Flax's: ``num_kv_heads`` (GQA/MQA), ``causal``, ``window_size``,
+    ``softcap``, ``softmax_scale``, ``implementation``, ``on_mask``, ``sow_max_logits`` (into
+    the ``intermediates`` collection) and ``padding_segment_id``, as in
+    :class:`MultiHeadAttention`; the call takes ``segment_ids=`` too. ``decode=True`` keeps a
+    ``cache`` collection as Linen's module does (one token per call).
+
+    Flax's fields it cannot honour: ``attention_fn`` (``TypeError``: this module sets its own;
+    pass ``attention_fn=jax_fa4.flax.attention_fn`` to Flax's module instead) and
+    ``qk_attn_weights_einsum_cls`` / ``attn_weights_value_einsum_cls`` (``ValueError``: custom
+    einsums over attention weights that FlashAttention never materialises).
+    ``force_fp32_for_softmax`` changes nothing (the softmax is float32 whatever its value) except
+    with float64 / complex inputs, where ``True`` raises ``ValueError``; ``precision`` reaches
+    the projections only. The module docstring lists what the attention refuses.
     """
 
     num_heads: int
@@ -371,7 +446,6 @@ class LinenMultiHeadAttention(nn.Module):
     param_dtype: Any = jnp.float32
     qkv_features: int | None = None
     out_features: int | None = None
-    num_kv_heads: int | None = None
     broadcast_dropout: bool = True
     dropout_rate: float = 0.0
     deterministic: bool | None = None
@@ -381,8 +455,17 @@ class LinenMultiHeadAttention(nn.Module):
     bias_init: Callable = nn.initializers.zeros_init()
     out_bias_init: Callable | None = None
     use_bias: bool = True
+    attention_fn: Callable | None = None
     decode: bool = False
     normalize_qk: bool = False
+    force_fp32_for_softmax: bool = False
+    qkv_dot_general: Callable | None = None
+    out_dot_general: Callable | None = None
+    qkv_dot_general_cls: Any = None
+    out_dot_general_cls: Any = None
+    qk_attn_weights_einsum_cls: Callable | None = None
+    attn_weights_value_einsum_cls: Callable | None = None
+    num_kv_heads: int | None = None
     causal: bool = False
     window_size: tuple[int | None, int | None] = (None, None)
     softcap: float = 0.0
@@ -394,17 +477,14 @@ class LinenMultiHeadAttention(nn.Module):
 
     @nn.compact
     def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
-                 inputs_v: jax.Array | None = None, *, mask: jax.Array | None = None,
-                 deterministic: bool | None = None, dropout_rng: jax.Array | None = None,
-                 sow_weights: bool = False, segment_ids: Any = None) -> jax.Array:
+                 inputs_v: jax.Array | None = None, *, inputs_kv: jax.Array | None = None,
+                 mask: jax.Array | None = None, deterministic: bool | None = None,
+                 dropout_rng: jax.Array | None = None, sow_weights: bool = False,
+                 segment_ids: Any = None) -> jax.Array:
+        self._check_fields()
         fn = _options(self.causal, self.window_size, self.softcap, self.softmax_scale,
                       self.implementation, self.on_mask, self.padding_segment_id)
-        if inputs_k is None:
-            if inputs_v is not None:
-                raise ValueError("inputs_k cannot be None when inputs_v is given")
-            inputs_k = inputs_q
-        if inputs_v is None:
-            inputs_v = inputs_k
+        inputs_k, inputs_v = _linen_kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         num_kv_heads = self.num_kv_heads or self.num_heads
         if qkv_features % self.num_heads or self.num_heads % num_kv_heads:
@@ -415,7 +495,8 @@ class LinenMultiHeadAttention(nn.Module):
         dense = functools.partial(
             nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
             kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias,
-            precision=self.precision)
+            precision=self.precision, dot_general=self.qkv_dot_general,
+            dot_general_cls=self.qkv_dot_general_cls)
         query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)
         key = dense(features=(num_kv_heads, head_dim), name="key")(inputs_k)
         value = dense(features=(num_kv_heads, head_dim), name="value")(inputs_v)
@@ -435,13 +516,25 @@ class LinenMultiHeadAttention(nn.Module):
                              lambda x: self.sow("intermediates", "max_logits", x))
         x = fn(query, key, value, mask=mask, dropout_rate=self.dropout_rate,
                deterministic=m_deterministic, dtype=self.dtype,
+               force_fp32_for_softmax=self.force_fp32_for_softmax,
                module=self if sow_weights else None, **extra)
         return nn.DenseGeneral(
             features=self.out_features or inputs_q.shape[-1], axis=(-2, -1),
             kernel_init=self.out_kernel_init or self.kernel_init,
             bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias,
             dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
+            dot_general=self.out_dot_general, dot_general_cls=self.out_dot_general_cls,
             name="out")(x)
+
+    def _check_fields(self) -> None:
+        """Refuse Flax's fields that replace the attention computation itself."""
+        if self.attention_fn is not None:
+            raise TypeError("jax_fa4.flax.LinenMultiHeadAttention sets its own attention_fn; "
+                            "to use jax-fa4 inside Flax's module pass "
+                            "nn.MultiHeadDotProductAttention(..., "
+                            "attention_fn=jax_fa4.flax.attention_fn)")
+        _refuse_einsums(qk_attn_weights_einsum_cls=self.qk_attn_weights_einsum_cls,
+                        attn_weights_value_einsum_cls=self.attn_weights_value_einsum_cls)
 
     def _decode_step(self, key, value, mask):
         """Write this token's k/v into the cache; the mask hides the slots not written yet."""
@@ -457,10 +550,54 @@ class LinenMultiHeadAttention(nn.Module):
             raise ValueError(f"decode=True takes one token per call: expected key shape "
                              f"{(*batch, 1, hkv, d)}, got {key.shape}")
         i = index.value
-        start = (0,) * len(batch) + (i, 0, 0)
+        zero = jnp.zeros((), i.dtype)  # indices of one dtype, also under jax_enable_x64
+        start = (zero,) * len(batch) + (i, zero, zero)
         cached_key.value = lax.dynamic_update_slice(cached_key.value, key, start)
         cached_value.value = lax.dynamic_update_slice(cached_value.value, value, start)
         index.value = i + 1
         written = jnp.broadcast_to(jnp.arange(max_length) <= i, (*batch, 1, 1, max_length))
         mask = written if mask is None else jnp.logical_and(mask.astype(bool), written)
         return cached_key.value, cached_value.value, mask
+
+
+class LinenMultiHeadAttentionAlias(LinenMultiHeadAttention):
+    """:class:`LinenMultiHeadAttention` under Linen's other name: the counterpart of
+    ``flax.linen.MultiHeadAttention``, Flax's alias of ``MultiHeadDotProductAttention`` whose
+    only difference is a submodule's automatic name (``MultiHeadAttention_0``, ...)."""
+
+
+# Linen names an unnamed submodule after its class, and the name is its parameters' key and seeds
+# their initialisation: the Linen classes carry the names of the Flax layers they replace.
+LinenMultiHeadAttention.__name__ = "MultiHeadDotProductAttention"
+LinenMultiHeadAttentionAlias.__name__ = "MultiHeadAttention"
+
+
+def _linen_kv_inputs(inputs_q: jax.Array, inputs_k: jax.Array | None,
+                     inputs_v: jax.Array | None, inputs_kv: jax.Array | None
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Linen's key and value inputs, with ``flax.linen.MultiHeadDotProductAttention``'s rules
+    and deprecation warnings: ``inputs_kv`` (deprecated) stands for both; a missing
+    ``inputs_k`` is ``inputs_q``, a missing ``inputs_v`` is ``inputs_k``; an ``inputs_v`` whose
+    last two dims are equal may be a mask passed positionally (the pre-0.7.4 signature)."""
+    if inputs_kv is not None:
+        if inputs_k is not None or inputs_v is not None:
+            raise ValueError("If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must "
+                             "be None. Pass `inputs_k` and `inputs_v` (`inputs_kv` is "
+                             "deprecated).")
+        warnings.warn("The inputs_kv arg will be deprecated soon. Pass inputs_k (and inputs_v) "
+                      "instead.", DeprecationWarning, stacklevel=2)
+        return inputs_kv, inputs_kv
+    if inputs_k is None:
+        if inputs_v is not None:
+            raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None. Pass the "
+                             "same array as `inputs_k` alone to use it for both.")
+        inputs_k = inputs_q
+    if inputs_v is None:
+        return inputs_k, inputs_k
+    if inputs_v.shape[-1] == inputs_v.shape[-2]:
+        warnings.warn(f"inputs_v has shape {inputs_v.shape}: if it is a mask, pass it as "
+                      "mask=: the function signature of MultiHeadDotProductAttention's "
+                      "`__call__` method has changed to `__call__(inputs_q, inputs_k=None, "
+                      "inputs_v=None, *, inputs_kv=None, mask=None, deterministic=None, ...)`.",
+                      DeprecationWarning, stacklevel=2)
+    return inputs_k, inputs_v

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,13 @@ from compiled import per_class
 from flax import nnx
 
 import jax_fa4
-from jax_fa4.flax import AttentionFn, LinenMultiHeadAttention, MultiHeadAttention, attention_fn
+from jax_fa4.flax import (AttentionFn, LinenMultiHeadAttention, LinenMultiHeadAttentionAlias,
+                          MultiHeadAttention, attention_fn)
+
+try:
+    from jax import enable_x64
+except ImportError:  # jax < 0.8
+    from jax.experimental import enable_x64
 
 TOL = 2e-5
 F, B, S = 32, 2, 12
@@ -325,3 +332,148 @@ def test_attention_fn_segment_ids_with_batch_dims_and_bad_shapes():
         attention_fn(q, q, q, segment_ids=ids[:, :, :39])
     with pytest.raises(ValueError, match="explicit mask"):
         attention_fn(q, q, q, segment_ids=ids, mask=jnp.ones((40, 40), bool))
+
+
+# -- Flax's inputs, fields, call and names -----------------------------------------------------
+def test_float64_runs_in_float64_as_flax_does():
+    """float64 inputs (jax_enable_x64), which flash_attention refuses, run the pure-JAX
+    attention in float64, masked or not: Flax's layers' results to float64 rounding (a float32
+    computation would miss by ~1e-7)."""
+    with enable_x64():
+        x = jax.random.normal(jax.random.key(0), (B, S, F), jnp.float64)
+        theirs = nn.MultiHeadDotProductAttention(num_heads=4, param_dtype=jnp.float64)
+        params = theirs.init(jax.random.key(1), x)
+        ours = LinenMultiHeadAttention(num_heads=4, param_dtype=jnp.float64)
+        for mask in (None, nn.make_causal_mask(jnp.ones((B, S)))):
+            y = ours.apply(params, x, mask=mask)
+            assert y.dtype == jnp.float64
+            np.testing.assert_allclose(y, theirs.apply(params, x, mask=mask), rtol=0, atol=1e-12)
+        # (nnx.MultiHeadAttention's default attention, jax.nn.dot_product_attention, rounds
+        # the softmax of float64 to float32: the reference here is the layer in float64.)
+        m = MultiHeadAttention(num_heads=4, in_features=F, num_kv_heads=2,
+                               param_dtype=jnp.float64, decode=False, rngs=nnx.Rngs(0))
+        y = m(x, is_causal=True)
+        assert y.dtype == jnp.float64
+        np.testing.assert_allclose(y, plain_attention_layer(nnx_weights(m), x, heads=4,
+                                                            kv_heads=2, causal=True), atol=1e-12)
+        with pytest.raises(TypeError, match="got float64"):  # the API keeps its contract
+            jax_fa4.flash_attention(*_qkv(), implementation="reference")
+        q, k, v = (t.astype(jnp.float64) for t in _qkv())
+        cases = [
+            (lambda: AttentionFn(implementation="sm90")(q, k, v), "implementation='sm90'"),
+            (lambda: attention_fn(q, k, v, force_fp32_for_softmax=True),
+             "force_fp32_for_softmax=True with float64"),
+            (lambda: attention_fn(q, k, v, segment_ids=jnp.zeros((B, S), jnp.int32)),
+             "segment_ids and max logits need"),
+        ]
+        for fn, message in cases:
+            with pytest.raises(ValueError, match=message):
+                fn()
+
+
+def test_complex_inputs_match_flax():
+    """complex64 inputs run the pure-JAX attention in complex64 (Flax's complex softmax)."""
+    re_, im = (jax.random.normal(jax.random.key(i), (B, S, F)) for i in (0, 1))
+    x = (re_ + 1j * im).astype(jnp.complex64)
+    theirs = nn.MultiHeadDotProductAttention(num_heads=4)
+    params = theirs.init(jax.random.key(1), x)
+    for mask in (None, nn.make_causal_mask(jnp.ones((B, S)))):
+        y = LinenMultiHeadAttention(num_heads=4).apply(params, x, mask=mask)
+        assert y.dtype == jnp.complex64
+        np.testing.assert_allclose(y, theirs.apply(params, x, mask=mask), atol=1e-5)
+    # (nnx.MultiHeadAttention's default attention, jax.nn.dot_product_attention, drops the
+    # imaginary parts: the reference is Linen's attention function on the layer's projections.)
+    m = MultiHeadAttention(num_heads=4, in_features=F, decode=False, rngs=nnx.Rngs(0))
+    want = m.out(nn.dot_product_attention(m.query(x), m.key(x), m.value(x)))
+    np.testing.assert_allclose(m(x), want, atol=1e-5)
+
+
+def test_linen_decode_under_x64():
+    """The cache's update indices share one integer dtype with jax_enable_x64 on."""
+    x = _x()  # float32
+    with enable_x64():
+        m = LinenMultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True, decode=True)
+        variables = m.init(jax.random.key(0), x)
+        cache, outs = variables["cache"], []
+        for i in range(3):
+            y, updates = m.apply({"params": variables["params"], "cache": cache},
+                                 x[:, i:i + 1], mutable=["cache"])
+            cache = updates["cache"]
+            outs.append(y)
+        full = LinenMultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True)
+        close(jnp.concatenate(outs, axis=1),
+              full.apply({"params": variables["params"]}, x)[:, :3])
+
+
+def test_linen_takes_flax_fields():
+    """force_fp32_for_softmax and the projections' dot_general fields as Flax's module takes
+    them; the fields that would replace the attention itself raise."""
+    x = _x()
+    theirs = nn.MultiHeadDotProductAttention(num_heads=4, force_fp32_for_softmax=True)
+    params = theirs.init(jax.random.key(0), x)
+    close(LinenMultiHeadAttention(num_heads=4, force_fp32_for_softmax=True).apply(params, x),
+          theirs.apply(params, x))
+    calls = []
+
+    def dot_general(*args, **kwargs):
+        calls.append(1)
+        return jax.lax.dot_general(*args, **kwargs)
+
+    y = LinenMultiHeadAttention(num_heads=4, qkv_dot_general=dot_general,
+                                out_dot_general=dot_general).apply(params, x)
+    assert len(calls) == 4  # query, key, value, out
+    close(y, theirs.apply(params, x))
+    with pytest.raises(TypeError, match="sets its own attention_fn"):
+        LinenMultiHeadAttention(num_heads=4, attention_fn=attention_fn).apply(params, x)
+    with pytest.raises(ValueError, match="qk_attn_weights_einsum_cls"):
+        LinenMultiHeadAttention(num_heads=4,
+                                qk_attn_weights_einsum_cls=lambda: jnp.einsum).apply(params, x)
+    # Flax's module passes its einsums to an attention_fn that names them: refused, not dropped
+    einsums = dict(qk_attn_weights_einsum_cls=lambda: jnp.einsum,
+                   attn_weights_value_einsum_cls=lambda: jnp.einsum)
+    with pytest.raises(ValueError, match="attn_weights_value_einsum: custom einsums"):
+        nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=attention_fn,
+                                        **einsums).apply(params, x)
+
+
+def test_linen_call_takes_inputs_kv_with_flax_warnings():
+    """Flax's deprecated inputs_kv= (with its DeprecationWarning and errors), and its warning
+    when inputs_v looks like a mask passed positionally (the pre-0.7.4 signature)."""
+    x, kv = _x(), _x(2, (B, 7, F))
+    m = LinenMultiHeadAttention(num_heads=4)
+    params = m.init(jax.random.key(0), x)
+    with pytest.warns(DeprecationWarning, match="The inputs_kv arg will be deprecated soon"):
+        y = m.apply(params, x, inputs_kv=kv)
+    np.testing.assert_array_equal(y, m.apply(params, x, kv, kv))
+    with pytest.raises(ValueError, match="`inputs_kv` must be None"):
+        m.apply(params, x, kv, inputs_kv=kv)
+    with pytest.raises(ValueError, match="`inputs_k` cannot be None if `inputs_v` is not None"):
+        m.apply(params, x, inputs_v=kv)
+    mask = nn.make_causal_mask(jnp.ones((B, S)))  # (B, 1, S, S), passed as inputs_v
+    with pytest.warns(DeprecationWarning, match="signature of MultiHeadDotProductAttention's"):
+        with pytest.raises(flax.errors.ScopeParamShapeError):
+            m.apply(params, x, x, mask)
+
+
+def test_linen_submodule_names_match_flax():
+    """As an unnamed submodule the Linen layers take Flax's names (MultiHeadDotProductAttention_0,
+    and MultiHeadAttention_0 for the alias): the same parameter tree and initial values."""
+
+    class Parent(nn.Module):
+        layer: type
+
+        @nn.compact
+        def __call__(self, x):
+            return self.layer(num_heads=4)(x)
+
+    x = _x()
+    for ours, theirs, name in (
+            (LinenMultiHeadAttention, nn.MultiHeadDotProductAttention,
+             "MultiHeadDotProductAttention_0"),
+            (LinenMultiHeadAttentionAlias, nn.MultiHeadAttention, "MultiHeadAttention_0")):
+        params = Parent(ours).init(jax.random.key(0), x)
+        want = Parent(theirs).init(jax.random.key(0), x)
+        assert list(params["params"]) == [name]
+        assert jax.tree.structure(params) == jax.tree.structure(want)
+        jax.tree.map(np.testing.assert_array_equal, params, want)
+        close(Parent(ours).apply(want, x), Parent(theirs).apply(want, x))
