@@ -18,6 +18,14 @@ for self-attention, or a ``(q_segment_ids, kv_segment_ids)`` pair), as
 names the padding id, whose tokens then attend to nothing (output 0); see
 :func:`jax_fa4.flash_attention`. ``AttentionFn`` takes ``segment_ids=`` as a keyword too.
 
+Attention sinks (gpt-oss): ``learnable_sink=True`` (constructor) gives the module a trained
+parameter ``sink`` of shape ``[num_heads]`` (initialised by ``sink_init``, default normal with
+standard deviation 0.02 as gpt-oss's training code does; stored in ``param_dtype``, used in
+float32), one logit per query head that joins every row's softmax denominator with no value
+(``learnable_sink`` of :func:`jax_fa4.flash_attention`; inside the kernel's softmax on Hopper).
+It is part of the parameter tree (NNX ``nnx.Param``, Linen ``params``), so it trains and
+checkpoints like the projections.
+
 QK-Clip / MuonClip: ``sow_max_logits=True`` (constructor) makes each call store the per-(batch,
 head) max logit, float32 ``[batch..., num_heads]`` (``return_max_logits`` of
 :func:`jax_fa4.flash_attention`): NNX in ``nnx.Intermediate`` as ``max_logits``, Linen in
@@ -75,6 +83,9 @@ __all__ = ["AttentionFn", "LinenMultiHeadAttention", "LinenMultiHeadAttentionAli
            "MultiHeadAttention", "attention_fn"]
 
 _ON_MASK = ("fallback", "raise")
+#: The sink parameter's default initializer: normal, standard deviation 0.02 (gpt-oss's
+#: training code initialises its per-head sinks so).
+SINK_INIT = nnx.initializers.normal(stddev=0.02)
 
 #: Input dtypes that Flax's attention takes and FlashAttention's kernels and float32 reference do
 #: not: the layers run them on the pure-JAX attention, computed in their own dtype.
@@ -138,6 +149,7 @@ class AttentionFn:
         attn_weights_value_einsum: Callable | None = None,
         segment_ids: Any = None,
         on_max_logits: Callable[[jax.Array], Any] | None = None,
+        learnable_sink: jax.Array | None = None,
         **unsupported: Any,
     ) -> jax.Array:
         """The attention output (see the class docstring). ``segment_ids``: ``[batch...,
@@ -145,6 +157,8 @@ class AttentionFn:
         :func:`jax_fa4.flash_attention` (not with an explicit mask or bias).
         ``on_max_logits``: called with the per-(batch, head) max logits ``[batch...,
         num_heads]`` float32 (QK-Clip; the modules' ``sow_max_logits``).
+        ``learnable_sink``: ``[num_heads]`` sink logits joining every row's denominator (the
+        modules' ``learnable_sink`` parameter), also with an explicit mask or bias.
         ``force_fp32_for_softmax`` (Linen's ``attention_fn`` protocol): the softmax of 16-bit
         and float32 inputs is float32 either way; with float64 or complex inputs, whose
         softmax runs in their own dtype, ``True`` raises ``ValueError``.
@@ -174,7 +188,7 @@ class AttentionFn:
         flax_only = jnp.dtype(q.dtype) in FLAX_ONLY_DTYPES
         if flax_only:
             self._check_flax_only_dtype(q.dtype, force_fp32_for_softmax, segment_ids,
-                                        on_max_logits)
+                                        on_max_logits, learnable_sink)
         if mask is None and bias is None and not flax_only:
             res = api.flash_attention(q, k, v, softmax_scale=self.softmax_scale, causal=causal,
                                       window_size=self.window_size, softcap=self.softcap,
@@ -182,6 +196,7 @@ class AttentionFn:
                                       padding_segment_id=(self.padding_segment_id
                                                           if segment_ids is not None else None),
                                       implementation=self.implementation,
+                                      learnable_sink=learnable_sink,
                                       return_max_logits=on_max_logits is not None)
             out = res
             if on_max_logits is not None:
@@ -206,12 +221,14 @@ class AttentionFn:
             opts = check(softmax_scale=self.softmax_scale, causal=causal,
                          window_size=self.window_size, softcap=self.softcap,
                          implementation="reference")
+            sink = options.check_learnable_sink(learnable_sink, q.shape[2])
             out = _masked_attention(q, k, v, _flat(bias, lead, q, k), _flat(mask, lead, q, k),
-                                    opts)
+                                    opts, sink)
         return out.reshape(*query.shape[:-3], *out.shape[1:])
 
     def _check_flax_only_dtype(self, dtype: Any, force_fp32_for_softmax: bool, segment_ids: Any,
-                               on_max_logits: Callable | None) -> None:
+                               on_max_logits: Callable | None,
+                               learnable_sink: jax.Array | None = None) -> None:
         """Refuse what the pure-JAX attention of float64 / complex inputs cannot honour."""
         if self.implementation not in (None, "reference"):
             raise ValueError(f"{dtype} inputs run the pure-JAX attention in their own dtype, "
@@ -223,6 +240,8 @@ class AttentionFn:
         if segment_ids is not None or on_max_logits is not None:
             raise ValueError(f"segment_ids and max logits need bfloat16, float16 or float32 "
                              f"inputs, got {dtype}")
+        if learnable_sink is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+            raise ValueError(f"a learnable sink needs real inputs, got {dtype}")
 
 
 attention_fn = AttentionFn()
@@ -262,11 +281,13 @@ def _check_batch_dims(query, key, value) -> tuple[int, ...]:
 
 
 def _call_extras(segment_ids, decode: bool, sow_max_logits: bool,
-                 sow: Callable[[jax.Array], Any]) -> dict:
+                 sow: Callable[[jax.Array], Any], sink: jax.Array | None = None) -> dict:
     """The keyword arguments a module's call adds to its :class:`AttentionFn`: this call's
-    ``segment_ids`` (refused with ``decode=True``) and, with ``sow_max_logits``, ``sow`` as the
-    max logits' receiver."""
+    ``segment_ids`` (refused with ``decode=True``), with ``sow_max_logits`` ``sow`` as the
+    max logits' receiver, and the module's ``sink`` parameter (float32)."""
     extra: dict = {}
+    if sink is not None:
+        extra["learnable_sink"] = jnp.asarray(sink, jnp.float32)
     if segment_ids is not None:
         if decode:
             raise ValueError("segment_ids are not supported with decode=True")
@@ -305,9 +326,9 @@ def _flat(x, lead, q, k):
     return x.reshape(math.prod(lead), *full[-3:])
 
 
-def _masked_attention(q, k, v, bias, mask, opts) -> jax.Array:
+def _masked_attention(q, k, v, bias, mask, opts, sink=None) -> jax.Array:
     """Pure-JAX attention with an explicit mask and bias: float32 scores and softmax (float64 and
-    complex inputs: in their own dtype)."""
+    complex inputs: in their own dtype); ``sink`` ``(H,)`` joins each row's denominator."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     hi = lax.Precision.HIGHEST
@@ -324,8 +345,14 @@ def _masked_attention(q, k, v, bias, mask, opts) -> jax.Array:
         visible = visible & mask.astype(bool)
     s = jnp.where(visible, s, -jnp.inf)
     m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    if sink is not None:
+        sink = sink.astype(ct)[None, :, None, None]
+        m = jnp.maximum(m, lax.stop_gradient(sink))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(s - m)
     total = jnp.sum(e, axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + jnp.exp(sink - m)
     p = e / jnp.where(jnp.abs(total) > 0, total, 1.0)  # rows with no visible key: 0
     out = jnp.einsum("bhgqk,bkhd->bqhgd", p.reshape(b, hkv, h // hkv, sq, sk),
                      v.astype(ct), precision=hi)
@@ -365,6 +392,10 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       sow_max_logits: every call stores its per-(batch, head) max logits (QK-Clip) in
         ``nnx.Intermediate`` as ``max_logits`` (``nnx.pop(module, nnx.Intermediate)``).
       padding_segment_id: the id of padding tokens in ``segment_ids`` (e.g. 0).
+      learnable_sink: give the module a trained ``sink`` parameter, ``nnx.Param`` of shape
+        ``[num_heads]`` (see the module docstring).
+      sink_init: the sink's initializer, ``(key, shape, dtype) -> array``; default normal with
+        standard deviation 0.02.
 
     The call also takes ``segment_ids=`` (packed rows, see the module docstring).
 
@@ -380,6 +411,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
                  softcap: float = 0.0, softmax_scale: float | None = None,
                  implementation: str | None = None, on_mask: str = "fallback",
                  sow_max_logits: bool = False, padding_segment_id: int | None = None,
+                 learnable_sink: bool = False, sink_init: Callable = SINK_INIT,
                  **kwargs: Any):
         if "attention_fn" in kwargs:
             raise TypeError("jax_fa4.flax.MultiHeadAttention sets its own attention_fn; to use "
@@ -392,6 +424,12 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         super().__init__(num_heads, in_features, qkv_features, out_features,
                          in_kv_features=in_kv_features, attention_fn=fn, **kwargs)
         self.sow_max_logits = sow_max_logits
+        rngs = kwargs.get("rngs")
+        if learnable_sink and rngs is None:
+            raise TypeError("learnable_sink=True needs rngs= to initialise the sink")
+        self.sink = (nnx.Param(sink_init(rngs.params(), (num_heads,),
+                                         kwargs.get("param_dtype", jnp.float32)))
+                     if learnable_sink else None)
 
     def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
                  inputs_v: jax.Array | None = None, *, segment_ids: Any = None,
@@ -402,7 +440,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
             raise ValueError("decode=True with a window_size is not supported: the window "
                              "would be measured from the end of the cache, not the last token")
         extra = _call_extras(segment_ids, decode, self.sow_max_logits,
-                             lambda x: self.sow(nnx.Intermediate, "max_logits", x))
+                             lambda x: self.sow(nnx.Intermediate, "max_logits", x),
+                             None if self.sink is None else self.sink[...])
         if not extra:
             return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
         fn = self.attention_fn
@@ -428,7 +467,8 @@ class LinenMultiHeadAttention(nn.Module):
 
     Extra fields, after Flax's: ``num_kv_heads`` (GQA/MQA), ``causal``, ``window_size``,
     ``softcap``, ``softmax_scale``, ``implementation``, ``on_mask``, ``sow_max_logits`` (into
-    the ``intermediates`` collection) and ``padding_segment_id``, as in
+    the ``intermediates`` collection), ``padding_segment_id``, ``learnable_sink`` (a ``sink``
+    parameter ``[num_heads]`` in ``params``) and ``sink_init``, as in
     :class:`MultiHeadAttention`; the call takes ``segment_ids=`` too. ``decode=True`` keeps a
     ``cache`` collection as Linen's module does (one token per call).
 
@@ -474,6 +514,8 @@ class LinenMultiHeadAttention(nn.Module):
     on_mask: str = "fallback"
     sow_max_logits: bool = False
     padding_segment_id: int | None = None
+    learnable_sink: bool = False
+    sink_init: Callable = None  # (default: SINK_INIT; a field default must be hashable)
 
     @nn.compact
     def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
@@ -512,8 +554,12 @@ class LinenMultiHeadAttention(nn.Module):
         m_deterministic = True
         if self.dropout_rate > 0:
             m_deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+        sink = None
+        if self.learnable_sink:
+            sink = self.param("sink", self.sink_init or SINK_INIT, (self.num_heads,),
+                              self.param_dtype)
         extra = _call_extras(segment_ids, self.decode, self.sow_max_logits,
-                             lambda x: self.sow("intermediates", "max_logits", x))
+                             lambda x: self.sow("intermediates", "max_logits", x), sink)
         x = fn(query, key, value, mask=mask, dropout_rate=self.dropout_rate,
                deterministic=m_deterministic, dtype=self.dtype,
                force_fp32_for_softmax=self.force_fp32_for_softmax,

@@ -31,10 +31,11 @@ def _x(seed=1, shape=(B, S, F)):
 
 
 def plain_attention_layer(w, x, *, heads, kv_heads, causal=False, window=(None, None),
-                          softcap=0.0, mask=None):
+                          softcap=0.0, mask=None, sink=None):
     """The layer written out in plain JAX: projections, softmax attention, output projection.
 
     ``w`` maps query/key/value/out to (kernel, bias); kernels (F, heads, D) and (H, D, F).
+    ``sink`` (heads,): one more logit per head in every row's softmax, with no value.
     """
     proj = lambda name, t: jnp.einsum("bsf,fhd->bshd", t, w[name][0]) + w[name][1]  # noqa: E731
     q, k, v = proj("query", x), proj("key", x), proj("value", x)
@@ -51,7 +52,12 @@ def plain_attention_layer(w, x, *, heads, kv_heads, causal=False, window=(None, 
         visible &= j <= i + right
     if mask is not None:
         visible = visible & mask
-    p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+    s = jnp.where(visible, s, -jnp.inf)
+    if sink is not None:  # the sink's column, dropped after the softmax
+        column = jnp.broadcast_to(sink[None, :, None, None], (*s.shape[:3], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, column], axis=-1), axis=-1)[..., :-1]
+    else:
+        p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bhqk,bkhd->bqhd", p, v)
     return jnp.einsum("bqhd,hdf->bqf", o, w["out"][0]) + w["out"][1]
 
@@ -477,3 +483,84 @@ def test_linen_submodule_names_match_flax():
         assert jax.tree.structure(params) == jax.tree.structure(want)
         jax.tree.map(np.testing.assert_array_equal, params, want)
         close(Parent(ours).apply(want, x), Parent(theirs).apply(want, x))
+
+
+# -- learnable sinks ---------------------------------------------------------------------------
+def test_nnx_learnable_sink_is_a_trained_parameter():
+    """learnable_sink=True: a [num_heads] nnx.Param ``sink`` (normal, std 0.02), joining every
+    row's denominator in the forward, with a gradient, and restored from a checkpoint."""
+    import orbax.checkpoint as ocp
+
+    m = MultiHeadAttention(num_heads=4, in_features=F, num_kv_heads=2, causal=True,
+                           learnable_sink=True, decode=False, rngs=nnx.Rngs(0))
+    sink = m.sink[...]
+    assert sink.shape == (4,) and sink.dtype == jnp.float32
+    assert 0 < float(jnp.max(jnp.abs(sink))) < 0.2  # normal(0.02) draws, not zeros
+    assert "sink" in nnx.to_pure_dict(nnx.state(m, nnx.Param))
+    x = _x()
+    m.sink[...] = jnp.array([1.5, -2.0, 0.5, 3.0])  # large enough to matter
+    plain = lambda w, sink, x: plain_attention_layer(  # noqa: E731
+        w, x, heads=4, kv_heads=2, causal=True, sink=sink)
+    close(m(x), plain(nnx_weights(m), m.sink[...], x))
+    assert float(jnp.max(jnp.abs(m(x) - plain(nnx_weights(m), None, x)))) > 1e-2
+    grads = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(m)
+    want = jax.grad(lambda s: jnp.sum(jnp.sin(plain(nnx_weights(m), s, x))))(m.sink[...])
+    close(grads.sink[...], want, 1e-4)
+    assert float(jnp.max(jnp.abs(want))) > 1e-3
+
+    # a checkpoint round trip restores the sink with the projections
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(f"{d}/state", nnx.state(m))
+        checkpointer.wait_until_finished()
+        fresh = MultiHeadAttention(num_heads=4, in_features=F, num_kv_heads=2, causal=True,
+                                   learnable_sink=True, decode=False, rngs=nnx.Rngs(7))
+        graph, abstract = nnx.split(fresh)
+        restored = nnx.merge(graph, checkpointer.restore(f"{d}/state", abstract))
+    close(restored.sink[...], m.sink[...], 0.0)
+    close(restored(x), m(x), 0.0)
+
+
+def test_linen_learnable_sink_parameter_decode_and_serialization():
+    """Linen: ``params['sink']`` [num_heads]; the decode cache's masked path joins it as the
+    kernel path does; flax.serialization round-trips it."""
+    m = LinenMultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True, learnable_sink=True)
+    x = _x()
+    variables = m.init(jax.random.key(0), x)
+    params = variables["params"]
+    assert params["sink"].shape == (4,)
+    params = {**params, "sink": jnp.array([2.0, -1.0, 0.0, 1.0])}
+    want = plain_attention_layer(linen_weights({"params": params}), x, heads=4, kv_heads=2,
+                                 causal=True, sink=params["sink"])
+    close(m.apply({"params": params}, x), want)
+    grad = jax.grad(lambda p: jnp.sum(jnp.sin(m.apply({"params": p}, x))))(params)["sink"]
+    assert grad.shape == (4,) and float(jnp.max(jnp.abs(grad))) > 1e-3
+    # one token at a time through the cache (the masked fallback) gives the same rows
+    dec = LinenMultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True, decode=True,
+                                  learnable_sink=True)
+    cache, outs = dec.init(jax.random.key(0), x)["cache"], []
+    for i in range(S):
+        y, updates = dec.apply({"params": params, "cache": cache}, x[:, i:i + 1],
+                               mutable=["cache"])
+        cache = updates["cache"]
+        outs.append(y)
+    close(jnp.concatenate(outs, axis=1), want)
+    blob = flax.serialization.to_bytes(params)
+    back = flax.serialization.from_bytes(jax.tree.map(jnp.zeros_like, params), blob)
+    close(back["sink"], params["sink"], 0.0)
+
+
+def test_attention_fn_sink_with_a_mask_matches_the_kernel_path():
+    """The masked fallback joins a sink as flash_attention does, rows with no visible key
+    included (output 0)."""
+    q, k, v = (jax.random.normal(kk, (2, 9, 4, 8)) for kk in jax.random.split(
+        jax.random.key(3), 3))
+    sink = jnp.array([0.5, -1.0, 2.0, 0.0])
+    want = jax_fa4.flash_attention(q, k, v, causal=True, learnable_sink=sink)
+    mask = jnp.tril(jnp.ones((9, 9), bool))
+    close(attention_fn(q, k, v, mask=mask, learnable_sink=sink), want)
+    empty = jnp.zeros((9, 9), bool).at[1:].set(mask[1:])  # row 0 sees nothing
+    got = attention_fn(q, k, v, mask=empty, learnable_sink=sink)
+    assert float(jnp.max(jnp.abs(got[:, 0]))) == 0.0
+    close(got[:, 1:], want[:, 1:])
