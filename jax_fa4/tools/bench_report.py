@@ -1,6 +1,7 @@
 """The benchmark's report side: the printed table and the progress line of a result row, the
-plot of TFLOP/s against sequence length, and ``python -m jax_fa4.tools.bench merge``, which joins
-result files that split one sweep's shapes into one file.
+lines that set jax-fa4's ratio to cuDNN beside the best peer's (:func:`bar_lines`), the plot of
+TFLOP/s against sequence length, and ``python -m jax_fa4.tools.bench merge``, which joins result
+files that split one sweep's shapes into one file.
 """
 
 from __future__ import annotations
