@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -129,7 +131,8 @@ def test_jax_fa4_row_probes_the_forced_kernel():
 
 
 @pytest.mark.skipif(not ON_CPU, reason="checks the CPU sweep's rows")
-def test_tiny_sweep_on_cpu(tmp_path, capsys):
+def test_tiny_sweep_on_cpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn3_jax", None)  # the optional peer: absent
     out = tmp_path / "tiny.json"
     assert bench.main(["--shapes", "tiny", "--repeats", "1", "--target-ms", "5",
                        "--out", str(out)]) == 0
@@ -144,6 +147,10 @@ def test_tiny_sweep_on_cpu(tmp_path, capsys):
     assert report["gpu_state"] == {"before": None, "after": None}  # no nvidia-smi here
     assert "cute_dsl" in report["versions"]
     assert report["timing"]["rotation"] == bench.TIMING_ROTATION
+    fa3 = report["peers"]["fa3-jax"]  # absent: no column, one line saying why
+    assert fa3["available"] is False and fa3["timed"] is False
+    assert "flash_attn3_jax is not importable" in fa3["reason"] and "\n" not in fa3["reason"]
+    assert "fa3-jax" not in report["settings"]["impls"]
     shapes = bench_shapes.PRESETS["tiny"]
     rows = report["rows"]
     assert len(rows) == len(shapes) * len(bench.IMPLS)
@@ -178,6 +185,8 @@ def test_tiny_sweep_on_cpu(tmp_path, capsys):
             assert row["bwd_tflops"] is None
         assert row["input_sets"] >= 2 and row["iters"] >= 1 and row["calls_per_dispatch"] == 1
         assert row["fwd_rel_err_vs"] == "reference" and row["fwd_rel_err"] < 1e-6
+        assert row["finite"] == {"out": True, "dq": True, "dk": True, "dv": True}
+        assert row["fa4_rule"] is None and row["best_peer_bwd"] is None  # no peer ran
         assert row["xla_mem_bytes"] > 0
         if row["impl"] in ("jax-fa4", "jax-fa4-det"):
             assert row["resolved_impl"] == "reference"  # no kernel on the CPU
@@ -531,6 +540,176 @@ def test_tiny_fp8_sweep_on_cpu(tmp_path):
             assert row["fwd_ratio_vs_bf16"] == pytest.approx(
                 [r for r in rows if r["impl"] == "jax-fa4-bf16" and bench_report._shape_key(r)
                  == bench_report._shape_key(row)][0]["fwd_ms"] / row["fwd_ms"])
+
+
+# -- the optional peer fa3-jax, through stand-ins for flash_attn3_jax -------------------------
+def _fake_fa3(kind: str = "good") -> types.ModuleType:
+    """A stand-in for ``flash_attn3_jax``: ``flash_mha(q, k, v, softmax_scale, is_causal,
+    window_size)`` in pure JAX (the float32 reference), BSHD, a custom VJP. ``nan``: its
+    gradients are NaN; ``refuse256``: it raises for a head dim above 128."""
+    from jax_fa4 import reference
+
+    def flash_mha(q, k, v, softmax_scale=None, is_causal=False, window_size=(-1, -1)):
+        if kind == "refuse256" and q.shape[-1] > 128:
+            raise ValueError("Check failed: head_size <= max_headdim; FlashAttention forward "
+                             "only supports head dimension at most 128")
+        left, right = (None if w < 0 else w for w in window_size)
+        window = (left, 0) if is_causal else (left, right)
+
+        @jax.custom_vjp
+        def attention(q, k, v):
+            return reference.attention(q, k, v, softmax_scale=softmax_scale,
+                                       window=window)[0].astype(q.dtype)
+
+        def fwd(q, k, v):
+            out, pullback = jax.vjp(attention.fun, q, k, v)
+            return out, pullback
+
+        def bwd(pullback, do):
+            grads = pullback(do)
+            return tuple(jnp.full_like(g, jnp.nan) for g in grads) if kind == "nan" else grads
+
+        attention.defvjp(fwd, bwd)
+        return attention(q, k, v)
+
+    module = types.ModuleType("flash_attn3_jax")
+    module.__version__ = f"0.0-{kind}"
+    module.flash_mha = flash_mha
+    return module
+
+
+def test_peer_default_impls_follow_importability(monkeypatch):
+    """fa3-jax joins the default --impls when importable and is absent otherwise; asked for
+    while absent, its rows are skipped with the one-line reason."""
+    monkeypatch.setitem(sys.modules, "flash_attn3_jax", _fake_fa3())
+    assert bench.parse_args([]).impls == list(bench.IMPLS) + ["fa3-jax"]
+    assert bench.parse_args(["--impls", "jax-fa4,cudnn,fa3-jax"]).impls[-1] == "fa3-jax"
+    with pytest.raises(SystemExit):  # no FP8 call in its API
+        bench.parse_args(["--dtype", "float8_e4m3fn", "--impls", "jax-fa4,fa3-jax"])
+    assert "fa3-jax" not in bench.parse_args(["--dtype", "float8_e4m3fn"]).impls
+    monkeypatch.setitem(sys.modules, "flash_attn3_jax", None)
+    assert bench.parse_args([]).impls == list(bench.IMPLS)
+    peers = bench.bench_peers.load_peers()
+    shape = bench_shapes.Shape(1, 64, 64, 2, 2, 32, 32, False)
+    args = argparse.Namespace(reference_max_gb=4.0, xla_max_gb=20.0, dtype="bf16")
+    reason = bench.static_skip_reason("fa3-jax", shape, "gpu", args, peers)
+    assert reason == peers["fa3-jax"].reason and "not importable" in reason
+    monkeypatch.setitem(sys.modules, "flash_attn3_jax", _fake_fa3())
+    peers = bench.bench_peers.load_peers()
+    assert bench.static_skip_reason("fa3-jax", shape, "gpu", args, peers) is None
+    gqa192 = bench_shapes.Shape(1, 64, 64, 4, 2, 192, 128, False)
+    assert bench.static_skip_reason("fa3-jax", gqa192, "gpu", args, peers).startswith(
+        "refused: flash_mha takes k and v of one shape")
+    fp16 = argparse.Namespace(**{**vars(args), "dtype": "fp16"})
+    assert bench.static_skip_reason("fa3-jax", shape, "gpu", fp16, peers) is None
+
+
+@pytest.mark.skipif(not ON_CPU, reason="runs the stand-in peers on the CPU")
+def test_peer_column_on_cpu(tmp_path, monkeypatch, capsys):
+    """A stand-in fa3-jax is timed in the same rotation as ours, checked by FA4's rule, and a
+    head dim it refuses is recorded as refused; one with NaN gradients is flagged."""
+    monkeypatch.setitem(sys.modules, "flash_attn3_jax", _fake_fa3("refuse256"))
+    out = tmp_path / "peer.json"
+    assert bench.main(["--shapes", "custom", "--B", "1", "--Sq", "48", "--H", "2", "--Hkv", "1",
+                       "--D", "16,256", "--causal", "no,yes", "--window", "none,none",
+                       "--window", "8,2", "--impls", "jax-fa4,reference,fa3-jax",
+                       "--repeats", "1", "--target-ms", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    peer = report["peers"]["fa3-jax"]
+    assert peer["available"] and peer["timed"] and peer["version"] == "0.0-refuse256"
+    rows = {(r["impl"], r["D"], r["causal"], tuple(r["window"])): r for r in report["rows"]}
+    assert len(rows) == len(report["rows"]) == 3 * 2 * 2 * 2
+    for causal in (False, True):
+        for window in ((None, None), (8, 2)):
+            fa3 = rows["fa3-jax", 16, causal, window]
+            assert tuple(fa3) == bench.ROW_KEYS and fa3["skipped"] is None, fa3
+            assert fa3["fwd_ms"] > 0 and fa3["fwdbwd_ms"] > 0 and fa3["rounds"] >= 1
+            assert fa3["finite"] == {"out": True, "dq": True, "dk": True, "dv": True}
+            rule = fa3["fa4_rule"]
+            assert rule["passed"] is True and "float32 reference" in rule["vs"]
+            assert {n: rule[n]["passed"] for n in ("out", "dq", "dk", "dv")} == dict.fromkeys(
+                ("out", "dq", "dk", "dv"), True)
+            assert fa3["fwd_rel_err_vs"] == "reference" and fa3["fwd_rel_err"] < 1e-2
+            ours = rows["jax-fa4", 16, causal, window]
+            assert ours["fa4_rule"]["passed"] is True  # every row of the shape, same rule
+            refused = rows["fa3-jax", 256, causal, window]
+            assert refused["skipped"].startswith("refused: ValueError: Check failed: head_size")
+            assert refused["fwd_ms"] is None and refused["finite"] is None
+            assert rows["jax-fa4", 256, causal, window]["skipped"] is None
+    # the peer's programs joined the shape's one rotation
+    record = report["timing"]["shapes"][0]
+    assert [p.split()[0] for p in record["programs"]].count("fa3-jax") == 3
+    assert len(record["programs"]) == 9 and {o[0] for o in record["round_orders"][1:]} == set(
+        range(9))
+    assert "checks" in capsys.readouterr().out  # the table shows the checks' column
+
+    monkeypatch.setitem(sys.modules, "flash_attn3_jax", _fake_fa3("nan"))
+    out = tmp_path / "nan.json"
+    assert bench.main(["--shapes", "custom", "--B", "1", "--Sq", "32", "--H", "2", "--D", "16",
+                       "--impls", "reference,fa3-jax", "--repeats", "1", "--target-ms", "2",
+                       "--out", str(out)]) == 0
+    fa3 = [r for r in json.loads(out.read_text())["rows"] if r["impl"] == "fa3-jax"][0]
+    assert fa3["skipped"] is None and fa3["bwd_ms"] is not None
+    assert fa3["finite"] == {"out": True, "dq": False, "dk": False, "dv": False}
+    assert fa3["fa4_rule"]["out"]["passed"] is True and fa3["fa4_rule"]["passed"] is False
+    assert fa3["fa4_rule"]["dq"] == {"err": None, "bound": fa3["fa4_rule"]["dq"]["bound"],
+                                     "passed": False}
+    assert "NaN dq,dk,dv" in capsys.readouterr().out
+
+
+def test_best_peer_counts_only_finite_results_that_pass_the_rule():
+    """The bar per shape: the highest ratio to cuDNN among cuDNN and the peers whose results
+    count; a peer whose gradients are NaN (or fail FA4's rule) is not the backward's bar."""
+    shape = bench_shapes.Shape(4, 8192, 8192, 16, 16, 128, 128, True)
+    ok = {"out": True, "dq": True, "dk": True, "dv": True}
+    times = {"jax-fa4": (1.0, 2.0), "cudnn": (1.1, 2.4), "fa3-jax": (1.0, 2.0)}
+    rows = []
+    for impl, (fwd, bwd) in times.items():
+        row = bench._empty_row(impl, shape, "bf16")
+        fwdbwd = fwd + bwd
+        row.update(fwd_ms=fwd, train_fwd_ms=fwd, fwdbwd_ms=fwdbwd, finite=dict(ok))
+        bench._derive(row, 2)
+        rows.append(row)
+    ours, cudnn, fa3 = rows
+    fa3["finite"]["dq"] = False
+    bench.compare_rows(rows, {})
+    assert fa3["fwd_ratio_vs_cudnn"] == pytest.approx(1.1) and fa3["bwd_ratio_vs_cudnn"] == (
+        pytest.approx(1.2))
+    for row in rows:  # forward: fa3-jax's (finite); backward: cuDNN's, not fa3-jax's NaN
+        assert (row["best_peer_fwd"], row["best_peer_bwd"]) == ("fa3-jax", "cudnn")
+        assert row["best_peer_fwd_ratio"] == pytest.approx(1.1)
+        assert row["best_peer_bwd_ratio"] == pytest.approx(1.0)
+    fa3["finite"]["dq"] = True
+    fa3["fa4_rule"] = {"passed": False, "dq": {"passed": False}, "out": {"passed": True}}
+    bench.compare_rows(rows, {})
+    assert ours["best_peer_bwd"] == "cudnn" and ours["best_peer_fwd"] == "fa3-jax"
+    fa3["fa4_rule"] = {"passed": True, "dq": {"passed": True}}
+    bench.compare_rows(rows, {})
+    assert ours["best_peer_bwd"] == "fa3-jax" and ours["best_peer_bwd_ratio"] == (
+        pytest.approx(1.2))
+    lines = bench_report.bar_lines(rows)
+    assert lines == [f"{bench_report.shape_label(ours)}: jax-fa4 x cuDNN fwd 1.10 vs fa3-jax "
+                     "1.10 (meets); bwd 1.20 vs fa3-jax 1.20 (meets)"]
+    # Without a peer in the sweep there is no best-peer column (cuDNN alone is its own bar).
+    bare = [bench._empty_row(i, shape, "bf16") | {k: r[k] for k in ("fwd_ms", "bwd_tflops")}
+            for i, r in (("jax-fa4", ours), ("cudnn", cudnn))]
+    bench.compare_rows(bare, {})
+    assert all(r["best_peer_fwd"] is None and r["best_peer_bwd"] is None for r in bare)
+
+
+def test_fa3_call_maps_fa4_masks():
+    """The mask FA4's shape means, in flash_mha's terms: causal, or a (left, right) window
+    with -1 for an unbounded side."""
+    seen = []
+    module = types.SimpleNamespace(flash_mha=lambda q, k, v, **kw: seen.append(kw))
+    for window, causal, expect in (((None, None), False, (False, (-1, -1))),
+                                   ((None, None), True, (True, (-1, -1))),
+                                   ((8, None), True, (False, (8, 0))),
+                                   ((None, 4), False, (False, (-1, 4)))):
+        shape = bench_shapes.Shape(1, 8, 8, 1, 1, 64, 64, causal, window)
+        bench.bench_peers.fa3_fn(module, shape)(None, None, None)
+        assert (seen[-1]["is_causal"], seen[-1]["window_size"]) == expect
+        assert seen[-1]["softmax_scale"] == 0.125
 
 
 #: Calls that put a folder on the import path or import a module by name or path.

@@ -10,6 +10,7 @@ Usage::
     python -m jax_fa4.tools.bench --shapes custom --B 2 --Sq 4096 --H 32 --Hkv 8 --D 128 \\
         --causal no,yes --window none,none --window 512,0
     python -m jax_fa4.tools.bench --impls jax-fa4,cudnn --dtype fp16 --fwd-only --out /tmp/r.json
+    python -m jax_fa4.tools.bench --shapes anchors --impls jax-fa4,cudnn,fa3-jax   # FA3 beside us
     python -m jax_fa4.tools.bench --dtype float8_e4m3fn      # the FP8 forward (anchors-main shapes)
 
 Shape presets (``--shapes``, comma-separated to join several): ``anchors-main`` (the anchors
@@ -33,6 +34,20 @@ Implementations (``--impls``), each a row per shape:
   ``Sq != Sk`` (it aligns masks top-left, FA4 bottom-right: a different function).
 * ``reference``: ``flash_attention(implementation="reference")``, skipped when its
   ``B·H·Sq·Sk`` float32 scores would exceed ``--reference-max-gb`` (XLA: ``--xla-max-gb``).
+* ``fa3-jax``: FlashAttention-3's JAX binding (PyPI ``flash-attn3-jax``, module
+  ``flash_attn3_jax``: ``flash_mha``), an optional peer (:mod:`jax_fa4.tools.bench_peers`): in
+  the default ``--impls`` when importable, else absent, and the result file's ``peers`` says
+  why (asked for by ``--impls`` while not importable, its rows are skipped with that reason).
+  Shapes its API cannot express (``Dv != D``) and those its kernels refuse (head dims above
+  its build's) are rows skipped as ``refused: <message>``.
+
+Checks: every row that ran records whether its forward output and gradients (on the first input
+set) are finite (``finite``). On a shape where a peer ran, every row that ran is also checked
+against the float32 reference by FA4's rule (``fa4_rule``, :mod:`jax_fa4.tools.fa4_rule`) on one
+batch element and one key/value head with its query heads, and every row of the shape names the
+best peer per direction (``best_peer_fwd``/``best_peer_bwd``: cuDNN or a peer, the highest
+ratio to cuDNN among those whose results are finite and pass the rule) and its ratio
+(``best_peer_fwd_ratio``/``best_peer_bwd_ratio``): the bar jax-fa4's ratio is held to.
 
 FP8 (``--dtype float8_e4m3fn``, forward only: an FP8 call has no gradient): the bfloat16 inputs
 are quantised to e4m3 with one scale per tensor (``per_tensor_e4m3``), so every FP8 row reads the
@@ -117,7 +132,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +141,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 import jax_fa4
-from jax_fa4.tools import bench_env, bench_report
+from jax_fa4.tools import bench_env, bench_peers, bench_report
 from jax_fa4.tools.bench_report import Row
 from jax_fa4.tools.bench_shapes import (
     DEFAULT_PARTS,
@@ -140,6 +155,8 @@ from jax_fa4.tools.bench_shapes import (
 Inputs = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # q, k, v, do
 
 IMPLS = ("jax-fa4", "jax-fa4-det", "cudnn", "xla", "reference")
+#: Optional peers (:mod:`jax_fa4.tools.bench_peers`): in the default ``--impls`` when importable.
+PEER_IMPLS = bench_peers.PEER_IMPLS
 #: ``--dtype float8_e4m3fn``: FP8 rows of jax-fa4, cuDNN and the reference, and our bfloat16
 #: forward on the same (unquantised) inputs (``jax-fa4-bf16``), forward only.
 FP8 = "float8_e4m3fn"
@@ -176,7 +193,8 @@ ROW_KEYS = (
     "bwd_ratio_vs_cudnn", "fwd_ratio_vs_bf16", "fwd_spread", "train_fwd_spread",
     "fwdbwd_spread", "iters", "rounds",
     "calls_per_dispatch", "input_sets", "compile_s", "residual_bytes", "peak_mem_bytes",
-    "xla_mem_bytes", "custom_calls", "fwd_rel_err", "fwd_rel_err_vs", "skipped",
+    "xla_mem_bytes", "custom_calls", "fwd_rel_err", "fwd_rel_err_vs", "finite", "fa4_rule",
+    "best_peer_fwd", "best_peer_fwd_ratio", "best_peer_bwd", "best_peer_bwd_ratio", "skipped",
 )
 #: Defaults of the custom shape flags (``--Sk``, ``--Hkv``, ``--Dv`` default to Sq, H, D).
 CUSTOM_DEFAULTS = {"B": "4", "Sq": "8192", "H": "16", "D": "128"}
@@ -219,7 +237,7 @@ def _window(text: str) -> Window:
 
 def _impl_list(text: str) -> list[str]:
     impls = [x.strip() for x in text.split(",")]
-    known = tuple(dict.fromkeys(IMPLS + FP8_IMPLS))
+    known = tuple(dict.fromkeys(IMPLS + PEER_IMPLS + FP8_IMPLS))
     unknown = [x for x in impls if x not in known]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown implementation(s) {unknown}; known: {known}")
@@ -248,8 +266,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "custom from the shape flags below")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--impls", type=_impl_list, default=None,
-                   help=f"comma-separated subset of {','.join(IMPLS)} (default: all; with "
-                        f"--dtype {FP8}: of {','.join(FP8_IMPLS)})")
+                   help=f"comma-separated subset of {','.join(IMPLS + PEER_IMPLS)} (default: "
+                        f"{','.join(IMPLS)}, and each of {','.join(PEER_IMPLS)} that is "
+                        f"importable; with --dtype {FP8}: of {','.join(FP8_IMPLS)})")
     shape = p.add_argument_group("custom shapes (--shapes custom; comma lists are swept as a "
                                  "cartesian product)")
     for name, help_ in (("B", "batch"), ("Sq", "query length"),
@@ -290,9 +309,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"{', '.join(given)} need --shapes custom")
     if args.repeats < 1 or args.target_ms <= 0:
         p.error("--repeats must be >= 1 and --target-ms > 0")
-    allowed = FP8_IMPLS if args.dtype == FP8 else IMPLS
+    allowed = FP8_IMPLS if args.dtype == FP8 else IMPLS + PEER_IMPLS
     if args.impls is None:
-        args.impls = list(allowed)
+        args.impls = list(FP8_IMPLS) if args.dtype == FP8 else list(IMPLS) + [
+            impl for impl, peer in bench_peers.load_peers().items() if peer.available]
     wrong = [x for x in args.impls if x not in allowed]
     if wrong:
         p.error(f"--impls {','.join(wrong)}: not with --dtype {args.dtype} (choose from "
@@ -434,10 +454,18 @@ def device_kernel(device: jax.Device) -> str | None:
     return KERNEL_FOR_CC_MAJOR.get(str(cc).split(".")[0])
 
 
-def static_skip_reason(impl: str, shape: Shape, platform: str,
-                       args: argparse.Namespace) -> str | None:
-    """Why ``impl`` does not run ``shape`` here, decided before compiling (None: try it)."""
+def static_skip_reason(impl: str, shape: Shape, platform: str, args: argparse.Namespace,
+                       peers: Mapping[str, bench_peers.Peer] | None = None) -> str | None:
+    """Why ``impl`` does not run ``shape`` here, decided before compiling (None: try it).
+    A peer (``PEER_IMPLS``) needs its module in ``peers``; else the reason is why it is not
+    there."""
     gb = shape.scores_bytes() / 1e9
+    if impl in PEER_IMPLS:
+        peer = (peers or {}).get(impl) or bench_peers.Peer(
+            impl, *bench_peers.PEER_MODULES[impl], reason=f"{impl}: its module was not loaded")
+        if not peer.available:
+            return peer.reason
+        return bench_peers.static_refusal(impl, shape, getattr(args, "dtype", "bf16"))
     if impl == "jax-fa4-det":
         if getattr(args, "fwd_only", False):
             return "deterministic=True changes only the backward (--fwd-only)"
@@ -720,10 +748,12 @@ def _lower(fn: Callable[..., jax.Array], inputs: tuple[Any, ...], fwd_only: bool
 
 
 def lower_impl(impl: str, shape: Shape, kernel: str | None, inputs: tuple[Any, ...],
-               fwd_only: bool, fp8: bool = False) -> Lowered:
+               fwd_only: bool, fp8: bool = False,
+               peers: Mapping[str, bench_peers.Peer] | None = None) -> Lowered:
     """The attention function of ``impl``, its lowered programs, and (jax-fa4, jax-fa4-det,
     jax-fa4-bf16) what ``implementation=None`` resolved to. ``fp8``: the FP8 forward's function
     (six arguments: e4m3 q, k, v and their descales; cuDNN's through its private FP8 API).
+    ``peers``: the loaded peers, whose module a peer's row calls.
 
     For jax-fa4 on a GPU with a kernel family, the forced kernel is lowered first: a forward that
     cannot lower raises :class:`SkipRow`, a backward that cannot lower replaces the training
@@ -734,6 +764,8 @@ def lower_impl(impl: str, shape: Shape, kernel: str | None, inputs: tuple[Any, .
             fn = _fa4_fn(shape, "reference", fp8=fp8)
         elif fp8 and impl == "cudnn":
             fn = cudnn_fp8_fn(shape.causal, shape.D)
+        elif impl == bench_peers.FA3:
+            fn = bench_peers.fa3_fn((peers or {})[impl].module, shape)
         else:
             fn = _jax_nn_fn(shape, impl)
         return _lower(fn, inputs, fwd_only)
@@ -772,6 +804,7 @@ class Prepared:
     row: Row
     programs: dict[str, Program]  # by kind: fwd, and train_fwd + fwdbwd when the backward runs
     out: jax.Array | None = None  # forward output on the first input set
+    grads: tuple[jax.Array, ...] | None = None  # (dq, dk, dv) on the first input set
 
 
 def prepare_impl(impl: str, shape: Shape, arg_sets: list[Inputs], chain: int,
@@ -780,10 +813,25 @@ def prepare_impl(impl: str, shape: Shape, arg_sets: list[Inputs], chain: int,
     its memory and run each program once (a program that cannot run skips the row, or its
     backward, here rather than in the shared timing).
 
-    A backward that cannot run leaves the forward programs and says so in ``skipped``.
+    A backward that cannot run leaves the forward programs and says so in ``skipped``. A
+    peer's row that its module cannot run (an error while lowering, compiling or running it)
+    says ``refused: <the error>`` (``backward refused: ...`` for its backward alone).
     """
+    prepared = _prepare_impl(impl, shape, arg_sets, chain, ctx)
+    skipped = prepared.row["skipped"]
+    if impl in PEER_IMPLS and skipped and not skipped.startswith("refused"):
+        static = static_skip_reason(impl, shape, ctx.device.platform, ctx.args, ctx.peers)
+        if skipped != static:
+            prepared.row["skipped"] = (f"backward refused: {skipped[len('backward: '):]}"
+                                       if skipped.startswith("backward: ")
+                                       else f"refused: {skipped}")
+    return prepared
+
+
+def _prepare_impl(impl: str, shape: Shape, arg_sets: list[Inputs], chain: int,
+                  ctx: BenchContext) -> Prepared:
     row = _empty_row(impl, shape, ctx.dtype_name)
-    reason = static_skip_reason(impl, shape, ctx.device.platform, ctx.args)
+    reason = static_skip_reason(impl, shape, ctx.device.platform, ctx.args, ctx.peers)
     if reason is not None:
         row["skipped"] = reason
         return Prepared(row, {})
@@ -791,7 +839,7 @@ def prepare_impl(impl: str, shape: Shape, arg_sets: list[Inputs], chain: int,
     t0 = time.perf_counter()
     try:
         low = lower_impl(impl, shape, ctx.kernel, arg_sets[0], ctx.args.fwd_only,
-                         fp8=row["dtype"] == FP8)
+                         fp8=row["dtype"] == FP8, peers=ctx.peers)
         row["resolved_impl"] = low.resolved
         fwd = low.fwd.compile()
         programs = {"fwd": make_program(low.fn, fwd, fwd_sets, chain)}
@@ -826,13 +874,17 @@ def prepare_impl(impl: str, shape: Shape, arg_sets: list[Inputs], chain: int,
         row["peak_mem_bytes"] = peak_bytes(
             ctx.device, lambda: jax.block_until_ready(full(*full_args)),
             row["xla_mem_bytes"] or 0)
-        for program in programs.values():  # one run each: a failure skips the row here
-            jax.block_until_ready(program.compiled(*program.groups[0]))
+        grads = None
+        for kind, program in programs.items():  # one run each: a failure skips the row here
+            result = jax.block_until_ready(program.compiled(*program.groups[0]))
+            if kind == "fwdbwd":  # (out, (dq, dk, dv)) of the first set (a chain: its first)
+                grads = tuple((result[0] if program.calls > 1 else result)[1])
+            del result
         out = fwd(*fwd_sets[0])
     except Exception as err:
         row["skipped"] = _error_text(err)
         return Prepared(row, {})
-    return Prepared(row, programs, out)
+    return Prepared(row, programs, out, grads)
 
 
 def time_shape(prepared: Sequence[Prepared], ctx: BenchContext) -> Row | None:
@@ -898,7 +950,9 @@ def row_shape(row: Row) -> Shape:
 def compare_rows(rows: list[Row], outputs: dict[str, jax.Array]) -> None:
     """Fill the ratios to cuDNN (and, in an FP8 sweep, to our bfloat16 forward) and the forward
     error against the first base that ran. An FP8 sweep's only base is the reference on the
-    dequantised inputs (cuDNN writes e4m3), and the bfloat16 row is compared with nothing."""
+    dequantised inputs (cuDNN writes e4m3), and the bfloat16 row is compared with nothing.
+    Then, where a peer ran, the best peer per direction (:func:`bench_peers.best_peers`, from
+    the rows' ``finite`` and ``fa4_rule``)."""
     cudnn = next((r for r in rows if r["impl"] == "cudnn" and r["fwd_ms"] is not None), None)
     bf16 = next((r for r in rows if r["impl"] == "jax-fa4-bf16" and r["fwd_ms"] is not None),
                 None)
@@ -920,6 +974,7 @@ def compare_rows(rows: list[Row], outputs: dict[str, jax.Array]) -> None:
             diff = outputs[row["impl"]].astype(jnp.float32) - base
             row["fwd_rel_err"] = float(jnp.linalg.norm(diff) / jnp.linalg.norm(base))
             row["fwd_rel_err_vs"] = base_impl
+    bench_peers.best_peers(rows)
 
 
 @dataclasses.dataclass
@@ -929,6 +984,7 @@ class BenchContext:
     kernel: str | None
     dtype: Any
     dtype_name: str
+    peers: dict[str, bench_peers.Peer] = dataclasses.field(default_factory=dict)
 
 
 def run_sweep(shapes: Sequence[Shape], ctx: BenchContext,
@@ -951,8 +1007,8 @@ def run_sweep(shapes: Sequence[Shape], ctx: BenchContext,
             arg_sets = None
             chain = chain_length(shape, jnp.dtype(ctx.dtype).itemsize, ctx.device.platform)
             fp8_sets = None
-            if any(static_skip_reason(i, shape, ctx.device.platform, ctx.args) is None
-                   for i in impls):
+            if any(static_skip_reason(i, shape, ctx.device.platform, ctx.args, ctx.peers)
+                   is None for i in impls):
                 arg_sets = make_inputs(shape, ctx.dtype, sub, chain)
                 if ctx.dtype_name == FP8:
                     fp8_sets = fp8_input_sets(arg_sets)
@@ -963,7 +1019,7 @@ def run_sweep(shapes: Sequence[Shape], ctx: BenchContext,
                 if arg_sets is None:
                     row = _empty_row(impl, shape, ctx.dtype_name)
                     row["skipped"] = static_skip_reason(impl, shape, ctx.device.platform,
-                                                        ctx.args)
+                                                        ctx.args, ctx.peers)
                     prepared.append(Prepared(row, {}))
                 else:
                     sets = fp8_sets if row_dtype(impl, ctx.dtype_name) == FP8 else arg_sets
@@ -974,8 +1030,13 @@ def run_sweep(shapes: Sequence[Shape], ctx: BenchContext,
             if record is not None:
                 records.append({"shape": label, **record})
             shape_rows = [p.row for p in prepared]
-            compare_rows(shape_rows, {p.row["impl"]: p.out for p in prepared
-                                      if p.out is not None and p.row["fwd_ms"] is not None})
+            ran = [p for p in prepared if p.out is not None and p.row["fwd_ms"] is not None]
+            if ctx.dtype_name != FP8:
+                bench_peers.check_slice(shape, shape_rows,
+                                        {p.row["impl"]: (p.out, p.grads) for p in ran},
+                                        arg_sets[0] if arg_sets else (),
+                                        ctx.args.reference_max_gb)
+            compare_rows(shape_rows, {p.row["impl"]: p.out for p in ran})
             for row in shape_rows:
                 bar.write(f"[{len(rows) + 1}/{bar.total}] {bench_report.row_line(row)}")
                 rows.append(row)
@@ -1000,7 +1061,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv_list)
     shapes = custom_shapes(args) if args.shapes == "custom" else list(preset_shapes(args.shapes))
     device = jax.devices()[0]
-    ctx = BenchContext(args, device, device_kernel(device), DTYPES[args.dtype], args.dtype)
+    peers = bench_peers.load_peers()
+    ctx = BenchContext(args, device, device_kernel(device), DTYPES[args.dtype], args.dtype,
+                       peers)
     print(f"jax {jax.__version__} on {device.device_kind} ({device.platform}); "
           f"{len(shapes)} shapes x {len(args.impls)} impls, {args.dtype}", flush=True)
     out = bench_report.result_path(args.out, device.device_kind)
@@ -1024,6 +1087,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "backward_flop_factor": BACKWARD_FLOP_FACTOR},
             "bwd_method": BWD_METHOD,
             "bwd_method_text": BWD_METHOD_TEXT,
+            "peers": {impl: {**peer.record(), "timed": impl in args.impls}
+                      for impl, peer in peers.items()},
             "timing": {"method": TIMING_METHOD, "rotation": TIMING_ROTATION,
                        "shapes": records},
             "complete": complete,  # False while the sweep runs: a stopped run keeps its rows
@@ -1041,6 +1106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     today = datetime.date.today().isoformat()
     bench_report.plot(rows, png, f"{device.device_kind}, {args.dtype}, {today}")
     bench_report.print_table(rows)
+    bench_report.print_bar(rows)
     print(f"wrote {out} and {png}; total wall time {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -1,6 +1,7 @@
 """The benchmark's report side: the printed table and the progress line of a result row, the
-plot of TFLOP/s against sequence length, and ``python -m jax_fa4.tools.bench merge``, which joins
-result files that split one sweep's shapes into one file.
+lines that set jax-fa4's ratio to cuDNN beside the best peer's (:func:`bar_lines`), the plot of
+TFLOP/s against sequence length, and ``python -m jax_fa4.tools.bench merge``, which joins result
+files that split one sweep's shapes into one file.
 """
 
 from __future__ import annotations
@@ -64,26 +65,81 @@ def row_line(row: Row) -> str:
     return line + (f"  ({row['skipped']})" if row["skipped"] else "")
 
 
+def checks_text(row: Row) -> str:
+    """A row's checks as the table prints them: ``ok`` (finite, and passing FA4's rule where it
+    was checked), else what is not finite (``NaN dq,dk``) and what fails the rule
+    (``rule dq``); ``-`` where nothing ran."""
+    found, rule = row.get("finite"), row.get("fa4_rule") or {}
+    if not found:
+        return "-"
+    bad = [n for n, ok in found.items() if not ok]
+    failed = [n for n in found if (rule.get(n) or {}).get("passed") is False and n not in bad]
+    parts = ([f"NaN {','.join(bad)}"] if bad else []) + (
+        [f"rule {','.join(failed)}"] if failed else [])
+    return " ".join(parts) or ("ok" if rule.get("passed") else "finite")
+
+
+def best_peer_text(row: Row) -> str:
+    """``IMPL RATIO`` per direction, ``fwd / bwd`` (``-`` where there is none)."""
+    parts = []
+    for part in ("fwd", "bwd"):
+        impl, ratio = row.get(f"best_peer_{part}"), row.get(f"best_peer_{part}_ratio")
+        parts.append("-" if impl is None else f"{impl} {ratio:.2f}")
+    return "-" if parts == ["-", "-"] else " / ".join(parts)
+
+
 def print_table(rows: list[Row]) -> None:
     """A plain-text table of every row (times in µs below 1 ms). TFLOP/s are printed for rows
-    that measure attention speed only; decode rows show TB/s, latency rows their times."""
+    that measure attention speed only; decode rows show TB/s, latency rows their times. Where a
+    peer ran: each row's checks and, on jax-fa4's rows, the shape's best peer (ratio to cuDNN)."""
+    peers = any(r.get("best_peer_fwd") or r.get("fa4_rule") for r in rows)
     header = ("shape", "impl", "measures", "fwd", "fwd TF/s", "bwd", "bwd TF/s", "x cuDNN f/b",
-              "err", "peak MiB", "skipped")
+              "err", "peak MiB") + (("checks", "best peer f/b") if peers else ()) + ("skipped",)
     lines = [header]
     for r in rows:
         impl = r["impl"] + (f" ({r['resolved_impl']})" if r["resolved_impl"] else "")
         ratio = ("-" if r["fwd_ratio_vs_cudnn"] is None else
                  f"{r['fwd_ratio_vs_cudnn']:.2f}/{_fmt(r['bwd_ratio_vs_cudnn'], '.2f')}")
         peak = None if r["peak_mem_bytes"] is None else r["peak_mem_bytes"] / 2**20
+        extra = (checks_text(r), best_peer_text(r) if r["impl"].startswith("jax-fa4") else "")
         lines.append((shape_label(r), impl, r["measures"], _fmt_time(r["fwd_ms"]),
                       _rate(r, "fwd_tflops"), _fmt_time(r["bwd_ms"]), _rate(r, "bwd_tflops"),
-                      ratio, _fmt(r["fwd_rel_err"], ".1e"), _fmt(peak, ".0f"),
-                      (r["skipped"] or "")[:70]))
+                      ratio, _fmt(r["fwd_rel_err"], ".1e"), _fmt(peak, ".0f"))
+                     + (extra if peers else ()) + ((r["skipped"] or "")[:70],))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     for n, line in enumerate(lines):
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
         if n == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def bar_lines(rows: list[Row]) -> list[str]:
+    """Per shape with a best peer: jax-fa4's ratios to cuDNN against the best peer's, and
+    whether ours meets that bar (ours >= the best peer's ratio)."""
+    lines = []
+    for r in rows:
+        if r["impl"] != "jax-fa4" or (r.get("best_peer_fwd") is None
+                                      and r.get("best_peer_bwd") is None):
+            continue
+        parts = []
+        for part in ("fwd", "bwd"):
+            ours, peer = r[f"{part}_ratio_vs_cudnn"], r.get(f"best_peer_{part}_ratio")
+            if ours is None or peer is None:
+                continue
+            verdict = "meets" if ours >= peer else "below"
+            parts.append(f"{part} {ours:.2f} vs {r[f'best_peer_{part}']} {peer:.2f} ({verdict})")
+        if parts:
+            lines.append(f"{shape_label(r)}: jax-fa4 x cuDNN " + "; ".join(parts))
+    return lines
+
+
+def print_bar(rows: list[Row]) -> None:
+    """:func:`bar_lines` under a heading, when there are any."""
+    lines = bar_lines(rows)
+    if lines:
+        print("\nthe best peer's ratio to cuDNN, the bar (finite results passing FA4's rule):")
+        for line in lines:
+            print("  " + line)
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
@@ -97,7 +153,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     from matplotlib.lines import Line2D
 
     colors = {"jax-fa4": "tab:red", "jax-fa4-det": "tab:orange", "cudnn": "tab:green",
-              "xla": "tab:blue", "reference": "tab:gray"}
+              "xla": "tab:blue", "reference": "tab:gray", "fa3-jax": "tab:purple"}
     measured = [r for r in rows
                 if r["fwd_tflops"] is not None and r.get("measures") == "attention speed"]
     head_dims = sorted({(r["D"], r["Dv"]) for r in measured})

@@ -4,7 +4,9 @@
 # its log (and the benchmark its JSON) under $OUT as it goes, so a step cut short keeps its output.
 #   bash .device/on-device.sh bash tools/device/batch.sh tests bench-main
 # Steps: tests (tests/gpu with pytest-xdist), sanitizers, bench (the whole default sweep),
-# bench-main / bench-more (its two halves: python -m jax_fa4.tools.bench merge joins them), profile-bwd
+# bench-main / bench-more (its two halves: python -m jax_fa4.tools.bench merge joins them),
+# bench-peers (the default shapes, jax-fa4 and cuDNN beside FlashAttention-3's JAX binding, which
+# .device/flash-attn3-jax.tar.xz from prepare.sh fa3 brings: bench-peers.json), profile-bwd
 # (Nsight Compute on one training step, ours and cuDNN's: tools/device/profile.sh), step-bench
 # (a decoder's whole jitted training step, ours against cuDNN's: jax_fa4.tools.step_bench, with
 # its per-kernel profile: step.json, step-profile.md and step-files.tar.xz, the traces and HLO;
@@ -45,6 +47,8 @@ for s in "$@"; do
                   --out "$out/bench-main.json" ;;
     bench-more) step bench-more 380 python -m jax_fa4.tools.bench --shapes anchors-more,latency \
                   --out "$out/bench-more.json" ;;
+    bench-peers) step bench-peers 400 python -m jax_fa4.tools.bench --shapes default \
+                   --impls jax-fa4,cudnn,fa3-jax --out "$out/bench-peers.json" ;;
     profile-bwd) step profile-bwd 300 bash tools/device/profile.sh ;;
     step-bench) step step-bench 500 python -m jax_fa4.tools.step_bench --out "$out/step.json" \
                   --hlo "$out/step-files/hlo" --profile "$out/step-files/profile" \
