@@ -22,7 +22,9 @@ on Hopper, the pure-JAX reference elsewhere), with no ``(T, S)`` mask built:
 * an explicit ``bias`` or ``mask`` runs ``jax.nn.dot_product_attention``'s XLA implementation
   itself (pure JAX, O(T * S) memory per head), with a one-time ``RuntimeWarning``;
   ``on_mask="raise"`` makes it a ``ValueError`` instead.
-* ``implementation="xla"`` / ``"cudnn"`` call ``jax.nn.dot_product_attention`` unchanged.
+* ``implementation="xla"`` / ``"cudnn"`` call ``jax.nn.dot_product_attention`` unchanged, and
+  so do float64 and complex inputs (which neither the kernels nor the float32 reference take:
+  jax.nn's XLA implementation runs them in their own dtype).
 """
 
 from __future__ import annotations
@@ -122,6 +124,14 @@ def dot_product_attention(
     if implementation is not None and implementation not in backends.names():
         raise ValueError(f"implementation must be None or one of "
                          f"{(*backends.names(), *_JAX_IMPLEMENTATIONS)}, got {implementation!r}")
+    if _other_float_dtype(query, implementation):
+        # float64 / complex: jax.nn's XLA implementation, exactly its semantics (no kernel or
+        # float32 reference takes them)
+        return jax.nn.dot_product_attention(
+            query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size, implementation="xla",
+            return_residual=return_residual)
     three_dim = _check_inputs(query, key, value)
     q, k, v = (x if x.ndim == 4 else x[None] for x in (query, key, value))
     b, t, _, h = q.shape
@@ -224,6 +234,22 @@ def _empty_row_value(v: jax.Array, n: int) -> jax.Array:
 
 
 # -- checks ------------------------------------------------------------------------------------
+def _other_float_dtype(query: Any, implementation: str | None) -> bool:
+    """Whether ``query`` is float64 or complex (jax.nn takes them; our kernels and float32
+    reference do not), with no kernel forced (a forced kernel raises)."""
+    if not options.is_array(query) or jnp.dtype(query.dtype) in options.SUPPORTED_DTYPES:
+        return False
+    if not (jnp.issubdtype(query.dtype, jnp.floating)
+            or jnp.issubdtype(query.dtype, jnp.complexfloating)):
+        return False  # integers and the like: refused by the checks
+    if implementation not in (None, backends.REFERENCE):
+        raise ImplementationUnavailableError(
+            f"implementation={implementation!r} takes bfloat16 or float16 inputs, got "
+            f"{query.dtype}: pass implementation=None or 'reference' (jax.nn's XLA "
+            "implementation then runs it in its own dtype)")
+    return True
+
+
 def _check_inputs(query: Any, key: Any, value: Any) -> bool:
     """query ``(B, T, N, H)``, key and value ``(B, S, K, H)`` (or all without B), one dtype;
     returns whether they come without the batch axis."""
@@ -237,8 +263,9 @@ def _check_inputs(query: Any, key: Any, value: Any) -> bool:
             raise ValueError(f"{name} must have query's rank {query.ndim}, {layout}, got shape "
                              f"{x.shape}")
     if jnp.dtype(query.dtype) not in options.SUPPORTED_DTYPES:
-        raise TypeError(f"query must have dtype bfloat16, float16 or float32 (other dtypes: "
-                        f"implementation='xla'), got {query.dtype}")
+        raise TypeError(f"query must have a floating dtype (bfloat16, float16 or float32 for "
+                        f"our attention; float64 and complex run jax.nn's XLA implementation), "
+                        f"got {query.dtype}")
     for name, x in (("key", key), ("value", value)):
         if x.dtype != query.dtype:
             raise TypeError(f"{name} must have query's dtype {query.dtype}, got {x.dtype}")

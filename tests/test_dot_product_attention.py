@@ -250,7 +250,7 @@ def _bad(name):
         "query-rank": ((q[0, 0], k, v), {}, ValueError, r"query must have shape \(B, T, N, H\)"),
         "key-rank": ((q, k[0], v), {}, ValueError, "key must have query's rank 4"),
         "dtype": (tuple(x.astype(jnp.int32) for x in (q, k, v)), {}, TypeError,
-                  "query must have dtype bfloat16, float16 or float32 .*got int32"),
+                  "query must have a floating dtype .*got int32"),
         "key-dtype": ((q, k.astype(jnp.bfloat16), v), {}, TypeError,
                       "key must have query's dtype float32, got bfloat16"),
         "value-shape": ((q, k, v[:, :5]), {}, ValueError, "value must have key's shape"),
@@ -286,3 +286,26 @@ def test_errors_name_the_argument(name):
     args, kw, error, match = _bad(name)
     with pytest.raises(error, match=match):
         jax_fa4.dot_product_attention(*args, **kw)
+
+
+def test_float64_and_complex_run_jax_nns_own_implementation():
+    """float64 (x64) and complex inputs, which no kernel or float32 reference takes, give
+    exactly jax.nn's XLA implementation's results in their own dtype; a forced kernel raises."""
+    try:
+        from jax import enable_x64
+    except ImportError:  # older jax
+        from jax.experimental import enable_x64
+    with enable_x64():
+        q, k, v = (x.astype(jnp.float64) for x in _inputs((2, 9, 11, 4, 2, 8)))
+        kw = dict(is_causal=True, key_value_seq_lengths=jnp.array([11, 5], jnp.int32))
+        got = jax_fa4.dot_product_attention(q, k, v, **kw)
+        assert got.dtype == jnp.float64
+        want = jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        with pytest.raises(jax_fa4.ImplementationUnavailableError, match="float64"):
+            jax_fa4.dot_product_attention(q, k, v, implementation="sm90")
+    q, k, v = (x.astype(jnp.complex64) for x in _inputs((1, 5, 5, 2, 2, 4)))
+    got = jax_fa4.dot_product_attention(q, k, v)
+    assert got.dtype == jnp.complex64
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(
+        jax.nn.dot_product_attention(q, k, v, implementation="xla")))
