@@ -91,3 +91,34 @@ def test_the_first_step_check_sees_a_different_attention(tmp_path: Path,
     check = json.loads(out.read_text())["configs"][0]["check"]
     assert not check["agree"], check
     assert check["qkv_grad_norm_rel_diff"] > step_bench.GRAD_RTOL
+
+
+def test_precompile_exports_each_step_with_the_kernels_forced(monkeypatch) -> None:
+    """--precompile exports every config's step for CUDA with the Hopper kernels forced: its
+    lowering asks the kernel cache for the forward, preprocess, backward and postprocess of
+    each layer (stubbed here: no kernel is compiled), segment-id kernels for packed rows."""
+    from jax_fa4.ffi import call
+
+    asked = []
+
+    def kernel_object(config, arch, cache=None):
+        asked.append((config.kernel_name, arch, getattr(config, "segments", False)))
+        return b"stub"
+
+    monkeypatch.setattr(call, "kernel_object", kernel_object)
+    monkeypatch.setattr(call, "register_ffi_targets", lambda: None)
+    import dataclasses
+
+    # (head dim 64: the kernels' smallest; shapes stay abstract, nothing is allocated)
+    configs = [dataclasses.replace(step_bench.SMOKE_CONFIGS[n], D=64)
+               for n in ("smoke", "smoke-packed")]
+    calls = step_bench.precompile(configs)
+    layers = sum(c.layers for c in configs)
+    assert calls == 4 * layers, (calls, asked)
+    assert {arch for _, arch, _ in asked} == {"sm_90a"}
+    kinds = {name for name, _, _ in asked}
+    assert {"sm90_fwd", "sm90_bwd"} <= kinds, kinds
+    assert any(segments for _, _, segments in asked)  # the packed config's kernels
+    asked.clear()
+    assert step_bench.main(["--precompile", "--configs", "b8s2k-16-4-d128", "--layers", "1"]) == 0
+    assert len(asked) == 4, asked

@@ -7,6 +7,8 @@ Usage::
     python -m jax_fa4.tools.step_bench --configs b8s2k-16-4-d128,b2s8k-16-4-d128
     python -m jax_fa4.tools.step_bench --out step.json --profile prof --hlo hlo
     python -m jax_fa4.tools.step_bench --smoke                # tiny sizes on the CPU
+    JAX_FA4_CACHE_DIR=.device/kernel-cache python -m jax_fa4.tools.step_bench --precompile
+                                                              # its kernels, on any machine
 
 The model (plain JAX, bfloat16 parameters and activations): token embedding; ``--layers``
 (default 4) pre-norm blocks, each RMSNorm -> fused QKV projection (one GEMM to ``H + 2 Hkv``
@@ -181,11 +183,13 @@ def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]
 
 
-def attention_fn(impl: str) -> AttentionFn:
-    """Causal attention of one implementation on (q, k, v, segment ids or None)."""
+def attention_fn(impl: str, implementation: str | None = None) -> AttentionFn:
+    """Causal attention of one implementation on (q, k, v, segment ids or None);
+    ``implementation`` is jax-fa4's (``None``: as a user calls it)."""
     if impl == "jax-fa4":
         def fa4(q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array | None) -> jax.Array:
-            return jax_fa4.flash_attention(q, k, v, causal=True, segment_ids=ids)
+            return jax_fa4.flash_attention(q, k, v, causal=True, segment_ids=ids,
+                                           implementation=implementation)
         return fa4
     if impl not in ("cudnn", "xla"):
         raise ValueError(f"unknown implementation {impl!r}; known: {IMPLS}")
@@ -217,10 +221,11 @@ def forward_loss(params: Params, cfg: Config, attention: AttentionFn, tokens: ja
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
 
 
-def make_step(cfg: Config, impl: str) -> Callable[..., Any]:
+def make_step(cfg: Config, impl: str, implementation: str | None = None
+              ) -> Callable[..., Any]:
     """The jitted training step of one implementation: (params, tokens, targets, positions,
     ids) -> (new params, loss, QKV gradient norm per layer); params donated."""
-    attention = attention_fn(impl)
+    attention = attention_fn(impl, implementation)
 
     def step(params: Params, tokens: jax.Array, targets: jax.Array, positions: jax.Array,
              ids: jax.Array | None) -> tuple[Params, jax.Array, jax.Array]:
@@ -534,6 +539,29 @@ def write_profile_tables(where: Path | None, entries: Sequence[dict[str, Any]]) 
         (where / "profile.md").write_text("\n".join(tables))
 
 
+# -- kernels ahead of the GPU run ---------------------------------------------------------------
+def precompile(configs: Sequence[Config], implementation: str = "sm90") -> int:
+    """Build every kernel the configs' steps with jax-fa4's attention lower to, on any machine
+    (no GPU): each step is exported for CUDA with ``implementation`` forced, which compiles the
+    kernels its custom calls carry into the kernel cache (``$JAX_FA4_CACHE_DIR``) when they are
+    missing. The attention-alone programs call the same kernels. Returns the number of kernel
+    custom calls over all steps."""
+    calls = 0
+    for cfg in configs:
+        params = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
+        b, s = cfg.B, cfg.S
+        tokens = jax.ShapeDtypeStruct((b, s), jnp.int32)
+        ids = tokens if cfg.packed else None
+        step = make_step(cfg, "jax-fa4", implementation)
+        exported = jax.export.export(step, platforms=["cuda"],
+                                     disabled_checks=runtime.export_disabled_safety_checks())(
+            params, tokens, tokens, tokens, ids)
+        n = exported.mlir_module().count(f"stablehlo.custom_call @{FA4_CUSTOM_CALL}")
+        print(f"{cfg.name}: {n} kernel calls in the step", flush=True)
+        calls += n
+    return calls
+
+
 # -- command line ------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jax_fa4.tools.step_bench",
@@ -562,6 +590,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="back-to-back steps per trace (the figures are their median)")
     p.add_argument("--hlo", type=Path, default=None,
                    help="write each step's optimized HLO to DIR/<config>-<impl>.hlo.txt")
+    p.add_argument("--precompile", action="store_true",
+                   help="build the kernels the configs' steps need into the kernel cache "
+                        "($JAX_FA4_CACHE_DIR; any machine, no GPU) and exit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default: benchmarks/results/step-<gpu-slug>-<date>.json)")
@@ -596,6 +627,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the configs and write the result file."""
     start = time.perf_counter()
     args = parse_args(argv)
+    if args.precompile:
+        precompile(args.config_list)
+        return 0
     device = jax.devices()[0]
     platform = device.platform
     if args.impls is None:
