@@ -31,7 +31,8 @@ from jax_fa4.kernels.sm90.bwd_config import (TUNING_TABLE, BwdConfig, BwdPostpro
 from jax_fa4.kernels.sm90.bwd_config import (swap_sdp_config, with_stats_smem, with_swap_sdp,
                                              without_swap_sdp)
 from jax_fa4.kernels.spec import MASK_KINDS, SMEM_BUDGET_BYTES
-from jax_fa4.tools.variants import SM90_BWD_GPU_SWAP, sm90_bwd_gpu_configs
+from jax_fa4.tools.variants import (SM90_BWD_GPU_SWAP, sm90_bwd_d192_candidates,
+                                    sm90_bwd_gpu_configs)
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = "sm_90a"
@@ -87,6 +88,18 @@ def test_main_kernel_compiles_with_clean_sass(cfg, shipped_cache):
         "setmaxnreg ignored"
     assert k.count("MUFU.EX2") > 0 and k.count("STSM") > 0
     assert (k.count("MUFU.TANH") > 0) == cfg.has_softcap
+    assert_no_local_memory(k)
+
+
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered(sm90_bwd_d192_candidates(), ARCH), ids=_id)
+def test_head_dim_192_candidates_compile_with_clean_sass(cfg, shipped_cache):
+    """192/192 (no table row yet: tools/variants.sm90_bwd_d192_candidates): V's swizzle atom
+    tiles each warpgroup's 96 dV columns, so the MHA epilogue's stmatrix store partitions; no
+    spills, MHA and GQA, with and without dq_red."""
+    k, _ = compiled_report(shipped_cache, cfg, ARCH)
+    assert k.count("HGMMA") > 0 and (k.count("UTMASTG") > 0) == (not cfg.gqa)
+    assert_dq_reduce(k, cfg)
     assert_no_local_memory(k)
 
 

@@ -225,13 +225,16 @@ class Sm90Backend(KernelBackend):
         from jax_fa4.ffi.call import call_kernel
 
         sink_grad = with_sink_rows and sink is not None
-        cfg, post = self.backward_configs(q, k, v, opts, sink_grad=sink_grad)
-        if config is not None:
-            same = ("dtype", "head_dim", "head_dim_v", "mask", "has_softcap", "gqa",
-                    "sink_grad")
-            if any(getattr(config, f) != getattr(cfg, f) for f in same):
-                raise ValueError(f"config {config.describe()} does not match the call "
-                                 f"({cfg.describe()})")
+        if config is None:
+            cfg, post = self.backward_configs(q, k, v, opts, sink_grad=sink_grad)
+        else:  # (also a config the table does not pick, e.g. its head dims have no row yet)
+            kind = {**backward_kind(q, k, v, opts), "sink_grad": sink_grad}
+            kind.pop("deterministic")
+            wrong = {f: getattr(config, f) for f, want in kind.items()
+                     if getattr(config, f) != want}
+            if wrong:
+                raise ValueError(f"config {config.describe()} does not match the call: {wrong} "
+                                 f"where the call has {({f: kind[f] for f in wrong})}")
             cfg, post = config, config.postprocess_config()
         b, sq, h, d = q.shape
         params = kernel_params(opts, d, sink if sink_grad else None)

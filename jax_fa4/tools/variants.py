@@ -13,6 +13,7 @@ tier compiles and SASS-checks in place of all of them (see its docstring).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -136,6 +137,22 @@ OPT_IN_FORMS: dict[str, Callable[[BwdConfig], BwdConfig]] = {
 }
 
 
+def sm90_bwd_d192_candidates() -> list[BwdConfig]:
+    """Head dims 192/192: backward kernels that compile without spills but have not run on a GPU,
+    so the tuning table has no row for them and the API runs the reference's backward there.
+    The 192/128 row's tile and depths (64×64, 2 Q/dO stages, 2 P/dS buffers, reversed launch),
+    MHA and GQA, every mask kind, dQ through the dQ warp and added by the MMA threads (dq_red):
+    tests/gpu/test_sm90_bwd.py runs them against the reference, the first step to a table row."""
+    out = []
+    for mask, gqa, dq_red in itertools.product(MASK_KINDS, (False, True), (False, True)):
+        cfg = BwdConfig(dtype="bfloat16", head_dim=192, head_dim_v=192, mask=mask, gqa=gqa,
+                        tile_m=64, tile_n=64, stages=2, pds_stages=2, reverse_launch=True,
+                        dq_red=dq_red)
+        cfg.validate()
+        out.append(cfg)
+    return out
+
+
 def _with_postprocess(mains: Iterable[BwdConfig]) -> list[KernelConfig]:
     """``mains``, then each one's dQ postprocess config once."""
     mains = list(mains)
@@ -149,6 +166,7 @@ def sm90_bwd_gpu_configs() -> list[KernelConfig]:
     mains += [BwdConfig.make(*v, deterministic=True) for v in SM90_BWD_GPU_DETERMINISTIC]
     for form in OPT_IN_FORMS.values():
         mains += [form(BwdConfig.make(*v)) for v in SM90_BWD_GPU_SWAP]
+    mains += sm90_bwd_d192_candidates()
     for cfg in mains:
         cfg.validate()
     return _with_postprocess(mains)

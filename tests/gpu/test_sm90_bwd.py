@@ -225,6 +225,39 @@ def test_opt_in_kernel_matches_reference(case, form):
         assert_fa4_close(g, r.astype(x.dtype), p, name=name)
 
 
+D192_CASES = [
+    Case(BF, 192, 192, 113, 203, 4, 4),
+    Case(BF, 192, 192, 1023, 1024, 4, 4, CAUSAL),
+    Case(BF, 192, 192, 203, 113, 6, 2, CAUSAL),  # GQA; 90 rows see no key
+    Case(BF, 192, 192, 1023, 1024, 4, 2, (64, 32)),
+]
+
+
+@pytest.mark.parametrize("dq_red", [False, True])
+@pytest.mark.parametrize("case", D192_CASES, ids=_id)
+def test_head_dim_192_candidates_match_reference(case, dq_red):
+    """Head dims 192/192 (no table row yet: variants.sm90_bwd_d192_candidates) pass FA4's rule
+    like the table's kernels; when they do on every case, (192, 192) may take a table row."""
+    from jax_fa4.backends.base import mask_kind
+    from jax_fa4.tools.variants import sm90_bwd_d192_candidates
+
+    config = next(c for c in sm90_bwd_d192_candidates()
+                  if (c.mask, c.gqa, c.dq_red) == (mask_kind(case.window), case.h != case.hkv,
+                                                   dq_red))
+    q, k, v, dout = _inputs(case, seed=5)
+    kw = dict(scale=1.0 / case.d ** 0.5, window=case.window, softcap=case.softcap)
+    out32, lse = _forward32(q, k, v, **kw)
+    poison_device_memory()
+    got = sm90_backward_config(q, k, v, out32.astype(q.dtype), lse, dout,
+                               Opts(kw["scale"], case.window, case.softcap), config)
+    ref = _ref_backward(q, k, v, out32, lse, dout, **kw)
+    pt = _pt_backward(q, k, v, dout, **kw)
+    for name, g, r, p, x in zip(("dq", "dk", "dv"), got, ref, pt, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype, (name, g.shape, g.dtype)
+        assert bool(jnp.all(jnp.isfinite(g))), f"{name}: non-finite values"
+        assert_fa4_close(g, r.astype(x.dtype), p, name=name)
+
+
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_backward_matches_reference(case):
     (q, k, v, out, lse, dout, opts), got, out32, kw = _run(case)

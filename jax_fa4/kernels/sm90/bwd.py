@@ -273,7 +273,10 @@ class FlashAttentionBackwardSm90:
         sQ = make_smem_layout(dt, tm, D, D // kn, self.stages)  # also dK's B operand (MN-major)
         sdO = make_smem_layout(dt, tm, Dv, Dv // kn, self.stages)  # also dV's B operand
         sK = make_smem_layout(dt, tn, D, D // qn)  # also dQ's B operand (MN-major)
-        sV = make_smem_layout(dt, tn, Dv, Dv)
+        # V's swizzle atom must tile each warpgroup's dV columns (the epilogue stores dV through
+        # sV with the dV GEMM's layout): as wide as V's row when Dv / kn is a multiple of the
+        # 64-column atom, else Dv / kn wide (192: 96-column slices of 32-column atoms)
+        sV = make_smem_layout(dt, tn, Dv, Dv if (Dv // kn) % 64 == 0 else Dv // kn)
         # P / dS: written along tile_n by the S/dP warpgroups, read transposed (M = tile_n slices)
         # by the dK/dV GEMMs and K-major by the dQ GEMM
         if self.swap:

@@ -57,6 +57,11 @@ from jax_fa4.kernels.spec import (FLOAT_DTYPES, NUM_PARAMS, SMEM_BUDGET_BYTES,
                                   KernelConfig, KernelSignature, TensorArg,
                                   attention_backward_signature, check_dtype_and_mask)
 
+#: The head dims the kernel's code serves: the tuning table's (the only ones ``make`` and so the
+#: API pick), and 192/192, which compiles without spills but has no table row until it has run
+#: on a GPU (``jax_fa4.tools.variants.sm90_bwd_d192_candidates``: the GPU test's configs).
+KERNEL_HEAD_DIMS = frozenset(TUNING_TABLE) | {(192, 192)}
+
 
 #: Columns of a varlen backward work row (varlen_attention_backward_signature).
 WORK_COLUMNS = 8
@@ -201,7 +206,10 @@ class BwdConfig(KernelConfig):
     def validate(self) -> None:
         """Raise ValueError naming the first unsupported feature."""
         check_dtype_and_mask("sm90 backward", self.dtype, self.mask)
-        tuning_for(self.head_dim, self.head_dim_v, self.mask)
+        if (self.head_dim, self.head_dim_v) not in KERNEL_HEAD_DIMS:
+            supported = ", ".join(f"{d}/{dv}" for d, dv in sorted(KERNEL_HEAD_DIMS))
+            raise ValueError(f"sm90 backward: head_dim/head_dim_v {self.head_dim}/"
+                             f"{self.head_dim_v} not supported (supported: {supported})")
         if self.tile_m not in (64, 128) or self.tile_n not in (64, 128):
             raise ValueError(f"sm90 backward: tile {self.tile_m}x{self.tile_n} not supported "
                              "(tile_m, tile_n in {64, 128})")
