@@ -9,7 +9,7 @@ GQA configs, dK / dV per *query* head in float32. With them the sm100 route's JA
 reference's numbers. Shared by tests/test_sm100_bwd_wiring.py and tests/multidevice_checks.py.
 
 Varlen backward configs (``varlen``; the varlen forward's stand-in is tests/test_varlen.py's
-``_emulated_varlen_kernel``) follow sm90.bwd_config.varlen_attention_backward_signature with the
+``_emulated_varlen_kernel``) follow varlen_bwd_config.varlen_attention_backward_signature with the
 sm100 dq_accum rows (sequence b's query row i at row ``first_tile(b)·128 + i`` of (R, D) per
 head, unscaled, the rows of its tiles past its end NaN) and zero dK / dV outside every sequence.
 Like the kernel, they multiply by zero the rows past each sequence that its last tiles load (q,

@@ -47,7 +47,7 @@ dV_j. TMEM: allocated by the MMA warp, permit relinquished right after, freed by
 TMEM user passed the dealloc barrier (each after its last tcgen05.wait::ld).
 
 Varlen (``cfg.varlen``, the 1-CTA kernel; called by jax_fa4/backends/sm100.py with the Hopper
-varlen backward's contract, sm90.bwd_config.varlen_attention_backward_signature): q, k, v, dout,
+varlen backward's contract, varlen_bwd_config.varlen_attention_backward_signature): q, k, v, dout,
 dk, dv are sequences packed as one batch entry; CTA (x, head) takes key block ``work[x, 1]`` of
 sequence ``work[x, 0]``, whose offsets, lengths and first dq_accum tile are in the same work row.
 Its loads are TMA views offset to the sequence's first row (the tile rows past the sequence are
@@ -90,7 +90,7 @@ from jax_fa4.kernels.spec import PARAM_SCALE
 
 _FLT_MIN_NORMAL = 1.1754943508222875e-38  # 2**-126
 #: The varlen work list's sequence value of the item that zeroes dK / dV outside every sequence
-#: (sm90.bwd_config.varlen_attention_backward_signature).
+#: (varlen_bwd_config.varlen_attention_backward_signature).
 ZERO_PADDING = -2
 
 REDUCE_WARPS = (0, 1, 2, 3)

@@ -37,7 +37,7 @@ kernel (``two_cta``) orders each 64-row half of a query block on its own slot, d
 2·ceil(Sq/128)) slot 2m + r, by the rank of the key *pair* among the pairs that visit m.
 
 Varlen configs (``varlen=True``, :func:`varlen_config`; the 1-CTA kernel) take the Hopper varlen
-backward's call contract (``sm90.bwd_config.varlen_attention_backward_signature``: packed
+backward's call contract (``varlen_bwd_config.varlen_attention_backward_signature``: packed
 sequences, cu_seqlens, the caller's work list, one CTA per (work item, query head)) with this
 kernel's dq_accum rows: sequence b's query block m adds into the row-major (128, D) tile
 ``work[x, 6] + m`` of (R, D) per head, so the caller's postprocess is a row gather and a scale.
@@ -50,10 +50,10 @@ from typing import ClassVar
 
 # the table chooses configs (whose fields are the key): not part of any kernel's key
 from jax_fa4.kernels.sm100.bwd_tuning import TUNING_TABLE, VARLEN_TUNING, tuning_for
-# the varlen backward's call contract is the Hopper kernels' (one work list for both families)
-from jax_fa4.kernels.sm90.bwd_config import varlen_attention_backward_signature
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, SMEM_BUDGET_BYTES, KernelConfig, KernelSignature,
                                   attention_backward_signature, check_dtype_and_mask)
+# the varlen backward's call contract, shared with the Hopper kernels (one work list for both)
+from jax_fa4.kernels.varlen_bwd_config import varlen_attention_backward_signature
 
 
 #: Tensor memory columns per SM (128 lanes × 512 columns × 32 bit).

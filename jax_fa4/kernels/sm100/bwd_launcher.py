@@ -21,7 +21,7 @@ def make_launcher(cfg: Sm100BwdConfig):
     kernel = (FlashAttentionBackwardSm100TwoCta if cfg.two_cta
               else FlashAttentionBackwardSm100)(cfg)
 
-    if cfg.varlen:  # sm90.bwd_config.varlen_attention_backward_signature
+    if cfg.varlen:  # varlen_bwd_config.varlen_attention_backward_signature
         @cute.jit
         def sm100_bwd_varlen(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
                              v: cute.Tensor, dout: cute.Tensor, lse_log2: cute.Tensor,
