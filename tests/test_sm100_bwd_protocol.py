@@ -793,6 +793,14 @@ def simulate(cfg: Sm100BwdConfig, seqlen_q: int, seqlen_k: int, heads: int, slot
             sim.visitors[0, h, m] = [n for n in range(n_blocks) if ranges[n][0] <= m < ranges[n][1]]
     what = (f"{cfg.describe()} seqlen_q={seqlen_q} seqlen_k={seqlen_k} window=({wl}, {wr}) "
             f"heads={heads} slots={slots} seed={seed}")
+    run_checked(sim, cfg, ctas, what)
+    return sim
+
+
+def run_checked(sim: BwdSim, cfg: Sm100BwdConfig, ctas: list, what: str, more=None) -> None:
+    """Run the launch and check its end: every CTA (BwdCta.check_end), every dq_accum tile's adds
+    (in rank order and the semaphores' end values when deterministic), then ``more()``;
+    a ProtocolError names the launch (``what``)."""
     try:
         sim.run()
         for cta in ctas:
@@ -805,9 +813,10 @@ def simulate(cfg: Sm100BwdConfig, seqlen_q: int, seqlen_k: int, heads: int, slot
                              f"expected {ns}")
             if cfg.deterministic and sim.sems[b, h, m] != len(ns):
                 sim.fail(f"dq_semaphore[{b}, {h}, {m}] ends at {sim.sems[b, h, m]}")
+        if more is not None:
+            more()
     except ProtocolError as e:
         raise ProtocolError(f"{what}: {e}") from None
-    return sim
 
 
 def simulate_varlen(cfg: Sm100BwdConfig, lens: list[tuple[int, int]], heads: int, slots: int,
@@ -857,22 +866,14 @@ def simulate_varlen(cfg: Sm100BwdConfig, lens: list[tuple[int, int]], heads: int
                 sim.visitors[key] = [(b, n) for n, (lo, hi) in ranges.items() if lo <= m < hi]
     what = (f"{cfg.describe()} lens={lens} window=({wl}, {wr}) order={order} heads={heads} "
             f"slots={slots} seed={seed}")
-    try:
-        sim.run()
-        for cta in ctas:
-            cta.check_end()
-        for (b, h, tile), ns in sim.visitors.items():
-            for c in range(cfg.head_dim // cfg.dq_cols):
-                got = sorted(sim.dq_accum.get((b, h, tile, c), []))
-                if got != ns:
-                    sim.fail(f"dq_accum[{b}, {h}, tile {tile}, chunk {c}] got adds from {got}, "
-                             f"expected {ns}")
+
+    def padding_zeroed_once():
         for h in range(heads):
             zeroed = sim.padding_zeroed[h]
             if len(zeroed) != 8 or len({cta for cta, _, _ in zeroed}) != 1:
                 sim.fail(f"head {h}: padding rows zeroed by {zeroed}")
-    except ProtocolError as e:
-        raise ProtocolError(f"{what}: {e}") from None
+
+    run_checked(sim, cfg, ctas, what, padding_zeroed_once)
     sim.idle_ctas = sum(1 for c in ctas if c.count == 0 and c.blocks.seqlen_k > 0)
     return sim
 
