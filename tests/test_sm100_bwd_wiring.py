@@ -2,8 +2,8 @@
 with the kernels emulated by tests/sm100_emulation.py; no Blackwell GPU has run it).
 
 ``implementation="sm100"`` (forced, or enabled by ``JAX_FA4_ENABLE_SM100``) runs the sm100
-backward kernel for the calls its config accepts, and the reference backward with a one-time
-warning for the others; the sm90 route is unchanged.
+backward kernel for the calls its config accepts (varlen calls: the 1-CTA kernel's varlen mode),
+and the reference backward with a one-time warning for the others; the sm90 route is unchanged.
 """
 
 from __future__ import annotations
