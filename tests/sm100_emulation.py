@@ -7,6 +7,13 @@ forward and the preprocess are the reference; the sm100 backward
 GQA configs, dK / dV per *query* head in float32. With them the sm100 route's JAX side
 (jax_fa4.backends.sm100 and kernel, autodiff, sharding) runs on the CPU and must give the
 reference's numbers. Shared by tests/test_sm100_bwd_wiring.py and tests/multidevice_checks.py.
+
+Varlen backward configs (``varlen``; the varlen forward's stand-in is tests/test_varlen.py's
+``_emulated_varlen_kernel``) follow varlen_bwd_config.varlen_attention_backward_signature with the
+sm100 dq_accum rows (sequence b's query row i at row ``first_tile(b)·128 + i`` of (R, D) per
+head, unscaled, the rows of its tiles past its end NaN) and zero dK / dV outside every sequence.
+Like the kernel, they multiply by zero the rows past each sequence that its last tiles load (q,
+dout, k, v), so a NaN or an Inf the caller leaves there reaches that sequence's gradients.
 """
 
 from __future__ import annotations
@@ -29,6 +36,63 @@ def _check_signature(config, inputs, out_shapes) -> None:
         assert inputs[i].shape == tuple(out_shapes[o].shape), (i, o)
 
 
+def _tail_poison(x, cu, tile: int):
+    """(batch,) float32: 0 · the sum of the rows of packed x (total, ...) past each sequence
+    that its last tile loads (NaN iff one of them holds a NaN or an Inf), as the kernel's
+    products with the masked P / dS = 0 would make of them."""
+    t = jnp.arange(x.shape[0], dtype=jnp.int32)
+    lens = cu[1:] - cu[:-1]
+    tile_end = cu[:-1] + -(-lens // tile) * tile
+    rows = jnp.sum(x.astype(jnp.float32).reshape(x.shape[0], -1), axis=1)
+    loaded = (t[None] >= cu[1:, None]) & (t[None] < tile_end[:, None])
+    return 0.0 * jnp.sum(jnp.where(loaded, rows[None], 0.0), axis=1)
+
+
+def _varlen_backward(config, inputs, out_shapes, ref_options, scale):
+    from jax_fa4.backends import sm90
+
+    q, k, v, dout, lse_log2, delta, _, dq_accum, cu_q, cu_k, work = inputs
+    assert work.shape == (sm90.work_items(k.shape[1], cu_q.shape[0] - 1, config.tile_n), 8)
+    _, total_q, h, d = q.shape
+    tm = config.tile_m
+    seg = base.varlen_segments(cu_q, cu_k, total_q, k.shape[1])
+    if config.gqa:  # per query head: k and v repeated over each group
+        g = h // k.shape[2]
+        k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    lse = jnp.where(jnp.isinf(lse_log2), -jnp.inf, lse_log2 / math.log2(math.e))
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
+    # the kernel's rows past seqlen: P = dS = 0 (lse -inf, delta 0 there), times their values
+    q_in = seg.q_segment_ids[..., None, None] >= 0
+    k_in = seg.kv_segment_ids[..., None, None] >= 0
+    f32 = [jnp.where(m, x, 0.0) for m, x in zip((q_in, k_in, k_in, q_in), f32)]
+    dq, dk, dv = reference.attention_backward(
+        f32[0], f32[1], f32[2], jnp.zeros(dout.shape, jnp.float32), lse, f32[3],
+        delta=jnp.where(seg.q_segment_ids[:, None] >= 0, delta, 0.0), **ref_options,
+        **seg._asdict())
+    poison = (_tail_poison(q[0], cu_q, tm) + _tail_poison(dout[0], cu_q, tm)
+              + _tail_poison(inputs[1][0], cu_k, config.tile_n)
+              + _tail_poison(inputs[2][0], cu_k, config.tile_n))
+    # (a sequence without query rows or without keys loads no tile)
+    poison = jnp.where((cu_q[1:] > cu_q[:-1]) & (cu_k[1:] > cu_k[:-1]), poison, 0.0)
+    t, sq, valid, start, _ = base.token_layout(cu_q, total_q)
+    tk, sk, valid_k, _, _ = base.token_layout(cu_k, k.shape[1])
+    dq = dq[0] + jnp.where(valid, poison[sq], 0.0)[:, None, None]
+    dk, dv = (x[0] + jnp.where(valid_k, poison[sk], 0.0)[:, None, None] for x in (dk, dv))
+    # dq_accum rows (H, R, D): sequence b's row i at first_tile(b)·tm + i; its tiles' rows past
+    # its end NaN
+    rows = dq_accum.shape[2] // d
+    first = sm90.first_tiles(cu_q, tm)
+    r = jnp.arange(rows, dtype=jnp.int32)
+    owner = sm90.tile_owners(cu_q, rows // tm, tm)[r // tm]
+    lens = cu_q[1:] - cu_q[:-1]
+    past = (owner >= 0) & (r - first[jnp.maximum(owner, 0)] * tm >= lens[jnp.maximum(owner, 0)])
+    acc = jnp.where(past[None, :, None], jnp.nan, 0.0) * jnp.ones((h, rows, d), jnp.float32)
+    acc = acc.at[:, jnp.where(valid, first[sq] * tm + t - start, rows)].set(
+        (dq / scale).transpose(1, 0, 2), mode="drop")
+    return (dq_accum + acc.reshape(dq_accum.shape), dk[None].astype(out_shapes[1].dtype),
+            dv[None].astype(out_shapes[2].dtype))
+
+
 def emulated_call_kernel(options: dict, calls: list):
     """A call_kernel for the sm100 forward, the preprocess and the sm100 backward. ``options``:
     the reference's ``softmax_scale`` (a float), ``softcap`` and ``window`` (used by configs of
@@ -44,6 +108,10 @@ def emulated_call_kernel(options: dict, calls: list):
         _check_signature(config, inputs, out_shapes)
         calls.append((config, arch, tuple(tuple(x.shape) for x in inputs)))
         name = config.kernel_name
+        if name == "sm100_bwd" and config.varlen:
+            assert arch == "sm_100a" and not config.two_cta, (arch, config)
+            return _varlen_backward(config, inputs, out_shapes, reference_options(config),
+                                    scale)
         if name == "sm100_fwd":
             q, k, v, _ = inputs
             out, lse = reference.attention(q, k, v, **reference_options(config))

@@ -40,6 +40,7 @@ CONFIGS = {
 _K = "jax_fa4/kernels/"
 _SPEC = {_K + "spec.py", *TOOLCHAIN_FILES}
 _SEG = {_K + "segments_config.py"}
+_VARLEN_BWD = {_K + "varlen_bwd_config.py"}  # the varlen backward's shared call contract
 _COMMON_FWD = {_K + f"common/{m}.py" for m in ("convert", "exp2", "layout", "views")}
 #: The files each kernel kind's key hashes (its launcher's import closure and the toolchain).
 EXPECTED_FILES = {
@@ -47,11 +48,11 @@ EXPECTED_FILES = {
     "sm90_fwd": _SPEC | _SEG | _COMMON_FWD | {_K + f"common/{m}.py" for m in (
         "geometry", "mask", "rows", "scores", "softmax", "tile_scheduler")} | {
         _K + "sm90/flash_fwd.py", _K + "sm90/common.py", _K + "sm90/fwd_config.py"},
-    "sm90_bwd": _SPEC | _SEG | {_K + f"common/{m}.py" for m in (
+    "sm90_bwd": _SPEC | _SEG | _VARLEN_BWD | {_K + f"common/{m}.py" for m in (
         "geometry", "convert", "layout", "rows", "scores", "views")} | {
         _K + "sm90/bwd.py", _K + "sm90/bwd_common.py", _K + "sm90/common.py",
         _K + "sm90/bwd_config.py"},
-    "sm90_bwd_postprocess": _SPEC | _SEG | {_K + f"common/{m}.py" for m in (
+    "sm90_bwd_postprocess": _SPEC | _SEG | _VARLEN_BWD | {_K + f"common/{m}.py" for m in (
         "convert", "geometry", "layout", "rows", "views")} | {
         _K + "sm90/bwd_postprocess.py", _K + "sm90/bwd_common.py", _K + "sm90/common.py",
         _K + "sm90/bwd_config.py"},
@@ -59,9 +60,9 @@ EXPECTED_FILES = {
         _K + "common/geometry.py", _K + "common/scores.py", _K + "common/softmax.py",
         _K + "sm100/flash_fwd.py",
         _K + "sm100/fwd_config.py", _K + "sm100/tile_order.py"},
-    "sm100_bwd": _SPEC | {_K + f"common/{m}.py" for m in (
-        "geometry", "convert", "layout", "scores", "views")} | {_K + f"sm100/{m}.py" for m in (
-        "bwd", "bwd_2cta", "bwd_config", "bwd_launcher")},
+    "sm100_bwd": _SPEC | _VARLEN_BWD | {_K + f"common/{m}.py" for m in (
+        "geometry", "convert", "layout", "rows", "scores", "views")} | {
+        _K + f"sm100/{m}.py" for m in ("bwd", "bwd_2cta", "bwd_config", "bwd_launcher")},
     "exp2_probe": _SPEC | {_K + "common/exp2.py", _K + "exp2_probe.py",
                            _K + "exp2_probe_config.py"},
 }

@@ -33,8 +33,8 @@ import pytest
 
 from jax_fa4.kernels.common.geometry import BwdBlocks
 from jax_fa4.kernels.sm100.bwd_config import (TMEM_COLUMNS, Sm100BwdConfig, shipped_configs,
-                                              test_configs)
-from jax_fa4.kernels.sm100.bwd_tuning import TUNING_TABLE
+                                              test_configs, varlen_config)
+from jax_fa4.kernels.sm100.bwd_tuning import TUNING_TABLE, VARLEN_TUNING
 from jax_fa4.kernels.spec import MASK_KINDS, SMEM_BUDGET_BYTES
 
 from compiled import compiled_report, needs_disassembler, per_class, tiered
@@ -61,7 +61,8 @@ def _compile_and_report(cfg, cache):
 
 def _id(c: Sm100BwdConfig) -> str:
     return (f"{c.dtype[:4]}-d{c.head_dim}-{c.mask}{'-cap' if c.has_softcap else ''}"
-            f"{'-gqa' if c.gqa else ''}{'-det' if c.deterministic else ''}")
+            f"{'-gqa' if c.gqa else ''}{'-det' if c.deterministic else ''}"
+            f"{'-varlen' if c.varlen else ''}")
 
 
 @needs_compiler
@@ -129,6 +130,8 @@ def test_config_modules_do_not_import_the_compiler():
     (dict(dtype="bfloat16", head_dim=256), "2-CTA"),
     (dict(dtype="bfloat16", head_dim=192, head_dim_v=128, two_cta=False), "1-CTA"),
     (dict(dtype="bfloat16", head_dim=128, mask="alibi"), "mask"),
+    (dict(dtype="bfloat16", head_dim=128, varlen=True), "varlen"),  # (the 2-CTA row)
+    (dict(dtype="bfloat16", head_dim=64, varlen=True, deterministic=True), "varlen"),
 ])
 def test_validator_names_the_unsupported_feature(kwargs, word):
     with pytest.raises(ValueError, match=word):
@@ -149,11 +152,33 @@ def test_signature_aliases_and_shapes():
     assert det.aliases == ((7, 0), (8, 3)) and det.inputs[8] == det.outputs[3]
     gqa = Sm100BwdConfig.make("bfloat16", 128, gqa=True).signature()
     assert gqa.outputs[1].dtype == gqa.outputs[2].dtype == "float32"
+    # varlen: the Hopper varlen backward's call (packed, cu_seqlens, the work list)
+    var = varlen_config("bfloat16", 64, gqa=True).signature()
+    assert [a.name for a in var.inputs] == ["q", "k", "v", "dout", "lse_log2", "delta", "params",
+                                            "dq_accum", "cu_seqlens_q", "cu_seqlens_k", "work"]
+    assert var.aliases == ((7, 0),) and not any(a.batched for a in var.inputs)
+    assert var.outputs[1].dtype == "float32"
+
+
+def test_varlen_configs():
+    """The 1-CTA kernel at every head dim it fits (128 too: the dense row is 2-CTA), never
+    deterministic; 192/128 (only the 2-CTA kernel fits its TMEM) names why it has none."""
+    assert set(VARLEN_TUNING) == {(64, 64), (96, 96), (128, 128)}
+    for (d, dv) in VARLEN_TUNING:
+        cfg = varlen_config("float16", d, dv, "local", True, True)
+        assert cfg.varlen and not cfg.two_cta and not cfg.deterministic
+        assert (cfg.mask, cfg.has_softcap, cfg.gqa, cfg.dtype) == ("local", True, True,
+                                                                   "float16")
+    with pytest.raises(ValueError, match="192/128.*2-CTA"):
+        varlen_config("bfloat16", 192, 128)
 
 
 def test_every_shipped_variant_fits():
     shipped = shipped_configs()
-    assert len(shipped) == 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 2 * 2 * 2
+    dense = 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 2 * 2 * 2  # × softcap, gqa, det
+    varlen = 2 * len(VARLEN_TUNING) * len(MASK_KINDS) * 2 * 2  # × softcap, gqa
+    assert len(shipped) == dense + varlen
+    assert sum(c.varlen for c in shipped) == varlen
     assert len(set(shipped)) == len(shipped)
     for c in shipped:
         assert c.smem_bytes() <= SMEM_BUDGET_BYTES, c.describe()
@@ -271,7 +296,7 @@ def test_block_arithmetic_matches_brute_force(kind, tn):
 # ------------------------------------------------------------------------------------------------
 @needs_compiler
 @pytest.mark.parametrize("d", sorted({d for (d, dv), row in TUNING_TABLE.items()
-                                      if not row["none"].two_cta}))
+                                      if not row["none"].two_cta} | {d for d, _ in VARLEN_TUNING}))
 def test_transposed_smem_views_alias_exactly(d):
     """Q / dO (B operand of Sᵀ / dPᵀ, K-major) vs their MN-major views in dK / dV; K (A of Sᵀ) vs
     its MN-major view in dQ; dS (m-major A of dQ) vs dSᵀ (K-major A of dK): the swizzled offset

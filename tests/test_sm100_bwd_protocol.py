@@ -62,6 +62,14 @@ placement is modelled as 8 columns per 16-element k-block), the MMAs' internal k
 arithmetic. The tensor pipe is assumed to execute a CTA's MMAs in issue order, so a later MMA
 may overwrite what an earlier one reads (the forward model's assumption; FA4 relies on it too).
 
+Varlen (``simulate_varlen``): the grid is the backend's work list (jax_fa4.backends.sm90.
+work_table, both launch orders) × heads over random packed batches; each CTA is the same BwdCta
+with its work row's sequence lengths, key block and first dq_accum tile (the kernel's varlen mode
+changes no barrier, role or phase: spare rows, sequences without queries and key blocks no query
+block sees run count = 0), its dQ adds checked against its own sequence's tiles (tiles of two
+sequences never coincide), and the ZERO_PADDING item's compute warps zeroing the padding rows
+after the TMEM dealloc barrier, once per head.
+
 Checked under random schedules (random per-unit speeds, re-drawn now and then) over random grids:
 masks none / causal / local (random windows, -1 = unbounded), odd lengths up to 3 query × 4 key
 blocks, 1-2 heads, 1 SM slot up to the whole grid resident, softcap on / off, deterministic on /
@@ -173,6 +181,7 @@ class BwdSim(Sim):
         self.sems: dict = defaultdict(int)  # dq_semaphore[b, h, m]
         self.dq_accum: dict = defaultdict(list)  # (b, h, m, chunk) -> key blocks, in add order
         self.visitors: dict = {}  # (b, h, m) -> key blocks visiting m, in rank order
+        self.padding_zeroed: dict = defaultdict(list)  # varlen: head -> (cta, wg, quarter)
         self.units = ["commit", "tma", "reduce_read", "reduce_write", "launch"]
 
     # --- actors -------------------------------------------------------------------------------
@@ -318,7 +327,7 @@ class BwdSim(Sim):
         self.log.append(f"tma: reduce-add of key block {r.contrib} into dq_accum{r.key} done")
         self.reduces.remove(r)
         done = self.dq_accum[r.key]
-        want = self.visitors[r.key[:3]]
+        want = self.visitors.get(r.key[:3], [])
         if r.contrib not in want or r.contrib in done:
             self.fail(f"key block {r.contrib} adds into dq_accum{r.key} again or unexpectedly "
                       f"(visitors {want}, added {done})")
@@ -405,9 +414,16 @@ class BwdSim(Sim):
 # ---------------------------------------------------------------------------------------------
 class BwdCta:
     def __init__(self, sim: BwdSim, cfg: Sm100BwdConfig, blocks: BwdBlocks, cta_id: int,
-                 n_block: int, head: int, batch: int = 0):
+                 n_block: int, head: int, batch: int = 0, dq_tile0: int = 0, contrib=None,
+                 zero_padding: bool = False):
+        """``dq_tile0``, ``contrib``, ``zero_padding``: varlen (one work row): the sequence's
+        first dq_accum tile, the (sequence, key block) its adds are recorded as, and whether it
+        is the ZERO_PADDING item (its compute warps zero the dK / dV rows outside every
+        sequence after the TMEM dealloc barrier)."""
         self.sim, self.cfg, self.blocks, self.id = sim, cfg, blocks, cta_id
         self.n_block, self.head, self.batch = n_block, head, batch
+        self.dq_tile0, self.zero_padding = dq_tile0, zero_padding
+        self.contrib = n_block if contrib is None else contrib
         self.D = cfg.head_dim
         self.off = cfg.tmem_offsets()
         self.m_min, m_max = blocks.m_block_range(n_block)
@@ -619,6 +635,11 @@ class BwdCta:
                        f"ld {which}")
         yield ("record", "dK / dV stored", self._record_store(wg, quarter))
 
+    def _record_padding(self, wg, quarter):
+        def record():
+            self.sim.padding_zeroed[self.head].append((self.id, wg, quarter))
+        return record
+
     def _record_store(self, wg, quarter):
         def record():
             self.stored[wg, quarter] += 1
@@ -639,6 +660,7 @@ class BwdCta:
         stage = 0
         for j in range(self.count):
             m_block = self.m_min + j
+            dq_tile = self.dq_tile0 + m_block  # varlen: the sequence's tiles
             yield ("wait", self.dq_full, j % 2, j)
             for c in range(num_chunks):
                 yield ("access", [(r, ("dQ", j), False) for r in
@@ -656,8 +678,8 @@ class BwdCta:
                     if cfg.deterministic and c == 0:
                         turn = self.blocks.dq_rank(m_block, self.n_block)
                         yield ("sem_wait", key0 + (m_block,), turn)
-                    yield ("tma_reduce", self.sdQ[stage], ("dQ", j, c), key0 + (m_block, c),
-                           self.n_block)
+                    yield ("tma_reduce", self.sdQ[stage], ("dQ", j, c), key0 + (dq_tile, c),
+                           self.contrib)
                     if cfg.deterministic and c == num_chunks - 1:
                         yield ("bulk_wait", 0, False)
                         yield ("sem_add", key0 + (m_block,))
@@ -684,9 +706,14 @@ class BwdCta:
 
         for w in range(4):
             sim.spawn(f"{p}.reduce{w}", tmem_user(self.reduce_warps(w)), self)
+        def compute_role(wg, q):
+            yield from tmem_user(self.compute_warps(wg, q))
+            if self.zero_padding:  # zero_padding_dkv: plain global stores, no barrier
+                yield ("record", "padding dK / dV zeroed", self._record_padding(wg, q))
+
         for wg in range(2):
             for q in range(4):
-                sim.spawn(f"{p}.compute{wg}.{q}", tmem_user(self.compute_warps(wg, q)), self)
+                sim.spawn(f"{p}.compute{wg}.{q}", compute_role(wg, q), self)
         sim.spawn(f"{p}.mma", mma_role(), self)
         sim.spawn(f"{p}.load", self.load_warp(), self)
 
@@ -766,6 +793,14 @@ def simulate(cfg: Sm100BwdConfig, seqlen_q: int, seqlen_k: int, heads: int, slot
             sim.visitors[0, h, m] = [n for n in range(n_blocks) if ranges[n][0] <= m < ranges[n][1]]
     what = (f"{cfg.describe()} seqlen_q={seqlen_q} seqlen_k={seqlen_k} window=({wl}, {wr}) "
             f"heads={heads} slots={slots} seed={seed}")
+    run_checked(sim, cfg, ctas, what)
+    return sim
+
+
+def run_checked(sim: BwdSim, cfg: Sm100BwdConfig, ctas: list, what: str, more=None) -> None:
+    """Run the launch and check its end: every CTA (BwdCta.check_end), every dq_accum tile's adds
+    (in rank order and the semaphores' end values when deterministic), then ``more()``;
+    a ProtocolError names the launch (``what``)."""
     try:
         sim.run()
         for cta in ctas:
@@ -778,8 +813,68 @@ def simulate(cfg: Sm100BwdConfig, seqlen_q: int, seqlen_k: int, heads: int, slot
                              f"expected {ns}")
             if cfg.deterministic and sim.sems[b, h, m] != len(ns):
                 sim.fail(f"dq_semaphore[{b}, {h}, {m}] ends at {sim.sems[b, h, m]}")
+        if more is not None:
+            more()
     except ProtocolError as e:
         raise ProtocolError(f"{what}: {e}") from None
+
+
+def simulate_varlen(cfg: Sm100BwdConfig, lens: list[tuple[int, int]], heads: int, slots: int,
+                    seed: int, wl: int = -1, wr: int = -1, order: str = "sequence") -> BwdSim:
+    """A varlen launch (``cfg.varlen``): the grid (work rows, heads) of the work list the
+    backend builds (jax_fa4.backends.sm90.work_table, launch ``order``) for sequences of
+    (len_q, len_k) ``lens`` packed back to back, then 7 padding tokens; CTA (x, h) is one
+    BwdCta with work row x's sequence lengths (its own BwdBlocks, the kernel's per-sequence
+    windows), key block and first dq_accum tile. Checks beyond :func:`simulate`'s: each
+    dq_accum tile gets the adds of exactly the key blocks of its own sequence that visit it
+    (tiles of two sequences never coincide), and per head exactly the ZERO_PADDING CTA's 8
+    compute warps zero the padding rows; spare rows (lengths 0) and key blocks no query block
+    sees keep every barrier's protocol (count = 0, checked by BwdCta.check_end)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_fa4.backends import sm90
+    from jax_fa4.kernels.sm100.bwd import ZERO_PADDING
+
+    assert cfg.varlen
+    sim = BwdSim(random.Random(seed), slots, False)
+    pad = 7
+    cu_q = np.concatenate([[0], np.cumsum([q for q, _ in lens])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum([k for _, k in lens])]).astype(np.int32)
+    total_k, batch = int(cu_k[-1]) + pad, len(lens)
+    window = {"none": (None, None), "causal": (None, 0)}.get(
+        cfg.mask, (None if wl < 0 else wl, None if wr < 0 else wr))
+    work = np.asarray(sm90.work_table(jnp.asarray(cu_q), jnp.asarray(cu_k),
+                                      sm90.work_items(total_k, batch, TILE), TILE, TILE,
+                                      window, order))
+    grid = [(x, h) for h in range(heads) for x in range(work.shape[0])]  # linear CTA id order
+    ctas = []
+    for i, (x, h) in enumerate(grid):
+        seq, n, _, _, len_q, len_k, tile0, _ = (int(c) for c in work[x])
+        blocks = make_blocks(cfg, len_q, len_k, wl, wr)
+        ctas.append(BwdCta(sim, cfg, blocks, i, n, h, dq_tile0=tile0, contrib=(seq, n),
+                           zero_padding=seq == ZERO_PADDING))
+    sim.pending.extend(ctas)
+    first = np.asarray(sm90.first_tiles(jnp.asarray(cu_q), TILE))
+    for b, (len_q, len_k) in enumerate(lens):
+        blocks = make_blocks(cfg, len_q, len_k, wl, wr)
+        ranges = {n: blocks.m_block_range(n) for n in range(-(-len_k // TILE))}
+        for h in range(heads):
+            for m in range(blocks.num_m_blocks()):
+                key = (0, h, int(first[b]) + m)
+                assert key not in sim.visitors, f"dq_accum tile {key} of two sequences"
+                sim.visitors[key] = [(b, n) for n, (lo, hi) in ranges.items() if lo <= m < hi]
+    what = (f"{cfg.describe()} lens={lens} window=({wl}, {wr}) order={order} heads={heads} "
+            f"slots={slots} seed={seed}")
+
+    def padding_zeroed_once():
+        for h in range(heads):
+            zeroed = sim.padding_zeroed[h]
+            if len(zeroed) != 8 or len({cta for cta, _, _ in zeroed}) != 1:
+                sim.fail(f"head {h}: padding rows zeroed by {zeroed}")
+
+    run_checked(sim, cfg, ctas, what, padding_zeroed_once)
+    sim.idle_ctas = sum(1 for c in ctas if c.count == 0 and c.blocks.seqlen_k > 0)
     return sim
 
 
@@ -912,3 +1007,52 @@ def test_one_q_stage_deadlocks_and_is_refused():
         cfg.validate()
     with pytest.raises(ProtocolError, match="deadlock"):
         simulate(cfg, 2 * TILE, TILE, 1, 1, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Varlen (the 1-CTA kernel's varlen mode: bwd_config.varlen_config)
+# ---------------------------------------------------------------------------------------------
+def random_lens(rng: random.Random) -> list[tuple[int, int]]:
+    """1-4 sequences of 0 to 3 query / key blocks' lengths (empty ones included)."""
+    def length():
+        return rng.choice((0, 1, rng.randint(1, 3 * TILE), rng.choice((TILE, 2 * TILE))))
+    return [(length(), length()) for _ in range(rng.randint(1, 4))]
+
+
+@pytest.mark.parametrize("mask", per_class(["local", "causal", "none"], key=lambda m: 0))
+def test_protocol_varlen_random_schedules(mask):
+    """Random packed batches (empty sequences, sequences without keys or without queries,
+    random windows) under random schedules, both launch orders: no deadlock, parity alias,
+    arrival overrun or hazard; every dQ contribution added once into its own sequence's tile;
+    the padding rows zeroed once per head; and CTAs whose key block no query block sees (count
+    = 0 with keys: a local window, or a sequence without queries) were among them."""
+    from jax_fa4.kernels.sm100.bwd_config import varlen_config
+
+    rng = random.Random(f"varlen-{mask}")
+    idle = 0
+    for _ in range(RUNS // 2):
+        d = rng.choice((64, 96, 128))
+        cfg = varlen_config("bfloat16", d, d, mask, has_softcap=rng.random() < 0.3,
+                            gqa=rng.random() < 0.3)
+        lens = random_lens(rng)
+        heads = rng.choice((1, 1, 2))
+        slots = rng.choice((1, 2, 3, 64))
+        wl = rng.choice((-1, 0, rng.randint(0, 300)))
+        wr = rng.choice((-1, 0, rng.randint(0, 300)))
+        sim = simulate_varlen(cfg, lens, heads, slots, rng.getrandbits(32), wl, wr,
+                              rng.choice(("sequence", "heavy_first")))
+        idle += sim.idle_ctas
+    assert idle > 0
+
+
+def test_protocol_varlen_key_blocks_no_query_sees():
+    """A local window that leaves key blocks without a visiting query block, a sequence without
+    queries, an empty sequence and one without keys, all CTAs resident: the idle CTAs keep the
+    protocol next to busy ones (count = 0 in every role, zero dK / dV rows)."""
+    from jax_fa4.kernels.sm100.bwd_config import varlen_config
+
+    cfg = varlen_config("bfloat16", 64, 64, "local")
+    for seed in range(3):
+        sim = simulate_varlen(cfg, [(TILE, 4 * TILE), (0, 2 * TILE), (0, 0), (5, 0),
+                                    (3 * TILE - 1, 3 * TILE)], 2, 64, seed, wl=10, wr=0)
+        assert sim.idle_ctas >= 2 * (2 + 2)  # per head: 2 unseen key blocks, 2 without queries

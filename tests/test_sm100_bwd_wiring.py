@@ -2,8 +2,8 @@
 with the kernels emulated by tests/sm100_emulation.py; no Blackwell GPU has run it).
 
 ``implementation="sm100"`` (forced, or enabled by ``JAX_FA4_ENABLE_SM100``) runs the sm100
-backward kernel for the calls its config accepts, and the reference backward with a one-time
-warning for the others; the sm90 route is unchanged.
+backward kernel for the calls its config accepts (varlen calls: the 1-CTA kernel's varlen mode),
+and the reference backward with a one-time warning for the others; the sm90 route is unchanged.
 """
 
 from __future__ import annotations
@@ -269,3 +269,148 @@ def test_ring_gradient_runs_the_sm100_backward_on_every_hop(multidevice):
     assert "error" not in r, r.get("traceback")
     assert r["bwd_masks"] == ["causal", "none"] and r["bwd_calls"] == 1 + 2 * 3, r
     assert r["grad_err"] <= 3e-2 * max(1.0, r["grad_scale"]), r
+
+
+# -- varlen: the 1-CTA kernel's varlen mode ---------------------------------------------------
+VARLEN_LENS_Q, VARLEN_LENS_K = (130, 0, 1, 77, 5), (60, 9, 1, 140, 33)
+VARLEN_PAD = 11  # padding tokens after the last sequence (a tile of the last one loads them)
+
+
+def _varlen_inputs(h, hkv, d, dv=None, seed=5, pad_value=None):
+    """Packed bf16 q, k, v, the cotangent of out, cu_seqlens and the max lengths; the padding
+    tokens hold ``pad_value`` (e.g. NaN) when given."""
+    dv = d if dv is None else dv
+    tq, tk = sum(VARLEN_LENS_Q) + VARLEN_PAD, sum(VARLEN_LENS_K) + VARLEN_PAD
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q, k, v, ct = (jax.random.normal(key, shape, jnp.float32) for key, shape in zip(
+        keys, ((tq, h, d), (tk, hkv, d), (tk, hkv, dv), (tq, h, dv))))
+    if pad_value is not None:
+        q, ct = (x.at[tq - VARLEN_PAD:].set(pad_value) for x in (q, ct))
+        k, v = (x.at[tk - VARLEN_PAD:].set(pad_value) for x in (k, v))
+    cu_q, cu_k = (jnp.asarray(np.concatenate([[0], np.cumsum(x)]), jnp.int32)
+                  for x in (VARLEN_LENS_Q, VARLEN_LENS_K))
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    return q, k, v, ct, cu_q, cu_k, max(VARLEN_LENS_Q), max(VARLEN_LENS_K)
+
+
+def _varlen_grad_fn(implementation, ct, cu_q, cu_k, max_q, max_k, with_sink=False, **kwargs):
+    def loss(q, k, v, s):
+        out = jax_fa4.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k,
+                                             learnable_sink=s, implementation=implementation,
+                                             **kwargs)
+        return jnp.sum(jnp.where(jnp.isfinite(ct), out.astype(jnp.float32) * ct, 0.0))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3) if with_sink else (0, 1, 2)))
+
+
+@pytest.mark.parametrize("h, hkv, d", [(4, 2, 64), (2, 2, 128)])
+def test_varlen_gradient_lowers_to_the_sm100_varlen_backward(lowered, fresh_warning, h, hkv, d):
+    """jax.grad through flash_attention_varlen(implementation="sm100") exports for CUDA with the
+    sm100 varlen forward, the preprocess and the 1-CTA backward kernel in its varlen mode (head
+    dim 128 too: the dense route's 2-CTA kernel has no varlen mode), with the Hopper varlen
+    contract's operands (dq_accum (1, H, R·D), the work list); no fallback warning."""
+    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(h, hkv, d)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exported = _export_for_cuda(
+            _varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k, causal=True), q, k, v, None)
+    kernels = {c.kernel_name: c for c, _ in lowered}
+    assert set(kernels) == {"sm100_fwd", "bwd_preprocess", "sm100_bwd"}
+    assert {arch for _, arch in lowered} == {"sm_100a"}
+    bwd = kernels["sm100_bwd"]
+    assert (bwd.varlen, bwd.two_cta, bwd.deterministic, bwd.mask, bwd.head_dim, bwd.gqa) == (
+        True, False, False, "causal", d, h != hkv)
+    assert kernels["sm100_fwd"].varlen
+    text = exported.mlir_module()
+    total_q, total_k, batch = q.shape[0], k.shape[0], len(VARLEN_LENS_Q)
+    rows = (total_q // 128 + batch) * 128  # sm90.dq_accum_rows
+    assert f"tensor<1x{h}x{rows * d}xf32>" in text
+    assert f"tensor<{total_k // 128 + batch + 1}x8xi32>" in text  # sm90.work_items
+    assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
+
+
+def test_varlen_gradient_at_head_dim_192_128_falls_back_with_a_warning(lowered, fresh_warning):
+    """192/128: the 1-CTA kernel does not fit it (640 TMEM columns) and the 2-CTA kernel has no
+    varlen mode: the reference's backward, said once, with the config's reason."""
+    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(2, 2, 192, 128)
+    with pytest.warns(RuntimeWarning, match="no varlen kernel at head dims 192/128"):
+        _export_for_cuda(_varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k), q, k, v, None)
+    assert [c.kernel_name for c, _ in lowered] == ["sm100_fwd"]  # (the reference's delta)
+
+
+VARLEN_CASES = [  # (h, hkv, d, flash_attention_varlen kwargs, learnable sink)
+    (4, 2, 64, {"causal": True}, False),
+    (2, 2, 128, {"window_size": (20, 3), "softcap": 2.0, "softmax_scale": 0.3}, False),
+    (2, 1, 96, {}, True),
+]
+
+
+def _varlen_emulated(monkeypatch, kwargs, d):
+    """call_kernel with the varlen forward's stand-in (tests/test_varlen.py) and the sm100
+    backward's (tests/sm100_emulation.py); returns the list of backward calls. (The package's
+    jitted varlen call may hold a trace of the same shapes with the real call_kernel, from the
+    lowering tests: cleared.)"""
+    from test_varlen import _emulated_varlen_kernel, _ref_options
+
+    jax.clear_caches()
+
+    options = dict(_ref_options(kwargs))
+    options["softmax_scale"] = options["softmax_scale"] or 1 / math.sqrt(d)
+    forward = _emulated_varlen_kernel(dict(options), "sm100")
+    calls = []
+    backward = emulated_call_kernel(options, calls)
+    monkeypatch.setattr(call, "call_kernel", lambda config, *a, **kw: (
+        forward if config.kernel_name == "sm100_fwd" else backward)(config, *a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+def test_sm100_varlen_backward_contract_gives_the_reference_gradients(case, monkeypatch,
+                                                                      fresh_warning):
+    """With the kernels replaced by contract-exact stand-ins, jax.grad through
+    flash_attention_varlen(implementation="sm100") (work list, dq rows gathered from their
+    tiles and scaled, GQA groups summed, zero dK / dV outside every sequence, a sink's gradient
+    from delta) gives the reference route's gradients, with NaN in every padding token of q, k,
+    v and the cotangent (the rows after the last sequence that its tiles load are zeroed)."""
+    h, hkv, d, kwargs, with_sink = case
+    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(h, hkv, d, pad_value=jnp.nan)
+    sink = jnp.linspace(-1.0, 1.0, h, dtype=jnp.float32) if with_sink else None
+    calls = _varlen_emulated(monkeypatch, kwargs, d)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernel serves: no fallback warning
+        got = _varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k, with_sink, **kwargs)(
+            q, k, v, sink)
+    (bwd,) = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
+    assert bwd.varlen and bwd.gqa == (h != hkv) and bwd.head_dim == d
+    monkeypatch.undo()
+    want = _varlen_grad_fn("reference", ct, cu_q, cu_k, max_q, max_k, with_sink, **kwargs)(
+        q, k, v, sink)
+    for name, g, w in zip(["q", "k", "v", "sink"], got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.isfinite(g).all(), name
+        np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max(), rtol=0, err_msg=name)
+
+
+def test_sm100_varlen_backward_needs_the_padding_rows_zeroed(monkeypatch, fresh_warning):
+    """The emulated kernel multiplies the rows past a sequence that its tiles load by zero, as
+    the kernel does: without the backend's zeroing of the 128 rows after the last sequence, their
+    NaN reaches the gradients of exactly the sequences (with queries and keys) whose last query
+    or key tile reaches past the last sequence (not only the last one's: the sequences after a
+    long one may be shorter than its last tile's overhang)."""
+    from jax_fa4.backends import sm100
+
+    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(2, 2, 64, pad_value=jnp.nan)
+    _varlen_emulated(monkeypatch, {}, 64)
+    monkeypatch.setattr(sm100, "zero_rows_from", lambda x, start, rows: x)
+    dq, dk, dv = _varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k)(q, k, v, None)
+    cq, ck = np.asarray(cu_q), np.asarray(cu_k)
+    lq, lk = np.diff(cq), np.diff(ck)
+    reaches = ((cq[:-1] + -(-lq // 128) * 128 > cq[-1]) | (ck[:-1] + -(-lk // 128) * 128 > ck[-1]))
+    poisoned = reaches & (lq > 0) & (lk > 0)
+    assert poisoned.any() and not poisoned.all()
+    for g, cu in ((dq, cq), (dk, ck), (dv, ck)):
+        nan_rows = np.isnan(np.asarray(g, np.float32)).any(axis=(1, 2))
+        want = np.zeros_like(nan_rows)
+        for b in np.nonzero(poisoned)[0]:
+            want[cu[b]:cu[b + 1]] = True
+        np.testing.assert_array_equal(nan_rows, want)

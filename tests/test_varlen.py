@@ -470,10 +470,14 @@ KERNEL_CASES = [  # (h, hkv, d, dv, kwargs, with_sink): head dims the kernels sh
     key=lambda case: case[1]), ids=str)
 def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch):
     """implementation="sm90" / "sm100" runs that architecture's varlen kernel route (lse
-    gathered from the padded layout, padding rows zeroed, the sink joined; for sm90 the backward
-    by the varlen backward chain: dq rows gathered from their tiles, GQA groups summed, padding
-    tokens zeroed; for sm100 the reference's, with a warning): the same forward and gradients as
-    the reference route."""
+    gathered from the padded layout, padding rows zeroed, the sink joined; the backward by the
+    varlen backward chain: dq rows gathered from their tiles, GQA groups summed, padding tokens
+    zeroed; sm100 at head dim 192/128, which its varlen backward kernel does not take: the
+    reference's, with a warning): the same forward and gradients as the reference route."""
+    import math
+
+    from sm100_emulation import emulated_call_kernel
+
     from jax_fa4.ffi import call
 
     h, hkv, d, dv, kwargs, with_sink = case
@@ -481,6 +485,12 @@ def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch)
     forward = _emulated_varlen_kernel(_ref_options(kwargs), implementation, calls)
     called = []
     backward = _emulated_varlen_backward(_ref_options(kwargs), called)
+    if implementation == "sm100":  # the preprocess and the sm100 varlen backward (contract)
+        opts100 = dict(_ref_options(kwargs))
+        opts100["softmax_scale"] = opts100["softmax_scale"] or 1 / math.sqrt(d)
+        emulated = emulated_call_kernel(opts100, [])
+        backward = lambda config, *a, **kw: (called.append(config)  # noqa: E731
+                                             or emulated(config, *a, **kw))
     monkeypatch.setattr(call, "call_kernel", lambda config, *a, **kw: (
         forward if config.kernel_name.endswith("_fwd") else backward)(config, *a, **kw))
     monkeypatch.setattr(backends.get("sm90"), "backward_preprocess",
@@ -496,9 +506,10 @@ def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch)
                                       implementation=implementation, **kwargs)
 
     (out, lse), vjp = jax.vjp(f, q, k, v, sink)
-    if implementation == "sm100":  # no sm100 varlen backward kernel: the reference's, said once
+    sm100_reference = implementation == "sm100" and d == 192
+    if sm100_reference:  # no sm100 varlen backward kernel: the reference's, said once
         base.warn_reference_backward.cache_clear()
-        with pytest.warns(RuntimeWarning, match="no varlen backward kernel"):
+        with pytest.warns(RuntimeWarning, match="no varlen kernel at head dims 192/128"):
             grads = vjp((dout, dlse))
     else:
         grads = vjp((dout, dlse))
@@ -512,8 +523,11 @@ def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch)
     if implementation == "sm90":
         assert [c.kernel_name for c in called] == ["sm90_bwd", "sm90_bwd_postprocess"]
         assert called[0].gqa == (h != hkv)
-    else:
+    elif sm100_reference:
         assert called == []  # the reference's backward
+    else:
+        assert [c.kernel_name for c in called] == ["bwd_preprocess", "sm100_bwd"]
+        assert called[1].varlen and not called[1].two_cta and called[1].gqa == (h != hkv)
     # the same call on the reference route: the emulated kernel computes what the reference
     # does, so everything around it must give the same numbers
     monkeypatch.undo()

@@ -17,7 +17,18 @@ postprocess is a plain scale-and-cast of dq_accum's rows, left to XLA (one fused
 the sm100 kernel's dq_accum is row-major, so no fragment reordering kernel is needed. Head dims
 64, 96, 128 with ``Dv == D`` and 192 with ``Dv`` 128 (the last two with 2-CTA MMAs); others (e.g.
 256, which needs FA4's split 2-CTA kernels) run the reference's backward with a one-time
-``RuntimeWarning`` naming the reason, as does every varlen backward (no varlen mode yet).
+``RuntimeWarning`` naming the reason.
+
+Varlen backward (:meth:`Sm100Backend.varlen_backward`): the 1-CTA kernel's varlen mode
+(``bwd_config.varlen_config``, head dims 64, 96, 128; 192/128 runs the reference's backward with
+the warning: only the 2-CTA kernel fits it, and it has no varlen mode) on Hopper's work list
+(:func:`jax_fa4.backends.sm90.work_table`, the same launch order setting) and dq_accum tiles
+(:func:`~jax_fa4.backends.sm90.dq_accum_rows`); dq is a row gather of dq_accum and a scale in XLA.
+The kernel's tiles load up to 127 rows past their sequence: another sequence's (finite, masked in
+the kernel) or, past the last sequence, padding tokens, which may hold anything, NaN included, and
+would reach the gradients through the kernel's products with P = dS = 0; so the 128 query and key
+rows after ``cu_seqlens[-1]`` are zeroed here first (a scatter: no full pass over the inputs
+where XLA updates them in place; Hopper's kernel zeroes them in shared memory instead).
 
 GQA/MQA (H > Hkv): float32 dK/dV per *query* head, summed over each group of H/Hkv heads here,
 as the Hopper v1 does (deterministic: XLA's reduction has a fixed order).
@@ -25,8 +36,16 @@ as the Hopper v1 does (deterministic: XLA's reduction has a fixed order).
 
 from __future__ import annotations
 
-from jax_fa4.backends.kernel import KernelBackend, backward_kind, kernel_params
-from jax_fa4.kernels.sm100 import fwd_config
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+
+from jax_fa4 import reference
+from jax_fa4.backends import base, sm90
+from jax_fa4.backends.kernel import (KernelBackend, backward_kind, kernel_params,
+                                     sum_gqa_groups)
+from jax_fa4.kernels.sm100 import bwd_config, fwd_config
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
 from jax_fa4.kernels.spec import PARAM_SCALE
 
@@ -35,9 +54,30 @@ ARCH = "sm_100a"
 ENABLE_ENV = "JAX_FA4_ENABLE_SM100"
 
 
+def zero_rows_from(x: jax.Array, start: jax.Array, rows: int) -> jax.Array:
+    """``x`` (total, ...) with rows ``[start, start + rows)`` set to 0 (those past the end are
+    dropped): the padding rows after the last sequence that a tile can load."""
+    idx = start + jnp.arange(rows, dtype=jnp.int32)
+    return x.at[idx].set(jnp.zeros((), x.dtype), mode="drop")
+
+
+def varlen_dq(dq_accum: jax.Array, cu_seqlens_q: jax.Array, total_q: int, head_dim: int,
+              tile_m: int, scale: jax.Array, dtype) -> jax.Array:
+    """The packed dq (total_q, H, D) from the varlen kernel's dq_accum (1, H, R·D), row-major:
+    token t of sequence b is row ``first_tile(b)·tile_m + t − cu_seqlens_q[b]``, times the
+    softmax scale; 0 on the tokens outside every sequence."""
+    h = dq_accum.shape[1]
+    t, seq, valid, start, _ = base.token_layout(cu_seqlens_q, total_q)
+    first = sm90.first_tiles(cu_seqlens_q, tile_m)
+    row = jnp.where(valid, first[seq] * tile_m + t - start, 0)
+    acc = dq_accum.reshape(h, -1, head_dim)[:, row]  # (H, total_q, D)
+    dq = jnp.where(valid[None, :, None], acc * scale, 0.0)
+    return dq.transpose(1, 0, 2).astype(dtype)
+
+
 class Sm100Backend(KernelBackend):
     """Blackwell: the sm100 forward (dense, varlen, paged), the preprocess and the sm100 dense
-    backward kernel (compile-verified only)."""
+    and varlen backward kernels (compile-verified only)."""
 
     name = "sm100"
     arch = ARCH
@@ -79,3 +119,50 @@ class Sm100Backend(KernelBackend):
         dq = dq_accum.reshape(b, h, sq_pad, d)[:, :, :sq] * params[PARAM_SCALE]
         dq = dq.transpose(0, 2, 1, 3).astype(q.dtype)
         return dq, dk.astype(k.dtype), dvv.astype(v.dtype)
+
+    # -- varlen backward --------------------------------------------------------------------------
+    def make_varlen_backward(self, dtype, head_dim, head_dim_v, mask, has_softcap, gqa):
+        return bwd_config.varlen_config(dtype, head_dim, head_dim_v, mask, has_softcap, gqa)
+
+    def varlen_backward_settings(self) -> Hashable:
+        return sm90.work_order()
+
+    def varlen_backward(self, q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, out, lse,
+                        dout, dlse, opts, plan):
+        """The varlen backward chain: the preprocess on the packed out / dout, the varlen main
+        kernel (every sequence's own blocks only, Hopper's work list) and dq gathered from its
+        dq_accum rows; a sink's gradient from the preprocess's delta (``kernel_sink_grad`` is
+        off: as the dense sm100 backward)."""
+        from jax_fa4.ffi.call import call_kernel
+
+        config = self.varlen_backward_config(q, k, v, opts)
+        total_q, h, d = q.shape
+        total_k, hkv, dv = v.shape
+        batch = cu_seqlens_q.shape[0] - 1
+        tm, tn = config.tile_m, config.tile_n
+        delta, lse_log2 = base.preprocess(self, out, dout, lse, opts)
+        # a cotangent on lse enters as -dlse (jax_fa4.autodiff); padding tokens' delta (their
+        # dout may be NaN) is read by no kernel and selected out for the sink's gradient
+        in_sequence = segments.q_segment_ids[:, None, :] >= 0
+        delta = jnp.where(in_sequence, delta - dlse, 0.0)
+        params = kernel_params(opts, d)
+        rows = sm90.dq_accum_rows(total_q, batch, tm)
+        work = sm90.work_table(cu_seqlens_q, cu_seqlens_k, sm90.work_items(total_k, batch, tn),
+                               tm, tn, opts.window, plan[3])
+        q_in, dout_in = (zero_rows_from(x, cu_seqlens_q[-1], tm) for x in (q, dout[0]))
+        k_in, v_in = (zero_rows_from(x, cu_seqlens_k[-1], tn) for x in (k, v))
+        hdk = h if config.gqa else hkv
+        dkv_dtype = jnp.float32 if config.gqa else q.dtype
+        dq_accum = jnp.zeros((1, h, rows * d), jnp.float32)
+        dq_accum, dk, dvv = call_kernel(
+            config, self.arch, q_in[None], k_in[None], v_in[None], dout_in[None], lse_log2,
+            delta, params, dq_accum, cu_seqlens_q, cu_seqlens_k, work,
+            out_shapes=(jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32),
+                        jax.ShapeDtypeStruct((1, total_k, hdk, d), dkv_dtype),
+                        jax.ShapeDtypeStruct((1, total_k, hdk, dv), dkv_dtype)))
+        dq = varlen_dq(dq_accum, cu_seqlens_q, total_q, d, tm, params[PARAM_SCALE], q.dtype)
+        dk, dvv = dk[0], dvv[0]  # (the kernel wrote zeros to the keys outside every sequence)
+        if config.gqa:
+            dk, dvv = sum_gqa_groups(dk, dvv, hkv, head_axis=1)
+        dsink = None if sink is None else reference.sink_gradient(sink, lse, delta)
+        return dq, dk.astype(k.dtype), dvv.astype(v.dtype), dsink

@@ -46,6 +46,19 @@ MMA order per iteration j: Sᵀ_j; [dQ_{j-1}, dK_{j-1}]; wait dq_empty_{j-1}; dP
 dV_j. TMEM: allocated by the MMA warp, permit relinquished right after, freed by it after every
 TMEM user passed the dealloc barrier (each after its last tcgen05.wait::ld).
 
+Varlen (``cfg.varlen``, the 1-CTA kernel; called by jax_fa4/backends/sm100.py with the Hopper
+varlen backward's contract, varlen_bwd_config.varlen_attention_backward_signature): q, k, v, dout,
+dk, dv are sequences packed as one batch entry; CTA (x, head) takes key block ``work[x, 1]`` of
+sequence ``work[x, 0]``, whose offsets, lengths and first dq_accum tile are in the same work row.
+Its loads are TMA views offset to the sequence's first row (the tile rows past the sequence are
+the next sequence's, or padding the caller zeroed: keys past seqlen_k are masked, query rows past
+seqlen_q get -lse = -inf and -delta = 0 as in the dense kernel, so P = dS = 0 there); query block
+m reduce-adds into dq_accum tile ``work[x, 6] + m`` (no other sequence's); dK / dV are stored
+row by row below seqlen_k. Spare work rows (lengths 0) and key blocks no query block sees run the
+dense kernel's count = 0 path (every role skips its loop; zero dK / dV rows); the ZERO_PADDING
+row's compute warps then write zero dK / dV to the rows outside every sequence. No barrier,
+role or phase changes (tests/test_sm100_bwd_protocol.py models the varlen grid).
+
 Not yet (docs/kernels/sm100.md): head dim 256 (FA4's split 2-CTA kernels; 192/128 is the 2-CTA
 kernel's), persistence / scheduler, overlap of the dQ TMEM drain with the next dPᵀ (the reduce
 warps hold dPᵀ's columns until their last chunk load).
@@ -69,12 +82,16 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from jax_fa4.kernels.common.convert import cvt_pack_f32x2
 from jax_fa4.kernels.common.layout import select_modes
 from jax_fa4.kernels.common.scores import score_scales
-from jax_fa4.kernels.common.views import seq_major
+from jax_fa4.kernels.common.rows import zero_padding_rows
+from jax_fa4.kernels.common.views import seq_major, sequence
 from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
 from jax_fa4.kernels.spec import PARAM_SCALE
 
 _FLT_MIN_NORMAL = 1.1754943508222875e-38  # 2**-126
+#: The varlen work list's sequence value of the item that zeroes dK / dV outside every sequence
+#: (varlen_bwd_config.varlen_attention_backward_signature).
+ZERO_PADDING = -2
 
 REDUCE_WARPS = (0, 1, 2, 3)
 COMPUTE_WARPS = tuple(range(4, 12))
@@ -134,6 +151,7 @@ class FlashAttentionBackwardSm100:
         self.has_softcap = cfg.has_softcap
         self.gqa = cfg.gqa
         self.deterministic = cfg.deterministic
+        self.varlen = cfg.varlen
         self.tmem_alloc_cols = cfg.tmem_alloc_columns()
         off = cfg.tmem_offsets()
         self.tmem_dk, self.tmem_dv, self.tmem_s = off["dk"], off["dv"], off["s"]
@@ -177,7 +195,14 @@ class FlashAttentionBackwardSm100:
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mParams: cute.Tensor,
-                 mdQacc: cute.Tensor, mSem: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor):
+                 mdQacc: cute.Tensor, mSem: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 mCuSeqlensK: cute.Tensor | None = None, mWork: cute.Tensor | None = None):
+        if const_expr(self.varlen != (mWork is not None) or self.varlen != (
+                mCuSeqlensK is not None)):
+            raise TypeError("cu_seqlens_k and work are passed exactly when the config is varlen")
+        for name, t in (("cu_seqlens_k", mCuSeqlensK), ("work", mWork)):
+            if const_expr(t is not None and t.element_type != Int32):
+                raise TypeError(f"{name} must be int32")
         mQ, mK, mV, mdO, mLSE, mDelta, mdQacc, mSem, mdK, mdV = self.input_views(
             mQ, mK, mV, mdO, mLSE, mDelta, mParams, mdQacc, mSem, mdK, mdV)
         D, Dv, tm, tn = self.hdim, self.hdimv, self.tile_m, self.tile_n
@@ -257,11 +282,13 @@ class FlashAttentionBackwardSm100:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_l)], 1024]
 
         grid = (cute.ceil_div(mK.shape[0], tn), mQ.shape[2], mQ.shape[3])
+        if const_expr(self.varlen):  # one CTA per (work item, query head)
+            grid = (mWork.shape[0], mQ.shape[2], 1)
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dQ, mdK, mdV, mLSE, mDelta, mParams, mSem,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ,
             sQ_l, sK_l, sV_l, sdO_l, sdOt_l, sQt_l, sKt_l, sdS_l, sdSt_l, sdQ_l, tP_l,
-            st_mma, dpt_mma, dv_mma, dk_mma, dq_mma, SharedStorage,
+            st_mma, dpt_mma, dv_mma, dk_mma, dq_mma, SharedStorage, mCuSeqlensK, mWork,
         ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -280,7 +307,8 @@ class FlashAttentionBackwardSm100:
                sdS_l: cute.ComposedLayout, sdSt_l: cute.ComposedLayout,
                sdQ_l: cute.ComposedLayout, tP_l: cute.ComposedLayout,
                st_mma: cute.TiledMma, dpt_mma: cute.TiledMma, dv_mma: cute.TiledMma,
-               dk_mma: cute.TiledMma, dq_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+               dk_mma: cute.TiledMma, dq_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr,
+               mCuSeqlensK: cute.Tensor | None, mWork: cute.Tensor | None):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == LOAD_WARP:
@@ -342,8 +370,19 @@ class FlashAttentionBackwardSm100:
 
         # run-time scalars, identical in every role
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        # varlen: work row x = (sequence, key block, its rows' offsets in the packed q and k, its
+        # lengths, its first dq_accum tile); one batch entry. Spare and padding rows: lengths 0.
+        seq, q_offset, k_offset, dq_tile0 = None, None, None, None
+        if const_expr(self.varlen):
+            x, head, _ = cute.arch.block_idx()
+            batch = Int32(0)
+            seq, n_block = mWork[x, 0], mWork[x, 1]
+            q_offset, k_offset = mWork[x, 2], mWork[x, 3]
+            seqlen_q, seqlen_k = mWork[x, 4], mWork[x, 5]
+            dq_tile0 = mWork[x, 6]
+        else:
+            n_block, head, batch = cute.arch.block_idx()
         window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
-        n_block, head, batch = cute.arch.block_idx()
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         blocks = BwdBlocks(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                            seqlen_q, seqlen_k, window_left, window_right)
@@ -357,7 +396,7 @@ class FlashAttentionBackwardSm100:
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.reduce_warps(mdQacc, mSem, sdQ, tma_atom_dQ, dq_mma, tmem_ptr, dq_full,
                               dq_empty, head, batch, n_block, m_min, count, blocks, tidx,
-                              warp_idx)
+                              warp_idx, dq_tile0)
             cute.arch.fence_view_async_tmem_load()
             dealloc_barrier.arrive_and_wait()
         elif wg_idx < 3:  # compute warps
@@ -367,16 +406,20 @@ class FlashAttentionBackwardSm100:
             self.compute_warps(mdK, mdV, mParams, sdS, sLSE, sDelta, st_mma, dk_mma, dv_mma,
                                tmem_ptr, pipeline_lse, s_full, p_full, dp_full, ds_full,
                                ds_empty, dkv_full, head, head_kv, batch, n_block, m_min, count,
-                               blocks, tidx, warp_idx)
+                               blocks, tidx, warp_idx, k_offset)
             cute.arch.fence_view_async_tmem_load()
             dealloc_barrier.arrive_and_wait()
+            if const_expr(self.varlen):
+                if seq == ZERO_PADDING:  # (count = 0: no TMEM, no barrier touched)
+                    self.zero_padding_dkv(mdK, mdV, mCuSeqlensK, head, head_kv, tidx)
         else:
             cute.arch.setmaxregister_decrease(_OTHER_REGS)
             if warp_idx == LOAD_WARP:
                 self.load_warp(mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                                tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, st_mma, dpt_mma,
                                pipeline_kv, pipeline_q, pipeline_do, pipeline_lse, head,
-                               head_kv, batch, n_block, m_min, count, seqlen_q, tidx)
+                               head_kv, batch, n_block, m_min, count, seqlen_q, tidx, q_offset,
+                               k_offset)
             if warp_idx == MMA_WARP:
                 tmem.allocate(self.tmem_alloc_cols)
                 tmem.wait_for_alloc()
@@ -414,15 +457,17 @@ class FlashAttentionBackwardSm100:
     @cute.jit
     def stage_stats(self, mLSE: cute.Tensor, mDelta: cute.Tensor, sLSE: cute.Tensor,
                     sDelta: cute.Tensor, pipeline_lse, state, m_block: Int32, head: Int32,
-                    batch: Int32, seqlen_q: Int32, lane: Int32):
+                    batch: Int32, seqlen_q: Int32, lane: Int32, q_offset: Int32 | None = None):
         """-lse_log2 and -delta of query block m_block's 128 rows into stage ``state`` (the load
         warp's 32 threads; rows past seqlen_q: -inf and 0, so that P = dS = 0 there without a
-        row mask)."""
+        row mask; varlen: the sequence's rows from ``q_offset`` on)."""
         tm = self.tile_m
         pipeline_lse.producer_acquire(state)
         for r in cutlass.range_constexpr(tm // 32):
             row = m_block * tm + r * 32 + lane
             row_c = cutlass.min(row, seqlen_q - 1)
+            if const_expr(q_offset is not None):
+                row_c = row_c + q_offset
             lse = mLSE[row_c, head, batch]
             dlt = mDelta[row_c, head, batch]
             sLSE[r * 32 + lane, state.index] = -lse if row < seqlen_q else -Float32.inf
@@ -435,14 +480,17 @@ class FlashAttentionBackwardSm100:
                   tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, st_mma: cute.TiledMma,
                   dpt_mma: cute.TiledMma, pipeline_kv, pipeline_q, pipeline_do, pipeline_lse,
                   head: Int32, head_kv: Int32, batch: Int32, n_block: Int32, m_min: Int32,
-                  count: Int32, seqlen_q: Int32, tidx: Int32):
+                  count: Int32, seqlen_q: Int32, tidx: Int32, q_offset: Int32 | None = None,
+                  k_offset: Int32 | None = None):
+        """K, V once, then Q, dO (TMA) and -lse / -delta of each visited query block (varlen:
+        TMA views from the sequence's first rows, ``q_offset`` / ``k_offset``)."""
         D, Dv, tm, tn = self.hdim, self.hdimv, self.tile_m, self.tile_n
         st_thr, dpt_thr = st_mma.get_slice(0), dpt_mma.get_slice(0)
         one = cute.make_layout(1)
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, D), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, Dv), (n_block, 0))
-        gQ = cute.local_tile(mQ[None, None, head, batch], (tm, D), (None, 0))
-        gdO = cute.local_tile(mdO[None, None, head, batch], (tm, Dv), (None, 0))
+        gK = cute.local_tile(sequence(mK, head_kv, batch, k_offset), (tn, D), (n_block, 0))
+        gV = cute.local_tile(sequence(mV, head_kv, batch, k_offset), (tn, Dv), (n_block, 0))
+        gQ = cute.local_tile(sequence(mQ, head, batch, q_offset), (tm, D), (None, 0))
+        gdO = cute.local_tile(sequence(mdO, head, batch, q_offset), (tm, Dv), (None, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 3),
                                            cute.group_modes(st_thr.partition_A(gK), 0, 3))
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 3),
@@ -469,7 +517,7 @@ class FlashAttentionBackwardSm100:
             self.tma_load(pipeline_do, do_state, tma_atom_dO, tdOgdO[None, m_block], tdOsdO)
             # the lse stage follows the Q stage
             self.stage_stats(mLSE, mDelta, sLSE, sDelta, pipeline_lse, q_state, m_block, head,
-                             batch, seqlen_q, lane)
+                             batch, seqlen_q, lane, q_offset)
             q_state.advance()
             do_state.advance()
 
@@ -581,7 +629,8 @@ class FlashAttentionBackwardSm100:
                       dk_mma: cute.TiledMma, dv_mma: cute.TiledMma, tmem_ptr, pipeline_lse,
                       s_full, p_full, dp_full, ds_full, ds_empty, dkv_full, head: Int32,
                       head_kv: Int32, batch: Int32, n_block: Int32, m_min: Int32, count: Int32,
-                      blocks: BwdBlocks, tidx: Int32, warp_idx: Int32):
+                      blocks: BwdBlocks, tidx: Int32, warp_idx: Int32,
+                      k_offset: Int32 | None = None):
         tm, tn = self.tile_m, self.tile_n
         cw = self.cols_per_wg
         wg = (warp_idx - COMPUTE_WARPS[0]) // 4  # 0 or 1: query columns [cw·wg, cw·wg + cw)
@@ -625,7 +674,20 @@ class FlashAttentionBackwardSm100:
 
         # ---- epilogue: dK · scale, dV -> global (rows past seqlen_k skipped) ----
         self.epilogue(mdK, mdV, tmem_ptr, acc_layout, dkv_full, scale, head, head_kv, batch,
-                      n_block, count, key, lane_row, wg)
+                      n_block, count, key, lane_row, wg, k_offset, blocks.seqlen_k)
+
+    @cute.jit
+    def zero_padding_dkv(self, mdK: cute.Tensor, mdV: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                         head: Int32, head_kv: Int32, tidx: Int32):
+        """Varlen, the ZERO_PADDING work item (the compute warps, after their count = 0
+        epilogue): zero dK / dV of this CTA's head on the packed rows outside every sequence."""
+        head_dkv = head if const_expr(self.gqa) else head_kv
+        num = 32 * len(COMPUTE_WARPS)
+        t = tidx - 32 * COMPUTE_WARPS[0]
+        zero_padding_rows(mdK, mCuSeqlensK, head_dkv, (self.tile_n, self.hdim), num, t,
+                          Int32(0), Int32(1))
+        zero_padding_rows(mdV, mCuSeqlensK, head_dkv, (self.tile_n, self.hdimv), num, t,
+                          Int32(0), Int32(1))
 
     # --- compute-warp pieces (shared with the 2-CTA kernel, bwd_2cta.py) ---------------------
     @cute.jit
@@ -752,7 +814,10 @@ class FlashAttentionBackwardSm100:
     @cute.jit
     def epilogue(self, mdK, mdV, tmem_ptr, acc_layout, dkv_full, scale: Float32, head: Int32,
                  head_kv: Int32, batch: Int32, n_block: Int32, count: Int32, key: Int32,
-                 lane_row: Int32, wg: Int32):
+                 lane_row: Int32, wg: Int32, k_offset: Int32 | None = None,
+                 seqlen_k: Int32 | None = None):
+        """dK · scale and dV of this thread's key row to global memory (rows past the keys
+        skipped; varlen: the sequence's rows from ``k_offset`` on, below ``seqlen_k``)."""
         D, Dv, tn = self.hdim, self.hdimv, self.tile_n
         ch = self.epi_chunk
         head_dkv = head if const_expr(self.gqa) else head_kv
@@ -769,7 +834,8 @@ class FlashAttentionBackwardSm100:
             base = self.tmem_dv if which == 0 else self.tmem_dk
             mX = mdV if which == 0 else mdK
             half = width // 2
-            gX = cute.local_tile(mX[None, None, head_dkv, batch], (tn, width), (n_block, 0))
+            gX = cute.local_tile(sequence(mX, head_dkv, batch, k_offset), (tn, width),
+                                 (n_block, 0))
             row = gX[lane_row, None]
             for c in cutlass.range_constexpr(half // ch):
                 r = cute.make_rmem_tensor(tTc.shape, Float32)
@@ -794,7 +860,7 @@ class FlashAttentionBackwardSm100:
                     r_out_i = cute.recast_tensor(r_out, Int32)
                     for i in cutlass.range_constexpr(ch // 2):
                         r_out_i[i] = cvt_pack_f32x2(r[2 * i], r[2 * i + 1], self.is_bf16)
-                if key < mX.shape[0]:
+                if key < (mX.shape[0] if const_expr(k_offset is None) else seqlen_k):
                     dst = cute.local_tile(row, (ch,), (wg * (half // ch) + c,))
                     cute.autovec_copy(r_out, dst)
 
@@ -802,7 +868,10 @@ class FlashAttentionBackwardSm100:
     @cute.jit
     def reduce_warps(self, mdQacc, mSem, sdQ, tma_atom_dQ, dq_mma: cute.TiledMma, tmem_ptr,
                      dq_full, dq_empty, head: Int32, batch: Int32, n_block: Int32, m_min: Int32,
-                     count: Int32, blocks: BwdBlocks, tidx: Int32, warp_idx: Int32):
+                     count: Int32, blocks: BwdBlocks, tidx: Int32, warp_idx: Int32,
+                     dq_tile0: Int32 | None = None):
+        """dQ_j of each visited query block: TMEM → shared memory → TMA reduce-add into
+        dq_accum's tile m_block (varlen: ``dq_tile0 + m_block``, the sequence's tiles)."""
         tm, D, nc = self.tile_m, self.hdim, self.dq_cols
         dq_thr = dq_mma.get_slice(0)
         acc_layout = dq_thr.make_fragment_C(dq_thr.partition_shape_C((tm, D))).layout
@@ -822,6 +891,7 @@ class FlashAttentionBackwardSm100:
         stage = Int32(0)
         for j in cutlass.range(count, unroll=1):
             m_block = m_min + j
+            dq_tile = m_block if const_expr(dq_tile0 is None) else dq_tile0 + m_block
             cute.arch.mbarrier_wait(dq_full, j % 2)
             for c in cutlass.range_constexpr(num_chunks):
                 r = cute.make_rmem_tensor(tTc.shape, Float32)
@@ -848,7 +918,7 @@ class FlashAttentionBackwardSm100:
                             seen = ld_acquire_gpu(sem_ptr)
                             while seen != turn:
                                 seen = ld_acquire_gpu(sem_ptr)
-                        cute.copy(tma_atom_dQ, tdQsdQ[None, stage], tdQgdQ[None, m_block, c])
+                        cute.copy(tma_atom_dQ, tdQsdQ[None, stage], tdQgdQ[None, dq_tile, c])
                         cute.arch.cp_async_bulk_commit_group()
                         if const_expr(self.deterministic and c == num_chunks - 1):
                             # every reduce-add of this block performed (writes, not only the

@@ -35,6 +35,12 @@ increasing order, ``common/geometry.BwdBlocks.dq_rank``), then increments it (re
 its reduce-adds completed, so the float32 sums happen in one fixed order on every run. The 2-CTA
 kernel (``two_cta``) orders each 64-row half of a query block on its own slot, dq_semaphore (B, H,
 2·ceil(Sq/128)) slot 2m + r, by the rank of the key *pair* among the pairs that visit m.
+
+Varlen configs (``varlen=True``, :func:`varlen_config`; the 1-CTA kernel) take the Hopper varlen
+backward's call contract (``varlen_bwd_config.varlen_attention_backward_signature``: packed
+sequences, cu_seqlens, the caller's work list, one CTA per (work item, query head)) with this
+kernel's dq_accum rows: sequence b's query block m adds into the row-major (128, D) tile
+``work[x, 6] + m`` of (R, D) per head, so the caller's postprocess is a row gather and a scale.
 """
 
 from __future__ import annotations
@@ -43,9 +49,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 # the table chooses configs (whose fields are the key): not part of any kernel's key
-from jax_fa4.kernels.sm100.bwd_tuning import TUNING_TABLE, tuning_for
+from jax_fa4.kernels.sm100.bwd_tuning import TUNING_TABLE, VARLEN_TUNING, tuning_for
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, SMEM_BUDGET_BYTES, KernelConfig, KernelSignature,
                                   attention_backward_signature, check_dtype_and_mask)
+# the varlen backward's call contract, shared with the Hopper kernels (one work list for both)
+from jax_fa4.kernels.varlen_bwd_config import varlen_attention_backward_signature
 
 
 #: Tensor memory columns per SM (128 lanes × 512 columns × 32 bit).
@@ -72,6 +80,8 @@ class Sm100BwdConfig(KernelConfig):
     dq_cols: int = 32
     dq_stages: int = 2
     two_cta: bool = False
+    # packed sequences (module doc, varlen_config): the 1-CTA kernel only
+    varlen: bool = False
 
     tile_m: ClassVar[int] = 128  # query rows per iteration (the N of Sᵀ = K·Qᵀ)
     tile_n: ClassVar[int] = 128  # keys per CTA (the M of Sᵀ: one TMEM lane per key)
@@ -96,6 +106,9 @@ class Sm100BwdConfig(KernelConfig):
         """Raise ValueError naming the first unsupported feature."""
         check_dtype_and_mask("sm100 backward", self.dtype, self.mask)
         tuning_for(self.head_dim, self.head_dim_v, self.mask)
+        if self.varlen and (self.two_cta or self.deterministic):
+            raise ValueError("sm100 backward: varlen is the 1-CTA kernel's, without "
+                             "deterministic (the 2-CTA kernel has no varlen mode)")
         if self.head_dim != self.head_dim_v and not self.two_cta:
             raise ValueError("sm100 backward: head_dim_v must equal head_dim (1-CTA kernel)")
         if self.head_dim % 32:
@@ -204,6 +217,9 @@ class Sm100BwdConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
+        if self.varlen:
+            return varlen_attention_backward_signature(self.dtype, self.head_dim,
+                                                       self.head_dim_v, self.tile_m, self.gqa)
         return attention_backward_signature(
             self.dtype, self.head_dim, self.head_dim_v, self.tile_m, self.gqa,
             counters=("dq_semaphore", self.semaphore_slots) if self.deterministic else None)
@@ -219,16 +235,38 @@ def shipped_configs() -> list[Sm100BwdConfig]:
                     for gqa in (False, True):
                         for det in (False, True):
                             out.append(Sm100BwdConfig.make(dtype, d, dv, mask, softcap, gqa, det))
+                        if (d, dv) in VARLEN_TUNING:
+                            out.append(varlen_config(dtype, d, dv, mask, softcap, gqa))
     return out
+
+
+def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
+                  has_softcap: bool = False, gqa: bool = False) -> Sm100BwdConfig:
+    """The varlen backward config of a problem kind: the 1-CTA kernel with the varlen tuning
+    (``bwd_tuning.VARLEN_TUNING``: the dense table's 1-CTA rows, and a 1-CTA row at head dim 128,
+    whose dense row is 2-CTA); raises ValueError where no 1-CTA kernel fits (192/128: dK + dV +
+    Sᵀ + dPᵀ would take 640 TMEM columns)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    tuning = VARLEN_TUNING.get((head_dim, head_dim_v))
+    if tuning is None:
+        raise ValueError(f"sm100 backward: no varlen kernel at head dims {head_dim}/{head_dim_v} "
+                         "(varlen is the 1-CTA kernel's: 64, 96 and 128; 192/128 needs the "
+                         "2-CTA kernel, which has no varlen mode)")
+    return Sm100BwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, gqa,
+                               q_stages=tuning.q_stages, do_stages=tuning.do_stages,
+                               dq_cols=tuning.dq_cols, dq_stages=tuning.dq_stages,
+                               two_cta=False, varlen=True)
 
 
 def test_configs() -> list[Sm100BwdConfig]:
     """The subset the compile test builds on every run: each head dim once (bf16, no mask), each
-    mask kind, softcap, GQA and deterministic once, fp16 once."""
+    mask kind, softcap, GQA and deterministic once, fp16 once, varlen at head dims 64 and 128."""
     out = [Sm100BwdConfig.make("bfloat16", d, dv) for (d, dv) in TUNING_TABLE]
     out += [Sm100BwdConfig.make("bfloat16", 128, 128, "causal", deterministic=True),
             Sm100BwdConfig.make("bfloat16", 128, 128, "local", True, True),
-            Sm100BwdConfig.make("float16", 64, 64, "causal", True, False, True)]
+            Sm100BwdConfig.make("float16", 64, 64, "causal", True, False, True),
+            varlen_config("bfloat16", 64, 64, "causal", gqa=True),
+            varlen_config("bfloat16", 128, 128, "local", True)]
     return out
 
 

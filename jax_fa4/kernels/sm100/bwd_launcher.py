@@ -15,9 +15,24 @@ from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
 def make_launcher(cfg: Sm100BwdConfig):
     """The `@cute.jit` launcher ``fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum,
     [dq_semaphore,] dk, dv)`` for this config (dq_accum / dq_semaphore updated in place): the
-    2-CTA kernel (bwd_2cta.py) for ``two_cta`` configs, else the 1-CTA one (bwd.py)."""
+    2-CTA kernel (bwd_2cta.py) for ``two_cta`` configs, else the 1-CTA one (bwd.py); varlen
+    configs: ``fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, cu_seqlens_q,
+    cu_seqlens_k, work, dk, dv)``."""
     kernel = (FlashAttentionBackwardSm100TwoCta if cfg.two_cta
               else FlashAttentionBackwardSm100)(cfg)
+
+    if cfg.varlen:  # varlen_bwd_config.varlen_attention_backward_signature
+        @cute.jit
+        def sm100_bwd_varlen(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                             v: cute.Tensor, dout: cute.Tensor, lse_log2: cute.Tensor,
+                             delta: cute.Tensor, params: cute.Tensor, dq_accum: cute.Tensor,
+                             cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor,
+                             work: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor):
+            # (cu_seqlens_q: the work rows carry the query offsets and lengths)
+            kernel(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, params, dk, dv,
+                   cu_seqlens_k, work)
+
+        return sm100_bwd_varlen
 
     if cfg.deterministic:
         @cute.jit

@@ -43,6 +43,18 @@ TUNING_TABLE: dict[tuple[int, int], dict[str, Sm100BwdTuning]] = {
 }
 
 
+#: The varlen backward's rows (bwd_config.varlen_config): the 1-CTA kernel at every head dim it
+#: fits. 64 and 96 are the dense table's rows; 128 (2-CTA in the dense table) the 1-CTA form of
+#: tests/test_sm100_bwd_protocol.py's model (two Q stages, one dO stage, 16-column dQ boxes:
+#: 210 KB of shared memory; 32-column boxes would take 226 KB). 192/128 has none (1-CTA TMEM:
+#: 640 columns > 512).
+VARLEN_TUNING: dict[tuple[int, int], Sm100BwdTuning] = {
+    (64, 64): _T(2, 2, 32, 2),
+    (96, 96): _T(2, 2, 32, 2),
+    (128, 128): _T(2, 1, 16, 2),
+}
+
+
 def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm100BwdTuning:
     return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm100 backward",
                          unsupported_hint="; 256 needs FA4's split 2-CTA kernels (a dQ kernel "
