@@ -247,8 +247,9 @@ def flash_attention_varlen(
         forward kernel, or :class:`ImplementationUnavailableError` saying why not; the sm100
         kernel is opt-in, never run on hardware here) or ``"reference"``. On Hopper the
         backward runs the varlen backward kernel (each sequence's own blocks only); with
-        sm100, the reference's backward (the sm100 backward kernel has no varlen mode yet; a
-        one-time ``RuntimeWarning`` says so).
+        sm100, the 1-CTA sm100 backward's varlen mode at head dims 64, 96 and 128 (compiled
+        and model-checked, never run on hardware here), the reference's backward at 192/128
+        and 256 (a one-time ``RuntimeWarning`` says so).
       validate: also check traced cu_seqlens (under ``jit``): the same rules and messages as
         for concrete values, checked on the host when the program runs (one small
         device-to-host copy per call); a broken rule surfaces as JAX's runtime error carrying
