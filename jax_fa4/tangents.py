@@ -74,10 +74,13 @@ def linear(tangent: Callable, transpose: Callable, residuals: Sequence[jax.Array
         tangents: the arrays ``tangent`` is linear in.
     """
     fns = LinearFunctions(tangent, transpose, len(residuals))
-    operands = [*residuals, *tangents]
-    outs = linear_p.bind(*operands, fns=fns)
-    # Inside shard_map the results vary over the manual axes their operands vary over.
-    return list(vary_like(outs, *operands))
+    # Inside shard_map every operand is made to vary over the manual axes any of them varies
+    # over (an invariant tangent's cotangent is then summed over those axes, as JAX does for
+    # any invariant input of a varying computation), and the results carry that type from the
+    # abstract evaluation: marking the results afterwards would transpose into a sum of the
+    # outputs' cotangents across devices.
+    operands = list(vary_like([*residuals, *tangents], *residuals, *tangents))
+    return list(linear_p.bind(*operands, fns=fns))
 
 
 def _impl(*operands, fns: LinearFunctions):
@@ -85,9 +88,16 @@ def _impl(*operands, fns: LinearFunctions):
 
 
 def _abstract_eval(*avals, fns: LinearFunctions):
+    """The tangent's shapes and dtypes; each result takes the type (manual axes, sharding) of an
+    operand of its shape and dtype (attention: out's and lse's residuals), else a plain one."""
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
     outs = jax.eval_shape(lambda *x: fns.tangent(*fns.split(x)), *structs)
-    return [jax.core.ShapedArray(o.shape, o.dtype) for o in outs]
+    result = []
+    for o in outs:
+        like = next((a for a in avals if a.shape == o.shape and a.dtype == o.dtype), None)
+        result.append(jax.core.ShapedArray(o.shape, o.dtype) if like is None
+                      else like.update(weak_type=False))
+    return result
 
 
 def _transpose(cts, *operands, fns: LinearFunctions):

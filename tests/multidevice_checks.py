@@ -105,6 +105,27 @@ def _jvp_case(mesh, spec) -> dict:
             "collectives": collectives(compiled.as_text())}
 
 
+def _shard_map_grad_case(q_spec, kv_spec, hkv: int) -> dict:
+    """jax.grad inside shard_map (check_vma on): each device differentiates its shard's
+    attention within the sum of the devices' losses; the gradients must equal the unsharded
+    program's (an invariant k / v's gradient summed over the devices)."""
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))
+    q, k, v, _ = qkv(h=4, hkv=hkv)
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(jax_fa4.flash_attention(q, k, v, causal=True)))
+
+    def local(q, k, v):
+        return jax.grad(lambda *a: jax.lax.psum(loss(*a), "x"), argnums=(0, 1, 2))(q, k, v)
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
+                            out_specs=(q_spec, kv_spec, kv_spec), check_vma=True)
+    got = jax.jit(sharded)(q, k, v)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    return {"grad_err": max(max_err(g, w) for g, w in zip(got, want)),
+            "scale": max(float(jnp.max(jnp.abs(w))) for w in want)}
+
+
 def sharding_cases() -> dict:
     auto = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     heads4 = jax.make_mesh((4,), ("model",), axis_types=(AxisType.Auto,))
@@ -135,6 +156,9 @@ def sharding_cases() -> dict:
                                                               "sm90"),
         "max_logits_batch_heads": lambda: _max_logits_case(auto, bshd),
         "jvp_batch_and_heads": lambda: _jvp_case(auto, bshd),
+        "shard_map_grad_batch": lambda: _shard_map_grad_case(P("x"), P("x"), hkv=2),
+        "shard_map_grad_heads_invariant_kv": lambda: _shard_map_grad_case(
+            P(None, None, "x"), P(), hkv=1),
         "fp8_reference_batch_heads": lambda: _fp8_case(auto, bshd, "reference"),
         "fp8_kernel_batch_heads": lambda: _fp8_case(auto, bshd, "sm90"),
         "fp8_vmap": lambda: _fp8_vmap_case(),

@@ -186,6 +186,14 @@ def test_forward_mode_keeps_batch_and_head_sharding(suite):
     assert r["out_err"] <= TOL and r["tangent_err"] <= TOL * max(1.0, r["scale"]), r
 
 
+@pytest.mark.parametrize("case", ["shard_map_grad_batch", "shard_map_grad_heads_invariant_kv"])
+def test_grad_inside_shard_map(suite, case):
+    """jax.grad inside shard_map equals the unsharded gradient: batch-sharded q, k, v, and
+    head-sharded q with k, v invariant across the devices (their gradients summed)."""
+    r = _ok(suite[case])
+    assert r["grad_err"] <= TOL * max(1.0, r["scale"]), r
+
+
 def test_vmapped_axes_stay_sharded(suite):
     for case in ("vmap", "vmap_sharded_mapped_axis"):
         r = _ok(suite[case])

@@ -12,9 +12,10 @@ Gradients whose exact value is 0 or dominated by cancellation (e.g. dk of a row 
 key beside a sink: ``dS = P·(dP − delta)`` is a small difference of close numbers, and delta
 comes from the 16-bit output) take an absolute slack relative to the case:
 ``atol = max(atol, GRAD_SLACK · grad_scale)``, ``GRAD_SLACK = 2⁻¹²`` and ``grad_scale`` the
-largest ``|entry|`` of the case's reference gradients (dq, dk, dv and d sink together). It is
-16 times finer than a bfloat16 ulp of that largest entry, so it admits the rounding noise of
-near-zero entries and nothing of the size of a real error of the large ones.
+largest ``|entry|`` of the case's reference dq, dk and dv together (d sink, a sum over every
+row: its own largest entry). It is 16 times finer than a bfloat16 ulp of that largest entry, so
+it admits the rounding noise of near-zero entries and nothing of the size of a real error of
+the large ones.
 """
 
 from __future__ import annotations

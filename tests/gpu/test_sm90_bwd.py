@@ -230,7 +230,9 @@ D192_CASES = [
     Case(BF, 192, 192, 1023, 1024, 4, 4, CAUSAL),
     Case(BF, 192, 192, 203, 113, 6, 2, CAUSAL),  # GQA; 90 rows see no key
     Case(BF, 192, 192, 1023, 1024, 4, 2, (64, 32)),
-]
+    Case(BF, 192, 192, 1023, 1024, 4, 4, (64, 32)),
+    Case(BF, 192, 192, 113, 203, 4, 2),
+]  # every (mask kind, GQA) of the candidates
 
 
 @pytest.mark.parametrize("dq_red", [False, True])
