@@ -1,7 +1,8 @@
 """CPU stand-ins for the sm100 dense kernels, written to their documented call contracts.
 
 ``emulated_call_kernel(options, calls)`` replaces ``jax_fa4.ffi.call.call_kernel``: the sm100
-forward and the preprocess are the reference; the sm100 backward
+forward (with each row's max logit for a ``max_logits`` config) and the preprocess are the
+reference; the sm100 backward
 (``jax_fa4/kernels/sm100/bwd_config.py``) returns dq_accum as the kernel leaves it (row-major
 (Sq_pad, D) per (b, h), unscaled, the rows past Sq NaN so that the caller must drop them) and, for
 GQA configs, dK / dV per *query* head in float32. With them the sm100 route's JAX side
@@ -46,8 +47,13 @@ def emulated_call_kernel(options: dict, calls: list):
         name = config.kernel_name
         if name == "sm100_fwd":
             q, k, v, _ = inputs
-            out, lse = reference.attention(q, k, v, **reference_options(config))
-            return out.astype(out_shapes[0].dtype), lse
+            opts = reference_options(config)
+            out, lse = reference.attention(q, k, v, **opts)
+            if not config.max_logits:
+                return out.astype(out_shapes[0].dtype), lse
+            row_max = reference.row_max_logits(q, k, **{key: opts[key] for key in (
+                "softmax_scale", "window", "softcap")})
+            return out.astype(out_shapes[0].dtype), lse, row_max
         if name == "bwd_preprocess":
             out, dout, lse = inputs
             lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * math.log2(math.e))

@@ -241,6 +241,43 @@ def test_sm100_backward_contract_gives_the_reference_gradients(case, monkeypatch
         np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max(), rtol=0, err_msg=name)
 
 
+def test_sm100_max_logits_route_gives_the_reference_max_logits(monkeypatch, fresh_warning):
+    """return_max_logits=True with implementation="sm100" runs the sm100 forward config with
+    max logits (its third output, emulated by the contract: each row's max over the visible
+    keys) and gives the reference route's max logits, out and gradients (the backward takes the
+    forward's residuals as without them)."""
+    b, sq, sk, h, hkv, d = 2, 70, 150, 4, 2, 128
+    kwargs = {"window_size": (40, 3), "softcap": 3.0, "softmax_scale": 0.2}
+    q, k, v = _qkv(b, sq, sk, h, hkv, d, seed=5)
+    options = {"softmax_scale": 0.2, "window": (40, 3), "softcap": 3.0}
+    calls = []
+    monkeypatch.setattr(call, "call_kernel", emulated_call_kernel(options, calls))
+    ct = jax.random.normal(jax.random.key(8), (b, sq, h, d), jnp.float32)
+
+    def run(implementation):
+        def f(q, k, v):
+            out, row_max = jax_fa4.flash_attention(q, k, v, implementation=implementation,
+                                                   return_max_logits=True, **kwargs)
+            return jnp.sum(out.astype(jnp.float32) * ct), (out, row_max)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernels serve: no fallback warning
+        (_, (out, row_max)), grads = run("sm100")
+    fwd = [(c, arch) for c, arch, _ in calls if c.kernel_name == "sm100_fwd"]
+    assert fwd and all(c.max_logits and c.mask == "local" and c.has_softcap
+                       and arch == "sm_100a" for c, arch in fwd)
+    assert [c.kernel_name for c, _, _ in calls].count("sm100_bwd") == 1
+    (_, (want_out, want_max)), want_grads = run("reference")
+    assert row_max.shape == (b, h) and row_max.dtype == jnp.float32
+    np.testing.assert_allclose(row_max, want_max, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32),
+                               atol=1e-2)
+    for name, g, w in zip("qkv", grads, want_grads):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max(), rtol=0, err_msg=name)
+
+
 # -- callers on several devices (4 simulated CPU devices, in a subprocess) ----------------------
 @pytest.fixture(scope="module")
 def multidevice():

@@ -5,9 +5,9 @@ GPU in this project, so ``implementation=None`` picks them only with ``JAX_FA4_E
 (else the reference, with a one-time warning); ``implementation="sm100"`` forces them.
 
 Forward (jax_fa4/kernels/sm100/fwd_config.py): the table's config (``FwdConfig.make``), persistent,
-with the same varlen (``varlen=True``) and paged (``paged=True``) modes and call contracts as
-Hopper's; decode-shaped calls run the training tile, rewritten by
-:mod:`jax_fa4.backends.decode`.
+with the same varlen (``varlen=True``) and paged (``paged=True``) modes, and dense max logits
+(``max_logits=True``), under the same call contracts as Hopper's; decode-shaped calls run the
+training tile, rewritten by :mod:`jax_fa4.backends.decode`.
 
 Dense backward (jax_fa4/kernels/sm100/bwd_config.py), :meth:`Sm100Backend.backward`: ``sm100_bwd``
 with dq_accum (zeros, float32, (B, H, Sq_pad·D), row-major, updated in place through an
@@ -48,9 +48,8 @@ class Sm100Backend(KernelBackend):
     warns_reference_backward = True
 
     def make_forward(self, dtype, head_dim, head_dim_v, mask, has_softcap, max_logits=False):
-        if max_logits:
-            raise ValueError("the sm100 forward kernel does not write max logits yet")
-        return fwd_config.FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap)
+        return fwd_config.FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap,
+                                         max_logits=bool(max_logits))
 
     def make_varlen(self, dtype, head_dim, head_dim_v, mask, has_softcap):
         return fwd_config.varlen_config(dtype, head_dim, head_dim_v, mask, has_softcap)

@@ -6,7 +6,7 @@ h // (H // Hkv)), key-length tail mask, bottom-right aligned causal and sliding-
 key-block skipping, softcap, lse output; software exp2 on the FMA pipe for a compile-time share
 of each row (common/exp2.py), FA4's conditional rescaling done by a separate correction
 warpgroup, persistent CTAs (SM count from the config) with heavy tiles first under causal / local
-masks (tile_order.py); paged KV and packed (varlen) sequences.
+masks (tile_order.py); paged KV and packed (varlen) sequences; (dense) each row's max logit.
 
 A CTA is persistent over work tiles of ``q_tiles`` × 128 query rows of one (batch, head). With
 ``q_tiles = 2`` (head dims 64–128) it has 16 warps:
@@ -17,7 +17,7 @@ A CTA is persistent over work tiles of ``q_tiles`` × 128 query rows of one (bat
     rescale decision (the factor goes to the correction warpgroup through shared memory, signalled
     *before* the exponentials so the O rescale overlaps them), P = exp2(S·c − m·c) (MUFU and
     software exp2 mixed), P as 16-bit pairs into the upper half of the S buffer, signal the MMA
-    warp. At the end of a tile: lse, and 1/Σ for the correction warpgroup.
+    warp. At the end of a tile: lse (and the max logit), and 1/Σ for the correction warpgroup.
   * warps 8–11: correction (thread = TMEM lane, both Q tiles). Per key block and Q tile: take the
     factor; once the previous P·V has completed, rescale that O tile in TMEM when some row of the
     warp needs it (warp vote); signal the MMA warp. Epilogue: O·(1/Σ) → 16-bit → swizzled shared
@@ -70,6 +70,13 @@ tile would overwrite the next sequence's rows): each correction thread writes it
 registers, 16 bytes per store, when the row is below seqlen_q. The extra batch slice (batch ==
 number of sequences) writes zeros to the packed output rows outside every sequence.
 
+Max logits (FwdConfig.max_logits, dense): a third output (B, H, Sq) float32, each row's largest
+visible logit. The max the softmax applies (R) lags the row's true max under conditional
+rescaling, so each softmax thread keeps a second running max, of the scaled block maxima
+(max(s)·scale_log2, after softcap and masks), and writes it divided by log2 e with lse: the
+Hopper forward's rule and rounding (common/softmax.OnlineSoftmax.logits_max). No other role is
+involved.
+
 Missing relative to FA4 (see docs/kernels/sm100.md): 2-CTA MMA, the L2 head swizzle, the "last
 quarter of P" early PV start, a dedicated hdim-256 kernel.
 """
@@ -98,7 +105,7 @@ from jax_fa4.kernels.common.softmax import exact_limit_log2
 from jax_fa4.kernels.common.views import dim_major, seq_major, sequence
 from jax_fa4.kernels.sm100 import tile_order
 from jax_fa4.kernels.sm100.fwd_config import FwdConfig
-from jax_fa4.kernels.spec import LN2, PARAM_SCALE
+from jax_fa4.kernels.spec import LN2, LOG2_E, PARAM_SCALE
 
 LANES = 128  # TMEM lanes = query rows of one Q tile = threads of one warpgroup
 
@@ -117,6 +124,7 @@ class FlashAttentionForwardSm100:
         self.is_bf16 = cfg.dtype == "bfloat16"
         self.paged = cfg.paged
         self.varlen = cfg.varlen
+        self.max_logits = cfg.max_logits
         self.hdim, self.hdimv = cfg.head_dim, cfg.head_dim_v
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.q_tiles = cfg.q_tiles
@@ -145,7 +153,8 @@ class FlashAttentionForwardSm100:
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mParams: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mPageTable: cute.Tensor | None = None, mSeqUsedK: cute.Tensor | None = None,
-                 mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None):
+                 mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None,
+                 mMaxLogits: cute.Tensor | None = None):
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("out", mO)):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"{name}: expected {self.dtype}, got {t.element_type}")
@@ -158,6 +167,10 @@ class FlashAttentionForwardSm100:
                       self.varlen != (mCuSeqlensK is not None)):
             raise TypeError("cu_seqlens_q and cu_seqlens_k are given exactly when the config is "
                             "varlen")
+        if const_expr(self.max_logits != (mMaxLogits is not None)):
+            raise TypeError("max_logits is given exactly when the config has max logits")
+        if const_expr(mMaxLogits is not None and mMaxLogits.element_type != Float32):
+            raise TypeError(f"max_logits: expected Float32, got {mMaxLogits.element_type}")
         for name, t in (("page_table", mPageTable), ("seqused_k", mSeqUsedK),
                         ("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK)):
             if const_expr(t is not None and t.element_type != Int32):
@@ -166,6 +179,8 @@ class FlashAttentionForwardSm100:
         mQ, mK = seq_major(mQ, D), seq_major(mK, D)
         mV, mO = dim_major(mV, Dv), seq_major(mO, Dv)
         mLSE = select_modes(mLSE, (2, 1, 0))  # (Sq, H, B); varlen: (max_seqlen_q, H, batch)
+        if const_expr(mMaxLogits is not None):
+            mMaxLogits = select_modes(mMaxLogits, (2, 1, 0))  # (Sq, H, B), as lse
 
         cta_group = tcgen05.CtaGroup.ONE
         qk_tiler = (self.tile_m, self.tile_n, D)
@@ -239,7 +254,7 @@ class FlashAttentionForwardSm100:
         grid = cutlass.max(grid, 1)
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mLSE, mParams, mPageTable, mSeqUsedK,
-            mCuSeqlensQ, mCuSeqlensK, mO if const_expr(self.varlen) else None,
+            mCuSeqlensQ, mCuSeqlensK, mO if const_expr(self.varlen) else None, mMaxLogits,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             sQ_layout, sK_layout, sV_layout, sO_layout, tP_layout,
             qk_mma, pv_mma, SharedStorage,
@@ -345,6 +360,7 @@ class FlashAttentionForwardSm100:
                mLSE: cute.Tensor, mParams: cute.Tensor, mPageTable: cute.Tensor | None,
                mSeqUsedK: cute.Tensor | None, mCuSeqlensQ: cute.Tensor | None,
                mCuSeqlensK: cute.Tensor | None, mO_gmem: cute.Tensor | None,
+               mMaxLogits: cute.Tensor | None,
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_O: cute.CopyAtom,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -417,7 +433,7 @@ class FlashAttentionForwardSm100:
             sched, blk, paged, varlen, _ = self.scalars(*scalar_args)
             lane, t = self.thread_role()
             self.softmax_wg(mLSE, mParams, qk_mma, tmem_ptr, sScale, sSum, bars, sched, blk,
-                            t, lane, paged, varlen)
+                            t, lane, paged, varlen, mMaxLogits)
             cute.arch.fence_view_async_tmem_load()
             dealloc_barrier.arrive_and_wait()
         elif warp_idx < 4 * (self.q_tiles + 1):
@@ -770,8 +786,10 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def softmax_wg(self, mLSE, mParams, qk_mma: cute.TiledMma, tmem_ptr, sScale, sSum, bars,
                    sched: cutlass.Constexpr, blk: cutlass.Constexpr, t: Int32, lane: Int32,
-                   paged: cutlass.Constexpr = None, varlen: cutlass.Constexpr = None):
-        """Softmax of Q tile ``t`` (0 with q_tiles = 1)."""
+                   paged: cutlass.Constexpr = None, varlen: cutlass.Constexpr = None,
+                   mMaxLogits: cute.Tensor | None = None):
+        """Softmax of Q tile ``t`` (0 with q_tiles = 1); with ``mMaxLogits`` (Sq, H, B) each
+        row's max logit too."""
         ld_s, tTtS0, tTcS, p_io = self.softmax_tmem_copies(qk_mma, tmem_ptr, lane)
 
         scales = score_scales(mParams[PARAM_SCALE], mParams, self.has_softcap)
@@ -791,6 +809,8 @@ class FlashAttentionForwardSm100:
             # rescale); every use is R itself, so its rounding cancels (common/softmax.py)
             row_max = Float32(-math.inf)
             row_sum = Float32(0.0)
+            # max logits: the true running scaled max, never stale (-inf: no visible key yet)
+            seen_max = Float32(-math.inf)
             for j in cutlass.range(n_blocks, unroll=1):
                 n_block = n_max - 1 - j
                 buf, phase = self.slot(t, count + j)
@@ -799,8 +819,10 @@ class FlashAttentionForwardSm100:
                 cute.copy(ld_s, cute.make_tensor(tTtS0.iterator + buf * self.tile_n,
                                                  tTtS0.layout), tSrS)
                 cute.arch.fence_view_async_tmem_load()
-                row_max, acc_scale = self.row_max_step(tSrS, tTcS, row, n_block, row_max,
-                                                       scale_log2, tanh_in_scale, tblk)
+                row_max, acc_scale, blk_max = self.row_max_step(
+                    tSrS, tTcS, row, n_block, row_max, scale_log2, tanh_in_scale, tblk)
+                if const_expr(mMaxLogits is not None):
+                    seen_max = cute.arch.fmax(seen_max, blk_max)
                 # the factor goes to the correction warpgroup before the exponentials, so the
                 # O rescale overlaps them (read there only for j > 0)
                 sScale[lane, buf] = acc_scale
@@ -827,14 +849,16 @@ class FlashAttentionForwardSm100:
                 if not empty:
                     lse = (row_max + cute.math.log2(row_sum, fastmath=True)) * LN2
                 mLSE[row, head, batch] = Float32.nan if broken else lse
+                if const_expr(mMaxLogits is not None):
+                    mMaxLogits[row, head, batch] = seen_max * Float32(1.0 / LOG2_E)
 
     @cute.jit
     def row_max_step(self, tSrS: cute.Tensor, tTcS: cute.Tensor, row: Int32, n_block: Int32,
                      row_max: Float32, scale_log2: Float32, tanh_in_scale: Float32,
                      blk: cutlass.Constexpr):
         """Softcap and mask one key block of one row in place; return the new applied scaled
-        max and the factor O and the row sum must be rescaled by (1.0 when the conditional
-        rescale keeps the old max)."""
+        max, the factor O and the row sum must be rescaled by (1.0 when the conditional
+        rescale keeps the old max) and the block's scaled max (-inf: no visible key)."""
         n = cute.size(tSrS)
         if const_expr(self.has_softcap):
             for i in cutlass.range_constexpr(n):
@@ -859,7 +883,8 @@ class FlashAttentionForwardSm100:
             for a in cutlass.range_constexpr(4):
                 acc[a] = cute.arch.fmax(acc[a], cute.arch.fmax(tSrS[i + a], tSrS[i + 4 + a]))
         blk_max = cute.arch.fmax(cute.arch.fmax(acc[0], acc[1]), cute.arch.fmax(acc[2], acc[3]))
-        m_new = cute.arch.fmax(row_max, blk_max * scale_log2)
+        blk_max = blk_max * scale_log2
+        m_new = cute.arch.fmax(row_max, blk_max)
         # conditional rescale: move the applied max only when it grew by more than the
         # threshold (log2 units); -inf -> finite is +inf (moves), -inf -> -inf is NaN (stays)
         need = m_new - row_max > self.rescale_threshold
@@ -867,7 +892,7 @@ class FlashAttentionForwardSm100:
         if need:
             acc_scale = cute.math.exp2(row_max - m_new, fastmath=True)
             row_max = m_new
-        return row_max, acc_scale
+        return row_max, acc_scale, blk_max
 
     @cute.jit
     def exponentiate(self, tSrS: cute.Tensor, row_max: Float32, row_sum: Float32,
@@ -1087,7 +1112,8 @@ class FlashAttentionForwardSm100:
 
 
 def make_launcher(cfg: FwdConfig):
-    """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config,
+    """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config (with
+    ``max_logits`` after lse for a max-logits config),
     ``fn(stream, q, k_cache, v_cache, params, page_table, seqused_k, out, lse)`` when it is paged
     (spec.paged_attention_forward_signature), or ``fn(stream, q, k, v, params, cu_seqlens_q,
     cu_seqlens_k, out, lse)`` when it is varlen (spec.varlen_attention_forward_signature)."""
@@ -1109,6 +1135,14 @@ def make_launcher(cfg: FwdConfig):
                    mCuSeqlensK=cu_seqlens_k)
 
         return sm100_fwd_varlen
+    if cfg.max_logits:
+        @cute.jit
+        def sm100_fwd_max_logits(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                                 v: cute.Tensor, params: cute.Tensor, out: cute.Tensor,
+                                 lse: cute.Tensor, max_logits: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, mMaxLogits=max_logits)
+
+        return sm100_fwd_max_logits
 
     @cute.jit
     def sm100_fwd(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,

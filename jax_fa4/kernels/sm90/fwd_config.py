@@ -25,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
+from jax_fa4.kernels.forward_signatures_config import with_max_logits
 from jax_fa4.kernels.segments_config import SEG_ROW_COLUMNS, SEG_TILE_COLUMNS
 # the tables choose configs (whose fields are the key): not part of any kernel's key
 from jax_fa4.kernels.sm90.fwd_tuning import (FP8_SOFTCAP_TILE_N, FP8_TUNING_TABLE, TUNING_TABLE,
@@ -345,14 +346,6 @@ def fp8_attention_forward_signature(head_dim: int, head_dim_v: int) -> KernelSig
     out, lse = base.outputs
     return dataclasses.replace(base, inputs=(q, k, vt, params, descale),
                                outputs=(dataclasses.replace(out, dtype="bfloat16"), lse))
-
-
-def with_max_logits(sig: KernelSignature) -> KernelSignature:
-    """``sig`` (a dense or segment-id forward's) with a third output after lse: max_logits
-    (B, H, Sq) float32, each row's largest visible score (FwdConfig.max_logits)."""
-    lse = next(arg for arg in sig.outputs if arg.name == "lse")
-    return dataclasses.replace(
-        sig, outputs=sig.outputs + (dataclasses.replace(lse, name="max_logits"),))
 
 
 #: Query rows of the decode tile (one consumer warpgroup): the rows of a decode call after GQA
