@@ -56,7 +56,7 @@ EXPECTED_FILES = {
         "convert", "geometry", "layout", "rows", "views")} | {
         _K + "sm90/bwd_postprocess.py", _K + "sm90/bwd_common.py", _K + "sm90/common.py",
         _K + "sm90/bwd_config.py"},
-    "sm100_fwd": _SPEC | _FWD_SIGS | _COMMON_FWD | {
+    "sm100_fwd": _SPEC | _SEG | _FWD_SIGS | _COMMON_FWD | {
         _K + "common/geometry.py", _K + "common/scores.py", _K + "common/softmax.py",
         _K + "sm100/flash_fwd.py",
         _K + "sm100/fwd_config.py", _K + "sm100/tile_order.py"},
@@ -131,7 +131,8 @@ def test_keys_do_not_depend_on_where_the_package_lies(tmp_path):
     ("kernels/sm90/bwd_tuning.py", set()),
     ("kernels/sm100/fwd_tuning.py", set()),
     ("kernels/sm100/bwd_tuning.py", set()),
-    ("kernels/segments_config.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess"}),
+    ("kernels/segments_config.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess",
+                                    "sm100_fwd"}),
     ("kernels/common/softmax.py", {"sm90_fwd", "sm100_fwd"}),
     ("kernels/forward_signatures_config.py", {"sm90_fwd", "sm100_fwd"}),
     ("kernels/common/exp2.py", {"sm90_fwd", "sm100_fwd", "exp2_probe"}),

@@ -128,8 +128,8 @@ def test_jit_vmap_sink_and_segment_ids():
 
 
 def test_sm100_configs_and_reasons():
-    """The sm100 forward writes max logits for dense calls (the dense tuning plus the output);
-    segment ids and decode-shaped calls name their reasons when forced."""
+    """The sm100 forward writes max logits for dense and segment-id calls (the dense tuning
+    plus the output); decode-shaped calls name their reason when forced."""
     from jax_fa4.kernels.sm100 import fwd_config as sm100_fwd_config
 
     sm100 = backends.get("sm100")
@@ -138,10 +138,11 @@ def test_sm100_configs_and_reasons():
                                       max_logits=True)
     assert cfg in sm100_fwd_config.shipped_configs()
     assert [a.name for a in cfg.signature().outputs] == ["out", "lse", "max_logits"]
-    q, k = _qk(3, 1, 256, 256, 2, 2, 64, jnp.bfloat16)
-    with pytest.raises(base.ImplementationUnavailableError, match="segment ids"):
-        jax_fa4.flash_attention(q, k, k, segment_ids=jnp.zeros((1, 256), jnp.int32),
-                                return_max_logits=True, implementation="sm100")
+    seg = sm100.make_segments("float16", 64, 64, "causal", True, max_logits=True)
+    assert seg == dataclasses.replace(sm100.make_forward("float16", 64, 64, "causal", True),
+                                      segments=True, max_logits=True)
+    assert seg in sm100_fwd_config.shipped_configs()
+    assert [a.name for a in seg.signature().outputs] == ["out", "lse", "max_logits"]
     q, k = _qk(7, 2, 1, 4096, 8, 2, 64, jnp.bfloat16)
     with pytest.raises(base.ImplementationUnavailableError, match="decode-shaped"):
         jax_fa4.flash_attention(q, k, k, return_max_logits=True, implementation="sm100")
