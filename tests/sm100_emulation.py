@@ -1,7 +1,9 @@
 """CPU stand-ins for the sm100 dense kernels, written to their documented call contracts.
 
 ``emulated_call_kernel(options, calls)`` replaces ``jax_fa4.ffi.call.call_kernel``: the sm100
-forward and the preprocess are the reference; the sm100 backward
+forward (with each row's max logit for a ``max_logits`` config; with segment ids the mask
+:func:`sm100_table_visible` reads from the tables alone) and the preprocess are the reference;
+the sm100 backward
 (``jax_fa4/kernels/sm100/bwd_config.py``) returns dq_accum as the kernel leaves it (row-major
 (Sq_pad, D) per (b, h), unscaled, the rows past Sq NaN so that the caller must drop them) and, for
 GQA configs, dK / dV per *query* head in float32. With them the sm100 route's JAX side
@@ -24,6 +26,50 @@ import jax.numpy as jnp
 
 from jax_fa4 import reference
 from jax_fa4.backends import base
+from jax_fa4.kernels import segments_config as cols
+from jax_fa4.kernels.sm100.fwd_config import FwdConfig
+
+
+def sm100_table_visible(tiles, rows, kv_ids, sq: int, sk: int, tile_n: int, q_tiles: int):
+    """(B, Sq, Sk) bool: the keys each query sees by the sm100 forward's segment rule, from the
+    tables of jax_fa4.segments.forward_tables (built for FwdConfig.tile_m-row Q tiles) alone:
+    a query's work tile (q_tiles Q tiles) visits the union of its Q tiles' key-block ranges
+    (segment_blocks; a Q tile past the table has none), and every visited key is masked to the
+    row's span and, in a Q tile flagged ``ids``, to the row's id; the bulk is not read."""
+    tile_m = FwdConfig.tile_m
+    n_tiles = tiles.shape[1]
+    q_tile = jnp.arange(sq) // tile_m
+    first = q_tile // q_tiles * q_tiles
+    lo, hi = tiles[:, first, cols.SEG_N_LO], tiles[:, first, cols.SEG_N_HI]  # (B, Sq)
+    if q_tiles == 2:
+        second = jnp.minimum(first + 1, n_tiles - 1)
+        lo1, hi1 = tiles[:, second, cols.SEG_N_LO], tiles[:, second, cols.SEG_N_HI]
+        joins = (first + 1 < n_tiles) & (hi1 > 0)
+        lo = jnp.where(joins, jnp.where(hi == 0, lo1, jnp.minimum(lo, lo1)), lo)
+        hi = jnp.where(joins, jnp.maximum(hi, hi1), hi)
+    keys = jnp.arange(sk)
+    n = keys // tile_n
+    visited = (n >= lo[..., None]) & (n < hi[..., None])
+    span = ((keys >= rows[..., cols.SEG_ROW_START, None])
+            & (keys < rows[..., cols.SEG_ROW_END, None]))
+    same = kv_ids[:, None, :] == rows[..., cols.SEG_ROW_ID, None]
+    flagged = tiles[:, q_tile, cols.SEG_IDS] != 0
+    return visited & span & (~flagged[..., None] | same)
+
+
+def _segments_forward(config, q, k, v, tiles, rows, kv_ids, options: dict) -> tuple:
+    """(out float32, lse[, max_logits]) of the sm100 forward with segment ids: attention under
+    the config's mask kind and the tables' mask (:func:`sm100_table_visible`)."""
+    from test_segments import _masked_attention, _row_max
+
+    sq, sk = q.shape[1], k.shape[1]
+    visible = sm100_table_visible(tiles, rows, kv_ids, sq, sk, config.tile_n, config.q_tiles)
+    visible &= reference.visible_mask(sq, sk, options["window"])[None]
+    scale, softcap = options["softmax_scale"], options["softcap"]
+    out, lse, _ = _masked_attention(q, k, v, visible, scale, softcap, None)
+    if not config.max_logits:
+        return out, lse
+    return out, lse, _row_max(q, k, visible, scale, softcap)
 
 
 def _check_signature(config, inputs, out_shapes) -> None:
@@ -112,10 +158,20 @@ def emulated_call_kernel(options: dict, calls: list):
             assert arch == "sm_100a" and not config.two_cta, (arch, config)
             return _varlen_backward(config, inputs, out_shapes, reference_options(config),
                                     scale)
+        if name == "sm100_fwd" and config.segments:
+            q, k, v, _, tiles, rows, kv_ids = inputs
+            out, *stats = _segments_forward(config, q, k, v, tiles, rows, kv_ids,
+                                            reference_options(config))
+            return (out.astype(out_shapes[0].dtype), *stats)
         if name == "sm100_fwd":
             q, k, v, _ = inputs
-            out, lse = reference.attention(q, k, v, **reference_options(config))
-            return out.astype(out_shapes[0].dtype), lse
+            opts = reference_options(config)
+            out, lse = reference.attention(q, k, v, **opts)
+            if not config.max_logits:
+                return out.astype(out_shapes[0].dtype), lse
+            row_max = reference.row_max_logits(q, k, **{key: opts[key] for key in (
+                "softmax_scale", "window", "softcap")})
+            return out.astype(out_shapes[0].dtype), lse, row_max
         if name == "bwd_preprocess":
             out, dout, lse = inputs
             lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * math.log2(math.e))

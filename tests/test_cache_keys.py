@@ -41,11 +41,12 @@ _K = "jax_fa4/kernels/"
 _SPEC = {_K + "spec.py", *TOOLCHAIN_FILES}
 _SEG = {_K + "segments_config.py"}
 _VARLEN_BWD = {_K + "varlen_bwd_config.py"}  # the varlen backward's shared call contract
+_FWD_SIGS = {_K + "forward_signatures_config.py"}
 _COMMON_FWD = {_K + f"common/{m}.py" for m in ("convert", "exp2", "layout", "views")}
 #: The files each kernel kind's key hashes (its launcher's import closure and the toolchain).
 EXPECTED_FILES = {
     "bwd_preprocess": _SPEC | {_K + "preprocess.py", _K + "preprocess_config.py"},
-    "sm90_fwd": _SPEC | _SEG | _COMMON_FWD | {_K + f"common/{m}.py" for m in (
+    "sm90_fwd": _SPEC | _SEG | _FWD_SIGS | _COMMON_FWD | {_K + f"common/{m}.py" for m in (
         "geometry", "mask", "rows", "scores", "softmax", "tile_scheduler")} | {
         _K + "sm90/flash_fwd.py", _K + "sm90/common.py", _K + "sm90/fwd_config.py"},
     "sm90_bwd": _SPEC | _SEG | _VARLEN_BWD | {_K + f"common/{m}.py" for m in (
@@ -56,7 +57,7 @@ EXPECTED_FILES = {
         "convert", "geometry", "layout", "rows", "views")} | {
         _K + "sm90/bwd_postprocess.py", _K + "sm90/bwd_common.py", _K + "sm90/common.py",
         _K + "sm90/bwd_config.py"},
-    "sm100_fwd": _SPEC | _COMMON_FWD | {
+    "sm100_fwd": _SPEC | _SEG | _FWD_SIGS | _COMMON_FWD | {
         _K + "common/geometry.py", _K + "common/scores.py", _K + "common/softmax.py",
         _K + "sm100/flash_fwd.py",
         _K + "sm100/fwd_config.py", _K + "sm100/tile_order.py"},
@@ -131,8 +132,10 @@ def test_keys_do_not_depend_on_where_the_package_lies(tmp_path):
     ("kernels/sm90/bwd_tuning.py", set()),
     ("kernels/sm100/fwd_tuning.py", set()),
     ("kernels/sm100/bwd_tuning.py", set()),
-    ("kernels/segments_config.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess"}),
+    ("kernels/segments_config.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess",
+                                    "sm100_fwd"}),
     ("kernels/common/softmax.py", {"sm90_fwd", "sm100_fwd"}),
+    ("kernels/forward_signatures_config.py", {"sm90_fwd", "sm100_fwd"}),
     ("kernels/common/exp2.py", {"sm90_fwd", "sm100_fwd", "exp2_probe"}),
     ("kernels/spec.py", set(CONFIGS)),
     ("ffi/compiler.py", set(CONFIGS)),

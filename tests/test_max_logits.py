@@ -4,8 +4,9 @@ The reference's per-row max (:func:`jax_fa4.reference.row_max_logits`) against a
 force (windows, softcap, GQA, segment ids contiguous or not, padding ids no key has, odd and
 mismatched lengths, several key blocks); the API's results (order, shapes, no gradient, same
 out / lse / gradients as without); the Hopper route's configs and the max-logit output with the
-forward kernels emulated (dense and segment ids); the forced sm100 route's refusal. The kernels
-themselves: tests/gpu/test_max_logits.py.
+forward kernels emulated (dense and segment ids); the sm100 route's configs (its emulated
+numbers: tests/test_sm100_bwd_wiring.py). The Hopper kernels themselves:
+tests/gpu/test_max_logits.py.
 """
 
 from __future__ import annotations
@@ -126,9 +127,24 @@ def test_jit_vmap_sink_and_segment_ids():
                                rtol=1e-5)
 
 
-def test_forced_sm100_refuses_with_the_reason():
-    q, k = _qk(3, 1, 256, 256, 2, 2, 64, jnp.bfloat16)
-    with pytest.raises(base.ImplementationUnavailableError, match="max logits"):
+def test_sm100_configs_and_reasons():
+    """The sm100 forward writes max logits for dense and segment-id calls (the dense tuning
+    plus the output); decode-shaped calls name their reason when forced."""
+    from jax_fa4.kernels.sm100 import fwd_config as sm100_fwd_config
+
+    sm100 = backends.get("sm100")
+    cfg = sm100.make_forward("bfloat16", 128, 128, "local", True, max_logits=True)
+    assert cfg == dataclasses.replace(sm100.make_forward("bfloat16", 128, 128, "local", True),
+                                      max_logits=True)
+    assert cfg in sm100_fwd_config.shipped_configs()
+    assert [a.name for a in cfg.signature().outputs] == ["out", "lse", "max_logits"]
+    seg = sm100.make_segments("float16", 64, 64, "causal", True, max_logits=True)
+    assert seg == dataclasses.replace(sm100.make_forward("float16", 64, 64, "causal", True),
+                                      segments=True, max_logits=True)
+    assert seg in sm100_fwd_config.shipped_configs()
+    assert [a.name for a in seg.signature().outputs] == ["out", "lse", "max_logits"]
+    q, k = _qk(7, 2, 1, 4096, 8, 2, 64, jnp.bfloat16)
+    with pytest.raises(base.ImplementationUnavailableError, match="decode-shaped"):
         jax_fa4.flash_attention(q, k, k, return_max_logits=True, implementation="sm100")
 
 

@@ -5,6 +5,8 @@ tile m visits key blocks [n_lo, n_hi) intersected with nothing else; a block in 
 unmasked; every other visited block masks each row to its span [start, end), and, in a tile
 flagged ``ids``, also every key whose id differs from the row's. That must equal
 ``q_ids[i] == kv_ids[j]`` exactly, and the bulk must never hold a pair with different ids.
+The sm100 forward's rule on the same tables (work tiles of one or two 128-row Q tiles, no bulk:
+tests/sm100_emulation.sm100_table_visible) must be exact too.
 """
 
 from __future__ import annotations
@@ -113,6 +115,31 @@ def test_cross_attention_pairs_and_missing_ids():
     assert tiles.shape == (2, 3, cols.SEG_TILE_COLUMNS)
 
 
+@pytest.mark.parametrize("tile_n, q_tiles", [(128, 2), (128, 1), (64, 1)])
+def test_sm100_rule_is_exact(tile_n, q_tiles):
+    """The sm100 forward reads the tables built for its 128-row Q tiles: a work tile of
+    ``q_tiles`` of them visits the union of their key-block ranges and masks every visited key
+    to the row's span (and id, in flagged Q tiles), never skipping the mask for a bulk. Exact
+    for packed documents (odd lengths: a last work tile with one Q tile), ids that are not one
+    run, and cross attention with ids no key has."""
+    from sm100_emulation import sm100_table_visible
+
+    from jax_fa4.kernels.sm100.fwd_config import FwdConfig
+
+    rng = np.random.default_rng(11)
+    packed = packed_ids(rng, 2, 421, max_docs=5)
+    cases = [(packed, packed),
+             (rng.integers(0, 3, (2, 300)).astype(np.int32),
+              rng.integers(0, 4, (2, 250)).astype(np.int32)),
+             (packed_ids(rng, 2, 333, max_docs=4, pad_id=-1),
+              packed_ids(rng, 2, 517, max_docs=4, pad_id=-2))]
+    for q_ids, kv_ids in cases:
+        tiles, rows, kv = segments.forward_tables(q_ids, kv_ids, FwdConfig.tile_m, tile_n)
+        visible = sm100_table_visible(tiles, rows, kv, q_ids.shape[1], kv_ids.shape[1], tile_n,
+                                      q_tiles)
+        np.testing.assert_array_equal(visible, q_ids[:, :, None] == kv_ids[:, None, :])
+
+
 def test_row_spans_brute_force():
     rng = np.random.default_rng(11)
     q_ids = rng.integers(0, 6, (3, 57)).astype(np.int32)
@@ -177,13 +204,14 @@ def _row_max(q, k, visible, scale, softcap):
 
 
 def _emulated_segments_kernel(window, softcap, calls):
-    """Stand-ins for the sm90 kernels with segment ids, reading the mask from their tables
-    alone: the forward (fwd_config.segments_attention_forward_signature: float32 attention
-    under the window and :func:`_table_visible`'s mask, the learnable sinks params carries past
-    its 4 scalars joined), the backward main kernel (bwd_config.with_segment_tables: the
-    table mask restricted to each key block's query-block range; dq written unscaled in row
-    order into dq_accum, dk / dv per kv head or, GQA, float32 per query head; sink_grad: the
-    sink's share of the float32 output's rowsum) and its postprocess (dq_accum rows · scale)."""
+    """Stand-ins for the sm90 kernels with segment ids, reading the mask from their tables alone:
+    the forward (forward_signatures_config.segments_attention_forward_signature: float32
+    attention under the window and :func:`_table_visible`'s mask, the learnable sinks params
+    carries past its 4 scalars joined), the backward main kernel
+    (bwd_config.with_segment_tables: the table mask restricted to each key block's query-block
+    range; dq written unscaled in row order into dq_accum, dk / dv per kv head or, GQA, float32
+    per query head; sink_grad: the sink's share of the float32 output's rowsum) and its
+    postprocess (dq_accum rows · scale)."""
     from jax_fa4.kernels.sm90.bwd_config import BwdConfig, BwdPostprocessConfig
 
     def forward(config, q, k, v, params, tiles, rows, kv_ids, out_shapes):
@@ -316,7 +344,7 @@ def test_kernel_route_with_an_emulated_kernel(kwargs, with_sink, ids_kind, monke
 
 @pytest.mark.parametrize("implementation, dtype, words", [
     ("sm90", jnp.float32, "bfloat16 or float16"),
-    ("sm100", jnp.bfloat16, "no sm100 kernel with segment ids"),
+    ("sm100", jnp.float32, "bfloat16 or float16"),
 ])
 def test_a_forced_kernel_that_cannot_serve_says_why(implementation, dtype, words):
     q = jnp.ones((1, 64, 2, 64), dtype)

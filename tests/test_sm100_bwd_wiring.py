@@ -241,6 +241,95 @@ def test_sm100_backward_contract_gives_the_reference_gradients(case, monkeypatch
         np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max(), rtol=0, err_msg=name)
 
 
+def test_sm100_max_logits_route_gives_the_reference_max_logits(monkeypatch, fresh_warning):
+    """return_max_logits=True with implementation="sm100" runs the sm100 forward config with
+    max logits (its third output, emulated by the contract: each row's max over the visible
+    keys) and gives the reference route's max logits, out and gradients (the backward takes the
+    forward's residuals as without them)."""
+    b, sq, sk, h, hkv, d = 2, 70, 150, 4, 2, 128
+    kwargs = {"window_size": (40, 3), "softcap": 3.0, "softmax_scale": 0.2}
+    q, k, v = _qkv(b, sq, sk, h, hkv, d, seed=5)
+    options = {"softmax_scale": 0.2, "window": (40, 3), "softcap": 3.0}
+    calls = []
+    monkeypatch.setattr(call, "call_kernel", emulated_call_kernel(options, calls))
+    ct = jax.random.normal(jax.random.key(8), (b, sq, h, d), jnp.float32)
+
+    def run(implementation):
+        def f(q, k, v):
+            out, row_max = jax_fa4.flash_attention(q, k, v, implementation=implementation,
+                                                   return_max_logits=True, **kwargs)
+            return jnp.sum(out.astype(jnp.float32) * ct), (out, row_max)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernels serve: no fallback warning
+        (_, (out, row_max)), grads = run("sm100")
+    fwd = [(c, arch) for c, arch, _ in calls if c.kernel_name == "sm100_fwd"]
+    assert fwd and all(c.max_logits and c.mask == "local" and c.has_softcap
+                       and arch == "sm_100a" for c, arch in fwd)
+    assert [c.kernel_name for c, _, _ in calls].count("sm100_bwd") == 1
+    (_, (want_out, want_max)), want_grads = run("reference")
+    assert row_max.shape == (b, h) and row_max.dtype == jnp.float32
+    np.testing.assert_allclose(row_max, want_max, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32),
+                               atol=1e-2)
+    for name, g, w in zip("qkv", grads, want_grads):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max(), rtol=0, err_msg=name)
+
+
+SEGMENT_CASES = [  # (b, s, h, hkv, d, flash_attention kwargs, ids kind, learnable sink)
+    (2, 300, 4, 2, 128, {"causal": True}, "packed", False),
+    (1, 200, 2, 1, 256, {"window_size": (50, 10), "softcap": 5.0}, "random", True),
+]
+
+
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=str)
+def test_sm100_segments_route_gives_the_reference(case, monkeypatch, fresh_warning):
+    """segment_ids with implementation="sm100" run the sm100 forward with segment ids (and max
+    logits) on jax_fa4.segments' tables for its 128-row Q tiles, emulated by the sm100 rule
+    from the tables alone (sm100_emulation.sm100_table_visible), and the reference's backward
+    with a one-time warning (no sm100 backward kernel with segment ids): out, lse, max logits
+    and gradients equal the reference route's (a sink joined around the kernel's output)."""
+    from test_segments import packed_ids
+
+    b, s, h, hkv, d, kwargs, ids_kind, with_sink = case
+    rng = np.random.default_rng(d)
+    ids = jnp.asarray(packed_ids(rng, b, s, 4) if ids_kind == "packed"
+                      else rng.integers(0, 3, (b, s)).astype(np.int32))
+    q, k, v = _qkv(b, s, s, h, hkv, d, seed=6)
+    sink = jnp.linspace(-1.0, 1.0, h, dtype=jnp.float32) if with_sink else None
+    window = (None, 0) if kwargs.get("causal") else kwargs["window_size"]
+    options = {"softmax_scale": 1 / math.sqrt(d), "window": window,
+               "softcap": kwargs.get("softcap", 0.0)}
+    calls = []
+    monkeypatch.setattr(call, "call_kernel", emulated_call_kernel(options, calls))
+    ct = jax.random.normal(jax.random.key(9), (b, s, h, d), jnp.float32)
+
+    def run(implementation):
+        def f(q, k, v):
+            out, lse, row_max = jax_fa4.flash_attention(
+                q, k, v, segment_ids=ids, learnable_sink=sink, return_lse=True,
+                return_max_logits=True, implementation=implementation, **kwargs)
+            return jnp.sum(out.astype(jnp.float32) * ct), (out, lse, row_max)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    with pytest.warns(RuntimeWarning, match="segment ids"):
+        (_, got), grads = run("sm100")
+    fwd = [(c, arch) for c, arch, _ in calls if c.kernel_name == "sm100_fwd"]
+    assert fwd and all(c.segments and c.max_logits and c.head_dim == d and arch == "sm_100a"
+                       for c, arch in fwd)
+    assert not any(c.kernel_name == "sm100_bwd" for c, _, _ in calls)
+    (_, want), want_grads = run("reference")
+    for name, g, w in zip(("out", "lse", "max_logits", "dq", "dk", "dv"), (*got, *grads),
+                          (*want, *want_grads)):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w), err_msg=name)
+        fin = np.isfinite(w)
+        bound = 2e-2 * max(1.0, float(np.abs(w[fin]).max()))
+        assert float(np.abs(g[fin] - w[fin]).max()) <= bound, (name, np.abs(g - w).max())
+
+
 # -- callers on several devices (4 simulated CPU devices, in a subprocess) ----------------------
 @pytest.fixture(scope="module")
 def multidevice():

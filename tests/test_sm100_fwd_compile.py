@@ -25,6 +25,7 @@ tests/test_sm100_fwd_protocol.py model-checks the synchronisation.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -52,13 +53,67 @@ def test_configs_are_shipped_and_valid():
         assert cfg in shipped
         cfg.validate()
         assert cfg.smem_bytes() <= SMEM_CAPACITY_BYTES
-    # each dense variant also paged and varlen
-    assert len(shipped) == 180 and sum(c.paged for c in shipped) == 60
+    # each dense variant also paged, varlen, with max logits, and with segment ids (with and
+    # without max logits)
+    assert len(shipped) == 360 and sum(c.paged for c in shipped) == 60
     assert sum(c.varlen for c in shipped) == 60 and not any(c.paged and c.varlen for c in shipped)
-    assert {(c.dtype, c.head_dim, c.head_dim_v, c.mask, c.has_softcap) for c in shipped
-            if c.varlen} == {(c.dtype, c.head_dim, c.head_dim_v, c.mask, c.has_softcap)
-                             for c in shipped if not (c.paged or c.varlen)}
+    assert sum(c.max_logits for c in shipped) == 120 and sum(c.segments for c in shipped) == 120
+    assert not any((c.max_logits or c.segments) and (c.paged or c.varlen) for c in shipped)
+
+    def kinds(select):
+        return {(c.dtype, c.head_dim, c.head_dim_v, c.mask, c.has_softcap) for c in shipped
+                if select(c)}
+
+    dense = kinds(lambda c: not (c.paged or c.varlen or c.max_logits or c.segments))
+    assert len(dense) == 60
+    assert kinds(lambda c: c.varlen) == kinds(lambda c: c.max_logits and not c.segments) == dense
+    assert kinds(lambda c: c.segments and c.max_logits) == kinds(
+        lambda c: c.segments and not c.max_logits) == dense
     assert sum(c.varlen for c in test_configs()) == 7
+    assert {(c.head_dim, c.q_tiles) for c in test_configs() if c.max_logits} == {(128, 2),
+                                                                               (256, 1)}
+    assert {c.q_tiles for c in test_configs() if c.segments} == {1, 2}
+
+
+def test_max_logits_config_and_signature():
+    """max_logits: the dense tuning plus a third output, the Hopper forward's contract; dense
+    calls only."""
+    from jax_fa4.kernels.sm100.fwd_config import max_logits_config
+    from jax_fa4.kernels.sm90 import fwd_config as sm90_fwd_config
+
+    cfg = max_logits_config("bfloat16", 128, 128, "causal", True)
+    assert cfg == dataclasses.replace(FwdConfig.make("bfloat16", 128, 128, "causal", True),
+                                      max_logits=True)
+    sig = cfg.signature()
+    assert [a.name for a in sig.inputs] == ["q", "k", "v", "params"]
+    assert [a.name for a in sig.outputs] == ["out", "lse", "max_logits"]
+    hopper = sm90_fwd_config.max_logits_config("bfloat16", 128, 128, "causal", True).signature()
+    assert sig.outputs[1:] == hopper.outputs[1:]  # lse and max_logits: (B, H, Sq) float32
+    for mode in ("paged", "varlen"):
+        with pytest.raises(ValueError, match="max logits"):
+            FwdConfig.make("bfloat16", 128, max_logits=True, **{mode: True})
+
+
+def test_segments_config_and_signature():
+    """segments: the dense tuning plus the three tables after params, the Hopper forward's
+    contract (with max logits: the third output too); dense calls only."""
+    from jax_fa4.kernels.sm100.fwd_config import segments_config
+    from jax_fa4.kernels.sm90 import fwd_config as sm90_fwd_config
+
+    for max_logits in (False, True):
+        cfg = segments_config("bfloat16", 64, 64, "local", True, max_logits=max_logits)
+        assert cfg == dataclasses.replace(FwdConfig.make("bfloat16", 64, 64, "local", True),
+                                          segments=True, max_logits=max_logits)
+        hopper = sm90_fwd_config.segments_config("bfloat16", 64, 64, "local", True,
+                                                 max_logits=max_logits).signature()
+        sig = cfg.signature()
+        assert [a.name for a in sig.inputs] == ["q", "k", "v", "params", "seg_tiles",
+                                                "seg_rows", "kv_ids"]
+        assert sig.inputs[4:] == hopper.inputs[4:] and sig.outputs[1:] == hopper.outputs[1:]
+        assert [a.name for a in sig.outputs][2:] == (["max_logits"] if max_logits else [])
+    for mode in ("paged", "varlen"):
+        with pytest.raises(ValueError, match="segment ids"):
+            FwdConfig.make("bfloat16", 128, segments=True, **{mode: True})
 
 
 def test_varlen_config_validation():
@@ -78,7 +133,8 @@ def test_varlen_config_validation():
 @needs_disassembler
 @pytest.mark.parametrize("config", tiered(test_configs(), ARCH), ids=lambda c: (
     f"{c.dtype}-d{c.head_dim}-dv{c.head_dim_v}-{c.mask}{'-softcap' if c.has_softcap else ''}"
-    f"{'-varlen' if c.varlen else ''}{'-paged' if c.paged else ''}"))
+    f"{'-varlen' if c.varlen else ''}{'-paged' if c.paged else ''}"
+    f"{'-maxlogits' if c.max_logits else ''}{'-segments' if c.segments else ''}"))
 def test_compiles_with_clean_sass(config, shipped_cache):
     k, sass, seconds = _compile_and_report(config, shipped_cache)
     print(f"\n{config.describe()}: {k.registers} regs, {config.smem_bytes() / 1024:.0f} KB smem "
@@ -101,6 +157,9 @@ def test_compiles_with_clean_sass(config, shipped_cache):
         assert sorted(set(stores)) == ["STG.E", "STG.E.128"] and len(stores) == wide + 1, stores
     else:
         assert k.count("UTMASTG") > 0
+        # from registers only the softmax's 32-bit row statistics: lse, and the max logit
+        stores = re.findall(r"\bSTG(?:\.[A-Z0-9]+)*", sass)
+        assert stores == ["STG.E"] * (2 if config.max_logits else 1), stores
     assert k.count("MUFU.EX2") > 0  # (the software exp2's share: the test below)
     # TMEM allocation balanced (see the module docstring for the SASS names)
     alloc = len(re.findall(r"UTCATOMSWS\.FIND_AND_SET", sass))
@@ -129,8 +188,6 @@ def test_software_exp2_moves_its_share_off_mufu(shipped_cache):
     """exp2_sw_per_32 = n moves n of every 32 exponentials of a row (tile_n per thread) from
     MUFU.EX2 to the FMA pipes: exactly tile_n·n/32 fewer MUFU.EX2, and 3 more FFMA2 per pair
     (the degree-3 polynomial, two lanes per FFMA2) than the same kernel with n = 0."""
-    import dataclasses
-
     config = FwdConfig.make("bfloat16", 128)
     assert config.exp2_sw_per_32 > 0
     with_sw, _, _ = _compile_and_report(config, shipped_cache)

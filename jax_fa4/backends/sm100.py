@@ -5,9 +5,11 @@ GPU in this project, so ``implementation=None`` picks them only with ``JAX_FA4_E
 (else the reference, with a one-time warning); ``implementation="sm100"`` forces them.
 
 Forward (jax_fa4/kernels/sm100/fwd_config.py): the table's config (``FwdConfig.make``), persistent,
-with the same varlen (``varlen=True``) and paged (``paged=True``) modes and call contracts as
-Hopper's; decode-shaped calls run the training tile, rewritten by
-:mod:`jax_fa4.backends.decode`.
+with the same varlen (``varlen=True``), paged (``paged=True``) and segment-id (``segments=True``,
+:meth:`KernelBackend.segments_forward`'s tables) modes, and max logits (``max_logits=True``, dense
+and segment-id calls), under the same call contracts as Hopper's; decode-shaped calls run the
+training tile, rewritten by :mod:`jax_fa4.backends.decode`. Segment ids have no sm100 backward
+kernel: their gradient runs the reference's backward with a one-time ``RuntimeWarning``.
 
 Dense backward (jax_fa4/kernels/sm100/bwd_config.py), :meth:`Sm100Backend.backward`: ``sm100_bwd``
 with dq_accum (zeros, float32, (B, H, Sq_pad·D), row-major, updated in place through an
@@ -76,8 +78,8 @@ def varlen_dq(dq_accum: jax.Array, cu_seqlens_q: jax.Array, total_q: int, head_d
 
 
 class Sm100Backend(KernelBackend):
-    """Blackwell: the sm100 forward (dense, varlen, paged), the preprocess and the sm100 dense
-    and varlen backward kernels (compile-verified only)."""
+    """Blackwell: the sm100 forward (dense, varlen, paged, segment ids), the preprocess and the
+    sm100 dense and varlen backward kernels (compile-verified only)."""
 
     name = "sm100"
     arch = ARCH
@@ -88,9 +90,12 @@ class Sm100Backend(KernelBackend):
     warns_reference_backward = True
 
     def make_forward(self, dtype, head_dim, head_dim_v, mask, has_softcap, max_logits=False):
-        if max_logits:
-            raise ValueError("the sm100 forward kernel does not write max logits yet")
-        return fwd_config.FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap)
+        return fwd_config.FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap,
+                                         max_logits=bool(max_logits))
+
+    def make_segments(self, dtype, head_dim, head_dim_v, mask, has_softcap, max_logits=False):
+        return fwd_config.segments_config(dtype, head_dim, head_dim_v, mask, has_softcap,
+                                          max_logits=bool(max_logits))
 
     def make_varlen(self, dtype, head_dim, head_dim_v, mask, has_softcap):
         return fwd_config.varlen_config(dtype, head_dim, head_dim_v, mask, has_softcap)

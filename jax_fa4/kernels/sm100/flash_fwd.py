@@ -6,7 +6,8 @@ h // (H // Hkv)), key-length tail mask, bottom-right aligned causal and sliding-
 key-block skipping, softcap, lse output; software exp2 on the FMA pipe for a compile-time share
 of each row (common/exp2.py), FA4's conditional rescaling done by a separate correction
 warpgroup, persistent CTAs (SM count from the config) with heavy tiles first under causal / local
-masks (tile_order.py); paged KV and packed (varlen) sequences.
+masks (tile_order.py); paged KV and packed (varlen) sequences; (dense) segment ids and each
+row's max logit.
 
 A CTA is persistent over work tiles of ``q_tiles`` × 128 query rows of one (batch, head). With
 ``q_tiles = 2`` (head dims 64–128) it has 16 warps:
@@ -17,7 +18,7 @@ A CTA is persistent over work tiles of ``q_tiles`` × 128 query rows of one (bat
     rescale decision (the factor goes to the correction warpgroup through shared memory, signalled
     *before* the exponentials so the O rescale overlaps them), P = exp2(S·c − m·c) (MUFU and
     software exp2 mixed), P as 16-bit pairs into the upper half of the S buffer, signal the MMA
-    warp. At the end of a tile: lse, and 1/Σ for the correction warpgroup.
+    warp. At the end of a tile: lse (and the max logit), and 1/Σ for the correction warpgroup.
   * warps 8–11: correction (thread = TMEM lane, both Q tiles). Per key block and Q tile: take the
     factor; once the previous P·V has completed, rescale that O tile in TMEM when some row of the
     warp needs it (warp vote); signal the MMA warp. Epilogue: O·(1/Σ) → 16-bit → swizzled shared
@@ -70,6 +71,24 @@ tile would overwrite the next sequence's rows): each correction thread writes it
 registers, 16 bytes per store, when the row is below seqlen_q. The extra batch slice (batch ==
 number of sequences) writes zeros to the packed output rows outside every sequence.
 
+Max logits (FwdConfig.max_logits, dense): a third output (B, H, Sq) float32, each row's largest
+visible logit. The max the softmax applies (R) lags the row's true max under conditional
+rescaling, so each softmax thread keeps a second running max, of the scaled block maxima
+(max(s)·scale_log2, after softcap and masks), and writes it divided by log2 e with lse: the
+Hopper forward's rule and rounding (common/softmax.OnlineSoftmax.logits_max). No other role is
+involved.
+
+Segment ids (FwdConfig.segments, dense): jax_fa4/segments.py's three tables, built for 128-row Q
+tiles (the TMEM lanes of one softmax warpgroup): per Q tile its key-block range [n_lo, n_hi)
+((0, 0): no row sees a key) and a compare-ids flag, per row its key span [start, end) and id,
+and the keys' ids. Every role intersects its work tile's key-block range with the union of the
+work tile's Q tiles' ranges (segment_blocks: the same in every role, so all agree on the block
+count; a tile with none stores O = 0, lse = -inf). The softmax, which masks every block anyway,
+bounds each row's visible columns by its span as by a window, and in a flagged Q tile (ids that
+are not one contiguous run) also masks every key whose id is not the row's, reading the ids from
+global memory. The tables' bulk columns (blocks every row sees whole) are not read: no block goes
+unmasked here. No barrier changes.
+
 Missing relative to FA4 (see docs/kernels/sm100.md): 2-CTA MMA, the L2 head swizzle, the "last
 quarter of P" early PV start, a dedicated hdim-256 kernel.
 """
@@ -98,7 +117,9 @@ from jax_fa4.kernels.common.softmax import exact_limit_log2
 from jax_fa4.kernels.common.views import dim_major, seq_major, sequence
 from jax_fa4.kernels.sm100 import tile_order
 from jax_fa4.kernels.sm100.fwd_config import FwdConfig
-from jax_fa4.kernels.spec import LN2, PARAM_SCALE
+from jax_fa4.kernels.segments_config import (SEG_IDS, SEG_N_HI, SEG_N_LO, SEG_ROW_END,
+                                             SEG_ROW_ID, SEG_ROW_START)
+from jax_fa4.kernels.spec import LN2, LOG2_E, PARAM_SCALE
 
 LANES = 128  # TMEM lanes = query rows of one Q tile = threads of one warpgroup
 
@@ -117,6 +138,8 @@ class FlashAttentionForwardSm100:
         self.is_bf16 = cfg.dtype == "bfloat16"
         self.paged = cfg.paged
         self.varlen = cfg.varlen
+        self.max_logits = cfg.max_logits
+        self.segments = cfg.segments
         self.hdim, self.hdimv = cfg.head_dim, cfg.head_dim_v
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.q_tiles = cfg.q_tiles
@@ -145,7 +168,9 @@ class FlashAttentionForwardSm100:
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mParams: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mPageTable: cute.Tensor | None = None, mSeqUsedK: cute.Tensor | None = None,
-                 mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None):
+                 mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None,
+                 mMaxLogits: cute.Tensor | None = None, mSegTiles: cute.Tensor | None = None,
+                 mSegRows: cute.Tensor | None = None, mKvIds: cute.Tensor | None = None):
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("out", mO)):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"{name}: expected {self.dtype}, got {t.element_type}")
@@ -158,14 +183,26 @@ class FlashAttentionForwardSm100:
                       self.varlen != (mCuSeqlensK is not None)):
             raise TypeError("cu_seqlens_q and cu_seqlens_k are given exactly when the config is "
                             "varlen")
+        if const_expr(self.max_logits != (mMaxLogits is not None)):
+            raise TypeError("max_logits is given exactly when the config has max logits")
+        if const_expr(mMaxLogits is not None and mMaxLogits.element_type != Float32):
+            raise TypeError(f"max_logits: expected Float32, got {mMaxLogits.element_type}")
+        if const_expr(self.segments != (mSegTiles is not None) or
+                      self.segments != (mSegRows is not None) or
+                      self.segments != (mKvIds is not None)):
+            raise TypeError("seg_tiles, seg_rows and kv_ids are given exactly when the config "
+                            "has segments")
         for name, t in (("page_table", mPageTable), ("seqused_k", mSeqUsedK),
-                        ("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK)):
+                        ("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK),
+                        ("seg_tiles", mSegTiles), ("seg_rows", mSegRows), ("kv_ids", mKvIds)):
             if const_expr(t is not None and t.element_type != Int32):
                 raise TypeError(f"{name}: expected Int32, got {t.element_type}")
         D, Dv = self.hdim, self.hdimv
         mQ, mK = seq_major(mQ, D), seq_major(mK, D)
         mV, mO = dim_major(mV, Dv), seq_major(mO, Dv)
         mLSE = select_modes(mLSE, (2, 1, 0))  # (Sq, H, B); varlen: (max_seqlen_q, H, batch)
+        if const_expr(mMaxLogits is not None):
+            mMaxLogits = select_modes(mMaxLogits, (2, 1, 0))  # (Sq, H, B), as lse
 
         cta_group = tcgen05.CtaGroup.ONE
         qk_tiler = (self.tile_m, self.tile_n, D)
@@ -239,8 +276,8 @@ class FlashAttentionForwardSm100:
         grid = cutlass.max(grid, 1)
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mLSE, mParams, mPageTable, mSeqUsedK,
-            mCuSeqlensQ, mCuSeqlensK, mO if const_expr(self.varlen) else None,
-            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            mCuSeqlensQ, mCuSeqlensK, mO if const_expr(self.varlen) else None, mMaxLogits,
+            mSegTiles, mSegRows, mKvIds, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             sQ_layout, sK_layout, sV_layout, sO_layout, tP_layout,
             qk_mma, pv_mma, SharedStorage,
         ).launch(grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
@@ -345,6 +382,8 @@ class FlashAttentionForwardSm100:
                mLSE: cute.Tensor, mParams: cute.Tensor, mPageTable: cute.Tensor | None,
                mSeqUsedK: cute.Tensor | None, mCuSeqlensQ: cute.Tensor | None,
                mCuSeqlensK: cute.Tensor | None, mO_gmem: cute.Tensor | None,
+               mMaxLogits: cute.Tensor | None, mSegTiles: cute.Tensor | None,
+               mSegRows: cute.Tensor | None, mKvIds: cute.Tensor | None,
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_O: cute.CopyAtom,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -410,6 +449,8 @@ class FlashAttentionForwardSm100:
 
         scalar_args = (mQ, mK, mLSE, mParams, mPageTable, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK,
                        mO_gmem)
+        # segment ids: the tables (segment_blocks in every role, the row spans in the softmax)
+        segs = (mSegTiles, mSegRows, mKvIds) if const_expr(self.segments) else None
         if warp_idx < 4 * self.q_tiles:
             cute.arch.setmaxregister_increase(self.softmax_regs)
             tmem.wait_for_alloc()
@@ -417,7 +458,7 @@ class FlashAttentionForwardSm100:
             sched, blk, paged, varlen, _ = self.scalars(*scalar_args)
             lane, t = self.thread_role()
             self.softmax_wg(mLSE, mParams, qk_mma, tmem_ptr, sScale, sSum, bars, sched, blk,
-                            t, lane, paged, varlen)
+                            t, lane, paged, varlen, mMaxLogits, segs)
             cute.arch.fence_view_async_tmem_load()
             dealloc_barrier.arrive_and_wait()
         elif warp_idx < 4 * (self.q_tiles + 1):
@@ -427,7 +468,7 @@ class FlashAttentionForwardSm100:
             sched, blk, paged, varlen, _ = self.scalars(*scalar_args)
             lane, _ = self.thread_role()
             self.correction_wg_loop(pv_mma, tmem_ptr, sO, sScale, sSum, bars, sched, blk, lane,
-                                    paged, varlen)
+                                    paged, varlen, segs)
             cute.arch.fence_view_async_tmem_load()
             dealloc_barrier.arrive_and_wait()
         else:
@@ -436,7 +477,7 @@ class FlashAttentionForwardSm100:
             if warp_idx == self.load_warp_idx:
                 self.load_warp(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                                qk_mma, pv_mma, pipeline_q, pipeline_kv, sched, blk,
-                               qhead_per_kvhead, paged, varlen)
+                               qhead_per_kvhead, paged, varlen, segs)
             if warp_idx == self.epilogue_warp_idx:
                 if const_expr(not self.varlen):
                     self.epilogue_warp(mO, sO, tma_atom_O, bars, sched)
@@ -447,7 +488,7 @@ class FlashAttentionForwardSm100:
                 tmem_ptr = tmem.retrieve_ptr(Float32)
                 tmem.relinquish_alloc_permit()
                 self.mma_warp(sQ, sK, sV, tP_layout, qk_mma, pv_mma, tmem_ptr, pipeline_q,
-                              pipeline_kv, bars, sched, blk, paged, varlen)
+                              pipeline_kv, bars, sched, blk, paged, varlen, segs)
                 dealloc_barrier.arrive_and_wait()
                 tmem.free(tmem_ptr)
 
@@ -537,20 +578,44 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def tile_blocks(self, idx: Int32, sched: cutlass.Constexpr, blk: cutlass.Constexpr,
-                    paged: cutlass.Constexpr, varlen: cutlass.Constexpr):
+                    paged: cutlass.Constexpr, varlen: cutlass.Constexpr,
+                    segs: cutlass.Constexpr = None):
         """(m_block, head, batch, q_offset, k_offset, the tile's blk, n_min, n_max) of work
         index ``idx``: the same in every role."""
         m_block, head, batch = self.work_tile(idx, sched)
         q_offset, k_offset, tblk = self.tile_seq(blk, paged, varlen, batch)
         n_min, n_max = self.n_block_range(m_block, tblk)
+        if const_expr(segs is not None):
+            n_min, n_max = self.segment_blocks(segs[0], m_block, batch, n_min, n_max)
         return m_block, head, batch, q_offset, k_offset, tblk, n_min, n_max
+
+    @cute.jit
+    def segment_blocks(self, seg_tiles: cute.Tensor, m_block: Int32, batch: Int32,
+                       n_min: Int32, n_max: Int32):
+        """[n_min, n_max) intersected with the key blocks some row of work tile ``m_block``
+        sees by its segment id: the union of its Q tiles' [n_lo, n_hi) in seg_tiles (one entry
+        per 128-row Q tile; (0, 0) when no row of the Q tile sees a key, and no entry for a
+        second Q tile past the queries). Empty: n_max == n_min."""
+        first = m_block * self.q_tiles
+        lo = seg_tiles[batch, first, SEG_N_LO]
+        hi = seg_tiles[batch, first, SEG_N_HI]
+        if const_expr(self.q_tiles == 2):
+            if first + 1 < seg_tiles.shape[1]:
+                lo1 = seg_tiles[batch, first + 1, SEG_N_LO]
+                hi1 = seg_tiles[batch, first + 1, SEG_N_HI]
+                if hi1 > 0:
+                    lo = lo1 if hi == 0 else cutlass.min(lo, lo1)
+                    hi = cutlass.max(hi, hi1)
+        n_min = cutlass.max(n_min, lo)
+        return n_min, cutlass.max(cutlass.min(n_max, hi), n_min)
 
     # --- load warp ---------------------------------------------------------------------------
     @cute.jit
     def load_warp(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                   qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, pipeline_q, pipeline_kv,
                   sched: cutlass.Constexpr, blk: cutlass.Constexpr, qhead_per_kvhead: Int32,
-                  paged: cutlass.Constexpr = None, varlen: cutlass.Constexpr = None):
+                  paged: cutlass.Constexpr = None, varlen: cutlass.Constexpr = None,
+                  segs: cutlass.Constexpr = None):
         D, Dv = self.hdim, self.hdimv
         qk_thr, pv_thr = qk_mma.get_slice(0), pv_mma.get_slice(0)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_tiles)
@@ -559,7 +624,7 @@ class FlashAttentionForwardSm100:
         total_tiles, bidx, grid_dim = sched[3], sched[4], sched[5]
         for idx in cutlass.range(bidx, total_tiles, grid_dim, unroll=1):
             m_block, head, batch, q_offset, k_offset, _, n_min, n_max = self.tile_blocks(
-                idx, sched, blk, paged, varlen)
+                idx, sched, blk, paged, varlen, segs)
             head_kv = head // qhead_per_kvhead
             gQ = cute.local_tile(sequence(mQ, head, batch, q_offset), (self.tile_m, D),
                                  (None, 0))
@@ -629,7 +694,8 @@ class FlashAttentionForwardSm100:
     def mma_warp(self, sQ, sK, sV, tP_layout: cute.ComposedLayout, qk_mma: cute.TiledMma,
                  pv_mma: cute.TiledMma, tmem_ptr, pipeline_q, pipeline_kv, bars,
                  sched: cutlass.Constexpr, blk: cutlass.Constexpr,
-                 paged: cutlass.Constexpr = None, varlen: cutlass.Constexpr = None):
+                 paged: cutlass.Constexpr = None, varlen: cutlass.Constexpr = None,
+                 segs: cutlass.Constexpr = None):
         qk_thr, pv_thr = qk_mma.get_slice(0), pv_mma.get_slice(0)
         tSrQ = qk_thr.make_fragment_A(sQ)
         tSrK = qk_thr.make_fragment_B(sK)
@@ -647,7 +713,7 @@ class FlashAttentionForwardSm100:
         count = Int32(0)  # key blocks processed by this CTA (slot phases)
         total_tiles, bidx, grid_dim = sched[3], sched[4], sched[5]
         for idx in cutlass.range(bidx, total_tiles, grid_dim, unroll=1):
-            n_min, n_max = self.tile_blocks(idx, sched, blk, paged, varlen)[6:]
+            n_min, n_max = self.tile_blocks(idx, sched, blk, paged, varlen, segs)[6:]
             n_blocks = n_max - n_min
             if n_blocks > 0:
                 if const_expr(self.q_tiles == 2):
@@ -770,8 +836,10 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def softmax_wg(self, mLSE, mParams, qk_mma: cute.TiledMma, tmem_ptr, sScale, sSum, bars,
                    sched: cutlass.Constexpr, blk: cutlass.Constexpr, t: Int32, lane: Int32,
-                   paged: cutlass.Constexpr = None, varlen: cutlass.Constexpr = None):
-        """Softmax of Q tile ``t`` (0 with q_tiles = 1)."""
+                   paged: cutlass.Constexpr = None, varlen: cutlass.Constexpr = None,
+                   mMaxLogits: cute.Tensor | None = None, segs: cutlass.Constexpr = None):
+        """Softmax of Q tile ``t`` (0 with q_tiles = 1); with ``mMaxLogits`` (Sq, H, B) each
+        row's max logit too; ``segs``: the segment-id tables (seg_tiles, seg_rows, kv_ids)."""
         ld_s, tTtS0, tTcS, p_io = self.softmax_tmem_copies(qk_mma, tmem_ptr, lane)
 
         scales = score_scales(mParams[PARAM_SCALE], mParams, self.has_softcap)
@@ -784,23 +852,35 @@ class FlashAttentionForwardSm100:
         total_tiles, bidx, grid_dim = sched[3], sched[4], sched[5]
         for idx in cutlass.range(bidx, total_tiles, grid_dim, unroll=1):
             m_block, head, batch, _, _, tblk, n_min, n_max = self.tile_blocks(
-                idx, sched, blk, paged, varlen)
+                idx, sched, blk, paged, varlen, segs)
             n_blocks = n_max - n_min
             row = (m_block * self.q_tiles + t) * self.tile_m + tTcS[0][0]  # this thread's row
+            seg = None
+            other_id = None
+            if const_expr(segs is not None):
+                seg = self.segment_row(segs, m_block * self.q_tiles + t, row, batch, tblk)
+                other_id = cute.make_rmem_tensor(self.tile_n // 32, Int32)
             # the scaled max actually applied to P, R = round(m·scale_log2) (conditional
             # rescale); every use is R itself, so its rounding cancels (common/softmax.py)
             row_max = Float32(-math.inf)
             row_sum = Float32(0.0)
+            # max logits: the true running scaled max, never stale (-inf: no visible key yet)
+            seen_max = Float32(-math.inf)
             for j in cutlass.range(n_blocks, unroll=1):
                 n_block = n_max - 1 - j
                 buf, phase = self.slot(t, count + j)
+                if const_expr(segs is not None):
+                    self.segment_id_bits(seg, n_block, tblk, other_id)
                 cute.arch.mbarrier_wait(s_full + buf, phase)
                 tSrS = cute.make_rmem_tensor(tTcS.shape, Float32)
                 cute.copy(ld_s, cute.make_tensor(tTtS0.iterator + buf * self.tile_n,
                                                  tTtS0.layout), tSrS)
                 cute.arch.fence_view_async_tmem_load()
-                row_max, acc_scale = self.row_max_step(tSrS, tTcS, row, n_block, row_max,
-                                                       scale_log2, tanh_in_scale, tblk)
+                row_max, acc_scale, blk_max = self.row_max_step(
+                    tSrS, tTcS, row, n_block, row_max, scale_log2, tanh_in_scale, tblk, seg,
+                    other_id)
+                if const_expr(mMaxLogits is not None):
+                    seen_max = cute.arch.fmax(seen_max, blk_max)
                 # the factor goes to the correction warpgroup before the exponentials, so the
                 # O rescale overlaps them (read there only for j > 0)
                 sScale[lane, buf] = acc_scale
@@ -827,14 +907,53 @@ class FlashAttentionForwardSm100:
                 if not empty:
                     lse = (row_max + cute.math.log2(row_sum, fastmath=True)) * LN2
                 mLSE[row, head, batch] = Float32.nan if broken else lse
+                if const_expr(mMaxLogits is not None):
+                    mMaxLogits[row, head, batch] = seen_max * Float32(1.0 / LOG2_E)
+
+    @cute.jit
+    def segment_row(self, segs: cutlass.Constexpr, q_tile: Int32, row: Int32, batch: Int32,
+                    blk: cutlass.Constexpr):
+        """A softmax thread's segment data for its row of Q tile ``q_tile``: (key span start,
+        end, the row's id, the batch entry's key ids, the Q tile's compare-ids flag). A row
+        past seqlen_q reads the last row's (it is never written), a second Q tile past the
+        queries the last Q tile's flag."""
+        seg_tiles, seg_rows, kv_ids = segs
+        r = cutlass.min(row, blk[0] - 1)
+        flag = seg_tiles[batch, cutlass.min(q_tile, seg_tiles.shape[1] - 1), SEG_IDS]
+        return (seg_rows[batch, r, SEG_ROW_START], seg_rows[batch, r, SEG_ROW_END],
+                seg_rows[batch, r, SEG_ROW_ID], kv_ids[batch, None], flag)
+
+    @cute.jit
+    def segment_id_bits(self, seg: cutlass.Constexpr, n_block: Int32, blk: cutlass.Constexpr,
+                        other_id: cute.Tensor):
+        """The keys of block ``n_block`` that row_max_step masks for their id, as bits (key c:
+        bit c % 32 of word c // 32): with the Q tile's compare flag set those whose id is not
+        the row's, read one at a time in a run-time loop; else none. Called before the scores
+        are loaded, so the reads overlap the wait for S and only the words stay live
+        (comparing the ids against the loaded scores spilled). Keys past seqlen_k read the
+        last key's id (the tail mask has them)."""
+        row_id, kv_ids, compare_ids = seg[2], seg[3], seg[4]
+        other_id.fill(0)
+        if compare_ids != 0:
+            col0 = n_block * self.tile_n
+            last = blk[1] - 1
+            for w in cutlass.range_constexpr(self.tile_n // 32):
+                word = Int32(0)
+                for b in cutlass.range(32, unroll=4):
+                    key_id = kv_ids[cutlass.min(col0 + w * 32 + b, last)]
+                    word = word if key_id == row_id else (word | (Int32(1) << b))
+                other_id[w] = word
 
     @cute.jit
     def row_max_step(self, tSrS: cute.Tensor, tTcS: cute.Tensor, row: Int32, n_block: Int32,
                      row_max: Float32, scale_log2: Float32, tanh_in_scale: Float32,
-                     blk: cutlass.Constexpr):
+                     blk: cutlass.Constexpr, seg: cutlass.Constexpr = None,
+                     other_id: cute.Tensor | None = None):
         """Softcap and mask one key block of one row in place; return the new applied scaled
-        max and the factor O and the row sum must be rescaled by (1.0 when the conditional
-        rescale keeps the old max)."""
+        max, the factor O and the row sum must be rescaled by (1.0 when the conditional
+        rescale keeps the old max) and the block's scaled max (-inf: no visible key). ``seg``
+        (segment ids, segment_row): the row's key span bounds its columns like a window, and
+        every key whose bit in ``other_id`` (segment_id_bits) is set is masked."""
         n = cute.size(tSrS)
         if const_expr(self.has_softcap):
             for i in cutlass.range_constexpr(n):
@@ -842,14 +961,28 @@ class FlashAttentionForwardSm100:
         # masks: key-length tail always (cheap: one compare per element), causal / window;
         # visible columns [left, right) relative to the block
         left, right = self.band(blk).visible_cols(row, n_block)
-        if const_expr(self.is_local):
+        if const_expr(seg is not None):
+            # the row's key span [start, end), relative to the block
+            col0 = n_block * self.tile_n
+            right = cutlass.min(right, seg[1] - col0)
+            if const_expr(self.is_local):
+                left = cutlass.max(left, seg[0] - col0)
+            else:
+                left = seg[0] - col0
+        if const_expr(self.is_local or seg is not None):
             # visible: left <= c < right, i.e. both c − left and right − 1 − c are >= 0: one
             # sign test of their bitwise or (two compares per score kept too many predicates
-            # live and the softmax spilled; an unsigned compare was rewritten by the compiler)
+            # live and the softmax spilled; an unsigned compare was rewritten by the compiler).
+            # Segment ids: the key's other-id bit shifted into the sign joins the or (a
+            # separate, branched pass over the scores spilled). Register i holds key i of the
+            # block (test_tmem_fragment_maps).
             last = right - 1
             for i in cutlass.range_constexpr(n):
                 c = tTcS[i][1]
-                tSrS[i] = -Float32.inf if ((c - left) | (last - c)) < 0 else tSrS[i]
+                hidden = (c - left) | (last - c)
+                if const_expr(seg is not None):
+                    hidden = hidden | (other_id[i // 32] << (31 - i % 32))
+                tSrS[i] = -Float32.inf if hidden < 0 else tSrS[i]
         else:
             for i in cutlass.range_constexpr(n):
                 tSrS[i] = -Float32.inf if tTcS[i][1] >= right else tSrS[i]
@@ -859,7 +992,8 @@ class FlashAttentionForwardSm100:
             for a in cutlass.range_constexpr(4):
                 acc[a] = cute.arch.fmax(acc[a], cute.arch.fmax(tSrS[i + a], tSrS[i + 4 + a]))
         blk_max = cute.arch.fmax(cute.arch.fmax(acc[0], acc[1]), cute.arch.fmax(acc[2], acc[3]))
-        m_new = cute.arch.fmax(row_max, blk_max * scale_log2)
+        blk_max = blk_max * scale_log2
+        m_new = cute.arch.fmax(row_max, blk_max)
         # conditional rescale: move the applied max only when it grew by more than the
         # threshold (log2 units); -inf -> finite is +inf (moves), -inf -> -inf is NaN (stays)
         need = m_new - row_max > self.rescale_threshold
@@ -867,7 +1001,7 @@ class FlashAttentionForwardSm100:
         if need:
             acc_scale = cute.math.exp2(row_max - m_new, fastmath=True)
             row_max = m_new
-        return row_max, acc_scale
+        return row_max, acc_scale, blk_max
 
     @cute.jit
     def exponentiate(self, tSrS: cute.Tensor, row_max: Float32, row_sum: Float32,
@@ -911,7 +1045,8 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def correction_wg_loop(self, pv_mma: cute.TiledMma, tmem_ptr, sO, sScale, sSum, bars,
                            sched: cutlass.Constexpr, blk: cutlass.Constexpr, lane: Int32,
-                           paged: cutlass.Constexpr = None, varlen: cutlass.Constexpr = None):
+                           paged: cutlass.Constexpr = None, varlen: cutlass.Constexpr = None,
+                           segs: cutlass.Constexpr = None):
         """O rescales between key blocks and the epilogue, for every Q tile of the CTA."""
         pv_thr = pv_mma.get_slice(0)
         ld_o, st_o, thr_ld_o, tTtO_ld, tTtO_st, tTcO = self.o_tmem_copies(pv_mma, tmem_ptr,
@@ -942,7 +1077,7 @@ class FlashAttentionForwardSm100:
         total_tiles, bidx, grid_dim = sched[3], sched[4], sched[5]
         for idx in cutlass.range(bidx, total_tiles, grid_dim, unroll=1):
             m_block, head, batch, q_offset, _, tblk, n_min, n_max = self.tile_blocks(
-                idx, sched, blk, paged, varlen)
+                idx, sched, blk, paged, varlen, segs)
             n_blocks = n_max - n_min
             for j in cutlass.range(n_blocks, unroll=1):
                 for t in cutlass.range_constexpr(self.q_tiles):
@@ -1087,7 +1222,9 @@ class FlashAttentionForwardSm100:
 
 
 def make_launcher(cfg: FwdConfig):
-    """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config,
+    """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config (with
+    ``max_logits`` after lse for a max-logits config; with ``seg_tiles, seg_rows, kv_ids`` after
+    params for a segments config),
     ``fn(stream, q, k_cache, v_cache, params, page_table, seqused_k, out, lse)`` when it is paged
     (spec.paged_attention_forward_signature), or ``fn(stream, q, k, v, params, cu_seqlens_q,
     cu_seqlens_k, out, lse)`` when it is varlen (spec.varlen_attention_forward_signature)."""
@@ -1109,6 +1246,34 @@ def make_launcher(cfg: FwdConfig):
                    mCuSeqlensK=cu_seqlens_k)
 
         return sm100_fwd_varlen
+    if cfg.segments and cfg.max_logits:
+        @cute.jit
+        def sm100_fwd_segments_max_logits(
+                stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
+                params: cute.Tensor, seg_tiles: cute.Tensor, seg_rows: cute.Tensor,
+                kv_ids: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, max_logits: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, mMaxLogits=max_logits, mSegTiles=seg_tiles,
+                   mSegRows=seg_rows, mKvIds=kv_ids)
+
+        return sm100_fwd_segments_max_logits
+    if cfg.segments:
+        @cute.jit
+        def sm100_fwd_segments(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                               v: cute.Tensor, params: cute.Tensor, seg_tiles: cute.Tensor,
+                               seg_rows: cute.Tensor, kv_ids: cute.Tensor, out: cute.Tensor,
+                               lse: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, mSegTiles=seg_tiles, mSegRows=seg_rows,
+                   mKvIds=kv_ids)
+
+        return sm100_fwd_segments
+    if cfg.max_logits:
+        @cute.jit
+        def sm100_fwd_max_logits(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                                 v: cute.Tensor, params: cute.Tensor, out: cute.Tensor,
+                                 lse: cute.Tensor, max_logits: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, mMaxLogits=max_logits)
+
+        return sm100_fwd_max_logits
 
     @cute.jit
     def sm100_fwd(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,

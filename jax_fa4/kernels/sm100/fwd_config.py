@@ -14,7 +14,10 @@ Call: ``fn(stream, q, k, v, params, out, lse)`` with
     [softmax_scale, softcap (0 = off), window_left, window_right], out (B, Sq, H, Dv) (q's dtype),
     lse (B, H, Sq) float32. B, S, H dynamic; D, Dv fixed by the config.
 Paged (``paged``) and varlen (``varlen``, packed sequences) configs take the calls of
-``spec.paged_attention_forward_signature`` and ``spec.varlen_attention_forward_signature``.
+``spec.paged_attention_forward_signature`` and ``spec.varlen_attention_forward_signature``; a
+``segments`` config takes the segment-id tables after params, ``fn(stream, q, k, v, params,
+seg_tiles, seg_rows, kv_ids, out, lse)``, and a ``max_logits`` config has a third output,
+max_logits after lse (``forward_signatures_config``: the Hopper forward's contracts).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 # the table chooses configs (whose fields are the key): not part of any kernel's key
+from jax_fa4.kernels.forward_signatures_config import (segments_attention_forward_signature,
+                                                       with_max_logits)
 from jax_fa4.kernels.sm100.fwd_tuning import RESCALE_THRESHOLD, TUNING_TABLE, tuning_for
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, SMEM_CAPACITY_BYTES, KernelConfig,
                                   KernelSignature, attention_forward_signature,
@@ -62,6 +67,18 @@ class FwdConfig(KernelConfig):
     # sequence b's rows [cu_seqlens[b], cu_seqlens[b + 1]); lse (batch, H, max_seqlen_q) sets the
     # tile count.
     varlen: bool = False
+    # Max logits (as on sm90; jax_fa4/backends/kernel.py calls it): a third output, (B, H, Sq)
+    # float32, each row's largest logit (scaled, softcapped with a softcap) over the keys its
+    # masks and segments leave visible (-inf: none). The softmax keeps it as a second running
+    # max per row (the applied one lags the true max under conditional rescaling). Dense and
+    # segment-id calls only.
+    max_logits: bool = False
+    # Segment ids (as on sm90; jax_fa4/backends/kernel.py calls it): query i sees key j only if
+    # their ids are equal, from jax_fa4/segments.py's three tables built for 128-row Q tiles:
+    # every role visits the union of its work tile's Q tiles' key-block ranges, and the softmax
+    # masks each row to its key span (and compares ids key by key in flagged Q tiles). Dense
+    # calls only (segments_attention_forward_signature).
+    segments: bool = False
 
     tile_m: ClassVar[int] = 128  # one TMEM lane (one softmax thread) per query row
 
@@ -106,6 +123,12 @@ class FwdConfig(KernelConfig):
         if self.varlen and self.paged:
             raise ValueError("sm100 forward: varlen and paged KV cannot be combined (packed "
                              "sequences read K/V from cu_seqlens offsets, not from a page table)")
+        if self.max_logits and (self.paged or self.varlen):
+            raise ValueError("sm100 forward: max logits are implemented for dense and "
+                             "segment-id calls only (not paged or varlen)")
+        if self.segments and (self.paged or self.varlen):
+            raise ValueError("sm100 forward: segment ids are implemented for dense calls only "
+                             "(not paged or varlen)")
         if self.num_sms < 1:
             raise ValueError("sm100 forward: num_sms must be >= 1")
         softmax, correction, other = self.registers()
@@ -131,16 +154,18 @@ class FwdConfig(KernelConfig):
         each warpgroup, summing to the register file (64 K) over the CTA's warpgroups. With two
         Q tiles: the fewest that compile without spills (sm_100a, nvcc 13 ptxas): the MMA warp
         spills at 72 (64-bit shared-memory descriptors of both Q tiles), the correction warps
-        at 56 (but for softcap with a local mask, or a causal one when paged, where 56 / 88 is
-        the split that compiles clean), which
+        at 56 (but for segment ids, softcap or max logits with a local mask, or softcap with a
+        causal one when paged, where 56 / 88 is the split that compiles clean), which
         leaves 184 for the softmax (FA4 runs 192 / 80 / 48 with hand-written MMA issue). ptxas
         is sensitive here: re-check every shipped variant after any change (the compile tests
         do)."""
         if self.q_tiles == 1:
             return 240, 160, 112
-        if self.has_softcap and (self.mask == "local" or (self.paged and self.mask == "causal")):
-            # the MMA warp's window / page bookkeeping: it spills at 80 (paged causal softcap:
-            # one 64-bit descriptor since the key count is clipped to the page-table row)
+        if (self.segments or ((self.has_softcap or self.max_logits) and self.mask == "local")
+                or (self.has_softcap and self.paged and self.mask == "causal")):
+            # the MMA warp's window / page / segment-table bookkeeping: it spills at 80 (paged
+            # causal softcap: one 64-bit descriptor since the key count is clipped to the
+            # page-table row)
             return 184, 56, 88
         return 184, 64, 80
 
@@ -175,6 +200,11 @@ class FwdConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
+        if self.segments or self.max_logits:
+            make = (segments_attention_forward_signature if self.segments
+                    else attention_forward_signature)
+            sig = make(self.dtype, self.head_dim, self.head_dim_v)
+            return with_max_logits(sig) if self.max_logits else sig
         if self.varlen:
             return varlen_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
         if self.paged:
@@ -191,9 +221,25 @@ def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask
     return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, varlen=True)
 
 
+def max_logits_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
+                      mask: str = "none", has_softcap: bool = False) -> FwdConfig:
+    """The dense forward that also writes each row's max logit: the table's tuning."""
+    return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, max_logits=True)
+
+
+def segments_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
+                    mask: str = "none", has_softcap: bool = False,
+                    max_logits: bool = False) -> FwdConfig:
+    """The forward with segment ids (and, ``max_logits``, the per-row max output) for a problem
+    kind: the table's tuning."""
+    return FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, segments=True,
+                          max_logits=max_logits)
+
+
 def shipped_configs() -> list[FwdConfig]:
     """Every variant the package precompiles: all table rows × mask kinds × softcap, bf16 and
-    fp16, each also paged and varlen."""
+    fp16, each also paged, varlen, with max logits, and with segment ids (with and without
+    max logits)."""
     out = []
     for dtype in FLOAT_DTYPES:
         for (d, dv), row in TUNING_TABLE.items():
@@ -202,14 +248,19 @@ def shipped_configs() -> list[FwdConfig]:
                     for paged in (False, True):
                         out.append(FwdConfig.make(dtype, d, dv, mask, softcap, paged=paged))
                     out.append(varlen_config(dtype, d, dv, mask, softcap))
+                    out.append(max_logits_config(dtype, d, dv, mask, softcap))
+                    out += [segments_config(dtype, d, dv, mask, softcap, max_logits=ml)
+                            for ml in (False, True)]
     return out
 
 
 def test_configs() -> list[FwdConfig]:
     """The subset the compile test builds on every run: each head-dim row once (bf16, no mask),
     each mask kind and softcap once (bf16, hdim 128), fp16 once; varlen: bf16 hdim 64 and 128
-    unmasked and causal, fp16 local + softcap, hdim 192/128 causal and 256. The rest:
-    precompile."""
+    unmasked and causal, fp16 local + softcap, hdim 192/128 causal and 256; max logits: bf16
+    hdim 128 causal, local + softcap (the softmax's tightest register split) and hdim 256
+    (one Q tile); segment ids: bf16 hdim 128 unmasked and causal, local + softcap with max
+    logits, fp16 hdim 64 and bf16 192/128 causal, bf16 256. The rest: precompile."""
     out = [FwdConfig.make("bfloat16", d, dv) for (d, dv) in TUNING_TABLE]
     out += [FwdConfig.make("bfloat16", 128, 128, "causal"),
             FwdConfig.make("bfloat16", 128, 128, "local", True),
@@ -218,4 +269,11 @@ def test_configs() -> list[FwdConfig]:
     out += [varlen_config("float16", 128, 128, "local", True),
             varlen_config("bfloat16", 192, 128, "causal"),
             varlen_config("bfloat16", 256, 256)]
+    out += [max_logits_config("bfloat16", 128, 128, "causal"),
+            max_logits_config("bfloat16", 128, 128, "local", True),
+            max_logits_config("bfloat16", 256, 256)]
+    out += [segments_config("bfloat16", 128, 128), segments_config("bfloat16", 128, 128, "causal"),
+            segments_config("bfloat16", 128, 128, "local", True, max_logits=True),
+            segments_config("float16", 64, 64, "causal"),
+            segments_config("bfloat16", 192, 128, "causal"), segments_config("bfloat16", 256, 256)]
     return out

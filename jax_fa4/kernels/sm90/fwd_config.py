@@ -25,7 +25,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jax_fa4.kernels.segments_config import SEG_ROW_COLUMNS, SEG_TILE_COLUMNS
+from jax_fa4.kernels.forward_signatures_config import (segments_attention_forward_signature,
+                                                       with_max_logits)
 # the tables choose configs (whose fields are the key): not part of any kernel's key
 from jax_fa4.kernels.sm90.fwd_tuning import (FP8_SOFTCAP_TILE_N, FP8_TUNING_TABLE, TUNING_TABLE,
                                              tuning_for)
@@ -297,23 +298,6 @@ class FwdConfig(KernelConfig):
                                    outputs=tuple(map(head_major, sig.outputs)))
 
 
-def segments_attention_forward_signature(dtype: str, head_dim: int, head_dim_v: int
-                                         ) -> KernelSignature:
-    """``fn(stream, q, k, v, params, seg_tiles, seg_rows, kv_ids, out, lse)`` of the forward
-    kernels with segment ids: :func:`spec.attention_forward_signature`'s tensors plus
-    seg_tiles (B, num_query_tiles, 8) int32, seg_rows (B, Sq, 4) int32 (columns SEG_*) and
-    kv_ids (B, Sk) int32, the keys' segment ids (kernels/segments_config.py)."""
-    base = attention_forward_signature(dtype, head_dim, head_dim_v)
-    b, sq, _, _ = base.inputs[0].sample_shape
-    sk = base.inputs[1].sample_shape[1]
-    extra = (
-        TensorArg("seg_tiles", "int32", (b, sq // 64, SEG_TILE_COLUMNS), (1, 1, SEG_TILE_COLUMNS)),
-        TensorArg("seg_rows", "int32", (b, sq, SEG_ROW_COLUMNS), (1, 1, SEG_ROW_COLUMNS)),
-        TensorArg("kv_ids", "int32", (b, sk), (1, 1)),
-    )
-    return dataclasses.replace(base, inputs=base.inputs + extra)
-
-
 #: Keys per group of the FP8 forward's value permutation (the e4m3 P·V WGMMA's K step).
 FP8_KEY_GROUP = 32
 
@@ -345,14 +329,6 @@ def fp8_attention_forward_signature(head_dim: int, head_dim_v: int) -> KernelSig
     out, lse = base.outputs
     return dataclasses.replace(base, inputs=(q, k, vt, params, descale),
                                outputs=(dataclasses.replace(out, dtype="bfloat16"), lse))
-
-
-def with_max_logits(sig: KernelSignature) -> KernelSignature:
-    """``sig`` (a dense or segment-id forward's) with a third output after lse: max_logits
-    (B, H, Sq) float32, each row's largest visible score (FwdConfig.max_logits)."""
-    lse = next(arg for arg in sig.outputs if arg.name == "lse")
-    return dataclasses.replace(
-        sig, outputs=sig.outputs + (dataclasses.replace(lse, name="max_logits"),))
 
 
 #: Query rows of the decode tile (one consumer warpgroup): the rows of a decode call after GQA
