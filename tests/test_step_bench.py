@@ -78,9 +78,9 @@ def test_the_first_step_check_sees_a_different_attention(tmp_path: Path,
     """The agreement check can fail: a baseline without the causal mask disagrees."""
     real = step_bench.attention_fn
 
-    def patched(impl: str) -> step_bench.AttentionFn:
+    def patched(impl: str, implementation: str | None = None) -> step_bench.AttentionFn:
         if impl != "xla":
-            return real(impl)
+            return real(impl, implementation)
         return lambda q, k, v, ids: jax.nn.dot_product_attention(q, k, v, implementation="xla")
 
     monkeypatch.setattr(step_bench, "attention_fn", patched)
@@ -122,3 +122,20 @@ def test_precompile_exports_each_step_with_the_kernels_forced(monkeypatch) -> No
     asked.clear()
     assert step_bench.main(["--precompile", "--configs", "b8s2k-16-4-d128", "--layers", "1"]) == 0
     assert len(asked) == 4, asked
+
+
+def test_a_step_that_fails_to_compile_fails_the_run(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config whose step cannot be built is recorded and makes the exit status 1."""
+    def broken(impl: str, implementation: str | None = None) -> step_bench.AttentionFn:
+        def attention(q, k, v, ids):
+            raise RuntimeError("no attention here")
+        return attention
+
+    monkeypatch.setattr(step_bench, "attention_fn", broken)
+    out = tmp_path / "step.json"
+    assert step_bench.main(["--smoke", "--configs", "smoke", "--layers", "1", "--rounds", "1",
+                            "--steps", "1", "--warmup", "0", "--no-attention",
+                            "--out", str(out)]) == 1
+    entry = json.loads(out.read_text())["configs"][0]
+    assert "no attention here" in json.dumps(entry)

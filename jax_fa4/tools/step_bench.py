@@ -61,7 +61,8 @@ copies, transposes, fusions and custom-call targets in that HLO (``hlo_counts``)
 
 Output: ``benchmarks/results/step-<gpu-slug>-<YYYY-MM-DD>.json`` (``--out`` overrides), with the
 command, the GPU's state before and after (clocks), the stack's versions and the date
-(``jax_fa4.tools.bench_env``), and a markdown table on stdout.
+(``jax_fa4.tools.bench_env``), and a markdown table on stdout. The exit status is 1 when a
+config, or an implementation's step, failed to build (each is recorded in the result file).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ import json
 import math
 import re
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -689,7 +691,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "profile_table" in e:
             print("\n" + e["profile_table"])
     print(f"wrote {out}; total wall time {time.perf_counter() - start:.1f} s")
-    return 0
+    failed = [f"{e['config']}: {e['error']}" for e in entries if "error" in e]
+    failed += [f"{e['config']} {impl}: {why}" for e in entries
+               for impl, why in e.get("skipped", {}).items() if why.startswith("compile:")]
+    for line in failed:
+        print(f"FAILED {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
