@@ -105,6 +105,34 @@ def _jvp_case(mesh, spec) -> dict:
             "collectives": collectives(compiled.as_text())}
 
 
+def _dot_product_attention_case(mesh, spec) -> dict:
+    """jax_fa4.dot_product_attention (jax.nn's signature; padded lengths as segment ids) under
+    jit with q, k, v sharded over batch and heads: the same results as unsharded, nothing
+    gathered in the forward, the gradient's only collective the loss's scalar sum."""
+    q, k, v, ct = qkv()
+    lengths = jnp.array([32, 20, 7, 32], jnp.int32)
+
+    def attn(q, k, v, lengths):
+        return jax_fa4.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
+                                             key_value_seq_lengths=lengths)
+
+    def loss(q, k, v, lengths):
+        return jnp.sum(attn(q, k, v, lengths) * ct)
+
+    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+    placed.append(jax.device_put(lengths, NamedSharding(mesh, P(spec[0]))))
+    fwd = jax.jit(attn).lower(*placed).compile()
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*placed).compile()
+    out, grads = fwd(*placed), grad(*placed)
+    want_out = jax.jit(attn)(q, k, v, lengths)
+    want_grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, lengths)
+    return {"out_err": max_err(out, want_out),
+            "grad_err": max(max_err(g, w) for g, w in zip(grads, want_grads)),
+            "out_spec": str(out.sharding.spec),
+            "fwd_collectives": collectives(fwd.as_text()),
+            "grad_collectives": collectives(grad.as_text())}
+
+
 def _shard_map_grad_case(q_spec, kv_spec, hkv: int) -> dict:
     """jax.grad inside shard_map (check_vma on): each device differentiates its shard's
     attention within the sum of the devices' losses; the gradients must equal the unsharded
@@ -156,6 +184,7 @@ def sharding_cases() -> dict:
                                                               "sm90"),
         "max_logits_batch_heads": lambda: _max_logits_case(auto, bshd),
         "jvp_batch_and_heads": lambda: _jvp_case(auto, bshd),
+        "dot_product_attention_batch_heads": lambda: _dot_product_attention_case(auto, bshd),
         "shard_map_grad_batch": lambda: _shard_map_grad_case(P("x"), P("x"), hkv=2),
         "shard_map_grad_heads_invariant_kv": lambda: _shard_map_grad_case(
             P(None, None, "x"), P(), hkv=1),

@@ -194,6 +194,18 @@ def test_grad_inside_shard_map(suite, case):
     assert r["grad_err"] <= TOL * max(1.0, r["scale"]), r
 
 
+def test_dot_product_attention_shards_like_flash_attention(suite):
+    """jax_fa4.dot_product_attention with padded lengths (segment ids) under jit with batch and
+    head shardings: no collective in the forward, only the loss's scalar sum in the gradient,
+    the unsharded program's results."""
+    r = _ok(suite["dot_product_attention_batch_heads"])
+    assert r["fwd_collectives"] == {}, r["fwd_collectives"]
+    assert set(r["grad_collectives"]) <= {"all-reduce"}, r["grad_collectives"]
+    assert all(s.startswith("f32[]") for s in r["grad_collectives"].get("all-reduce", []))
+    assert r["out_spec"] == "P('data', None, 'model', None)", r
+    assert r["out_err"] <= TOL and r["grad_err"] <= TOL, r
+
+
 def test_vmapped_axes_stay_sharded(suite):
     for case in ("vmap", "vmap_sharded_mapped_axis"):
         r = _ok(suite[case])
