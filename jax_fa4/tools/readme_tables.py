@@ -17,6 +17,10 @@ Generated sections, between markers (nothing in them is typed by hand):
   shapes, decode, latency), their caption (method, taken from the file's own fields) and a summary.
 * ``<!-- bench-status-fwd:begin -->`` ... and ``<!-- bench-status-bwd:begin -->`` ...: the
   status table's forward and backward figures (ratio range to cuDNN, rows at FA4's bar).
+* ``<!-- step:begin -->`` ... ``<!-- step:end -->``: the whole training step's table, one row per
+  config, from the newest complete ``benchmarks/results/step-*.json`` (a run of
+  ``python -m jax_fa4.tools.step_bench`` on a GPU, not ``--smoke``; newest ``date``, ties: the
+  later name) in the same results folder; one line saying where it comes from while there is none.
 
 "FA4's bar" for a row is ``BAR_FACTOR`` × FA4's speed ratio to cuDNN in the anchors (FA4 in
 PyTorch and cuDNN in JAX, measured by the peers on the same GPU model): a row is at the bar when
@@ -42,7 +46,10 @@ README = ROOT / "README.md"
 #: The bar: at least FA4's ratio to cuDNN (issue #22; its goal is 5 % beyond).
 BAR_FACTOR = 1.00
 SECTIONS = ("bench", "bench-status-fwd", "bench-status-bwd", "bench-status-det",
-            "bench-status-decode")
+            "bench-status-decode", "step")
+#: The whole-step section while no step result file exists.
+NO_STEP_TEXT = ("The whole-step table comes from `python -m jax_fa4.tools.step_bench` (on a GPU); "
+                "no whole-step result file is in `benchmarks/results/` yet.")
 Row = dict[str, Any]
 
 
@@ -69,6 +76,22 @@ def newest_result(results: Path = RESULTS) -> Path:
     if not found:
         raise SystemExit(f"no complete default-sweep result file in {results}")
     return max(found)[2]
+
+
+def newest_step_result(results: Path = RESULTS) -> Path | None:
+    """The newest complete whole-step file (``step-*.json``) in ``results`` that is not a
+    ``--smoke`` run (tiny sizes, no cuDNN); None when there is none."""
+    found: list[tuple[datetime.datetime, str, Path]] = []
+    for path in sorted(results.glob("step-*.json")):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if (isinstance(report, dict) and report.get("complete") is True
+                and not (report.get("settings") or {}).get("smoke")
+                and "date" in report and isinstance(report.get("configs"), list)):
+            found.append((_date(report), path.name, path))
+    return max(found)[2] if found else None
 
 
 # -- rows --------------------------------------------------------------------------------------
@@ -287,6 +310,83 @@ def generate(report: dict[str, Any], name: str, anchors: dict[str, Any],
             "bench-status-bwd": bwd_status, "bench-status-det": det_status}
 
 
+def _one_line(text: str, limit: int = 300) -> str:
+    """``text``'s first line, cut to ``limit`` characters, safe in a Markdown table cell."""
+    line = (text.strip().splitlines() or [""])[0].replace("|", "\\|")
+    return line if len(line) <= limit else line[:limit - 1] + "…"
+
+
+def _speedup(base: Row, ours: Row, key: str) -> str:
+    """The baseline's time over ours for ``key`` ("-" when either is missing)."""
+    ratio = _ratio(base.get(key), ours.get(key))
+    return "-" if ratio is None else f"{ratio:.2f}×"
+
+
+def step_section(report: dict[str, Any], name: str) -> str:
+    """The whole-step section's text from a ``step_bench`` result: a caption and one table row
+    per config (speed-ups are cuDNN's time / ours; a config cuDNN did not run shows ours only)."""
+    settings = report.get("settings", {})
+    sizes = {(e["layers"], e["d_model"]) for e in report["configs"]
+             if "layers" in e and "d_model" in e}
+    size = ""
+    if len(sizes) == 1:
+        layers, d_model = sizes.pop()
+        size = f"{layers} layers, d_model {d_model}, "
+    lines = [
+        f"The whole training step on one {report['gpu']}, {report['date'][:10]} (`{name}`, "
+        f"{report.get('wall_s', 0):.0f} s of run): {size}"
+        f"{report.get('model', 'a small decoder')}. "
+        f"\"step ms\" is the median round's time per step (rounds of {settings.get('steps', '?')} "
+        f"back-to-back steps, the implementations' rounds rotated); \"speed-up\" is cuDNN's time "
+        f"/ jax-fa4's (`jax.nn.dot_product_attention(implementation=\"cudnn\")` in the same "
+        f"model, same process); \"attention alone\" times the attention call at the config's "
+        f"shape (training forward; backward = forward+backward − training forward); \"agrees\": "
+        f"the first step's loss and QKV gradient norms match cuDNN's.", ""]
+    header = ["config", "B·S", "H/Hkv", "D", "packed", "step ms jax-fa4", "step ms cuDNN",
+              "step speed-up", "attention alone fwd speed-up", "attention alone bwd speed-up",
+              "agrees"]
+    body, notes = [], []
+    for e in report["configs"]:
+        impls = e.get("impls") or {}
+        ours, base = impls.get("jax-fa4") or {}, impls.get("cudnn") or {}
+        model = ([f"{e['B']}·{e['S']}", f"{e['H']}/{e['Hkv']}", str(e["D"]),
+                  "yes" if e.get("packed") else "no"]
+                 if all(k in e for k in ("B", "S", "H", "Hkv", "D")) else ["-"] * 4)
+        if "step_ms" not in ours:
+            ratios = ["-"] * 3
+        elif "step_ms" not in base:
+            ratios = ["ours only"] * 3
+        else:
+            ratios = [_speedup(base, ours, k)
+                      for k in ("step_ms", "attn_train_fwd_ms", "attn_bwd_ms")]
+        agree = (e.get("check") or {}).get("agree") if e.get("baseline") == "cudnn" else None
+        body.append([f"`{e['config']}`", *model, _f(ours.get("step_ms"), ".2f"),
+                     _f(base.get("step_ms"), ".2f"), *ratios,
+                     "-" if agree is None else ("yes" if agree else "**no**")])
+        if e.get("error"):
+            notes.append(f"`{e['config']}` failed: {_one_line(e['error'])}")
+        for impl, why in (e.get("skipped") or {}).items():
+            if impl in ("jax-fa4", "cudnn"):
+                notes.append(f"`{e['config']}`: {impl} not timed: {_one_line(why)}")
+    lines += markdown_table(header, body)
+    if notes:
+        lines += ["", *(f"- {n}" for n in notes)]
+    return "\n".join(lines)
+
+
+def step_sections(results: Path = RESULTS) -> tuple[dict[str, str], Path | None]:
+    """The whole-step section from the newest step file in ``results`` (the one-line
+    ``NO_STEP_TEXT`` when there is none), and that file."""
+    path = newest_step_result(results)
+    if path is None:
+        return {"step": NO_STEP_TEXT}, None
+    try:
+        name = path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        name = path.name
+    return {"step": step_section(json.loads(path.read_text()), name)}, path
+
+
 # -- README ------------------------------------------------------------------------------------
 def _pattern(name: str) -> re.Pattern[str]:
     return re.compile(rf"(<!-- {re.escape(name)}:begin -->)(.*?)(<!-- {re.escape(name)}:end -->)",
@@ -324,7 +424,8 @@ def build(readme_path: Path = README, result: Path | None = None, results: Path 
         except ValueError:
             png = None
     current = readme_path.read_text()
-    return current, render(current, generate(report, name, anchors, png)), result
+    sections = generate(report, name, anchors, png) | step_sections(results)[0]
+    return current, render(current, sections), result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -347,7 +448,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if current != new:
         args.readme.write_text(new)
-    print(f"{args.readme}: speed tables from {result.name}"
+    step = newest_step_result(args.results)
+    print(f"{args.readme}: speed tables from {result.name}, whole step from "
+          f"{step.name if step else 'no step file'}"
           + ("" if current != new else " (unchanged)"))
     return 0
 
