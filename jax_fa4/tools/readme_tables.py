@@ -35,7 +35,7 @@ import difflib
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,39 +59,38 @@ def _date(report: dict[str, Any]) -> datetime.datetime:
     return value if value.tzinfo else value.replace(tzinfo=datetime.UTC)
 
 
-def newest_result(results: Path = RESULTS) -> Path:
-    """The newest complete default-sweep file in ``results`` (forward and backward: a
-    ``--fwd-only`` sweep has no backward rows for the tables)."""
+def _newest(paths: Sequence[Path], wanted: Callable[[dict[str, Any]], bool]) -> Path | None:
+    """Among the complete, dated JSON reports in ``paths`` that ``wanted`` takes, the one with the
+    newest ``date`` (ties: the later name); None when there is none."""
     found: list[tuple[datetime.datetime, str, Path]] = []
-    for path in sorted(results.glob("*.json")):
+    for path in paths:
         try:
             report = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if (isinstance(report, dict) and report.get("complete") is True
-                and (report.get("settings") or {}).get("shapes") == "default"
-                and not (report.get("settings") or {}).get("fwd_only")
-                and "date" in report and "rows" in report):
+        if (isinstance(report, dict) and report.get("complete") is True and "date" in report
+                and wanted(report)):
             found.append((_date(report), path.name, path))
-    if not found:
+    return max(found)[2] if found else None
+
+
+def newest_result(results: Path = RESULTS) -> Path:
+    """The newest complete default-sweep file in ``results`` (forward and backward: a
+    ``--fwd-only`` sweep has no backward rows for the tables)."""
+    path = _newest(sorted(results.glob("*.json")), lambda report: (
+        (report.get("settings") or {}).get("shapes") == "default"
+        and not (report.get("settings") or {}).get("fwd_only") and "rows" in report))
+    if path is None:
         raise SystemExit(f"no complete default-sweep result file in {results}")
-    return max(found)[2]
+    return path
 
 
 def newest_step_result(results: Path = RESULTS) -> Path | None:
     """The newest complete whole-step file (``step-*.json``) in ``results`` that is not a
     ``--smoke`` run (tiny sizes, no cuDNN); None when there is none."""
-    found: list[tuple[datetime.datetime, str, Path]] = []
-    for path in sorted(results.glob("step-*.json")):
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if (isinstance(report, dict) and report.get("complete") is True
-                and not (report.get("settings") or {}).get("smoke")
-                and "date" in report and isinstance(report.get("configs"), list)):
-            found.append((_date(report), path.name, path))
-    return max(found)[2] if found else None
+    return _newest(sorted(results.glob("step-*.json")), lambda report: (
+        not (report.get("settings") or {}).get("smoke")
+        and isinstance(report.get("configs"), list)))
 
 
 # -- rows --------------------------------------------------------------------------------------
