@@ -136,13 +136,16 @@ def _reference_tangents(opts, primals, tangents, *, forward=None, **extras):
     if forward is None:
         def forward(q, k, v, sink):
             return base.reference_forward(q, k, v, opts, learnable_sink=sink, **extras)
-    if len(primals) == 3:  # no sink
-        def run(q, k, v):
-            return forward(q, k, v, None)[:2]
-    else:
-        def run(q, k, v, sink):
-            return forward(q, k, v, sink)[:2]
+    def run(q, k, v, *sink):  # (no sink: the forward's None)
+        return forward(q, k, v, *(sink or (None,)))[:2]
+
     return jax.jvp(run, tuple(primals), tuple(tangents))[1]
+
+
+def _summed_sink_gradient(parts, sink):
+    """d sink from the backward's gradient by batch entry ``parts`` (..., H): summed over the
+    leading axes, in the sink's dtype."""
+    return parts.reshape(-1, parts.shape[-1]).sum(axis=0).astype(sink.dtype)
 
 
 def _with_tangents(outs, residuals, tangents, tangent, transpose):
@@ -194,8 +197,7 @@ def _attention_with_sink_jvp(opts, primals, tangents):
     def transpose(res, cts):
         q, k, v, sink, out, lse = res
         dq, dk, dv, parts = _backward_sink(q, k, v, out, lse, *cts, sink, opts)
-        dsink = parts.reshape(-1, parts.shape[-1]).sum(axis=0)
-        return dq, dk, dv, dsink.astype(sink.dtype)
+        return dq, dk, dv, _summed_sink_gradient(parts, sink)
 
     return outs, _with_tangents(
         outs, (q, k, v, sink, outs[0], outs[1]), tangents,
@@ -322,10 +324,7 @@ def _extras_backward(opts, residuals, cotangents):
                     backend.supports_segments_backward(q, k, v, opts), opts, kernel_forward=True)
     _, backward = _extras_ops(sink is not None, has_ids)
     grads = backward(q, k, v, out, lse, dout, dlse, *_extra_arrays(sink, segments), opts)
-    dsink = None
-    if sink is not None:  # the gradient by batch entry, summed
-        parts = grads[3]
-        dsink = parts.reshape(-1, parts.shape[-1]).sum(axis=0).astype(sink.dtype)
+    dsink = None if sink is None else _summed_sink_gradient(grads[3], sink)
     return (*grads[:3], dsink)
 
 
