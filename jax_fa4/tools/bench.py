@@ -1067,20 +1067,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"jax {jax.__version__} on {device.device_kind} ({device.platform}); "
           f"{len(shapes)} shapes x {len(args.impls)} impls, {args.dtype}", flush=True)
     out = bench_report.result_path(args.out, device.device_kind)
-    command = bench_report.run_command("jax_fa4.tools.bench", argv)
-    state_before = bench_env.gpu_state()
-    driver, package_versions = bench_env.driver_version(state_before), bench_env.versions()
+    record = bench_env.RunRecord(device, bench_report.run_command("jax_fa4.tools.bench", argv))
 
     def write(rows: list[Row], records: list[Row], complete: bool) -> None:
         report = {
-            "gpu": device.device_kind,
-            "platform": device.platform,
-            "driver": driver,
-            "versions": package_versions,
-            "gpu_state": {"before": state_before,
-                          "after": bench_env.gpu_state() if complete else None},
-            "command": command,
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            **record.header(complete),
             "settings": {"shapes": args.shapes, "dtype": args.dtype, "impls": args.impls,
                          "repeats": args.repeats, "target_ms": args.target_ms,
                          "fwd_only": args.fwd_only, "rotation_bytes": ROTATION_BYTES,

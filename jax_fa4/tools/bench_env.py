@@ -5,6 +5,7 @@ stack (jax, jaxlib, the CUDA plugin, cuDNN, and where the CuTe-DSL kernels and r
 
 from __future__ import annotations
 
+import datetime
 import importlib.metadata
 import os
 import shutil
@@ -142,3 +143,28 @@ def versions() -> dict[str, Any]:
     except Exception as err:
         found["cute_dsl"] = {"error": error_text(err)}
     return found
+
+
+class RunRecord:
+    """What every result file opens with, for one run on ``device``: the GPU, its platform,
+    the driver, the stack's versions and the GPU's state, read once when the run starts, the
+    command that made the file and the date it was written (``header``)."""
+
+    def __init__(self, device: Any, command: str):
+        self.device, self.command = device, command
+        self.state_before = gpu_state()
+        self.driver = driver_version(self.state_before)
+        self.versions = versions()
+
+    def header(self, complete: bool) -> dict[str, Any]:
+        """The result file's opening fields; the GPU's state after the run once ``complete``."""
+        return {
+            "gpu": self.device.device_kind,
+            "platform": self.device.platform,
+            "driver": self.driver,
+            "versions": self.versions,
+            "gpu_state": {"before": self.state_before,
+                          "after": gpu_state() if complete else None},
+            "command": self.command,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        }

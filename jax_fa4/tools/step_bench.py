@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import re
@@ -639,18 +638,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"jax {jax.__version__} on {device.device_kind} ({platform}); "
           f"{len(args.config_list)} configs x {args.impls}", flush=True)
     out = bench_report.result_path(args.out, device.device_kind, prefix="step-")
-    command = bench_report.run_command("jax_fa4.tools.step_bench", argv)
-    state_before = bench_env.gpu_state()
+    record = bench_env.RunRecord(
+        device, bench_report.run_command("jax_fa4.tools.step_bench", argv))
     entries: list[dict[str, Any]] = []
 
     def write(complete: bool) -> None:
         report = {
-            "gpu": device.device_kind, "platform": platform,
-            "driver": bench_env.driver_version(state_before), "versions": versions,
-            "gpu_state": {"before": state_before,
-                          "after": bench_env.gpu_state() if complete else None},
-            "command": command,
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            **record.header(complete),
             "settings": {"impls": args.impls, "rounds": args.rounds, "steps": args.steps,
                          "warmup": args.warmup, "attn_target_ms": args.attn_target_ms,
                          "batches": BATCHES, "learning_rate": LEARNING_RATE, "smoke": args.smoke,
@@ -669,7 +663,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         tmp.write_text(json.dumps(report, indent=1) + "\n")
         tmp.replace(out)
 
-    versions = bench_env.versions()
     for cfg in args.config_list:
         t0 = time.perf_counter()
         try:
