@@ -38,6 +38,16 @@ def _grad_fn(implementation, **kwargs):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
+def _assert_grads_close(got, want) -> None:
+    """Gradients (of q, k, v[, sink]) of the emulated sm100 route against the reference's:
+    same dtypes and shapes, finite, within 2e-2 of each one's largest entry."""
+    for name, g, w in zip(["q", "k", "v", "sink"], got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.isfinite(g).all(), name
+        np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max(), rtol=0, err_msg=name)
+
+
 def _export_for_cuda(f, *args):
     return jax.export.export(f, platforms=["cuda"],
                              disabled_checks=jax_fa4.export_disabled_safety_checks())(*args)
@@ -234,11 +244,7 @@ def test_sm100_backward_contract_gives_the_reference_gradients(case, monkeypatch
     (bwd,) = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
     assert (bwd.gqa, bwd.deterministic, bwd.head_dim) == (
         h != hkv, kwargs.get("deterministic", False), d)
-    for name, g, w in zip(["q", "k", "v", "sink"], got, want):
-        assert g.dtype == w.dtype and g.shape == w.shape, name
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        assert np.isfinite(g).all(), name
-        np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max(), rtol=0, err_msg=name)
+    _assert_grads_close(got, want)
 
 
 def test_sm100_max_logits_route_gives_the_reference_max_logits(monkeypatch, fresh_warning):
@@ -473,11 +479,7 @@ def test_sm100_varlen_backward_contract_gives_the_reference_gradients(case, monk
     monkeypatch.undo()
     want = _varlen_grad_fn("reference", ct, cu_q, cu_k, max_q, max_k, with_sink, **kwargs)(
         q, k, v, sink)
-    for name, g, w in zip(["q", "k", "v", "sink"], got, want):
-        assert g.dtype == w.dtype and g.shape == w.shape, name
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        assert np.isfinite(g).all(), name
-        np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max(), rtol=0, err_msg=name)
+    _assert_grads_close(got, want)
 
 
 def test_sm100_varlen_backward_needs_the_padding_rows_zeroed(monkeypatch, fresh_warning):
