@@ -146,9 +146,10 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
 from jax_fa4.kernels.common.layout import select_modes
+from jax_fa4.kernels.common.views import sequence
 from jax_fa4.kernels.sm100.bwd import (COMPUTE_WARPS, LOAD_WARP, MMA_WARP, REDUCE_WARPS,
-                                       Barrier, FlashAttentionBackwardSm100, ld_acquire_gpu,
-                                       red_release_gpu_add, tmem_cols)
+                                       ZERO_PADDING, Barrier, FlashAttentionBackwardSm100,
+                                       ld_acquire_gpu, red_release_gpu_add, tmem_cols)
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
 from jax_fa4.kernels.spec import PARAM_SCALE, SMEM_CAPACITY_BYTES
 
@@ -310,7 +311,13 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mParams: cute.Tensor,
-                 mdQacc: cute.Tensor, mSem: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor):
+                 mdQacc: cute.Tensor, mSem: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 mCuSeqlensK: cute.Tensor | None = None, mWork: cute.Tensor | None = None):
+        varlen_args = (mCuSeqlensK, mWork)
+        if const_expr(any((t is not None) != self.varlen for t in varlen_args)):
+            raise TypeError("2-CTA backward: cu_seqlens_k and work come with varlen configs only")
+        if const_expr(self.varlen and any(t.element_type != Int32 for t in varlen_args)):
+            raise TypeError("2-CTA backward: cu_seqlens_k and work must be int32")
         mQ, mK, mV, mdO, mLSE, mDelta, mdQacc, mSem, mdK, mdV = self.input_views(
             mQ, mK, mV, mdO, mLSE, mDelta, mParams, mdQacc, mSem, mdK, mdV)
         tn, nc = self.tile_n, self.dq_cols
@@ -379,13 +386,15 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
 
         # grid x: 128-key blocks rounded up to whole pairs
         grid = (cute.ceil_div(mK.shape[0], 2 * tn) * 2, mQ.shape[2], mQ.shape[3])
+        if const_expr(self.varlen):  # one pair per (work item, query head)
+            grid = (2 * mWork.shape[0], mQ.shape[2], 1)
         self.kernel(
             tma_Q, tma_Qt, tma_K, tma_Kt, tma_V, tma_dO, tma_dOt, tma_dQ, mdK, mdV, mLSE,
             mDelta, mParams, mSem,
             tma_atom_Q, tma_atom_Qt, tma_atom_K, tma_atom_Kt, tma_atom_V, tma_atom_dO,
             tma_atom_dOt, tma_atom_dQ,
             sQ_l, sQt_l, sK_l, sKt_l, sV_l, sdO_l, sdOt_l, sdS_l, sdQ_l, tP_l,
-            st_mma, dpt_mma, dv_mma, dk_mma, dq_mma, SharedStorage,
+            st_mma, dpt_mma, dv_mma, dk_mma, dq_mma, SharedStorage, mCuSeqlensK, mWork,
         ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], cluster=[2, 1, 1],
                  stream=stream, min_blocks_per_mp=1)
 
@@ -407,7 +416,8 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                sdS_l: cute.ComposedLayout, sdQ_l: cute.ComposedLayout,
                tP_l: cute.ComposedLayout,
                st_mma: cute.TiledMma, dpt_mma: cute.TiledMma, dv_mma: cute.TiledMma,
-               dk_mma: cute.TiledMma, dq_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+               dk_mma: cute.TiledMma, dq_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr,
+               mCuSeqlensK: cute.Tensor | None, mWork: cute.Tensor | None):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
@@ -489,6 +499,19 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
 
         # run-time scalars, identical in every role
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        # varlen: both CTAs of the pair read work row x // 2 = (sequence, pair index p within
+        # it, its rows' offsets in the packed q and k, its lengths, its first dq_accum tile);
+        # the CTA's own key block is 2p + rank of the sequence. Spare and padding rows:
+        # lengths 0, count 0 in both CTAs.
+        seq, q_offset, k_offset, dq_tile0 = None, None, None, None
+        if const_expr(self.varlen):
+            item = n_block // 2
+            batch = Int32(0)
+            seq, pair = mWork[item, 0], mWork[item, 1]
+            n_block = 2 * pair + rank
+            q_offset, k_offset = mWork[item, 2], mWork[item, 3]
+            seqlen_q, seqlen_k = mWork[item, 4], mWork[item, 5]
+            dq_tile0 = mWork[item, 6]
         window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         # element masks per own 128-key block; query-block range and dQ turn per 256-key pair
@@ -506,7 +529,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.reduce_warps_2cta(mdQacc, mSem, sdQ, tma_atom_dQ, st_mma, tmem_ptr, dq_full,
                                    dq_empty, head, batch, pair, rank, m_min, count,
-                                   pair_blocks, tidx, warp_idx)
+                                   pair_blocks, tidx, warp_idx, dq_tile0)
             cute.arch.fence_view_async_tmem_load()
             dealloc_barrier.arrive_and_wait()
         elif wg_idx < 3:  # compute warps
@@ -517,9 +540,13 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                                     st_mma, tmem_ptr, pipeline_lse, s_full, p_full, dp_full,
                                     ds_full, ds_empty, dkv_full, xchg_full, s_read, head,
                                     head_kv, batch, n_block, rank, m_min, count, blocks, tidx,
-                                    warp_idx)
+                                    warp_idx, k_offset)
             cute.arch.fence_view_async_tmem_load()
             dealloc_barrier.arrive_and_wait()
+            if const_expr(self.varlen):
+                # the leader of the ZERO_PADDING pair (count = 0: no TMEM, no barrier touched)
+                if seq == ZERO_PADDING and rank == LEADER:
+                    self.zero_padding_dkv(mdK, mdV, mCuSeqlensK, head, head_kv, tidx)
         else:
             cute.arch.setmaxregister_decrease(self.other_regs)
             if warp_idx == LOAD_WARP:
@@ -529,7 +556,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                                     tma_atom_dOt, st_mma, dpt_mma, dv_mma, dk_mma, dq_mma,
                                     pipeline_kv, pipeline_q, pipeline_qt, pipeline_do,
                                     pipeline_dot, pipeline_lse, head, head_kv, batch, pair,
-                                    rank, m_min, count, seqlen_q, tidx)
+                                    rank, m_min, count, seqlen_q, tidx, q_offset, k_offset)
             if warp_idx == MMA_WARP:
                 tmem.allocate(self.tmem_alloc_cols)
                 tmem.wait_for_alloc()
@@ -565,10 +592,12 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                        dk_mma: cute.TiledMma, dq_mma: cute.TiledMma, pipeline_kv, pipeline_q,
                        pipeline_qt, pipeline_do, pipeline_dot, pipeline_lse, head: Int32,
                        head_kv: Int32, batch: Int32, pair: Int32, rank: Int32, m_min: Int32,
-                       count: Int32, seqlen_q: Int32, tidx: Int32):
+                       count: Int32, seqlen_q: Int32, tidx: Int32,
+                       q_offset: Int32 | None = None, k_offset: Int32 | None = None):
         """This CTA's halves of every operand tile (the MMAs' slice ``rank`` of the pair
         tiles); the bytes land on the leader's full barriers. -lse / -delta of all 128 rows
-        with plain loads (as the 1-CTA kernel)."""
+        with plain loads (as the 1-CTA kernel). Varlen: TMA views from the sequence's first
+        rows, ``q_offset`` / ``k_offset``."""
         D, Dv, tm, tn2 = self.hdim, self.hdimv, self.tile_m, 2 * self.tile_n
         st_thr, dpt_thr = st_mma.get_slice(rank), dpt_mma.get_slice(rank)
         dv_thr, dk_thr, dq_thr = dv_mma.get_slice(rank), dk_mma.get_slice(rank), \
@@ -579,19 +608,19 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                                          cute.group_modes(s, 0, 3), cute.group_modes(g, 0, 3))
 
         tKsK, tKgK = part(tma_atom_K, sK, st_thr.partition_A(cute.local_tile(
-            mK[None, None, head_kv, batch], (tn2, D), (pair, 0))))
+            sequence(mK, head_kv, batch, k_offset), (tn2, D), (pair, 0))))
         tVsV, tVgV = part(tma_atom_V, sV, dpt_thr.partition_A(cute.local_tile(
-            mV[None, None, head_kv, batch], (tn2, Dv), (pair, 0))))
+            sequence(mV, head_kv, batch, k_offset), (tn2, Dv), (pair, 0))))
         tKtsKt, tKtgKt = part(tma_atom_Kt, sKt, dq_thr.partition_B(cute.local_tile(
-            mKt[None, None, head_kv, batch], (D, tn2), (0, pair))))
+            sequence(mKt, head_kv, batch, k_offset, 1), (D, tn2), (0, pair))))
         tQsQ, tQgQ = part(tma_atom_Q, sQ, st_thr.partition_B(cute.local_tile(
-            mQ[None, None, head, batch], (tm, D), (None, 0))))
+            sequence(mQ, head, batch, q_offset), (tm, D), (None, 0))))
         tQtsQt, tQtgQt = part(tma_atom_Qt, sQt, dk_thr.partition_B(cute.local_tile(
-            mQt[None, None, head, batch], (D, tm), (0, None))))
+            sequence(mQt, head, batch, q_offset, 1), (D, tm), (0, None))))
         tdOsdO, tdOgdO = part(tma_atom_dO, sdO, dpt_thr.partition_B(cute.local_tile(
-            mdO[None, None, head, batch], (tm, Dv), (None, 0))))
+            sequence(mdO, head, batch, q_offset), (tm, Dv), (None, 0))))
         tdOtsdOt, tdOtgdOt = part(tma_atom_dOt, sdOt, dv_thr.partition_B(cute.local_tile(
-            mdOt[None, None, head, batch], (Dv, tm), (0, None))))
+            sequence(mdOt, head, batch, q_offset, 1), (Dv, tm), (0, None))))
         lane = tidx % 32
         Producer = pipeline.PipelineUserType.Producer
         q_state = pipeline.make_pipeline_state(Producer, self.q_stages)
@@ -614,7 +643,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
             self.tma_load(pipeline_do, do_state, tma_atom_dO, tdOgdO[None, m_block], tdOsdO)
             do_state.advance()
             self.stage_stats(mLSE, mDelta, sLSE, sDelta, pipeline_lse, lse_state, m_block, head,
-                             batch, seqlen_q, lane)
+                             batch, seqlen_q, lane, q_offset)
             lse_state.advance()
             if const_expr(self.serial):  # Qᵀ / dOᵀ into the Q / dO buffers, next stage uses
                 self.tma_load(pipeline_q, q_state, tma_atom_Qt, tQtgQt[None, m_block], tQtsQt)
@@ -794,10 +823,11 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                            dp_full, ds_full, ds_empty, dkv_full, xchg_full, s_read,
                            head: Int32, head_kv: Int32, batch: Int32, n_block: Int32,
                            rank: Int32, m_min: Int32, count: Int32, blocks: BwdBlocks,
-                           tidx: Int32, warp_idx: Int32):
+                           tidx: Int32, warp_idx: Int32, k_offset: Int32 | None = None):
         """Pᵀ and dSᵀ of the own keys (as the 1-CTA kernel), dSᵀ also into TMEM (the dK MMA's
         A operand); warpgroup w == rank writes its dS (the own query half) into sdS's own key
-        half, the other warpgroup sends its dS to the peer through sdS_xchg."""
+        half, the other warpgroup sends its dS to the peer through sdS_xchg. Varlen: dK / dV
+        stored to the sequence's rows from ``k_offset`` on, below its seqlen_k."""
         tm, tn, cw = self.tile_m, self.tile_n, self.cols_per_wg
         wg = (warp_idx - COMPUTE_WARPS[0]) // 4  # 0 or 1: query columns [cw·wg, cw·wg + cw)
         lane_row = tidx % 128  # this thread's own key (TMEM lane)
@@ -868,18 +898,19 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
 
         # ---- epilogue: dK · scale, dV -> global (this CTA's keys; rows past seqlen_k skipped)
         self.epilogue(mdK, mdV, tmem_ptr, acc_layout, dkv_full, scale, head, head_kv, batch,
-                      n_block, count, key, lane_row, wg)
+                      n_block, count, key, lane_row, wg, k_offset, blocks.seqlen_k)
 
     # --- dQ reduce warps (both CTAs) ---------------------------------------------------------
     @cute.jit
     def reduce_warps_2cta(self, mdQacc, mSem, sdQ, tma_atom_dQ, st_mma: cute.TiledMma,
                           tmem_ptr, dq_full, dq_empty, head: Int32, batch: Int32, pair: Int32,
                           rank: Int32, m_min: Int32, count: Int32, pair_blocks: BwdBlocks,
-                          tidx: Int32, warp_idx: Int32):
+                          tidx: Int32, warp_idx: Int32, dq_tile0: Int32 | None = None):
         """dQ_j of this CTA's query half, folded in TMEM (lane l < 64: row l, columns
         [0, D/2); lane l >= 64: row l − 64, columns [D/2, D)): per chunk of dq_cols columns
         each thread loads its lane, the chunk is staged as two (64, dq_cols) boxes and
-        reduce-added into dq_accum rows 128m + 64·rank … by two TMA reduce-adds."""
+        reduce-added into dq_accum rows 128m + 64·rank … by two TMA reduce-adds (varlen: tile
+        ``dq_tile0 + m`` of the sequence's)."""
         tm, D, nc, qh = self.tile_m, self.hdim, self.dq_cols, self.q_half
         num_chunks = D // 2 // nc
         st_thr = st_mma.get_slice(0)
@@ -900,7 +931,8 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         stage = Int32(0)
         for j in cutlass.range(count, unroll=1):
             m_block = m_min + j
-            row_block = 2 * m_block + rank  # this CTA's 64-row box of dq_accum
+            dq_tile = m_block if const_expr(dq_tile0 is None) else dq_tile0 + m_block
+            row_block = 2 * dq_tile + rank  # this CTA's 64-row box of dq_accum
             cute.arch.mbarrier_wait(dq_full, j % 2)
             for c in cutlass.range_constexpr(num_chunks):
                 r = cute.make_rmem_tensor(tTc.shape, Float32)

@@ -36,11 +36,14 @@ its reduce-adds completed, so the float32 sums happen in one fixed order on ever
 kernel (``two_cta``) orders each 64-row half of a query block on its own slot, dq_semaphore (B, H,
 2·ceil(Sq/128)) slot 2m + r, by the rank of the key *pair* among the pairs that visit m.
 
-Varlen configs (``varlen=True``, :func:`varlen_config`; the 1-CTA kernel) take the Hopper varlen
-backward's call contract (``varlen_bwd_config.varlen_attention_backward_signature``: packed
-sequences, cu_seqlens, the caller's work list, one CTA per (work item, query head)) with this
-kernel's dq_accum rows: sequence b's query block m adds into the row-major (128, D) tile
-``work[x, 6] + m`` of (R, D) per head, so the caller's postprocess is a row gather and a scale.
+Varlen configs (``varlen=True``, :func:`varlen_config`; the 1-CTA kernel, and the 2-CTA kernel
+at 192/128) take the Hopper varlen backward's call contract
+(``varlen_bwd_config.varlen_attention_backward_signature``: packed sequences, cu_seqlens, the
+caller's work list, one CTA per (work item, query head)) with this kernel's dq_accum rows:
+sequence b's query block m adds into the row-major (128, D) tile ``work[x, 6] + m`` of (R, D)
+per head, so the caller's postprocess is a row gather and a scale. The 2-CTA kernel's work item
+is a pair's 256-key span of a sequence (the list built with ``work_tile_n`` = 256 keys per item;
+work[x, 1] the pair index in the sequence) and takes two CTAs, x' = 2x + rank: grid (2W, H).
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class Sm100BwdConfig(KernelConfig):
     dq_cols: int = 32
     dq_stages: int = 2
     two_cta: bool = False
-    # packed sequences (module doc, varlen_config): the 1-CTA kernel only
+    # packed sequences (module doc, varlen_config): the 1-CTA kernel, the 2-CTA one at 192/128
     varlen: bool = False
 
     tile_m: ClassVar[int] = 128  # query rows per iteration (the N of Sᵀ = K·Qᵀ)
@@ -106,9 +109,8 @@ class Sm100BwdConfig(KernelConfig):
         """Raise ValueError naming the first unsupported feature."""
         check_dtype_and_mask("sm100 backward", self.dtype, self.mask)
         tuning_for(self.head_dim, self.head_dim_v, self.mask)
-        if self.varlen and (self.two_cta or self.deterministic):
-            raise ValueError("sm100 backward: varlen is the 1-CTA kernel's, without "
-                             "deterministic (the 2-CTA kernel has no varlen mode)")
+        if self.varlen and self.deterministic:
+            raise ValueError("sm100 backward: varlen has no deterministic mode")
         if self.head_dim != self.head_dim_v and not self.two_cta:
             raise ValueError("sm100 backward: head_dim_v must equal head_dim (1-CTA kernel)")
         if self.head_dim % 32:
@@ -212,6 +214,11 @@ class Sm100BwdConfig(KernelConfig):
                 + tm * tn * e  # dS
                 + staging + stats)
 
+    @property
+    def work_tile_n(self) -> int:
+        """Keys of one varlen work item: a CTA's 128, or a 2-CTA pair's 256."""
+        return 2 * self.tile_n if self.two_cta else self.tile_n
+
     def num_m_blocks(self, seqlen_q: int) -> int:
         return -(-seqlen_q // self.tile_m)
 
@@ -242,31 +249,34 @@ def shipped_configs() -> list[Sm100BwdConfig]:
 
 def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
                   has_softcap: bool = False, gqa: bool = False) -> Sm100BwdConfig:
-    """The varlen backward config of a problem kind: the 1-CTA kernel with the varlen tuning
-    (``bwd_tuning.VARLEN_TUNING``: the dense table's 1-CTA rows, and a 1-CTA row at head dim 128,
-    whose dense row is 2-CTA); raises ValueError where no 1-CTA kernel fits (192/128: dK + dV +
-    Sᵀ + dPᵀ would take 640 TMEM columns)."""
+    """The varlen backward config of a problem kind, with the varlen tuning
+    (``bwd_tuning.VARLEN_TUNING``): the 1-CTA kernel at head dims 64, 96 and 128 (the dense
+    table's 1-CTA rows, and a 1-CTA row at 128, whose dense row is 2-CTA), the 2-CTA kernel at
+    192/128 (where no 1-CTA kernel fits: dK + dV + Sᵀ + dPᵀ would take 640 TMEM columns);
+    raises ValueError at other head dims."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     tuning = VARLEN_TUNING.get((head_dim, head_dim_v))
     if tuning is None:
         raise ValueError(f"sm100 backward: no varlen kernel at head dims {head_dim}/{head_dim_v} "
-                         "(varlen is the 1-CTA kernel's: 64, 96 and 128; 192/128 needs the "
-                         "2-CTA kernel, which has no varlen mode)")
+                         "(varlen: 64, 96 and 128 with the 1-CTA kernel, 192/128 with the 2-CTA "
+                         "one)")
     return Sm100BwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, gqa,
                                q_stages=tuning.q_stages, do_stages=tuning.do_stages,
                                dq_cols=tuning.dq_cols, dq_stages=tuning.dq_stages,
-                               two_cta=False, varlen=True)
+                               two_cta=tuning.two_cta, varlen=True)
 
 
 def test_configs() -> list[Sm100BwdConfig]:
     """The subset the compile test builds on every run: each head dim once (bf16, no mask), each
-    mask kind, softcap, GQA and deterministic once, fp16 once, varlen at head dims 64 and 128."""
+    mask kind, softcap, GQA and deterministic once, fp16 once, varlen at head dims 64, 128 and
+    192/128 (the 2-CTA kernel's varlen mode)."""
     out = [Sm100BwdConfig.make("bfloat16", d, dv) for (d, dv) in TUNING_TABLE]
     out += [Sm100BwdConfig.make("bfloat16", 128, 128, "causal", deterministic=True),
             Sm100BwdConfig.make("bfloat16", 128, 128, "local", True, True),
             Sm100BwdConfig.make("float16", 64, 64, "causal", True, False, True),
             varlen_config("bfloat16", 64, 64, "causal", gqa=True),
-            varlen_config("bfloat16", 128, 128, "local", True)]
+            varlen_config("bfloat16", 128, 128, "local", True),
+            varlen_config("bfloat16", 192, 128, "causal")]
     return out
 
 

@@ -46,12 +46,14 @@ TUNING_TABLE: dict[tuple[int, int], dict[str, Sm100BwdTuning]] = {
 #: The varlen backward's rows (bwd_config.varlen_config): the 1-CTA kernel at every head dim it
 #: fits. 64 and 96 are the dense table's rows; 128 (2-CTA in the dense table) the 1-CTA form of
 #: tests/test_sm100_bwd_protocol.py's model (two Q stages, one dO stage, 16-column dQ boxes:
-#: 210 KB of shared memory; 32-column boxes would take 226 KB). 192/128 has none (1-CTA TMEM:
-#: 640 columns > 512).
+#: 210 KB of shared memory; 32-column boxes would take 226 KB). 192/128 (no 1-CTA kernel fits:
+#: its TMEM would take 640 columns > 512) runs the 2-CTA kernel's varlen mode with the dense
+#: row's tuning (one pair per 256-key span of a sequence, bwd_2cta.py).
 VARLEN_TUNING: dict[tuple[int, int], Sm100BwdTuning] = {
     (64, 64): _T(2, 2, 32, 2),
     (96, 96): _T(2, 2, 32, 2),
     (128, 128): _T(2, 1, 16, 2),
+    (192, 128): _T(1, 1, 8, 2, two_cta=True),
 }
 
 
