@@ -13,9 +13,11 @@ reference's numbers. Shared by tests/test_sm100_bwd_wiring.py and tests/multidev
 Varlen backward configs (``varlen``; the varlen forward's stand-in is tests/test_varlen.py's
 ``_emulated_varlen_kernel``) follow varlen_bwd_config.varlen_attention_backward_signature with the
 sm100 dq_accum rows (sequence b's query row i at row ``first_tile(b)·128 + i`` of (R, D) per
-head, unscaled, the rows of its tiles past its end NaN) and zero dK / dV outside every sequence.
-Like the kernel, they multiply by zero the rows past each sequence that its last tiles load (q,
-dout, k, v), so a NaN or an Inf the caller leaves there reaches that sequence's gradients.
+head, unscaled, the rows of its tiles past its end NaN) and zero dK / dV outside every sequence;
+the work list has one row per ``config.work_tile_n`` keys of a sequence (a 2-CTA config's: a
+pair's 256). Like the kernel, they multiply by zero the rows past each sequence that its last
+tiles load (q, dout: 128 rows; k, v: the work item's ``work_tile_n``), so a NaN or an Inf the
+caller leaves there reaches that sequence's gradients.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def _varlen_backward(config, inputs, out_shapes, ref_options, scale):
     from jax_fa4.backends import sm90
 
     q, k, v, dout, lse_log2, delta, _, dq_accum, cu_q, cu_k, work = inputs
-    assert work.shape == (sm90.work_items(k.shape[1], cu_q.shape[0] - 1, config.tile_n), 8)
+    tn = config.work_tile_n  # keys per work item: a CTA's, or a 2-CTA pair's
+    assert work.shape == (sm90.work_items(k.shape[1], cu_q.shape[0] - 1, tn), 8)
     _, total_q, h, d = q.shape
     tm = config.tile_m
     seg = base.varlen_segments(cu_q, cu_k, total_q, k.shape[1])
@@ -116,8 +119,7 @@ def _varlen_backward(config, inputs, out_shapes, ref_options, scale):
         delta=jnp.where(seg.q_segment_ids[:, None] >= 0, delta, 0.0), **ref_options,
         **seg._asdict())
     poison = (_tail_poison(q[0], cu_q, tm) + _tail_poison(dout[0], cu_q, tm)
-              + _tail_poison(inputs[1][0], cu_k, config.tile_n)
-              + _tail_poison(inputs[2][0], cu_k, config.tile_n))
+              + _tail_poison(inputs[1][0], cu_k, tn) + _tail_poison(inputs[2][0], cu_k, tn))
     # (a sequence without query rows or without keys loads no tile)
     poison = jnp.where((cu_q[1:] > cu_q[:-1]) & (cu_k[1:] > cu_k[:-1]), poison, 0.0)
     t, sq, valid, start, _ = base.token_layout(cu_q, total_q)
@@ -155,7 +157,7 @@ def emulated_call_kernel(options: dict, calls: list):
         calls.append((config, arch, tuple(tuple(x.shape) for x in inputs)))
         name = config.kernel_name
         if name == "sm100_bwd" and config.varlen:
-            assert arch == "sm_100a" and not config.two_cta, (arch, config)
+            assert arch == "sm_100a" and not config.deterministic, (arch, config)
             return _varlen_backward(config, inputs, out_shapes, reference_options(config),
                                     scale)
         if name == "sm100_fwd" and config.segments:

@@ -161,16 +161,21 @@ def test_signature_aliases_and_shapes():
 
 
 def test_varlen_configs():
-    """The 1-CTA kernel at every head dim it fits (128 too: the dense row is 2-CTA), never
-    deterministic; 192/128 (only the 2-CTA kernel fits its TMEM) names why it has none."""
-    assert set(VARLEN_TUNING) == {(64, 64), (96, 96), (128, 128)}
+    """The 1-CTA kernel at every head dim it fits (128 too: the dense row is 2-CTA), the 2-CTA
+    kernel at 192/128 (only it fits the TMEM; work items of a pair's 256 keys), never
+    deterministic; a head dim without a row names the ones that have one."""
+    assert set(VARLEN_TUNING) == {(64, 64), (96, 96), (128, 128), (192, 128)}
     for (d, dv) in VARLEN_TUNING:
         cfg = varlen_config("float16", d, dv, "local", True, True)
-        assert cfg.varlen and not cfg.two_cta and not cfg.deterministic
+        assert cfg.varlen and cfg.two_cta == (d == 192) and not cfg.deterministic
+        assert cfg.serial == (d == 192) and cfg.work_tile_n == (256 if d == 192 else 128)
         assert (cfg.mask, cfg.has_softcap, cfg.gqa, cfg.dtype) == ("local", True, True,
                                                                    "float16")
-    with pytest.raises(ValueError, match="192/128.*2-CTA"):
-        varlen_config("bfloat16", 192, 128)
+    with pytest.raises(ValueError, match="no varlen kernel at head dims 256/256.*192/128"):
+        varlen_config("bfloat16", 256, 256)
+    with pytest.raises(ValueError, match="deterministic"):
+        Sm100BwdConfig.make("bfloat16", 192, 128, two_cta=True, varlen=True,
+                            deterministic=True)
 
 
 def test_every_shipped_variant_fits():

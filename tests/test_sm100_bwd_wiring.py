@@ -2,8 +2,9 @@
 with the kernels emulated by tests/sm100_emulation.py; no Blackwell GPU has run it).
 
 ``implementation="sm100"`` (forced, or enabled by ``JAX_FA4_ENABLE_SM100``) runs the sm100
-backward kernel for the calls its config accepts (varlen calls: the 1-CTA kernel's varlen mode),
-and the reference backward with a one-time warning for the others; the sm90 route is unchanged.
+backward kernel for the calls its config accepts (varlen calls: the varlen mode of the 1-CTA
+kernel, or of the 2-CTA kernel at 192/128), and the reference backward with a one-time warning
+for the others; the sm90 route is unchanged.
 """
 
 from __future__ import annotations
@@ -366,22 +367,22 @@ def test_ring_gradient_runs_the_sm100_backward_on_every_hop(multidevice):
     assert r["grad_err"] <= 3e-2 * max(1.0, r["grad_scale"]), r
 
 
-# -- varlen: the 1-CTA kernel's varlen mode ---------------------------------------------------
+# -- varlen: the 1-CTA kernel's varlen mode (the 2-CTA kernel's at 192/128) ---------------------
 VARLEN_LENS_Q, VARLEN_LENS_K = (130, 0, 1, 77, 5), (60, 9, 1, 140, 33)
 VARLEN_PAD = 11  # padding tokens after the last sequence (a tile of the last one loads them)
 
 
-def _varlen_inputs(h, hkv, d, dv=None, seed=5, pad_value=None):
-    """Packed bf16 q, k, v, the cotangent of out, cu_seqlens and the max lengths; the padding
-    tokens hold ``pad_value`` (e.g. NaN) when given."""
+def _varlen_inputs(h, hkv, d, dv=None, seed=5, pad_value=None, pad=VARLEN_PAD):
+    """Packed bf16 q, k, v, the cotangent of out, cu_seqlens and the max lengths; ``pad``
+    padding tokens after the last sequence, holding ``pad_value`` (e.g. NaN) when given."""
     dv = d if dv is None else dv
-    tq, tk = sum(VARLEN_LENS_Q) + VARLEN_PAD, sum(VARLEN_LENS_K) + VARLEN_PAD
+    tq, tk = sum(VARLEN_LENS_Q) + pad, sum(VARLEN_LENS_K) + pad
     keys = jax.random.split(jax.random.key(seed), 4)
     q, k, v, ct = (jax.random.normal(key, shape, jnp.float32) for key, shape in zip(
         keys, ((tq, h, d), (tk, hkv, d), (tk, hkv, dv), (tq, h, dv))))
     if pad_value is not None:
-        q, ct = (x.at[tq - VARLEN_PAD:].set(pad_value) for x in (q, ct))
-        k, v = (x.at[tk - VARLEN_PAD:].set(pad_value) for x in (k, v))
+        q, ct = (x.at[tq - pad:].set(pad_value) for x in (q, ct))
+        k, v = (x.at[tk - pad:].set(pad_value) for x in (k, v))
     cu_q, cu_k = (jnp.asarray(np.concatenate([[0], np.cumsum(x)]), jnp.int32)
                   for x in (VARLEN_LENS_Q, VARLEN_LENS_K))
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
@@ -423,19 +424,50 @@ def test_varlen_gradient_lowers_to_the_sm100_varlen_backward(lowered, fresh_warn
     assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
 
 
-def test_varlen_gradient_at_head_dim_192_128_falls_back_with_a_warning(lowered, fresh_warning):
-    """192/128: the 1-CTA kernel does not fit it (640 TMEM columns) and the 2-CTA kernel has no
-    varlen mode: the reference's backward, said once, with the config's reason."""
-    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(2, 2, 192, 128)
-    with pytest.warns(RuntimeWarning, match="no varlen kernel at head dims 192/128"):
-        _export_for_cuda(_varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k), q, k, v, None)
-    assert [c.kernel_name for c, _ in lowered] == ["sm100_fwd"]  # (the reference's delta)
+@pytest.mark.parametrize("h, hkv", [(2, 2), (4, 2)])
+def test_varlen_gradient_at_head_dim_192_128_lowers_to_the_2cta_varlen_backward(
+        lowered, fresh_warning, monkeypatch, h, hkv):
+    """192/128 (no 1-CTA kernel fits: 640 TMEM columns): jax.grad through
+    flash_attention_varlen(implementation="sm100") exports for CUDA with the 2-CTA backward
+    kernel in its varlen mode, on a work list of one item per 256-key pair span (sm90.work_items
+    and work_table with 256); no fallback warning, no reference backward."""
+    from jax_fa4.backends import sm90
+
+    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(h, hkv, 192, 128)
+    tables = []
+    work_table = sm90.work_table
+    monkeypatch.setattr(sm90, "work_table", lambda *a: tables.append(a[2:5]) or work_table(*a))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exported = _export_for_cuda(
+            _varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k, causal=True), q, k, v, None)
+    kernels = {c.kernel_name: c for c, _ in lowered}
+    assert set(kernels) == {"sm100_fwd", "bwd_preprocess", "sm100_bwd"}
+    assert {arch for _, arch in lowered} == {"sm_100a"}
+    bwd = kernels["sm100_bwd"]
+    assert (bwd.varlen, bwd.two_cta, bwd.serial, bwd.mask, bwd.head_dim, bwd.head_dim_v,
+            bwd.gqa) == (True, True, True, "causal", 192, 128, h != hkv)
+    text = exported.mlir_module()
+    total_q, total_k, batch = q.shape[0], k.shape[0], len(VARLEN_LENS_Q)
+    rows = (total_q // 128 + batch) * 128  # sm90.dq_accum_rows
+    assert f"tensor<1x{h}x{rows * 192}xf32>" in text
+    # (num_items, tile_m, tile_n) of the work list: one row per 256 keys, and the padding item
+    assert tables == [(total_k // 256 + batch + 1, 128, 256)]
+    assert f"tensor<{total_k // 256 + batch + 1}x8xi32>" in text
+    assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
 
 
 VARLEN_CASES = [  # (h, hkv, d, flash_attention_varlen kwargs, learnable sink)
     (4, 2, 64, {"causal": True}, False),
     (2, 2, 128, {"window_size": (20, 3), "softcap": 2.0, "softmax_scale": 0.3}, False),
     (2, 1, 96, {}, True),
+]
+#: the 2-CTA kernel's varlen mode (head dims 192/128): (h, hkv, kwargs, learnable sink); 200
+#: NaN padding tokens, more than a 128-key tile's overhang past the last sequence (33 keys: its
+#: pair span loads 223 rows past it), so the backend must zero a pair span's 256 key rows
+VARLEN_2CTA_CASES = [
+    (2, 2, {"causal": True}, False),
+    (4, 2, {"window_size": (50, 7), "softcap": 3.0}, True),
 ]
 
 
@@ -476,6 +508,31 @@ def test_sm100_varlen_backward_contract_gives_the_reference_gradients(case, monk
             q, k, v, sink)
     (bwd,) = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
     assert bwd.varlen and bwd.gqa == (h != hkv) and bwd.head_dim == d
+    monkeypatch.undo()
+    want = _varlen_grad_fn("reference", ct, cu_q, cu_k, max_q, max_k, with_sink, **kwargs)(
+        q, k, v, sink)
+    _assert_grads_close(got, want)
+
+
+@pytest.mark.parametrize("case", VARLEN_2CTA_CASES, ids=str)
+def test_sm100_2cta_varlen_backward_contract_gives_the_reference_gradients(case, monkeypatch,
+                                                                           fresh_warning):
+    """At 192/128, with the kernels replaced by contract-exact stand-ins (the 2-CTA varlen
+    config's: one work row per 256-key pair span, k / v rows loaded up to a span past each
+    sequence), jax.grad through flash_attention_varlen(implementation="sm100") runs the 2-CTA
+    varlen kernel and gives the reference route's gradients, with NaN in 200 padding tokens of
+    q, k, v and the cotangent."""
+    h, hkv, kwargs, with_sink = case
+    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(h, hkv, 192, 128, pad_value=jnp.nan,
+                                                           pad=200)
+    sink = jnp.linspace(-1.0, 1.0, h, dtype=jnp.float32) if with_sink else None
+    calls = _varlen_emulated(monkeypatch, kwargs, 192)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernel serves: no fallback warning
+        got = _varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k, with_sink, **kwargs)(
+            q, k, v, sink)
+    (bwd,) = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
+    assert bwd.varlen and bwd.two_cta and bwd.work_tile_n == 256 and bwd.gqa == (h != hkv)
     monkeypatch.undo()
     want = _varlen_grad_fn("reference", ct, cu_q, cu_k, max_q, max_k, with_sink, **kwargs)(
         q, k, v, sink)

@@ -472,8 +472,8 @@ def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch)
     """implementation="sm90" / "sm100" runs that architecture's varlen kernel route (lse
     gathered from the padded layout, padding rows zeroed, the sink joined; the backward by the
     varlen backward chain: dq rows gathered from their tiles, GQA groups summed, padding tokens
-    zeroed; sm100 at head dim 192/128, which its varlen backward kernel does not take: the
-    reference's, with a warning): the same forward and gradients as the reference route."""
+    zeroed; sm100 at head dim 192/128 by the 2-CTA kernel's varlen mode, on a work list of
+    256-key pair spans): the same forward and gradients as the reference route."""
     import math
 
     from sm100_emulation import emulated_call_kernel
@@ -506,13 +506,7 @@ def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch)
                                       implementation=implementation, **kwargs)
 
     (out, lse), vjp = jax.vjp(f, q, k, v, sink)
-    sm100_reference = implementation == "sm100" and d == 192
-    if sm100_reference:  # no sm100 varlen backward kernel: the reference's, said once
-        base.warn_reference_backward.cache_clear()
-        with pytest.warns(RuntimeWarning, match="no varlen kernel at head dims 192/128"):
-            grads = vjp((dout, dlse))
-    else:
-        grads = vjp((dout, dlse))
+    grads = vjp((dout, dlse))
     want_config = backends.get(implementation).varlen_config(
         q, v, options.options(q.shape[-1], softmax_scale=kwargs.get("softmax_scale"),
                               causal=kwargs.get("causal", False),
@@ -523,11 +517,10 @@ def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch)
     if implementation == "sm90":
         assert [c.kernel_name for c in called] == ["sm90_bwd", "sm90_bwd_postprocess"]
         assert called[0].gqa == (h != hkv)
-    elif sm100_reference:
-        assert called == []  # the reference's backward
     else:
         assert [c.kernel_name for c in called] == ["bwd_preprocess", "sm100_bwd"]
-        assert called[1].varlen and not called[1].two_cta and called[1].gqa == (h != hkv)
+        assert called[1].varlen and called[1].gqa == (h != hkv)
+        assert called[1].two_cta == (d == 192)  # 192/128: the 2-CTA kernel's varlen mode
     # the same call on the reference route: the emulated kernel computes what the reference
     # does, so everything around it must give the same numbers
     monkeypatch.undo()

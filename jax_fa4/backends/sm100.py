@@ -21,16 +21,18 @@ the sm100 kernel's dq_accum is row-major, so no fragment reordering kernel is ne
 256, which needs FA4's split 2-CTA kernels) run the reference's backward with a one-time
 ``RuntimeWarning`` naming the reason.
 
-Varlen backward (:meth:`Sm100Backend.varlen_backward`): the 1-CTA kernel's varlen mode
-(``bwd_config.varlen_config``, head dims 64, 96, 128; 192/128 runs the reference's backward with
-the warning: only the 2-CTA kernel fits it, and it has no varlen mode) on Hopper's work list
-(:func:`jax_fa4.backends.sm90.work_table`, the same launch order setting) and dq_accum tiles
-(:func:`~jax_fa4.backends.sm90.dq_accum_rows`); dq is a row gather of dq_accum and a scale in XLA.
-The kernel's tiles load up to 127 rows past their sequence: another sequence's (finite, masked in
-the kernel) or, past the last sequence, padding tokens, which may hold anything, NaN included, and
-would reach the gradients through the kernel's products with P = dS = 0; so the 128 query and key
-rows after ``cu_seqlens[-1]`` are zeroed here first (a scatter: no full pass over the inputs
-where XLA updates them in place; Hopper's kernel zeroes them in shared memory instead).
+Varlen backward (:meth:`Sm100Backend.varlen_backward`): the varlen mode of the 1-CTA kernel
+(``bwd_config.varlen_config``, head dims 64, 96, 128) or of the 2-CTA kernel (192/128) on
+Hopper's work list (:func:`jax_fa4.backends.sm90.work_table`, the same launch order setting; one
+item per 128-key block of a sequence, or per 256-key pair span for the 2-CTA kernel,
+``work_tile_n``) and dq_accum tiles (:func:`~jax_fa4.backends.sm90.dq_accum_rows`); dq is a row
+gather of dq_accum and a scale in XLA. The kernel's tiles load up to 127 query rows and up to
+``work_tile_n`` − 1 key rows past their sequence: another sequence's (finite, masked in the
+kernel) or, past the last sequence, padding tokens, which may hold anything, NaN included, and
+would reach the gradients through the kernel's products with P = dS = 0; so the 128 query rows
+and ``work_tile_n`` key rows after ``cu_seqlens[-1]`` are zeroed here first (a scatter: no full
+pass over the inputs where XLA updates them in place; Hopper's kernel zeroes them in shared
+memory instead).
 
 GQA/MQA (H > Hkv): float32 dK/dV per *query* head, summed over each group of H/Hkv heads here,
 as the Hopper v1 does (deterministic: XLA's reduction has a fixed order).
@@ -135,7 +137,8 @@ class Sm100Backend(KernelBackend):
     def varlen_backward(self, q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, out, lse,
                         dout, dlse, opts, plan):
         """The varlen backward chain: the preprocess on the packed out / dout, the varlen main
-        kernel (every sequence's own blocks only, Hopper's work list) and dq gathered from its
+        kernel (every sequence's own blocks only, Hopper's work list with one item per
+        ``work_tile_n`` keys: 128, or a 2-CTA pair's 256 at 192/128) and dq gathered from its
         dq_accum rows; a sink's gradient from the preprocess's delta (``kernel_sink_grad`` is
         off: as the dense sm100 backward)."""
         from jax_fa4.ffi.call import call_kernel
@@ -144,7 +147,7 @@ class Sm100Backend(KernelBackend):
         total_q, h, d = q.shape
         total_k, hkv, dv = v.shape
         batch = cu_seqlens_q.shape[0] - 1
-        tm, tn = config.tile_m, config.tile_n
+        tm, tn = config.tile_m, config.work_tile_n  # keys per work item (a 2-CTA pair's: 256)
         delta, lse_log2 = base.preprocess(self, out, dout, lse, opts)
         # a cotangent on lse enters as -dlse (jax_fa4.autodiff); padding tokens' delta (their
         # dout may be NaN) is read by no kernel and selected out for the sink's gradient
