@@ -398,42 +398,19 @@ def _varlen_grad_fn(implementation, ct, cu_q, cu_k, max_q, max_k, with_sink=Fals
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3) if with_sink else (0, 1, 2)))
 
 
-@pytest.mark.parametrize("h, hkv, d", [(4, 2, 64), (2, 2, 128)])
-def test_varlen_gradient_lowers_to_the_sm100_varlen_backward(lowered, fresh_warning, h, hkv, d):
+@pytest.mark.parametrize("h, hkv, d, dv", [(4, 2, 64, 64), (2, 2, 128, 128), (2, 2, 192, 128),
+                                            (4, 2, 192, 128)])
+def test_varlen_gradient_lowers_to_the_sm100_varlen_backward(lowered, fresh_warning,
+                                                             monkeypatch, h, hkv, d, dv):
     """jax.grad through flash_attention_varlen(implementation="sm100") exports for CUDA with the
-    sm100 varlen forward, the preprocess and the 1-CTA backward kernel in its varlen mode (head
-    dim 128 too: the dense route's 2-CTA kernel has no varlen mode), with the Hopper varlen
-    contract's operands (dq_accum (1, H, R·D), the work list); no fallback warning."""
-    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(h, hkv, d)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        exported = _export_for_cuda(
-            _varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k, causal=True), q, k, v, None)
-    kernels = {c.kernel_name: c for c, _ in lowered}
-    assert set(kernels) == {"sm100_fwd", "bwd_preprocess", "sm100_bwd"}
-    assert {arch for _, arch in lowered} == {"sm_100a"}
-    bwd = kernels["sm100_bwd"]
-    assert (bwd.varlen, bwd.two_cta, bwd.deterministic, bwd.mask, bwd.head_dim, bwd.gqa) == (
-        True, False, False, "causal", d, h != hkv)
-    assert kernels["sm100_fwd"].varlen
-    text = exported.mlir_module()
-    total_q, total_k, batch = q.shape[0], k.shape[0], len(VARLEN_LENS_Q)
-    rows = (total_q // 128 + batch) * 128  # sm90.dq_accum_rows
-    assert f"tensor<1x{h}x{rows * d}xf32>" in text
-    assert f"tensor<{total_k // 128 + batch + 1}x8xi32>" in text  # sm90.work_items
-    assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
-
-
-@pytest.mark.parametrize("h, hkv", [(2, 2), (4, 2)])
-def test_varlen_gradient_at_head_dim_192_128_lowers_to_the_2cta_varlen_backward(
-        lowered, fresh_warning, monkeypatch, h, hkv):
-    """192/128 (no 1-CTA kernel fits: 640 TMEM columns): jax.grad through
-    flash_attention_varlen(implementation="sm100") exports for CUDA with the 2-CTA backward
-    kernel in its varlen mode, on a work list of one item per 256-key pair span (sm90.work_items
-    and work_table with 256); no fallback warning, no reference backward."""
+    sm100 varlen forward, the preprocess and the backward kernel in its varlen mode: the 1-CTA
+    kernel's (head dim 128 too, whose dense route is 2-CTA), the 2-CTA kernel's at 192/128 (no
+    1-CTA kernel fits: 640 TMEM columns), with the Hopper varlen contract's operands (dq_accum
+    (1, H, R·D), the work list: one row per 128-key block, or per 256-key pair span for the
+    2-CTA kernel, and the padding item); no fallback warning, no reference backward."""
     from jax_fa4.backends import sm90
 
-    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(h, hkv, 192, 128)
+    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(h, hkv, d, dv)
     tables = []
     work_table = sm90.work_table
     monkeypatch.setattr(sm90, "work_table", lambda *a: tables.append(a[2:5]) or work_table(*a))
@@ -445,15 +422,18 @@ def test_varlen_gradient_at_head_dim_192_128_lowers_to_the_2cta_varlen_backward(
     assert set(kernels) == {"sm100_fwd", "bwd_preprocess", "sm100_bwd"}
     assert {arch for _, arch in lowered} == {"sm_100a"}
     bwd = kernels["sm100_bwd"]
-    assert (bwd.varlen, bwd.two_cta, bwd.serial, bwd.mask, bwd.head_dim, bwd.head_dim_v,
-            bwd.gqa) == (True, True, True, "causal", 192, 128, h != hkv)
+    two_cta = d == 192
+    assert (bwd.varlen, bwd.two_cta, bwd.deterministic, bwd.mask, bwd.head_dim, bwd.head_dim_v,
+            bwd.gqa) == (True, two_cta, False, "causal", d, dv, h != hkv)
+    assert kernels["sm100_fwd"].varlen
     text = exported.mlir_module()
     total_q, total_k, batch = q.shape[0], k.shape[0], len(VARLEN_LENS_Q)
     rows = (total_q // 128 + batch) * 128  # sm90.dq_accum_rows
-    assert f"tensor<1x{h}x{rows * 192}xf32>" in text
-    # (num_items, tile_m, tile_n) of the work list: one row per 256 keys, and the padding item
-    assert tables == [(total_k // 256 + batch + 1, 128, 256)]
-    assert f"tensor<{total_k // 256 + batch + 1}x8xi32>" in text
+    assert f"tensor<1x{h}x{rows * d}xf32>" in text
+    tn = 256 if two_cta else 128  # keys per work item
+    # (num_items, tile_m, tile_n) of the work list (sm90.work_items)
+    assert tables == [(total_k // tn + batch + 1, 128, tn)]
+    assert f"tensor<{total_k // tn + batch + 1}x8xi32>" in text
     assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
 
 
