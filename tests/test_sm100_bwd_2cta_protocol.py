@@ -123,6 +123,21 @@ model was written). Findings:
     with dO loaded before Q; a missing relay shows as a hazard only on few schedules (dQ_j
     follows dK_j, by then the DSMEM copy has mostly landed).
 
+Varlen (``simulate_varlen``; bwd_2cta.py's varlen mode, shipped at 192/128): the grid is the
+backend's work list with 256 keys per item (jax_fa4.backends.sm90.work_table, both launch orders)
+× heads over random packed batches; work row x is cluster x (CTAs 2x + rank), both PairCtas with
+the row's sequence lengths, the pair's query-block range from the row's pair index p (tile_n 256),
+own key block 2p + rank, its first dq_accum tile (the mode changes no barrier, role or phase:
+spare rows, sequences without queries, pairs no query block sees run count = 0 in both CTAs, a
+CTA without keys of its sequence runs its peer's iterations with masked keys and stores nothing).
+Checked: every 64-row box of a sequence's dq_accum tiles gets the adds of exactly that sequence's
+pairs visiting it, the ZERO_PADDING pair's leader (its 8 compute warps, after the TMEM dealloc
+barrier) zeroes the padding rows once per head, and the end checks above; under random schedules
+(masks, windows, softcap, GQA, dQ tunings, the serial and the head-dim-128 layouts), on edge
+batches (pairs whose second CTA has no keys, empty sequences, sequences without queries or keys,
+a window leaving a pair unseen, commit arrivals in issue order and reordered), and by the
+mutation of per-CTA query-block ranges (deadlock: the pair range is needed per sequence too).
+
 Found while the model was written (each now in the kernel's docstring or code):
   * Q_j must be loaded before Qᵀ_j, or the pair deadlocks (test_load_order_q_before_qt); the
     kernel's order is Q, dO, lse, Qᵀ, dOᵀ;
@@ -144,7 +159,7 @@ from functools import partial
 
 import pytest
 from compiled import per_class
-from test_sm100_bwd_protocol import WARP, BwdSim, PipelineAsync, Reduce
+from test_sm100_bwd_protocol import WARP, BwdCta, BwdSim, PipelineAsync, Reduce
 from test_sm100_fwd_protocol import (
     Barrier,
     PipelineState,
@@ -155,7 +170,7 @@ from test_sm100_fwd_protocol import (
 )
 
 from jax_fa4.kernels.common.geometry import BwdBlocks
-from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
+from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig, varlen_config
 
 TILE = 128  # keys per CTA, query rows per block
 PAIR_TILE = 2 * TILE  # keys per pair
@@ -400,10 +415,18 @@ class PairSim(BwdSim):
 class PairCta:
     def __init__(self, sim: PairSim, cfg: Sm100BwdConfig, cta_id: int, pair: int, rank: int,
                  head: int, m_min: int, count: int, in_range: bool, turn, mut: frozenset,
-                 load_order=None, batch: int = 0):
+                 load_order=None, batch: int = 0, dq_tile0: int = 0, contrib=None,
+                 zero_padding: bool = False):
+        """``dq_tile0``, ``contrib``, ``zero_padding``: varlen (one work row; ``pair`` is the
+        pair index within its sequence): the sequence's first dq_accum tile, what its adds are
+        recorded as ((sequence, pair)), and whether it is the ZERO_PADDING item (the leader's
+        compute warps zero the dK / dV rows outside every sequence after the TMEM dealloc
+        barrier)."""
         self.sim, self.cfg, self.id, self.pair, self.rank = sim, cfg, cta_id, pair, rank
         self.n_block = 2 * pair + rank
         self.head, self.batch, self.mut = head, batch, mut
+        self.dq_tile0, self.zero_padding = dq_tile0, zero_padding
+        self.contrib = pair if contrib is None else contrib
         self.m_min, self.count, self.in_range, self.turn = m_min, count, in_range, turn
         self.load_order = load_order or (SERIAL_LOAD_ORDER if cfg.serial else LOAD_ORDER)
         self.D, self.Dv = cfg.head_dim, cfg.head_dim_v
@@ -820,6 +843,8 @@ class PairCta:
             self.stored[wg, quarter] += 1
         return record
 
+    _record_padding = BwdCta._record_padding  # (sim.padding_zeroed[head] += (id, wg, quarter))
+
     # --- relay warp (14) ----------------------------------------------------------------------
     def relay_warp(self):
         if "no_relay" in self.mut:
@@ -843,7 +868,9 @@ class PairCta:
         stage = 0
         for j in range(self.count):
             m = self.m_min + j
-            slot = (self.batch, self.head, (m, r))  # dq_semaphore[b, h, m, r]
+            # dq_semaphore[b, h, m, r]; the 64-row box (m, r) of dq_accum (varlen: the
+            # sequence's tile dq_tile0 + m)
+            slot = (self.batch, self.head, (self.dq_tile0 + m, r))
             yield ("wait", self.dq_full, j % 2, j)
             for c in range(chunks):
                 lo = off["dq"] + c * nc
@@ -862,7 +889,7 @@ class PairCta:
                         yield ("sem_wait", slot, self.turn(m))
                     boxes = [(self.sdQ[stage][0:2], slot + (c,)),
                              (self.sdQ[stage][2:4], slot + (chunks + c,))]
-                    yield ("tma_reduce2", boxes, ("dQ", j, c), self.pair)
+                    yield ("tma_reduce2", boxes, ("dQ", j, c), self.contrib)
                     if cfg.deterministic and c == chunks - 1:
                         yield ("bulk_wait", 0, False)
                         yield ("sem_add", slot)
@@ -873,7 +900,7 @@ class PairCta:
     # --- kernel(): the warp-role dispatch -----------------------------------------------------
     def spawn(self):
         sim, p = self.sim, self.p
-        cluster = ("cluster", self.pair, self.head, self.batch)
+        cluster = ("cluster", self.leader.id)
         alloc, dealloc = (self.id, "TMEM_ALLOC"), (self.id, "TMEM_DEALLOC")
         mut = self.mut
         n_cluster = 2 * WARPS_PER_CTA
@@ -889,7 +916,7 @@ class PairCta:
             else:
                 yield from cluster_sync(1)
 
-        def role(gen, tmem=False):
+        def role(gen, tmem=False, after=()):
             yield from start()
             if tmem:
                 yield ("bar_arrive", alloc)  # wait_for_alloc
@@ -898,13 +925,18 @@ class PairCta:
             if tmem:
                 yield ("bar_arrive", dealloc)
                 yield ("bar_wait", dealloc, TMEM_USERS)
+            yield from after
             yield from cluster_sync(1 if "no_cluster_sync" in mut else 2)
+
+        def zero_padding(wg, q):  # varlen: zero_padding_dkv, plain global stores, no barrier
+            if self.zero_padding and self.rank == 0:
+                yield ("record", "padding dK / dV zeroed", self._record_padding(wg, q))
 
         def mma_role():
             yield ("init",)
             yield from start()
-            yield ("bar_arrive", ("tmem_alloc2", self.pair, self.head))  # cta_group::2 alloc
-            yield ("bar_wait", ("tmem_alloc2", self.pair, self.head), 2)
+            yield ("bar_arrive", ("tmem_alloc2", self.leader.id))  # cta_group::2 alloc
+            yield ("bar_wait", ("tmem_alloc2", self.leader.id), 2)
             yield ("tmem_alloc",)
             yield ("bar_arrive", alloc)
             yield ("bar_wait", alloc, TMEM_USERS)
@@ -921,7 +953,8 @@ class PairCta:
             sim.spawn(f"{p}.reduce{w}", role(self.reduce_warps(w), True), self)
         for wg in range(2):
             for q in range(4):
-                sim.spawn(f"{p}.compute{wg}.{q}", role(self.compute_warps(wg, q), True), self)
+                sim.spawn(f"{p}.compute{wg}.{q}",
+                          role(self.compute_warps(wg, q), True, zero_padding(wg, q)), self)
         sim.spawn(f"{p}.mma", mma_role(), self)
         sim.spawn(f"{p}.load", role(self.load_warp()), self)
         sim.spawn(f"{p}.relay", role(self.relay_warp()), self)
@@ -1034,6 +1067,14 @@ def simulate(cfg: Sm100BwdConfig, seqlen_q: int, seqlen_k: int, heads: int, slot
     what = (f"{cfg.describe()} seqlen_q={seqlen_q} seqlen_k={seqlen_k} window=({wl}, {wr}) "
             f"heads={heads} slots={slots} seed={seed} mut={sorted(mut)} "
             f"load_order={load_order or LOAD_ORDER} in_order_commits={in_order_commits}")
+    run_checked(sim, cfg, ctas, what)
+    return sim
+
+
+def run_checked(sim: PairSim, cfg: Sm100BwdConfig, ctas: list, what: str, more=None):
+    """Run the launch, then the end checks: every CTA's (check_end), each dq_accum element
+    added once by each visiting pair (``sim.visitors``; in rank order when deterministic), the
+    semaphores' final counts, and ``more()``; a failure names the launch (``what``)."""
     try:
         sim.run()
         for cta in ctas:
@@ -1046,8 +1087,89 @@ def simulate(cfg: Sm100BwdConfig, seqlen_q: int, seqlen_k: int, heads: int, slot
                     sim.fail(f"dq_accum{key + (c,)} got adds from pairs {got}, expected {ps}")
             if cfg.deterministic and sim.sems[key] != len(ps):
                 sim.fail(f"dq_semaphore{key} ends at {sim.sems[key]}")
+        if more is not None:
+            more()
     except ProtocolError as e:
         raise ProtocolError(f"{what}: {e}") from None
+
+
+def simulate_varlen(cfg: Sm100BwdConfig, lens: list[tuple[int, int]], heads: int, slots: int,
+                    seed: int, wl: int = -1, wr: int = -1, order: str = "sequence",
+                    in_order_commits: bool = True, mut=()) -> PairSim:
+    """A varlen launch of the 2-CTA kernel (``cfg.varlen``): the work list the backend builds
+    for it (jax_fa4.backends.sm90.work_table with 256 keys per item, launch ``order``) over
+    sequences of (len_q, len_k) ``lens`` packed back to back, then 7 padding tokens; work row x
+    is cluster x of each head (CTAs 2x + rank), both CTAs with the row's sequence lengths (their
+    own BwdBlocks: the kernel's per-sequence windows), the pair's query-block range from the
+    pair index p = work[x, 1] (tile_n 256), own key block 2p + rank (stores iff it holds keys
+    of the sequence) and first dq_accum tile. Checks beyond :func:`simulate`'s: each 64-row box
+    of a dq_accum tile gets the adds of exactly the pairs of its own sequence that visit it
+    (tiles of two sequences never coincide), and per head exactly the 8 compute warps of the
+    ZERO_PADDING pair's leader zero the padding rows; spare rows (lengths 0), pairs no query
+    block sees, and pairs whose second CTA has no keys keep every barrier's protocol."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_fa4.backends import sm90
+    from jax_fa4.kernels.sm100.bwd import ZERO_PADDING
+
+    assert cfg.varlen and cfg.two_cta and cfg.work_tile_n == PAIR_TILE
+    mut = frozenset(mut)
+    assert mut <= set(MUTATIONS), mut
+    sim = PairSim(random.Random(seed), slots, False, in_order_commits)
+    pad = 7
+    cu_q = np.concatenate([[0], np.cumsum([q for q, _ in lens])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum([k for _, k in lens])]).astype(np.int32)
+    total_k, batch = int(cu_k[-1]) + pad, len(lens)
+    window = {"none": (None, None), "causal": (None, 0)}.get(
+        cfg.mask, (None if wl < 0 else wl, None if wr < 0 else wr))
+    work = np.asarray(sm90.work_table(jnp.asarray(cu_q), jnp.asarray(cu_k),
+                                      sm90.work_items(total_k, batch, PAIR_TILE), TILE,
+                                      PAIR_TILE, window, order))
+    ctas = []
+    for h in range(heads):
+        for x in range(work.shape[0]):  # cluster linear order: the pair fastest, then head
+            seq, p, _, _, len_q, len_k, tile0, _ = (int(c) for c in work[x])
+            ranges = [make_blocks(cfg, len_q, len_k, wl, wr, PAIR_TILE).m_block_range(p)] * 2
+            if "own_m_range" in mut:
+                own = make_blocks(cfg, len_q, len_k, wl, wr, TILE)
+                ranges = [own.m_block_range(2 * p + r) for r in range(2)]
+            cluster = [PairCta(sim, cfg, len(ctas) + r, p, r, h, lo, max(hi - lo, 0),
+                               (2 * p + r) * TILE < len_k, None, mut, batch=0,
+                               dq_tile0=tile0, contrib=(seq, p),
+                               zero_padding=seq == ZERO_PADDING)
+                       for r, (lo, hi) in enumerate(ranges)]
+            cluster[0].link(cluster[1])
+            cluster[1].link(cluster[0])
+            ctas += cluster
+            sim.pending.append(cluster)
+    first = np.asarray(sm90.first_tiles(jnp.asarray(cu_q), TILE))
+    for b, (len_q, len_k) in enumerate(lens):
+        pairs = make_blocks(cfg, len_q, len_k, wl, wr, PAIR_TILE)
+        ranges = {p: pairs.m_block_range(p) for p in range(-(-len_k // PAIR_TILE))}
+        for h in range(heads):
+            for m in range(pairs.num_m_blocks()):
+                for r in range(2):
+                    key = (0, h, (int(first[b]) + m, r))
+                    assert key not in sim.visitors, f"dq_accum box {key} of two sequences"
+                    sim.visitors[key] = [(b, p) for p, (lo, hi) in ranges.items()
+                                         if lo <= m < hi]
+    what = (f"{cfg.describe()} lens={lens} window=({wl}, {wr}) order={order} heads={heads} "
+            f"slots={slots} seed={seed} in_order_commits={in_order_commits} "
+            f"mut={sorted(mut)}")
+
+    def padding_zeroed_once():
+        for h in range(heads):
+            zeroed = sim.padding_zeroed[h]
+            if len(zeroed) != 8 or len({cta for cta, _, _ in zeroed}) != 1:
+                sim.fail(f"head {h}: padding rows zeroed by {zeroed}")
+
+    run_checked(sim, cfg, ctas, what, padding_zeroed_once)
+    # pairs with keys that run no iteration (no query block sees them), and CTAs without keys
+    # of their sequence next to a peer with some
+    sim.idle_pairs = sum(1 for c in ctas if c.rank == 0 and c.count == 0 and c.in_range)
+    sim.keyless_followers = sum(1 for c in ctas if c.rank == 1 and not c.in_range
+                                and c.peer.in_range)
     return sim
 
 
@@ -1447,3 +1569,99 @@ def test_serial_mutations_shared_with_d128(mut, match, kw):
     redundant here too: caught only by the end checks)."""
     kw = dict(kw)
     fails(mut, cfg=make_serial_cfg(kw.pop("mask", "none")), match=match, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Varlen (the 2-CTA kernel's varlen mode: bwd_config.varlen_config at 192/128)
+# ---------------------------------------------------------------------------------------------
+def varlen_cfg(d: int, mask: str, softcap: bool = False, gqa: bool = False,
+               **over) -> Sm100BwdConfig:
+    """A 2-CTA varlen config: 192/128 (the shipped varlen_config, the serial layout) or 128 (the
+    head-dim-128 layout in its varlen mode, which the kernel builds but nothing ships)."""
+    if d == 192 and not over:
+        cfg = varlen_config("bfloat16", 192, 128, mask, softcap, gqa)
+    else:
+        cfg = Sm100BwdConfig.make("bfloat16", d, 128, mask, softcap, gqa, varlen=True, **over)
+    assert cfg.two_cta and cfg.varlen and cfg.serial == (d == 192)
+    return cfg
+
+
+def random_varlen_lens(rng: random.Random) -> list[tuple[int, int]]:
+    """1-4 sequences: lengths 0, 1, odd ones, whole blocks; key lengths up to 5 blocks, among
+    them pair spans whose second CTA has no keys (len_k mod 256 in [1, 128])."""
+    def len_q():
+        return rng.choice((0, 1, rng.randint(1, 3 * TILE), rng.choice((TILE, 2 * TILE))))
+
+    def len_k():
+        return rng.choice((0, 1, rng.randint(1, 5 * TILE), rng.choice((PAIR_TILE, 3 * TILE)),
+                           PAIR_TILE * rng.randint(0, 1) + rng.randint(1, TILE)))
+    return [(len_q(), len_k()) for _ in range(rng.randint(1, 4))]
+
+
+VARLEN_RUNS = 10  # per mask
+
+
+@pytest.mark.parametrize("mask", per_class(["local", "causal", "none"], key=lambda m: 0))
+def test_varlen_protocol_random_schedules(mask):
+    """Random packed batches (empty sequences, sequences without keys or without queries, odd
+    lengths, pairs whose second CTA has no keys, random windows), both launch orders, the
+    serial layout (192/128, shipped) and the head-dim-128 one, random dQ tunings, softcap, GQA:
+    no deadlock, parity alias, arrival overrun, hazard or early exit; every dQ contribution
+    added once into its own sequence's tile box; the padding rows zeroed once per head; and
+    among the runs pairs no query block sees and CTAs without keys next to a peer with some."""
+    rng = random.Random(f"2cta-varlen-{mask}")
+    idle = keyless = 0
+    for _ in range(VARLEN_RUNS):
+        serial = rng.random() < 0.7
+        dq_cols, dq_stages = rng.choice(SERIAL_DQ_TUNINGS if serial else DQ_TUNINGS)
+        cfg = varlen_cfg(192 if serial else 128, mask, rng.random() < 0.3, rng.random() < 0.3,
+                         dq_cols=dq_cols, dq_stages=dq_stages)
+        heads = rng.choice((1, 1, 2))
+        slots = rng.choice((2, 4, 6, 200))
+        wl = rng.choice((-1, 0, rng.randint(0, 300)))
+        wr = rng.choice((-1, 0, rng.randint(0, 300)))
+        sim = simulate_varlen(cfg, random_varlen_lens(rng), heads, slots, rng.getrandbits(32),
+                              wl, wr, rng.choice(("sequence", "heavy_first")))
+        idle += sim.idle_pairs
+        keyless += sim.keyless_followers
+    assert idle > 0 and keyless > 0, (idle, keyless)
+
+
+#: per head: pairs whose second CTA has no keys (300, 100 and 633 keys: spans 256-511, 0-255,
+#: 512-767), and pairs no query block sees (the sequence without queries; under the window
+#: (10, 0) the first pair of the 633-key sequence, whose 259 queries see keys 364 on)
+VARLEN_EDGE_LENS = [(TILE, 300), (0, 2 * TILE), (0, 0), (5, 0), (3 * TILE - 1, 100),
+                    (2 * TILE + 3, 5 * TILE - 7)]
+
+
+@pytest.mark.parametrize("serial", [True, False], ids=("serial", "d128"))
+def test_varlen_protocol_edge_sequences(serial):
+    """Pairs whose second CTA has no keys, a sequence without queries, an empty one, one
+    without keys, a local window leaving a pair unseen; two heads, every cluster resident and
+    one at a time, both launch orders, commit arrivals in issue order and reordered (then at
+    most a CTA exiting under a lagging commit, as for dense grids): the idle and keyless CTAs
+    keep the protocol next to busy ones."""
+    cfg = varlen_cfg(192 if serial else 128, "local")
+    for seed, (slots, order) in enumerate(itertools.product((2, 200),
+                                                            ("sequence", "heavy_first"))):
+        sim = simulate_varlen(cfg, VARLEN_EDGE_LENS, 2, slots, seed, wl=10, wr=0, order=order)
+        assert sim.keyless_followers == 2 * 3 and sim.idle_pairs == 2 * 2, (
+            sim.keyless_followers, sim.idle_pairs)
+        try:
+            simulate_varlen(cfg, VARLEN_EDGE_LENS, 2, slots, seed, wl=10, wr=0, order=order,
+                            in_order_commits=False)
+        except ProtocolError as e:
+            assert "exits while a commit" in str(e), e
+
+
+def test_varlen_mutation_m_range_not_pair_uniform():
+    """In the varlen mode too the pair's CTAs must walk the range of the pair's 256-key span:
+    with each CTA's own 128-key range (causal, a sequence whose pair's CTAs see different
+    query blocks) the pair deadlocks or miscounts."""
+    lens = [(3 * TILE, 2 * TILE), (TILE + 9, 300)]
+    cfg = varlen_cfg(192, "causal")
+    for seed in range(3):
+        simulate_varlen(cfg, lens, 1, 4, seed)
+    with pytest.raises(ProtocolError, match="deadlock|phases completed|expecting|too many"):
+        simulate_varlen(cfg, lens, 1, 4, 0, mut={"own_m_range"})
+
