@@ -159,7 +159,8 @@ from functools import partial
 
 import pytest
 from compiled import per_class
-from test_sm100_bwd_protocol import WARP, BwdCta, BwdSim, PipelineAsync, Reduce
+from test_sm100_bwd_protocol import (WARP, BwdCta, BwdSim, PipelineAsync, Reduce,
+                                     padding_zeroed_once, varlen_work)
 from test_sm100_fwd_protocol import (
     Barrier,
     PipelineState,
@@ -1117,15 +1118,7 @@ def simulate_varlen(cfg: Sm100BwdConfig, lens: list[tuple[int, int]], heads: int
     mut = frozenset(mut)
     assert mut <= set(MUTATIONS), mut
     sim = PairSim(random.Random(seed), slots, False, in_order_commits)
-    pad = 7
-    cu_q = np.concatenate([[0], np.cumsum([q for q, _ in lens])]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum([k for _, k in lens])]).astype(np.int32)
-    total_k, batch = int(cu_k[-1]) + pad, len(lens)
-    window = {"none": (None, None), "causal": (None, 0)}.get(
-        cfg.mask, (None if wl < 0 else wl, None if wr < 0 else wr))
-    work = np.asarray(sm90.work_table(jnp.asarray(cu_q), jnp.asarray(cu_k),
-                                      sm90.work_items(total_k, batch, PAIR_TILE), TILE,
-                                      PAIR_TILE, window, order))
+    cu_q, work = varlen_work(cfg.mask, lens, wl, wr, order, PAIR_TILE)
     ctas = []
     for h in range(heads):
         for x in range(work.shape[0]):  # cluster linear order: the pair fastest, then head
@@ -1157,14 +1150,7 @@ def simulate_varlen(cfg: Sm100BwdConfig, lens: list[tuple[int, int]], heads: int
     what = (f"{cfg.describe()} lens={lens} window=({wl}, {wr}) order={order} heads={heads} "
             f"slots={slots} seed={seed} in_order_commits={in_order_commits} "
             f"mut={sorted(mut)}")
-
-    def padding_zeroed_once():
-        for h in range(heads):
-            zeroed = sim.padding_zeroed[h]
-            if len(zeroed) != 8 or len({cta for cta, _, _ in zeroed}) != 1:
-                sim.fail(f"head {h}: padding rows zeroed by {zeroed}")
-
-    run_checked(sim, cfg, ctas, what, padding_zeroed_once)
+    run_checked(sim, cfg, ctas, what, partial(padding_zeroed_once, sim, heads))
     # pairs with keys that run no iteration (no query block sees them), and CTAs without keys
     # of their sequence next to a peer with some
     sim.idle_pairs = sum(1 for c in ctas if c.rank == 0 and c.count == 0 and c.in_range)

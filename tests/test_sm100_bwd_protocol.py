@@ -819,6 +819,36 @@ def run_checked(sim: BwdSim, cfg: Sm100BwdConfig, ctas: list, what: str, more=No
         raise ProtocolError(f"{what}: {e}") from None
 
 
+def varlen_work(mask: str, lens: list[tuple[int, int]], wl: int, wr: int, order: str,
+                tile_n: int):
+    """(cu_seqlens_q, work list) the backend builds for sequences of (len_q, len_k) ``lens``
+    packed back to back, then 7 padding tokens: jax_fa4.backends.sm90.work_table with
+    ``tile_n`` keys per item (a 2-CTA pair's 256 too), launch ``order``, as numpy arrays."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_fa4.backends import sm90
+
+    pad = 7
+    cu_q = np.concatenate([[0], np.cumsum([q for q, _ in lens])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum([k for _, k in lens])]).astype(np.int32)
+    total_k, batch = int(cu_k[-1]) + pad, len(lens)
+    window = {"none": (None, None), "causal": (None, 0)}.get(
+        mask, (None if wl < 0 else wl, None if wr < 0 else wr))
+    work = np.asarray(sm90.work_table(jnp.asarray(cu_q), jnp.asarray(cu_k),
+                                      sm90.work_items(total_k, batch, tile_n), TILE, tile_n,
+                                      window, order))
+    return cu_q, work
+
+
+def padding_zeroed_once(sim: BwdSim, heads: int):
+    """The check that per head exactly one CTA's 8 compute warps zeroed the padding rows."""
+    for h in range(heads):
+        zeroed = sim.padding_zeroed[h]
+        if len(zeroed) != 8 or len({cta for cta, _, _ in zeroed}) != 1:
+            sim.fail(f"head {h}: padding rows zeroed by {zeroed}")
+
+
 def simulate_varlen(cfg: Sm100BwdConfig, lens: list[tuple[int, int]], heads: int, slots: int,
                     seed: int, wl: int = -1, wr: int = -1, order: str = "sequence") -> BwdSim:
     """A varlen launch (``cfg.varlen``): the grid (work rows, heads) of the work list the
@@ -838,15 +868,7 @@ def simulate_varlen(cfg: Sm100BwdConfig, lens: list[tuple[int, int]], heads: int
 
     assert cfg.varlen
     sim = BwdSim(random.Random(seed), slots, False)
-    pad = 7
-    cu_q = np.concatenate([[0], np.cumsum([q for q, _ in lens])]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum([k for _, k in lens])]).astype(np.int32)
-    total_k, batch = int(cu_k[-1]) + pad, len(lens)
-    window = {"none": (None, None), "causal": (None, 0)}.get(
-        cfg.mask, (None if wl < 0 else wl, None if wr < 0 else wr))
-    work = np.asarray(sm90.work_table(jnp.asarray(cu_q), jnp.asarray(cu_k),
-                                      sm90.work_items(total_k, batch, TILE), TILE, TILE,
-                                      window, order))
+    cu_q, work = varlen_work(cfg.mask, lens, wl, wr, order, TILE)
     grid = [(x, h) for h in range(heads) for x in range(work.shape[0])]  # linear CTA id order
     ctas = []
     for i, (x, h) in enumerate(grid):
@@ -866,14 +888,7 @@ def simulate_varlen(cfg: Sm100BwdConfig, lens: list[tuple[int, int]], heads: int
                 sim.visitors[key] = [(b, n) for n, (lo, hi) in ranges.items() if lo <= m < hi]
     what = (f"{cfg.describe()} lens={lens} window=({wl}, {wr}) order={order} heads={heads} "
             f"slots={slots} seed={seed}")
-
-    def padding_zeroed_once():
-        for h in range(heads):
-            zeroed = sim.padding_zeroed[h]
-            if len(zeroed) != 8 or len({cta for cta, _, _ in zeroed}) != 1:
-                sim.fail(f"head {h}: padding rows zeroed by {zeroed}")
-
-    run_checked(sim, cfg, ctas, what, padding_zeroed_once)
+    run_checked(sim, cfg, ctas, what, partial(padding_zeroed_once, sim, heads))
     sim.idle_ctas = sum(1 for c in ctas if c.count == 0 and c.blocks.seqlen_k > 0)
     return sim
 
