@@ -130,8 +130,9 @@ def test_config_modules_do_not_import_the_compiler():
     (dict(dtype="bfloat16", head_dim=256), "2-CTA"),
     (dict(dtype="bfloat16", head_dim=192, head_dim_v=128, two_cta=False), "1-CTA"),
     (dict(dtype="bfloat16", head_dim=128, mask="alibi"), "mask"),
-    (dict(dtype="bfloat16", head_dim=128, varlen=True), "varlen"),  # (the 2-CTA row)
     (dict(dtype="bfloat16", head_dim=64, varlen=True, deterministic=True), "varlen"),
+    (dict(dtype="bfloat16", head_dim=192, head_dim_v=128, varlen=True, deterministic=True),
+     "deterministic"),  # (the 2-CTA kernel's varlen mode neither)
 ])
 def test_validator_names_the_unsupported_feature(kwargs, word):
     with pytest.raises(ValueError, match=word):
@@ -301,7 +302,8 @@ def test_block_arithmetic_matches_brute_force(kind, tn):
 # ------------------------------------------------------------------------------------------------
 @needs_compiler
 @pytest.mark.parametrize("d", sorted({d for (d, dv), row in TUNING_TABLE.items()
-                                      if not row["none"].two_cta} | {d for d, _ in VARLEN_TUNING}))
+                                      if not row["none"].two_cta}
+                                     | {d for (d, _), t in VARLEN_TUNING.items() if not t.two_cta}))
 def test_transposed_smem_views_alias_exactly(d):
     """Q / dO (B operand of Sᵀ / dPᵀ, K-major) vs their MN-major views in dK / dV; K (A of Sᵀ) vs
     its MN-major view in dQ; dS (m-major A of dQ) vs dSᵀ (K-major A of dK): the swizzled offset

@@ -103,6 +103,23 @@ the last phase of its q / qt / do / dot empty barriers and the relay warp the la
 (commits nobody else waits for, whose arrivals need not keep issue order), then a cluster
 barrier, so no CTA exits while its peer may still signal it.
 
+Varlen (``cfg.varlen``; shipped at 192/128, ``bwd_config.varlen_config``; called by
+jax_fa4/backends/sm100.py with the varlen backward's contract,
+varlen_bwd_config.varlen_attention_backward_signature): a work item is a pair's 256-key span of
+one sequence (the caller's list built with ``work_tile_n`` = 256); grid (2W, H), CTA x' = 2x +
+rank reads work row x = (sequence, pair index p within it, offsets, lengths, first dq_accum
+tile); the own key block is 2p + rank of the sequence. The query-block range comes from the
+pair's span on the sequence's lengths and windows (both CTAs, as above); element masks from the
+own keys and the sequence's seqlen_k. TMA views and -lse / -delta rows start at the sequence's
+first rows (tile rows past it: another sequence's, masked, or padding the caller zeroed: the
+256 key and 128 query rows after the last sequence); a CTA without keys of its sequence runs its
+peer's iterations fully masked and stores nothing; the others store dK / dV rows below seqlen_k;
+query block m reduce-adds the 64-row box 2·(work[x, 6] + m) + rank of dq_accum. Spare rows,
+sequences without queries and pairs no query block sees: count = 0 in both CTAs; the
+ZERO_PADDING row's leader zeroes dK / dV outside every sequence after the TMEM dealloc barrier.
+No barrier, role or phase changes (tests/test_sm100_bwd_2cta_protocol.py models varlen grids);
+not deterministic.
+
 Head dim 192 / Dv 128 (``serial``: FA4's layout, built from the same pieces). TMEM per CTA: dV
 [0, 128), dK [128, 320), Sᵀ [320, 448) with Pᵀ (16-bit) *contiguous* in Sᵀ's first 64 columns
 (warpgroup w at [32w, 32w + 32)), dPᵀ [384, 512) *overlapping Sᵀ's upper 64 columns*, dSᵀ (16-bit)
