@@ -257,12 +257,18 @@ CASES = [
     Case(name="mha-d192-bf16", dtype=BF16, sq=77, sk=131, h=2, hkv=2, d=192),
     Case(name="mha-d128-fp16-softcap", dtype=FP16, b=2, sq=77, sk=131, h=4, hkv=4, d=128,
          softcap=15.0, softmax_scale=0.1),
+    # head dim 256 (the split sm100 backward), GQA with a window
+    Case(name="gqa-d256-bf16-window", dtype=BF16, sq=77, sk=131, h=2, hkv=1, d=256,
+         window_size=(40, 9)),
     # float32: the kernels decline it; the reference is held to float32 agreement
     Case(name="gqa-d64-fp32-softcap-window", dtype="float32", b=2, sq=37, sk=53, h=4, hkv=2,
          d=64, window_size=(4, 2), softcap=3.0),
     # lengths 1, Sq < Sk and Sq > Sk (causal: rows without keys), padding tokens
     VarlenCase(name="varlen-gqa-d128-bf16-causal", dtype=BF16, h=4, hkv=2, d=128,
                lens_q=(1, 77, 130), lens_k=(50, 131, 100), causal=True),
+    # 192/128 packed: the sm100 2-CTA kernel's varlen mode
+    VarlenCase(name="varlen-mha-d192x128-fp16", dtype=FP16, h=2, hkv=2, d=192, dv=128,
+               lens_q=(130, 3), lens_k=(61, 200)),
     # a decode step over a paged cache: 2 pages of 128 keys per entry, 200 and 1 keys used
     PagedCase(name="paged-decode-gqa-d128-bf16", dtype=BF16, b=2, sq=1, sk=256, h=8, hkv=2,
               d=128, page_size=128, seqused=(200, 1), causal=True),

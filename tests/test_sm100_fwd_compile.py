@@ -55,9 +55,9 @@ def test_configs_are_shipped_and_valid():
         assert cfg.smem_bytes() <= SMEM_CAPACITY_BYTES
     # each dense variant also paged, varlen, with max logits, and with segment ids (with and
     # without max logits)
-    assert len(shipped) == 360 and sum(c.paged for c in shipped) == 60
-    assert sum(c.varlen for c in shipped) == 60 and not any(c.paged and c.varlen for c in shipped)
-    assert sum(c.max_logits for c in shipped) == 120 and sum(c.segments for c in shipped) == 120
+    assert len(shipped) == 432 and sum(c.paged for c in shipped) == 72
+    assert sum(c.varlen for c in shipped) == 72 and not any(c.paged and c.varlen for c in shipped)
+    assert sum(c.max_logits for c in shipped) == 144 and sum(c.segments for c in shipped) == 144
     assert not any((c.max_logits or c.segments) and (c.paged or c.varlen) for c in shipped)
 
     def kinds(select):
@@ -65,7 +65,7 @@ def test_configs_are_shipped_and_valid():
                 if select(c)}
 
     dense = kinds(lambda c: not (c.paged or c.varlen or c.max_logits or c.segments))
-    assert len(dense) == 60
+    assert len(dense) == 72  # 6 head-dim rows × 2 dtypes × 3 masks × softcap or not
     assert kinds(lambda c: c.varlen) == kinds(lambda c: c.max_logits and not c.segments) == dense
     assert kinds(lambda c: c.segments and c.max_logits) == kinds(
         lambda c: c.segments and not c.max_logits) == dense
@@ -198,7 +198,7 @@ def test_software_exp2_moves_its_share_off_mufu(shipped_cache):
     assert with_sw.count("FFMA2") - without.count("FFMA2") == 3 * moved // 2
 
 
-@pytest.mark.parametrize("head_dim,head_dim_v", [(128, 128), (64, 64), (256, 256)])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(128, 128), (64, 64), (192, 192), (256, 256)])
 def test_tmem_fragment_maps(head_dim, head_dim_v):
     """The kernel's TMEM register maps, evaluated at trace time on the objects the kernel builds
     (``FlashAttentionForwardSm100.make_mmas`` / ``softmax_tmem_copies`` / ``o_tmem_copies`` /

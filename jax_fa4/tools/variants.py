@@ -255,6 +255,11 @@ GPU_API_BACKWARD: dict[str, tuple[str, ...]] = {
     ),
 }
 
+#: The sm90 backward kinds of tests/conformance.py's cases that no module above reaches (the
+#: GPU suite runs every case: tests/test_conformance.py checks the tests suite holds their
+#: kernels, and that each kind here is one of theirs).
+CONFORMANCE_BACKWARD: tuple[str, ...] = ("fp16 192/128 none varlen",)
+
 _SHORT_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 _KIND_FLAGS = ("softcap", "gqa", "sink", "det", "segments", "varlen")
 
@@ -288,7 +293,8 @@ def backward_kind(config: BwdConfig) -> str:
 
 
 def _sm90_bwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
-    kinds = dict.fromkeys(k for module in GPU_API_BACKWARD.values() for k in module)
+    kinds = dict.fromkeys([*(k for module in GPU_API_BACKWARD.values() for k in module),
+                           *CONFORMANCE_BACKWARD])
     mains = [backward_kind_config(k) for k in kinds]
     extra = [*mains, *(c.postprocess_config() for c in mains)]
     for cfg in dict.fromkeys([*sm90_bwd_gpu_configs(), *extra]):

@@ -1,13 +1,13 @@
 """FlashAttention forward for Blackwell (sm_100a), written in CuTe-DSL: v2 of the FA4 design.
 
-Features: bf16/fp16, head dims from fwd_tuning.TUNING_TABLE (64, 96, 128, 192/128, 256), dynamic
-batch / sequence lengths / head counts (one compile serves all), GQA/MQA (q head h reads kv head
-h // (H // Hkv)), key-length tail mask, bottom-right aligned causal and sliding-window masks with
-key-block skipping, softcap, lse output; software exp2 on the FMA pipe for a compile-time share
-of each row (common/exp2.py), FA4's conditional rescaling done by a separate correction
-warpgroup, persistent CTAs (SM count from the config) with heavy tiles first under causal / local
-masks (tile_order.py); paged KV and packed (varlen) sequences; (dense) segment ids and each
-row's max logit.
+Features: bf16/fp16, head dims from fwd_tuning.TUNING_TABLE (64, 96, 128, 192/128, 192/192, 256),
+dynamic batch / sequence lengths / head counts (one compile serves all), GQA/MQA (q head h reads kv
+head h // (H // Hkv)), key-length tail mask, bottom-right aligned causal and sliding-window masks
+with key-block skipping, softcap, lse output; software exp2 on the FMA pipe for a compile-time share
+of each row (common/exp2.py), FA4's conditional rescaling done by a separate correction warpgroup,
+persistent CTAs (SM count from the config) with heavy tiles first under causal / local masks
+(tile_order.py); paged KV and packed (varlen) sequences; (dense) segment ids and each row's max
+logit.
 
 A CTA is persistent over work tiles of ``q_tiles`` × 128 query rows of one (batch, head). With
 ``q_tiles = 2`` (head dims 64–128) it has 16 warps:
@@ -35,11 +35,11 @@ MMA order per tile (q_tiles = 2; tcgen05 MMAs of one thread complete in order):
 A QK into S_t is issued after the PV that reads P_t (aliased in S_t), so it overwrites P only
 after it was read; the commit signalling S_t also covers the previous PV into O_t.
 
-With ``q_tiles = 1`` (head dims 192/128 and 256, whose two O tiles would not fit in TMEM next to
-two S buffers) the CTA has 12 warps (softmax 0–3, correction 4–7, MMA 8, epilogue 9, load 10,
-idle 11), one Q tile, and S double-buffered per key block instead: S_{j+1} is issued before PV_j
-so the tensor core computes the next scores while the softmax works (ring order K0, K1, V0, K2,
-V1, …).
+With ``q_tiles = 1`` (head dims 192/128, 192/192 and 256, whose two O tiles would not fit in TMEM
+next to two S buffers, or not in shared memory) the CTA has 12 warps (softmax 0–3, correction 4–7,
+MMA 8, epilogue 9, load 10, idle 11), one Q tile, and S double-buffered per key block instead:
+S_{j+1} is issued before PV_j so the tensor core computes the next scores while the softmax works
+(ring order K0, K1, V0, K2, V1, …).
 
 TMEM map (32-bit columns): S buffers at [0, tile_n) and [tile_n, 2·tile_n) (P_b at S_b + tile_n/2),
 O tiles from 2·tile_n, head_dim_v columns each.

@@ -44,6 +44,9 @@ TUNING_TABLE: dict[tuple[int, int], dict[str, Sm100FwdTuning]] = {
     # two O tiles of 128 columns next to two 128-column S buffers fill TMEM: one Q tile here
     (192, 128): {"none": _T(128, 3, q_tiles=1), "causal": _T(128, 3, 2, q_tiles=1),
                  "local": _T(128, 3, 2, q_tiles=1)},
+    # 192/192: one Q tile as well (2·128 S columns + 192 O columns); two K/V stages fit
+    (192, 192): {"none": _T(128, 2, q_tiles=1), "causal": _T(128, 2, 2, q_tiles=1),
+                 "local": _T(128, 2, 2, q_tiles=1)},
     # hdim 256: one Q tile, S buffers of 64 keys (O alone is 256 columns). FA4 has a dedicated
     # 2-CTA kernel for 256; this row is the generic kernel's fallback.
     (256, 256): {"none": _T(64, 3, q_tiles=1), "causal": _T(64, 3, 2, q_tiles=1),
