@@ -5,8 +5,9 @@ layout and the deterministic mode in bwd_config.py; dq = dq_accum · scale is do
 
 Features: bf16/fp16, head dims 64, 96 and 128 (head dim 128's dense calls run the 2-CTA kernel,
 bwd_2cta.py, which reuses this class's compute-warp pieces and epilogue; this kernel serves 128
-in its varlen and segment-id modes), dynamic batch / sequence lengths / head counts, GQA/MQA (query head h reads kv head h // (H / Hkv); GQA configs write
-float32 dK/dV per query head, summed by the caller), key-length tail, bottom-right causal and
+in its varlen and segment-id modes), dynamic batch / sequence lengths / head counts, GQA/MQA
+(query head h reads kv head h // (H / Hkv); GQA configs write float32 dK/dV per query head,
+summed by the caller), key-length tail, bottom-right causal and
 sliding-window masks with query-block skipping (only blocks that cut a boundary are masked),
 softcap with its derivative, deterministic dQ order (semaphores), packed sequences (varlen) and
 segment ids (both below, the 1-CTA kernel's modes).
