@@ -54,6 +54,12 @@ VARLEN_TUNING: dict[tuple[int, int], Sm100BwdTuning] = {
     (128, 128): _T(2, 1, 16, 2),
 }
 
+#: The segment-id backward's rows (bwd_config.segments_config): the 1-CTA kernel at every head
+#: dim it fits, today the varlen rows (the same object: the two modes share one 1-CTA tuning
+#: until one of them is measured apart). Its row-id stages add 1 KB of shared memory (211 KB
+#: at head dim 128). 192/128 has none (1-CTA TMEM: 640 columns > 512).
+SEGMENTS_TUNING: dict[tuple[int, int], Sm100BwdTuning] = VARLEN_TUNING
+
 
 def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm100BwdTuning:
     return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm100 backward",
