@@ -1,10 +1,11 @@
 """The conformance suite: one list of problems that every backend must get right, and the check.
 
-Each case is a problem through the public API (dense, packed varlen or paged KV): odd and
-mismatched lengths, a one-token decode step, MHA / GQA / MQA, several head dims, no mask /
-causal / sliding windows, softcap, bfloat16 and float16 (and one float32 case, which the kernels
-decline). :func:`check_backend` runs a case on a backend and checks the forward (out and lse)
-and the gradients (dq, dk, dv of a loss with cotangents on both out and lse; paged calls are
+Each case is a problem through the public API (dense, dense with segment ids, packed varlen or
+paged KV): odd and mismatched lengths, a one-token decode step, MHA / GQA / MQA, several head
+dims, no mask / causal / sliding windows, softcap, segment ids (packed documents; scattered
+ids with padding), bfloat16 and float16 (and one float32 case, which the kernels decline).
+:func:`check_backend` runs a case on a backend and checks the forward (out and lse) and the
+gradients (dq, dk, dv of a loss with cotangents on both out and lse; paged calls are
 forward only) against the float32 oracle, ``reference.attention`` on the same inputs upcast
 (autodiff for the gradients), by FA4's rule (tests/numerics.py) with the naive 16-bit
 computation as its baseline. Where the backend declines a case (its ``supports_*`` gives a
@@ -180,6 +181,59 @@ class VarlenCase(Case):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SegmentsCase(Case):
+    """A dense self-attention problem (``sq == sk``) with one (b, sq) array of segment ids
+    (drawn by NumPy, seeded by the name): ``ids="packed"``, documents of random lengths (ids
+    increasing run by run); ``"scattered"``, ids 1-3 at random (no contiguous runs) with
+    padding tokens of id 0 (``padding_segment_id=0``), a run at the end and a few inside."""
+
+    ids: str
+
+    #: the padding id of the scattered ids (the API's padding_segment_id)
+    padding_id = 0
+
+    def segment_ids(self) -> np.ndarray:
+        """The (b, sq) int32 segment ids."""
+        rng = np.random.default_rng(zlib.crc32(f"{self.name} ids".encode()))
+        if self.ids == "packed":
+            starts = rng.random((self.b, self.sq)) < 4 / self.sq
+            return np.cumsum(starts, axis=1).astype(np.int32)
+        assert self.ids == "scattered", self.ids
+        ids = rng.integers(1, 4, (self.b, self.sq))
+        ids[:, self.sq - self.sq // 5:] = self.padding_id
+        ids[rng.random((self.b, self.sq)) < 0.05] = self.padding_id
+        return ids.astype(np.int32)
+
+    def _padding(self) -> dict:
+        return {"padding_segment_id": self.padding_id} if self.ids == "scattered" else {}
+
+    def attention(self, implementation):
+        ids = jnp.asarray(self.segment_ids())
+        return lambda q, k, v: jax_fa4.flash_attention(
+            q, k, v, segment_ids=ids, return_lse=True, implementation=implementation,
+            **self._padding(), **self.kwargs())
+
+    def oracle(self, compute_dtype):
+        """Query i sees key j only if their ids are equal; padding queries and keys get two
+        ids of their own (-1, -2), so padding sees nothing and nothing sees padding."""
+        ids = self.segment_ids()
+        pad = ids == self.padding_id if self.ids == "scattered" else np.zeros_like(ids, bool)
+        q_ids, kv_ids = (jnp.asarray(np.where(pad, fill, ids)) for fill in (-1, -2))
+        return lambda q, k, v: reference.attention(
+            q, k, v, compute_dtype=compute_dtype, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+            **self._reference_options())
+
+    def reasons(self, backend, opts):
+        q, k, v = self.shapes()
+        backward = getattr(backend, "supports_segments_backward", None)
+        return (backend.supports_segments(q, k, v, opts),
+                None if backward is None else backward(q, k, v, opts))
+
+    def backward_kernels(self, backend, opts):
+        return (backend.segments_backward_config(*self.shapes(), opts),)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PagedCase(Case):
     """q (b, sq, h, d) over a paged KV cache: batch entry i owns ``sk // page_size`` pages of a
     shuffled table (entries past its used pages -1 on odd rows) and its first ``seqused[i]``
@@ -263,6 +317,12 @@ CASES = [
     # float32: the kernels decline it; the reference is held to float32 agreement
     Case(name="gqa-d64-fp32-softcap-window", dtype="float32", b=2, sq=37, sk=53, h=4, hkv=2,
          d=64, window_size=(4, 2), softcap=3.0),
+    # segment ids: packed documents (contiguous runs: key spans and bulk blocks)
+    SegmentsCase(name="segments-packed-gqa-d128-bf16-causal", dtype=BF16, b=2, sq=200, sk=200,
+                 h=4, hkv=2, d=128, causal=True, ids="packed"),
+    # ids without contiguous runs (compared key by key) and padding id 0 (out 0, lse -inf)
+    SegmentsCase(name="segments-scattered-padding-d64-fp16", dtype=FP16, sq=150, sk=150, h=2,
+                 hkv=2, d=64, ids="scattered"),
     # lengths 1, Sq < Sk and Sq > Sk (causal: rows without keys), padding tokens
     VarlenCase(name="varlen-gqa-d128-bf16-causal", dtype=BF16, h=4, hkv=2, d=128,
                lens_q=(1, 77, 130), lens_k=(50, 131, 100), causal=True),

@@ -18,6 +18,12 @@ the work list has one row per ``config.work_tile_n`` keys of a sequence (a 2-CTA
 pair's 256). Like the kernel, they multiply by zero the rows past each sequence that its last
 tiles load (q, dout: 128 rows; k, v: the work item's ``work_tile_n``), so a NaN or an Inf the
 caller leaves there reaches that sequence's gradients.
+
+Segment-id backward configs (``segments``; segments_config.with_segment_tables) read the mask
+from their tables as the kernel does (:func:`sm100_backward_visible`: each key block's query-block
+range, the query blocks' bulk, the rows' and keys' ids; not the spans nor the compare-ids flag),
+so a table the kernel would misread gives other gradients; dq_accum and dK / dV as the dense
+configs'.
 """
 
 from __future__ import annotations
@@ -57,6 +63,55 @@ def sm100_table_visible(tiles, rows, kv_ids, sq: int, sk: int, tile_n: int, q_ti
     same = kv_ids[:, None, :] == rows[..., cols.SEG_ROW_ID, None]
     flagged = tiles[:, q_tile, cols.SEG_IDS] != 0
     return visited & span & (~flagged[..., None] | same)
+
+
+def sm100_backward_visible(tiles, keys, rows, kv_ids, sq: int, sk: int, tile_m: int,
+                           tile_n: int):
+    """(B, Sq, Sk) bool: the (query, key) pairs the sm100 backward with segment ids leaves
+    visible, from the tables of jax_fa4.segments.backward_tables alone, read as the kernel reads
+    them (jax_fa4/kernels/sm100/bwd.py): key block n's CTA visits the query blocks [m_lo, m_hi)
+    of its seg_keys row; a visited query block whose bulk (seg_tiles) holds n is not masked,
+    any other compares the row's id (seg_rows' SEG_ROW_ID) with the key's (kv_ids)."""
+    m = jnp.arange(sq) // tile_m
+    n = jnp.arange(sk) // tile_n
+    key_rows = keys[:, n][:, None]  # (B, 1, Sk, 8)
+    visited = ((m[:, None] >= key_rows[..., cols.SEG_KEY_M_LO])
+               & (m[:, None] < key_rows[..., cols.SEG_KEY_M_HI]))
+    tile_rows = tiles[:, m][:, :, None]  # (B, Sq, 1, 8)
+    bulk = (n >= tile_rows[..., cols.SEG_BULK_LO]) & (n < tile_rows[..., cols.SEG_BULK_HI])
+    same = rows[:, :, None, cols.SEG_ROW_ID] == kv_ids[:, None, :]
+    return visited & (bulk | same)
+
+
+def _segments_backward(config, inputs, out_shapes, ref_options: dict, scale: float) -> tuple:
+    """(dq_accum, dk, dv) of the sm100 backward with segment ids: float32 gradients under the
+    config's mask kind and :func:`sm100_backward_visible`'s mask, P from the lse_log2 and dS
+    from the delta it is given; dq_accum, dK / dV laid out as the dense configs'."""
+    q, k, v, dout, lse_log2, delta, _, dq_accum, tiles, keys, rows, kv_ids = inputs
+    assert not (config.two_cta or config.deterministic or config.varlen), config
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    tm, tn = config.tile_m, config.tile_n
+    assert tiles.shape[:2] == (b, -(-sq // tm)) and keys.shape[:2] == (b, -(-sk // tn))
+    assert rows.shape[:2] == (b, sq) and kv_ids.shape == (b, sk)
+    visible = sm100_backward_visible(tiles, keys, rows, kv_ids, sq, sk, tm, tn)
+    visible &= reference.visible_mask(sq, sk, ref_options["window"])[None]
+    if config.gqa:  # per query head: k and v repeated over each group
+        g = h // k.shape[2]
+        k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    hkv = k.shape[2]
+    lse = jnp.where(jnp.isinf(lse_log2), -jnp.inf, lse_log2 / math.log2(math.e))
+    grouped = [x.astype(jnp.float32).reshape(b, sq, hkv, h // hkv, -1) for x in (q, dout)]
+    stats = [x.reshape(b, hkv, h // hkv, sq) for x in (lse, delta)]
+    dq, dk, dv = reference._backward_block(
+        *grouped, *stats, k.astype(jnp.float32), v.astype(jnp.float32), visible, scale,
+        ref_options["softcap"])
+    # dq_accum: unscaled rows (B, H, Sq_pad, D), those past Sq NaN (the caller drops them)
+    sq_pad = dq_accum.shape[2] // d
+    acc = jnp.full((b, h, sq_pad, d), jnp.nan).at[:, :, :sq].set(
+        (dq.reshape(b, sq, h, d) / scale).transpose(0, 2, 1, 3))
+    return (dq_accum + acc.reshape(dq_accum.shape), dk.astype(out_shapes[1].dtype),
+            dv.astype(out_shapes[2].dtype))
 
 
 def _segments_forward(config, q, k, v, tiles, rows, kv_ids, options: dict) -> tuple:
@@ -156,6 +211,10 @@ def emulated_call_kernel(options: dict, calls: list):
         _check_signature(config, inputs, out_shapes)
         calls.append((config, arch, tuple(tuple(x.shape) for x in inputs)))
         name = config.kernel_name
+        if name == "sm100_bwd" and config.segments:
+            assert arch == "sm_100a", arch
+            return _segments_backward(config, inputs, out_shapes, reference_options(config),
+                                      scale)
         if name == "sm100_bwd" and config.varlen:
             assert arch == "sm_100a" and not config.deterministic, (arch, config)
             return _varlen_backward(config, inputs, out_shapes, reference_options(config),

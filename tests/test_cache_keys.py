@@ -61,7 +61,7 @@ EXPECTED_FILES = {
         _K + "common/geometry.py", _K + "common/scores.py", _K + "common/softmax.py",
         _K + "sm100/flash_fwd.py",
         _K + "sm100/fwd_config.py", _K + "sm100/tile_order.py"},
-    "sm100_bwd": _SPEC | _VARLEN_BWD | {_K + f"common/{m}.py" for m in (
+    "sm100_bwd": _SPEC | _SEG | _VARLEN_BWD | {_K + f"common/{m}.py" for m in (
         "geometry", "convert", "layout", "rows", "scores", "views")} | {
         _K + f"sm100/{m}.py" for m in ("bwd", "bwd_2cta", "bwd_config", "bwd_launcher")},
     "exp2_probe": _SPEC | {_K + "common/exp2.py", _K + "exp2_probe.py",
@@ -133,7 +133,7 @@ def test_keys_do_not_depend_on_where_the_package_lies(tmp_path):
     ("kernels/sm100/fwd_tuning.py", set()),
     ("kernels/sm100/bwd_tuning.py", set()),
     ("kernels/segments_config.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess",
-                                    "sm100_fwd"}),
+                                    "sm100_fwd", "sm100_bwd"}),
     ("kernels/common/softmax.py", {"sm90_fwd", "sm100_fwd"}),
     ("kernels/forward_signatures_config.py", {"sm90_fwd", "sm100_fwd"}),
     ("kernels/common/exp2.py", {"sm90_fwd", "sm100_fwd", "exp2_probe"}),

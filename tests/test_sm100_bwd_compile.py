@@ -33,8 +33,8 @@ import pytest
 
 from jax_fa4.kernels.common.geometry import BwdBlocks
 from jax_fa4.kernels.sm100.bwd_config import (TMEM_COLUMNS, Sm100BwdConfig, shipped_configs,
-                                              test_configs, varlen_config)
-from jax_fa4.kernels.sm100.bwd_tuning import TUNING_TABLE, VARLEN_TUNING
+                                              segments_config, test_configs, varlen_config)
+from jax_fa4.kernels.sm100.bwd_tuning import SEGMENTS_TUNING, TUNING_TABLE, VARLEN_TUNING
 from jax_fa4.kernels.spec import MASK_KINDS, SMEM_BUDGET_BYTES
 
 from compiled import compiled_report, needs_disassembler, per_class, tiered
@@ -62,7 +62,7 @@ def _compile_and_report(cfg, cache):
 def _id(c: Sm100BwdConfig) -> str:
     return (f"{c.dtype[:4]}-d{c.head_dim}-{c.mask}{'-cap' if c.has_softcap else ''}"
             f"{'-gqa' if c.gqa else ''}{'-det' if c.deterministic else ''}"
-            f"{'-varlen' if c.varlen else ''}")
+            f"{'-varlen' if c.varlen else ''}{'-seg' if c.segments else ''}")
 
 
 @needs_compiler
@@ -179,12 +179,31 @@ def test_varlen_configs():
                             deterministic=True)
 
 
+def test_segments_configs():
+    """Segment ids: the 1-CTA kernel at every head dim it fits (128 too), never deterministic
+    or varlen; 192/128 names why it has none; the tables come after dq_accum."""
+    assert set(SEGMENTS_TUNING) == {(64, 64), (96, 96), (128, 128)}
+    for (d, dv) in SEGMENTS_TUNING:
+        cfg = segments_config("float16", d, dv, "local", True, True)
+        assert cfg.segments and not (cfg.two_cta or cfg.deterministic or cfg.varlen)
+        names = [a.name for a in cfg.signature().inputs]
+        assert names[7:] == ["dq_accum", "seg_tiles", "seg_keys", "seg_rows", "kv_ids"]
+        assert cfg.smem_bytes() == varlen_config("float16", d, dv).smem_bytes() + (
+            cfg.tile_m * cfg.q_stages + 4) * 4 - 8 * 4
+    with pytest.raises(ValueError, match="192/128.*2-CTA"):
+        segments_config("bfloat16", 192, 128)
+    with pytest.raises(ValueError, match="segment ids"):
+        Sm100BwdConfig.make("bfloat16", 64, 64, deterministic=True, segments=True)
+
+
 def test_every_shipped_variant_fits():
     shipped = shipped_configs()
     dense = 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 2 * 2 * 2  # × softcap, gqa, det
     varlen = 2 * len(VARLEN_TUNING) * len(MASK_KINDS) * 2 * 2  # × softcap, gqa
-    assert len(shipped) == dense + varlen
+    segments = 2 * len(SEGMENTS_TUNING) * len(MASK_KINDS) * 2 * 2  # × softcap, gqa
+    assert len(shipped) == dense + varlen + segments
     assert sum(c.varlen for c in shipped) == varlen
+    assert sum(c.segments for c in shipped) == segments
     assert len(set(shipped)) == len(shipped)
     for c in shipped:
         assert c.smem_bytes() <= SMEM_BUDGET_BYTES, c.describe()

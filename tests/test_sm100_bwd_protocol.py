@@ -415,11 +415,14 @@ class BwdSim(Sim):
 class BwdCta:
     def __init__(self, sim: BwdSim, cfg: Sm100BwdConfig, blocks: BwdBlocks, cta_id: int,
                  n_block: int, head: int, batch: int = 0, dq_tile0: int = 0, contrib=None,
-                 zero_padding: bool = False):
+                 zero_padding: bool = False, seg_range: tuple[int, int] | None = None):
         """``dq_tile0``, ``contrib``, ``zero_padding``: varlen (one work row): the sequence's
         first dq_accum tile, the (sequence, key block) its adds are recorded as, and whether it
         is the ZERO_PADDING item (its compute warps zero the dK / dV rows outside every
-        sequence after the TMEM dealloc barrier)."""
+        sequence after the TMEM dealloc barrier). ``seg_range``: segment ids, the key block's
+        [m_lo, m_hi) of the seg_keys table, intersected with the mask's range as kernel() does
+        (its load warp then also stages the rows' ids and the block's mask flag with -lse /
+        -delta, which the compute warps read with sLSE)."""
         self.sim, self.cfg, self.blocks, self.id = sim, cfg, blocks, cta_id
         self.n_block, self.head, self.batch = n_block, head, batch
         self.dq_tile0, self.zero_padding = dq_tile0, zero_padding
@@ -427,6 +430,9 @@ class BwdCta:
         self.D = cfg.head_dim
         self.off = cfg.tmem_offsets()
         self.m_min, m_max = blocks.m_block_range(n_block)
+        if seg_range is not None:
+            assert cfg.segments
+            self.m_min, m_max = max(self.m_min, seg_range[0]), min(m_max, seg_range[1])
         self.count = max(m_max - self.m_min, 0)
         self.live, self.retired = 0, False
         self.tensor_queue: deque = deque()
@@ -462,6 +468,8 @@ class BwdCta:
         self.sdO = [R(f"{p}.sdO[{s}]") for s in range(cfg.do_stages)]
         self.sLSE = [R(f"{p}.sLSE[:, {s}]") for s in range(cfg.q_stages)]
         self.sDelta = [R(f"{p}.sDelta[:, {s}]") for s in range(cfg.q_stages)]
+        # segment ids: the rows' ids and the block's mask flag, staged with -lse / -delta
+        self.sSeg = [R(f"{p}.sSegIds[:, {s}] / sSegMask[{s}]") for s in range(cfg.q_stages)]
         # sdS (tm, tn): warp (wg, quarter) stores query rows [64wg, 64wg+64) of its 32 keys
         self.sdS = [[R(f"{p}.sdS[rows {64 * wg}+, keys {32 * q}+]") for q in range(4)]
                     for wg in range(2)]
@@ -469,7 +477,7 @@ class BwdCta:
         self.sdQ = [[R(f"{p}.sdQ[{s}][rows {32 * w}+]") for w in range(4)]
                     for s in range(cfg.dq_stages)]
         self.smem = set(itertools.chain(
-            (self.sK, self.sV), self.sQ, self.sdO, self.sLSE, self.sDelta,
+            (self.sK, self.sV), self.sQ, self.sdO, self.sLSE, self.sDelta, self.sSeg,
             itertools.chain.from_iterable(self.sdS), itertools.chain.from_iterable(self.sdQ)))
         # TMEM (512 columns allocated): cells of 32 lanes × CELL columns
         regions = sorted((v, k) for k, v in self.off.items() if k != "dq")
@@ -513,8 +521,11 @@ class BwdCta:
                    pipeline_do.producer_get_barrier(do_state))
             # -lse_log2 / -delta of the block's rows; the lse stage follows the Q stage
             yield from pipeline_lse.producer_acquire(q_state)
-            yield ("access", [(self.sLSE[q_state.index], ("lse", m_block), True),
-                              (self.sDelta[q_state.index], ("delta", m_block), True)],
+            staged = [(self.sLSE[q_state.index], ("lse", m_block), True),
+                      (self.sDelta[q_state.index], ("delta", m_block), True)]
+            if self.cfg.segments:  # stage_stats: the rows' ids, the block's mask flag
+                staged.append((self.sSeg[q_state.index], ("ids", m_block), True))
+            yield ("access", staged,
                    f"sLSE / sDelta[:, {q_state.index}] = -lse / -delta of m={m_block}")
             yield from pipeline_lse.producer_commit(q_state, WARP)
             q_state.advance()
@@ -600,9 +611,12 @@ class BwdCta:
             s = lse_state.index
             # ---- Pᵀ = exp2(Sᵀ·scale_log2 − lse) ----
             yield ("wait", self.s_full, j % 2, j)
+            stats = [(self.sLSE[s], ("lse", m_block), False)]
+            if cfg.segments:  # softmax_p: the mask flag and the rows' ids
+                stats.append((self.sSeg[s], ("ids", m_block), False))
             yield ("access", [(r, ("S", j), False) for r in
                               self.cells(lane, off["s"] + cw * wg, off["s"] + cw * wg + cw)]
-                   + [(self.sLSE[s], ("lse", m_block), False)], f"ld Sᵀ{j}; sLSE")
+                   + stats, f"ld Sᵀ{j}; sLSE")
             yield ("access", [(r, ("P", j), True) for r in
                               self.cells(lane, off["s"] + cw * wg, off["s"] + cw * wg + cw // 2)],
                    f"st Pᵀ{j}")
@@ -794,6 +808,51 @@ def simulate(cfg: Sm100BwdConfig, seqlen_q: int, seqlen_k: int, heads: int, slot
     what = (f"{cfg.describe()} seqlen_q={seqlen_q} seqlen_k={seqlen_k} window=({wl}, {wr}) "
             f"heads={heads} slots={slots} seed={seed}")
     run_checked(sim, cfg, ctas, what)
+    return sim
+
+
+def simulate_segments(cfg: Sm100BwdConfig, q_ids, kv_ids, heads: int, slots: int, seed: int,
+                      wl: int = -1, wr: int = -1) -> BwdSim:
+    """A launch with segment ids (``cfg.segments``): the dense grid (key blocks, heads, batch)
+    of (B, Sq) ``q_ids`` / (B, Sk) ``kv_ids``, each CTA's query blocks the mask's range within
+    its row of jax_fa4.segments.backward_tables' key table, as the kernel intersects them.
+    Checked as :func:`simulate`'s launches (each dq_accum tile gets exactly the adds of the key
+    blocks whose range holds it); key blocks that share no id with any query run count = 0."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_fa4 import segments
+    from jax_fa4.kernels.segments_config import SEG_KEY_M_HI, SEG_KEY_M_LO
+
+    assert cfg.segments and not cfg.deterministic
+    (b, seqlen_q), seqlen_k = q_ids.shape, kv_ids.shape[1]
+    keys = np.asarray(segments.backward_tables(jnp.asarray(q_ids), jnp.asarray(kv_ids), TILE,
+                                               TILE)[1])
+    sim = BwdSim(random.Random(seed), slots, False)
+    blocks = make_blocks(cfg, seqlen_q, seqlen_k, wl, wr)
+    n_blocks = -(-seqlen_k // TILE)
+    grid = [(n, h, i) for i in range(b) for h in range(heads) for n in range(n_blocks)]
+    ctas = [BwdCta(sim, cfg, blocks, x, n, h, batch=i,
+                   seg_range=(int(keys[i, n, SEG_KEY_M_LO]), int(keys[i, n, SEG_KEY_M_HI])))
+            for x, (n, h, i) in enumerate(grid)]
+    sim.pending.extend(ctas)
+    for i in range(b):
+        ranges = {n: (max(lo, int(keys[i, n, SEG_KEY_M_LO])),
+                      min(hi, int(keys[i, n, SEG_KEY_M_HI])))
+                  for n, (lo, hi) in ((n, blocks.m_block_range(n)) for n in range(n_blocks))}
+        for h in range(heads):
+            for m in range(blocks.num_m_blocks()):
+                sim.visitors[i, h, m] = [n for n, (lo, hi) in ranges.items() if lo <= m < hi]
+    what = (f"{cfg.describe()} ids={q_ids.tolist()} / {kv_ids.tolist()} window=({wl}, {wr}) "
+            f"heads={heads} slots={slots} seed={seed}")
+    run_checked(sim, cfg, ctas, what)
+
+    def mask_count(cta):
+        lo, hi = blocks.m_block_range(cta.n_block)
+        return max(hi - lo, 0)
+
+    sim.idle_ctas = sum(1 for c in ctas if c.count == 0 < mask_count(c))
+    sim.segment_cut = sum(1 for c in ctas if 0 < c.count < mask_count(c))
     return sim
 
 
@@ -1022,6 +1081,59 @@ def test_one_q_stage_deadlocks_and_is_refused():
         cfg.validate()
     with pytest.raises(ProtocolError, match="deadlock"):
         simulate(cfg, 2 * TILE, TILE, 1, 1, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Segment ids (the 1-CTA kernel's segment-id mode: bwd_config.segments_config)
+# ---------------------------------------------------------------------------------------------
+def random_ids(rng: random.Random, b: int, seqlen_q: int, seqlen_k: int):
+    """(q_ids, kv_ids) of one kind: packed documents, ids anywhere, packed documents ending in
+    padding (the API's reserved ids), or query / key ids drawn apart (always when Sq != Sk)."""
+    import numpy as np
+
+    from jax_fa4.segments import PADDING_KV_ID, PADDING_Q_ID
+
+    gen = np.random.default_rng(rng.getrandbits(32))
+    kind = "pair" if seqlen_q != seqlen_k else rng.choice(("packed", "random", "padding", "pair"))
+    if kind == "pair":
+        # (ids 3 and 4 only in the keys: their blocks no query block visits)
+        return (gen.integers(0, 3, (b, seqlen_q)).astype(np.int32),
+                np.sort(gen.integers(0, 5, (b, seqlen_k)), axis=1).astype(np.int32))
+    ids = np.cumsum(gen.random((b, seqlen_q)) < 3 / seqlen_q, axis=1).astype(np.int32)
+    if kind == "random":
+        ids = gen.integers(0, 3, (b, seqlen_q)).astype(np.int32)
+    q_ids, kv_ids = ids.copy(), ids.copy()
+    if kind == "padding":
+        pad = gen.integers(0, seqlen_q + 1)
+        q_ids[:, seqlen_q - pad:], kv_ids[:, seqlen_q - pad:] = PADDING_Q_ID, PADDING_KV_ID
+    return q_ids, kv_ids
+
+
+@pytest.mark.parametrize("mask", per_class(["local", "causal", "none"], key=lambda m: 0))
+def test_protocol_segments_random_schedules(mask):
+    """Segment ids (packed documents, ids anywhere, padding, query / key ids of other lengths)
+    over random grids under random schedules: the key blocks' query-block ranges cut by the
+    tables change no barrier, role or phase (no deadlock, parity alias, overrun or hazard; the
+    row ids staged with -lse / -delta and read with them), every dQ contribution is added once;
+    among the CTAs, key blocks the tables cut short and ones they leave with no query block."""
+    from jax_fa4.kernels.sm100.bwd_config import segments_config
+
+    rng = random.Random(f"segments-{mask}")
+    idle = cut = 0
+    for _ in range(RUNS // 2):
+        d = rng.choice((64, 96, 128))
+        cfg = segments_config("bfloat16", d, d, mask, has_softcap=rng.random() < 0.3)
+        b = rng.choice((1, 2))
+        seqlen_q = rng.choice((rng.randint(1, 4 * TILE), 3 * TILE))
+        seqlen_k = rng.choice((seqlen_q, rng.randint(1, 4 * TILE)))
+        q_ids, kv_ids = random_ids(rng, b, seqlen_q, seqlen_k)
+        heads = rng.choice((1, 2))
+        slots = rng.choice((1, 2, 3, 64))
+        wl = rng.choice((-1, 0, rng.randint(0, 300)))
+        wr = rng.choice((-1, 0, rng.randint(0, 300)))
+        sim = simulate_segments(cfg, q_ids, kv_ids, heads, slots, rng.getrandbits(32), wl, wr)
+        idle, cut = idle + sim.idle_ctas, cut + sim.segment_cut
+    assert idle > 0 and cut > 0, (idle, cut)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@ with the kernels emulated by tests/sm100_emulation.py; no Blackwell GPU has run 
 
 ``implementation="sm100"`` (forced, or enabled by ``JAX_FA4_ENABLE_SM100``) runs the sm100
 backward kernel for the calls its config accepts (varlen calls: the varlen mode of the 1-CTA
-kernel, or of the 2-CTA kernel at 192/128), and the reference backward with a one-time warning
-for the others; the sm90 route is unchanged.
+kernel, or of the 2-CTA kernel at 192/128; segment-id calls: the 1-CTA kernel's segment-id
+mode), and the reference backward with a one-time warning for the others; the sm90 route is
+unchanged.
 """
 
 from __future__ import annotations
@@ -295,12 +296,14 @@ SEGMENT_CASES = [  # (b, s, h, hkv, d, flash_attention kwargs, ids kind, learnab
 def test_sm100_segments_route_gives_the_reference(case, monkeypatch, fresh_warning):
     """segment_ids with implementation="sm100" run the sm100 forward with segment ids (and max
     logits) on jax_fa4.segments' tables for its 128-row Q tiles, emulated by the sm100 rule
-    from the tables alone (sm100_emulation.sm100_table_visible), and the reference's backward
-    with a one-time warning (no sm100 backward kernel with segment ids): out, lse, max logits
-    and gradients equal the reference route's (a sink joined around the kernel's output)."""
+    from the tables alone (sm100_emulation.sm100_table_visible), and the sm100 backward with
+    segment ids (head dim 128; at 256, which has no such kernel, the reference's backward with
+    a one-time warning): out, lse, max logits and gradients equal the reference route's (a
+    sink joined around the kernel's output)."""
     from test_segments import packed_ids
 
     b, s, h, hkv, d, kwargs, ids_kind, with_sink = case
+    kernel_backward = d != 256
     rng = np.random.default_rng(d)
     ids = jnp.asarray(packed_ids(rng, b, s, 4) if ids_kind == "packed"
                       else rng.integers(0, 3, (b, s)).astype(np.int32))
@@ -321,12 +324,16 @@ def test_sm100_segments_route_gives_the_reference(case, monkeypatch, fresh_warni
             return jnp.sum(out.astype(jnp.float32) * ct), (out, lse, row_max)
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
-    with pytest.warns(RuntimeWarning, match="segment ids"):
+    with (warnings.catch_warnings() if kernel_backward
+          else pytest.warns(RuntimeWarning, match="segment-id kernel at head dims 256/256")):
+        if kernel_backward:
+            warnings.simplefilter("error")  # the kernel serves: no fallback warning
         (_, got), grads = run("sm100")
     fwd = [(c, arch) for c, arch, _ in calls if c.kernel_name == "sm100_fwd"]
     assert fwd and all(c.segments and c.max_logits and c.head_dim == d and arch == "sm_100a"
                        for c, arch in fwd)
-    assert not any(c.kernel_name == "sm100_bwd" for c, _, _ in calls)
+    bwd = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
+    assert len(bwd) == kernel_backward and all(c.segments and c.gqa for c in bwd), bwd
     (_, want), want_grads = run("reference")
     for name, g, w in zip(("out", "lse", "max_logits", "dq", "dk", "dv"), (*got, *grads),
                           (*want, *want_grads)):
@@ -335,6 +342,162 @@ def test_sm100_segments_route_gives_the_reference(case, monkeypatch, fresh_warni
         fin = np.isfinite(w)
         bound = 2e-2 * max(1.0, float(np.abs(w[fin]).max()))
         assert float(np.abs(g[fin] - w[fin]).max()) <= bound, (name, np.abs(g - w).max())
+
+
+# -- segment ids: the 1-CTA kernel's segment-id mode --------------------------------------------
+def _segment_ids(kind: str, b: int, sq: int, sk: int, seed: int):
+    """(segment_ids for flash_attention, padding_segment_id) of a kind: "packed" (contiguous
+    documents), "random" (ids 0-2 anywhere: no contiguous runs), "padding" (packed documents
+    ending in padding id 0, which the API rewrites), "pair" (Sq != Sk: each query id a run of
+    keys in another order, one query id no key has)."""
+    from test_segments import packed_ids
+
+    rng = np.random.default_rng(seed)
+    if kind == "packed":
+        return jnp.asarray(packed_ids(rng, b, sq, 4)), None
+    if kind == "random":
+        return jnp.asarray(rng.integers(0, 3, (b, sq)).astype(np.int32)), None
+    if kind == "padding":
+        return jnp.asarray(packed_ids(rng, b, sq, 3) + 1).at[:, sq - sq // 4:].set(0), 0
+    assert kind == "pair"
+    q_ids = rng.integers(0, 4, (b, sq)).astype(np.int32)
+    kv_ids = np.sort(rng.integers(0, 3, (b, sk)), axis=1)[:, ::-1].astype(np.int32)
+    return (jnp.asarray(q_ids), jnp.asarray(kv_ids)), None
+
+
+SEGMENT_BACKWARD_CASES = [  # (b, sq, sk, h, hkv, d, flash_attention kwargs, ids kind, sink)
+    (2, 300, 300, 4, 2, 128, {"causal": True}, "packed", False),
+    (2, 261, 261, 4, 4, 64, {"window_size": (70, 9), "softcap": 4.0}, "random", False),
+    (1, 333, 333, 2, 1, 96, {"causal": True}, "padding", True),
+    (2, 140, 270, 4, 2, 64, {"softmax_scale": 0.2}, "pair", False),
+    (1, 129, 129, 2, 2, 128, {"window_size": (20, None)}, "padding", False),
+]
+
+
+def _segments_grad_fn(implementation, ids, padding_id, ct, with_sink, **kwargs):
+    def loss(q, k, v, s):
+        out = jax_fa4.flash_attention(q, k, v, segment_ids=ids, padding_segment_id=padding_id,
+                                      learnable_sink=s, implementation=implementation,
+                                      **kwargs)
+        return jnp.sum(out.astype(jnp.float32) * ct)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3) if with_sink else (0, 1, 2)))
+
+
+def _segments_emulated(monkeypatch, case):
+    """The case's inputs, ids and cotangent, with call_kernel emulated; returns them and the
+    list of kernel calls."""
+    b, sq, sk, h, hkv, d, kwargs, ids_kind, with_sink = case
+    q, k, v = _qkv(b, sq, sk, h, hkv, d, seed=11)
+    ids, padding_id = _segment_ids(ids_kind, b, sq, sk, seed=d + sq)
+    sink = jnp.linspace(-1.0, 1.0, h, dtype=jnp.float32) if with_sink else None
+    window = (None, 0) if kwargs.get("causal") else kwargs.get("window_size", (None, None))
+    options = {"softmax_scale": kwargs.get("softmax_scale", 1 / math.sqrt(d)),
+               "window": window, "softcap": kwargs.get("softcap", 0.0)}
+    calls = []
+    monkeypatch.setattr(call, "call_kernel", emulated_call_kernel(options, calls))
+    ct = jax.random.normal(jax.random.key(12), (b, sq, h, d), jnp.float32)
+    return (q, k, v, sink), (ids, padding_id, ct, with_sink), calls
+
+
+@pytest.mark.parametrize("case", SEGMENT_BACKWARD_CASES, ids=str)
+def test_sm100_segments_backward_gives_the_reference_gradients(case, monkeypatch,
+                                                               fresh_warning):
+    """jax.grad through flash_attention(segment_ids=..., implementation="sm100") with the
+    kernels emulated (the backward's stand-in reads the mask from its tables as the kernel does:
+    key-block ranges, bulk, ids): packed documents, ids without contiguous runs, padding ids,
+    query / key id pairs of other lengths, causal and windows, softcap, GQA / MQA, odd lengths
+    and a sink (its gradient from delta) give the reference route's gradients, with the sm100
+    backward kernel with segment ids and no fallback warning."""
+    inputs, rest, calls = _segments_emulated(monkeypatch, case)
+    kwargs = case[6]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernel serves: no fallback warning
+        got = _segments_grad_fn("sm100", *rest, **kwargs)(*inputs)
+    (bwd,) = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
+    assert bwd.segments and not bwd.two_cta and bwd.gqa == (case[3] != case[4])
+    assert bwd.head_dim == case[5] and bwd.has_softcap == ("softcap" in kwargs)
+    monkeypatch.undo()
+    want = _segments_grad_fn("reference", *rest, **kwargs)(*inputs)
+    _assert_grads_close(got, want)
+
+
+def _shift(x, column: int, by: int):
+    return x.at[..., column].add(by)
+
+
+@pytest.mark.parametrize("broken", ["key range", "bulk", "row ids"])
+def test_the_segments_stand_in_reads_the_tables(broken, monkeypatch, fresh_warning):
+    """The backward's stand-in takes its mask from the tables alone: a key block's query-block
+    range cut short, a bulk claimed over every key block, or the rows' ids shifted, and its
+    gradients are no longer the reference's (so the test above checks the backend's tables)."""
+    from jax_fa4 import segments
+    from jax_fa4.kernels import segments_config as cols
+
+    case = (2, 300, 300, 4, 2, 64, {"causal": True}, "random", False)
+    inputs, rest, _ = _segments_emulated(monkeypatch, case)
+    tables = segments.backward_tables
+
+    def corrupted(q_ids, kv_ids, tile_m, tile_n):
+        tiles, keys, rows, kv = tables(q_ids, kv_ids, tile_m, tile_n)
+        if broken == "key range":
+            keys = _shift(keys, cols.SEG_KEY_M_HI, -1)
+        elif broken == "bulk":
+            tiles = tiles.at[..., cols.SEG_BULK_LO].set(0).at[..., cols.SEG_BULK_HI].set(99)
+        else:
+            rows = _shift(rows, cols.SEG_ROW_ID, 1)
+        return tiles, keys, rows, kv
+
+    monkeypatch.setattr(segments, "backward_tables", corrupted)
+    got = _segments_grad_fn("sm100", *rest, **case[6])(*inputs)
+    monkeypatch.undo()
+    want = _segments_grad_fn("reference", *rest, **case[6])(*inputs)
+    with pytest.raises(AssertionError):
+        _assert_grads_close(got, want)
+
+
+def test_segments_gradient_lowers_to_the_sm100_segments_backward(lowered, fresh_warning):
+    """jax.grad through flash_attention(segment_ids=..., implementation="sm100") exports for
+    CUDA with the sm100 forward and backward kernels with segment ids (the 1-CTA kernel, head
+    dim 128 too) and the preprocess, the backward taking the four tables for its 128 × 128
+    tile; no fallback warning, no reference backward."""
+    b, s, h, hkv, d = 2, 300, 4, 2, 128
+    q, k, v = _qkv(b, s, s, h, hkv, d)
+    ids = jnp.zeros((b, s), jnp.int32).at[:, 100:].set(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exported = _export_for_cuda(_grad_fn("sm100", causal=True, segment_ids=ids), q, k, v)
+    kernels = {c.kernel_name: c for c, _ in lowered}
+    assert sorted(c.kernel_name for c, _ in lowered) == ["bwd_preprocess", "sm100_bwd",
+                                                         "sm100_fwd"]
+    assert {arch for _, arch in lowered} == {"sm_100a"}
+    bwd = kernels["sm100_bwd"]
+    assert (bwd.segments, bwd.two_cta, bwd.deterministic, bwd.mask, bwd.gqa, bwd.head_dim) == (
+        True, False, False, "causal", True, d)
+    assert kernels["sm100_fwd"].segments
+    text = exported.mlir_module()
+    assert text.count(CUSTOM_CALL) == 3
+    blocks = -(-s // 128)
+    assert f"tensor<{b}x{blocks}x8xi32>" in text  # seg_tiles, seg_keys
+    assert f"tensor<{b}x{s}x4xi32>" in text  # seg_rows
+    assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.parametrize("d, dv, kwargs, reason", [
+    (192, 128, {}, "no segment-id kernel at head dims 192/128"),
+    (64, 64, {"deterministic": True}, "adds dQ in no fixed order"),
+])
+def test_segments_backward_the_kernel_declines_falls_back_with_a_warning(lowered, fresh_warning,
+                                                                          d, dv, kwargs,
+                                                                          reason):
+    """192/128 (only the 2-CTA kernel fits it, and it has no segment-id mode) and
+    deterministic=True keep the sm100 forward with segment ids and run the reference's
+    backward, saying why once."""
+    q, k, v = _qkv(sq=130, sk=130, d=d, dv=dv)
+    ids = jnp.zeros((2, 130), jnp.int32).at[:, 64:].set(1)
+    with pytest.warns(RuntimeWarning, match=reason):
+        _export_for_cuda(_grad_fn("sm100", segment_ids=ids, **kwargs), q, k, v)
+    assert sorted(c.kernel_name for c, _ in lowered) == ["sm100_fwd"]
+    assert lowered[0][0].segments
 
 
 # -- callers on several devices (4 simulated CPU devices, in a subprocess) ----------------------

@@ -328,10 +328,31 @@ class KernelBackend(Backend):
         config = self.segments_config(q, k, v, opts)
         return config if isinstance(config, str) else None
 
+    def make_segments_backward(self, dtype, head_dim, head_dim_v, mask, has_softcap, gqa,
+                               **extra):
+        """The family's backward config with segment ids for a problem kind (``extra``:
+        ``sink_grad=True`` for a ``kernel_sink_grad`` family's sink call); raises ValueError
+        where none serves."""
+        raise ValueError(f"there is no {self.name} backward kernel with segment ids yet")
+
+    def segments_backward_config(self, q, k, v, opts, sink_grad: bool = False):
+        """The backward config with segment ids for this call (:meth:`make_segments_backward`),
+        or the reason none serves it (a str); deterministic calls are declined (the segment-id
+        kernels add dQ in no fixed order)."""
+        kind = backward_kind(q, k, v, opts)
+        deterministic = kind.pop("deterministic")
+        extra = dict(sink_grad=True) if sink_grad else {}
+        config = _config_or_reason(self.make_segments_backward, **kind, **extra)
+        if deterministic and not isinstance(config, str):
+            return (f"the {self.name} backward kernel with segment ids adds dQ in no fixed order "
+                    "(deterministic=True runs the reference's backward)")
+        return config
+
     def supports_segments_backward(self, q, k, v, opts) -> str | None:
         """None when a backward kernel takes this call's segment ids
         (:meth:`segments_backward`), else why not (the reference's backward then runs)."""
-        return f"there is no {self.name} backward kernel with segment ids yet"
+        config = self.segments_backward_config(q, k, v, opts)
+        return config if isinstance(config, str) else None
 
     def segments_backward(self, q, k, v, out, lse, dout, dlse, q_ids, kv_ids, opts,
                           sink: jax.Array | None = None):

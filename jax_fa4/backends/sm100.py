@@ -8,8 +8,7 @@ Forward (jax_fa4/kernels/sm100/fwd_config.py): the table's config (``FwdConfig.m
 with the same varlen (``varlen=True``), paged (``paged=True``) and segment-id (``segments=True``,
 :meth:`KernelBackend.segments_forward`'s tables) modes, and max logits (``max_logits=True``, dense
 and segment-id calls), under the same call contracts as Hopper's; decode-shaped calls run the
-training tile, rewritten by :mod:`jax_fa4.backends.decode`. Segment ids have no sm100 backward
-kernel: their gradient runs the reference's backward with a one-time ``RuntimeWarning``.
+training tile, rewritten by :mod:`jax_fa4.backends.decode`.
 
 Dense backward (jax_fa4/kernels/sm100/bwd_config.py), :meth:`Sm100Backend.backward`: ``sm100_bwd``
 with dq_accum (zeros, float32, (B, H, Sq_pad·D), row-major, updated in place through an
@@ -33,6 +32,13 @@ would reach the gradients through the kernel's products with P = dS = 0; so the 
 and ``work_tile_n`` key rows after ``cu_seqlens[-1]`` are zeroed here first (a scatter: no full
 pass over the inputs where XLA updates them in place; Hopper's kernel zeroes them in shared
 memory instead).
+
+Segment-id backward (:meth:`Sm100Backend.segments_backward`): the 1-CTA kernel's segment-id mode
+(``bwd_config.segments_config``, head dims 64, 96, 128) on :func:`jax_fa4.segments.backward_tables`
+for its 128 × 128 tile: each key block visits only the query blocks that share an id with it;
+dq from dq_accum and a sink's share from delta as in the dense backward. 192/128 (only the
+2-CTA kernel fits it, and it has no segment-id mode) and ``deterministic=True`` (the kernel adds
+dQ in no fixed order) run the reference's backward with the warning.
 
 GQA/MQA (H > Hkv): float32 dK/dV per *query* head, summed over each group of H/Hkv heads here,
 as the Hopper v1 does (deterministic: XLA's reduction has a fixed order).
@@ -81,7 +87,7 @@ def varlen_dq(dq_accum: jax.Array, cu_seqlens_q: jax.Array, total_q: int, head_d
 
 class Sm100Backend(KernelBackend):
     """Blackwell: the sm100 forward (dense, varlen, paged, segment ids), the preprocess and the
-    sm100 dense and varlen backward kernels (compile-verified only)."""
+    sm100 dense, varlen and segment-id backward kernels (compile-verified only)."""
 
     name = "sm100"
     arch = ARCH
@@ -126,6 +132,39 @@ class Sm100Backend(KernelBackend):
         dq = dq_accum.reshape(b, h, sq_pad, d)[:, :, :sq] * params[PARAM_SCALE]
         dq = dq.transpose(0, 2, 1, 3).astype(q.dtype)
         return dq, dk.astype(k.dtype), dvv.astype(v.dtype)
+
+    # -- segment ids backward ---------------------------------------------------------------------
+    def make_segments_backward(self, dtype, head_dim, head_dim_v, mask, has_softcap, gqa):
+        """The 1-CTA kernel's segment-id mode (bwd_config.segments_config; no sink_grad: the
+        sink's share comes from delta, :meth:`segments_backward`)."""
+        return bwd_config.segments_config(dtype, head_dim, head_dim_v, mask, has_softcap, gqa)
+
+    def segments_backward(self, q, k, v, out, lse, dout, dlse, q_ids, kv_ids, opts,
+                          sink: jax.Array | None = None):
+        """(dq, dk, dv, sink_rows) by the segment-id chain: the preprocess, the 1-CTA kernel's
+        segment-id mode (each key block visits only the query blocks jax_fa4.segments' tables
+        list for it) and dq from its row-major dq_accum as in :meth:`backward`. With a ``sink``,
+        ``sink_rows`` (B, H) = ``sum_i P_sink_i * rowsum(dout * out)_i`` from the preprocess's
+        delta in JAX (as the dense sm100 backward: no kernel sums it), else None."""
+        from jax_fa4 import segments
+
+        cfg = self.segments_backward_config(q, k, v, opts)
+        assert not isinstance(cfg, str), cfg
+        rowsum, lse_log2 = base.preprocess(self, out, dout, lse, opts)
+        b, sq, h, d = q.shape
+        params = kernel_params(opts, d)
+        sq_pad = cfg.num_m_blocks(sq) * cfg.tile_m
+        tables = segments.backward_tables(q_ids, kv_ids, cfg.tile_m, cfg.tile_n)
+        # a cotangent on lse enters as -dlse (jax_fa4.autodiff)
+        dq_accum, dk, dvv, _ = self.backward_main(cfg, q, k, v, dout, rowsum - dlse, lse_log2,
+                                                  params, sq_pad, 0, extra_inputs=tables)
+        dq = dq_accum.reshape(b, h, sq_pad, d)[:, :, :sq] * params[PARAM_SCALE]
+        dq = dq.transpose(0, 2, 1, 3).astype(q.dtype)
+        sink_rows = None
+        if sink is not None:  # (rows without a key: P_sink = 0, selected out)
+            sink_rows = jnp.where(jnp.isneginf(lse), 0.0,
+                                  reference.sink_probability(sink, lse) * rowsum).sum(axis=-1)
+        return dq, dk.astype(k.dtype), dvv.astype(v.dtype), sink_rows
 
     # -- varlen backward --------------------------------------------------------------------------
     def make_varlen_backward(self, dtype, head_dim, head_dim_v, mask, has_softcap, gqa):

@@ -247,21 +247,10 @@ class Sm90Backend(KernelBackend):
         return (*grads, sink_rows) if with_sink_rows else grads
 
     # -- segment ids backward ---------------------------------------------------------------------
-    def segments_backward_config(self, q, k, v, opts, sink_grad: bool = False):
-        """The backward config with segment ids for this call, or the reason none serves it."""
-        kind = backward_kind(q, k, v, opts)
-        if kind["deterministic"]:
-            return ("the backward kernel with segment ids adds dQ in no fixed order "
-                    "(deterministic=True runs the reference's backward)")
-        kind.pop("deterministic")
-        try:
-            return bwd_config.segments_config(**kind, sink_grad=sink_grad)
-        except ValueError as err:
-            return str(err)
-
-    def supports_segments_backward(self, q, k, v, opts) -> str | None:
-        config = self.segments_backward_config(q, k, v, opts)
-        return config if isinstance(config, str) else None
+    def make_segments_backward(self, dtype, head_dim, head_dim_v, mask, has_softcap, gqa,
+                               sink_grad: bool = False):
+        return bwd_config.segments_config(dtype, head_dim, head_dim_v, mask, has_softcap, gqa,
+                                          sink_grad=sink_grad)
 
     def segments_backward(self, q, k, v, out, lse, dout, dlse, q_ids, kv_ids, opts,
                           sink: jax.Array | None = None):

@@ -255,10 +255,12 @@ GPU_API_BACKWARD: dict[str, tuple[str, ...]] = {
     ),
 }
 
-#: The sm90 backward kinds of tests/conformance.py's cases that no module above reaches (the
-#: GPU suite runs every case: tests/test_conformance.py checks the tests suite holds their
-#: kernels, and that each kind here is one of theirs).
-CONFORMANCE_BACKWARD: tuple[str, ...] = ("fp16 192/128 none varlen",)
+#: The backward kinds that tests/gpu/test_conformance.py reaches through the conformance cases
+#: (tests/conformance.py) and no module of GPU_API_BACKWARD holds. tests/test_conformance.py
+#: checks both ways: the ``tests`` suite holds every kernel of the cases, and each kind listed
+#: here is one a case reaches.
+GPU_CONFORMANCE_BACKWARD: tuple[str, ...] = ("fp16 64 none segments",
+                                                 "fp16 192/128 none varlen")
 
 _SHORT_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 _KIND_FLAGS = ("softcap", "gqa", "sink", "det", "segments", "varlen")
@@ -294,7 +296,7 @@ def backward_kind(config: BwdConfig) -> str:
 
 def _sm90_bwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
     kinds = dict.fromkeys([*(k for module in GPU_API_BACKWARD.values() for k in module),
-                           *CONFORMANCE_BACKWARD])
+                           *GPU_CONFORMANCE_BACKWARD])
     mains = [backward_kind_config(k) for k in kinds]
     extra = [*mains, *(c.postprocess_config() for c in mains)]
     for cfg in dict.fromkeys([*sm90_bwd_gpu_configs(), *extra]):

@@ -3,13 +3,14 @@
 Computes dK, dV and a float32 partial dQ reduce-added into dq_accum (call contract, dq_accum
 layout and the deterministic mode in bwd_config.py; dq = dq_accum · scale is done in JAX).
 
-Features: bf16/fp16, head dims 64 and 96 (head dim 128 ships as the 2-CTA kernel, bwd_2cta.py,
-which reuses this class's compute-warp pieces and epilogue; this kernel still builds for 128
-with ``two_cta=False``), dynamic batch / sequence
-lengths / head counts, GQA/MQA (query head h reads kv head h // (H / Hkv); GQA configs write
-float32 dK/dV per query head, summed by the caller), key-length tail, bottom-right causal and
+Features: bf16/fp16, head dims 64, 96 and 128 (head dim 128's dense calls run the 2-CTA kernel,
+bwd_2cta.py, which reuses this class's compute-warp pieces and epilogue; this kernel serves 128
+in its varlen and segment-id modes), dynamic batch / sequence lengths / head counts, GQA/MQA
+(query head h reads kv head h // (H / Hkv); GQA configs write float32 dK/dV per query head,
+summed by the caller), key-length tail, bottom-right causal and
 sliding-window masks with query-block skipping (only blocks that cut a boundary are masked),
-softcap with its derivative, deterministic dQ order (semaphores).
+softcap with its derivative, deterministic dQ order (semaphores), packed sequences (varlen) and
+segment ids (both below, the 1-CTA kernel's modes).
 
 Transposed formulation (FA4): one CTA owns a key block of 128 keys of one (batch, query head),
 K and V resident in shared memory; it loops over the visited query blocks m of 128 rows:
@@ -22,7 +23,8 @@ K and V resident in shared memory; it loops over the visited query blocks m of 1
 
 Warps (512 threads): 0-3 dQ reduce; 4-11 compute (warpgroup w = query columns [64w, 64w+64) of
 the tile; thread = key lane); 12 MMA (one elected thread; allocates TMEM); 13 load (TMA for K, V,
-Q, dO; plain loads of -lse_log2 / -delta into shared memory); 14-15 idle.
+Q, dO; plain loads of -lse_log2 / -delta, and with segment ids the rows' ids, into shared
+memory); 14-15 idle.
 
 TMEM (columns, 512 allocated): dK [0, D), dV [D, 2D), Sᵀ [2D, 2D+128) with Pᵀ of warpgroup w in
 its columns [64w, 64w+32) (so a warpgroup only overwrites Sᵀ columns it has read itself), dPᵀ
@@ -59,6 +61,19 @@ dense kernel's count = 0 path (every role skips its loop; zero dK / dV rows); th
 row's compute warps then write zero dK / dV to the rows outside every sequence. No barrier,
 role or phase changes (tests/test_sm100_bwd_protocol.py models the varlen grid).
 
+Segment ids (``cfg.segments``, the 1-CTA kernel, dense; called by jax_fa4/backends/sm100.py with
+jax_fa4/segments.py's backward tables, bwd_config's segment-id contract): every role intersects
+the mask's query-block range of its key block n with the table's [m_lo, m_hi) (the query blocks
+with a row sharing an id with a key of n), so all agree on the count; a key block no query
+shares an id with runs the count = 0 path (zero dK / dV). The load warp stages, with each
+block's -lse / -delta, its rows' ids (seg_rows) and whether n lies outside the query block's
+bulk (seg_tiles: the key blocks every row of it sees whole); in such a block the compute warps
+mask every query column whose id is not the thread's key's (kv_ids, read once). In this
+transposed layout a thread owns one key, so comparing ids costs one shared-memory read per
+column where the forward's key span would cost two, and is exact on its own: the spans and the
+compare-ids flag are not read. Not deterministic (bwd_config). No barrier, role or phase
+changes (tests/test_sm100_bwd_protocol.py models the segment-id grid).
+
 Not yet (docs/kernels/sm100.md): head dim 256 (FA4's split 2-CTA kernels; 192/128 is the 2-CTA
 kernel's), persistence / scheduler, overlap of the dQ TMEM drain with the next dPᵀ (the reduce
 warps hold dPᵀ's columns until their last chunk load).
@@ -85,6 +100,8 @@ from jax_fa4.kernels.common.scores import score_scales
 from jax_fa4.kernels.common.rows import zero_padding_rows
 from jax_fa4.kernels.common.views import seq_major, sequence
 from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
+from jax_fa4.kernels.segments_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_KEY_M_HI,
+                                             SEG_KEY_M_LO, SEG_ROW_ID)
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
 from jax_fa4.kernels.spec import PARAM_SCALE
 
@@ -152,6 +169,7 @@ class FlashAttentionBackwardSm100:
         self.gqa = cfg.gqa
         self.deterministic = cfg.deterministic
         self.varlen = cfg.varlen
+        self.segments = cfg.segments
         self.tmem_alloc_cols = cfg.tmem_alloc_columns()
         off = cfg.tmem_offsets()
         self.tmem_dk, self.tmem_dv, self.tmem_s = off["dk"], off["dv"], off["s"]
@@ -196,11 +214,18 @@ class FlashAttentionBackwardSm100:
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mParams: cute.Tensor,
                  mdQacc: cute.Tensor, mSem: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-                 mCuSeqlensK: cute.Tensor | None = None, mWork: cute.Tensor | None = None):
+                 mCuSeqlensK: cute.Tensor | None = None, mWork: cute.Tensor | None = None,
+                 mSegTiles: cute.Tensor | None = None, mSegKeys: cute.Tensor | None = None,
+                 mSegRows: cute.Tensor | None = None, mKvIds: cute.Tensor | None = None):
         if const_expr(self.varlen != (mWork is not None) or self.varlen != (
                 mCuSeqlensK is not None)):
             raise TypeError("cu_seqlens_k and work are passed exactly when the config is varlen")
-        for name, t in (("cu_seqlens_k", mCuSeqlensK), ("work", mWork)):
+        segs = (mSegTiles, mSegKeys, mSegRows, mKvIds)
+        if const_expr(any(self.segments != (t is not None) for t in segs)):
+            raise TypeError("seg_tiles, seg_keys, seg_rows and kv_ids are passed exactly when "
+                            "the config has segments")
+        for name, t in (("cu_seqlens_k", mCuSeqlensK), ("work", mWork), ("seg_tiles", mSegTiles),
+                        ("seg_keys", mSegKeys), ("seg_rows", mSegRows), ("kv_ids", mKvIds)):
             if const_expr(t is not None and t.element_type != Int32):
                 raise TypeError(f"{name} must be int32")
         mQ, mK, mV, mdO, mLSE, mDelta, mdQacc, mSem, mdK, mdV = self.input_views(
@@ -245,6 +270,10 @@ class FlashAttentionBackwardSm100:
         sdQ_atom = sm100_utils.make_smem_layout_atom(
             sm100_utils.get_smem_layout_atom_ab(K_MAJOR, Float32, (tm, self.dq_cols)), Float32)
         sdQ_l = cute.tile_to_shape(sdQ_atom, (tm, self.dq_cols, self.dq_stages), order=(1, 0, 2))
+        # segment ids: each staged query row's id and the block's mask flag, per lse stage
+        # (bwd_config.segment_smem_bytes; placeholders without segment ids)
+        seg_ids = tm * self.q_stages if const_expr(self.segments) else 4
+        seg_flags = max(self.q_stages, 4) if const_expr(self.segments) else 4
 
         g2s = cpasync.CopyBulkTensorTileG2SOp(cta)
         tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(
@@ -274,6 +303,8 @@ class FlashAttentionBackwardSm100:
             tmem_holding_buf: Int32
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.q_stages], 16]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.q_stages], 16]
+            sSegIds: cute.struct.Align[cute.struct.MemRange[Int32, seg_ids], 16]
+            sSegMask: cute.struct.Align[cute.struct.MemRange[Int32, seg_flags], 16]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_l)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_l)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_l)], 1024]
@@ -289,6 +320,7 @@ class FlashAttentionBackwardSm100:
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_dQ,
             sQ_l, sK_l, sV_l, sdO_l, sdOt_l, sQt_l, sKt_l, sdS_l, sdSt_l, sdQ_l, tP_l,
             st_mma, dpt_mma, dv_mma, dk_mma, dq_mma, SharedStorage, mCuSeqlensK, mWork,
+            mSegTiles, mSegKeys, mSegRows, mKvIds,
         ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -308,7 +340,9 @@ class FlashAttentionBackwardSm100:
                sdQ_l: cute.ComposedLayout, tP_l: cute.ComposedLayout,
                st_mma: cute.TiledMma, dpt_mma: cute.TiledMma, dv_mma: cute.TiledMma,
                dk_mma: cute.TiledMma, dq_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr,
-               mCuSeqlensK: cute.Tensor | None, mWork: cute.Tensor | None):
+               mCuSeqlensK: cute.Tensor | None, mWork: cute.Tensor | None,
+               mSegTiles: cute.Tensor | None, mSegKeys: cute.Tensor | None,
+               mSegRows: cute.Tensor | None, mKvIds: cute.Tensor | None):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == LOAD_WARP:
@@ -387,6 +421,18 @@ class FlashAttentionBackwardSm100:
         blocks = BwdBlocks(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                            seqlen_q, seqlen_k, window_left, window_right)
         m_min, m_max = blocks.m_block_range(n_block)
+        # segment ids: only the query blocks the caller's table lists for this key block (a
+        # row sharing an id with one of its keys lies in them), the same range in every role;
+        # the load warp stages each block's row ids and whether the block is outside its query
+        # tile's bulk, the compute warps mask there by id (stage_stats, softmax_p)
+        load_segs, compute_segs = None, None
+        if const_expr(self.segments):
+            m_min = cutlass.max(m_min, mSegKeys[batch, n_block, SEG_KEY_M_LO])
+            m_max = cutlass.min(m_max, mSegKeys[batch, n_block, SEG_KEY_M_HI])
+            sSegIds = storage.sSegIds.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
+            sSegMask = storage.sSegMask.get_tensor(cute.make_layout(self.q_stages))
+            load_segs = (mSegTiles, mSegRows, sSegIds, sSegMask)
+            compute_segs = (mKvIds, sSegIds, sSegMask)
         count = cutlass.max(m_max - m_min, 0)
 
         wg_idx = warp_idx // 4
@@ -406,7 +452,7 @@ class FlashAttentionBackwardSm100:
             self.compute_warps(mdK, mdV, mParams, sdS, sLSE, sDelta, st_mma, dk_mma, dv_mma,
                                tmem_ptr, pipeline_lse, s_full, p_full, dp_full, ds_full,
                                ds_empty, dkv_full, head, head_kv, batch, n_block, m_min, count,
-                               blocks, tidx, warp_idx, k_offset)
+                               blocks, tidx, warp_idx, k_offset, segs=compute_segs)
             cute.arch.fence_view_async_tmem_load()
             dealloc_barrier.arrive_and_wait()
             if const_expr(self.varlen):
@@ -419,7 +465,7 @@ class FlashAttentionBackwardSm100:
                                tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, st_mma, dpt_mma,
                                pipeline_kv, pipeline_q, pipeline_do, pipeline_lse, head,
                                head_kv, batch, n_block, m_min, count, seqlen_q, tidx, q_offset,
-                               k_offset)
+                               k_offset, segs=load_segs)
             if warp_idx == MMA_WARP:
                 tmem.allocate(self.tmem_alloc_cols)
                 tmem.wait_for_alloc()
@@ -457,10 +503,13 @@ class FlashAttentionBackwardSm100:
     @cute.jit
     def stage_stats(self, mLSE: cute.Tensor, mDelta: cute.Tensor, sLSE: cute.Tensor,
                     sDelta: cute.Tensor, pipeline_lse, state, m_block: Int32, head: Int32,
-                    batch: Int32, seqlen_q: Int32, lane: Int32, q_offset: Int32 | None = None):
+                    batch: Int32, seqlen_q: Int32, lane: Int32, q_offset: Int32 | None = None,
+                    seg: cutlass.Constexpr = None):
         """-lse_log2 and -delta of query block m_block's 128 rows into stage ``state`` (the load
         warp's 32 threads; rows past seqlen_q: -inf and 0, so that P = dS = 0 there without a
-        row mask; varlen: the sequence's rows from ``q_offset`` on)."""
+        row mask; varlen: the sequence's rows from ``q_offset`` on). ``seg`` (segment ids:
+        seg_tiles, seg_rows, the id and flag stages, key block n): also each row's id and, by
+        lane 0, whether key block n lies outside the query block's bulk (1: mask by id)."""
         tm = self.tile_m
         pipeline_lse.producer_acquire(state)
         for r in cutlass.range_constexpr(tm // 32):
@@ -472,6 +521,14 @@ class FlashAttentionBackwardSm100:
             dlt = mDelta[row_c, head, batch]
             sLSE[r * 32 + lane, state.index] = -lse if row < seqlen_q else -Float32.inf
             sDelta[r * 32 + lane, state.index] = -dlt if row < seqlen_q else Float32(0.0)
+            if const_expr(seg is not None):
+                seg[2][r * 32 + lane, state.index] = seg[1][batch, row_c, SEG_ROW_ID]
+        if const_expr(seg is not None):
+            if lane == 0:
+                n_block = seg[4]
+                outside = (n_block < seg[0][batch, m_block, SEG_BULK_LO]
+                           or n_block >= seg[0][batch, m_block, SEG_BULK_HI])
+                seg[3][state.index] = Int32(1) if outside else Int32(0)
         pipeline_lse.producer_commit(state)
 
     # --- load warp ---------------------------------------------------------------------------
@@ -481,9 +538,10 @@ class FlashAttentionBackwardSm100:
                   dpt_mma: cute.TiledMma, pipeline_kv, pipeline_q, pipeline_do, pipeline_lse,
                   head: Int32, head_kv: Int32, batch: Int32, n_block: Int32, m_min: Int32,
                   count: Int32, seqlen_q: Int32, tidx: Int32, q_offset: Int32 | None = None,
-                  k_offset: Int32 | None = None):
+                  k_offset: Int32 | None = None, segs: cutlass.Constexpr = None):
         """K, V once, then Q, dO (TMA) and -lse / -delta of each visited query block (varlen:
-        TMA views from the sequence's first rows, ``q_offset`` / ``k_offset``)."""
+        TMA views from the sequence's first rows, ``q_offset`` / ``k_offset``; ``segs``:
+        segment ids, their stages too, stage_stats)."""
         D, Dv, tm, tn = self.hdim, self.hdimv, self.tile_m, self.tile_n
         st_thr, dpt_thr = st_mma.get_slice(0), dpt_mma.get_slice(0)
         one = cute.make_layout(1)
@@ -517,7 +575,8 @@ class FlashAttentionBackwardSm100:
             self.tma_load(pipeline_do, do_state, tma_atom_dO, tdOgdO[None, m_block], tdOsdO)
             # the lse stage follows the Q stage
             self.stage_stats(mLSE, mDelta, sLSE, sDelta, pipeline_lse, q_state, m_block, head,
-                             batch, seqlen_q, lane, q_offset)
+                             batch, seqlen_q, lane, q_offset,
+                             seg=None if const_expr(segs is None) else (*segs, n_block))
             q_state.advance()
             do_state.advance()
 
@@ -630,7 +689,10 @@ class FlashAttentionBackwardSm100:
                       s_full, p_full, dp_full, ds_full, ds_empty, dkv_full, head: Int32,
                       head_kv: Int32, batch: Int32, n_block: Int32, m_min: Int32, count: Int32,
                       blocks: BwdBlocks, tidx: Int32, warp_idx: Int32,
-                      k_offset: Int32 | None = None):
+                      k_offset: Int32 | None = None, segs: cutlass.Constexpr = None):
+        """Pᵀ, dSᵀ of each visited query block, then the epilogue; ``segs`` (segment ids:
+        kv_ids, the id and flag stages): this thread's key id is compared with each row's in
+        the blocks flagged for it (softmax_p)."""
         tm, tn = self.tile_m, self.tile_n
         cw = self.cols_per_wg
         wg = (warp_idx - COMPUTE_WARPS[0]) // 4  # 0 or 1: query columns [cw·wg, cw·wg + cw)
@@ -640,6 +702,11 @@ class FlashAttentionBackwardSm100:
         scale = mParams[PARAM_SCALE]
         scale_log2, tanh_in_scale, inv_scale_log2 = self.softmax_scales(mParams)
         key = n_block * tn + lane_row
+        seg = None
+        if const_expr(segs is not None):
+            # this thread's key id (the last key's past seqlen_k, which the tail mask hides)
+            key_id = segs[0][batch, cutlass.min(key, blocks.seqlen_k - 1)]
+            seg = (segs[1], segs[2], key_id)
         lse_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  self.q_stages)
         for j in cutlass.range(count, unroll=1):
@@ -650,7 +717,7 @@ class FlashAttentionBackwardSm100:
             rP = cute.make_rmem_tensor((cw,), Float32)
             self.load_wg_cols(rP, tmem_ptr, acc_layout, self.tmem_s, wg, lane_row, 0, cw)
             self.softmax_p(rP, tmem_ptr, acc_layout, blocks, m_block, n_block, key, wg,
-                           lane_row, scale_log2, tanh_in_scale, sLSE, lse_state.index)
+                           lane_row, scale_log2, tanh_in_scale, sLSE, lse_state.index, seg=seg)
             self.store_16bit(rP, tmem_ptr, acc_layout, self.tmem_s, wg, lane_row)
             cute.arch.fence_view_async_tmem_store()
             cute.arch.mbarrier_arrive(p_full)
@@ -724,13 +791,18 @@ class FlashAttentionBackwardSm100:
     @cute.jit
     def softmax_p(self, rP: cute.Tensor, tmem_ptr, acc_layout, blocks: BwdBlocks,
                   m_block: Int32, n_block: Int32, key: Int32, wg: Int32, lane_row: Int32,
-                  scale_log2: Float32, tanh_in_scale: Float32, sLSE: cute.Tensor, stage: Int32):
+                  scale_log2: Float32, tanh_in_scale: Float32, sLSE: cute.Tensor, stage: Int32,
+                  seg: cutlass.Constexpr = None):
         """rP (Sᵀ of this thread's key and the warpgroup's cw query columns, loaded by the
         caller with load_wg_cols) → Pᵀ: [softcap,] masked (query-block skipping: only tiles
-        ``blocks`` says are cut), exp2."""
+        ``blocks`` says are cut), exp2. ``seg`` (segment ids: the staged row ids and mask
+        flags, this thread's key id): in a block flagged outside its query tile's bulk, a
+        column whose row id is not the key's is masked too."""
         cw, tm = self.cols_per_wg, self.tile_m
         tail, cut_right, cut_left = BwdBlocks.mask_reasons(blocks, m_block, n_block)
         need_mask = tail or cut_right or cut_left
+        if const_expr(seg is not None):
+            need_mask = need_mask or seg[1][stage] != 0
         lo, hi = BwdBlocks.visible_rows(blocks, key, m_block)
         lo = lo - cw * wg
         hi = hi - cw * wg
@@ -745,6 +817,8 @@ class FlashAttentionBackwardSm100:
                 visible = i >= lo  # rP[i] is query column cw·wg + i (load_wg_cols)
                 if const_expr(self.is_local):
                     visible = visible and i <= hi
+                if const_expr(seg is not None):
+                    visible = visible and seg[0][col0 + i, stage] == seg[2]
                 rP[i] = rP[i] if visible else -Float32.inf
         for i in cutlass.range_constexpr(0, cw, 2):
             rP[i], rP[i + 1] = cute.arch.fma_packed_f32x2(

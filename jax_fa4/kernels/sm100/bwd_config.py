@@ -44,6 +44,21 @@ sequence b's query block m adds into the row-major (128, D) tile ``work[x, 6] + 
 per head, so the caller's postprocess is a row gather and a scale. The 2-CTA kernel's work item
 is a pair's 256-key span of a sequence (the list built with ``work_tile_n`` = 256 keys per item;
 work[x, 1] the pair index in the sequence) and takes two CTAs, x' = 2x + rank: grid (2W, H).
+
+Segment-id configs (``segments=True``, :func:`segments_config`; the 1-CTA kernel, not
+deterministic) take the dense contract plus jax_fa4/segments.py's backward tables for this tile
+(``segments_config.with_segment_tables``, the Hopper backward's contract too), after dq_accum:
+
+    call: fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, seg_tiles, seg_keys,
+             seg_rows, kv_ids, dk, dv)
+      seg_tiles (B, ceil(Sq/128), 8) int32   per query block: its bulk [SEG_BULK_LO, SEG_BULK_HI)
+      seg_keys  (B, ceil(Sk/128), 8) int32   per key block: the query blocks [SEG_KEY_M_LO,
+                                             SEG_KEY_M_HI) it visits
+      seg_rows  (B, Sq, 4) int32             per query row: its id (SEG_ROW_ID)
+      kv_ids    (B, Sk) int32                the keys' ids
+
+CTA n visits the query blocks of the mask's range within [m_lo, m_hi); a (query block, key
+block) pair outside the query block's bulk compares each row's id with the key's (bwd.py).
 """
 
 from __future__ import annotations
@@ -52,7 +67,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 # the table chooses configs (whose fields are the key): not part of any kernel's key
-from jax_fa4.kernels.sm100.bwd_tuning import TUNING_TABLE, VARLEN_TUNING, tuning_for
+from jax_fa4.kernels.segments_config import with_segment_tables
+from jax_fa4.kernels.sm100.bwd_tuning import (SEGMENTS_TUNING, TUNING_TABLE, VARLEN_TUNING,
+                                              tuning_for)
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, SMEM_BUDGET_BYTES, KernelConfig, KernelSignature,
                                   attention_backward_signature, check_dtype_and_mask)
 # the varlen backward's call contract, shared with the Hopper kernels (one work list for both)
@@ -85,6 +102,8 @@ class Sm100BwdConfig(KernelConfig):
     two_cta: bool = False
     # packed sequences (module doc, varlen_config): the 1-CTA kernel, the 2-CTA one at 192/128
     varlen: bool = False
+    # segment ids (module doc, segments_config): the 1-CTA kernel only, not deterministic
+    segments: bool = False
 
     tile_m: ClassVar[int] = 128  # query rows per iteration (the N of Sᵀ = K·Qᵀ)
     tile_n: ClassVar[int] = 128  # keys per CTA (the M of Sᵀ: one TMEM lane per key)
@@ -111,6 +130,9 @@ class Sm100BwdConfig(KernelConfig):
         tuning_for(self.head_dim, self.head_dim_v, self.mask)
         if self.varlen and self.deterministic:
             raise ValueError("sm100 backward: varlen has no deterministic mode")
+        if self.segments and (self.two_cta or self.deterministic or self.varlen):
+            raise ValueError("sm100 backward: segment ids are the 1-CTA kernel's, dense, without "
+                             "deterministic (the 2-CTA kernel has no segment-id mode)")
         if self.head_dim != self.head_dim_v and not self.two_cta:
             raise ValueError("sm100 backward: head_dim_v must equal head_dim (1-CTA kernel)")
         if self.head_dim % 32:
@@ -212,7 +234,14 @@ class Sm100BwdConfig(KernelConfig):
         return (tn * (d + dv) * e  # K, V
                 + self.q_stages * tm * d * e + self.do_stages * tm * dv * e  # Q, dO rings
                 + tm * tn * e  # dS
-                + staging + stats)
+                + staging + stats + self.segment_smem_bytes())
+
+    def segment_smem_bytes(self) -> int:
+        """Shared memory of the segment-id stages (1-CTA kernel): each query row's id and the
+        block's mask flag per lse stage; a placeholder of 4 + 4 int32 without segment ids."""
+        if not self.segments:
+            return 2 * 4 * 4
+        return (self.tile_m * self.q_stages + max(self.q_stages, 4)) * 4
 
     @property
     def work_tile_n(self) -> int:
@@ -227,6 +256,10 @@ class Sm100BwdConfig(KernelConfig):
         if self.varlen:
             return varlen_attention_backward_signature(self.dtype, self.head_dim,
                                                        self.head_dim_v, self.tile_m, self.gqa)
+        if self.segments:
+            return with_segment_tables(attention_backward_signature(
+                self.dtype, self.head_dim, self.head_dim_v, self.tile_m, self.gqa),
+                self.tile_m, self.tile_n)
         return attention_backward_signature(
             self.dtype, self.head_dim, self.head_dim_v, self.tile_m, self.gqa,
             counters=("dq_semaphore", self.semaphore_slots) if self.deterministic else None)
@@ -244,6 +277,8 @@ def shipped_configs() -> list[Sm100BwdConfig]:
                             out.append(Sm100BwdConfig.make(dtype, d, dv, mask, softcap, gqa, det))
                         if (d, dv) in VARLEN_TUNING:
                             out.append(varlen_config(dtype, d, dv, mask, softcap, gqa))
+                        if (d, dv) in SEGMENTS_TUNING:
+                            out.append(segments_config(dtype, d, dv, mask, softcap, gqa))
     return out
 
 
@@ -254,29 +289,53 @@ def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask
     table's 1-CTA rows, and a 1-CTA row at 128, whose dense row is 2-CTA), the 2-CTA kernel at
     192/128 (where no 1-CTA kernel fits: dK + dV + Sᵀ + dPᵀ would take 640 TMEM columns);
     raises ValueError at other head dims."""
+    return _mode_config(VARLEN_TUNING, "varlen", dtype, head_dim, head_dim_v, mask,
+                        has_softcap, gqa, varlen=True)
+
+
+def segments_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
+                    mask: str = "none", has_softcap: bool = False, gqa: bool = False
+                    ) -> Sm100BwdConfig:
+    """The segment-id backward config of a problem kind (module doc): the 1-CTA kernel with the
+    segments tuning (``bwd_tuning.SEGMENTS_TUNING``: as varlen, a 1-CTA row at head dim 128
+    too); raises ValueError where no 1-CTA kernel fits (192/128). Never deterministic."""
+    return _mode_config(SEGMENTS_TUNING, "segment-id", dtype, head_dim, head_dim_v, mask,
+                        has_softcap, gqa, segments=True)
+
+
+def _mode_config(table: dict, mode: str, dtype: str, head_dim: int, head_dim_v: int | None,
+                 mask: str, has_softcap: bool, gqa: bool, **flags) -> Sm100BwdConfig:
+    """The config of a mode (``flags``: ``varlen=True`` or ``segments=True``) with ``table``'s
+    tuning row (the 1- or 2-CTA kernel, as the row says); ValueError naming the ``mode`` and
+    the head dims it has where the table has no row for these."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    tuning = VARLEN_TUNING.get((head_dim, head_dim_v))
+    tuning = table.get((head_dim, head_dim_v))
     if tuning is None:
-        raise ValueError(f"sm100 backward: no varlen kernel at head dims {head_dim}/{head_dim_v} "
-                         "(varlen: 64, 96 and 128 with the 1-CTA kernel, 192/128 with the 2-CTA "
-                         "one)")
+        has = ", ".join(f"{d}/{dv}" + (" (2-CTA)" if row.two_cta else "")
+                        for (d, dv), row in table.items())
+        if not any(row.two_cta for row in table.values()):
+            has += f"; the 2-CTA kernel has no {mode} mode"
+        raise ValueError(f"sm100 backward: no {mode} kernel at head dims "
+                         f"{head_dim}/{head_dim_v} (the {mode} mode has {has})")
     return Sm100BwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, gqa,
                                q_stages=tuning.q_stages, do_stages=tuning.do_stages,
                                dq_cols=tuning.dq_cols, dq_stages=tuning.dq_stages,
-                               two_cta=tuning.two_cta, varlen=True)
+                               two_cta=tuning.two_cta, **flags)
 
 
 def test_configs() -> list[Sm100BwdConfig]:
     """The subset the compile test builds on every run: each head dim once (bf16, no mask), each
     mask kind, softcap, GQA and deterministic once, fp16 once, varlen at head dims 64, 128 and
-    192/128 (the 2-CTA kernel's varlen mode)."""
+    192/128 (the 2-CTA kernel's varlen mode), segment ids once (head dim 128: the 1-CTA kernel
+    where the dense table is 2-CTA)."""
     out = [Sm100BwdConfig.make("bfloat16", d, dv) for (d, dv) in TUNING_TABLE]
     out += [Sm100BwdConfig.make("bfloat16", 128, 128, "causal", deterministic=True),
             Sm100BwdConfig.make("bfloat16", 128, 128, "local", True, True),
             Sm100BwdConfig.make("float16", 64, 64, "causal", True, False, True),
             varlen_config("bfloat16", 64, 64, "causal", gqa=True),
             varlen_config("bfloat16", 128, 128, "local", True),
-            varlen_config("bfloat16", 192, 128, "causal")]
+            varlen_config("bfloat16", 192, 128, "causal"),
+            segments_config("float16", 128, 128, "causal", gqa=True)]
     return out
 
 

@@ -56,6 +56,15 @@ VARLEN_TUNING: dict[tuple[int, int], Sm100BwdTuning] = {
     (192, 128): _T(1, 1, 8, 2, two_cta=True),
 }
 
+#: The segment-id backward's rows (bwd_config.segments_config): the 1-CTA kernel at every head
+#: dim it fits, today the varlen rows' 1-CTA ones (the two modes share one 1-CTA tuning until
+#: one of them is measured apart). Its row-id stages add 1 KB of shared memory (211 KB at head
+#: dim 128). 192/128 has none (1-CTA TMEM: 640 columns > 512; the 2-CTA kernel has no
+#: segment-id mode, and its 192/128 layout fills the shared-memory budget exactly, leaving no
+#: room for the 1 KB of row-id stages).
+SEGMENTS_TUNING: dict[tuple[int, int], Sm100BwdTuning] = {
+    dims: row for dims, row in VARLEN_TUNING.items() if not row.two_cta}
+
 
 def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm100BwdTuning:
     return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm100 backward",

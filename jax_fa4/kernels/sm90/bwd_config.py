@@ -47,11 +47,11 @@ head_dim): use ``BwdConfig.postprocess_config()``.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from jax_fa4.kernels.segments_config import SEG_ROW_COLUMNS, SEG_TILE_COLUMNS
+# the segment-id tables' call contract, shared with the sm100 backward
+from jax_fa4.kernels.segments_config import with_segment_tables
 # the table chooses configs (whose fields are the key): not part of any kernel's key
 from jax_fa4.kernels.sm90.bwd_tuning import TUNING_TABLE, tuning_for
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, NUM_PARAMS, SMEM_BUDGET_BYTES,
@@ -318,23 +318,6 @@ class BwdPostprocessConfig(KernelConfig):
                     TensorArg("params", "float32", (NUM_PARAMS,), (NUM_PARAMS,), batched=False)),
             outputs=(TensorArg("dq", self.dtype, (b, sq, h, d), (1, 1, 1, d)),),
         )
-
-
-def with_segment_tables(sig: KernelSignature, tile_m: int, tile_n: int) -> KernelSignature:
-    """A backward signature with the segment-id tables appended to its inputs: seg_tiles
-    (B, query blocks, 8) and seg_rows (B, Sq, 4) as the forward's (fwd_config.SEG_*, for this
-    tile), seg_keys (B, key blocks, 8) (the query blocks each key block visits) and kv_ids
-    (B, Sk) (kernels/segments_config.py)."""
-    b, sq, _, _ = sig.inputs[0].sample_shape
-    sk = sig.inputs[1].sample_shape[1]
-    cols = SEG_TILE_COLUMNS
-    extra = (
-        TensorArg("seg_tiles", "int32", (b, sq // tile_m, cols), (1, 1, cols)),
-        TensorArg("seg_keys", "int32", (b, sk // tile_n, cols), (1, 1, cols)),
-        TensorArg("seg_rows", "int32", (b, sq, SEG_ROW_COLUMNS), (1, 1, SEG_ROW_COLUMNS)),
-        TensorArg("kv_ids", "int32", (b, sk), (1, 1)),
-    )
-    return dataclasses.replace(sig, inputs=(*sig.inputs, *extra))
 
 
 def segments_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
