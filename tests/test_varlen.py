@@ -562,13 +562,15 @@ def test_kernel_config_per_architecture():
 
     assert sm100 in shipped_configs() and sm100.num_sms > 0
     assert "max_seqlen_q is 0" in backends.get("sm100").varlen_config(q, q, impl("sm100"), 0)
-    q192 = jnp.zeros((10, 4, 192), jnp.bfloat16)  # 192/192: an sm90 row, not an sm100 one
+    q192 = jnp.zeros((10, 4, 192), jnp.bfloat16)  # 192/192: a row of both tables
     assert backends.get("sm90").varlen_config(q192, q192, impl("sm90"), 8).varlen
-    why = backends.get("sm100").varlen_config(q192, q192, impl("sm100"), 8)
-    assert isinstance(why, str) and "sm100 forward" in why and "192/192" in why
+    assert backends.get("sm100").varlen_config(q192, q192, impl("sm100"), 8).varlen
+    q160 = jnp.zeros((10, 4, 160), jnp.bfloat16)  # a head dim no table has
+    why = backends.get("sm100").varlen_config(q160, q160, impl("sm100"), 8)
+    assert isinstance(why, str) and "sm100 forward" in why and "160/160" in why
     cu = np.array([0, 4, 10], np.int32)
-    with pytest.raises(jax_fa4.ImplementationUnavailableError, match="192/192"):
-        flash_attention_varlen(q192, q192, q192, cu, cu, 6, 6, implementation="sm100")
+    with pytest.raises(jax_fa4.ImplementationUnavailableError, match="160/160"):
+        flash_attention_varlen(q160, q160, q160, cu, cu, 6, 6, implementation="sm100")
 
 
 # --- the varlen backward kernel's work list and dq_accum layout (brute force) ------------------
