@@ -9,6 +9,8 @@ the sm100 backward
 GQA configs, dK / dV per *query* head in float32. With them the sm100 route's JAX side
 (jax_fa4.backends.sm100 and kernel, autodiff, sharding) runs on the CPU and must give the
 reference's numbers. Shared by tests/test_sm100_bwd_wiring.py and tests/multidevice_checks.py.
+The split backward at head dim 256 (``sm100_bwd_split``: a dK/dV and a dQ kernel) follows
+bwd_split_config.py: dk / dv as the fused kernel's, dq scaled in the input dtype.
 
 Varlen backward configs (``varlen``; the varlen forward's stand-in is tests/test_varlen.py's
 ``_emulated_varlen_kernel``) follow varlen_bwd_config.varlen_attention_backward_signature with the
@@ -139,6 +141,27 @@ def _varlen_backward(config, inputs, out_shapes, ref_options, scale):
             dv[None].astype(out_shapes[2].dtype))
 
 
+def _split_backward(config, inputs, out_shapes, ref_options):
+    """The split backward's contract (bwd_split_config.py): part "dkdv" returns dk (scaled) and
+    dv, per kv head in the input dtype or, GQA configs, float32 per query head; part "dq" the
+    scaled dq in the input dtype (written once: no accumulator). The dQ kernel reads kv head
+    h // (H / Hkv) itself."""
+    q, k, v, dout, lse_log2, delta, _ = inputs
+    h, hkv = q.shape[2], k.shape[2]
+    if config.part == "dkdv" and config.gqa:  # per query head: k and v repeated over each group
+        k, v = jnp.repeat(k, h // hkv, axis=2), jnp.repeat(v, h // hkv, axis=2)
+    else:
+        assert config.part == "dq" or h == hkv, config
+    lse = jnp.where(jnp.isinf(lse_log2), -jnp.inf, lse_log2 / math.log2(math.e))
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
+    dq, dk, dv = reference.attention_backward(
+        f32[0], f32[1], f32[2], jnp.zeros(dout.shape, jnp.float32), lse, f32[3], delta=delta,
+        **ref_options)
+    if config.part == "dq":
+        return (dq.astype(out_shapes[0].dtype),)
+    return dk.astype(out_shapes[0].dtype), dv.astype(out_shapes[1].dtype)
+
+
 def emulated_call_kernel(options: dict, calls: list):
     """A call_kernel for the sm100 forward, the preprocess and the sm100 backward. ``options``:
     the reference's ``softmax_scale`` (a float), ``softcap`` and ``window`` (used by configs of
@@ -176,6 +199,9 @@ def emulated_call_kernel(options: dict, calls: list):
             out, dout, lse = inputs
             lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * math.log2(math.e))
             return base.reference_delta(out, dout), lse_log2
+        if name == "sm100_bwd_split":
+            assert arch == "sm_100a", arch
+            return _split_backward(config, inputs, out_shapes, reference_options(config))
         assert name == "sm100_bwd" and arch == "sm_100a", (name, arch)
         q, k, v, dout, lse_log2, delta, _, dq_accum = inputs[:8]
         b, sq, h, d = q.shape

@@ -17,9 +17,14 @@ input/output alias) and, for deterministic calls, dq_semaphore (zeros, int32,
 (B, H, ceil(Sq/128)·slots), aliased too; 2 slots per query block for the 2-CTA kernel). The dQ
 postprocess is a plain scale-and-cast of dq_accum's rows, left to XLA (one fused elementwise op):
 the sm100 kernel's dq_accum is row-major, so no fragment reordering kernel is needed. Head dims
-64, 96, 128 with ``Dv == D`` and 192 with ``Dv`` 128 (the last two with 2-CTA MMAs); others (e.g.
-256, which needs FA4's split 2-CTA kernels) run the reference's backward with a one-time
-``RuntimeWarning`` naming the reason.
+64, 96, 128 with ``Dv == D`` and 192 with ``Dv`` 128 (the last two with 2-CTA MMAs); others run the
+reference's backward with a one-time ``RuntimeWarning`` naming the reason.
+
+Head dim 256 (:meth:`Sm100Backend.split_backward`, jax_fa4/kernels/sm100/bwd_split_config.py):
+the split backward, two kernels on the same inputs: ``sm100_bwd_split`` part "dkdv" (dk, dv; GQA:
+float32 per query head, summed here) and part "dq" (dq scaled, in q's dtype, written once: no
+dq_accum, no postprocess). Both write each output once without atomics, so
+``deterministic=True`` takes the same configs.
 
 Varlen backward (:meth:`Sm100Backend.varlen_backward`): the 1-CTA kernel's varlen mode
 (``bwd_config.varlen_config``, head dims 64, 96, 128; 192/128 runs the reference's backward with
@@ -47,8 +52,9 @@ from jax_fa4 import reference
 from jax_fa4.backends import base, sm90
 from jax_fa4.backends.kernel import (KernelBackend, backward_kind, kernel_params,
                                      sum_gqa_groups)
-from jax_fa4.kernels.sm100 import bwd_config, fwd_config
+from jax_fa4.kernels.sm100 import bwd_config, bwd_split_config, fwd_config
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
+from jax_fa4.kernels.sm100.bwd_split_config import Sm100BwdSplitConfig
 from jax_fa4.kernels.spec import PARAM_SCALE
 
 ARCH = "sm_100a"
@@ -106,13 +112,17 @@ class Sm100Backend(KernelBackend):
 
     def backward_configs(self, q, k, v, opts) -> tuple[Sm100BwdConfig, None]:
         """(main config, None) for this call (no postprocess kernel on sm100); raises ValueError
-        if unsupported."""
+        if unsupported. Head dims of the split backward (256): (dK/dV config, dQ config)."""
+        if bwd_split_config.serves(q.shape[3], v.shape[3]):
+            return self.split_backward_configs(q, k, v, opts)
         return Sm100BwdConfig.make(**backward_kind(q, k, v, opts)), None
 
     def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts):
         """(dq, dk, dv) in the dtypes of q, k, v. ``out`` and ``lse`` are unused (their
         information is in delta and lse_log2)."""
         del out, lse
+        if bwd_split_config.serves(q.shape[3], v.shape[3]):
+            return self.split_backward(q, k, v, dout, delta, lse_log2, opts)
         cfg, _ = self.backward_configs(q, k, v, opts)
         b, sq, h, d = q.shape
         params = kernel_params(opts, d)
@@ -123,6 +133,39 @@ class Sm100Backend(KernelBackend):
         # the sm90 postprocess kernel's rule: dq = dq_accum · softmax_scale in float32
         dq = dq_accum.reshape(b, h, sq_pad, d)[:, :, :sq] * params[PARAM_SCALE]
         dq = dq.transpose(0, 2, 1, 3).astype(q.dtype)
+        return dq, dk.astype(k.dtype), dvv.astype(v.dtype)
+
+    # -- split backward (head dim 256) ------------------------------------------------------------
+    def split_backward_configs(self, q, k, v, opts) -> tuple[Sm100BwdSplitConfig,
+                                                            Sm100BwdSplitConfig]:
+        """(dK/dV config, dQ config) of the split backward (bwd_split_config.py); the
+        ``deterministic`` option needs no config of its own: both kernels write each output
+        element once, without atomics."""
+        kind = backward_kind(q, k, v, opts)
+        del kind["deterministic"]
+        return bwd_split_config.split_configs(**kind)
+
+    def split_backward(self, q, k, v, dout, delta, lse_log2, opts):
+        """(dq, dk, dv) from the two kernels of the split backward: the dK/dV kernel (GQA
+        configs: float32 per query head, summed over each group here) and the dQ kernel (dq
+        scaled, in q's dtype)."""
+        from jax_fa4.ffi.call import call_kernel
+
+        dkdv_cfg, dq_cfg = self.split_backward_configs(q, k, v, opts)
+        b, sk, hkv, dv = v.shape
+        h, d = q.shape[2], q.shape[3]
+        params = kernel_params(opts, d)
+        inputs = (q, k, v, dout, lse_log2.astype(jnp.float32), delta.astype(jnp.float32),
+                  params)
+        hdk = h if dkdv_cfg.gqa else hkv
+        dkv_dtype = jnp.float32 if dkdv_cfg.gqa else k.dtype
+        dk, dvv = call_kernel(dkdv_cfg, self.arch, *inputs, out_shapes=(
+            jax.ShapeDtypeStruct((b, sk, hdk, d), dkv_dtype),
+            jax.ShapeDtypeStruct((b, sk, hdk, dv), dkv_dtype)))
+        (dq,) = call_kernel(dq_cfg, self.arch, *inputs,
+                            out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),))
+        if dkdv_cfg.gqa:
+            dk, dvv = sum_gqa_groups(dk, dvv, hkv, head_axis=2)
         return dq, dk.astype(k.dtype), dvv.astype(v.dtype)
 
     # -- varlen backward --------------------------------------------------------------------------

@@ -57,5 +57,5 @@ VARLEN_TUNING: dict[tuple[int, int], Sm100BwdTuning] = {
 
 def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm100BwdTuning:
     return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm100 backward",
-                         unsupported_hint="; 256 needs FA4's split 2-CTA kernels (a dQ kernel "
-                         "and a dK/dV kernel), not implemented")
+                         unsupported_hint="; 256/256 is the split backward's "
+                         "(bwd_split_config.py: a dK/dV and a dQ kernel)")
