@@ -110,7 +110,9 @@ class Sm100Backend(KernelBackend):
         return fwd_config.FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap,
                                          paged=True)
 
-    def backward_configs(self, q, k, v, opts) -> tuple[Sm100BwdConfig, None]:
+    def backward_configs(self, q, k, v, opts) -> (tuple[Sm100BwdConfig, None]
+                                                  | tuple[Sm100BwdSplitConfig,
+                                                          Sm100BwdSplitConfig]):
         """(main config, None) for this call (no postprocess kernel on sm100); raises ValueError
         if unsupported. Head dims of the split backward (256): (dK/dV config, dQ config)."""
         if bwd_split_config.serves(q.shape[3], v.shape[3]):
