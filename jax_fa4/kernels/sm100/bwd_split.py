@@ -258,6 +258,8 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
                tA_l: cute.ComposedLayout, x_mma: cute.TiledMma, y_mma: cute.TiledMma,
                ts_mma: cute.TiledMma, ts2_mma: cute.TiledMma,
                SharedStorage: cutlass.Constexpr):
+        """One CTA: barriers and pipelines, the block range of its resident block, then the
+        warp roles (module doc)."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == LOAD_WARP:
@@ -429,6 +431,8 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
                        ts2_mma: cute.TiledMma, tmem_ptr, pipeline_r, pipeline_s1, pipeline_s2,
                        s_full, p_full, dp_full, ds_full, acc_full, col_half: Int32,
                        count: Int32):
+        """The MMA warp: GEMM1, the TS GEMM of the previous dS, GEMM2 and (dkdv) the dV GEMM
+        of each iteration, in the module doc's order; then the commit to acc_full."""
         rows, cols, o = self.rows, self.cols, self.out_cols
         dt = self.dtype
 
@@ -508,6 +512,8 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
                       tmem_ptr, pipeline_lse, s_full, p_full, dp_full, ds_full, acc_full,
                       head: Int32, head_kv: Int32, batch: Int32, block: Int32, col_half: Int32,
                       s_min: Int32, count: Int32, blocks, tidx: Int32, warp_idx: Int32):
+        """The compute warps: P and dS of each iteration (16-bit Pᵀ / dS into TMEM), then the
+        epilogue (store_acc of each accumulator)."""
         rows, cols, cw = self.rows, self.cols, self.cols_per_wg
         wg = warp_idx // 4  # 0 or 1: streamed columns [cw·wg, cw·wg + cw)
         lane_row = tidx % 128  # this thread's resident row (TMEM lane)
