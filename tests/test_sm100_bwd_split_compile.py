@@ -67,7 +67,9 @@ def test_compiles_with_clean_sass(cfg, monkeypatch, tmp_path):
 
 def test_shipped_configs_are_valid_and_cover_every_option():
     shipped = shipped_configs()
-    assert len(shipped) == len(set(shipped)) == 2 * 3 * 2 * 3  # dtypes × masks × softcap × kinds
+    # dtypes × masks × softcap × (dkdv, dkdv with gqa, dq) × (dense, varlen)
+    assert len(shipped) == len(set(shipped)) == 2 * 3 * 2 * 3 * 2
+    assert {c.varlen for c in shipped} == {False, True}
     assert set(test_configs()) <= set(shipped)
     assert {c.part for c in shipped} == set(PARTS)
     assert {(c.part, c.gqa) for c in shipped} == {("dkdv", False), ("dkdv", True), ("dq", False)}

@@ -74,7 +74,9 @@ from jax_fa4.kernels.common.convert import cvt_pack_f32x2
 from jax_fa4.kernels.common.geometry import Band, BwdBlocks, FwdBlocks, resolve_windows
 from jax_fa4.kernels.common.layout import select_modes
 from jax_fa4.kernels.common.views import seq_major, sequence
-from jax_fa4.kernels.sm100.bwd import _FLT_MIN_NORMAL, FlashAttentionBackwardSm100, tmem_cols
+from jax_fa4.kernels.common.rows import zero_padding_rows
+from jax_fa4.kernels.sm100.bwd import (_FLT_MIN_NORMAL, ZERO_PADDING,
+                                       FlashAttentionBackwardSm100, tmem_cols)
 from jax_fa4.kernels.sm100.bwd_split_config import Sm100BwdSplitConfig
 from jax_fa4.kernels.spec import PARAM_SCALE
 
@@ -151,7 +153,15 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mParams: cute.Tensor,
-                 mOut0: cute.Tensor, mOut1: cute.Tensor | None = None):
+                 mOut0: cute.Tensor, mOut1: cute.Tensor | None = None,
+                 mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None,
+                 mWork: cute.Tensor | None = None):
+        if const_expr(self.cfg.varlen != (mWork is not None)):
+            raise TypeError("cu_seqlens and work are passed exactly when the config is varlen")
+        for name, t in (("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK),
+                        ("work", mWork)):
+            if const_expr(t is not None and t.element_type != Int32):
+                raise TypeError(f"{name} must be int32")
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("dout", mdO)):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"{name}: expected {self.dtype}, got {t.element_type}")
@@ -235,11 +245,13 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
 
         grid = (cute.ceil_div(mR1.shape[0], rows) * self.cfg.col_splits, mQ.shape[2],
                 mQ.shape[3])
+        if const_expr(self.cfg.varlen):  # col_splits CTAs per (work row, query head)
+            grid = (mWork.shape[0] * self.cfg.col_splits, mQ.shape[2], 1)
         self.kernel(
             tma_R1, tma_R2, tma_S1, tma_S2, mQ, mK, mOut0, mOut1, mLSE, mDelta, mParams,
             tma_atom_R1, tma_atom_R2, tma_atom_S1, tma_atom_S2,
             sR1_l, sR2_l, sS1_l, sS2_l, sS1t_l, sS2t_l, tA_l, x_mma, y_mma, ts_mma, ts2_mma,
-            SharedStorage,
+            SharedStorage, mCuSeqlensQ if const_expr(not self.dkdv) else mCuSeqlensK, mWork,
         ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -257,9 +269,11 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
                sS1t_l: cute.ComposedLayout, sS2t_l: cute.ComposedLayout,
                tA_l: cute.ComposedLayout, x_mma: cute.TiledMma, y_mma: cute.TiledMma,
                ts_mma: cute.TiledMma, ts2_mma: cute.TiledMma,
-               SharedStorage: cutlass.Constexpr):
+               SharedStorage: cutlass.Constexpr, mCuSeqlensOut: cute.Tensor | None,
+               mWork: cute.Tensor | None):
         """One CTA: barriers and pipelines, the block range of its resident block, then the
-        warp roles (module doc)."""
+        warp roles (module doc). Varlen: its work row's sequence, block, offsets and lengths;
+        ``mCuSeqlensOut`` the boundaries of the outputs' sequences (the ZERO_PADDING row's)."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == LOAD_WARP:
@@ -309,6 +323,19 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
         x, head, batch = cute.arch.block_idx()
         block, col_half = x // self.cfg.col_splits, x % self.cfg.col_splits
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        # varlen: the sequence's first rows in the packed q / k and its lengths from work row
+        # `block` (dq: its columns 2-5 hold k's before q's, module doc of bwd_split_config)
+        seq, q_off, k_off = None, None, None
+        if const_expr(self.cfg.varlen):
+            row = block
+            batch = Int32(0)
+            seq, block = mWork[row, 0], mWork[row, 1]
+            if const_expr(self.dkdv):
+                q_off, k_off, seqlen_q, seqlen_k = (mWork[row, 2], mWork[row, 3],
+                                                    mWork[row, 4], mWork[row, 5])
+            else:
+                k_off, q_off, seqlen_k, seqlen_q = (mWork[row, 2], mWork[row, 3],
+                                                    mWork[row, 4], mWork[row, 5])
         window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         if const_expr(self.dkdv):
@@ -327,15 +354,21 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
             self.compute_warps(mOut0, mOut1, mLSE, mDelta, mParams, storage, x_mma, tmem_ptr,
                                pipeline_lse, s_full, p_full, dp_full, ds_full, acc_full, head,
                                head_kv, batch, block, col_half, s_min, count, blocks, tidx,
-                               warp_idx)
+                               warp_idx, q_off, k_off)
             cute.arch.fence_view_async_tmem_load()
             dealloc_barrier.arrive_and_wait()
+            if const_expr(self.cfg.varlen):
+                if seq == ZERO_PADDING and col_half == 0:  # (count = 0: no barrier touched)
+                    head_out = head if const_expr(self.gqa or not self.dkdv) else head_kv
+                    for mX in (mOut0, mOut1) if const_expr(self.dkdv) else (mOut0,):
+                        zero_padding_rows(mX, mCuSeqlensOut, head_out, (self.rows, self.hdim),
+                                          len(COMPUTE_WARPS) * 32, tidx, Int32(0), Int32(1))
         if warp_idx == LOAD_WARP:
             self.load_warp_split(mR1, mR2, mS1, mS2, mLSE, mDelta, storage, sR1_l, sR2_l, sS1_l,
                                  sS2_l, tma_atom_R1, tma_atom_R2, tma_atom_S1, tma_atom_S2,
                                  x_mma, y_mma, pipeline_r, pipeline_s1, pipeline_s2,
                                  pipeline_lse, head, head_kv, batch, block, s_min, count,
-                                 seqlen_q, tidx)
+                                 seqlen_q, tidx, q_off, k_off)
         if warp_idx == MMA_WARP:
             tmem.allocate(self.tmem_alloc_cols)
             tmem.wait_for_alloc()
@@ -355,11 +388,12 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
                         x_mma: cute.TiledMma, y_mma: cute.TiledMma, pipeline_r, pipeline_s1,
                         pipeline_s2, pipeline_lse, head: Int32, head_kv: Int32, batch: Int32,
                         block: Int32, s_min: Int32, count: Int32, seqlen_q: Int32,
-                        tidx: Int32):
+                        tidx: Int32, q_off: Int32 | None = None, k_off: Int32 | None = None):
         """The resident pair once, then S1, S2 (TMA) and, dkdv, -lse / -delta of each visited
-        streamed block."""
+        streamed block (varlen: TMA views from the sequence's first rows)."""
         D, Dv, rows, cols = self.hdim, self.hdimv, self.rows, self.cols
         head_r, head_s = (head_kv, head) if const_expr(self.dkdv) else (head, head_kv)
+        r_off, s_off = (k_off, q_off) if const_expr(self.dkdv) else (q_off, k_off)
         x_thr, y_thr = x_mma.get_slice(0), y_mma.get_slice(0)
         one = cute.make_layout(1)
         sR1 = storage.sR1.get_tensor(sR1_l.outer, swizzle=sR1_l.inner)
@@ -368,10 +402,10 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
         sS2 = storage.sS2.get_tensor(sS2_l.outer, swizzle=sS2_l.inner)
         sLSE = storage.sLSE.get_tensor(cute.make_layout((cols, self.stream_stages)))
         sDelta = storage.sDelta.get_tensor(cute.make_layout((cols, self.stream_stages)))
-        gR1 = cute.local_tile(sequence(mR1, head_r, batch), (rows, D), (block, 0))
-        gR2 = cute.local_tile(sequence(mR2, head_r, batch), (rows, Dv), (block, 0))
-        gS1 = cute.local_tile(sequence(mS1, head_s, batch), (cols, D), (None, 0))
-        gS2 = cute.local_tile(sequence(mS2, head_s, batch), (cols, Dv), (None, 0))
+        gR1 = cute.local_tile(sequence(mR1, head_r, batch, r_off), (rows, D), (block, 0))
+        gR2 = cute.local_tile(sequence(mR2, head_r, batch, r_off), (rows, Dv), (block, 0))
+        gS1 = cute.local_tile(sequence(mS1, head_s, batch, s_off), (cols, D), (None, 0))
+        gS2 = cute.local_tile(sequence(mS2, head_s, batch, s_off), (cols, Dv), (None, 0))
         tR1s, tR1g = cpasync.tma_partition(tma_atom_R1, 0, one, cute.group_modes(sR1, 0, 3),
                                            cute.group_modes(x_thr.partition_A(gR1), 0, 3))
         tR2s, tR2g = cpasync.tma_partition(tma_atom_R2, 0, one, cute.group_modes(sR2, 0, 3),
@@ -398,7 +432,7 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
             self.tma_load(pipeline_s2, s2_state, tma_atom_S2, tS2g[None, s_block], tS2s)
             if const_expr(self.dkdv):  # the stats stage follows the S1 (Q) stage
                 self.stage_stats(mLSE, mDelta, sLSE, sDelta, pipeline_lse, s1_state, s_block,
-                                 head, batch, seqlen_q, tidx % 32)
+                                 head, batch, seqlen_q, tidx % 32, q_off)
             s1_state.advance()
             s2_state.advance()
 
@@ -511,7 +545,8 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
     def compute_warps(self, mOut0, mOut1, mLSE, mDelta, mParams, storage, x_mma: cute.TiledMma,
                       tmem_ptr, pipeline_lse, s_full, p_full, dp_full, ds_full, acc_full,
                       head: Int32, head_kv: Int32, batch: Int32, block: Int32, col_half: Int32,
-                      s_min: Int32, count: Int32, blocks, tidx: Int32, warp_idx: Int32):
+                      s_min: Int32, count: Int32, blocks, tidx: Int32, warp_idx: Int32,
+                      q_off: Int32 | None = None, k_off: Int32 | None = None):
         """The compute warps: P and dS of each iteration (16-bit Pᵀ / dS into TMEM), then the
         epilogue (store_acc of each accumulator)."""
         rows, cols, cw = self.rows, self.cols, self.cols_per_wg
@@ -529,6 +564,8 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
         neg_lse, neg_delta = Float32(0.0), Float32(0.0)
         if const_expr(not self.dkdv):  # dq: this thread's query row's statistics
             row_c = cutlass.min(row, blocks.seqlen_q - 1)
+            if const_expr(q_off is not None):
+                row_c = row_c + q_off
             neg_lse = -mLSE[row_c, head, batch] if row < blocks.seqlen_q else -Float32.inf
             neg_delta = -mDelta[row_c, head, batch] if row < blocks.seqlen_q else Float32(0.0)
         for j in cutlass.range(count, unroll=1):
@@ -568,11 +605,14 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
         if count > 0:
             cute.arch.mbarrier_wait(acc_full, 0)
         head_out = head if const_expr(self.gqa or not self.dkdv) else head_kv
+        # the outputs' rows: the resident block's, below its sequence's length
+        out_off, seqlen = (k_off, blocks.seqlen_k) if const_expr(self.dkdv) else (
+            q_off, blocks.seqlen_q)
         if const_expr(self.dkdv):
             self.store_acc(mOut1, tmem_ptr, acc_layout, self.tmem_acc[1], None, head_out, batch,
-                           block, col_half, count, row, lane_row, wg)
+                           block, col_half, count, row, lane_row, wg, out_off, seqlen)
         self.store_acc(mOut0, tmem_ptr, acc_layout, self.tmem_acc[0], scale, head_out, batch,
-                       block, col_half, count, row, lane_row, wg)
+                       block, col_half, count, row, lane_row, wg, out_off, seqlen)
 
     @cute.jit
     def softmax_p_rows(self, rP: cute.Tensor, rT: cute.Tensor, blocks: FwdBlocks, row: Int32,
@@ -624,11 +664,11 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
     @cute.jit
     def store_acc(self, mX: cute.Tensor, tmem_ptr, acc_layout, base: int, scale, head: Int32,
                   batch: Int32, block: Int32, col_half: Int32, count: Int32, row: Int32,
-                  lane_row: Int32, wg: Int32):
+                  lane_row: Int32, wg: Int32, out_off: Int32 | None, seqlen: Int32):
         """The accumulator at TMEM column ``base`` (out_cols columns; times ``scale`` unless
         None) → this thread's row of mX, columns [col_half·out_cols, +out_cols): warpgroup w the
         half [w·out_cols/2, +out_cols/2), in 16-column chunks; zeros when count = 0; rows past
-        the sequence skipped."""
+        ``seqlen`` skipped (varlen: the sequence's rows from ``out_off`` on)."""
         o, ch = self.out_cols, self.epi_chunk
         half = o // 2
         out_type = Float32 if const_expr(self.gqa) else self.dtype
@@ -637,8 +677,8 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
             tmem_cols(tmem_ptr, acc_layout, 0, ch))
         thr_ld = ld.get_slice(lane_row)
         tTc = thr_ld.partition_D(cute.make_identity_tensor((128, ch)))
-        gRow = cute.local_tile(sequence(mX, head, batch), (self.rows, o), (block, col_half))[
-            lane_row, None]
+        gRow = cute.local_tile(sequence(mX, head, batch, out_off), (self.rows, o),
+                               (block, col_half))[lane_row, None]
         for c in cutlass.range_constexpr(half // ch):
             r = cute.make_rmem_tensor(tTc.shape, Float32)
             if count > 0:
@@ -662,14 +702,40 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
                 r_out_i = cute.recast_tensor(r_out, Int32)
                 for i in cutlass.range_constexpr(ch // 2):
                     r_out_i[i] = cvt_pack_f32x2(r[2 * i], r[2 * i + 1], self.is_bf16)
-            if row < mX.shape[0]:
+            if row < seqlen:
                 cute.autovec_copy(r_out, cute.local_tile(gRow, (ch,), (wg * (half // ch) + c,)))
 
 
 def make_launcher(cfg: Sm100BwdSplitConfig):
     """The `@cute.jit` launcher: ``fn(stream, q, k, v, dout, lse_log2, delta, params, dk, dv)``
-    (part "dkdv") or ``fn(stream, q, k, v, dout, lse_log2, delta, params, dq)`` (part "dq")."""
+    (part "dkdv") or ``fn(stream, q, k, v, dout, lse_log2, delta, params, dq)`` (part "dq");
+    varlen configs take ``cu_seqlens_q, cu_seqlens_k, work`` after params
+    (bwd_split_config.split_varlen_backward_signature)."""
     kernel = FlashAttentionBackwardSm100Split(cfg)
+
+    if cfg.varlen and cfg.part == "dkdv":
+        @cute.jit
+        def sm100_bwd_dkdv_varlen(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                                  v: cute.Tensor, dout: cute.Tensor, lse_log2: cute.Tensor,
+                                  delta: cute.Tensor, params: cute.Tensor,
+                                  cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor,
+                                  work: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor):
+            kernel(stream, q, k, v, dout, lse_log2, delta, params, dk, dv, cu_seqlens_q,
+                   cu_seqlens_k, work)
+
+        return sm100_bwd_dkdv_varlen
+
+    if cfg.varlen:
+        @cute.jit
+        def sm100_bwd_dq_varlen(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                                v: cute.Tensor, dout: cute.Tensor, lse_log2: cute.Tensor,
+                                delta: cute.Tensor, params: cute.Tensor,
+                                cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor,
+                                work: cute.Tensor, dq: cute.Tensor):
+            kernel(stream, q, k, v, dout, lse_log2, delta, params, dq, None, cu_seqlens_q,
+                   cu_seqlens_k, work)
+
+        return sm100_bwd_dq_varlen
 
     if cfg.part == "dkdv":
         @cute.jit

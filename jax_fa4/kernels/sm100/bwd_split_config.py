@@ -33,12 +33,15 @@ and dP of 64 keys: 384 columns. Shared memory: the resident operands (K, V or Q,
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, MASK_KINDS, SMEM_BUDGET_BYTES, KernelConfig,
                                   KernelSignature, TensorArg, attention_backward_signature,
                                   check_dtype_and_mask)
+# the varlen backward's call contract (split_varlen_backward_signature builds on it)
+from jax_fa4.kernels.varlen_bwd_config import varlen_attention_backward_signature
 from jax_fa4.kernels.sm100.bwd_config import TMEM_COLUMNS
 
 #: The (head_dim, head_dim_v) pairs the split backward serves.
@@ -66,6 +69,8 @@ class Sm100BwdSplitConfig(KernelConfig):
     # the other one (dO for dkdv, V for dq)
     stream_stages: int = 2
     other_stages: int = 1
+    # packed sequences: varlen_signature's contract (split_varlen_configs)
+    varlen: bool = False
 
     #: Rows of the resident operands per CTA (the TMEM lanes: keys for dkdv, queries for dq).
     tile_rows: ClassVar[int] = 128
@@ -153,6 +158,9 @@ class Sm100BwdSplitConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
+        if self.varlen:
+            return split_varlen_backward_signature(self.part, self.dtype, self.head_dim,
+                                                   self.head_dim_v, self.gqa)
         return split_backward_signature(self.part, self.dtype, self.head_dim, self.head_dim_v,
                                         self.gqa)
 
@@ -174,6 +182,40 @@ def split_backward_signature(part: str, dtype: str, head_dim: int, head_dim_v: i
     return KernelSignature(inputs=inputs, outputs=outputs)
 
 
+def split_varlen_backward_signature(part: str, dtype: str, head_dim: int, head_dim_v: int,
+                                    gqa: bool) -> KernelSignature:
+    """``fn(stream, q, k, v, dout, lse_log2, delta, params, cu_seqlens_q, cu_seqlens_k, work,
+    *outputs)`` of the varlen split backward: the inputs and dk / dv of the varlen backward's
+    contract (``varlen_bwd_config.varlen_attention_backward_signature``: sequences packed as one
+    batch entry, nothing batched) without its dq_accum; part "dq" writes dq (1, total_q, H, D) in
+    the input dtype instead of dk, dv.
+
+    work (W, 8) int32, one row per CTA of a resident block (dkdv: two CTAs, the column halves,
+    per row): part "dkdv" takes the varlen backward's work list of key blocks of 128 (row =
+    (sequence b, key block, cu_seqlens_q[b], cu_seqlens_k[b], seqlen_q(b), seqlen_k(b), ·, 0));
+    part "dq" the same list built over query blocks of 128 with the roles of q and k swapped
+    (row = (b, query block, cu_seqlens_k[b], cu_seqlens_q[b], seqlen_k(b), seqlen_q(b), ·, 0)).
+    Sequence -1: nothing to do (lengths 0); -2 (ZERO_PADDING): write zeros to the output rows
+    outside every sequence (dkdv: dk, dv from cu_seqlens_k; dq: dq from cu_seqlens_q)."""
+    fused = varlen_attention_backward_signature(dtype, head_dim, head_dim_v, 128, gqa)
+    inputs = fused.inputs[:7] + fused.inputs[8:]  # (no dq_accum)
+    assert [a.name for a in inputs[7:]] == ["cu_seqlens_q", "cu_seqlens_k", "work"]
+    if part == "dq":
+        q = inputs[0]
+        outputs = (dataclasses.replace(q, name="dq"),)
+    else:  # the varlen backward's dk, dv (after its dq_accum)
+        outputs = fused.outputs[1:]
+    return KernelSignature(inputs=inputs, outputs=outputs)
+
+
+def split_varlen_configs(dtype: str, head_dim: int, head_dim_v: int | None = None,
+                         mask: str = "none", has_softcap: bool = False, gqa: bool = False
+                         ) -> tuple[Sm100BwdSplitConfig, Sm100BwdSplitConfig]:
+    """(dK/dV config, dQ config) of a varlen problem kind (split_varlen_backward_signature)."""
+    return tuple(dataclasses.replace(c, varlen=True)
+                 for c in split_configs(dtype, head_dim, head_dim_v, mask, has_softcap, gqa))
+
+
 def serves(head_dim: int, head_dim_v: int) -> bool:
     """The split backward serves these head dims (the fused kernels do not)."""
     return (head_dim, head_dim_v) in SPLIT_HEAD_DIMS
@@ -190,17 +232,17 @@ def split_configs(dtype: str, head_dim: int, head_dim_v: int | None = None, mask
 
 def shipped_configs() -> list[Sm100BwdSplitConfig]:
     """Every split backward variant the package precompiles: both parts of each dtype, head dims,
-    mask kind and softcap; the dK/dV part with and without gqa (the dQ part has no gqa field)."""
+    mask kind and softcap, dense and varlen; the dK/dV part with and without gqa (the dQ part
+    has no gqa field)."""
     out = []
     for dtype in FLOAT_DTYPES:
         for d, dv in SPLIT_HEAD_DIMS:
             for mask in MASK_KINDS:
                 for softcap in (False, True):
                     for gqa in (False, True):
-                        out.append(Sm100BwdSplitConfig.make("dkdv", dtype, d, dv, mask, softcap,
-                                                            gqa))
-                    out.append(Sm100BwdSplitConfig.make("dq", dtype, d, dv, mask, softcap))
-    return out
+                        out += split_configs(dtype, d, dv, mask, softcap, gqa)
+                        out += split_varlen_configs(dtype, d, dv, mask, softcap, gqa)
+    return list(dict.fromkeys(out))  # (the dq configs do not depend on gqa)
 
 
 def test_configs() -> list[Sm100BwdSplitConfig]:
