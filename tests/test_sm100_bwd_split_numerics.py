@@ -48,10 +48,13 @@ class Problem:
     """One (batch entry, query head) of a launch: float32 views of the 16-bit inputs and the
     preprocess's statistics, the kernels' scalars and block geometry."""
 
-    def __init__(self, q, k, v, dout, lse_log2, delta, scale, softcap, mask, window):
+    def __init__(self, q, k, v, dout, lse_log2, delta, scale, softcap, mask, window,
+                 lengths: tuple[int, int] | None = None):
+        """``lengths`` (varlen): the sequence's (len_q, len_k) when q / dout and k / v are the
+        packed tensors from its first row on (the tiles then load the next sequences' rows)."""
         self.q, self.k, self.v, self.dout = q, k, v, dout
         self.lse_log2, self.delta = lse_log2, delta
-        self.sq, self.sk = q.shape[0], k.shape[0]
+        self.sq, self.sk = (q.shape[0], k.shape[0]) if lengths is None else lengths
         self.scale, self.softcap, self.mask = scale, softcap, mask
         wl, wr = (-1 if w is None else w for w in window)
         self.wl, self.wr = clamp_windows(wl, wr, self.sq, self.sk) if mask == "local" else (0, 0)
@@ -61,8 +64,8 @@ class Problem:
         # stage_stats / the dq kernel's row statistics: rows past Sq get −∞ and 0
         rows = np.arange(self.sq + ROWS)
         inside = rows < self.sq
-        self.neg_lse = np.where(inside, -np.pad(lse_log2, (0, ROWS)), -np.inf)
-        self.neg_delta = np.where(inside, -np.pad(delta, (0, ROWS)), 0.0)
+        self.neg_lse = np.where(inside, -np.pad(lse_log2[:self.sq], (0, ROWS)), -np.inf)
+        self.neg_delta = np.where(inside, -np.pad(delta[:self.sq], (0, ROWS)), 0.0)
 
     def blocks(self, cls, tile_m, tile_n):
         return cls(tile_m, tile_n, self.mask == "causal", self.mask == "local", self.sq, self.sk,
@@ -193,3 +196,40 @@ def test_split_arithmetic_matches_the_reference(case):
         w = np.asarray(w, np.float32)
         assert np.isfinite(x).all(), name
         np.testing.assert_allclose(x, w, atol=2e-2 * np.abs(w).max(), rtol=0, err_msg=name)
+
+
+def test_split_varlen_arithmetic_matches_the_reference():
+    """Varlen: each sequence's CTAs read the packed tensors from its first row, so their tiles
+    load the next sequences' rows (and the zeroed padding after the last); masks and the −∞
+    statistics keep those rows out: the gradients equal each sequence's own reference's."""
+    dtype = ml_dtypes.bfloat16
+    d, h, scale, opts_mask = 256, 2, 1 / 16, "causal"
+    lens = [(70, 150), (130, 40), (1, 9), (90, 90)]
+    pad = 128  # the backend zeroes these rows after the last sequence
+    tq, tk = sum(q for q, _ in lens), sum(k for _, k in lens)
+    rng = np.random.default_rng(7)
+    q, dout = (_round(rng.standard_normal((tq + pad, h, d)), dtype) for _ in range(2))
+    k, v = (_round(rng.standard_normal((tk + pad, h, d)), dtype) for _ in range(2))
+    for x, t in ((q, tq), (dout, tq), (k, tk), (v, tk)):
+        x[t:] = 0.0
+    opts = dict(softmax_scale=scale, window=(None, 0), softcap=0.0)
+    oq = ok = 0
+    for len_q, len_k in lens:
+        sl = [x[None, o:o + n] for x, o, n in ((q, oq, len_q), (k, ok, len_k), (v, ok, len_k),
+                                                 (dout, oq, len_q))]
+        out, lse = reference.attention(*(jnp.asarray(x) for x in sl[:3]), **opts)
+        out, lse = np.asarray(out, np.float32), np.asarray(lse, np.float32)
+        delta = np.einsum("bshd,bshd->bhs", out, sl[3])
+        want = reference.attention_backward(
+            *(jnp.asarray(x) for x in sl[:3]), jnp.zeros(sl[3].shape, jnp.float32),
+            jnp.asarray(lse), jnp.asarray(sl[3]), delta=jnp.asarray(delta), **opts)
+        lse_log2 = np.where(np.isneginf(lse), np.inf, lse * LOG2_E)
+        for hi in range(h):
+            p = Problem(q[oq:, hi], k[ok:, hi], v[ok:, hi], dout[oq:, hi], lse_log2[0, hi],
+                        delta[0, hi], scale, 0.0, opts_mask, (None, 0), (len_q, len_k))
+            got = (_round(emulate_dq(p, dtype), dtype), *emulate_dkdv(p, dtype))
+            for name, x, w in zip("qkv", got, want):
+                w = np.asarray(w, np.float32)[0, :, hi]
+                np.testing.assert_allclose(x, w, atol=2e-2 * np.abs(w).max() + 1e-6, rtol=0,
+                                           err_msg=f"{name} of sequence {(len_q, len_k)}")
+        oq, ok = oq + len_q, ok + len_k

@@ -68,8 +68,10 @@ class SplitCta(BwdCta):
     record."""
 
     def __init__(self, sim: BwdSim, cfg: Sm100BwdSplitConfig, blocks, cta_id: int, block: int,
-                 col_half: int, head: int, omit: frozenset = frozenset()):
+                 col_half: int, head: int, omit: frozenset = frozenset(),
+                 zero_padding: bool = False):
         self.sim, self.cfg, self.blocks, self.id = sim, cfg, blocks, cta_id
+        self.zero_padding = zero_padding  # varlen: the ZERO_PADDING work row's CTA
         self.n_block, self.head, self.col_half, self.omit = block, head, col_half, omit
         self.dkdv = cfg.part == "dkdv"
         self.off = cfg.tmem_offsets()
@@ -280,9 +282,14 @@ class SplitCta(BwdCta):
             yield from tmem_user(self.mma_warp())
             yield ("tmem_free",)
 
+        def compute_role(wg, q):
+            yield from tmem_user(self.compute_warps(wg, q))
+            if self.zero_padding and self.col_half == 0:  # plain global stores, no barrier
+                yield ("record", "padding rows zeroed", self._record_padding(wg, q))
+
         for wg in range(2):
             for q in range(4):
-                sim.spawn(f"{p}.compute{wg}.{q}", tmem_user(self.compute_warps(wg, q)), self)
+                sim.spawn(f"{p}.compute{wg}.{q}", compute_role(wg, q), self)
         sim.spawn(f"{p}.mma", mma_role(), self)
         sim.spawn(f"{p}.load", self.load_warp(), self)
 
@@ -363,6 +370,61 @@ def simulate(cfg: Sm100BwdSplitConfig, seqlen_q: int, seqlen_k: int, heads: int,
         raise ProtocolError(f"{cfg.describe()} seqlen_q={seqlen_q} seqlen_k={seqlen_k} "
                             f"window=({wl}, {wr}) heads={heads} slots={slots} seed={seed}: "
                             f"{e}") from None
+    return sim
+
+
+def simulate_varlen(cfg: Sm100BwdSplitConfig, lens: list[tuple[int, int]], heads: int,
+                    slots: int, seed: int, wl: int = -1, wr: int = -1,
+                    order: str = "sequence") -> BwdSim:
+    """A varlen launch: the grid (work rows × col_splits, heads) of the work list the backend
+    builds (Sm100Backend.split_varlen_backward: key blocks for dkdv in launch ``order``, query
+    blocks with q and k swapped for dq) for sequences of (len_q, len_k) ``lens``; each CTA a
+    SplitCta with its row's lengths (its own block geometry). Beyond :func:`simulate`'s checks:
+    per head exactly the ZERO_PADDING row's first CTA's 8 compute warps zero the padding rows;
+    spare rows (lengths 0) and blocks that see nothing keep the protocol (count = 0)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_fa4.backends import sm90
+    from jax_fa4.kernels.sm100.bwd import ZERO_PADDING
+
+    assert cfg.varlen
+    sim = BwdSim(random.Random(seed), slots, False)
+    cu_q = np.concatenate([[0], np.cumsum([q for q, _ in lens])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum([k for _, k in lens])]).astype(np.int32)
+    window = {"none": (None, None), "causal": (None, 0)}.get(
+        cfg.mask, (None if wl < 0 else wl, None if wr < 0 else wr))
+    batch, pad = len(lens), 7
+    if cfg.part == "dkdv":
+        work = sm90.work_table(jnp.asarray(cu_q), jnp.asarray(cu_k),
+                               sm90.work_items(int(cu_k[-1]) + pad, batch, ROWS), COLS, ROWS,
+                               window, order)
+    else:
+        work = sm90.work_table(jnp.asarray(cu_k), jnp.asarray(cu_q),
+                               sm90.work_items(int(cu_q[-1]) + pad, batch, ROWS), COLS, ROWS,
+                               window, "sequence")
+    work = np.asarray(work)
+    grid = [(x, h) for h in range(heads) for x in range(work.shape[0] * cfg.col_splits)]
+    ctas = []
+    for i, (x, h) in enumerate(grid):
+        seq, block, _, _, len_a, len_b, _, _ = (int(c) for c in work[x // cfg.col_splits])
+        len_q, len_k = (len_a, len_b) if cfg.part == "dkdv" else (len_b, len_a)
+        ctas.append(SplitCta(sim, cfg, make_blocks(cfg, len_q, len_k, wl, wr), i, block,
+                             x % cfg.col_splits, h, zero_padding=seq == ZERO_PADDING))
+    sim.pending.extend(ctas)
+    try:
+        sim.run()
+        for cta in ctas:
+            cta.check_end()
+        for h in range(heads):
+            zeroed = sim.padding_zeroed[h]
+            if len(zeroed) != 8 or len({cta for cta, _, _ in zeroed}) != 1:
+                sim.fail(f"head {h}: padding rows zeroed by {zeroed}")
+    except ProtocolError as e:
+        raise ProtocolError(f"{cfg.describe()} lens={lens} window=({wl}, {wr}) heads={heads} "
+                            f"slots={slots} seed={seed}: {e}") from None
+    sim.idle_ctas = sum(1 for c in ctas if c.count == 0 and c.blocks.seqlen_k > 0
+                        and c.blocks.seqlen_q > 0)
     return sim
 
 
@@ -500,3 +562,32 @@ def test_transposed_views_checked_at_trace_time():
     cute.compile(probe, 256, True)  # dq's full width
     with pytest.raises(ValueError, match="element"):
         cute.compile(probe, 128, False)
+
+
+@pytest.mark.parametrize("part", ("dkdv", "dq"))
+@pytest.mark.parametrize("mask", ("local", "causal", "none"))
+def test_protocol_varlen_random_schedules(part, mask):
+    """Varlen grids (empty sequences, sequences without queries or keys, random windows) on the
+    backend's work lists under random schedules: the protocol holds for every work row, the
+    padding rows are zeroed once per head, and CTAs with nothing to do (count = 0) ran beside
+    busy ones (local windows and the spare rows)."""
+    rng = random.Random(f"split-varlen-{part}-{mask}")
+    for _ in range(RUNS // 4):
+        cfg = Sm100BwdSplitConfig.make(part, "bfloat16", 256, mask=mask,
+                                       has_softcap=rng.random() < 0.3, gqa=rng.random() < 0.3)
+        cfg = dataclasses.replace(cfg, varlen=True)
+
+        def length():
+            return rng.choice((0, 1, rng.randint(1, 3 * ROWS), rng.choice((COLS, ROWS))))
+
+        lens = [(length(), length()) for _ in range(rng.randint(1, 4))]
+        wl = rng.choice((-1, 0, rng.randint(0, 300)))
+        wr = rng.choice((-1, 0, rng.randint(0, 300)))
+        simulate_varlen(cfg, lens, rng.choice((1, 2)), rng.choice((1, 2, 3, 64)),
+                        rng.getrandbits(32), wl, wr, rng.choice(("sequence", "heavy_first")))
+    cfg = dataclasses.replace(Sm100BwdSplitConfig.make(part, "bfloat16", 256, mask="local"),
+                              varlen=True)
+    # key blocks no query sees (dkdv) and query blocks that see no key (dq) beside busy ones
+    sim = simulate_varlen(cfg, [(ROWS, 4 * ROWS), (4 * ROWS, ROWS), (3 * ROWS - 1, 3 * ROWS),
+                                (0, ROWS)], 1, 64, 0, wl=10, wr=0)
+    assert sim.idle_ctas > 0

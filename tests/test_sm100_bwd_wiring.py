@@ -464,6 +464,30 @@ def test_varlen_gradient_lowers_to_the_sm100_varlen_backward(lowered, fresh_warn
     assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
 
 
+@pytest.mark.parametrize("h, hkv", [(4, 2), (2, 2)])
+def test_varlen_gradient_at_head_dim_256_lowers_to_the_split_varlen_kernels(lowered,
+                                                                          fresh_warning, h, hkv):
+    """Head dim 256: the split backward's two kernels in their varlen mode, each with its work
+    list (key blocks of 128 for dK/dV, query blocks of 128 for dQ: sm90.work_items rows), no
+    dq_accum, no fused kernel, no fallback warning."""
+    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(h, hkv, 256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exported = _export_for_cuda(
+            _varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k, causal=True), q, k, v, None)
+    assert sorted(c.kernel_name for c, _ in lowered) == [
+        "bwd_preprocess", "sm100_bwd_split", "sm100_bwd_split", "sm100_fwd"]
+    parts = {c.part: c for c, _ in lowered if c.kernel_name == "sm100_bwd_split"}
+    assert set(parts) == {"dkdv", "dq"} and all(c.varlen for c in parts.values())
+    assert (parts["dkdv"].gqa, parts["dkdv"].mask) == (h != hkv, "causal")
+    text = exported.mlir_module()
+    total_q, total_k, batch = q.shape[0], k.shape[0], len(VARLEN_LENS_Q)
+    assert f"tensor<{total_k // 128 + batch + 1}x8xi32>" in text
+    assert f"tensor<{total_q // 128 + batch + 1}x8xi32>" in text
+    assert "x32768xf32>" not in text  # no dq_accum
+    assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
+
+
 def test_varlen_gradient_at_head_dim_192_128_falls_back_with_a_warning(lowered, fresh_warning):
     """192/128: the 1-CTA kernel does not fit it (640 TMEM columns) and the 2-CTA kernel has no
     varlen mode: the reference's backward, said once, with the config's reason."""
@@ -477,6 +501,9 @@ VARLEN_CASES = [  # (h, hkv, d, flash_attention_varlen kwargs, learnable sink)
     (4, 2, 64, {"causal": True}, False),
     (2, 2, 128, {"window_size": (20, 3), "softcap": 2.0, "softmax_scale": 0.3}, False),
     (2, 1, 96, {}, True),
+    # head dim 256: the split backward's varlen mode
+    (4, 2, 256, {"causal": True}, False),
+    (2, 2, 256, {"window_size": (20, 3), "softcap": 2.0, "softmax_scale": 0.3}, True),
 ]
 
 
@@ -515,8 +542,13 @@ def test_sm100_varlen_backward_contract_gives_the_reference_gradients(case, monk
         warnings.simplefilter("error")  # the kernel serves: no fallback warning
         got = _varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k, with_sink, **kwargs)(
             q, k, v, sink)
-    (bwd,) = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
-    assert bwd.varlen and bwd.gqa == (h != hkv) and bwd.head_dim == d
+    if d == 256:  # the split kernels' varlen mode
+        split = sorted((c.part, c.gqa, c.varlen) for c, _, _ in calls
+                       if c.kernel_name == "sm100_bwd_split")
+        assert split == [("dkdv", h != hkv, True), ("dq", False, True)]
+    else:
+        (bwd,) = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
+        assert bwd.varlen and bwd.gqa == (h != hkv) and bwd.head_dim == d
     monkeypatch.undo()
     want = _varlen_grad_fn("reference", ct, cu_q, cu_k, max_q, max_k, with_sink, **kwargs)(
         q, k, v, sink)
@@ -541,6 +573,31 @@ def test_sm100_varlen_backward_needs_the_padding_rows_zeroed(monkeypatch, fresh_
     poisoned = reaches & (lq > 0) & (lk > 0)
     assert poisoned.any() and not poisoned.all()
     for g, cu in ((dq, cq), (dk, ck), (dv, ck)):
+        nan_rows = np.isnan(np.asarray(g, np.float32)).any(axis=(1, 2))
+        want = np.zeros_like(nan_rows)
+        for b in np.nonzero(poisoned)[0]:
+            want[cu[b]:cu[b + 1]] = True
+        np.testing.assert_array_equal(nan_rows, want)
+
+
+def test_sm100_split_varlen_backward_needs_the_padding_rows_zeroed(monkeypatch, fresh_warning):
+    """Head dim 256, as above for the split kernels' tiles: without the backend's zeroing, the
+    NaN padding rows reach dK / dV of the sequences whose last 64-row query tile reaches past
+    the last sequence (the dK/dV kernel streams q, dout) and dQ of those whose last 64-key tile
+    does (the dQ kernel streams k, v); with it, none (the contract test above)."""
+    from jax_fa4.backends import sm100
+
+    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(2, 2, 256, pad_value=jnp.nan)
+    _varlen_emulated(monkeypatch, {}, 256)
+    monkeypatch.setattr(sm100, "zero_rows_from", lambda x, start, rows: x)
+    grads = _varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k)(q, k, v, None)
+    cq, ck = np.asarray(cu_q), np.asarray(cu_k)
+    lq, lk = np.diff(cq), np.diff(ck)
+    both = (lq > 0) & (lk > 0)
+    by_q = both & (cq[:-1] + -(-lq // 64) * 64 > cq[-1])  # dK, dV
+    by_k = both & (ck[:-1] + -(-lk // 64) * 64 > ck[-1])  # dQ
+    assert by_q.any() and by_k.any() and not (by_q & by_k).all()
+    for g, cu, poisoned in zip(grads, (cq, ck, ck), (by_k, by_q, by_q)):
         nan_rows = np.isnan(np.asarray(g, np.float32)).any(axis=(1, 2))
         want = np.zeros_like(nan_rows)
         for b in np.nonzero(poisoned)[0]:

@@ -172,6 +172,9 @@ class Sm100Backend(KernelBackend):
 
     # -- varlen backward --------------------------------------------------------------------------
     def make_varlen_backward(self, dtype, head_dim, head_dim_v, mask, has_softcap, gqa):
+        if bwd_split_config.serves(head_dim, head_dim_v):  # (its dK/dV kernel's config)
+            return bwd_split_config.split_varlen_configs(dtype, head_dim, head_dim_v, mask,
+                                                         has_softcap, gqa)[0]
         return bwd_config.varlen_config(dtype, head_dim, head_dim_v, mask, has_softcap, gqa)
 
     def varlen_backward_settings(self) -> Hashable:
@@ -185,6 +188,9 @@ class Sm100Backend(KernelBackend):
         off: as the dense sm100 backward)."""
         from jax_fa4.ffi.call import call_kernel
 
+        if bwd_split_config.serves(q.shape[2], v.shape[2]):
+            return self.split_varlen_backward(q, k, v, sink, segments, cu_seqlens_q,
+                                              cu_seqlens_k, out, lse, dout, dlse, opts, plan)
         config = self.varlen_backward_config(q, k, v, opts)
         total_q, h, d = q.shape
         total_k, hkv, dv = v.shape
@@ -216,3 +222,48 @@ class Sm100Backend(KernelBackend):
             dk, dvv = sum_gqa_groups(dk, dvv, hkv, head_axis=1)
         dsink = None if sink is None else reference.sink_gradient(sink, lse, delta)
         return dq, dk.astype(k.dtype), dvv.astype(v.dtype), dsink
+
+    def split_varlen_backward(self, q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, out,
+                              lse, dout, dlse, opts, plan):
+        """The varlen backward at head dim 256: the preprocess, then the split backward's two
+        kernels in their varlen mode (bwd_split_config.split_varlen_backward_signature): the
+        dK/dV kernel on the varlen backward's work list of key blocks (launch order ``plan[3]``,
+        its cost counted in the kernel's 64-row query blocks), the dQ kernel on the same list
+        built over query blocks with q and k swapped. dq comes out scaled and zero outside every
+        sequence; the padding rows after the last sequence are zeroed first, as for the 1-CTA
+        kernel's varlen mode."""
+        from jax_fa4.ffi.call import call_kernel
+
+        dkdv_cfg, dq_cfg = bwd_split_config.split_varlen_configs(
+            jnp.dtype(q.dtype).name, q.shape[2], v.shape[2], base.mask_kind(opts.window),
+            opts.softcap > 0, q.shape[1] != k.shape[1])
+        total_q, h, d = q.shape
+        total_k, hkv, dv = v.shape
+        batch = cu_seqlens_q.shape[0] - 1
+        rows, cols = dkdv_cfg.tile_rows, dkdv_cfg.tile_cols
+        delta, lse_log2 = base.preprocess(self, out, dout, lse, opts)
+        in_sequence = segments.q_segment_ids[:, None, :] >= 0  # (as varlen_backward)
+        delta = jnp.where(in_sequence, delta - dlse, 0.0)
+        params = kernel_params(opts, d)
+        work_kv = sm90.work_table(cu_seqlens_q, cu_seqlens_k,
+                                  sm90.work_items(total_k, batch, rows), cols, rows, opts.window,
+                                  plan[3])
+        work_q = sm90.work_table(cu_seqlens_k, cu_seqlens_q,
+                                 sm90.work_items(total_q, batch, rows), cols, rows, opts.window,
+                                 "sequence")
+        q_in, dout_in = (zero_rows_from(x, cu_seqlens_q[-1], rows) for x in (q, dout[0]))
+        k_in, v_in = (zero_rows_from(x, cu_seqlens_k[-1], rows) for x in (k, v))
+        inputs = (q_in[None], k_in[None], v_in[None], dout_in[None], lse_log2, delta, params,
+                  cu_seqlens_q, cu_seqlens_k)
+        hdk = h if dkdv_cfg.gqa else hkv
+        dkv_dtype = jnp.float32 if dkdv_cfg.gqa else q.dtype
+        dk, dvv = call_kernel(dkdv_cfg, self.arch, *inputs, work_kv, out_shapes=(
+            jax.ShapeDtypeStruct((1, total_k, hdk, d), dkv_dtype),
+            jax.ShapeDtypeStruct((1, total_k, hdk, dv), dkv_dtype)))
+        (dq,) = call_kernel(dq_cfg, self.arch, *inputs, work_q,
+                            out_shapes=(jax.ShapeDtypeStruct((1, total_q, h, d), q.dtype),))
+        dk, dvv = dk[0], dvv[0]
+        if dkdv_cfg.gqa:
+            dk, dvv = sum_gqa_groups(dk, dvv, hkv, head_axis=1)
+        dsink = None if sink is None else reference.sink_gradient(sink, lse, delta)
+        return dq[0], dk.astype(k.dtype), dvv.astype(v.dtype), dsink
