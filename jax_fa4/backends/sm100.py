@@ -28,7 +28,8 @@ dq_accum, no postprocess). Both write each output once without atomics, so
 
 Varlen backward (:meth:`Sm100Backend.varlen_backward`): the 1-CTA kernel's varlen mode
 (``bwd_config.varlen_config``, head dims 64, 96, 128; 192/128 runs the reference's backward with
-the warning: only the 2-CTA kernel fits it, and it has no varlen mode) on Hopper's work list
+the warning: only the 2-CTA kernel fits it, and it has no varlen mode; 256: the split kernels'
+varlen mode, :meth:`Sm100Backend.split_varlen_backward`) on Hopper's work list
 (:func:`jax_fa4.backends.sm90.work_table`, the same launch order setting) and dq_accum tiles
 (:func:`~jax_fa4.backends.sm90.dq_accum_rows`); dq is a row gather of dq_accum and a scale in XLA.
 The kernel's tiles load up to 127 rows past their sequence: another sequence's (finite, masked in

@@ -57,6 +57,15 @@ earlier MMA, dV_j and the TS GEMM of dS_j included. S1 needs two stages: GEMM1_{
 S1_{j+1} while S1_j waits for its TS GEMM (tests/test_sm100_bwd_split_protocol.py).
 TMEM: allocated by the MMA warp, permit relinquished, freed after every TMEM user passed the
 dealloc barrier (after its last tcgen05.wait::ld).
+
+Varlen (``cfg.varlen``; bwd_split_config.split_varlen_backward_signature): q, k, v, dout and the
+outputs are sequences packed as one batch entry; CTA (x, head) takes work row x // col_splits
+(dq: its offset and length columns hold k's before q's), whose sequence's lengths replace the
+tensors' and whose offsets shift every TMA view and the statistics' rows. Tiles past the
+sequence load the next sequence's rows or zeroed padding (rows past len_q: −∞ / 0 statistics;
+keys past len_k: masked); outputs are stored below the sequence's length. Spare rows run
+count = 0; the ZERO_PADDING row's first CTA zeroes the outputs' rows outside every sequence
+after the dealloc barrier. No barrier, role or phase changes.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ two kernels with the same math (``bwd_config.py``'s module doc), each holding fe
   dout (B, Sq, H, Dv) in dtype; lse_log2, delta (B, H, Sq) float32 (the preprocess's); params
   (4,) float32 [softmax_scale, softcap, window_left, window_right].
 
+Varlen (``varlen=True``, :func:`split_varlen_configs`): both kernels on packed sequences, the
+varlen backward's inputs and work lists (:func:`split_varlen_backward_signature`).
+
 Both kernels write every output element exactly once from one CTA and read nothing they write:
 they are deterministic, with or without ``deterministic`` (which the fused kernel needs for its
 dQ reduce-adds); the backend uses them for both settings.
@@ -246,5 +249,7 @@ def shipped_configs() -> list[Sm100BwdSplitConfig]:
 
 
 def test_configs() -> list[Sm100BwdSplitConfig]:
-    """The quick-tier representatives: both parts at bf16, head dim 256, causal."""
-    return list(split_configs("bfloat16", 256, 256, "causal"))
+    """The compile test's configs: both parts at bf16, head dim 256, causal; both varlen parts
+    with a local window, softcap and (dK/dV) GQA."""
+    return [*split_configs("bfloat16", 256, 256, "causal"),
+            *split_varlen_configs("bfloat16", 256, 256, "local", True, True)]
