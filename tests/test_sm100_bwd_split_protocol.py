@@ -45,6 +45,7 @@ from test_sm100_bwd_protocol import (
     PipelineTmaUmmaTx,
     ProtocolError,
     Resource,
+    check_barrier_ends,
     make_pipeline_state,
 )
 
@@ -320,17 +321,7 @@ class SplitCta(BwdCta):
                 k = k if used else 0
                 want[pl.full[i]] = (k, dict.fromkeys(consumers, k))
                 want[pl.empty[i]] = (k, {load: k})
-        waits = defaultdict(dict)
-        for (actor, bar), k in sim.waits.items():
-            waits[bar][actor] = k
-        for bar, (phases, waiters) in want.items():
-            if bar.pending != bar.count or bar.tx:
-                sim.fail(f"{bar!r} ends inside a phase")
-            if bar.completed != phases:
-                sim.fail(f"{bar!r}: {bar.completed} phases completed, expected {phases}")
-            waiters = {a: k for a, k in waiters.items() if k}
-            if waits[bar] != waiters:
-                sim.fail(f"{bar!r}: waits {waits[bar]}, expected {waiters}")
+        check_barrier_ends(sim, want)
         if dict(self.stored) != {(wg, q): 1 for wg in range(2) for q in range(4)}:
             sim.fail(f"CTA {self.id}: output stores {dict(self.stored)}")
         if not (self.retired and self.tmem_freed):
