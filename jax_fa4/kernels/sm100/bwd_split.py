@@ -572,7 +572,9 @@ class FlashAttentionBackwardSm100Split(FlashAttentionBackwardSm100):
                                                  self.stream_stages)
         neg_lse, neg_delta = Float32(0.0), Float32(0.0)
         if const_expr(not self.dkdv):  # dq: this thread's query row's statistics
-            row_c = cutlass.min(row, blocks.seqlen_q - 1)
+            # (clamped to row 0 too: a varlen spare row has seqlen_q = 0 and reads before its
+            # loop, whatever it then selects)
+            row_c = cutlass.max(cutlass.min(row, blocks.seqlen_q - 1), 0)
             if const_expr(q_off is not None):
                 row_c = row_c + q_off
             neg_lse = -mLSE[row_c, head, batch] if row < blocks.seqlen_q else -Float32.inf
