@@ -9,6 +9,9 @@ the sm100 backward
 GQA configs, dK / dV per *query* head in float32. With them the sm100 route's JAX side
 (jax_fa4.backends.sm100 and kernel, autodiff, sharding) runs on the CPU and must give the
 reference's numbers. Shared by tests/test_sm100_bwd_wiring.py and tests/multidevice_checks.py.
+The split backward at head dim 256 (``sm100_bwd_split``: a dK/dV and a dQ kernel) follows
+bwd_split_config.py: dk / dv as the fused kernel's, dq scaled in the input dtype; its varlen
+configs the packed layout above, each output zero outside every sequence.
 
 Varlen backward configs (``varlen``; the varlen forward's stand-in is tests/test_varlen.py's
 ``_emulated_varlen_kernel``) follow varlen_bwd_config.varlen_attention_backward_signature with the
@@ -196,6 +199,69 @@ def _varlen_backward(config, inputs, out_shapes, ref_options, scale):
             dv[None].astype(out_shapes[2].dtype))
 
 
+def _split_backward(config, inputs, out_shapes, ref_options):
+    """The split backward's contract (bwd_split_config.py): part "dkdv" returns dk (scaled) and
+    dv, per kv head in the input dtype or, GQA configs, float32 per query head; part "dq" the
+    scaled dq in the input dtype (written once: no accumulator). The dQ kernel reads kv head
+    h // (H / Hkv) itself."""
+    q, k, v, dout, lse_log2, delta, _ = inputs
+    h, hkv = q.shape[2], k.shape[2]
+    if config.part == "dkdv" and config.gqa:  # per query head: k and v repeated over each group
+        k, v = jnp.repeat(k, h // hkv, axis=2), jnp.repeat(v, h // hkv, axis=2)
+    else:
+        assert config.part == "dq" or h == hkv, config
+    lse = jnp.where(jnp.isinf(lse_log2), -jnp.inf, lse_log2 / math.log2(math.e))
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
+    dq, dk, dv = reference.attention_backward(
+        f32[0], f32[1], f32[2], jnp.zeros(dout.shape, jnp.float32), lse, f32[3], delta=delta,
+        **ref_options)
+    if config.part == "dq":
+        return (dq.astype(out_shapes[0].dtype),)
+    return dk.astype(out_shapes[0].dtype), dv.astype(out_shapes[1].dtype)
+
+
+def _split_varlen_backward(config, inputs, out_shapes, ref_options):
+    """The varlen split backward's contract (bwd_split_config.split_varlen_backward_signature):
+    dK/dV part on the key blocks' work list, dQ part on the query blocks' (q and k swapped);
+    dq scaled in the input dtype, every output zero outside every sequence. Like the kernels,
+    the rows past a sequence that its last 64-row streamed tiles load (q and dout for dK / dV,
+    k and v for dQ) reach its gradients multiplied by zero (NaN iff one is not finite)."""
+    from jax_fa4.backends import sm90
+
+    q, k, v, dout, lse_log2, delta, _, cu_q, cu_k, work = inputs
+    _, total_q, h, d = q.shape
+    total_k, batch = k.shape[1], cu_q.shape[0] - 1
+    rows, cols = config.tile_rows, config.tile_cols
+    resident = total_k if config.part == "dkdv" else total_q
+    assert work.shape == (sm90.work_items(resident, batch, rows), 8), work.shape
+    seg = base.varlen_segments(cu_q, cu_k, total_q, total_k)
+    if config.gqa:  # per query head: k and v repeated over each group
+        g = h // k.shape[2]
+        k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    lse = jnp.where(jnp.isinf(lse_log2), -jnp.inf, lse_log2 / math.log2(math.e))
+    q_in = seg.q_segment_ids[..., None, None] >= 0
+    k_in = seg.kv_segment_ids[..., None, None] >= 0
+    f32 = [jnp.where(m, x.astype(jnp.float32), 0.0)
+           for m, x in zip((q_in, k_in, k_in, q_in), (q, k, v, dout))]
+    dq, dk, dv = reference.attention_backward(
+        f32[0], f32[1], f32[2], jnp.zeros(dout.shape, jnp.float32), lse, f32[3],
+        delta=jnp.where(seg.q_segment_ids[:, None] >= 0, delta, 0.0), **ref_options,
+        **seg._asdict())
+    if config.part == "dkdv":
+        poison = _tail_poison(q[0], cu_q, cols) + _tail_poison(dout[0], cu_q, cols)
+    else:
+        poison = _tail_poison(inputs[1][0], cu_k, cols) + _tail_poison(inputs[2][0], cu_k, cols)
+    poison = jnp.where((cu_q[1:] > cu_q[:-1]) & (cu_k[1:] > cu_k[:-1]), poison, 0.0)
+    if config.part == "dq":
+        _, sq, valid, _, _ = base.token_layout(cu_q, total_q)
+        dq = jnp.where(valid[:, None, None], dq[0] + poison[sq][:, None, None], 0.0)
+        return (dq[None].astype(out_shapes[0].dtype),)
+    _, sk, valid_k, _, _ = base.token_layout(cu_k, total_k)
+    dk, dv = (jnp.where(valid_k[:, None, None], x[0] + poison[sk][:, None, None], 0.0)
+              for x in (dk, dv))
+    return dk[None].astype(out_shapes[0].dtype), dv[None].astype(out_shapes[1].dtype)
+
+
 def emulated_call_kernel(options: dict, calls: list):
     """A call_kernel for the sm100 forward, the preprocess and the sm100 backward. ``options``:
     the reference's ``softmax_scale`` (a float), ``softcap`` and ``window`` (used by configs of
@@ -237,6 +303,12 @@ def emulated_call_kernel(options: dict, calls: list):
             out, dout, lse = inputs
             lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * math.log2(math.e))
             return base.reference_delta(out, dout), lse_log2
+        if name == "sm100_bwd_split":
+            assert arch == "sm_100a", arch
+            if config.varlen:
+                return _split_varlen_backward(config, inputs, out_shapes,
+                                              reference_options(config))
+            return _split_backward(config, inputs, out_shapes, reference_options(config))
         assert name == "sm100_bwd" and arch == "sm_100a", (name, arch)
         q, k, v, dout, lse_log2, delta, _, dq_accum = inputs[:8]
         b, sq, h, d = q.shape

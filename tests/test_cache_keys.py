@@ -20,6 +20,7 @@ from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.kernels.sm90 import bwd_config, fwd_config
 from jax_fa4.kernels.sm100 import bwd_config as sm100_bwd_config
 from jax_fa4.kernels.sm100 import fwd_config as sm100_fwd_config
+from jax_fa4.kernels.sm100.bwd_split_config import Sm100BwdSplitConfig
 from jax_fa4.tools.variants import FAMILIES
 
 #: Import cycles the package is allowed: none (the last two, ``api`` <-> ``varlen`` and the backward
@@ -34,6 +35,7 @@ CONFIGS = {
     "sm90_bwd_postprocess": bwd_config.BwdConfig.make("bfloat16", 128).postprocess_config(),
     "sm100_fwd": sm100_fwd_config.FwdConfig.make("bfloat16", 128),
     "sm100_bwd": sm100_bwd_config.Sm100BwdConfig.make("bfloat16", 128),
+    "sm100_bwd_split": Sm100BwdSplitConfig.make("dkdv", "bfloat16", 256),
     "exp2_probe": Exp2ProbeConfig(),
 }
 
@@ -64,6 +66,10 @@ EXPECTED_FILES = {
     "sm100_bwd": _SPEC | _SEG | _VARLEN_BWD | {_K + f"common/{m}.py" for m in (
         "geometry", "convert", "layout", "rows", "scores", "views")} | {
         _K + f"sm100/{m}.py" for m in ("bwd", "bwd_2cta", "bwd_config", "bwd_launcher")},
+    # the split backward reuses the fused kernel's compute pieces (bwd.py), not its launcher
+    "sm100_bwd_split": _SPEC | _VARLEN_BWD | {_K + f"common/{m}.py" for m in (
+        "geometry", "convert", "layout", "rows", "scores", "views")} | {
+        _K + f"sm100/{m}.py" for m in ("bwd", "bwd_config", "bwd_split", "bwd_split_config")},
     "exp2_probe": _SPEC | {_K + "common/exp2.py", _K + "exp2_probe.py",
                            _K + "exp2_probe_config.py"},
 }
@@ -122,11 +128,14 @@ def test_keys_do_not_depend_on_where_the_package_lies(tmp_path):
     ("kernels/sm90/bwd_common.py", {"sm90_bwd", "sm90_bwd_postprocess"}),
     ("kernels/sm90/common.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess"}),
     ("kernels/common/views.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess", "sm100_fwd",
-                                 "sm100_bwd"}),
+                                 "sm100_bwd", "sm100_bwd_split"}),
     ("kernels/common/geometry.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess", "sm100_fwd",
-                                    "sm100_bwd"}),
+                                    "sm100_bwd", "sm100_bwd_split"}),
     ("kernels/common/mask.py", {"sm90_fwd"}),
-    ("kernels/common/scores.py", {"sm90_fwd", "sm90_bwd", "sm100_fwd", "sm100_bwd"}),
+    ("kernels/common/scores.py", {"sm90_fwd", "sm90_bwd", "sm100_fwd", "sm100_bwd",
+                                  "sm100_bwd_split"}),
+    ("kernels/sm100/bwd_split.py", {"sm100_bwd_split"}),
+    ("kernels/sm100/bwd.py", {"sm100_bwd", "sm100_bwd_split"}),
     ("kernels/sm90/fwd_config.py", {"sm90_fwd"}),
     ("kernels/sm90/fwd_tuning.py", set()),  # a tuning table: only the configs it changes
     ("kernels/sm90/bwd_tuning.py", set()),

@@ -761,21 +761,28 @@ class BwdCta:
             for i, k in enumerate(per_stage(stages)):
                 want[pl.full[i]] = (k, dict.fromkeys(consumers, k))
                 want[pl.empty[i]] = (k, {load: k})
-        waits = defaultdict(dict)
-        for (actor, bar), k in sim.waits.items():
-            waits[bar][actor] = k
-        for bar, (phases, waiters) in want.items():
-            if bar.pending != bar.count or bar.tx:
-                sim.fail(f"{bar!r} ends inside a phase")
-            if bar.completed != phases:
-                sim.fail(f"{bar!r}: {bar.completed} phases completed, expected {phases}")
-            waiters = {a: k for a, k in waiters.items() if k}
-            if waits[bar] != waiters:
-                sim.fail(f"{bar!r}: waits {waits[bar]}, expected {waiters}")
+        check_barrier_ends(sim, want)
         if dict(self.stored) != {(wg, q): 1 for wg in range(2) for q in range(4)}:
             sim.fail(f"CTA {self.id}: dK / dV stores {dict(self.stored)}")
         if not (self.retired and self.tmem_freed):
             sim.fail(f"CTA {self.id} did not finish")
+
+
+def check_barrier_ends(sim: BwdSim, want: dict) -> None:
+    """At the end of a run: every barrier of ``want`` (barrier -> (phases completed, {warp:
+    waits})) between phases, with that many phases completed and exactly those waits per warp
+    (warps with 0 waits left out)."""
+    waits = defaultdict(dict)
+    for (actor, bar), k in sim.waits.items():
+        waits[bar][actor] = k
+    for bar, (phases, waiters) in want.items():
+        if bar.pending != bar.count or bar.tx:
+            sim.fail(f"{bar!r} ends inside a phase")
+        if bar.completed != phases:
+            sim.fail(f"{bar!r}: {bar.completed} phases completed, expected {phases}")
+        waiters = {a: k for a, k in waiters.items() if k}
+        if waits[bar] != waiters:
+            sim.fail(f"{bar!r}: waits {waits[bar]}, expected {waiters}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -141,10 +141,14 @@ def test_sm100_gradient_at_head_dim_192_128_lowers_to_the_serial_2cta_kernel(low
 
 @pytest.mark.parametrize("d, dv", [(256, 256)])
 def test_sm100_backward_the_kernel_rejects_falls_back_with_a_warning(lowered, fresh_warning, d,
-                                                                      dv):
-    """Head dims the sm100 backward does not take (256: FA4's split kernels, not written) keep
-    the sm100 forward kernel and run the reference backward, saying so once, with the config's
-    reason."""
+                                                                      dv, monkeypatch):
+    """Head dims the sm100 backward does not take keep the sm100 forward kernel and run the
+    reference backward, saying so once, with the config's reason. Every head dim the sm100
+    forward serves has a backward now; 256 stands in with its split backward switched off
+    (the fused kernels' refusal: dK, dV, Sᵀ and dPᵀ exceed the 512 TMEM columns)."""
+    from jax_fa4.kernels.sm100 import bwd_split_config
+
+    monkeypatch.setattr(bwd_split_config, "serves", lambda head_dim, head_dim_v: False)
     q, k, v = _qkv(d=d, dv=dv)
     opts = options.canonicalize(q, k, v, softmax_scale=None, causal=True,
                                 window_size=(None, None), softcap=0.0,
@@ -152,7 +156,7 @@ def test_sm100_backward_the_kernel_rejects_falls_back_with_a_warning(lowered, fr
     sm100 = backends.get("sm100")
     assert sm100.supports_forward(q, k, v, opts) is None  # the forward kernel serves
     reason = sm100.supports_backward(q, k, v, opts)
-    assert reason is not None and "2-CTA" in reason
+    assert reason is not None and "not supported" in reason
     with pytest.warns(RuntimeWarning, match="reference backward") as record:
         _export_for_cuda(_grad_fn("sm100", causal=True), q, k, v)
     assert any(reason in str(w.message) for w in record)
@@ -206,6 +210,30 @@ def test_sm90_backward_fallback_is_unchanged(lowered, fresh_warning):
     assert sorted(c.kernel_name for c, _ in lowered) == ["bwd_preprocess", "sm90_fwd"]
 
 
+@pytest.mark.parametrize("deterministic, hkv", [(False, 4), (True, 2)])
+def test_sm100_gradient_at_head_dim_256_lowers_to_the_split_kernels(lowered, fresh_warning,
+                                                                    deterministic, hkv):
+    """Head dim 256: the split backward's two kernels (dK/dV with GQA's per-query-head float32
+    outputs when H > Hkv, and dQ), no fused kernel, no reference backward and no fallback
+    warning; deterministic=True takes the same kernels (each writes its outputs once)."""
+    q, k, v = _qkv(hkv=hkv, d=256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exported = _export_for_cuda(_grad_fn("sm100", causal=True, deterministic=deterministic),
+                                    q, k, v)
+    text = exported.mlir_module()
+    assert sorted(c.kernel_name for c, _ in lowered) == [
+        "bwd_preprocess", "sm100_bwd_split", "sm100_bwd_split", "sm100_fwd"]
+    parts = {c.part: c for c, _ in lowered if c.kernel_name == "sm100_bwd_split"}
+    assert set(parts) == {"dkdv", "dq"}
+    assert (parts["dkdv"].gqa, parts["dkdv"].mask, parts["dq"].mask) == (
+        hkv != 4, "causal", "causal")
+    assert text.count(CUSTOM_CALL) == 4
+    # no dq_accum (2, 4, 128·256) and no ordering counters: dq is written once
+    assert "xi32>" not in text and "x32768xf32>" not in text
+    assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
+
+
 # -- numbers: the sm100 route with emulated kernels equals the reference route -----------------
 NUMERIC_CASES = [  # (b, sq, sk, h, hkv, d, flash_attention kwargs, learnable sink)
     (2, 77, 150, 4, 4, 64, {"causal": True}, False),
@@ -213,6 +241,12 @@ NUMERIC_CASES = [  # (b, sq, sk, h, hkv, d, flash_attention kwargs, learnable si
      False),
     (2, 61, 61, 4, 1, 96, {"causal": True, "deterministic": True}, False),
     (2, 40, 70, 4, 2, 64, {"causal": True}, True),
+    # head dim 256: the split backward (a dK/dV and a dQ kernel, dq written scaled, once)
+    (2, 77, 150, 2, 2, 256, {"causal": True}, False),
+    (1, 130, 90, 4, 2, 256, {"window_size": (5, 3), "softcap": 2.0, "softmax_scale": 0.3},
+     False),
+    (2, 61, 61, 4, 1, 256, {"causal": True, "deterministic": True}, False),
+    (2, 40, 70, 4, 2, 256, {"causal": True}, True),
 ]
 
 
@@ -221,7 +255,8 @@ def test_sm100_backward_contract_gives_the_reference_gradients(case, monkeypatch
     """With the kernels replaced by contract-exact stand-ins, jax.grad through
     implementation="sm100" (dq_accum rows past Sq dropped and scaled by softmax_scale, GQA/MQA
     dK/dV summed per group, the ordered-dQ counters passed, a sink's gradient from the
-    backward's delta) gives the reference route's out and gradients."""
+    backward's delta; head dim 256: the split kernels' dk, dv and scaled dq) gives the
+    reference route's out and gradients."""
     b, sq, sk, h, hkv, d, kwargs, with_sink = case
     q, k, v = _qkv(b, sq, sk, h, hkv, d, seed=3)
     sink = jnp.linspace(-1.0, 1.0, h, dtype=jnp.float32) if with_sink else None
@@ -243,6 +278,12 @@ def test_sm100_backward_contract_gives_the_reference_gradients(case, monkeypatch
         warnings.simplefilter("error")  # the kernel serves: no fallback warning
         got = loss("sm100")(q, k, v, sink)
     want = loss("reference")(q, k, v, sink)
+    if d == 256:  # the split kernels (deterministic without a config of their own)
+        split = sorted((c.part, c.gqa) for c, _, _ in calls if c.kernel_name == "sm100_bwd_split")
+        assert split == [("dkdv", h != hkv), ("dq", False)]
+        assert not [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
+        _assert_grads_close(got, want)
+        return
     (bwd,) = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
     assert (bwd.gqa, bwd.deterministic, bwd.head_dim) == (
         h != hkv, kwargs.get("deterministic", False), d)
@@ -600,10 +641,37 @@ def test_varlen_gradient_lowers_to_the_sm100_varlen_backward(lowered, fresh_warn
     assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
 
 
+@pytest.mark.parametrize("h, hkv", [(4, 2), (2, 2)])
+def test_varlen_gradient_at_head_dim_256_lowers_to_the_split_varlen_kernels(lowered,
+                                                                          fresh_warning, h, hkv):
+    """Head dim 256: the split backward's two kernels in their varlen mode, each with its work
+    list (key blocks of 128 for dK/dV, query blocks of 128 for dQ: sm90.work_items rows), no
+    dq_accum, no fused kernel, no fallback warning."""
+    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(h, hkv, 256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exported = _export_for_cuda(
+            _varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k, causal=True), q, k, v, None)
+    assert sorted(c.kernel_name for c, _ in lowered) == [
+        "bwd_preprocess", "sm100_bwd_split", "sm100_bwd_split", "sm100_fwd"]
+    parts = {c.part: c for c, _ in lowered if c.kernel_name == "sm100_bwd_split"}
+    assert set(parts) == {"dkdv", "dq"} and all(c.varlen for c in parts.values())
+    assert (parts["dkdv"].gqa, parts["dkdv"].mask) == (h != hkv, "causal")
+    text = exported.mlir_module()
+    total_q, total_k, batch = q.shape[0], k.shape[0], len(VARLEN_LENS_Q)
+    assert f"tensor<{total_k // 128 + batch + 1}x8xi32>" in text
+    assert f"tensor<{total_q // 128 + batch + 1}x8xi32>" in text
+    assert "x32768xf32>" not in text  # no dq_accum
+    assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
+
+
 VARLEN_CASES = [  # (h, hkv, d, flash_attention_varlen kwargs, learnable sink)
     (4, 2, 64, {"causal": True}, False),
     (2, 2, 128, {"window_size": (20, 3), "softcap": 2.0, "softmax_scale": 0.3}, False),
     (2, 1, 96, {}, True),
+    # head dim 256: the split backward's varlen mode
+    (4, 2, 256, {"causal": True}, False),
+    (2, 2, 256, {"window_size": (20, 3), "softcap": 2.0, "softmax_scale": 0.3}, True),
 ]
 #: the 2-CTA kernel's varlen mode (head dims 192/128): (h, hkv, kwargs, learnable sink); 200
 #: NaN padding tokens, more than a 128-key tile's overhang past the last sequence (33 keys: its
@@ -649,8 +717,13 @@ def test_sm100_varlen_backward_contract_gives_the_reference_gradients(case, monk
         warnings.simplefilter("error")  # the kernel serves: no fallback warning
         got = _varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k, with_sink, **kwargs)(
             q, k, v, sink)
-    (bwd,) = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
-    assert bwd.varlen and bwd.gqa == (h != hkv) and bwd.head_dim == d
+    if d == 256:  # the split kernels' varlen mode
+        split = sorted((c.part, c.gqa, c.varlen) for c, _, _ in calls
+                       if c.kernel_name == "sm100_bwd_split")
+        assert split == [("dkdv", h != hkv, True), ("dq", False, True)]
+    else:
+        (bwd,) = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
+        assert bwd.varlen and bwd.gqa == (h != hkv) and bwd.head_dim == d
     monkeypatch.undo()
     want = _varlen_grad_fn("reference", ct, cu_q, cu_k, max_q, max_k, with_sink, **kwargs)(
         q, k, v, sink)
@@ -700,6 +773,31 @@ def test_sm100_varlen_backward_needs_the_padding_rows_zeroed(monkeypatch, fresh_
     poisoned = reaches & (lq > 0) & (lk > 0)
     assert poisoned.any() and not poisoned.all()
     for g, cu in ((dq, cq), (dk, ck), (dv, ck)):
+        nan_rows = np.isnan(np.asarray(g, np.float32)).any(axis=(1, 2))
+        want = np.zeros_like(nan_rows)
+        for b in np.nonzero(poisoned)[0]:
+            want[cu[b]:cu[b + 1]] = True
+        np.testing.assert_array_equal(nan_rows, want)
+
+
+def test_sm100_split_varlen_backward_needs_the_padding_rows_zeroed(monkeypatch, fresh_warning):
+    """Head dim 256, as above for the split kernels' tiles: without the backend's zeroing, the
+    NaN padding rows reach dK / dV of the sequences whose last 64-row query tile reaches past
+    the last sequence (the dK/dV kernel streams q, dout) and dQ of those whose last 64-key tile
+    does (the dQ kernel streams k, v); with it, none (the contract test above)."""
+    from jax_fa4.backends import sm100
+
+    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(2, 2, 256, pad_value=jnp.nan)
+    _varlen_emulated(monkeypatch, {}, 256)
+    monkeypatch.setattr(sm100, "zero_rows_from", lambda x, start, rows: x)
+    grads = _varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k)(q, k, v, None)
+    cq, ck = np.asarray(cu_q), np.asarray(cu_k)
+    lq, lk = np.diff(cq), np.diff(ck)
+    both = (lq > 0) & (lk > 0)
+    by_q = both & (cq[:-1] + -(-lq // 64) * 64 > cq[-1])  # dK, dV
+    by_k = both & (ck[:-1] + -(-lk // 64) * 64 > ck[-1])  # dQ
+    assert by_q.any() and by_k.any() and not (by_q & by_k).all()
+    for g, cu, poisoned in zip(grads, (cq, ck, ck), (by_k, by_q, by_q)):
         nan_rows = np.isnan(np.asarray(g, np.float32)).any(axis=(1, 2))
         want = np.zeros_like(nan_rows)
         for b in np.nonzero(poisoned)[0]:

@@ -16,12 +16,18 @@ input/output alias) and, for deterministic calls, dq_semaphore (zeros, int32,
 (B, H, ceil(Sq/128)·slots), aliased too; 2 slots per query block for the 2-CTA kernel). The dQ
 postprocess is a plain scale-and-cast of dq_accum's rows, left to XLA (one fused elementwise op):
 the sm100 kernel's dq_accum is row-major, so no fragment reordering kernel is needed. Head dims
-64, 96, 128 with ``Dv == D`` and 192 with ``Dv`` 128 (the last two with 2-CTA MMAs); others (e.g.
-256, which needs FA4's split 2-CTA kernels) run the reference's backward with a one-time
-``RuntimeWarning`` naming the reason.
+64, 96, 128 with ``Dv == D`` and 192 with ``Dv`` 128 (the last two with 2-CTA MMAs); others run the
+reference's backward with a one-time ``RuntimeWarning`` naming the reason.
+
+Head dim 256 (:meth:`Sm100Backend.split_backward`, jax_fa4/kernels/sm100/bwd_split_config.py):
+the split backward, two kernels on the same inputs: ``sm100_bwd_split`` part "dkdv" (dk, dv; GQA:
+float32 per query head, summed here) and part "dq" (dq scaled, in q's dtype, written once: no
+dq_accum, no postprocess). Both write each output once without atomics, so
+``deterministic=True`` takes the same configs.
 
 Varlen backward (:meth:`Sm100Backend.varlen_backward`): the varlen mode of the 1-CTA kernel
-(``bwd_config.varlen_config``, head dims 64, 96, 128) or of the 2-CTA kernel (192/128) on
+(``bwd_config.varlen_config``, head dims 64, 96, 128) or of the 2-CTA kernel (192/128; 256: the
+split kernels' varlen mode, :meth:`Sm100Backend.split_varlen_backward`) on
 Hopper's work list (:func:`jax_fa4.backends.sm90.work_table`, the same launch order setting; one
 item per 128-key block of a sequence, or per 256-key pair span for the 2-CTA kernel,
 ``work_tile_n``) and dq_accum tiles (:func:`~jax_fa4.backends.sm90.dq_accum_rows`); dq is a row
@@ -37,8 +43,8 @@ Segment-id backward (:meth:`Sm100Backend.segments_backward`): the 1-CTA kernel's
 (``bwd_config.segments_config``, head dims 64, 96, 128) on :func:`jax_fa4.segments.backward_tables`
 for its 128 × 128 tile: each key block visits only the query blocks that share an id with it;
 dq from dq_accum and a sink's share from delta as in the dense backward. 192/128 (only the
-2-CTA kernel fits it, and it has no segment-id mode) and ``deterministic=True`` (the kernel adds
-dQ in no fixed order) run the reference's backward with the warning.
+2-CTA kernel fits it, and it has no segment-id mode), 256 and ``deterministic=True`` (the kernel
+adds dQ in no fixed order) run the reference's backward with the warning.
 
 GQA/MQA (H > Hkv): float32 dK/dV per *query* head, summed over each group of H/Hkv heads here,
 as the Hopper v1 does (deterministic: XLA's reduction has a fixed order).
@@ -55,8 +61,9 @@ from jax_fa4 import reference
 from jax_fa4.backends import base, sm90
 from jax_fa4.backends.kernel import (KernelBackend, backward_kind, kernel_params,
                                      sum_gqa_groups)
-from jax_fa4.kernels.sm100 import bwd_config, fwd_config
+from jax_fa4.kernels.sm100 import bwd_config, bwd_split_config, fwd_config
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
+from jax_fa4.kernels.sm100.bwd_split_config import Sm100BwdSplitConfig
 from jax_fa4.kernels.spec import PARAM_SCALE
 
 ARCH = "sm_100a"
@@ -112,15 +119,21 @@ class Sm100Backend(KernelBackend):
         return fwd_config.FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap,
                                          paged=True)
 
-    def backward_configs(self, q, k, v, opts) -> tuple[Sm100BwdConfig, None]:
+    def backward_configs(self, q, k, v, opts) -> (tuple[Sm100BwdConfig, None]
+                                                  | tuple[Sm100BwdSplitConfig,
+                                                          Sm100BwdSplitConfig]):
         """(main config, None) for this call (no postprocess kernel on sm100); raises ValueError
-        if unsupported."""
+        if unsupported. Head dims of the split backward (256): (dK/dV config, dQ config)."""
+        if bwd_split_config.serves(q.shape[3], v.shape[3]):
+            return self.split_backward_configs(q, k, v, opts)
         return Sm100BwdConfig.make(**backward_kind(q, k, v, opts)), None
 
     def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts):
         """(dq, dk, dv) in the dtypes of q, k, v. ``out`` and ``lse`` are unused (their
         information is in delta and lse_log2)."""
         del out, lse
+        if bwd_split_config.serves(q.shape[3], v.shape[3]):
+            return self.split_backward(q, k, v, dout, delta, lse_log2, opts)
         cfg, _ = self.backward_configs(q, k, v, opts)
         b, sq, h, d = q.shape
         params = kernel_params(opts, d)
@@ -166,8 +179,44 @@ class Sm100Backend(KernelBackend):
                                   reference.sink_probability(sink, lse) * rowsum).sum(axis=-1)
         return dq, dk.astype(k.dtype), dvv.astype(v.dtype), sink_rows
 
+    # -- split backward (head dim 256) ------------------------------------------------------------
+    def split_backward_configs(self, q, k, v, opts) -> tuple[Sm100BwdSplitConfig,
+                                                            Sm100BwdSplitConfig]:
+        """(dK/dV config, dQ config) of the split backward (bwd_split_config.py); the
+        ``deterministic`` option needs no config of its own: both kernels write each output
+        element once, without atomics."""
+        kind = backward_kind(q, k, v, opts)
+        del kind["deterministic"]
+        return bwd_split_config.split_configs(**kind)
+
+    def split_backward(self, q, k, v, dout, delta, lse_log2, opts):
+        """(dq, dk, dv) from the two kernels of the split backward: the dK/dV kernel (GQA
+        configs: float32 per query head, summed over each group here) and the dQ kernel (dq
+        scaled, in q's dtype)."""
+        from jax_fa4.ffi.call import call_kernel
+
+        dkdv_cfg, dq_cfg = self.split_backward_configs(q, k, v, opts)
+        b, sk, hkv, dv = v.shape
+        h, d = q.shape[2], q.shape[3]
+        params = kernel_params(opts, d)
+        inputs = (q, k, v, dout, lse_log2.astype(jnp.float32), delta.astype(jnp.float32),
+                  params)
+        hdk = h if dkdv_cfg.gqa else hkv
+        dkv_dtype = jnp.float32 if dkdv_cfg.gqa else k.dtype
+        dk, dvv = call_kernel(dkdv_cfg, self.arch, *inputs, out_shapes=(
+            jax.ShapeDtypeStruct((b, sk, hdk, d), dkv_dtype),
+            jax.ShapeDtypeStruct((b, sk, hdk, dv), dkv_dtype)))
+        (dq,) = call_kernel(dq_cfg, self.arch, *inputs,
+                            out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),))
+        if dkdv_cfg.gqa:
+            dk, dvv = sum_gqa_groups(dk, dvv, hkv, head_axis=2)
+        return dq, dk.astype(k.dtype), dvv.astype(v.dtype)
+
     # -- varlen backward --------------------------------------------------------------------------
     def make_varlen_backward(self, dtype, head_dim, head_dim_v, mask, has_softcap, gqa):
+        if bwd_split_config.serves(head_dim, head_dim_v):  # (its dK/dV kernel's config)
+            return bwd_split_config.split_varlen_configs(dtype, head_dim, head_dim_v, mask,
+                                                         has_softcap, gqa)[0]
         return bwd_config.varlen_config(dtype, head_dim, head_dim_v, mask, has_softcap, gqa)
 
     def varlen_backward_settings(self) -> Hashable:
@@ -182,6 +231,9 @@ class Sm100Backend(KernelBackend):
         off: as the dense sm100 backward)."""
         from jax_fa4.ffi.call import call_kernel
 
+        if bwd_split_config.serves(q.shape[2], v.shape[2]):
+            return self.split_varlen_backward(q, k, v, sink, segments, cu_seqlens_q,
+                                              cu_seqlens_k, out, lse, dout, dlse, opts, plan)
         config = self.varlen_backward_config(q, k, v, opts)
         total_q, h, d = q.shape
         total_k, hkv, dv = v.shape
@@ -213,3 +265,48 @@ class Sm100Backend(KernelBackend):
             dk, dvv = sum_gqa_groups(dk, dvv, hkv, head_axis=1)
         dsink = None if sink is None else reference.sink_gradient(sink, lse, delta)
         return dq, dk.astype(k.dtype), dvv.astype(v.dtype), dsink
+
+    def split_varlen_backward(self, q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, out,
+                              lse, dout, dlse, opts, plan):
+        """The varlen backward at head dim 256: the preprocess, then the split backward's two
+        kernels in their varlen mode (bwd_split_config.split_varlen_backward_signature): the
+        dK/dV kernel on the varlen backward's work list of key blocks (launch order ``plan[3]``,
+        its cost counted in the kernel's 64-row query blocks), the dQ kernel on the same list
+        built over query blocks with q and k swapped. dq comes out scaled and zero outside every
+        sequence; the padding rows after the last sequence are zeroed first, as for the 1-CTA
+        kernel's varlen mode."""
+        from jax_fa4.ffi.call import call_kernel
+
+        dkdv_cfg, dq_cfg = bwd_split_config.split_varlen_configs(
+            jnp.dtype(q.dtype).name, q.shape[2], v.shape[2], base.mask_kind(opts.window),
+            opts.softcap > 0, q.shape[1] != k.shape[1])
+        total_q, h, d = q.shape
+        total_k, hkv, dv = v.shape
+        batch = cu_seqlens_q.shape[0] - 1
+        rows, cols = dkdv_cfg.tile_rows, dkdv_cfg.tile_cols
+        delta, lse_log2 = base.preprocess(self, out, dout, lse, opts)
+        in_sequence = segments.q_segment_ids[:, None, :] >= 0  # (as varlen_backward)
+        delta = jnp.where(in_sequence, delta - dlse, 0.0)
+        params = kernel_params(opts, d)
+        work_kv = sm90.work_table(cu_seqlens_q, cu_seqlens_k,
+                                  sm90.work_items(total_k, batch, rows), cols, rows, opts.window,
+                                  plan[3])
+        work_q = sm90.work_table(cu_seqlens_k, cu_seqlens_q,
+                                 sm90.work_items(total_q, batch, rows), cols, rows, opts.window,
+                                 "sequence")
+        q_in, dout_in = (zero_rows_from(x, cu_seqlens_q[-1], rows) for x in (q, dout[0]))
+        k_in, v_in = (zero_rows_from(x, cu_seqlens_k[-1], rows) for x in (k, v))
+        inputs = (q_in[None], k_in[None], v_in[None], dout_in[None], lse_log2, delta, params,
+                  cu_seqlens_q, cu_seqlens_k)
+        hdk = h if dkdv_cfg.gqa else hkv
+        dkv_dtype = jnp.float32 if dkdv_cfg.gqa else q.dtype
+        dk, dvv = call_kernel(dkdv_cfg, self.arch, *inputs, work_kv, out_shapes=(
+            jax.ShapeDtypeStruct((1, total_k, hdk, d), dkv_dtype),
+            jax.ShapeDtypeStruct((1, total_k, hdk, dv), dkv_dtype)))
+        (dq,) = call_kernel(dq_cfg, self.arch, *inputs, work_q,
+                            out_shapes=(jax.ShapeDtypeStruct((1, total_q, h, d), q.dtype),))
+        dk, dvv = dk[0], dvv[0]
+        if dkdv_cfg.gqa:
+            dk, dvv = sum_gqa_groups(dk, dvv, hkv, head_axis=1)
+        dsink = None if sink is None else reference.sink_gradient(sink, lse, delta)
+        return dq[0], dk.astype(k.dtype), dvv.astype(v.dtype), dsink

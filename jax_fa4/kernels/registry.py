@@ -25,6 +25,7 @@ LAUNCHERS: dict[str, str] = {
     "sm90_bwd_postprocess": "jax_fa4.kernels.sm90.bwd_postprocess",
     "sm100_fwd": "jax_fa4.kernels.sm100.flash_fwd",
     "sm100_bwd": "jax_fa4.kernels.sm100.bwd_launcher",
+    "sm100_bwd_split": "jax_fa4.kernels.sm100.bwd_split",
     "exp2_probe": "jax_fa4.kernels.exp2_probe",
 }
 

@@ -24,6 +24,7 @@ from jax_fa4.kernels.sm90 import bwd_config, fwd_config
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig, with_swap_sdp, without_swap_sdp
 from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE, FwdConfig
 from jax_fa4.kernels.sm100 import bwd_config as sm100_bwd_config
+from jax_fa4.kernels.sm100 import bwd_split_config as sm100_bwd_split_config
 from jax_fa4.kernels.sm100 import fwd_config as sm100_fwd_config
 from jax_fa4.kernels.spec import FLOAT_DTYPES, MASK_KINDS, KernelConfig
 
@@ -328,6 +329,8 @@ FAMILIES: dict[str, tuple[tuple[str, ...], Callable[..., Iterable[KernelConfig]]
     # the GPU test suite needs none of them.
     "sm100_fwd": (("sm_100a",), _filtered(sm100_fwd_config.shipped_configs), _none),
     "sm100_bwd": (("sm_100a",), _filtered(sm100_bwd_config.shipped_configs), _none),
+    # the head-dim-256 backward: a dK/dV kernel and a dQ kernel (bwd_split_config.py)
+    "sm100_bwd_split": (("sm_100a",), _filtered(sm100_bwd_split_config.shipped_configs), _none),
     # Test-only: runs the arch-independent software exp2 (common/exp2.py) on the H200
     # (tests/gpu/test_exp2_device.py); never shipped.
     "exp2_probe": (("sm_90a",), _none, _exp2_probe_tests),
@@ -343,6 +346,8 @@ REQUIRED_SASS: dict[str, tuple[str, ...]] = {
     "sm90_bwd_postprocess": (),
     "sm100_fwd": ("UTCHMMA", "UTCBAR", "LDTM", "UTCATOMSWS", "UTMALDG", "MUFU.EX2"),
     "sm100_bwd": ("UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTCATOMSWS", "UTMALDG", "UTMAREDG"),
+    "sm100_bwd_split": ("UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTCATOMSWS", "UTMALDG",
+                        "MUFU.EX2"),
     "exp2_probe": (),
 }
 

@@ -1,0 +1,107 @@
+"""The sm100 split backward (head dim 256: bwd_split.py) compiles for sm_100a on a CPU-only machine,
+with clean SASS, and its config keeps its contract.
+
+Nothing here runs a kernel (no Blackwell GPU exists in this project). The configs of
+``bwd_split_config.test_configs()`` (both parts) are compiled through the binding's own path
+(``compile_config(config, "sm_100a")``, into a private cache: a few seconds each) and their SASS
+read with jax_fa4.tools.sass: tcgen05 MMAs (UTCHMMA: GEMM1 and GEMM2 over D / 16 k-blocks each,
+the TS GEMMs over 64 / 16; no 2-CTA forms), commits, TMEM loads / stores, TMA loads and no TMA
+reduce-add (nothing is accumulated in global memory), MUFU.EX2 (MUFU.TANH iff softcap), TMEM
+allocation balanced, no local memory, registers <= 255. Every shipped variant: ``python -m
+jax_fa4.tools.precompile --family sm100_bwd_split --check`` (docs/kernels/sm100-backward-split.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from compiled import needs_disassembler
+from jax_fa4.kernels.sm100.bwd_split_config import (PARTS, Sm100BwdSplitConfig, serves,
+                                                    shipped_configs, split_configs,
+                                                    test_configs)
+from jax_fa4.kernels.spec import SMEM_BUDGET_BYTES
+
+ARCH = "sm_100a"
+
+
+def _compiler_available() -> bool:
+    from jax_fa4.ffi.compiler import compiler_available
+
+    return compiler_available()
+
+
+def _id(c: Sm100BwdSplitConfig) -> str:
+    return (f"{c.part}-{c.dtype[:4]}-d{c.head_dim}-{c.mask}{'-cap' if c.has_softcap else ''}"
+            f"{'-gqa' if c.gqa else ''}")
+
+
+@pytest.mark.skipif(not _compiler_available(), reason="needs nvidia-cutlass-dsl")
+@needs_disassembler
+@pytest.mark.parametrize("cfg", test_configs(), ids=_id)
+def test_compiles_with_clean_sass(cfg, monkeypatch, tmp_path):
+    from compiled import kernel_sass
+
+    from jax_fa4.ffi.compiler import compile_config
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
+    k = kernel_sass(compile_config(cfg, ARCH).object_bytes)
+    n = lambda pat: len(re.findall(pat, k.sass))  # noqa: E731
+    assert "FlashAttentionBackwardSm100Split" in k.name, k.name
+    d, dv, cols = cfg.head_dim, cfg.head_dim_v, cfg.tile_cols
+    ts_gemms = 2 if cfg.part == "dkdv" else 1
+    assert k.count("UTCHMMA") == (d + dv) // 16 + ts_gemms * cols // 16
+    assert n(r"UTCHMMA\.2CTA") == 0
+    assert k.count("UTCBAR") > 0 and k.count("LDTM") > 0 and k.count("STTM") > 0
+    assert k.count("UTMALDG") >= 4 and k.count("UTMAREDG") == 0
+    assert k.count("MUFU.EX2") > 0
+    assert (n(r"MUFU\.TANH") > 0) == cfg.has_softcap
+    alloc, dealloc = n(r"UTCATOMSWS\.FIND_AND_SET"), n(r"UTCATOMSWS\.AND\b")
+    assert dealloc == 1 and alloc == 2 * dealloc == 2 * n(r"UVIRTCOUNT\.DEALLOC\.SMPOOL")
+    assert k.count("LDL") == 0 and k.count("STL") == 0
+    assert k.local == 0 and k.stack == 0
+    assert k.registers <= 255
+
+
+def test_shipped_configs_are_valid_and_cover_every_option():
+    shipped = shipped_configs()
+    # dtypes × masks × softcap × (dkdv, dkdv with gqa, dq) × (dense, varlen)
+    assert len(shipped) == len(set(shipped)) == 2 * 3 * 2 * 3 * 2
+    assert {c.varlen for c in shipped} == {False, True}
+    assert set(test_configs()) <= set(shipped)
+    assert {c.part for c in shipped} == set(PARTS)
+    assert {(c.part, c.gqa) for c in shipped} == {("dkdv", False), ("dkdv", True), ("dq", False)}
+    for c in shipped:
+        c.validate()
+        assert c.tmem_columns() <= c.tmem_alloc_columns() <= 512
+        assert c.smem_bytes() <= SMEM_BUDGET_BYTES
+
+
+def test_config_contract():
+    """Signatures (inputs as the fused backward's up to params; dkdv: dk, dv, float32 per query
+    head with gqa; dq: dq in the input dtype), no alias, the served head dims, the refusals."""
+    dkdv, dq = split_configs("float16", 256, 256, "local", True, gqa=True)
+    assert (dkdv.part, dkdv.gqa, dq.part, dq.gqa) == ("dkdv", True, "dq", False)
+    sig = dkdv.signature()
+    assert [a.name for a in sig.inputs] == ["q", "k", "v", "dout", "lse_log2", "delta", "params"]
+    assert [(a.name, a.dtype, a.sample_shape[2]) for a in sig.outputs] == [
+        ("dk", "float32", 4), ("dv", "float32", 4)]
+    assert not sig.aliases
+    sig = dq.signature()
+    assert [(a.name, a.dtype, a.sample_shape) for a in sig.outputs] == [
+        ("dq", "float16", sig.inputs[0].sample_shape)]
+    mha = Sm100BwdSplitConfig.make("dkdv", "bfloat16", 256).signature()
+    assert [(a.dtype, a.sample_shape[2]) for a in mha.outputs] == [("bfloat16", 2)] * 2
+    assert serves(256, 256) and not serves(192, 192) and not serves(128, 128)
+    with pytest.raises(ValueError, match="192/192"):
+        Sm100BwdSplitConfig.make("dkdv", "bfloat16", 192)
+    with pytest.raises(ValueError, match="part"):
+        Sm100BwdSplitConfig.make("dqkv", "bfloat16", 256)
+    with pytest.raises(ValueError, match="shared memory"):
+        dataclasses.replace(dkdv, stream_stages=3).validate()
+    # the column split: dK/dV halves (two CTAs per key block), dQ whole
+    assert (dkdv.out_cols, dkdv.col_splits, dq.out_cols, dq.col_splits) == (128, 2, 256, 1)
+    assert dkdv.tmem_offsets() == {"dk": 0, "dv": 128, "s": 256, "dp": 320}
+    assert dq.tmem_offsets() == {"dq": 0, "s": 256, "dp": 320}
