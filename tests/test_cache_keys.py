@@ -67,7 +67,7 @@ EXPECTED_FILES = {
         "geometry", "convert", "layout", "rows", "scores", "views")} | {
         _K + f"sm100/{m}.py" for m in ("bwd", "bwd_2cta", "bwd_config", "bwd_launcher")},
     # the split backward reuses the fused kernel's compute pieces (bwd.py), not its launcher
-    "sm100_bwd_split": _SPEC | _VARLEN_BWD | {_K + f"common/{m}.py" for m in (
+    "sm100_bwd_split": _SPEC | _SEG | _VARLEN_BWD | {_K + f"common/{m}.py" for m in (
         "geometry", "convert", "layout", "rows", "scores", "views")} | {
         _K + f"sm100/{m}.py" for m in ("bwd", "bwd_config", "bwd_split", "bwd_split_config")},
     "exp2_probe": _SPEC | {_K + "common/exp2.py", _K + "exp2_probe.py",
@@ -142,7 +142,7 @@ def test_keys_do_not_depend_on_where_the_package_lies(tmp_path):
     ("kernels/sm100/fwd_tuning.py", set()),
     ("kernels/sm100/bwd_tuning.py", set()),
     ("kernels/segments_config.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess",
-                                    "sm100_fwd", "sm100_bwd"}),
+                                    "sm100_fwd", "sm100_bwd", "sm100_bwd_split"}),
     ("kernels/common/softmax.py", {"sm90_fwd", "sm100_fwd"}),
     ("kernels/forward_signatures_config.py", {"sm90_fwd", "sm100_fwd"}),
     ("kernels/common/exp2.py", {"sm90_fwd", "sm100_fwd", "exp2_probe"}),
