@@ -99,7 +99,9 @@ def flash_attention(
         kernels take them with no (Sq × Sk) mask anywhere: blocks whose queries and keys share
         no id are skipped, contiguous runs (packed documents) are masked by each row's key
         span, other ids compared key by key (exact for any ids; a new packing never
-        recompiles); ``deterministic=True`` runs the reference's backward. Under ``jit``
+        recompiles); ``deterministic=True`` runs the reference's backward. With ``"sm100"``
+        the Blackwell forward and (head dims 64, 96, 128) backward kernels take the same
+        tables (compiled, never run on hardware here). Under ``jit``
         with q, k, v sharded over batch and heads the ids follow the batch sharding. For packed
         variable-length batches without a fixed (B, S) layout see
         :func:`jax_fa4.flash_attention_varlen`.
@@ -146,10 +148,10 @@ def flash_attention(
 
     Backward: on Hopper (``implementation="sm90"``, the default there) the preprocess, main and
     dQ postprocess kernels; with ``"sm100"`` (opt-in: forced, or ``JAX_FA4_ENABLE_SM100=1``) the
-    preprocess and the Blackwell backward kernel (head dims 64, 96, 128 with ``Dv == D`` and
-    192 with ``Dv`` 128, the last two with 2-CTA MMAs; it compiles but has never run on
-    hardware), else the reference's backward with a one-time ``RuntimeWarning`` naming the
-    reason (e.g. head dim 256, which needs FA4's split 2-CTA kernels);
+    preprocess and the Blackwell backward kernels (head dims 64, 96, 128 with ``Dv == D`` and
+    192 with ``Dv`` 128, the last two with 2-CTA MMAs; 256 with a dK/dV and a dQ kernel; they
+    compile but have never run on hardware), else the reference's backward with a one-time
+    ``RuntimeWarning`` naming the reason (e.g. head dims 192/192);
     elsewhere the preprocess (a kernel on GPUs) and the reference's explicit FlashAttention
     backward (also for calls the Hopper backward kernels do not cover).
     """
@@ -247,9 +249,9 @@ def flash_attention_varlen(
         forward kernel, or :class:`ImplementationUnavailableError` saying why not; the sm100
         kernel is opt-in, never run on hardware here) or ``"reference"``. On Hopper the
         backward runs the varlen backward kernel (each sequence's own blocks only); with
-        sm100, the 1-CTA sm100 backward's varlen mode at head dims 64, 96 and 128 (compiled
-        and model-checked, never run on hardware here), the reference's backward at 192/128
-        and 256 (a one-time ``RuntimeWarning`` says so).
+        sm100, the sm100 backward kernels' varlen modes at head dims 64, 96, 128 (1-CTA),
+        192/128 (2-CTA) and 256 (the split kernels) (compiled and model-checked, never run on
+        hardware here), the reference's backward elsewhere (a one-time ``RuntimeWarning``).
       validate: also check traced cu_seqlens (under ``jit``): the same rules and messages as
         for concrete values, checked on the host when the program runs (one small
         device-to-host copy per call); a broken rule surfaces as JAX's runtime error carrying
