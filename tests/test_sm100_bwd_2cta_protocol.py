@@ -1772,7 +1772,7 @@ def segments_cfg(d: int, mask: str, softcap: bool = False, gqa: bool = False
     return cfg
 
 
-SEGMENT_RUNS = 8  # per mask
+SEGMENT_RUNS = 12  # per mask
 
 
 @pytest.mark.parametrize("mask", per_class(["local", "causal", "none"], key=lambda m: 0))
@@ -1833,6 +1833,11 @@ def test_segments_pair_range_edges(d):
     assert [block_segment_range(keys, 0, n) for n in range(6)] == [
         (0, 2), (0, 4), (1, 4), (0, 0), (0, 0), (0, 0)]
     assert [pair_segment_range(keys, 0, p) for p in range(3)] == [(0, 4), (1, 4), (NO_BLOCK, 0)]
+    # (contiguous ids: the 256-key tables' key ranges are these envelopes; the kernel still
+    # reads the 128-key tables, whose bulk is per own block)
+    keys256 = np.asarray(segments.backward_tables(jnp.asarray(q_ids), jnp.asarray(kv_ids), TILE,
+                                                  PAIR_TILE)[1])
+    assert [block_segment_range(keys256, 0, p) for p in range(3)] == [(0, 4), (1, 4), (0, 0)]
     cfg = segments_cfg(d, "none")
     for seed, slots in enumerate((2, 200)):
         sim = simulate_segments(cfg, q_ids, kv_ids, 2, slots, seed)

@@ -456,13 +456,17 @@ def test_the_segments_stand_in_reads_the_tables(broken, monkeypatch, fresh_warni
         _assert_grads_close(got, want)
 
 
-def test_segments_gradient_lowers_to_the_sm100_segments_backward(lowered, fresh_warning):
+@pytest.mark.parametrize("d, dv, two_cta, dq_stages", [(128, 128, False, 2),
+                                                       (192, 128, True, 1)])
+def test_segments_gradient_lowers_to_the_sm100_segments_backward(lowered, fresh_warning, d, dv,
+                                                                 two_cta, dq_stages):
     """jax.grad through flash_attention(segment_ids=..., implementation="sm100") exports for
     CUDA with the sm100 forward and backward kernels with segment ids (the 1-CTA kernel, head
-    dim 128 too) and the preprocess, the backward taking the four tables for its 128 × 128
-    tile; no fallback warning, no reference backward."""
-    b, s, h, hkv, d = 2, 300, 4, 2, 128
-    q, k, v = _qkv(b, s, s, h, hkv, d)
+    dim 128 too; at 192/128 the 2-CTA kernel's mode, one dQ staging buffer) and the
+    preprocess, the backward taking the four tables for its 128 × 128 tile; no fallback
+    warning, no reference backward."""
+    b, s, h, hkv = 2, 300, 4, 2
+    q, k, v = _qkv(b, s, s, h, hkv, d, dv)
     ids = jnp.zeros((b, s), jnp.int32).at[:, 100:].set(1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -472,8 +476,9 @@ def test_segments_gradient_lowers_to_the_sm100_segments_backward(lowered, fresh_
                                                          "sm100_fwd"]
     assert {arch for _, arch in lowered} == {"sm_100a"}
     bwd = kernels["sm100_bwd"]
-    assert (bwd.segments, bwd.two_cta, bwd.deterministic, bwd.mask, bwd.gqa, bwd.head_dim) == (
-        True, False, False, "causal", True, d)
+    assert (bwd.segments, bwd.two_cta, bwd.deterministic, bwd.mask, bwd.gqa, bwd.head_dim,
+            bwd.head_dim_v, bwd.dq_stages) == (True, two_cta, False, "causal", True, d, dv,
+                                               dq_stages)
     assert kernels["sm100_fwd"].segments
     text = exported.mlir_module()
     assert text.count(CUSTOM_CALL) == 3
@@ -572,33 +577,6 @@ def test_the_2cta_segments_stand_in_walks_the_pair_ranges(monkeypatch, fresh_war
     _assert_grads_close(results["even"], want)
     with pytest.raises(AssertionError):
         _assert_grads_close(results["all"], want)
-
-
-def test_segments_gradient_at_192_128_lowers_to_the_2cta_segments_backward(lowered,
-                                                                           fresh_warning):
-    """At 192/128, jax.grad through flash_attention(segment_ids=..., implementation="sm100")
-    exports for CUDA with the sm100 forward with segment ids, the preprocess and the 2-CTA
-    backward kernel's segment-id mode (its own tuning: one dQ staging buffer), which takes
-    the four tables for the 128 × 128 tile; no fallback warning, no reference backward."""
-    b, s, h, hkv = 2, 300, 4, 2
-    q, k, v = _qkv(b, s, s, h, hkv, 192, 128)
-    ids = jnp.zeros((b, s), jnp.int32).at[:, 100:].set(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        exported = _export_for_cuda(_grad_fn("sm100", causal=True, segment_ids=ids), q, k, v)
-    kernels = {c.kernel_name: c for c, _ in lowered}
-    assert sorted(c.kernel_name for c, _ in lowered) == ["bwd_preprocess", "sm100_bwd",
-                                                         "sm100_fwd"]
-    bwd = kernels["sm100_bwd"]
-    assert (bwd.segments, bwd.two_cta, bwd.deterministic, bwd.mask, bwd.gqa, bwd.head_dim,
-            bwd.head_dim_v, bwd.dq_stages) == (True, True, False, "causal", True, 192, 128, 1)
-    assert kernels["sm100_fwd"].segments
-    text = exported.mlir_module()
-    assert text.count(CUSTOM_CALL) == 3
-    blocks = -(-s // 128)
-    assert f"tensor<{b}x{blocks}x8xi32>" in text  # seg_tiles, seg_keys (128-key blocks)
-    assert f"tensor<{b}x{s}x4xi32>" in text  # seg_rows
-    assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
 
 
 # -- callers on several devices (4 simulated CPU devices, in a subprocess) ----------------------

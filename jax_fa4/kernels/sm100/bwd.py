@@ -72,7 +72,8 @@ mask every query column whose id is not the thread's key's (kv_ids, read once). 
 transposed layout a thread owns one key, so comparing ids costs one shared-memory read per
 column where the forward's key span would cost two, and is exact on its own: the spans and the
 compare-ids flag are not read. Not deterministic (bwd_config). No barrier, role or phase
-changes (tests/test_sm100_bwd_protocol.py models the segment-id grid).
+changes (tests/test_sm100_bwd_protocol.py models the segment-id grid). The 2-CTA kernel's
+segment-id mode (192/128, bwd_2cta.py) reuses the stages, the staging and the compare per CTA.
 
 Not yet (docs/kernels/sm100.md): head dim 256 (FA4's split 2-CTA kernels; 192/128 is the 2-CTA
 kernel's), persistence / scheduler, overlap of the dQ TMEM drain with the next dPᵀ (the reduce

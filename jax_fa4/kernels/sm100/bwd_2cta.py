@@ -120,6 +120,22 @@ ZERO_PADDING row's leader zeroes dK / dV outside every sequence after the TMEM d
 No barrier, role or phase changes (tests/test_sm100_bwd_2cta_protocol.py models varlen grids);
 not deterministic.
 
+Segment ids (``cfg.segments``; shipped at 192/128, ``bwd_config.segments_config``, its own tuning
+row: one dQ staging buffer, the dense row's two would leave no room for the row-id stages;
+called by jax_fa4/backends/sm100.py with jax_fa4/segments.py's backward tables for the 128 × 128
+tile, the 1-CTA kernel's contract): both CTAs of pair p intersect the pair's mask range with
+``pair_segment_range``, the envelope of key blocks 2p and 2p + 1's [m_lo, m_hi) of seg_keys (an
+empty one ignored, a block 2p + 1 past the table none), so they run the same count; a pair
+whose two ranges are empty takes count = 0. The per-CTA part is the 1-CTA kernel's, imported:
+the load warp stages with each block's -lse / -delta its rows' ids and the flag "the own key
+block lies outside the query block's bulk" (stage_stats, flags per own 128-key block, so the
+two CTAs' flags may differ), and in a flagged block the compute warps mask every query column
+whose id is not the own key's (softmax_p, segment_key). A CTA walks query blocks its own table
+row excludes only when its peer's range holds them: no row there shares an id with its keys, so
+they are masked there whole (P = dS = 0). The stages take tile_m × lse_stages + 4 int32 (1,040
+B: 228,368 B in all at 192/128). No barrier, role or phase changes (the protocol model runs
+segment-id grids); not deterministic.
+
 Head dim 192 / Dv 128 (``serial``: FA4's layout, built from the same pieces). TMEM per CTA: dV
 [0, 128), dK [128, 320), Sᵀ [320, 448) with Pᵀ (16-bit) *contiguous* in Sᵀ's first 64 columns
 (warpgroup w at [32w, 32w + 32)), dPᵀ [384, 512) *overlapping Sᵀ's upper 64 columns*, dSᵀ (16-bit)

@@ -334,8 +334,8 @@ def _mode_config(table: dict, mode: str, dtype: str, head_dim: int, head_dim_v: 
 def test_configs() -> list[Sm100BwdConfig]:
     """The subset the compile test builds on every run: each head dim once (bf16, no mask), each
     mask kind, softcap, GQA and deterministic once, fp16 once, varlen at head dims 64, 128 and
-    192/128 (the 2-CTA kernel's varlen mode), segment ids once (head dim 128: the 1-CTA kernel
-    where the dense table is 2-CTA)."""
+    192/128 (the 2-CTA kernel's varlen mode), segment ids at head dim 128 (the 1-CTA kernel
+    where the dense table is 2-CTA) and 192/128 (the 2-CTA kernel's segment-id mode)."""
     out = [Sm100BwdConfig.make("bfloat16", d, dv) for (d, dv) in TUNING_TABLE]
     out += [Sm100BwdConfig.make("bfloat16", 128, 128, "causal", deterministic=True),
             Sm100BwdConfig.make("bfloat16", 128, 128, "local", True, True),
@@ -343,7 +343,8 @@ def test_configs() -> list[Sm100BwdConfig]:
             varlen_config("bfloat16", 64, 64, "causal", gqa=True),
             varlen_config("bfloat16", 128, 128, "local", True),
             varlen_config("bfloat16", 192, 128, "causal"),
-            segments_config("float16", 128, 128, "causal", gqa=True)]
+            segments_config("float16", 128, 128, "causal", gqa=True),
+            segments_config("bfloat16", 192, 128, "local", True)]
     return out
 
 
