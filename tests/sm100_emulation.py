@@ -26,7 +26,9 @@ Segment-id backward configs (``segments``; segments_config.with_segment_tables) 
 from their tables as the kernel does (:func:`sm100_backward_visible`: each key block's query-block
 range, the query blocks' bulk, the rows' and keys' ids; not the spans nor the compare-ids flag),
 so a table the kernel would misread gives other gradients; dq_accum and dK / dV as the dense
-configs'.
+configs'. The 2-CTA kernel's segment-id configs (192/128) read the same 128-key tables, but each
+key block visits its pair's range: the union of key blocks 2p and 2p + 1's (bwd_2cta.py), the
+bulk and the ids per 128-key block as the 1-CTA kernel.
 """
 
 from __future__ import annotations
@@ -68,15 +70,34 @@ def sm100_table_visible(tiles, rows, kv_ids, sq: int, sk: int, tile_n: int, q_ti
     return visited & span & (~flagged[..., None] | same)
 
 
+def pair_key_ranges(keys):
+    """The seg_keys table (B, Nb, 8) with each key block's [m_lo, m_hi) replaced by its 2-CTA
+    pair's (bwd_2cta.pair_segment_range): the envelope of blocks 2p and 2p + 1's ranges, an
+    empty one ignored (a block past the last has none); lo >= hi when both are empty."""
+    n_blocks = keys.shape[1]
+    first = jnp.arange(n_blocks) // 2 * 2
+    second = jnp.minimum(first + 1, n_blocks - 1)
+    lo = [keys[:, x, cols.SEG_KEY_M_LO] for x in (first, second)]
+    hi = [keys[:, x, cols.SEG_KEY_M_HI] for x in (first, second)]
+    has = [hi[0] > lo[0], (hi[1] > lo[1]) & (first + 1 < n_blocks)]
+    none = jnp.iinfo(jnp.int32).max
+    pair_lo = jnp.minimum(*(jnp.where(h, x, none) for h, x in zip(has, lo)))
+    pair_hi = jnp.maximum(*(jnp.where(h, x, 0) for h, x in zip(has, hi)))
+    return keys.at[..., cols.SEG_KEY_M_LO].set(pair_lo).at[..., cols.SEG_KEY_M_HI].set(pair_hi)
+
+
 def sm100_backward_visible(tiles, keys, rows, kv_ids, sq: int, sk: int, tile_m: int,
-                           tile_n: int):
+                           tile_n: int, two_cta: bool = False):
     """(B, Sq, Sk) bool: the (query, key) pairs the sm100 backward with segment ids leaves
     visible, from the tables of jax_fa4.segments.backward_tables alone, read as the kernel reads
     them (jax_fa4/kernels/sm100/bwd.py): key block n's CTA visits the query blocks [m_lo, m_hi)
-    of its seg_keys row; a visited query block whose bulk (seg_tiles) holds n is not masked,
-    any other compares the row's id (seg_rows' SEG_ROW_ID) with the key's (kv_ids)."""
+    of its seg_keys row (``two_cta``: of its pair's, :func:`pair_key_ranges`); a visited query
+    block whose bulk (seg_tiles) holds n is not masked, any other compares the row's id
+    (seg_rows' SEG_ROW_ID) with the key's (kv_ids)."""
     m = jnp.arange(sq) // tile_m
     n = jnp.arange(sk) // tile_n
+    if two_cta:
+        keys = pair_key_ranges(keys)
     key_rows = keys[:, n][:, None]  # (B, 1, Sk, 8)
     visited = ((m[:, None] >= key_rows[..., cols.SEG_KEY_M_LO])
                & (m[:, None] < key_rows[..., cols.SEG_KEY_M_HI]))
@@ -89,15 +110,17 @@ def sm100_backward_visible(tiles, keys, rows, kv_ids, sq: int, sk: int, tile_m: 
 def _segments_backward(config, inputs, out_shapes, ref_options: dict, scale: float) -> tuple:
     """(dq_accum, dk, dv) of the sm100 backward with segment ids: float32 gradients under the
     config's mask kind and :func:`sm100_backward_visible`'s mask, P from the lse_log2 and dS
-    from the delta it is given; dq_accum, dK / dV laid out as the dense configs'."""
+    from the delta it is given; dq_accum, dK / dV laid out as the dense configs'. 2-CTA
+    configs (192/128 only): the pairs' ranges."""
     q, k, v, dout, lse_log2, delta, _, dq_accum, tiles, keys, rows, kv_ids = inputs
-    assert not (config.two_cta or config.deterministic or config.varlen), config
+    assert not (config.deterministic or config.varlen), config
+    assert not config.two_cta or (config.head_dim, config.head_dim_v) == (192, 128), config
     b, sq, h, d = q.shape
     sk = k.shape[1]
     tm, tn = config.tile_m, config.tile_n
     assert tiles.shape[:2] == (b, -(-sq // tm)) and keys.shape[:2] == (b, -(-sk // tn))
     assert rows.shape[:2] == (b, sq) and kv_ids.shape == (b, sk)
-    visible = sm100_backward_visible(tiles, keys, rows, kv_ids, sq, sk, tm, tn)
+    visible = sm100_backward_visible(tiles, keys, rows, kv_ids, sq, sk, tm, tn, config.two_cta)
     visible &= reference.visible_mask(sq, sk, ref_options["window"])[None]
     if config.gqa:  # per query head: k and v repeated over each group
         g = h // k.shape[2]

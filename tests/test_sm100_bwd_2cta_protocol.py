@@ -160,7 +160,7 @@ from functools import partial
 import pytest
 from compiled import per_class
 from test_sm100_bwd_protocol import (WARP, BwdCta, BwdSim, PipelineAsync, Reduce,
-                                     padding_zeroed_once, varlen_work)
+                                     padding_zeroed_once, random_ids, varlen_work)
 from test_sm100_fwd_protocol import (
     Barrier,
     PipelineState,
@@ -171,7 +171,7 @@ from test_sm100_fwd_protocol import (
 )
 
 from jax_fa4.kernels.common.geometry import BwdBlocks
-from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig, varlen_config
+from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig, segments_config, varlen_config
 
 TILE = 128  # keys per CTA, query rows per block
 PAIR_TILE = 2 * TILE  # keys per pair
@@ -488,6 +488,9 @@ class PairCta:
             self.sQt, self.sdOt = self.sQ, self.sdO
         self.sLSE = [R(f"{p}.sLSE[:, {s}]") for s in range(cfg.lse_stages)]
         self.sDelta = [R(f"{p}.sDelta[:, {s}]") for s in range(cfg.lse_stages)]
+        # segment ids: the rows' ids and the own block's mask flag, staged with -lse / -delta
+        self.sSeg = [R(f"{p}.sSegIds[:, {s}] / sSegMask[{s}]") for s in range(cfg.lse_stages)
+                     if cfg.segments]
         # sdS half h = keys of CTA h (× this CTA's q-half); key quarter q = rows a warp stores
         self.sdS = [[R(f"{p}.sdS[half {h}][keys {32 * q}+]") for q in range(4)]
                     for h in range(2)]
@@ -497,7 +500,7 @@ class PairCta:
                     for s in range(cfg.dq_stages)]
         self.smem = set(itertools.chain(
             (self.sK, self.sV, self.sKt), self.sQ, self.sQt, self.sdO, self.sdOt, self.sLSE,
-            self.sDelta, itertools.chain.from_iterable(self.sdS), self.sdS_xchg,
+            self.sDelta, self.sSeg, itertools.chain.from_iterable(self.sdS), self.sdS_xchg,
             itertools.chain.from_iterable(self.sdQ)))
         # TMEM: cells of 32 lanes × CELL columns (DQ_CELL in dQ's columns)
         dq = self.off["dq"]
@@ -579,9 +582,11 @@ class PairCta:
                 else:  # -lse_log2 / -delta of all 128 rows
                     yield from lse.producer_acquire(lse_state)
                     s = lse_state.index
-                    yield ("access", [(self.sLSE[s], ("lse", m), True),
-                                      (self.sDelta[s], ("delta", m), True)],
-                           f"sLSE / sDelta[:, {s}] of m={m}")
+                    staged = [(self.sLSE[s], ("lse", m), True),
+                              (self.sDelta[s], ("delta", m), True)]
+                    if cfg.segments:  # stage_stats: the rows' ids, the own block's flag
+                        staged.append((self.sSeg[s], ("ids", m), True))
+                    yield ("access", staged, f"sLSE / sDelta[:, {s}] of m={m}")
                     yield from lse.producer_commit(lse_state, WARP)
                     lse_state.advance()
         if "no_exit_drain" in self.mut:
@@ -776,9 +781,12 @@ class PairCta:
             yield from lse.consumer_wait(lse_state)
             s = lse_state.index
             yield ("wait", self.s_full, j % 2, j)
+            stats = [(self.sLSE[s], ("lse", m), False)]
+            if cfg.segments:  # softmax_p: the own block's mask flag and the rows' ids
+                stats.append((self.sSeg[s], ("ids", m), False))
             yield ("access", [(c, ("S", j), False) for c in
                               self.cells(lane, off["s"] + col, off["s"] + col + 64)]
-                   + [(self.sLSE[s], ("lse", m), False)], f"ld Sᵀ{j}; sLSE")
+                   + stats, f"ld Sᵀ{j}; sLSE")
             if serial:
                 yield ("arrive", L.s_read, 1)  # dPᵀ_j may overwrite Sᵀ_j's upper half
                 if "no_p_barrier" not in mut:  # warpgroup 1's Pᵀ: Sᵀ columns [32, 64)
@@ -1651,3 +1659,197 @@ def test_varlen_mutation_m_range_not_pair_uniform():
     with pytest.raises(ProtocolError, match="deadlock|phases completed|expecting|too many"):
         simulate_varlen(cfg, lens, 1, 4, 0, mut={"own_m_range"})
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Segment ids (the 2-CTA kernel's segment-id mode: bwd_config.segments_config at 192/128)
+# ---------------------------------------------------------------------------------------------
+#: the kernel's lo of an empty range (pair_segment_range): above every query block
+NO_BLOCK = 2**31 - 1
+
+
+def pair_segment_range(keys, batch: int, pair: int) -> tuple[int, int]:
+    """bwd_2cta.pair_segment_range: the envelope of key blocks 2p and 2p + 1's [m_lo, m_hi) of
+    the seg_keys table (an empty one ignored; a block past the table's last has none)."""
+    from jax_fa4.kernels.segments_config import SEG_KEY_M_HI, SEG_KEY_M_LO
+
+    found = [(int(keys[batch, n, SEG_KEY_M_LO]), int(keys[batch, n, SEG_KEY_M_HI]))
+             for n in (2 * pair, 2 * pair + 1) if n < keys.shape[1]]
+    found = [(lo, hi) for lo, hi in found if hi > lo]
+    if not found:
+        return NO_BLOCK, 0
+    return min(lo for lo, _ in found), max(hi for _, hi in found)
+
+
+def block_segment_range(keys, batch: int, n: int) -> tuple[int, int]:
+    """Key block n's own [m_lo, m_hi) of the seg_keys table ((0, 0) past its last block)."""
+    from jax_fa4.kernels.segments_config import SEG_KEY_M_HI, SEG_KEY_M_LO
+
+    if n >= keys.shape[1]:
+        return 0, 0
+    return int(keys[batch, n, SEG_KEY_M_LO]), int(keys[batch, n, SEG_KEY_M_HI])
+
+
+def simulate_segments(cfg: Sm100BwdConfig, q_ids, kv_ids, heads: int, slots: int, seed: int,
+                      wl: int = -1, wr: int = -1, mut=()) -> PairSim:
+    """A launch of the 2-CTA kernel with segment ids (``cfg.segments``): the dense grid of
+    (B, Sq) ``q_ids`` / (B, Sk) ``kv_ids`` (pairs fastest, then heads, then batch rows), both
+    CTAs of pair p walking the mask's range of its 256 keys within :func:`pair_segment_range`
+    of jax_fa4.segments.backward_tables' 128-key table, as kernel() intersects them (mutation
+    ``own_m_range``: each CTA its own block's mask range within its own table row). Checked as
+    :func:`simulate`'s launches (each 64-row dq_accum box gets exactly the adds of the pairs
+    whose range holds its block). Counts on the returned sim: ``split_pairs`` (pairs whose two
+    key blocks have different non-empty table ranges), ``half_empty_pairs`` (one block's range
+    empty, the other's not) and ``idle_pairs`` (the tables leave the pair no query block its
+    mask range has)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_fa4 import segments
+
+    assert cfg.segments and cfg.two_cta and not cfg.deterministic
+    mut = frozenset(mut)
+    assert mut <= set(MUTATIONS), mut
+    (b, seqlen_q), seqlen_k = q_ids.shape, kv_ids.shape[1]
+    keys = np.asarray(segments.backward_tables(jnp.asarray(q_ids), jnp.asarray(kv_ids), TILE,
+                                               TILE)[1])
+    sim = PairSim(random.Random(seed), slots, False)
+    pairs = make_blocks(cfg, seqlen_q, seqlen_k, wl, wr, PAIR_TILE)
+    own = make_blocks(cfg, seqlen_q, seqlen_k, wl, wr, TILE)
+    n_pairs = -(-seqlen_k // PAIR_TILE)
+    ranges = {}
+    for i in range(b):
+        for p in range(n_pairs):
+            (lo, hi), (slo, shi) = pairs.m_block_range(p), pair_segment_range(keys, i, p)
+            ranges[i, p] = (max(lo, slo), min(hi, shi))
+    ctas = []
+    sim.split_pairs = sim.half_empty_pairs = sim.idle_pairs = 0
+    for i in range(b):
+        for h in range(heads):
+            for p in range(n_pairs):
+                cluster = []
+                for r in range(2):
+                    n = 2 * p + r
+                    lo, hi = ranges[i, p]
+                    if "own_m_range" in mut:
+                        (a, z), (slo, shi) = own.m_block_range(n), block_segment_range(keys, i, n)
+                        lo, hi = max(a, slo), min(z, shi)
+                    cluster.append(PairCta(sim, cfg, len(ctas) + r, p, r, h, lo,
+                                           max(hi - lo, 0), n * TILE < seqlen_k, None, mut,
+                                           batch=i))
+                cluster[0].link(cluster[1])
+                cluster[1].link(cluster[0])
+                ctas += cluster
+                sim.pending.append(cluster)
+                if h == 0:
+                    own_ranges = [block_segment_range(keys, i, n) for n in (2 * p, 2 * p + 1)]
+                    full = [hi > lo for lo, hi in own_ranges]
+                    sim.split_pairs += all(full) and own_ranges[0] != own_ranges[1]
+                    sim.half_empty_pairs += full[0] != full[1]
+                    mask_lo, mask_hi = pairs.m_block_range(p)
+                    sim.idle_pairs += mask_hi > mask_lo and ranges[i, p][1] <= ranges[i, p][0]
+            for m in range(pairs.num_m_blocks()):
+                for r in range(2):
+                    sim.visitors[i, h, (m, r)] = [p for p in range(n_pairs)
+                                                  if ranges[i, p][0] <= m < ranges[i, p][1]]
+    what = (f"{cfg.describe()} ids={np.asarray(q_ids).tolist()} / "
+            f"{np.asarray(kv_ids).tolist()} window=({wl}, {wr}) heads={heads} slots={slots} "
+            f"seed={seed} mut={sorted(mut)}")
+    run_checked(sim, cfg, ctas, what)
+    return sim
+
+
+def segments_cfg(d: int, mask: str, softcap: bool = False, gqa: bool = False
+                 ) -> Sm100BwdConfig:
+    """A 2-CTA segment-id config: 192/128 (the shipped segments_config, serial layout, one dQ
+    staging buffer) or 128 (the head-dim-128 2-CTA layout in the segment-id mode, which the
+    kernel builds but nothing ships: the dense table's tuning)."""
+    if d == 192:
+        cfg = segments_config("bfloat16", 192, 128, mask, softcap, gqa)
+    else:
+        cfg = Sm100BwdConfig.make("bfloat16", d, d, mask, softcap, gqa, segments=True)
+    assert cfg.two_cta and cfg.segments and cfg.serial == (d == 192)
+    return cfg
+
+
+SEGMENT_RUNS = 12  # per mask
+
+
+@pytest.mark.parametrize("mask", per_class(["local", "causal", "none"], key=lambda m: 0))
+def test_segments_protocol_random_schedules(mask):
+    """Segment ids (packed documents, ids anywhere, padding, query / key ids of other lengths,
+    ids only some keys hold) over random grids under random schedules, the serial layout
+    (192/128, shipped) and the head-dim-128 one: the pair's range from the union of its two
+    key blocks' table ranges changes no barrier, role or phase (no deadlock, parity alias,
+    overrun or hazard; the row ids staged with -lse / -delta and read with them), every dQ
+    contribution is added once; among the runs, pairs whose two blocks have different ranges,
+    pairs with one empty range, and pairs the tables leave idle."""
+    rng = random.Random(f"2cta-segments-{mask}")
+    split = half = idle = 0
+    for _ in range(SEGMENT_RUNS):
+        cfg = segments_cfg(192 if rng.random() < 0.7 else 128, mask, rng.random() < 0.3,
+                           rng.random() < 0.3)
+        b = rng.choice((1, 2))
+        seqlen_q = rng.choice((rng.randint(1, 4 * TILE), 3 * TILE))
+        seqlen_k = rng.choice((seqlen_q, rng.randint(1, 6 * TILE)))
+        q_ids, kv_ids = random_ids(rng, b, seqlen_q, seqlen_k)
+        heads = rng.choice((1, 2))
+        slots = rng.choice((2, 4, 200))
+        wl = rng.choice((-1, 0, rng.randint(0, 300)))
+        wr = rng.choice((-1, 0, rng.randint(0, 300)))
+        sim = simulate_segments(cfg, q_ids, kv_ids, heads, slots, rng.getrandbits(32), wl, wr)
+        split += sim.split_pairs
+        half += sim.half_empty_pairs
+        idle += sim.idle_pairs
+    assert split > 0 and half > 0 and idle > 0, (split, half, idle)
+
+
+def edge_segment_ids():
+    """(q_ids, kv_ids) of one batch row, 512 queries and 763 keys (six key blocks, the last
+    partial): queries 0-191 id 0, 192-511 id 1; keys 0-191 id 0, 192-383 id 1, 384 on id 7
+    (no query has it). Key block 0's range is query blocks [0, 2), block 1's [0, 4) (pair 0:
+    different ranges), block 2's [1, 4) and block 3's empty (pair 1: one empty range), blocks
+    4 and 5 empty (pair 2: idle)."""
+    import numpy as np
+
+    q_ids = np.array([[0] * 192 + [1] * 320], np.int32)
+    kv_ids = np.array([[0] * 192 + [1] * 192 + [7] * 379], np.int32)
+    return q_ids, kv_ids
+
+
+@pytest.mark.parametrize("d", [192, 128])
+def test_segments_pair_range_edges(d):
+    """The tables' ranges of the edge ids (:func:`edge_segment_ids`) are as designed, and the
+    pair walks their union: both CTAs of pair 0 the blocks [0, 4), pair 1 [1, 4), pair 2 none;
+    two heads, one cluster resident and all of them, commit arrivals in issue order."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_fa4 import segments
+
+    q_ids, kv_ids = edge_segment_ids()
+    keys = np.asarray(segments.backward_tables(jnp.asarray(q_ids), jnp.asarray(kv_ids), TILE,
+                                               TILE)[1])
+    assert [block_segment_range(keys, 0, n) for n in range(6)] == [
+        (0, 2), (0, 4), (1, 4), (0, 0), (0, 0), (0, 0)]
+    assert [pair_segment_range(keys, 0, p) for p in range(3)] == [(0, 4), (1, 4), (NO_BLOCK, 0)]
+    # (contiguous ids: the 256-key tables' key ranges are these envelopes; the kernel still
+    # reads the 128-key tables, whose bulk is per own block)
+    keys256 = np.asarray(segments.backward_tables(jnp.asarray(q_ids), jnp.asarray(kv_ids), TILE,
+                                                  PAIR_TILE)[1])
+    assert [block_segment_range(keys256, 0, p) for p in range(3)] == [(0, 4), (1, 4), (0, 0)]
+    cfg = segments_cfg(d, "none")
+    for seed, slots in enumerate((2, 200)):
+        sim = simulate_segments(cfg, q_ids, kv_ids, 2, slots, seed)
+        assert (sim.split_pairs, sim.half_empty_pairs, sim.idle_pairs) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("d", [192, 128])
+def test_segments_mutation_per_cta_range(d):
+    """The pair must walk one range for both CTAs: with each CTA's own key block's range (its
+    table row and its 128-key mask range) the pair of the edge ids whose blocks' ranges differ
+    deadlocks or miscounts."""
+    q_ids, kv_ids = edge_segment_ids()
+    cfg = segments_cfg(d, "none")
+    with pytest.raises(ProtocolError, match="deadlock|phases completed|expecting|too many"):
+        simulate_segments(cfg, q_ids, kv_ids, 1, 4, 0, mut={"own_m_range"})

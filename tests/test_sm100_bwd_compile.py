@@ -180,20 +180,33 @@ def test_varlen_configs():
 
 
 def test_segments_configs():
-    """Segment ids: the 1-CTA kernel at every head dim it fits (128 too), never deterministic
-    or varlen; 192/128 names why it has none; the tables come after dq_accum."""
-    assert set(SEGMENTS_TUNING) == {(64, 64), (96, 96), (128, 128)}
+    """Segment ids: the 1-CTA kernel at every head dim it fits (128 too), the 2-CTA kernel at
+    192/128 with one dQ staging buffer (the dense layout with two fills the budget, leaving no
+    room for the row-id stages); never deterministic or varlen; other head dims name the ones
+    it has; the tables come after dq_accum."""
+    assert set(SEGMENTS_TUNING) == {(64, 64), (96, 96), (128, 128), (192, 128)}
     for (d, dv) in SEGMENTS_TUNING:
         cfg = segments_config("float16", d, dv, "local", True, True)
-        assert cfg.segments and not (cfg.two_cta or cfg.deterministic or cfg.varlen)
+        assert cfg.segments and not (cfg.deterministic or cfg.varlen)
+        assert cfg.two_cta == ((d, dv) == (192, 128))
         names = [a.name for a in cfg.signature().inputs]
         assert names[7:] == ["dq_accum", "seg_tiles", "seg_keys", "seg_rows", "kv_ids"]
-        assert cfg.smem_bytes() == varlen_config("float16", d, dv).smem_bytes() + (
-            cfg.tile_m * cfg.q_stages + 4) * 4 - 8 * 4
-    with pytest.raises(ValueError, match="192/128.*2-CTA"):
-        segments_config("bfloat16", 192, 128)
+        stages = (cfg.tile_m * cfg.lse_stages + 4) * 4  # row ids and flags per lse stage
+        if not cfg.two_cta:
+            assert cfg.smem_bytes() == varlen_config("float16", d, dv).smem_bytes() + (
+                stages - 8 * 4)
+    cfg = segments_config("bfloat16", 192, 128, "causal")
+    dense = Sm100BwdConfig.make("bfloat16", 192, 128, "causal")
+    assert cfg.serial and cfg.lse_stages == 2 and cfg.dq_stages == 1 < dense.dq_stages
+    assert (dense.smem_bytes(), cfg.smem_bytes()) == (231_424, 227_328 + 1040)
+    assert dense.smem_bytes() + (cfg.tile_m * cfg.lse_stages + 4) * 4 > SMEM_BUDGET_BYTES
+    assert cfg.smem_bytes() <= SMEM_BUDGET_BYTES
+    with pytest.raises(ValueError, match="segment-id kernel at head dims 256/256"):
+        segments_config("bfloat16", 256, 256)
     with pytest.raises(ValueError, match="segment ids"):
         Sm100BwdConfig.make("bfloat16", 64, 64, deterministic=True, segments=True)
+    with pytest.raises(ValueError, match="segment ids"):
+        Sm100BwdConfig.make("bfloat16", 192, 128, deterministic=True, segments=True)
 
 
 def test_every_shipped_variant_fits():

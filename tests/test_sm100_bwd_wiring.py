@@ -4,12 +4,13 @@ with the kernels emulated by tests/sm100_emulation.py; no Blackwell GPU has run 
 ``implementation="sm100"`` (forced, or enabled by ``JAX_FA4_ENABLE_SM100``) runs the sm100
 backward kernel for the calls its config accepts (varlen calls: the varlen mode of the 1-CTA
 kernel, or of the 2-CTA kernel at 192/128; segment-id calls: the 1-CTA kernel's segment-id
-mode), and the reference backward with a one-time warning for the others; the sm90 route is
-unchanged.
+mode, or the 2-CTA kernel's at 192/128), and the reference backward with a one-time warning
+for the others; the sm90 route is unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -424,11 +425,11 @@ def _segments_grad_fn(implementation, ids, padding_id, ct, with_sink, **kwargs):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3) if with_sink else (0, 1, 2)))
 
 
-def _segments_emulated(monkeypatch, case):
+def _segments_emulated(monkeypatch, case, dv=None):
     """The case's inputs, ids and cotangent, with call_kernel emulated; returns them and the
-    list of kernel calls."""
+    list of kernel calls. ``dv``: the values' head dim (default: d)."""
     b, sq, sk, h, hkv, d, kwargs, ids_kind, with_sink = case
-    q, k, v = _qkv(b, sq, sk, h, hkv, d, seed=11)
+    q, k, v = _qkv(b, sq, sk, h, hkv, d, dv, seed=11)
     ids, padding_id = _segment_ids(ids_kind, b, sq, sk, seed=d + sq)
     sink = jnp.linspace(-1.0, 1.0, h, dtype=jnp.float32) if with_sink else None
     window = (None, 0) if kwargs.get("causal") else kwargs.get("window_size", (None, None))
@@ -436,7 +437,7 @@ def _segments_emulated(monkeypatch, case):
                "window": window, "softcap": kwargs.get("softcap", 0.0)}
     calls = []
     monkeypatch.setattr(call, "call_kernel", emulated_call_kernel(options, calls))
-    ct = jax.random.normal(jax.random.key(12), (b, sq, h, d), jnp.float32)
+    ct = jax.random.normal(jax.random.key(12), (b, sq, h, dv or d), jnp.float32)
     return (q, k, v, sink), (ids, padding_id, ct, with_sink), calls
 
 
@@ -496,13 +497,17 @@ def test_the_segments_stand_in_reads_the_tables(broken, monkeypatch, fresh_warni
         _assert_grads_close(got, want)
 
 
-def test_segments_gradient_lowers_to_the_sm100_segments_backward(lowered, fresh_warning):
+@pytest.mark.parametrize("d, dv, two_cta, dq_stages", [(128, 128, False, 2),
+                                                       (192, 128, True, 1)])
+def test_segments_gradient_lowers_to_the_sm100_segments_backward(lowered, fresh_warning, d, dv,
+                                                                 two_cta, dq_stages):
     """jax.grad through flash_attention(segment_ids=..., implementation="sm100") exports for
     CUDA with the sm100 forward and backward kernels with segment ids (the 1-CTA kernel, head
-    dim 128 too) and the preprocess, the backward taking the four tables for its 128 × 128
-    tile; no fallback warning, no reference backward."""
-    b, s, h, hkv, d = 2, 300, 4, 2, 128
-    q, k, v = _qkv(b, s, s, h, hkv, d)
+    dim 128 too; at 192/128 the 2-CTA kernel's mode, one dQ staging buffer) and the
+    preprocess, the backward taking the four tables for its 128 × 128 tile; no fallback
+    warning, no reference backward."""
+    b, s, h, hkv = 2, 300, 4, 2
+    q, k, v = _qkv(b, s, s, h, hkv, d, dv)
     ids = jnp.zeros((b, s), jnp.int32).at[:, 100:].set(1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -512,8 +517,9 @@ def test_segments_gradient_lowers_to_the_sm100_segments_backward(lowered, fresh_
                                                          "sm100_fwd"]
     assert {arch for _, arch in lowered} == {"sm_100a"}
     bwd = kernels["sm100_bwd"]
-    assert (bwd.segments, bwd.two_cta, bwd.deterministic, bwd.mask, bwd.gqa, bwd.head_dim) == (
-        True, False, False, "causal", True, d)
+    assert (bwd.segments, bwd.two_cta, bwd.deterministic, bwd.mask, bwd.gqa, bwd.head_dim,
+            bwd.head_dim_v, bwd.dq_stages) == (True, two_cta, False, "causal", True, d, dv,
+                                               dq_stages)
     assert kernels["sm100_fwd"].segments
     text = exported.mlir_module()
     assert text.count(CUSTOM_CALL) == 3
@@ -524,21 +530,94 @@ def test_segments_gradient_lowers_to_the_sm100_segments_backward(lowered, fresh_
 
 
 @pytest.mark.parametrize("d, dv, kwargs, reason", [
-    (192, 128, {}, "no segment-id kernel at head dims 192/128"),
+    (256, 256, {}, "no segment-id kernel at head dims 256/256"),
     (64, 64, {"deterministic": True}, "adds dQ in no fixed order"),
+    (192, 128, {"deterministic": True}, "adds dQ in no fixed order"),
 ])
 def test_segments_backward_the_kernel_declines_falls_back_with_a_warning(lowered, fresh_warning,
                                                                           d, dv, kwargs,
                                                                           reason):
-    """192/128 (only the 2-CTA kernel fits it, and it has no segment-id mode) and
-    deterministic=True keep the sm100 forward with segment ids and run the reference's
-    backward, saying why once."""
+    """Head dim 256 (no segment-id backward kernel) and deterministic=True (the 1-CTA and
+    2-CTA segment-id modes add dQ in no fixed order) keep the sm100 forward with segment ids
+    and run the reference's backward, saying why once."""
     q, k, v = _qkv(sq=130, sk=130, d=d, dv=dv)
     ids = jnp.zeros((2, 130), jnp.int32).at[:, 64:].set(1)
     with pytest.warns(RuntimeWarning, match=reason):
         _export_for_cuda(_grad_fn("sm100", segment_ids=ids, **kwargs), q, k, v)
     assert sorted(c.kernel_name for c, _ in lowered) == ["sm100_fwd"]
     assert lowered[0][0].segments
+
+
+# -- segment ids at 192/128: the 2-CTA kernel's segment-id mode ---------------------------------
+SEGMENT_2CTA_CASES = [  # (b, sq, sk, h, hkv, d, flash_attention kwargs, ids kind, sink); Dv 128
+    # 600 keys: three pairs, the last one's second block past the keys
+    (2, 600, 600, 4, 2, 192, {"causal": True}, "packed", False),
+    (1, 520, 520, 2, 2, 192, {"window_size": (150, 20), "softcap": 4.0}, "random", False),
+    (1, 459, 459, 4, 1, 192, {"causal": True}, "padding", True),
+    (2, 140, 530, 2, 2, 192, {"softmax_scale": 0.2}, "pair", False),
+    (1, 400, 400, 2, 2, 192, {"window_size": (20, None)}, "padding", False),
+]
+
+
+@pytest.mark.parametrize("case", SEGMENT_2CTA_CASES, ids=str)
+def test_sm100_2cta_segments_backward_gives_the_reference_gradients(case, monkeypatch,
+                                                                    fresh_warning):
+    """At head dims 192/128, jax.grad through flash_attention(segment_ids=...,
+    implementation="sm100") with the kernels emulated (the 2-CTA stand-in visits each pair's
+    union of its two key blocks' table ranges, then masks by the bulk and the ids per 128-key
+    block): packed documents, ids without contiguous runs, padding ids, query / key ids of
+    other lengths, causal and windows, softcap, GQA / MQA, a sink, pairs whose second block
+    lies past the keys give the reference's gradients, with the 2-CTA kernel's segment-id
+    config (one dQ staging buffer) and no fallback warning."""
+    inputs, rest, calls = _segments_emulated(monkeypatch, case, dv=128)
+    kwargs = case[6]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernel serves: no fallback warning
+        got = _segments_grad_fn("sm100", *rest, **kwargs)(*inputs)
+    (bwd,) = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
+    assert bwd.segments and bwd.two_cta and bwd.serial and bwd.dq_stages == 1, bwd
+    assert (bwd.head_dim, bwd.head_dim_v, bwd.gqa) == (192, 128, case[3] != case[4])
+    assert bwd.has_softcap == ("softcap" in kwargs) and not bwd.deterministic
+    monkeypatch.undo()
+    want = _segments_grad_fn("reference", *rest, **kwargs)(*inputs)
+    _assert_grads_close(got, want)
+
+
+def test_the_2cta_segments_stand_in_walks_the_pair_ranges(monkeypatch, fresh_warning):
+    """The 2-CTA stand-in takes each key block's query blocks from its pair (the union of both
+    blocks' table ranges): with the even blocks' ranges emptied, the odd blocks' ranges still
+    cover the pairs and the gradients stay the reference's where the odd ranges hold the even
+    ones' (packed documents of one pair each); with the odd blocks' emptied as well, they do
+    not (so the test above checks the union)."""
+    from jax_fa4 import segments
+    from jax_fa4.kernels import segments_config as cols
+
+    case = (1, 500, 500, 2, 2, 192, {"causal": True}, "packed", False)
+    inputs, (_, _, ct, with_sink), _ = _segments_emulated(monkeypatch, case, dv=128)
+    # documents [0, 256) and [256, 500): both blocks of a pair have the same range
+    ids = jnp.zeros((1, 500), jnp.int32).at[:, 256:].set(1)
+    rest = (ids, None, ct, with_sink)
+    tables = segments.backward_tables
+
+    def emptied(blocks):
+        # (jitted: the traced backward takes no captured constants)
+        @functools.partial(jax.jit, static_argnames=("tile_m", "tile_n"))
+        def corrupted(q_ids, kv_ids, tile_m, tile_n):
+            tiles, keys, rows, kv = tables(q_ids, kv_ids, tile_m, tile_n)
+            for n in blocks:
+                keys = keys.at[:, n, cols.SEG_KEY_M_LO].set(0).at[:, n, cols.SEG_KEY_M_HI].set(0)
+            return tiles, keys, rows, kv
+        return corrupted
+
+    results = {}
+    for name, blocks in (("even", (0, 2)), ("all", (0, 1, 2, 3))):
+        monkeypatch.setattr(segments, "backward_tables", emptied(blocks))
+        results[name] = _segments_grad_fn("sm100", *rest, causal=True)(*inputs)
+    monkeypatch.undo()
+    want = _segments_grad_fn("reference", *rest, causal=True)(*inputs)
+    _assert_grads_close(results["even"], want)
+    with pytest.raises(AssertionError):
+        _assert_grads_close(results["all"], want)
 
 
 # -- callers on several devices (4 simulated CPU devices, in a subprocess) ----------------------

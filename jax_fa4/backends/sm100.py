@@ -39,12 +39,13 @@ and ``work_tile_n`` key rows after ``cu_seqlens[-1]`` are zeroed here first (a s
 pass over the inputs where XLA updates them in place; Hopper's kernel zeroes them in shared
 memory instead).
 
-Segment-id backward (:meth:`Sm100Backend.segments_backward`): the 1-CTA kernel's segment-id mode
-(``bwd_config.segments_config``, head dims 64, 96, 128) on :func:`jax_fa4.segments.backward_tables`
-for its 128 × 128 tile: each key block visits only the query blocks that share an id with it;
-dq from dq_accum and a sink's share from delta as in the dense backward. 192/128 (only the
-2-CTA kernel fits it, and it has no segment-id mode), 256 and ``deterministic=True`` (the kernel
-adds dQ in no fixed order) run the reference's backward with the warning.
+Segment-id backward (:meth:`Sm100Backend.segments_backward`): the segment-id mode of the 1-CTA
+kernel (``bwd_config.segments_config``, head dims 64, 96, 128) or of the 2-CTA kernel (192/128)
+on :func:`jax_fa4.segments.backward_tables` for their 128 × 128 tile: each key block visits only
+the query blocks that share an id with it (a 2-CTA pair: the union of its two blocks'); dq from
+dq_accum and a sink's share from delta as in the dense backward. ``deterministic=True`` (the
+kernels add dQ in no fixed order) and other head dims run the reference's backward with the
+warning.
 
 GQA/MQA (H > Hkv): float32 dK/dV per *query* head, summed over each group of H/Hkv heads here,
 as the Hopper v1 does (deterministic: XLA's reduction has a fixed order).
@@ -148,17 +149,20 @@ class Sm100Backend(KernelBackend):
 
     # -- segment ids backward ---------------------------------------------------------------------
     def make_segments_backward(self, dtype, head_dim, head_dim_v, mask, has_softcap, gqa):
-        """The 1-CTA kernel's segment-id mode (bwd_config.segments_config; no sink_grad: the
-        sink's share comes from delta, :meth:`segments_backward`)."""
+        """The segment-id mode of the 1-CTA kernel (head dims 64, 96, 128) or of the 2-CTA
+        kernel (192/128) (bwd_config.segments_config; no sink_grad: the sink's share comes from
+        delta, :meth:`segments_backward`)."""
         return bwd_config.segments_config(dtype, head_dim, head_dim_v, mask, has_softcap, gqa)
 
     def segments_backward(self, q, k, v, out, lse, dout, dlse, q_ids, kv_ids, opts,
                           sink: jax.Array | None = None):
-        """(dq, dk, dv, sink_rows) by the segment-id chain: the preprocess, the 1-CTA kernel's
-        segment-id mode (each key block visits only the query blocks jax_fa4.segments' tables
-        list for it) and dq from its row-major dq_accum as in :meth:`backward`. With a ``sink``,
-        ``sink_rows`` (B, H) = ``sum_i P_sink_i * rowsum(dout * out)_i`` from the preprocess's
-        delta in JAX (as the dense sm100 backward: no kernel sums it), else None."""
+        """(dq, dk, dv, sink_rows) by the segment-id chain: the preprocess, the 1- or 2-CTA
+        kernel's segment-id mode (each key block visits only the query blocks jax_fa4.segments'
+        tables list for it; both CTAs of a 2-CTA pair the union of their blocks', read from the
+        same 128-key tables) and dq from its row-major dq_accum as in :meth:`backward`. With a
+        ``sink``, ``sink_rows`` (B, H) = ``sum_i P_sink_i * rowsum(dout * out)_i`` from the
+        preprocess's delta in JAX (as the dense sm100 backward: no kernel sums it), else
+        None."""
         from jax_fa4 import segments
 
         cfg = self.segments_backward_config(q, k, v, opts)

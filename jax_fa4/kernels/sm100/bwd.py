@@ -72,7 +72,8 @@ mask every query column whose id is not the thread's key's (kv_ids, read once). 
 transposed layout a thread owns one key, so comparing ids costs one shared-memory read per
 column where the forward's key span would cost two, and is exact on its own: the spans and the
 compare-ids flag are not read. Not deterministic (bwd_config). No barrier, role or phase
-changes (tests/test_sm100_bwd_protocol.py models the segment-id grid).
+changes (tests/test_sm100_bwd_protocol.py models the segment-id grid). The 2-CTA kernel's
+segment-id mode (192/128, bwd_2cta.py) reuses the stages, the staging and the compare per CTA.
 
 Not yet (docs/kernels/sm100.md): head dim 256 (FA4's split 2-CTA kernels; 192/128 is the 2-CTA
 kernel's), persistence / scheduler, overlap of the dQ TMEM drain with the next dPᵀ (the reduce
@@ -429,8 +430,7 @@ class FlashAttentionBackwardSm100:
         if const_expr(self.segments):
             m_min = cutlass.max(m_min, mSegKeys[batch, n_block, SEG_KEY_M_LO])
             m_max = cutlass.min(m_max, mSegKeys[batch, n_block, SEG_KEY_M_HI])
-            sSegIds = storage.sSegIds.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
-            sSegMask = storage.sSegMask.get_tensor(cute.make_layout(self.q_stages))
+            sSegIds, sSegMask = self.segment_stages(storage, self.q_stages)
             load_segs = (mSegTiles, mSegRows, sSegIds, sSegMask)
             compute_segs = (mKvIds, sSegIds, sSegMask)
         count = cutlass.max(m_max - m_min, 0)
@@ -499,6 +499,19 @@ class FlashAttentionBackwardSm100:
         of ``dst`` (the whole warp calls: the pipeline and the copy elect one thread inside)."""
         pipe.producer_acquire(state)
         cute.copy(atom, src, dst[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    def segment_stages(self, storage, stages: int) -> tuple[cute.Tensor, cute.Tensor]:
+        """The segment-id stages in shared memory (``sSegIds``, ``sSegMask`` of the kernel's
+        storage): each staged query row's id (tile_m × ``stages``) and the block's mask flag
+        (per stage), written by stage_stats, read by softmax_p."""
+        return (storage.sSegIds.get_tensor(cute.make_layout((self.tile_m, stages))),
+                storage.sSegMask.get_tensor(cute.make_layout(stages)))
+
+    def segment_key(self, segs, batch: Int32, key: Int32, seqlen_k: Int32) -> tuple:
+        """softmax_p's ``seg`` from the compute warps' ``segs`` (kv_ids, the id and flag
+        stages): the stages and this thread's key id (the last key's past seqlen_k, which the
+        tail mask hides)."""
+        return (segs[1], segs[2], segs[0][batch, cutlass.min(key, seqlen_k - 1)])
 
     @cute.jit
     def stage_stats(self, mLSE: cute.Tensor, mDelta: cute.Tensor, sLSE: cute.Tensor,
@@ -704,9 +717,7 @@ class FlashAttentionBackwardSm100:
         key = n_block * tn + lane_row
         seg = None
         if const_expr(segs is not None):
-            # this thread's key id (the last key's past seqlen_k, which the tail mask hides)
-            key_id = segs[0][batch, cutlass.min(key, blocks.seqlen_k - 1)]
-            seg = (segs[1], segs[2], key_id)
+            seg = self.segment_key(segs, batch, key, blocks.seqlen_k)
         lse_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  self.q_stages)
         for j in cutlass.range(count, unroll=1):

@@ -120,6 +120,22 @@ ZERO_PADDING row's leader zeroes dK / dV outside every sequence after the TMEM d
 No barrier, role or phase changes (tests/test_sm100_bwd_2cta_protocol.py models varlen grids);
 not deterministic.
 
+Segment ids (``cfg.segments``; shipped at 192/128, ``bwd_config.segments_config``, its own tuning
+row: one dQ staging buffer, the dense row's two would leave no room for the row-id stages;
+called by jax_fa4/backends/sm100.py with jax_fa4/segments.py's backward tables for the 128 × 128
+tile, the 1-CTA kernel's contract): both CTAs of pair p intersect the pair's mask range with
+``pair_segment_range``, the envelope of key blocks 2p and 2p + 1's [m_lo, m_hi) of seg_keys (an
+empty one ignored, a block 2p + 1 past the table none), so they run the same count; a pair
+whose two ranges are empty takes count = 0. The per-CTA part is the 1-CTA kernel's, imported:
+the load warp stages with each block's -lse / -delta its rows' ids and the flag "the own key
+block lies outside the query block's bulk" (stage_stats, flags per own 128-key block, so the
+two CTAs' flags may differ), and in a flagged block the compute warps mask every query column
+whose id is not the own key's (softmax_p, segment_key). A CTA walks query blocks its own table
+row excludes only when its peer's range holds them: no row there shares an id with its keys, so
+they are masked there whole (P = dS = 0). The stages take tile_m × lse_stages + 4 int32 (1,040
+B: 228,368 B in all at 192/128). No barrier, role or phase changes (the protocol model runs
+segment-id grids); not deterministic.
+
 Head dim 192 / Dv 128 (``serial``: FA4's layout, built from the same pieces). TMEM per CTA: dV
 [0, 128), dK [128, 320), Sᵀ [320, 448) with Pᵀ (16-bit) *contiguous* in Sᵀ's first 64 columns
 (warpgroup w at [32w, 32w + 32)), dPᵀ [384, 512) *overlapping Sᵀ's upper 64 columns*, dSᵀ (16-bit)
@@ -164,6 +180,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
 from jax_fa4.kernels.common.layout import select_modes
 from jax_fa4.kernels.common.views import sequence
+from jax_fa4.kernels.segments_config import SEG_KEY_M_HI, SEG_KEY_M_LO
 from jax_fa4.kernels.sm100.bwd import (COMPUTE_WARPS, LOAD_WARP, MMA_WARP, REDUCE_WARPS,
                                        ZERO_PADDING, Barrier, FlashAttentionBackwardSm100,
                                        ld_acquire_gpu, red_release_gpu_add, tmem_cols)
@@ -286,8 +303,9 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         return out
 
     def shared_storage(self, sQ_l, sQt_l, sK_l, sKt_l, sV_l, sdO_l, sdOt_l, sdS_l, sdQ_l):
-        """The kernel's shared storage (a ``cute.struct``): barriers, the lse / delta stages,
-        then the 1 KB-aligned operand buffers. Serial: Qᵀ lives in sQ's buffer and dOᵀ in sdO's
+        """The kernel's shared storage (a ``cute.struct``): barriers, the lse / delta stages
+        (with segment ids, the row-id and flag stages), then the 1 KB-aligned operand buffers.
+        Serial: Qᵀ lives in sQ's buffer and dOᵀ in sdO's
         (no sQt / sdOt, no qt / dot pipelines)."""
         dt, tm = self.dtype, self.tile_m
         MemRange, Align = cute.struct.MemRange, cute.struct.Align
@@ -306,7 +324,11 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
             mbar_dealloc=I64, tmem_holding_buf=Int32,
             smem_anchor=Int32,  # sK's address, re-read by the MMA warp (operand_view)
             sLSE=Align[MemRange[Float32, tm * self.lse_stages], 16],
-            sDelta=Align[MemRange[Float32, tm * self.lse_stages], 16],
+            sDelta=Align[MemRange[Float32, tm * self.lse_stages], 16])
+        if self.segments:  # the rows' ids and the blocks' mask flags (bwd.py's segment_stages)
+            fields.update(sSegIds=Align[MemRange[Int32, tm * self.lse_stages], 16],
+                          sSegMask=Align[MemRange[Int32, max(self.lse_stages, 4)], 16])
+        fields.update(
             sK=buf(dt, cute.cosize(sK_l)), sV=buf(dt, cute.cosize(sV_l)),
             sKt=buf(dt, cute.cosize(sKt_l)))
         if self.serial:
@@ -329,12 +351,17 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
     def __call__(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mParams: cute.Tensor,
                  mdQacc: cute.Tensor, mSem: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-                 mCuSeqlensK: cute.Tensor | None = None, mWork: cute.Tensor | None = None):
-        varlen_args = (mCuSeqlensK, mWork)
-        if const_expr(any((t is not None) != self.varlen for t in varlen_args)):
-            raise TypeError("2-CTA backward: cu_seqlens_k and work come with varlen configs only")
-        if const_expr(self.varlen and any(t.element_type != Int32 for t in varlen_args)):
-            raise TypeError("2-CTA backward: cu_seqlens_k and work must be int32")
+                 mCuSeqlensK: cute.Tensor | None = None, mWork: cute.Tensor | None = None,
+                 mSegTiles: cute.Tensor | None = None, mSegKeys: cute.Tensor | None = None,
+                 mSegRows: cute.Tensor | None = None, mKvIds: cute.Tensor | None = None):
+        for mode, names, args in (
+                (self.varlen, "cu_seqlens_k and work", (mCuSeqlensK, mWork)),
+                (self.segments, "seg_tiles, seg_keys, seg_rows and kv_ids",
+                 (mSegTiles, mSegKeys, mSegRows, mKvIds))):
+            if const_expr(any((t is not None) != mode for t in args)):
+                raise TypeError(f"2-CTA backward: {names} come with their mode's configs only")
+            if const_expr(mode and any(t.element_type != Int32 for t in args)):
+                raise TypeError(f"2-CTA backward: {names} must be int32")
         mQ, mK, mV, mdO, mLSE, mDelta, mdQacc, mSem, mdK, mdV = self.input_views(
             mQ, mK, mV, mdO, mLSE, mDelta, mParams, mdQacc, mSem, mdK, mdV)
         tn, nc = self.tile_n, self.dq_cols
@@ -412,6 +439,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
             tma_atom_dOt, tma_atom_dQ,
             sQ_l, sQt_l, sK_l, sKt_l, sV_l, sdO_l, sdOt_l, sdS_l, sdQ_l, tP_l,
             st_mma, dpt_mma, dv_mma, dk_mma, dq_mma, SharedStorage, mCuSeqlensK, mWork,
+            mSegTiles, mSegKeys, mSegRows, mKvIds,
         ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], cluster=[2, 1, 1],
                  stream=stream, min_blocks_per_mp=1)
 
@@ -434,7 +462,9 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                tP_l: cute.ComposedLayout,
                st_mma: cute.TiledMma, dpt_mma: cute.TiledMma, dv_mma: cute.TiledMma,
                dk_mma: cute.TiledMma, dq_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr,
-               mCuSeqlensK: cute.Tensor | None, mWork: cute.Tensor | None):
+               mCuSeqlensK: cute.Tensor | None, mWork: cute.Tensor | None,
+               mSegTiles: cute.Tensor | None, mSegKeys: cute.Tensor | None,
+               mSegRows: cute.Tensor | None, mKvIds: cute.Tensor | None):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
@@ -537,6 +567,17 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         pair_blocks = BwdBlocks(self.tile_m, 2 * self.tile_n, self.is_causal, self.is_local,
                                 seqlen_q, seqlen_k, window_left, window_right)
         m_min, m_max = pair_blocks.m_block_range(pair)
+        # segment ids: the pair walks the union of its two key blocks' table ranges (one range
+        # for both CTAs); each CTA stages its own block's mask flags and compares its own keys'
+        # ids (the 1-CTA kernel's stage_stats / softmax_p)
+        load_segs, compute_segs = None, None
+        if const_expr(self.segments):
+            seg_lo, seg_hi = self.pair_segment_range(mSegKeys, batch, pair)
+            m_min = cutlass.max(m_min, seg_lo)
+            m_max = cutlass.min(m_max, seg_hi)
+            sSegIds, sSegMask = self.segment_stages(storage, self.lse_stages)
+            load_segs = (mSegTiles, mSegRows, sSegIds, sSegMask, n_block)
+            compute_segs = (mKvIds, sSegIds, sSegMask)
         count = cutlass.max(m_max - m_min, 0)
 
         wg_idx = warp_idx // 4
@@ -557,7 +598,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                                     st_mma, tmem_ptr, pipeline_lse, s_full, p_full, dp_full,
                                     ds_full, ds_empty, dkv_full, xchg_full, s_read, head,
                                     head_kv, batch, n_block, rank, m_min, count, blocks, tidx,
-                                    warp_idx, k_offset)
+                                    warp_idx, k_offset, segs=compute_segs)
             cute.arch.fence_view_async_tmem_load()
             dealloc_barrier.arrive_and_wait()
             if const_expr(self.varlen):
@@ -573,7 +614,8 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                                     tma_atom_dOt, st_mma, dpt_mma, dv_mma, dk_mma, dq_mma,
                                     pipeline_kv, pipeline_q, pipeline_qt, pipeline_do,
                                     pipeline_dot, pipeline_lse, head, head_kv, batch, pair,
-                                    rank, m_min, count, seqlen_q, tidx, q_offset, k_offset)
+                                    rank, m_min, count, seqlen_q, tidx, q_offset, k_offset,
+                                    seg=load_segs)
             if warp_idx == MMA_WARP:
                 tmem.allocate(self.tmem_alloc_cols)
                 tmem.wait_for_alloc()
@@ -600,6 +642,23 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
 
+    @cute.jit
+    def pair_segment_range(self, mSegKeys: cute.Tensor, batch: Int32, pair: Int32
+                           ) -> tuple[Int32, Int32]:
+        """[lo, hi): the query blocks the segment tables list for key block 2·pair or
+        2·pair + 1 (the envelope of their two [m_lo, m_hi) ranges, an empty one ignored; a
+        block past the last one, a grid rounded up to whole pairs, has none); lo >= hi when
+        neither has any. Both CTAs compute it alike."""
+        n_blocks = mSegKeys.shape[1]
+        first, second = 2 * pair, cutlass.min(2 * pair + 1, n_blocks - 1)
+        lo0, hi0 = mSegKeys[batch, first, SEG_KEY_M_LO], mSegKeys[batch, first, SEG_KEY_M_HI]
+        lo1, hi1 = mSegKeys[batch, second, SEG_KEY_M_LO], mSegKeys[batch, second, SEG_KEY_M_HI]
+        has1 = hi1 > lo1 and 2 * pair + 1 < n_blocks
+        none = Int32(2**31 - 1)  # an empty range's lo: above every block
+        lo = cutlass.min(lo0 if hi0 > lo0 else none, lo1 if has1 else none)
+        hi = cutlass.max(hi0 if hi0 > lo0 else Int32(0), hi1 if has1 else Int32(0))
+        return lo, hi
+
     # --- load warp (both CTAs) ---------------------------------------------------------------
     @cute.jit
     def load_warp_2cta(self, mQ, mQt, mK, mKt, mV, mdO, mdOt, mLSE, mDelta, sQ, sQt, sK, sKt,
@@ -610,11 +669,13 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                        pipeline_qt, pipeline_do, pipeline_dot, pipeline_lse, head: Int32,
                        head_kv: Int32, batch: Int32, pair: Int32, rank: Int32, m_min: Int32,
                        count: Int32, seqlen_q: Int32, tidx: Int32,
-                       q_offset: Int32 | None = None, k_offset: Int32 | None = None):
+                       q_offset: Int32 | None = None, k_offset: Int32 | None = None,
+                       seg: cutlass.Constexpr = None):
         """This CTA's halves of every operand tile (the MMAs' slice ``rank`` of the pair
         tiles); the bytes land on the leader's full barriers. -lse / -delta of all 128 rows
         with plain loads (as the 1-CTA kernel). Varlen: TMA views from the sequence's first
-        rows, ``q_offset`` / ``k_offset``."""
+        rows, ``q_offset`` / ``k_offset``. ``seg`` (segment ids: stage_stats' tables, stages
+        and the own key block): the rows' ids and the own block's mask flags too."""
         D, Dv, tm, tn2 = self.hdim, self.hdimv, self.tile_m, 2 * self.tile_n
         st_thr, dpt_thr = st_mma.get_slice(rank), dpt_mma.get_slice(rank)
         dv_thr, dk_thr, dq_thr = dv_mma.get_slice(rank), dk_mma.get_slice(rank), \
@@ -660,7 +721,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
             self.tma_load(pipeline_do, do_state, tma_atom_dO, tdOgdO[None, m_block], tdOsdO)
             do_state.advance()
             self.stage_stats(mLSE, mDelta, sLSE, sDelta, pipeline_lse, lse_state, m_block, head,
-                             batch, seqlen_q, lane, q_offset)
+                             batch, seqlen_q, lane, q_offset, seg=seg)
             lse_state.advance()
             if const_expr(self.serial):  # Qᵀ / dOᵀ into the Q / dO buffers, next stage uses
                 self.tma_load(pipeline_q, q_state, tma_atom_Qt, tQtgQt[None, m_block], tQtsQt)
@@ -840,11 +901,14 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                            dp_full, ds_full, ds_empty, dkv_full, xchg_full, s_read,
                            head: Int32, head_kv: Int32, batch: Int32, n_block: Int32,
                            rank: Int32, m_min: Int32, count: Int32, blocks: BwdBlocks,
-                           tidx: Int32, warp_idx: Int32, k_offset: Int32 | None = None):
+                           tidx: Int32, warp_idx: Int32, k_offset: Int32 | None = None,
+                           segs: cutlass.Constexpr = None):
         """Pᵀ and dSᵀ of the own keys (as the 1-CTA kernel), dSᵀ also into TMEM (the dK MMA's
         A operand); warpgroup w == rank writes its dS (the own query half) into sdS's own key
         half, the other warpgroup sends its dS to the peer through sdS_xchg. Varlen: dK / dV
-        stored to the sequence's rows from ``k_offset`` on, below its seqlen_k."""
+        stored to the sequence's rows from ``k_offset`` on, below its seqlen_k. ``segs``
+        (segment ids: kv_ids, the id and flag stages): the own key's id compared with each
+        row's in the blocks flagged for this CTA (the 1-CTA kernel's softmax_p)."""
         tm, tn, cw = self.tile_m, self.tile_n, self.cols_per_wg
         wg = (warp_idx - COMPUTE_WARPS[0]) // 4  # 0 or 1: query columns [cw·wg, cw·wg + cw)
         lane_row = tidx % 128  # this thread's own key (TMEM lane)
@@ -853,6 +917,9 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         scale = mParams[PARAM_SCALE]
         scale_log2, tanh_in_scale, inv_scale_log2 = self.softmax_scales(mParams)
         key = n_block * tn + lane_row
+        seg = None
+        if const_expr(segs is not None):
+            seg = self.segment_key(segs, batch, key, blocks.seqlen_k)
         # dS as the dQ MMA's A operand: (query of the half, pair key), query-contiguous; the
         # exchange buffer has the layout of the first key half (same bytes, same swizzle)
         sdS0 = sdS[None, None, None, 0]
@@ -873,7 +940,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
             if const_expr(self.serial):
                 arrive_leader(s_read)  # dPᵀ_j may now overwrite Sᵀ_j's upper half
             self.softmax_p(rP, tmem_ptr, acc_layout, blocks, m_block, n_block, key, wg,
-                           lane_row, scale_log2, tanh_in_scale, sLSE, lse_state.index)
+                           lane_row, scale_log2, tanh_in_scale, sLSE, lse_state.index, seg=seg)
             if const_expr(self.serial):
                 # warpgroup 1's Pᵀ goes to Sᵀ columns [32, 64), which warpgroup 0 loads
                 compute_barrier.arrive_and_wait()

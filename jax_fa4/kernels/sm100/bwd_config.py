@@ -45,9 +45,10 @@ per head, so the caller's postprocess is a row gather and a scale. The 2-CTA ker
 is a pair's 256-key span of a sequence (the list built with ``work_tile_n`` = 256 keys per item;
 work[x, 1] the pair index in the sequence) and takes two CTAs, x' = 2x + rank: grid (2W, H).
 
-Segment-id configs (``segments=True``, :func:`segments_config`; the 1-CTA kernel, not
-deterministic) take the dense contract plus jax_fa4/segments.py's backward tables for this tile
-(``segments_config.with_segment_tables``, the Hopper backward's contract too), after dq_accum:
+Segment-id configs (``segments=True``, :func:`segments_config`; the 1-CTA kernel, and the 2-CTA
+kernel at 192/128; not deterministic) take the dense contract plus jax_fa4/segments.py's
+backward tables for this tile (``segments_config.with_segment_tables``, the Hopper backward's
+contract too), after dq_accum:
 
     call: fn(stream, q, k, v, dout, lse_log2, delta, params, dq_accum, seg_tiles, seg_keys,
              seg_rows, kv_ids, dk, dv)
@@ -58,7 +59,10 @@ deterministic) take the dense contract plus jax_fa4/segments.py's backward table
       kv_ids    (B, Sk) int32                the keys' ids
 
 CTA n visits the query blocks of the mask's range within [m_lo, m_hi); a (query block, key
-block) pair outside the query block's bulk compares each row's id with the key's (bwd.py).
+block) pair outside the query block's bulk compares each row's id with the key's (bwd.py). The
+2-CTA kernel reads the same 128-key tables: both CTAs of the pair p walk the mask's range of
+its 256 keys within the union of key blocks 2p and 2p + 1's [m_lo, m_hi) (one range for both,
+the pair MMAs need it), and each CTA compares ids against its own block's bulk (bwd_2cta.py).
 """
 
 from __future__ import annotations
@@ -102,7 +106,8 @@ class Sm100BwdConfig(KernelConfig):
     two_cta: bool = False
     # packed sequences (module doc, varlen_config): the 1-CTA kernel, the 2-CTA one at 192/128
     varlen: bool = False
-    # segment ids (module doc, segments_config): the 1-CTA kernel only, not deterministic
+    # segment ids (module doc, segments_config): the 1-CTA kernel, the 2-CTA one at 192/128;
+    # not deterministic
     segments: bool = False
 
     tile_m: ClassVar[int] = 128  # query rows per iteration (the N of Sᵀ = K·Qᵀ)
@@ -130,9 +135,9 @@ class Sm100BwdConfig(KernelConfig):
         tuning_for(self.head_dim, self.head_dim_v, self.mask)
         if self.varlen and self.deterministic:
             raise ValueError("sm100 backward: varlen has no deterministic mode")
-        if self.segments and (self.two_cta or self.deterministic or self.varlen):
-            raise ValueError("sm100 backward: segment ids are the 1-CTA kernel's, dense, without "
-                             "deterministic (the 2-CTA kernel has no segment-id mode)")
+        if self.segments and (self.deterministic or self.varlen):
+            raise ValueError("sm100 backward: segment ids are a dense mode without "
+                             "deterministic")
         if self.head_dim != self.head_dim_v and not self.two_cta:
             raise ValueError("sm100 backward: head_dim_v must equal head_dim (1-CTA kernel)")
         if self.head_dim % 32:
@@ -230,18 +235,20 @@ class Sm100BwdConfig(KernelConfig):
             qdo = (self.q_stages * tm * d * e + self.do_stages * tm * dv * e) // (
                 2 if self.serial else 1)
             return (tn * (d + dv) * e + tn * d * e + qdo
-                    + tm * tn * e + tm // 2 * tn * e + staging + stats)
+                    + tm * tn * e + tm // 2 * tn * e + staging + stats
+                    + (self.segment_smem_bytes() if self.segments else 0))
         return (tn * (d + dv) * e  # K, V
                 + self.q_stages * tm * d * e + self.do_stages * tm * dv * e  # Q, dO rings
                 + tm * tn * e  # dS
                 + staging + stats + self.segment_smem_bytes())
 
     def segment_smem_bytes(self) -> int:
-        """Shared memory of the segment-id stages (1-CTA kernel): each query row's id and the
-        block's mask flag per lse stage; a placeholder of 4 + 4 int32 without segment ids."""
+        """Shared memory of the segment-id stages: each query row's id and the block's mask
+        flag per lse stage; the 1-CTA kernel's placeholder of 4 + 4 int32 without segment ids
+        (the 2-CTA kernel has none)."""
         if not self.segments:
             return 2 * 4 * 4
-        return (self.tile_m * self.q_stages + max(self.q_stages, 4)) * 4
+        return (self.tile_m * self.lse_stages + max(self.lse_stages, 4)) * 4
 
     @property
     def work_tile_n(self) -> int:
@@ -296,9 +303,10 @@ def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask
 def segments_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
                     mask: str = "none", has_softcap: bool = False, gqa: bool = False
                     ) -> Sm100BwdConfig:
-    """The segment-id backward config of a problem kind (module doc): the 1-CTA kernel with the
-    segments tuning (``bwd_tuning.SEGMENTS_TUNING``: as varlen, a 1-CTA row at head dim 128
-    too); raises ValueError where no 1-CTA kernel fits (192/128). Never deterministic."""
+    """The segment-id backward config of a problem kind (module doc) with the segments tuning
+    (``bwd_tuning.SEGMENTS_TUNING``): the 1-CTA kernel at head dims 64, 96 and 128 (as varlen,
+    a 1-CTA row at 128 too), the 2-CTA kernel at 192/128 (one dQ staging buffer, to fit the
+    row-id stages); raises ValueError at other head dims. Never deterministic."""
     return _mode_config(SEGMENTS_TUNING, "segment-id", dtype, head_dim, head_dim_v, mask,
                         has_softcap, gqa, segments=True)
 
@@ -326,8 +334,8 @@ def _mode_config(table: dict, mode: str, dtype: str, head_dim: int, head_dim_v: 
 def test_configs() -> list[Sm100BwdConfig]:
     """The subset the compile test builds on every run: each head dim once (bf16, no mask), each
     mask kind, softcap, GQA and deterministic once, fp16 once, varlen at head dims 64, 128 and
-    192/128 (the 2-CTA kernel's varlen mode), segment ids once (head dim 128: the 1-CTA kernel
-    where the dense table is 2-CTA)."""
+    192/128 (the 2-CTA kernel's varlen mode), segment ids at head dim 128 (the 1-CTA kernel
+    where the dense table is 2-CTA) and 192/128 (the 2-CTA kernel's segment-id mode)."""
     out = [Sm100BwdConfig.make("bfloat16", d, dv) for (d, dv) in TUNING_TABLE]
     out += [Sm100BwdConfig.make("bfloat16", 128, 128, "causal", deterministic=True),
             Sm100BwdConfig.make("bfloat16", 128, 128, "local", True, True),
@@ -335,7 +343,8 @@ def test_configs() -> list[Sm100BwdConfig]:
             varlen_config("bfloat16", 64, 64, "causal", gqa=True),
             varlen_config("bfloat16", 128, 128, "local", True),
             varlen_config("bfloat16", 192, 128, "causal"),
-            segments_config("float16", 128, 128, "causal", gqa=True)]
+            segments_config("float16", 128, 128, "causal", gqa=True),
+            segments_config("bfloat16", 192, 128, "local", True)]
     return out
 
 

@@ -58,13 +58,17 @@ VARLEN_TUNING: dict[tuple[int, int], Sm100BwdTuning] = {
 }
 
 #: The segment-id backward's rows (bwd_config.segments_config): the 1-CTA kernel at every head
-#: dim it fits, today the varlen rows' 1-CTA ones (the two modes share one 1-CTA tuning until
-#: one of them is measured apart). Its row-id stages add 1 KB of shared memory (211 KB at head
-#: dim 128). 192/128 has none (1-CTA TMEM: 640 columns > 512; the 2-CTA kernel has no
-#: segment-id mode, and its 192/128 layout fills the shared-memory budget exactly, leaving no
-#: room for the 1 KB of row-id stages).
+#: dim it fits, the varlen rows' 1-CTA ones (the two modes share one 1-CTA tuning until one of
+#: them is measured apart). Its row-id stages add 1 KB of shared memory (211 KB at head dim
+#: 128). 192/128 (1-CTA TMEM: 640 columns > 512) runs the 2-CTA kernel's segment-id mode with
+#: its own row: the dense row's layout takes 231,424 B of the 232,448 B budget, too much for the
+#: 1 KB of row-id stages, so one dQ staging buffer instead of two (227,328 B, with the stages
+#: 228,368 B). Unmeasured: a single staging buffer makes each dQ chunk's shared-memory stores
+#: wait for the previous chunk's reduce-add to have read its buffer.
 SEGMENTS_TUNING: dict[tuple[int, int], Sm100BwdTuning] = {
-    dims: row for dims, row in VARLEN_TUNING.items() if not row.two_cta}
+    **{dims: row for dims, row in VARLEN_TUNING.items() if not row.two_cta},
+    (192, 128): _T(1, 1, 8, 1, two_cta=True),
+}
 
 
 def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm100BwdTuning:
