@@ -134,8 +134,8 @@ def _segments_backward(config, inputs, out_shapes, ref_options: dict, scale: flo
         ref_options["softcap"])
     # dq_accum: unscaled rows (B, H, Sq_pad, D), those past Sq NaN (the caller drops them)
     sq_pad = dq_accum.shape[2] // d
-    acc = jnp.full((b, h, sq_pad, d), jnp.nan).at[:, :, :sq].set(
-        (dq.reshape(b, sq, h, d) / scale).transpose(0, 2, 1, 3))
+    acc = jnp.pad((dq.reshape(b, sq, h, d) / scale).transpose(0, 2, 1, 3),
+                  ((0, 0), (0, 0), (0, sq_pad - sq), (0, 0)), constant_values=jnp.nan)
     return (dq_accum + acc.reshape(dq_accum.shape), dk.astype(out_shapes[1].dtype),
             dv.astype(out_shapes[2].dtype))
 
