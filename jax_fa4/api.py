@@ -100,7 +100,7 @@ def flash_attention(
         no id are skipped, contiguous runs (packed documents) are masked by each row's key
         span, other ids compared key by key (exact for any ids; a new packing never
         recompiles); ``deterministic=True`` runs the reference's backward. With ``"sm100"``
-        the Blackwell forward and (head dims 64, 96, 128) backward kernels take the same
+        the Blackwell forward and (head dims 64-128, 192/128) backward kernels take the same
         tables (compiled, never run on hardware here). Under ``jit``
         with q, k, v sharded over batch and heads the ids follow the batch sharding. For packed
         variable-length batches without a fixed (B, S) layout see

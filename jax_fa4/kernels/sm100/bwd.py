@@ -75,9 +75,10 @@ compare-ids flag are not read. Not deterministic (bwd_config). No barrier, role 
 changes (tests/test_sm100_bwd_protocol.py models the segment-id grid). The 2-CTA kernel's
 segment-id mode (192/128, bwd_2cta.py) reuses the stages, the staging and the compare per CTA.
 
-Not yet (docs/kernels/sm100.md): head dim 256 (FA4's split 2-CTA kernels; 192/128 is the 2-CTA
-kernel's), persistence / scheduler, overlap of the dQ TMEM drain with the next dPᵀ (the reduce
-warps hold dPᵀ's columns until their last chunk load).
+Head dims 128 and 192/128 dense run the 2-CTA kernel (bwd_2cta.py), 256 the split kernels
+(bwd_split.py, which build on this module's pieces). Not yet (docs/kernels/sm100.md):
+persistence / scheduler, overlap of the dQ TMEM drain with the next dPᵀ (the reduce warps hold
+dPᵀ's columns until their last chunk load).
 """
 
 from __future__ import annotations
