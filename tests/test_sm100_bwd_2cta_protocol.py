@@ -1628,7 +1628,14 @@ VARLEN_EDGE_LENS = [(TILE, 300), (0, 2 * TILE), (0, 0), (5, 0), (3 * TILE - 1, 1
                     (2 * TILE + 3, 5 * TILE - 7)]
 
 
-@pytest.mark.parametrize("serial", [True, False], ids=("serial", "d128"))
+#: (slots, launch order) of the edge grid; the quick tier runs two of the four (each order and
+#: each residency once) and only the shipped (serial, 192/128) layout, ``--exhaustive`` all
+EDGE_RUNS = per_class([(2, "sequence"), (200, "heavy_first"), (2, "heavy_first"),
+                       (200, "sequence")], key=lambda run: run[1])
+
+
+@pytest.mark.parametrize("serial", per_class([True, False], key=lambda serial: 0),
+                         ids=lambda serial: "serial" if serial else "d128")
 def test_varlen_protocol_edge_sequences(serial):
     """Pairs whose second CTA has no keys, a sequence without queries, an empty one, one
     without keys, a local window leaving a pair unseen; two heads, every cluster resident and
@@ -1636,8 +1643,7 @@ def test_varlen_protocol_edge_sequences(serial):
     most a CTA exiting under a lagging commit, as for dense grids): the idle and keyless CTAs
     keep the protocol next to busy ones."""
     cfg = varlen_cfg(192 if serial else 128, "local")
-    for seed, (slots, order) in enumerate(itertools.product((2, 200),
-                                                            ("sequence", "heavy_first"))):
+    for seed, (slots, order) in enumerate(EDGE_RUNS):
         sim = simulate_varlen(cfg, VARLEN_EDGE_LENS, 2, slots, seed, wl=10, wr=0, order=order)
         assert sim.keyless_followers == 2 * 3 and sim.idle_pairs == 2 * 2, (
             sim.keyless_followers, sim.idle_pairs)
