@@ -149,9 +149,9 @@ def flash_attention(
     Backward: on Hopper (``implementation="sm90"``, the default there) the preprocess, main and
     dQ postprocess kernels; with ``"sm100"`` (opt-in: forced, or ``JAX_FA4_ENABLE_SM100=1``) the
     preprocess and the Blackwell backward kernels (head dims 64, 96, 128 with ``Dv == D`` and
-    192 with ``Dv`` 128, the last two with 2-CTA MMAs; 256 with a dK/dV and a dQ kernel; they
-    compile but have never run on hardware), else the reference's backward with a one-time
-    ``RuntimeWarning`` naming the reason (e.g. head dims 192/192);
+    192 with ``Dv`` 128, the last two with 2-CTA MMAs; 192/192 and 256 with a dK/dV and a dQ
+    kernel; they compile but have never run on hardware), else the reference's backward with a
+    one-time ``RuntimeWarning`` naming the reason (e.g. segment ids at head dim 256);
     elsewhere the preprocess (a kernel on GPUs) and the reference's explicit FlashAttention
     backward (also for calls the Hopper backward kernels do not cover).
     """
@@ -250,8 +250,9 @@ def flash_attention_varlen(
         kernel is opt-in, never run on hardware here) or ``"reference"``. On Hopper the
         backward runs the varlen backward kernel (each sequence's own blocks only); with
         sm100, the sm100 backward kernels' varlen modes at head dims 64, 96, 128 (1-CTA),
-        192/128 (2-CTA) and 256 (the split kernels) (compiled and model-checked, never run on
-        hardware here), the reference's backward elsewhere (a one-time ``RuntimeWarning``).
+        192/128 (2-CTA), 192/192 and 256 (the split kernels) (compiled and model-checked, never
+        run on hardware here), the reference's backward elsewhere (a one-time
+        ``RuntimeWarning``).
       validate: also check traced cu_seqlens (under ``jit``): the same rules and messages as
         for concrete values, checked on the host when the program runs (one small
         device-to-host copy per call); a broken rule surfaces as JAX's runtime error carrying

@@ -9,7 +9,8 @@ the sm100 backward
 GQA configs, dK / dV per *query* head in float32. With them the sm100 route's JAX side
 (jax_fa4.backends.sm100 and kernel, autodiff, sharding) runs on the CPU and must give the
 reference's numbers. Shared by tests/test_sm100_bwd_wiring.py and tests/multidevice_checks.py.
-The split backward at head dim 256 (``sm100_bwd_split``: a dK/dV and a dQ kernel) follows
+The split backward at head dims 192/192 and 256 (``sm100_bwd_split``: a dK/dV and a dQ kernel)
+follows
 bwd_split_config.py: dk / dv as the fused kernel's, dq scaled in the input dtype; its varlen
 configs the packed layout above, each output zero outside every sequence.
 

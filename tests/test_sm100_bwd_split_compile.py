@@ -1,5 +1,5 @@
-"""The sm100 split backward (head dim 256: bwd_split.py) compiles for sm_100a on a CPU-only machine,
-with clean SASS, and its config keeps its contract.
+"""The sm100 split backward (head dims 192/192 and 256: bwd_split.py) compiles for sm_100a on a
+CPU-only machine, with clean SASS, and its config keeps its contract.
 
 Nothing here runs a kernel (no Blackwell GPU exists in this project). The configs of
 ``bwd_split_config.test_configs()`` (both parts) are compiled through the binding's own path
@@ -19,8 +19,9 @@ import re
 import pytest
 
 from compiled import needs_disassembler
-from jax_fa4.kernels.sm100.bwd_split_config import (PARTS, Sm100BwdSplitConfig, serves,
-                                                    shipped_configs, split_configs,
+from jax_fa4.kernels.sm100.bwd_config import TMEM_COLUMNS
+from jax_fa4.kernels.sm100.bwd_split_config import (PARTS, SPLIT_HEAD_DIMS, Sm100BwdSplitConfig,
+                                                    serves, shipped_configs, split_configs,
                                                     test_configs)
 from jax_fa4.kernels.spec import SMEM_BUDGET_BYTES
 
@@ -67,8 +68,10 @@ def test_compiles_with_clean_sass(cfg, monkeypatch, tmp_path):
 
 def test_shipped_configs_are_valid_and_cover_every_option():
     shipped = shipped_configs()
-    # dtypes × masks × softcap × (dkdv, dkdv with gqa, dq) × (dense, varlen)
-    assert len(shipped) == len(set(shipped)) == 2 * 3 * 2 * 3 * 2
+    # head dims × dtypes × masks × softcap × (dkdv, dkdv with gqa, dq) × (dense, varlen)
+    assert len(shipped) == len(set(shipped)) == 2 * 2 * 3 * 2 * 3 * 2
+    assert {(c.head_dim, c.head_dim_v) for c in shipped} == set(SPLIT_HEAD_DIMS) == {
+        (192, 192), (256, 256)}
     assert {c.varlen for c in shipped} == {False, True}
     assert set(test_configs()) <= set(shipped)
     assert {c.part for c in shipped} == set(PARTS)
@@ -94,9 +97,11 @@ def test_config_contract():
         ("dq", "float16", sig.inputs[0].sample_shape)]
     mha = Sm100BwdSplitConfig.make("dkdv", "bfloat16", 256).signature()
     assert [(a.dtype, a.sample_shape[2]) for a in mha.outputs] == [("bfloat16", 2)] * 2
-    assert serves(256, 256) and not serves(192, 192) and not serves(128, 128)
-    with pytest.raises(ValueError, match="192/192"):
-        Sm100BwdSplitConfig.make("dkdv", "bfloat16", 192)
+    assert serves(256, 256) and serves(192, 192)
+    assert not serves(192, 128) and not serves(128, 128)
+    for d, dv in ((192, 128), (128, 128)):
+        with pytest.raises(ValueError, match=f"{d}/{dv} not served"):
+            Sm100BwdSplitConfig.make("dkdv", "bfloat16", d, dv)
     with pytest.raises(ValueError, match="part"):
         Sm100BwdSplitConfig.make("dqkv", "bfloat16", 256)
     with pytest.raises(ValueError, match="shared memory"):
@@ -105,3 +110,26 @@ def test_config_contract():
     assert (dkdv.out_cols, dkdv.col_splits, dq.out_cols, dq.col_splits) == (128, 2, 256, 1)
     assert dkdv.tmem_offsets() == {"dk": 0, "dv": 128, "s": 256, "dp": 320}
     assert dq.tmem_offsets() == {"dq": 0, "s": 256, "dp": 320}
+    # (one part at 256 would take dK + dV + Sᵀ + dPᵀ = 640 TMEM columns)
+    assert 256 + 256 + 2 * dkdv.tile_cols > TMEM_COLUMNS
+
+
+@pytest.mark.parametrize("varlen", (False, True))
+def test_one_column_part_at_192(varlen):
+    """192/192: one dK/dV CTA per key block holds all of dK and dV beside Sᵀ and dPᵀ (512 TMEM
+    columns exactly); the dQ CTA 320 of its 512; shared memory: resident K, V (or Q, dO) of 128
+    × 192, two stages of the first streamed operand and one of the second (64 × 192 each),
+    −lse / −delta of two stages."""
+    dkdv, dq = (dataclasses.replace(c, varlen=varlen)
+                for c in split_configs("bfloat16", 192, 192, "causal", True, True))
+    assert (dkdv.out_cols, dkdv.col_splits, dq.out_cols, dq.col_splits) == (192, 1, 192, 1)
+    assert dkdv.tmem_offsets() == {"dk": 0, "dv": 192, "s": 384, "dp": 448}
+    assert dkdv.tmem_columns() == dkdv.tmem_alloc_columns() == TMEM_COLUMNS
+    assert dq.tmem_offsets() == {"dq": 0, "s": 192, "dp": 256}
+    assert (dq.tmem_columns(), dq.tmem_alloc_columns()) == (320, 512)
+    want = 128 * 384 * 2 + 64 * (2 * 192 + 192) * 2 + 2 * 2 * 64 * 4
+    assert dkdv.smem_bytes() == dq.smem_bytes() == want == 173_056 <= SMEM_BUDGET_BYTES
+    assert (dkdv.stream_stages, dkdv.other_stages) == (2, 1)
+    # Dv == D only
+    with pytest.raises(ValueError, match="192/128 not served"):
+        Sm100BwdSplitConfig.make("dq", "bfloat16", 192, 128)

@@ -8,9 +8,10 @@ computes, in its order and with its rules: the resident and streamed tiles as th
 kernel's ``softmax_p``, only on blocks ``mask_reasons`` flags, from ``visible_rows``; dQ: every
 block, from ``visible_cols``), softcap with tanh and 1 − t² (dK/dV recovering t from P as the
 fused ``softmax_ds`` does; dQ keeping t), P and dS rounded to the input dtype before the TS
-GEMMs, float32 accumulation, each dK/dV CTA's output column half, the scales, the row bounds of
-the stores, GQA per query head. Its gradients must match the float32 reference's within the
-16-bit roundings' error: a wrong block range, mask bound, column half or scale shows here.
+GEMMs, float32 accumulation, each dK/dV CTA's output column part (the config's ``col_splits``:
+halves at 256, all columns at 192/192), the scales, the row bounds of the stores, GQA per query
+head. Its gradients must match the float32 reference's within the
+16-bit roundings' error: a wrong block range, mask bound, column part or scale shows here.
 """
 
 from __future__ import annotations
@@ -73,19 +74,21 @@ class Problem:
 
 
 def emulate_dkdv(p: Problem, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """dK, dV (Sk, D) float32 of the dK/dV kernel: CTA (n, c) writes columns [128c, +128)."""
+    """dK, dV (Sk, D) float32 of the dK/dV kernel: CTA (n, c) writes columns [o·c, o·c + o) of
+    o = out_cols (its config's column parts: 2 at 256, 1 at 192/192)."""
     d = p.q.shape[1]
-    half = d // 2
+    cfg = Sm100BwdSplitConfig.make("dkdv", "bfloat16", d)
+    o = cfg.out_cols
     blocks = p.blocks(BwdBlocks, COLS, ROWS)
     dk, dv = np.zeros((p.sk, d), np.float32), np.zeros((p.sk, d), np.float32)
     for n in range(-(-p.sk // ROWS)):
         m_min, m_max = blocks.m_block_range(n)
         k_t, v_t = _tile(p.k, n * ROWS, ROWS), _tile(p.v, n * ROWS, ROWS)
         keys = n * ROWS + np.arange(ROWS)
-        for c in range(2):
-            cols = slice(half * c, half * (c + 1))
-            acc_dk = np.zeros((ROWS, half), np.float32)
-            acc_dv = np.zeros((ROWS, half), np.float32)
+        for c in range(cfg.col_splits):
+            cols = slice(o * c, o * (c + 1))
+            acc_dk = np.zeros((ROWS, o), np.float32)
+            acc_dv = np.zeros((ROWS, o), np.float32)
             for m in range(m_min, max(m_max, m_min)):
                 q_t, do_t = _tile(p.q, m * COLS, COLS), _tile(p.dout, m * COLS, COLS)
                 neg_lse = p.neg_lse[m * COLS:(m + 1) * COLS]
@@ -163,10 +166,10 @@ CASES = [  # (b, sq, sk, h, hkv, mask, window, softcap, scale)
 ]
 
 
+@pytest.mark.parametrize("d", (256, 192))
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_split_arithmetic_matches_the_reference(case):
+def test_split_arithmetic_matches_the_reference(case, d):
     b, sq, sk, h, hkv, mask, window, softcap, scale = case
-    d = 256
     dtype = ml_dtypes.bfloat16
     rng = np.random.default_rng(sq * 1000 + sk)
     q, k, v, dout = (_round(rng.standard_normal(shape), dtype) for shape in
@@ -198,12 +201,13 @@ def test_split_arithmetic_matches_the_reference(case):
         np.testing.assert_allclose(x, w, atol=2e-2 * np.abs(w).max(), rtol=0, err_msg=name)
 
 
-def test_split_varlen_arithmetic_matches_the_reference():
+@pytest.mark.parametrize("d", (256, 192))
+def test_split_varlen_arithmetic_matches_the_reference(d):
     """Varlen: each sequence's CTAs read the packed tensors from its first row, so their tiles
     load the next sequences' rows (and the zeroed padding after the last); masks and the −∞
     statistics keep those rows out: the gradients equal each sequence's own reference's."""
     dtype = ml_dtypes.bfloat16
-    d, h, scale, opts_mask = 256, 2, 1 / 16, "causal"
+    h, scale, opts_mask = 2, 1 / math.sqrt(d), "causal"
     lens = [(70, 150), (130, 40), (1, 9), (90, 90)]
     pad = 128  # the backend zeroes these rows after the last sequence
     tq, tk = sum(q for q, _ in lens), sum(k for _, k in lens)

@@ -425,10 +425,10 @@ def simulate_varlen(cfg: Sm100BwdSplitConfig, lens: list[tuple[int, int]], heads
 RUNS = 40
 
 
-def stage_variants(part: str) -> list[Sm100BwdSplitConfig]:
+def stage_variants(part: str, head_dim: int = 256) -> list[Sm100BwdSplitConfig]:
     """The shipped stage counts and accepted others (the model's; shared memory would refuse
-    more than two S1 stages at head dim 256)."""
-    base = Sm100BwdSplitConfig.make(part, "bfloat16", 256)
+    more than two S1 stages at head dim 256, not at 192/192)."""
+    base = Sm100BwdSplitConfig.make(part, "bfloat16", head_dim)
     return [base, dataclasses.replace(base, stream_stages=3, other_stages=2),
             dataclasses.replace(base, other_stages=2)]
 
@@ -448,16 +448,20 @@ def wait_sites(part: str) -> set:
     return sites
 
 
+@pytest.mark.parametrize("head_dim", (256, 192))
 @pytest.mark.parametrize("part", ("dkdv", "dq"))
 @pytest.mark.parametrize("mask", ("none", "causal", "local"))
-def test_protocol_random_schedules(part, mask):
+def test_protocol_random_schedules(part, mask, head_dim):
     """Random grids (odd lengths, windows, 1-2 heads, 1 SM slot up to the whole grid) under
     random schedules: no deadlock, parity alias, arrival overrun or data hazard, every barrier's
-    phase and wait counts at the end; every wait of the kernel found blocked at least once."""
-    rng = random.Random(f"split-{part}-{mask}")
+    phase and wait counts at the end; every wait of the kernel found blocked at least once.
+    Head dim 192/192: the same barrier protocol on the one-part grid (one dK/dV CTA per key
+    block, its accumulators filling the 512 TMEM columns)."""
+    assert stage_variants("dkdv", head_dim)[0].col_splits == (1 if head_dim == 192 else 2)
+    rng = random.Random(f"split-{part}-{mask}" + ("" if head_dim == 256 else f"-d{head_dim}"))
     blocked = set()
     for _ in range(RUNS):
-        base = rng.choice(stage_variants(part))
+        base = rng.choice(stage_variants(part, head_dim))
         cfg = dataclasses.replace(base, mask=mask, has_softcap=rng.random() < 0.3)
         sq = rng.choice((rng.randint(1, 3 * ROWS), rng.choice((COLS, ROWS, 2 * ROWS))))
         sk = rng.choice((rng.randint(1, 3 * ROWS), rng.choice((COLS, ROWS, 2 * ROWS))))
@@ -470,10 +474,11 @@ def test_protocol_random_schedules(part, mask):
     assert not missing, missing
 
 
+@pytest.mark.parametrize("head_dim", (256, 192))
 @pytest.mark.parametrize("part", ("dkdv", "dq"))
-def test_protocol_long_sequence(part):
+def test_protocol_long_sequence(part, head_dim):
     """Each stage variant over many streamed blocks (every ring wraps), one resident block."""
-    for cfg in stage_variants(part):
+    for cfg in stage_variants(part, head_dim):
         for seed in range(3):
             simulate(cfg, 5 * ROWS - 3, 5 * ROWS - 3, 1, 1, seed)
 
@@ -506,8 +511,8 @@ def test_tmem_layout_fits_and_a_operands_in_own_columns():
     """The TMEM offsets: accumulators, X, Y disjoint and inside the allocation; each warpgroup's
     16-bit stores lie in columns it read itself, and the TS GEMM's k-block views cover exactly
     the two warpgroups' stores (a_cells)."""
-    for part in ("dkdv", "dq"):
-        cfg = Sm100BwdSplitConfig.make(part, "bfloat16", 256)
+    for part, d in itertools.product(("dkdv", "dq"), (192, 256)):
+        cfg = Sm100BwdSplitConfig.make(part, "bfloat16", d)
         off = cfg.tmem_offsets()
         spans = sorted((v, v + (cfg.out_cols if k in ("dk", "dv", "dq") else COLS), k)
                        for k, v in off.items())
@@ -538,33 +543,39 @@ def test_transposed_views_checked_at_trace_time():
     one = tcgen05.CtaGroup.ONE
 
     @cute.jit
-    def probe(out_cols: cutlass.Constexpr, transposed: cutlass.Constexpr):
+    def probe(out_cols: cutlass.Constexpr, transposed: cutlass.Constexpr,
+              dim: cutlass.Constexpr = 256):
         x_mma = sm100_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, cutlass.Float32,
                                                    one, (ROWS, COLS))
         major = mn_major if transposed else k_major
         source = tcgen05.OperandSource.TMEM if transposed else tcgen05.OperandSource.SMEM
         ts_mma = sm100_utils.make_trivial_tiled_mma(dt, dt, k_major, major, cutlass.Float32,
                                                     one, (ROWS, out_cols), source)
-        loaded = sm100_utils.make_smem_layout_b(x_mma, (ROWS, COLS, 256), dt, 2)
-        view = sm100_utils.make_smem_layout_b(ts_mma, (ROWS, 256, COLS), dt, 2)
-        check_transposed_view(loaded, view, COLS, 256, out_cols, 2, "probe")
+        loaded = sm100_utils.make_smem_layout_b(x_mma, (ROWS, COLS, dim), dt, 2)
+        view = sm100_utils.make_smem_layout_b(ts_mma, (ROWS, dim, COLS), dt, 2)
+        check_transposed_view(loaded, view, COLS, dim, out_cols, 2, "probe")
 
     cute.compile(probe, 128, True)  # dkdv's halves
     cute.compile(probe, 256, True)  # dq's full width
+    cute.compile(probe, 192, True, 192)  # 192/192: both parts' full width (one part)
     with pytest.raises(ValueError, match="element"):
         cute.compile(probe, 128, False)
+    with pytest.raises(ValueError, match="element"):
+        cute.compile(probe, 192, False, 192)
 
 
+@pytest.mark.parametrize("head_dim", (256, 192))
 @pytest.mark.parametrize("part", ("dkdv", "dq"))
 @pytest.mark.parametrize("mask", ("local", "causal", "none"))
-def test_protocol_varlen_random_schedules(part, mask):
+def test_protocol_varlen_random_schedules(part, mask, head_dim):
     """Varlen grids (empty sequences, sequences without queries or keys, random windows) on the
     backend's work lists under random schedules: the protocol holds for every work row, the
     padding rows are zeroed once per head, and CTAs with nothing to do (count = 0) ran beside
-    busy ones (local windows and the spare rows)."""
-    rng = random.Random(f"split-varlen-{part}-{mask}")
+    busy ones (local windows and the spare rows). 192/192: one dK/dV CTA per work row."""
+    rng = random.Random(f"split-varlen-{part}-{mask}"
+                        + ("" if head_dim == 256 else f"-d{head_dim}"))
     for _ in range(RUNS // 4):
-        cfg = Sm100BwdSplitConfig.make(part, "bfloat16", 256, mask=mask,
+        cfg = Sm100BwdSplitConfig.make(part, "bfloat16", head_dim, mask=mask,
                                        has_softcap=rng.random() < 0.3, gqa=rng.random() < 0.3)
         cfg = dataclasses.replace(cfg, varlen=True)
 
@@ -576,8 +587,8 @@ def test_protocol_varlen_random_schedules(part, mask):
         wr = rng.choice((-1, 0, rng.randint(0, 300)))
         simulate_varlen(cfg, lens, rng.choice((1, 2)), rng.choice((1, 2, 3, 64)),
                         rng.getrandbits(32), wl, wr, rng.choice(("sequence", "heavy_first")))
-    cfg = dataclasses.replace(Sm100BwdSplitConfig.make(part, "bfloat16", 256, mask="local"),
-                              varlen=True)
+    cfg = dataclasses.replace(Sm100BwdSplitConfig.make(part, "bfloat16", head_dim,
+                                                       mask="local"), varlen=True)
     # key blocks no query sees (dkdv) and query blocks that see no key (dq) beside busy ones
     sim = simulate_varlen(cfg, [(ROWS, 4 * ROWS), (4 * ROWS, ROWS), (3 * ROWS - 1, 3 * ROWS),
                                 (0, ROWS)], 1, 64, 0, wl=10, wr=0)

@@ -211,13 +211,15 @@ def test_sm90_backward_fallback_is_unchanged(lowered, fresh_warning):
     assert sorted(c.kernel_name for c, _ in lowered) == ["bwd_preprocess", "sm90_fwd"]
 
 
-@pytest.mark.parametrize("deterministic, hkv", [(False, 4), (True, 2)])
+@pytest.mark.parametrize("deterministic, hkv, d", [(False, 4, 256), (True, 2, 256),
+                                                    (False, 2, 192), (True, 4, 192)])
 def test_sm100_gradient_at_head_dim_256_lowers_to_the_split_kernels(lowered, fresh_warning,
-                                                                    deterministic, hkv):
+                                                                    deterministic, hkv, d):
     """Head dim 256: the split backward's two kernels (dK/dV with GQA's per-query-head float32
     outputs when H > Hkv, and dQ), no fused kernel, no reference backward and no fallback
-    warning; deterministic=True takes the same kernels (each writes its outputs once)."""
-    q, k, v = _qkv(hkv=hkv, d=256)
+    warning; deterministic=True takes the same kernels (each writes its outputs once). Head dims
+    192/192 likewise, the dK/dV kernel with one CTA per key block (all 192 columns)."""
+    q, k, v = _qkv(hkv=hkv, d=d)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         exported = _export_for_cuda(_grad_fn("sm100", causal=True, deterministic=deterministic),
@@ -229,9 +231,12 @@ def test_sm100_gradient_at_head_dim_256_lowers_to_the_split_kernels(lowered, fre
     assert set(parts) == {"dkdv", "dq"}
     assert (parts["dkdv"].gqa, parts["dkdv"].mask, parts["dq"].mask) == (
         hkv != 4, "causal", "causal")
+    assert {(c.head_dim, c.head_dim_v) for c in parts.values()} == {(d, d)}
+    assert (parts["dkdv"].col_splits, parts["dkdv"].out_cols) == (
+        (1, 192) if d == 192 else (2, 128))
     assert text.count(CUSTOM_CALL) == 4
-    # no dq_accum (2, 4, 128·256) and no ordering counters: dq is written once
-    assert "xi32>" not in text and "x32768xf32>" not in text
+    # no dq_accum (2, 4, 128·D) and no ordering counters: dq is written once
+    assert "xi32>" not in text and f"x{128 * d}xf32>" not in text
     assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
 
 
@@ -248,6 +253,11 @@ NUMERIC_CASES = [  # (b, sq, sk, h, hkv, d, flash_attention kwargs, learnable si
      False),
     (2, 61, 61, 4, 1, 256, {"causal": True, "deterministic": True}, False),
     (2, 40, 70, 4, 2, 256, {"causal": True}, True),
+    # head dims 192/192: the split backward with one dK/dV CTA per key block
+    (2, 77, 150, 2, 2, 192, {"causal": True}, False),
+    (1, 130, 90, 4, 2, 192, {"window_size": (5, 3), "softcap": 2.0, "softmax_scale": 0.3},
+     True),
+    (2, 61, 61, 4, 1, 192, {"causal": True, "deterministic": True}, False),
 ]
 
 
@@ -256,8 +266,8 @@ def test_sm100_backward_contract_gives_the_reference_gradients(case, monkeypatch
     """With the kernels replaced by contract-exact stand-ins, jax.grad through
     implementation="sm100" (dq_accum rows past Sq dropped and scaled by softmax_scale, GQA/MQA
     dK/dV summed per group, the ordered-dQ counters passed, a sink's gradient from the
-    backward's delta; head dim 256: the split kernels' dk, dv and scaled dq) gives the
-    reference route's out and gradients."""
+    backward's delta; head dims 192/192 and 256: the split kernels' dk, dv and scaled dq) gives
+    the reference route's out and gradients."""
     b, sq, sk, h, hkv, d, kwargs, with_sink = case
     q, k, v = _qkv(b, sq, sk, h, hkv, d, seed=3)
     sink = jnp.linspace(-1.0, 1.0, h, dtype=jnp.float32) if with_sink else None
@@ -279,7 +289,7 @@ def test_sm100_backward_contract_gives_the_reference_gradients(case, monkeypatch
         warnings.simplefilter("error")  # the kernel serves: no fallback warning
         got = loss("sm100")(q, k, v, sink)
     want = loss("reference")(q, k, v, sink)
-    if d == 256:  # the split kernels (deterministic without a config of their own)
+    if d in (192, 256):  # the split kernels (deterministic without a config of their own)
         split = sorted((c.part, c.gqa) for c, _, _ in calls if c.kernel_name == "sm100_bwd_split")
         assert split == [("dkdv", h != hkv), ("dq", False)]
         assert not [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
@@ -721,13 +731,15 @@ def test_varlen_gradient_lowers_to_the_sm100_varlen_backward(lowered, fresh_warn
     assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
 
 
-@pytest.mark.parametrize("h, hkv", [(4, 2), (2, 2)])
-def test_varlen_gradient_at_head_dim_256_lowers_to_the_split_varlen_kernels(lowered,
-                                                                          fresh_warning, h, hkv):
-    """Head dim 256: the split backward's two kernels in their varlen mode, each with its work
-    list (key blocks of 128 for dK/dV, query blocks of 128 for dQ: sm90.work_items rows), no
-    dq_accum, no fused kernel, no fallback warning."""
-    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(h, hkv, 256)
+@pytest.mark.parametrize("h, hkv, d", [(4, 2, 256), (2, 2, 256), (4, 2, 192)])
+def test_varlen_gradient_at_head_dim_256_lowers_to_the_split_varlen_kernels(
+        lowered, fresh_warning, h, hkv, d):
+    """Head dim 256 (and 192/192): the split backward's two kernels in their varlen mode, each
+    with its work list (key blocks of 128 for dK/dV, query blocks of 128 for dQ:
+    sm90.work_items rows), no dq_accum, no fused kernel, no fallback warning."""
+    from jax_fa4.backends import sm90
+
+    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(h, hkv, d)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         exported = _export_for_cuda(
@@ -737,11 +749,13 @@ def test_varlen_gradient_at_head_dim_256_lowers_to_the_split_varlen_kernels(lowe
     parts = {c.part: c for c, _ in lowered if c.kernel_name == "sm100_bwd_split"}
     assert set(parts) == {"dkdv", "dq"} and all(c.varlen for c in parts.values())
     assert (parts["dkdv"].gqa, parts["dkdv"].mask) == (h != hkv, "causal")
+    assert {(c.head_dim, c.head_dim_v) for c in parts.values()} == {(d, d)}
     text = exported.mlir_module()
     total_q, total_k, batch = q.shape[0], k.shape[0], len(VARLEN_LENS_Q)
     assert f"tensor<{total_k // 128 + batch + 1}x8xi32>" in text
     assert f"tensor<{total_q // 128 + batch + 1}x8xi32>" in text
-    assert "x32768xf32>" not in text  # no dq_accum
+    # no dq_accum (1, H, R·D) of the varlen backward's rows
+    assert f"x{sm90.dq_accum_rows(total_q, batch, 128) * d}xf32>" not in text
     assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
 
 
@@ -752,6 +766,9 @@ VARLEN_CASES = [  # (h, hkv, d, flash_attention_varlen kwargs, learnable sink)
     # head dim 256: the split backward's varlen mode
     (4, 2, 256, {"causal": True}, False),
     (2, 2, 256, {"window_size": (20, 3), "softcap": 2.0, "softmax_scale": 0.3}, True),
+    # head dims 192/192: the split backward's varlen mode, one dK/dV CTA per work row
+    (4, 2, 192, {"causal": True}, True),
+    (2, 2, 192, {"window_size": (20, 3), "softcap": 2.0, "softmax_scale": 0.3}, False),
 ]
 #: the 2-CTA kernel's varlen mode (head dims 192/128): (h, hkv, kwargs, learnable sink); 200
 #: NaN padding tokens, more than a 128-key tile's overhang past the last sequence (33 keys: its
@@ -797,7 +814,7 @@ def test_sm100_varlen_backward_contract_gives_the_reference_gradients(case, monk
         warnings.simplefilter("error")  # the kernel serves: no fallback warning
         got = _varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k, with_sink, **kwargs)(
             q, k, v, sink)
-    if d == 256:  # the split kernels' varlen mode
+    if d in (192, 256):  # the split kernels' varlen mode
         split = sorted((c.part, c.gqa, c.varlen) for c, _, _ in calls
                        if c.kernel_name == "sm100_bwd_split")
         assert split == [("dkdv", h != hkv, True), ("dq", False, True)]
@@ -860,15 +877,17 @@ def test_sm100_varlen_backward_needs_the_padding_rows_zeroed(monkeypatch, fresh_
         np.testing.assert_array_equal(nan_rows, want)
 
 
-def test_sm100_split_varlen_backward_needs_the_padding_rows_zeroed(monkeypatch, fresh_warning):
-    """Head dim 256, as above for the split kernels' tiles: without the backend's zeroing, the
-    NaN padding rows reach dK / dV of the sequences whose last 64-row query tile reaches past
-    the last sequence (the dK/dV kernel streams q, dout) and dQ of those whose last 64-key tile
-    does (the dQ kernel streams k, v); with it, none (the contract test above)."""
+@pytest.mark.parametrize("d", (256, 192))
+def test_sm100_split_varlen_backward_needs_the_padding_rows_zeroed(monkeypatch, fresh_warning,
+                                                                    d):
+    """Head dims 256 and 192/192, as above for the split kernels' tiles: without the backend's
+    zeroing, the NaN padding rows reach dK / dV of the sequences whose last 64-row query tile
+    reaches past the last sequence (the dK/dV kernel streams q, dout) and dQ of those whose last
+    64-key tile does (the dQ kernel streams k, v); with it, none (the contract test above)."""
     from jax_fa4.backends import sm100
 
-    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(2, 2, 256, pad_value=jnp.nan)
-    _varlen_emulated(monkeypatch, {}, 256)
+    q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(2, 2, d, pad_value=jnp.nan)
+    _varlen_emulated(monkeypatch, {}, d)
     monkeypatch.setattr(sm100, "zero_rows_from", lambda x, start, rows: x)
     grads = _varlen_grad_fn("sm100", ct, cu_q, cu_k, max_q, max_k)(q, k, v, None)
     cq, ck = np.asarray(cu_q), np.asarray(cu_k)

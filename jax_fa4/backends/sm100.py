@@ -19,15 +19,16 @@ the sm100 kernel's dq_accum is row-major, so no fragment reordering kernel is ne
 64, 96, 128 with ``Dv == D`` and 192 with ``Dv`` 128 (the last two with 2-CTA MMAs); others run the
 reference's backward with a one-time ``RuntimeWarning`` naming the reason.
 
-Head dim 256 (:meth:`Sm100Backend.split_backward`, jax_fa4/kernels/sm100/bwd_split_config.py):
-the split backward, two kernels on the same inputs: ``sm100_bwd_split`` part "dkdv" (dk, dv; GQA:
-float32 per query head, summed here) and part "dq" (dq scaled, in q's dtype, written once: no
-dq_accum, no postprocess). Both write each output once without atomics, so
-``deterministic=True`` takes the same configs.
+Head dims 192/192 and 256 (:meth:`Sm100Backend.split_backward`,
+jax_fa4/kernels/sm100/bwd_split_config.py, ``serves``): the split backward, two kernels on the
+same inputs: ``sm100_bwd_split`` part "dkdv" (dk, dv; GQA: float32 per query head, summed here;
+one CTA per key block at 192/192, two at 256, the config's ``col_splits``) and part "dq" (dq
+scaled, in q's dtype, written once: no dq_accum, no postprocess). Both write each output once
+without atomics, so ``deterministic=True`` takes the same configs.
 
 Varlen backward (:meth:`Sm100Backend.varlen_backward`): the varlen mode of the 1-CTA kernel
-(``bwd_config.varlen_config``, head dims 64, 96, 128) or of the 2-CTA kernel (192/128; 256: the
-split kernels' varlen mode, :meth:`Sm100Backend.split_varlen_backward`) on
+(``bwd_config.varlen_config``, head dims 64, 96, 128) or of the 2-CTA kernel (192/128; 192/192
+and 256: the split kernels' varlen mode, :meth:`Sm100Backend.split_varlen_backward`) on
 Hopper's work list (:func:`jax_fa4.backends.sm90.work_table`, the same launch order setting; one
 item per 128-key block of a sequence, or per 256-key pair span for the 2-CTA kernel,
 ``work_tile_n``) and dq_accum tiles (:func:`~jax_fa4.backends.sm90.dq_accum_rows`); dq is a row
@@ -124,7 +125,8 @@ class Sm100Backend(KernelBackend):
                                                   | tuple[Sm100BwdSplitConfig,
                                                           Sm100BwdSplitConfig]):
         """(main config, None) for this call (no postprocess kernel on sm100); raises ValueError
-        if unsupported. Head dims of the split backward (256): (dK/dV config, dQ config)."""
+        if unsupported. Head dims of the split backward (192/192, 256): (dK/dV config, dQ
+        config)."""
         if bwd_split_config.serves(q.shape[3], v.shape[3]):
             return self.split_backward_configs(q, k, v, opts)
         return Sm100BwdConfig.make(**backward_kind(q, k, v, opts)), None
@@ -183,7 +185,7 @@ class Sm100Backend(KernelBackend):
                                   reference.sink_probability(sink, lse) * rowsum).sum(axis=-1)
         return dq, dk.astype(k.dtype), dvv.astype(v.dtype), sink_rows
 
-    # -- split backward (head dim 256) ------------------------------------------------------------
+    # -- split backward (head dims 192/192 and 256) --------------------------------------------
     def split_backward_configs(self, q, k, v, opts) -> tuple[Sm100BwdSplitConfig,
                                                             Sm100BwdSplitConfig]:
         """(dK/dV config, dQ config) of the split backward (bwd_split_config.py); the
@@ -272,13 +274,14 @@ class Sm100Backend(KernelBackend):
 
     def split_varlen_backward(self, q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, out,
                               lse, dout, dlse, opts, plan):
-        """The varlen backward at head dim 256: the preprocess, then the split backward's two
-        kernels in their varlen mode (bwd_split_config.split_varlen_backward_signature): the
-        dK/dV kernel on the varlen backward's work list of key blocks (launch order ``plan[3]``,
-        its cost counted in the kernel's 64-row query blocks), the dQ kernel on the same list
-        built over query blocks with q and k swapped. dq comes out scaled and zero outside every
-        sequence; the padding rows after the last sequence are zeroed first, as for the 1-CTA
-        kernel's varlen mode."""
+        """The varlen backward at head dims 192/192 and 256: the preprocess, then the split
+        backward's two kernels in their varlen mode
+        (bwd_split_config.split_varlen_backward_signature): the dK/dV kernel on the varlen
+        backward's work list of key blocks (launch order ``plan[3]``, its cost counted in the
+        kernel's 64-row query blocks), the dQ kernel on the same list built over query blocks
+        with q and k swapped. dq comes out scaled and zero outside every sequence; the padding
+        rows after the last sequence are zeroed first, as for the 1-CTA kernel's varlen
+        mode."""
         from jax_fa4.ffi.call import call_kernel
 
         dkdv_cfg, dq_cfg = bwd_split_config.split_varlen_configs(

@@ -1,5 +1,5 @@
-"""FlashAttention backward for Blackwell (sm_100a) at head dim 256, in CuTe-DSL: the split
-backward, a dK/dV kernel and a dQ kernel (call contracts and the TMEM arithmetic in
+"""FlashAttention backward for Blackwell (sm_100a) at head dims 192/192 and 256, in CuTe-DSL:
+the split backward, a dK/dV kernel and a dQ kernel (call contracts and the TMEM arithmetic in
 bwd_split_config.py). Compile-verified; never run on a Blackwell GPU in this project.
 
 One class serves both parts with one warp layout and one barrier protocol. Each CTA keeps a
@@ -11,11 +11,13 @@ of the *streamed* operands that it sees:
                                                                           dK_c += dSᵀ·Q[:, c]
   dq     Q, dO (rows)  K, V        query  S = Q·Kᵀ        dP = dO·Vᵀ       dQ += dS·K
 
-dkdv: grid (2·ceil(Sk/128), H, B), CTA x takes key block x // 2 and output column half
-c = x % 2 (columns [128c, 128c + 128) of dK and dV); every CTA computes the whole Sᵀ / dPᵀ (the
-contraction runs over all of D). dq: grid (ceil(Sq/128), H, B), c = 0, all D columns of dQ.
-GEMM1 / GEMM2 per iteration: M = 128 lanes, N = 64 streamed rows, K = D; the TS GEMMs: M = 128,
-N = out_cols (128 or 256), K = 64, B = the streamed buffer seen MN-major (N tile c).
+dkdv: grid (parts·ceil(Sk/128), H, B) with parts = cfg.col_splits (the config's rule: 1 at
+192/192, 2 at 256), CTA x takes key block x // parts and output column part c = x % parts
+(columns [c·out_cols, (c + 1)·out_cols) of dK and dV: all 192 at 192/192, a half of 128 at 256);
+every CTA computes the whole Sᵀ / dPᵀ (the contraction runs over all of D). dq: grid
+(ceil(Sq/128), H, B), c = 0, all D columns of dQ. GEMM1 / GEMM2 per iteration: M = 128 lanes,
+N = 64 streamed rows, K = D; the TS GEMMs: M = 128, N = out_cols (128, 192 or 256), K = 64,
+B = the streamed buffer seen MN-major (N tile c).
 
 Warps (384 threads): 0-7 compute (warpgroup w = streamed columns [32w, 32w + 32) of GEMM1 /
 GEMM2; thread = TMEM lane), 8 MMA (one elected thread; allocates TMEM), 9 load (TMA for the four

@@ -1,12 +1,14 @@
-"""Compile key of the Blackwell (sm_100a) split backward, head dim 256: a dK/dV kernel and a dQ
-kernel (``bwd_split.py``). No compiler import.
+"""Compile key of the Blackwell (sm_100a) split backward, head dims 192/192 and 256: a dK/dV
+kernel and a dQ kernel (``bwd_split.py``). No compiler import.
 
 The fused backward (``bwd_config.py``) holds dK, dV, Sᵀ and dPᵀ of 128 keys in one SM's 512
-tensor-memory columns; at head dim 256 dK and dV alone take them all. The split backward runs
-two kernels with the same math (``bwd_config.py``'s module doc), each holding fewer accumulators:
+tensor-memory columns; at head dim 256 dK and dV alone take them all, and at 192/192 the four
+exceed them too (with 128 query columns per block). The split backward runs two kernels with
+the same math (``bwd_config.py``'s module doc), each holding fewer accumulators:
 
-  part "dkdv": per (key block n of 128 keys, output column half c, query head h, batch b):
-      dV[:, c] = Σ_m Pᵀ·dO[:, c],   dK[:, c] = scale · Σ_m dSᵀ·Q[:, c]
+  part "dkdv": per (key block n of 128 keys, output column part c, query head h, batch b):
+      dV[:, c] = Σ_m Pᵀ·dO[:, c],   dK[:, c] = scale · Σ_m dSᵀ·Q[:, c]   (c: all columns at
+      192/192, a half at 256: ``col_splits``)
     call: fn(stream, q, k, v, dout, lse_log2, delta, params, dk, dv)
     outputs dk (B, Sk, Hdk, D), dv (B, Sk, Hdk, Dv): Hdk = Hkv, input dtype (gqa=False) or
     Hdk = H, float32 per query head (gqa=True: the caller sums each group of H / Hkv heads).
@@ -26,12 +28,17 @@ Both kernels write every output element exactly once from one CTA and read nothi
 they are deterministic, with or without ``deterministic`` (which the fused kernel needs for its
 dQ reduce-adds); the backend uses them for both settings.
 
-Why it fits: each dK/dV CTA accumulates half of dK's and dV's columns (Dh = D/2 = 128 each)
-beside Sᵀ and dPᵀ of 64 query columns (64 each): 384 columns. It recomputes Sᵀ and dPᵀ for its
-half (the other half's CTA computes the same ones): twice the exp2 work and 3D instead of 2D
-MMA flops per (key, query) pair in the dK/dV kernel. The dQ CTA holds dQ (D columns) beside S
-and dP of 64 keys: 384 columns. Shared memory: the resident operands (K, V or Q, dO: 128 rows ×
-256 columns, 128 KiB) and two stages of the streamed one (64 rows) plus one of the other.
+Why it fits (``col_splits``, the one rule for the number of column parts): at 192/192 one dK/dV
+CTA per key block holds all of dK and dV (192 columns each) beside Sᵀ and dPᵀ of 64 query
+columns (64 each): 512 columns exactly. At 256 that would be 640, so each of two CTAs per key
+block accumulates half of dK's and dV's columns (D/2 = 128 each) beside Sᵀ and dPᵀ: 384 columns;
+it recomputes Sᵀ and dPᵀ for its half (the other half's CTA computes the same ones): twice the
+exp2 work and 3D instead of 2D MMA flops per (key, query) pair in the dK/dV kernel. A part must
+start on a 128-byte swizzle atom of the transposed streamed view (64 16-bit columns), which
+halves of 192 (96 columns) would not. The dQ CTA holds dQ (D columns) beside S and dP of 64
+keys: 320 (192) or 384 (256) columns. Shared memory: the resident operands (K, V or Q, dO: 128
+rows × D columns, 96 or 128 KiB) and two stages of the streamed one (64 rows) plus one of the
+other.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from jax_fa4.kernels.varlen_bwd_config import varlen_attention_backward_signatur
 from jax_fa4.kernels.sm100.bwd_config import TMEM_COLUMNS
 
 #: The (head_dim, head_dim_v) pairs the split backward serves.
-SPLIT_HEAD_DIMS = ((256, 256),)
+SPLIT_HEAD_DIMS = ((192, 192), (256, 256))
 #: The two kernels of the split backward.
 PARTS = ("dkdv", "dq")
 
@@ -102,8 +109,7 @@ class Sm100BwdSplitConfig(KernelConfig):
         if (self.head_dim, self.head_dim_v) not in SPLIT_HEAD_DIMS:
             raise ValueError("sm100 split backward: head dims "
                              f"{self.head_dim}/{self.head_dim_v} not served (only "
-                             f"{SPLIT_HEAD_DIMS}; 192/192 would split dK / dV into 96-column "
-                             "halves, which start inside a 128-byte swizzle atom)")
+                             f"{SPLIT_HEAD_DIMS}, Dv == D)")
         if self.gqa and self.part != "dkdv":
             raise ValueError("sm100 split backward: gqa is the dK/dV kernel's (dq is per query "
                              "head already)")
@@ -119,14 +125,18 @@ class Sm100BwdSplitConfig(KernelConfig):
 
     # -- derived ---------------------------------------------------------------------------------
     @property
-    def out_cols(self) -> int:
-        """Columns of each output accumulator per CTA: half of dK / dV (dkdv), all of dQ (dq)."""
-        return self.head_dim // 2 if self.part == "dkdv" else self.head_dim
+    def col_splits(self) -> int:
+        """CTAs per resident block, one per part of the output columns: dkdv 1 where all of dK
+        and dV fit one SM's TMEM beside Sᵀ and dPᵀ (D + Dv + 2·tile_cols <= 512: head dims
+        192/192 and below), else 2 (each CTA a half of dK's and dV's columns: 256/256); dq 1."""
+        fits = self.head_dim + self.head_dim_v + 2 * self.tile_cols <= TMEM_COLUMNS
+        return 1 if self.part == "dq" or fits else 2
 
     @property
-    def col_splits(self) -> int:
-        """CTAs per resident block (dkdv: one per output column half)."""
-        return self.head_dim // self.out_cols
+    def out_cols(self) -> int:
+        """Columns of each output accumulator per CTA: dK's / dV's part (dkdv: D / col_splits),
+        all of dQ (dq)."""
+        return self.head_dim // self.col_splits
 
     def tmem_offsets(self) -> dict[str, int]:
         """TMEM column offsets. dkdv: dK half [0, Dh), dV half [Dh, 2Dh), Sᵀ, dPᵀ (64 each; 16-bit
@@ -250,6 +260,7 @@ def shipped_configs() -> list[Sm100BwdSplitConfig]:
 
 def test_configs() -> list[Sm100BwdSplitConfig]:
     """The compile test's configs: both parts at bf16, head dim 256, causal; both varlen parts
-    with a local window, softcap and (dK/dV) GQA."""
+    with a local window, softcap and (dK/dV) GQA; the one-part dK/dV kernel (192/192, causal)."""
     return [*split_configs("bfloat16", 256, 256, "causal"),
-            *split_varlen_configs("bfloat16", 256, 256, "local", True, True)]
+            *split_varlen_configs("bfloat16", 256, 256, "local", True, True),
+            split_configs("bfloat16", 192, 192, "causal")[0]]
