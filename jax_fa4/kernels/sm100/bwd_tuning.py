@@ -33,8 +33,8 @@ class Sm100BwdTuning:
 # share one buffer, dO and dOᵀ another) and 8-column dQ boxes. 192/128 needs 2-CTA: the 1-CTA
 # TMEM accumulators dK + dV + Sᵀ + dPᵀ(=dQ) would take 192+128+128+192 = 640 columns > 512; the
 # 2-CTA layout overlaps dPᵀ with Sᵀ's upper half (bwd_2cta.py, "serial").
-# Not here: (256, 256), served by the split backward (bwd_split_config.py: a dK/dV kernel and a
-# dQ kernel; the fused kernels' dK + dV alone take the 512 TMEM columns).
+# Not here: (192, 192) and (256, 256), served by the split backward (bwd_split_config.py: a dK/dV
+# kernel and a dQ kernel; the fused kernels' dK + dV with Sᵀ and dPᵀ exceed the 512 TMEM columns).
 _T = Sm100BwdTuning
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm100BwdTuning]] = {
     (64, 64): {k: _T(2, 2, 32, 2) for k in MASK_KINDS},
@@ -73,6 +73,6 @@ SEGMENTS_TUNING: dict[tuple[int, int], Sm100BwdTuning] = {
 
 def tuning_for(head_dim: int, head_dim_v: int, mask: str) -> Sm100BwdTuning:
     return lookup_tuning(TUNING_TABLE, head_dim, head_dim_v, mask, "sm100 backward",
-                         unsupported_hint="; 256/256 is not the fused 1-CTA or 2-CTA kernels' "
-                         "(dK + dV + Sᵀ + dPᵀ exceed 512 TMEM columns) but the split "
-                         "backward's (bwd_split_config.py: a dK/dV and a dQ kernel)")
+                         unsupported_hint="; 192/192 and 256/256 are not the fused 1-CTA or "
+                         "2-CTA kernels' (dK + dV + Sᵀ + dPᵀ exceed 512 TMEM columns) but the "
+                         "split backward's (bwd_split_config.py: a dK/dV and a dQ kernel)")
