@@ -2,9 +2,9 @@
 CPU-only machine, with clean SASS, and its config keeps its contract.
 
 Nothing here runs a kernel (no Blackwell GPU exists in this project). The configs of
-``bwd_split_config.test_configs()`` (both parts) are compiled through the binding's own path
-(``compile_config(config, "sm_100a")``, into a private cache: a few seconds each) and their SASS
-read with jax_fa4.tools.sass: tcgen05 MMAs (UTCHMMA: GEMM1 and GEMM2 over D / 16 k-blocks each,
+``bwd_split_config.test_configs()`` (both parts; the quick tier compiles its sample of them,
+``--exhaustive`` all) are compiled into the test run's kernel cache (``shipped_cache``) and their
+SASS read with jax_fa4.tools.sass: tcgen05 MMAs (UTCHMMA: GEMM1 and GEMM2 over D / 16 k-blocks each,
 the TS GEMMs over 64 / 16; no 2-CTA forms), commits, TMEM loads / stores, TMA loads and no TMA
 reduce-add (nothing is accumulated in global memory), MUFU.EX2 (MUFU.TANH iff softcap), TMEM
 allocation balanced, no local memory, registers <= 255. Every shipped variant: ``python -m
@@ -18,11 +18,11 @@ import re
 
 import pytest
 
-from compiled import needs_disassembler
+from compiled import compiled_report, needs_disassembler, tiered
 from jax_fa4.kernels.sm100.bwd_config import TMEM_COLUMNS
 from jax_fa4.kernels.sm100.bwd_split_config import (PARTS, SPLIT_HEAD_DIMS, Sm100BwdSplitConfig,
-                                                    serves, shipped_configs, split_configs,
-                                                    test_configs)
+                                                    serves, shipped_configs, split_configs)
+from jax_fa4.kernels.sm100.bwd_split_config import test_configs as quick_configs
 from jax_fa4.kernels.spec import SMEM_BUDGET_BYTES
 
 ARCH = "sm_100a"
@@ -41,14 +41,9 @@ def _id(c: Sm100BwdSplitConfig) -> str:
 
 @pytest.mark.skipif(not _compiler_available(), reason="needs nvidia-cutlass-dsl")
 @needs_disassembler
-@pytest.mark.parametrize("cfg", test_configs(), ids=_id)
-def test_compiles_with_clean_sass(cfg, monkeypatch, tmp_path):
-    from compiled import kernel_sass
-
-    from jax_fa4.ffi.compiler import compile_config
-
-    monkeypatch.setenv("CUTE_DSL_ARCH", ARCH)
-    k = kernel_sass(compile_config(cfg, ARCH).object_bytes)
+@pytest.mark.parametrize("cfg", tiered(quick_configs(), ARCH), ids=_id)
+def test_compiles_with_clean_sass(cfg, shipped_cache):
+    k, _ = compiled_report(shipped_cache, cfg, ARCH)
     n = lambda pat: len(re.findall(pat, k.sass))  # noqa: E731
     assert "FlashAttentionBackwardSm100Split" in k.name, k.name
     d, dv, cols = cfg.head_dim, cfg.head_dim_v, cfg.tile_cols
@@ -73,7 +68,7 @@ def test_shipped_configs_are_valid_and_cover_every_option():
     assert {(c.head_dim, c.head_dim_v) for c in shipped} == set(SPLIT_HEAD_DIMS) == {
         (192, 192), (256, 256)}
     assert {c.varlen for c in shipped} == {False, True}
-    assert set(test_configs()) <= set(shipped)
+    assert set(quick_configs()) <= set(shipped)
     assert {c.part for c in shipped} == set(PARTS)
     assert {(c.part, c.gqa) for c in shipped} == {("dkdv", False), ("dkdv", True), ("dq", False)}
     for c in shipped:
