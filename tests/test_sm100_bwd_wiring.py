@@ -733,13 +733,30 @@ def test_varlen_gradient_lowers_to_the_sm100_varlen_backward(lowered, fresh_warn
 
 @pytest.mark.parametrize("h, hkv, d", [(4, 2, 256), (2, 2, 256), (4, 2, 192)])
 def test_varlen_gradient_at_head_dim_256_lowers_to_the_split_varlen_kernels(
-        lowered, fresh_warning, h, hkv, d):
+        lowered, fresh_warning, monkeypatch, h, hkv, d):
     """Head dim 256 (and 192/192): the split backward's two kernels in their varlen mode, each
-    with its work list (key blocks of 128 for dK/dV, query blocks of 128 for dQ:
-    sm90.work_items rows), no dq_accum, no fused kernel, no fallback warning."""
+    with its work list (key blocks of 128 for dK/dV, built from (cu_seqlens_q, cu_seqlens_k);
+    query blocks of 128 for dQ, from the swapped pair, in sequence order; each costed in 64-row
+    streamed tiles), no dq_accum, no fused kernel, no fallback warning."""
     from jax_fa4.backends import sm90
 
     q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(h, hkv, d)
+    from jax_fa4.backends.sm100 import Sm100Backend
+
+    tables, seen = [], {}
+    work_table, split = sm90.work_table, Sm100Backend.split_varlen_backward
+
+    def spy_split(self, q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, *rest):
+        seen.update(q=cu_seqlens_q, k=cu_seqlens_k)  # (the traced cu_seqlens of this call)
+        return split(self, q, k, v, sink, segments, cu_seqlens_q, cu_seqlens_k, *rest)
+
+    def spy(cu_a, cu_b, *rest):
+        which = [next((n for n, x in seen.items() if x is cu), "?") for cu in (cu_a, cu_b)]
+        tables.append((*which, *rest[:3], rest[4] if len(rest) > 4 else None))
+        return work_table(cu_a, cu_b, *rest)
+
+    monkeypatch.setattr(Sm100Backend, "split_varlen_backward", spy_split)
+    monkeypatch.setattr(sm90, "work_table", spy)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         exported = _export_for_cuda(
@@ -754,6 +771,8 @@ def test_varlen_gradient_at_head_dim_256_lowers_to_the_split_varlen_kernels(
     total_q, total_k, batch = q.shape[0], k.shape[0], len(VARLEN_LENS_Q)
     assert f"tensor<{total_k // 128 + batch + 1}x8xi32>" in text
     assert f"tensor<{total_q // 128 + batch + 1}x8xi32>" in text
+    assert tables == [("q", "k", total_k // 128 + batch + 1, 64, 128, sm90.work_order()),
+                      ("k", "q", total_q // 128 + batch + 1, 64, 128, "sequence")], tables
     # no dq_accum (1, H, R·D) of the varlen backward's rows
     assert f"x{sm90.dq_accum_rows(total_q, batch, 128) * d}xf32>" not in text
     assert [a.shape for a in exported.out_avals] == [q.shape, k.shape, v.shape]
