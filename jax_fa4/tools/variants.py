@@ -329,7 +329,7 @@ FAMILIES: dict[str, tuple[tuple[str, ...], Callable[..., Iterable[KernelConfig]]
     # the GPU test suite needs none of them.
     "sm100_fwd": (("sm_100a",), _filtered(sm100_fwd_config.shipped_configs), _none),
     "sm100_bwd": (("sm_100a",), _filtered(sm100_bwd_config.shipped_configs), _none),
-    # the head-dim-256 backward: a dK/dV kernel and a dQ kernel (bwd_split_config.py)
+    # the backward at head dims 192/192 and 256: a dK/dV and a dQ kernel (bwd_split_config.py)
     "sm100_bwd_split": (("sm_100a",), _filtered(sm100_bwd_split_config.shipped_configs), _none),
     # Test-only: runs the arch-independent software exp2 (common/exp2.py) on the H200
     # (tests/gpu/test_exp2_device.py); never shipped.
