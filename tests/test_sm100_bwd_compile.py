@@ -341,9 +341,10 @@ def test_transposed_smem_views_alias_exactly(d):
     its MN-major view in dQ; dS (m-major A of dQ) vs dSᵀ (K-major A of dK): the swizzled offset
     of element (r, c) in one equals that of (c, r) in the other (every third row, all columns).
     Evaluated at trace time on the static layouts the kernel builds."""
-    import os
 
-    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    from jax_fa4.ffi.compiler import set_target_arch
+
+    set_target_arch(ARCH)  # (the DSL keeps the last compile's arch: maybe sm_90a)
     import cutlass
     import cutlass.cute as cute
     import cutlass.utils.blackwell_helpers as sm100_utils
@@ -415,9 +416,10 @@ def test_two_cta_operand_and_accumulator_maps(d, dv):
     * sdS: the keys of CTA h are the bytes [16 KB·h, 16 KB·(h + 1)) (what the DSMEM copy moves
       and the exchange buffer mirrors), query-contiguous per key (the compute warps' row store).
     """
-    import os
 
-    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    from jax_fa4.ffi.compiler import set_target_arch
+
+    set_target_arch(ARCH)  # (the DSL keeps the last compile's arch: maybe sm_90a)
     import cutlass
     import cutlass.cute as cute
     import cutlass.utils.blackwell_helpers as sm100_utils

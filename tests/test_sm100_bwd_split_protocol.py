@@ -532,6 +532,9 @@ def test_transposed_views_checked_at_trace_time():
     shape (traced by the CuTe-DSL compiler on the CPU; skipped where it is not installed)."""
     if cutlass is None:
         pytest.skip("the CuTe-DSL compiler is not installed")
+    from jax_fa4.ffi.compiler import set_target_arch
+
+    set_target_arch("sm_100a")  # (the DSL keeps the last compile's arch: maybe sm_90a)
     import cutlass.cute as cute
     import cutlass.utils.blackwell_helpers as sm100_utils
     from cutlass.cute.nvgpu import tcgen05

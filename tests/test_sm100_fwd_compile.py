@@ -214,9 +214,10 @@ def test_tmem_fragment_maps(head_dim, head_dim_v):
 
     No Blackwell GPU exists here: this is the part of "the first B200 run shows P in the wrong
     place" that can be settled without one."""
-    import os
 
-    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    from jax_fa4.ffi.compiler import set_target_arch
+
+    set_target_arch(ARCH)  # (the DSL keeps the last compile's arch: maybe sm_90a)
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32
