@@ -612,15 +612,15 @@ def test_peer_column_on_cpu(tmp_path, monkeypatch, capsys):
     out = tmp_path / "peer.json"
     assert bench.main(["--shapes", "custom", "--B", "1", "--Sq", "48", "--H", "2", "--Hkv", "1",
                        "--D", "16,256", "--causal", "no,yes", "--window", "none,none",
-                       "--window", "8,2", "--impls", "jax-fa4,reference,fa3-jax",
+                       "--impls", "jax-fa4,reference,fa3-jax",
                        "--repeats", "1", "--target-ms", "2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     peer = report["peers"]["fa3-jax"]
     assert peer["available"] and peer["timed"] and peer["version"] == "0.0-refuse256"
     rows = {(r["impl"], r["D"], r["causal"], tuple(r["window"])): r for r in report["rows"]}
-    assert len(rows) == len(report["rows"]) == 3 * 2 * 2 * 2
+    assert len(rows) == len(report["rows"]) == 3 * 2 * 2  # (windows: test_fa3_call_maps_fa4_masks)
     for causal in (False, True):
-        for window in ((None, None), (8, 2)):
+        for window in ((None, None),):
             fa3 = rows["fa3-jax", 16, causal, window]
             assert tuple(fa3) == bench.ROW_KEYS and fa3["skipped"] is None, fa3
             assert fa3["fwd_ms"] > 0 and fa3["fwdbwd_ms"] > 0 and fa3["rounds"] >= 1
