@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import per_class
 from numerics import random_qkv
 from sm100_emulation import emulated_call_kernel
 
@@ -261,7 +262,14 @@ NUMERIC_CASES = [  # (b, sq, sk, h, hkv, d, flash_attention kwargs, learnable si
 ]
 
 
-@pytest.mark.parametrize("case", NUMERIC_CASES, ids=str)
+def _route(d: int) -> str:
+    """Which sm100 backward serves head dim ``d``: the fused kernels or the split ones."""
+    return "split" if d in (192, 256) else "fused"
+
+
+#: the quick tier runs one case per (route, sink, deterministic); --exhaustive all
+@pytest.mark.parametrize("case", per_class(NUMERIC_CASES, key=lambda c: (
+    _route(c[5]), c[7], c[6].get("deterministic", False))), ids=str)
 def test_sm100_backward_contract_gives_the_reference_gradients(case, monkeypatch, fresh_warning):
     """With the kernels replaced by contract-exact stand-ins, jax.grad through
     implementation="sm100" (dq_accum rows past Sq dropped and scaled by softmax_scale, GQA/MQA
@@ -817,7 +825,9 @@ def _varlen_emulated(monkeypatch, kwargs, d):
     return calls
 
 
-@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+#: the quick tier runs one case per (route, sink); --exhaustive all
+@pytest.mark.parametrize("case", per_class(VARLEN_CASES, key=lambda c: (_route(c[2]), c[4])),
+                         ids=str)
 def test_sm100_varlen_backward_contract_gives_the_reference_gradients(case, monkeypatch,
                                                                       fresh_warning):
     """With the kernels replaced by contract-exact stand-ins, jax.grad through
