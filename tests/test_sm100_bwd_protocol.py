@@ -90,6 +90,7 @@ from collections import defaultdict, deque
 from functools import partial
 
 import pytest
+import compiled
 from compiled import per_class
 from test_sm100_fwd_protocol import (
     Barrier,
@@ -1116,6 +1117,12 @@ def random_ids(rng: random.Random, b: int, seqlen_q: int, seqlen_k: int):
     return q_ids, kv_ids
 
 
+def mode_runs() -> int:
+    """Random grids per case of the segment-id and varlen checks: 15 in the quick tier, 30 with
+    ``--exhaustive`` (each mode changes only the key blocks' query-block ranges)."""
+    return RUNS // 2 if compiled.EXHAUSTIVE else RUNS // 4
+
+
 @pytest.mark.parametrize("mask", per_class(["local", "causal", "none"], key=lambda m: 0))
 def test_protocol_segments_random_schedules(mask):
     """Segment ids (packed documents, ids anywhere, padding, query / key ids of other lengths)
@@ -1127,7 +1134,7 @@ def test_protocol_segments_random_schedules(mask):
 
     rng = random.Random(f"segments-{mask}")
     idle = cut = 0
-    for _ in range(RUNS // 2):
+    for _ in range(mode_runs()):
         d = rng.choice((64, 96, 128))
         cfg = segments_config("bfloat16", d, d, mask, has_softcap=rng.random() < 0.3)
         b = rng.choice((1, 2))
@@ -1164,7 +1171,7 @@ def test_protocol_varlen_random_schedules(mask):
 
     rng = random.Random(f"varlen-{mask}")
     idle = 0
-    for _ in range(RUNS // 2):
+    for _ in range(mode_runs()):
         d = rng.choice((64, 96, 128))
         cfg = varlen_config("bfloat16", d, d, mask, has_softcap=rng.random() < 0.3,
                             gqa=rng.random() < 0.3)
