@@ -91,8 +91,10 @@ def flax_tests(request, tmp_path_factory) -> Path:
     return dest
 
 
-def test_flax_attention_suite(flax_tests, tmp_path):
-    """Flax's attention tests pass on jax-fa4's layers, but for the documented refusals."""
+@pytest.mark.parametrize("path", FLAX_TEST_FILES, ids=lambda path: Path(path).stem)
+def test_flax_attention_suite(flax_tests, tmp_path, path):
+    """Flax's attention tests of ``path`` pass on jax-fa4's layers, but for the documented
+    refusals (one file per test: the two run side by side under pytest-xdist)."""
     report = tmp_path / "report.json"
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # none of this repository's settings
     env = dict(os.environ, FA4_FLAX_SUITE_REPORT=str(report), PYTHONPATH=os.pathsep.join(
@@ -101,7 +103,7 @@ def test_flax_attention_suite(flax_tests, tmp_path):
         env.update(JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    files = [str(flax_tests / path) for path in FLAX_TEST_FILES]
+    files = [str(flax_tests / path)]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-c", str(tmp_path / "pytest.ini"),
          "--rootdir", str(flax_tests), "-p", "no:cacheprovider", "-p", "fa4_flax_substitute",
@@ -120,12 +122,11 @@ def test_flax_attention_suite(flax_tests, tmp_path):
     xfailed = {node for node, v in outcomes.items() if v == "xfailed"}
     expected = {node for node in outcomes if _refusal_key(node) in refusals}
     assert xfailed == expected, f"expected failures {sorted(xfailed)} != refusals"
-    for path in FLAX_TEST_FILES:  # each file exercised jax-fa4's attention
-        name = Path(path).name
-        ran = [node for node in outcomes if _refusal_key(node)[0] == name]
-        assert ran, f"no test of {path} ran"
-        assert sum(result["attention_calls"].get(node, 0) for node in ran) > 0, (
-            f"no test of {path} called jax-fa4's attention: were the layers substituted?")
+    name = Path(path).name  # the file exercised jax-fa4's attention
+    ran = [node for node in outcomes if _refusal_key(node)[0] == name]
+    assert ran and len(ran) == len(outcomes), f"no test of {path} ran"
+    assert sum(result["attention_calls"].get(node, 0) for node in ran) > 0, (
+        f"no test of {path} called jax-fa4's attention: were the layers substituted?")
 
 
 def _refusal_key(nodeid: str) -> tuple[str, str, str]:
