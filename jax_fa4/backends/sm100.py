@@ -80,6 +80,15 @@ def zero_rows_from(x: jax.Array, start: jax.Array, rows: int) -> jax.Array:
     return x.at[idx].set(jnp.zeros((), x.dtype), mode="drop")
 
 
+def dense_dq(dq_accum: jax.Array, q: jax.Array, sq_pad: int, scale: jax.Array) -> jax.Array:
+    """dq (B, Sq, H, D) in q's dtype from the dense kernels' dq_accum (B, H, Sq_pad·D),
+    row-major and unscaled: the sm90 postprocess kernel's rule, dq = dq_accum · softmax_scale in
+    float32, the rows past Sq dropped."""
+    b, sq, h, d = q.shape
+    dq = dq_accum.reshape(b, h, sq_pad, d)[:, :, :sq] * scale
+    return dq.transpose(0, 2, 1, 3).astype(q.dtype)
+
+
 def varlen_dq(dq_accum: jax.Array, cu_seqlens_q: jax.Array, total_q: int, head_dim: int,
               tile_m: int, scale: jax.Array, dtype) -> jax.Array:
     """The packed dq (total_q, H, D) from the varlen kernel's dq_accum (1, H, R·D), row-major:
@@ -138,15 +147,13 @@ class Sm100Backend(KernelBackend):
         if bwd_split_config.serves(q.shape[3], v.shape[3]):
             return self.split_backward(q, k, v, dout, delta, lse_log2, opts)
         cfg, _ = self.backward_configs(q, k, v, opts)
-        b, sq, h, d = q.shape
+        sq, d = q.shape[1], q.shape[3]
         params = kernel_params(opts, d)
         num_m = cfg.num_m_blocks(sq)
         sq_pad = num_m * cfg.tile_m
         dq_accum, dk, dvv, _ = self.backward_main(cfg, q, k, v, dout, delta, lse_log2, params,
                                                   sq_pad, num_m * cfg.semaphore_slots)
-        # the sm90 postprocess kernel's rule: dq = dq_accum · softmax_scale in float32
-        dq = dq_accum.reshape(b, h, sq_pad, d)[:, :, :sq] * params[PARAM_SCALE]
-        dq = dq.transpose(0, 2, 1, 3).astype(q.dtype)
+        dq = dense_dq(dq_accum, q, sq_pad, params[PARAM_SCALE])
         return dq, dk.astype(k.dtype), dvv.astype(v.dtype)
 
     # -- segment ids backward ---------------------------------------------------------------------
@@ -170,15 +177,14 @@ class Sm100Backend(KernelBackend):
         cfg = self.segments_backward_config(q, k, v, opts)
         assert not isinstance(cfg, str), cfg
         rowsum, lse_log2 = base.preprocess(self, out, dout, lse, opts)
-        b, sq, h, d = q.shape
+        sq, d = q.shape[1], q.shape[3]
         params = kernel_params(opts, d)
         sq_pad = cfg.num_m_blocks(sq) * cfg.tile_m
         tables = segments.backward_tables(q_ids, kv_ids, cfg.tile_m, cfg.tile_n)
         # a cotangent on lse enters as -dlse (jax_fa4.autodiff)
         dq_accum, dk, dvv, _ = self.backward_main(cfg, q, k, v, dout, rowsum - dlse, lse_log2,
                                                   params, sq_pad, 0, extra_inputs=tables)
-        dq = dq_accum.reshape(b, h, sq_pad, d)[:, :, :sq] * params[PARAM_SCALE]
-        dq = dq.transpose(0, 2, 1, 3).astype(q.dtype)
+        dq = dense_dq(dq_accum, q, sq_pad, params[PARAM_SCALE])
         sink_rows = None
         if sink is not None:  # (rows without a key: P_sink = 0, selected out)
             sink_rows = jnp.where(jnp.isneginf(lse), 0.0,
