@@ -160,7 +160,8 @@ from functools import partial
 import pytest
 from compiled import per_class
 from test_sm100_bwd_protocol import (WARP, BwdCta, BwdSim, PipelineAsync, Reduce,
-                                     padding_zeroed_once, random_ids, varlen_work)
+                                     check_barrier_ends, padding_zeroed_once, random_ids,
+                                     varlen_work)
 from test_sm100_fwd_protocol import (
     Barrier,
     PipelineState,
@@ -1012,17 +1013,7 @@ class PairCta:
             want[self.pipeline_lse.full[i]] = (k, dict.fromkeys(compute, k))
             want[self.pipeline_lse.empty[i]] = (k, {load: k})
         assert set(want) == set(self.bars)
-        waits = defaultdict(dict)
-        for (actor, bar), k in sim.waits.items():
-            waits[bar][actor] = k
-        for bar, (phases, waiters) in want.items():
-            if bar.pending != bar.count or bar.tx:
-                sim.fail(f"{bar!r} ends inside a phase")
-            if bar.completed != phases:
-                sim.fail(f"{bar!r}: {bar.completed} phases completed, expected {phases}")
-            waiters = {a: k for a, k in waiters.items() if k}
-            if waits[bar] != waiters:
-                sim.fail(f"{bar!r}: waits {waits[bar]}, expected {waiters}")
+        check_barrier_ends(sim, want)
         want_stored = {(wg, q): 1 for wg in range(2) for q in range(4)} if self.in_range else {}
         if dict(self.stored) != want_stored:
             sim.fail(f"CTA {self.id}: dK / dV stores {dict(self.stored)}")
