@@ -703,33 +703,37 @@ class BwdCta:
             yield ("bulk_wait", 0, True)
 
     # --- kernel(): the warp-role dispatch -----------------------------------------------------
+    #: warps at the TMEM_ALLOC / TMEM_DEALLOC named barriers, and the dQ reduce warps among them
+    tmem_users = TMEM_USERS
+    reduce_warp_count = 4
+
+    def tmem_user(self, gen):
+        """A warp's role between the TMEM allocation and deallocation barriers."""
+        alloc, dealloc = (self.id, "TMEM_ALLOC"), (self.id, "TMEM_DEALLOC")
+        yield ("bar_arrive", alloc)  # tmem.wait_for_alloc()
+        yield ("bar_wait", alloc, self.tmem_users)
+        yield from gen
+        yield ("bar_arrive", dealloc)  # dealloc_barrier.arrive_and_wait()
+        yield ("bar_wait", dealloc, self.tmem_users)
+
+    def mma_role(self):
+        yield ("record", "tmem.allocate", lambda: None)
+        yield from self.tmem_user(self.mma_warp())
+        yield ("tmem_free",)
+
+    def compute_role(self, wg, q):
+        yield from self.tmem_user(self.compute_warps(wg, q))
+        if self.zero_padding:  # zero_padding_dkv: plain global stores, no barrier
+            yield ("record", "padding dK / dV zeroed", self._record_padding(wg, q))
+
     def spawn(self):
         sim, p = self.sim, f"c{self.id}"
-        alloc, dealloc = (self.id, "TMEM_ALLOC"), (self.id, "TMEM_DEALLOC")
-
-        def tmem_user(gen):
-            yield ("bar_arrive", alloc)  # tmem.wait_for_alloc()
-            yield ("bar_wait", alloc, TMEM_USERS)
-            yield from gen
-            yield ("bar_arrive", dealloc)  # dealloc_barrier.arrive_and_wait()
-            yield ("bar_wait", dealloc, TMEM_USERS)
-
-        def mma_role():
-            yield ("record", "tmem.allocate", lambda: None)
-            yield from tmem_user(self.mma_warp())
-            yield ("tmem_free",)
-
-        for w in range(4):
-            sim.spawn(f"{p}.reduce{w}", tmem_user(self.reduce_warps(w)), self)
-        def compute_role(wg, q):
-            yield from tmem_user(self.compute_warps(wg, q))
-            if self.zero_padding:  # zero_padding_dkv: plain global stores, no barrier
-                yield ("record", "padding dK / dV zeroed", self._record_padding(wg, q))
-
+        for w in range(self.reduce_warp_count):
+            sim.spawn(f"{p}.reduce{w}", self.tmem_user(self.reduce_warps(w)), self)
         for wg in range(2):
             for q in range(4):
-                sim.spawn(f"{p}.compute{wg}.{q}", compute_role(wg, q), self)
-        sim.spawn(f"{p}.mma", mma_role(), self)
+                sim.spawn(f"{p}.compute{wg}.{q}", self.compute_role(wg, q), self)
+        sim.spawn(f"{p}.mma", self.mma_role(), self)
         sim.spawn(f"{p}.load", self.load_warp(), self)
 
     # --- end of run ---------------------------------------------------------------------------

@@ -266,33 +266,14 @@ class SplitCta(BwdCta):
                                              base + half * (wg + 1))], f"ld {name}")
         yield ("record", "outputs stored", self._record_store(wg, quarter))
 
-    # --- kernel(): the warp-role dispatch -----------------------------------------------------
-    def spawn(self):
-        sim, p = self.sim, f"c{self.id}"
-        alloc, dealloc = (self.id, "TMEM_ALLOC"), (self.id, "TMEM_DEALLOC")
+    # --- kernel(): the warp-role dispatch (BwdCta.spawn, without reduce warps) ---------------
+    tmem_users = TMEM_USERS
+    reduce_warp_count = 0
 
-        def tmem_user(gen):
-            yield ("bar_arrive", alloc)  # tmem.wait_for_alloc()
-            yield ("bar_wait", alloc, TMEM_USERS)
-            yield from gen
-            yield ("bar_arrive", dealloc)  # dealloc_barrier.arrive_and_wait()
-            yield ("bar_wait", dealloc, TMEM_USERS)
-
-        def mma_role():
-            yield ("record", "tmem.allocate", lambda: None)
-            yield from tmem_user(self.mma_warp())
-            yield ("tmem_free",)
-
-        def compute_role(wg, q):
-            yield from tmem_user(self.compute_warps(wg, q))
-            if self.zero_padding and self.col_half == 0:  # plain global stores, no barrier
-                yield ("record", "padding rows zeroed", self._record_padding(wg, q))
-
-        for wg in range(2):
-            for q in range(4):
-                sim.spawn(f"{p}.compute{wg}.{q}", compute_role(wg, q), self)
-        sim.spawn(f"{p}.mma", mma_role(), self)
-        sim.spawn(f"{p}.load", self.load_warp(), self)
+    def compute_role(self, wg, q):
+        yield from self.tmem_user(self.compute_warps(wg, q))
+        if self.zero_padding and self.col_half == 0:  # plain global stores, no barrier
+            yield ("record", "padding rows zeroed", self._record_padding(wg, q))
 
     # --- end of run ---------------------------------------------------------------------------
     def check_end(self):
