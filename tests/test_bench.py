@@ -130,8 +130,16 @@ def test_jax_fa4_row_probes_the_forced_kernel():
         bench.lower_impl("jax-fa4", shape, "sm90", inputs, False)
 
 
+@pytest.fixture
+def two_input_sets(monkeypatch):
+    """CPU sweeps rotate through two input sets (the fewest ``make_inputs`` makes), not the
+    GPU's L2-flushing rotation: on tiny shapes that is 64 sets, whose drawing cost more than
+    the rows' timing, and the rows see no cache to flush."""
+    monkeypatch.setattr(bench, "ROTATION_BYTES", 0)
+
+
 @pytest.mark.skipif(not ON_CPU, reason="checks the CPU sweep's rows")
-def test_tiny_sweep_on_cpu(tmp_path, capsys, monkeypatch):
+def test_tiny_sweep_on_cpu(tmp_path, capsys, monkeypatch, two_input_sets):
     monkeypatch.setitem(sys.modules, "flash_attn3_jax", None)  # the optional peer: absent
     out = tmp_path / "tiny.json"
     assert bench.main(["--shapes", "tiny", "--repeats", "1", "--target-ms", "5",
@@ -517,7 +525,7 @@ def test_fp8_input_sets_share_e4m3_values():
 
 
 @pytest.mark.skipif(not ON_CPU, reason="checks the CPU sweep's rows")
-def test_tiny_fp8_sweep_on_cpu(tmp_path):
+def test_tiny_fp8_sweep_on_cpu(tmp_path, two_input_sets):
     out = tmp_path / "fp8.json"
     assert bench.main(["--dtype", "float8_e4m3fn", "--shapes", "tiny", "--repeats", "1",
                        "--target-ms", "5", "--out", str(out)]) == 0
@@ -605,37 +613,38 @@ def test_peer_default_impls_follow_importability(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_CPU, reason="runs the stand-in peers on the CPU")
-def test_peer_column_on_cpu(tmp_path, monkeypatch, capsys):
+def test_peer_column_on_cpu(tmp_path, monkeypatch, capsys, two_input_sets):
     """A stand-in fa3-jax is timed in the same rotation as ours, checked by FA4's rule, and a
-    head dim it refuses is recorded as refused; one with NaN gradients is flagged."""
+    head dim it refuses is recorded as refused; one with NaN gradients is flagged. Causal
+    shapes only: the mask reaches flash_mha's arguments (test_fa3_call_maps_fa4_masks) and its
+    result is checked against the masked reference here."""
     monkeypatch.setitem(sys.modules, "flash_attn3_jax", _fake_fa3("refuse256"))
     out = tmp_path / "peer.json"
     assert bench.main(["--shapes", "custom", "--B", "1", "--Sq", "48", "--H", "2", "--Hkv", "1",
-                       "--D", "16,256", "--causal", "no,yes", "--window", "none,none",
+                       "--D", "16,256", "--causal", "yes", "--window", "none,none",
                        "--impls", "jax-fa4,reference,fa3-jax",
                        "--repeats", "1", "--target-ms", "2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     peer = report["peers"]["fa3-jax"]
     assert peer["available"] and peer["timed"] and peer["version"] == "0.0-refuse256"
     rows = {(r["impl"], r["D"], r["causal"], tuple(r["window"])): r for r in report["rows"]}
-    assert len(rows) == len(report["rows"]) == 3 * 2 * 2  # (windows: test_fa3_call_maps_fa4_masks)
-    for causal in (False, True):
-        for window in ((None, None),):
-            fa3 = rows["fa3-jax", 16, causal, window]
-            assert tuple(fa3) == bench.ROW_KEYS and fa3["skipped"] is None, fa3
-            assert fa3["fwd_ms"] > 0 and fa3["fwdbwd_ms"] > 0 and fa3["rounds"] >= 1
-            assert fa3["finite"] == {"out": True, "dq": True, "dk": True, "dv": True}
-            rule = fa3["fa4_rule"]
-            assert rule["passed"] is True and "float32 reference" in rule["vs"]
-            assert {n: rule[n]["passed"] for n in ("out", "dq", "dk", "dv")} == dict.fromkeys(
-                ("out", "dq", "dk", "dv"), True)
-            assert fa3["fwd_rel_err_vs"] == "reference" and fa3["fwd_rel_err"] < 1e-2
-            ours = rows["jax-fa4", 16, causal, window]
-            assert ours["fa4_rule"]["passed"] is True  # every row of the shape, same rule
-            refused = rows["fa3-jax", 256, causal, window]
-            assert refused["skipped"].startswith("refused: ValueError: Check failed: head_size")
-            assert refused["fwd_ms"] is None and refused["finite"] is None
-            assert rows["jax-fa4", 256, causal, window]["skipped"] is None
+    assert len(rows) == len(report["rows"]) == 3 * 2  # (masks: test_fa3_call_maps_fa4_masks)
+    causal, window = True, (None, None)
+    fa3 = rows["fa3-jax", 16, causal, window]
+    assert tuple(fa3) == bench.ROW_KEYS and fa3["skipped"] is None, fa3
+    assert fa3["fwd_ms"] > 0 and fa3["fwdbwd_ms"] > 0 and fa3["rounds"] >= 1
+    assert fa3["finite"] == {"out": True, "dq": True, "dk": True, "dv": True}
+    rule = fa3["fa4_rule"]
+    assert rule["passed"] is True and "float32 reference" in rule["vs"]
+    assert {n: rule[n]["passed"] for n in ("out", "dq", "dk", "dv")} == dict.fromkeys(
+        ("out", "dq", "dk", "dv"), True)
+    assert fa3["fwd_rel_err_vs"] == "reference" and fa3["fwd_rel_err"] < 1e-2
+    ours = rows["jax-fa4", 16, causal, window]
+    assert ours["fa4_rule"]["passed"] is True  # every row of the shape, same rule
+    refused = rows["fa3-jax", 256, causal, window]
+    assert refused["skipped"].startswith("refused: ValueError: Check failed: head_size")
+    assert refused["fwd_ms"] is None and refused["finite"] is None
+    assert rows["jax-fa4", 256, causal, window]["skipped"] is None
     # the peer's programs joined the shape's one rotation
     record = report["timing"]["shapes"][0]
     assert [p.split()[0] for p in record["programs"]].count("fa3-jax") == 3
@@ -645,9 +654,9 @@ def test_peer_column_on_cpu(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setitem(sys.modules, "flash_attn3_jax", _fake_fa3("nan"))
     out = tmp_path / "nan.json"
-    assert bench.main(["--shapes", "custom", "--B", "1", "--Sq", "32", "--H", "2", "--D", "16",
-                       "--impls", "reference,fa3-jax", "--repeats", "1", "--target-ms", "2",
-                       "--out", str(out)]) == 0
+    assert bench.main(["--shapes", "custom", "--B", "1", "--Sq", "48", "--H", "2", "--Hkv", "1",
+                       "--D", "16", "--causal", "yes", "--impls", "reference,fa3-jax",
+                       "--repeats", "1", "--target-ms", "2", "--out", str(out)]) == 0
     fa3 = [r for r in json.loads(out.read_text())["rows"] if r["impl"] == "fa3-jax"][0]
     assert fa3["skipped"] is None and fa3["bwd_ms"] is not None
     assert fa3["finite"] == {"out": True, "dq": False, "dk": False, "dv": False}
