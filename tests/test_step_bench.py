@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from jax_fa4.tools import step_bench
+from test_bench import two_input_sets  # noqa: F401  (a fixture)
 
 ENTRY_KEYS = {"config", "B", "S", "d_model", "H", "Hkv", "D", "layers", "vocab", "packed",
               "mlp_hidden", "tokens_per_step", "impls", "skipped", "documents", "params",
@@ -18,6 +19,7 @@ IMPL_KEYS = {"compile_s", "loss_step0", "qkv_grad_norms_step0", "hlo_counts", "s
 ATTN_KEYS = {"attn_train_fwd_ms", "attn_fwdbwd_ms", "attn_bwd_ms", "attention_share_of_step"}
 
 
+@pytest.mark.usefixtures("two_input_sets")
 def test_smoke_run_writes_the_result_and_both_models_agree(tmp_path: Path) -> None:
     out = tmp_path / "step.json"
     hlo = tmp_path / "hlo"
