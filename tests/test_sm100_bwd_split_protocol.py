@@ -34,6 +34,7 @@ import random
 from collections import defaultdict, deque
 
 import pytest
+from compiled import per_class
 from test_sm100_bwd_protocol import (
     CELL,
     WARP,
@@ -429,9 +430,15 @@ def wait_sites(part: str) -> set:
     return sites
 
 
+#: The masks of the random-schedule checks, the richest first (its random windows, unbounded
+#: sides included, reach the other masks' block ranges): the quick tier runs it alone
+#: (tests/compiled.py), ``--exhaustive`` all three.
+MASKS = per_class(["local", "causal", "none"], key=lambda mask: 0)
+
+
 @pytest.mark.parametrize("head_dim", (256, 192))
 @pytest.mark.parametrize("part", ("dkdv", "dq"))
-@pytest.mark.parametrize("mask", ("none", "causal", "local"))
+@pytest.mark.parametrize("mask", MASKS)
 def test_protocol_random_schedules(part, mask, head_dim):
     """Random grids (odd lengths, windows, 1-2 heads, 1 SM slot up to the whole grid) under
     random schedules: no deadlock, parity alias, arrival overrun or data hazard, every barrier's
@@ -550,7 +557,7 @@ def test_transposed_views_checked_at_trace_time():
 
 @pytest.mark.parametrize("head_dim", (256, 192))
 @pytest.mark.parametrize("part", ("dkdv", "dq"))
-@pytest.mark.parametrize("mask", ("local", "causal", "none"))
+@pytest.mark.parametrize("mask", MASKS)
 def test_protocol_varlen_random_schedules(part, mask, head_dim):
     """Varlen grids (empty sequences, sequences without queries or keys, random windows) on the
     backend's work lists under random schedules: the protocol holds for every work row, the
