@@ -26,7 +26,7 @@ instance numbers stripped) are means per step. A kernel's category comes from it
 optimized HLO text: opcode, fusion kind, custom-call target, the ops inside a fusion) where the
 trace names one, else from its name.
 
-While a profiler session is active XLA runs its command buffers (CUDA graphs) op by op, so a
+While a profiler trace runs, XLA runs its command buffers (CUDA graphs) op by op, so a
 traced step launches every kernel from the host, where the timed step launches graphs: the
 trace's gaps are an upper bound on the timed step's (``host.command_buffers_disabled`` records
 XLA's warning). ``hlo.command_buffers`` counts the graphs of the timed step and the ops between
