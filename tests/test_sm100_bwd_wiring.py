@@ -274,6 +274,11 @@ def _route(d: int) -> str:
     return "split" if d in (192, 256) else "fused"
 
 
+def _mask_kind(kwargs: dict) -> str:
+    """The mask a case's flash_attention kwargs ask for: "causal", "local" or "none"."""
+    return "causal" if kwargs.get("causal") else "local" if "window_size" in kwargs else "none"
+
+
 #: the quick tier runs one case per (route, sink, deterministic); --exhaustive all
 @pytest.mark.parametrize("case", per_class(NUMERIC_CASES, key=lambda c: (
     _route(c[5]), c[7], c[6].get("deterministic", False))), ids=str)
@@ -466,7 +471,10 @@ def _segments_emulated(monkeypatch, case, dv=None):
     return (q, k, v, sink), (ids, padding_id, ct, with_sink), calls
 
 
-@pytest.mark.parametrize("case", SEGMENT_BACKWARD_CASES, ids=str)
+#: the quick tier runs one case per (sink, mask) (the ids kinds packed, random, padding, pair and
+#: odd lengths among them); --exhaustive all
+@pytest.mark.parametrize("case", per_class(SEGMENT_BACKWARD_CASES, key=lambda c: (
+    c[8], _mask_kind(c[6]))), ids=str)
 def test_sm100_segments_backward_gives_the_reference_gradients(case, monkeypatch,
                                                                fresh_warning):
     """jax.grad through flash_attention(segment_ids=..., implementation="sm100") with the
