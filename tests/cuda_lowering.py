@@ -1,7 +1,8 @@
 """Lowering a program for CUDA on any machine, with the kernels it asks for recorded, not built.
 
-A program that calls the package's kernels is exported for the CUDA platform
-(``jax.export``, as ``jax_fa4.export_disabled_safety_checks`` allows) with
+A program that calls the package's kernels is lowered for the CUDA platform
+(``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``: the lowering a GPU's jit
+runs, without jax.export's serialisation and checks, which the GPU tests do not go through) with
 ``jax_fa4.ffi.call.kernel_object`` replaced: each kernel's lowering records its (config, arch)
 and embeds a placeholder naming it instead of a compiled object, so nothing is compiled and no
 GPU or kernel cache is needed. The default device's compute capability
@@ -21,7 +22,6 @@ from typing import NamedTuple
 import jax
 import pytest
 
-import jax_fa4
 from jax_fa4 import backends
 from jax_fa4.ffi import call
 from jax_fa4.kernels.spec import KernelConfig
@@ -66,11 +66,9 @@ def custom_call_objects(text: str) -> list[str]:
 
 
 def lower_for_cuda(program: Callable, *args, compute_capability: str | None = None) -> Lowered:
-    """``jax.jit(program)`` exported for CUDA on ``args`` (arrays or ``jax.ShapeDtypeStruct``)
+    """``jax.jit(program)`` lowered for CUDA on ``args`` (arrays or ``jax.ShapeDtypeStruct``)
     within :func:`recording_kernels`. Raises what tracing raises (e.g. the
     ``ImplementationUnavailableError`` of a forced call the backend declines)."""
     with recording_kernels(compute_capability) as kernels:
-        exported = jax.export.export(jax.jit(program), platforms=["cuda"],
-                                     disabled_checks=jax_fa4.export_disabled_safety_checks())
-        text = exported(*args).mlir_module()
+        text = jax.jit(program).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     return Lowered(list(kernels), custom_call_objects(text))

@@ -296,10 +296,11 @@ class _Jax:
                 positional = [fixed[i] if i in fixed else next(it) for i in range(len(args))]
                 return fn(*positional, **{name: next(it) for name in kwargs})
 
-            stand_in.needs.lower(stand_in.node, program, *traced)
+            jitted = jax.jit(program)  # (its trace for the lowering gives the shapes too)
+            stand_in.needs.lower(stand_in.node, jitted, *traced)
             if stand_in.stop:
                 raise _Lowered
-            return _Zeros(jax.eval_shape(program, *traced))
+            return _Zeros(jitted.eval_shape(*traced))
 
         def call(*args, **kwargs):
             return lower(*args, **kwargs)()

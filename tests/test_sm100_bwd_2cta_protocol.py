@@ -157,6 +157,7 @@ import random
 from collections import defaultdict, deque
 from functools import partial
 
+import compiled
 import pytest
 from compiled import per_class
 from test_sm100_bwd_protocol import (WARP, BwdCta, BwdSim, PipelineAsync, Reduce,
@@ -1769,7 +1770,9 @@ def segments_cfg(d: int, mask: str, softcap: bool = False, gqa: bool = False
     return cfg
 
 
-SEGMENT_RUNS = 12  # per mask
+#: random grids per mask with ``--exhaustive``; the quick tier runs the first half (among them
+#: pairs with two ranges, with one empty range, and idle pairs)
+SEGMENT_RUNS = 12
 
 
 @pytest.mark.parametrize("mask", per_class(["local", "causal", "none"], key=lambda m: 0))
@@ -1783,7 +1786,7 @@ def test_segments_protocol_random_schedules(mask):
     pairs with one empty range, and pairs the tables leave idle."""
     rng = random.Random(f"2cta-segments-{mask}")
     split = half = idle = 0
-    for _ in range(SEGMENT_RUNS):
+    for _ in range(SEGMENT_RUNS if compiled.EXHAUSTIVE else SEGMENT_RUNS // 2):
         cfg = segments_cfg(192 if rng.random() < 0.7 else 128, mask, rng.random() < 0.3,
                            rng.random() < 0.3)
         b = rng.choice((1, 2))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from compiled import per_class
-from numerics import random_qkv
+from conformance import normal
 from sm100_emulation import emulated_call_kernel
 
 import jax_fa4
@@ -32,7 +32,14 @@ CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
 
 
 def _qkv(b=2, sq=77, sk=77, h=4, hkv=4, d=128, dv=None, dtype=jnp.bfloat16, seed=1):
-    return random_qkv(b, sq, sk, h, hkv, d, dv, dtype, seed)
+    """q (b, sq, h, d), k (b, sk, hkv, d), v (b, sk, hkv, dv or d): standard normal, drawn by
+    NumPy (jax.random would compile a program per shape, and nearly every case has its own)."""
+    return normal(f"qkv {seed}", [(b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, dv or d)], dtype)
+
+
+def _cotangent(seed: int, *shape: int) -> jax.Array:
+    """A float32 standard normal cotangent of ``shape`` (drawn as :func:`_qkv` draws)."""
+    return normal(f"cotangent {seed}", [shape], jnp.float32)[0]
 
 
 def _grad_fn(implementation, **kwargs):
@@ -267,6 +274,11 @@ def _route(d: int) -> str:
     return "split" if d in (192, 256) else "fused"
 
 
+def _mask_kind(kwargs: dict) -> str:
+    """The mask a case's flash_attention kwargs ask for: "causal", "local" or "none"."""
+    return "causal" if kwargs.get("causal") else "local" if "window_size" in kwargs else "none"
+
+
 #: the quick tier runs one case per (route, sink, deterministic); --exhaustive all
 @pytest.mark.parametrize("case", per_class(NUMERIC_CASES, key=lambda c: (
     _route(c[5]), c[7], c[6].get("deterministic", False))), ids=str)
@@ -284,7 +296,7 @@ def test_sm100_backward_contract_gives_the_reference_gradients(case, monkeypatch
                "softcap": kwargs.get("softcap", 0.0)}
     calls = []
     monkeypatch.setattr(call, "call_kernel", emulated_call_kernel(options, calls))
-    ct = jax.random.normal(jax.random.key(7), (b, sq, h, d), jnp.float32)
+    ct = _cotangent(7, b, sq, h, d)
 
     def loss(implementation):
         def f(q, k, v, s):
@@ -320,7 +332,7 @@ def test_sm100_max_logits_route_gives_the_reference_max_logits(monkeypatch, fres
     options = {"softmax_scale": 0.2, "window": (40, 3), "softcap": 3.0}
     calls = []
     monkeypatch.setattr(call, "call_kernel", emulated_call_kernel(options, calls))
-    ct = jax.random.normal(jax.random.key(8), (b, sq, h, d), jnp.float32)
+    ct = _cotangent(8, b, sq, h, d)
 
     def run(implementation):
         def f(q, k, v):
@@ -374,7 +386,7 @@ def test_sm100_segments_route_gives_the_reference(case, monkeypatch, fresh_warni
                "softcap": kwargs.get("softcap", 0.0)}
     calls = []
     monkeypatch.setattr(call, "call_kernel", emulated_call_kernel(options, calls))
-    ct = jax.random.normal(jax.random.key(9), (b, s, h, d), jnp.float32)
+    ct = _cotangent(9, b, s, h, d)
 
     def run(implementation):
         def f(q, k, v):
@@ -455,11 +467,14 @@ def _segments_emulated(monkeypatch, case, dv=None):
                "window": window, "softcap": kwargs.get("softcap", 0.0)}
     calls = []
     monkeypatch.setattr(call, "call_kernel", emulated_call_kernel(options, calls))
-    ct = jax.random.normal(jax.random.key(12), (b, sq, h, dv or d), jnp.float32)
+    ct = _cotangent(12, b, sq, h, dv or d)
     return (q, k, v, sink), (ids, padding_id, ct, with_sink), calls
 
 
-@pytest.mark.parametrize("case", SEGMENT_BACKWARD_CASES, ids=str)
+#: the quick tier runs one case per (sink, mask) (the ids kinds packed, random, padding, pair and
+#: odd lengths among them); --exhaustive all
+@pytest.mark.parametrize("case", per_class(SEGMENT_BACKWARD_CASES, key=lambda c: (
+    c[8], _mask_kind(c[6]))), ids=str)
 def test_sm100_segments_backward_gives_the_reference_gradients(case, monkeypatch,
                                                                fresh_warning):
     """jax.grad through flash_attention(segment_ids=..., implementation="sm100") with the
@@ -485,6 +500,19 @@ def _shift(x, column: int, by: int):
     return x.at[..., column].add(by)
 
 
+#: the case of the stand-in's mutation checks below
+_TABLES_CASE = (2, 300, 300, 4, 2, 64, {"causal": True}, "random", False)
+
+
+@functools.cache
+def _tables_case_reference() -> tuple:
+    """The reference route's gradients of ``_TABLES_CASE`` (computed once for the three
+    mutation checks below)."""
+    with pytest.MonkeyPatch.context() as mp:
+        inputs, rest, _ = _segments_emulated(mp, _TABLES_CASE)
+    return _segments_grad_fn("reference", *rest, **_TABLES_CASE[6])(*inputs)
+
+
 @pytest.mark.parametrize("broken", ["key range", "bulk", "row ids"])
 def test_the_segments_stand_in_reads_the_tables(broken, monkeypatch, fresh_warning):
     """The backward's stand-in takes its mask from the tables alone: a key block's query-block
@@ -493,7 +521,7 @@ def test_the_segments_stand_in_reads_the_tables(broken, monkeypatch, fresh_warni
     from jax_fa4 import segments
     from jax_fa4.kernels import segments_config as cols
 
-    case = (2, 300, 300, 4, 2, 64, {"causal": True}, "random", False)
+    case = _TABLES_CASE
     inputs, rest, _ = _segments_emulated(monkeypatch, case)
     tables = segments.backward_tables
 
@@ -510,9 +538,8 @@ def test_the_segments_stand_in_reads_the_tables(broken, monkeypatch, fresh_warni
     monkeypatch.setattr(segments, "backward_tables", corrupted)
     got = _segments_grad_fn("sm100", *rest, **case[6])(*inputs)
     monkeypatch.undo()
-    want = _segments_grad_fn("reference", *rest, **case[6])(*inputs)
     with pytest.raises(AssertionError):
-        _assert_grads_close(got, want)
+        _assert_grads_close(got, _tables_case_reference())
 
 
 @pytest.mark.parametrize("d, dv, two_cta, dq_stages", [(128, 128, False, 2),
@@ -681,16 +708,16 @@ def _varlen_inputs(h, hkv, d, dv=None, seed=5, pad_value=None, pad=VARLEN_PAD):
     padding tokens after the last sequence, holding ``pad_value`` (e.g. NaN) when given."""
     dv = d if dv is None else dv
     tq, tk = sum(VARLEN_LENS_Q) + pad, sum(VARLEN_LENS_K) + pad
-    keys = jax.random.split(jax.random.key(seed), 4)
-    q, k, v, ct = (jax.random.normal(key, shape, jnp.float32) for key, shape in zip(
-        keys, ((tq, h, d), (tk, hkv, d), (tk, hkv, dv), (tq, h, dv))))
+    rng = np.random.default_rng(seed)  # (NumPy: no XLA program per shape)
+    q, k, v, ct = (rng.standard_normal(shape, np.float32)
+                   for shape in ((tq, h, d), (tk, hkv, d), (tk, hkv, dv), (tq, h, dv)))
     if pad_value is not None:
-        q, ct = (x.at[tq - pad:].set(pad_value) for x in (q, ct))
-        k, v = (x.at[tk - pad:].set(pad_value) for x in (k, v))
+        for x, total in ((q, tq), (ct, tq), (k, tk), (v, tk)):
+            x[total - pad:] = pad_value
     cu_q, cu_k = (jnp.asarray(np.concatenate([[0], np.cumsum(x)]), jnp.int32)
                   for x in (VARLEN_LENS_Q, VARLEN_LENS_K))
-    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    return q, k, v, ct, cu_q, cu_k, max(VARLEN_LENS_Q), max(VARLEN_LENS_K)
+    q, k, v = (jnp.asarray(x.astype(jnp.bfloat16)) for x in (q, k, v))
+    return q, k, v, jnp.asarray(ct), cu_q, cu_k, max(VARLEN_LENS_Q), max(VARLEN_LENS_K)
 
 
 def _varlen_grad_fn(implementation, ct, cu_q, cu_k, max_q, max_k, with_sink=False, **kwargs):
@@ -812,10 +839,12 @@ def _varlen_emulated(monkeypatch, kwargs, d):
     """call_kernel with the varlen forward's stand-in (tests/test_varlen.py) and the sm100
     backward's (tests/sm100_emulation.py); returns the list of backward calls. (The package's
     jitted varlen call may hold a trace of the same shapes with the real call_kernel, from the
-    lowering tests: cleared.)"""
+    lowering tests: its traces are cleared, not the rest of JAX's caches.)"""
     from test_varlen import _emulated_varlen_kernel, _ref_options
 
-    jax.clear_caches()
+    from jax_fa4 import autodiff
+
+    autodiff._varlen.clear_cache()
 
     options = dict(_ref_options(kwargs))
     options["softmax_scale"] = options["softmax_scale"] or 1 / math.sqrt(d)
