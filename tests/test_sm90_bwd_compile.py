@@ -26,8 +26,10 @@ from pathlib import Path
 import pytest
 
 from compiled import assert_no_local_memory, compiled_report, needs_disassembler, tiered
-from jax_fa4.kernels.sm90.bwd_config import (TUNING_TABLE, BwdConfig, BwdPostprocessConfig,
-                                             shipped_configs, varlen_config)
+from jax_fa4.kernels.sm90.bwd_config import (GROUP_HEADS_ANY, TUNING_TABLE, BwdConfig,
+                                             BwdPostprocessConfig, shipped_configs,
+                                             varlen_config)
+from jax_fa4.kernels.sm90.bwd_tuning import GROUP_HEADS_MIN_CTAS
 from jax_fa4.kernels.sm90.bwd_config import (swap_sdp_config, with_stats_smem, with_swap_sdp,
                                              without_swap_sdp)
 from jax_fa4.kernels.spec import MASK_KINDS, SMEM_BUDGET_BYTES
@@ -56,6 +58,8 @@ def _main_configs() -> list[BwdConfig]:
     out += [BwdConfig.make("bfloat16", d, dv, "causal", True) for (d, dv) in TUNING_TABLE]
     out += [BwdConfig.make("bfloat16", d, dv, "local", gqa=True) for (d, dv) in TUNING_TABLE]
     out += [BwdConfig.make("float16", 128, 128, mask) for mask in MASK_KINDS]
+    out += [BwdConfig.make("bfloat16", d, dv, "causal", gqa=True, group_shape=GROUP_HEADS_ANY)
+            for (d, dv), row in TUNING_TABLE.items() if row["causal"].group_heads]
     out += [BwdConfig.make("bfloat16", d, dv, "causal", gqa=True, sink_grad=True)
             for (d, dv) in TUNING_TABLE]
     out += [BwdConfig.make("float16", 128, 128, "local", sink_grad=True)]
@@ -69,7 +73,8 @@ def _id(c) -> str:
     return (f"{text}-{c.mask}{'-cap' if c.has_softcap else ''}{'-gqa' if c.gqa else ''}"
             f"{'-det' if c.deterministic else ''}{'-swap' if c.swap_sdp else ''}"
             f"{'-stats' if c.stats_smem else ''}{'-red' if c.dq_red else ''}"
-            f"{'-sink' if getattr(c, 'sink_grad', False) else ''}")
+            f"{'-sink' if getattr(c, 'sink_grad', False) else ''}"
+            f"{'-group' if getattr(c, 'group_heads', False) else ''}")
 
 
 @needs_disassembler
@@ -288,6 +293,40 @@ def test_sink_grad_config():
                 reverse_launch=False).validate()
 
 
+def test_group_heads_config():
+    """A GQA call takes the group_heads form (one CTA per kv head, dK / dV in the input dtype
+    per kv head: gqa=False's outputs) where its row allows it and it launches at least
+    GROUP_HEADS_MIN_CTAS CTAs; validate refuses the form where it spills or has no code."""
+    tn = BwdConfig.make("bfloat16", 128, mask="causal").tile_n
+    enough = (GROUP_HEADS_MIN_CTAS, tn)  # (B·Hkv, Sk): exactly the threshold
+    few = (GROUP_HEADS_MIN_CTAS - 1, tn)
+    grouped = BwdConfig.make("bfloat16", 128, mask="causal", gqa=True, group_shape=enough)
+    assert grouped.group_heads and not grouped.gqa
+    assert not BwdConfig.make("bfloat16", 128, mask="causal", gqa=True,
+                              group_shape=few).group_heads
+    mha = BwdConfig.make("bfloat16", 128, mask="causal", group_shape=enough)
+    assert not mha.group_heads  # (MHA has no group to walk)
+    assert grouped != replace(mha, group_heads=False)  # a distinct compile key
+    for d in (64, 256):  # (rows without the form)
+        assert not BwdConfig.make("bfloat16", d, gqa=True, group_shape=GROUP_HEADS_ANY).group_heads
+        with pytest.raises(ValueError, match="local memory"):
+            replace(BwdConfig.make("bfloat16", d), group_heads=True).validate()
+    assert not BwdConfig.make("bfloat16", 128, gqa=True, sink_grad=True,
+                              group_shape=GROUP_HEADS_ANY).group_heads
+    for bad in (dict(gqa=True), dict(sink_grad=True, swap_sdp=False, stats_smem=False,
+                                     dq_red=False)):
+        with pytest.raises(ValueError, match="group_heads"):
+            replace(grouped, **bad).validate()
+    with pytest.raises(ValueError, match="group_heads"):
+        replace(varlen_config("bfloat16", 128, gqa=False), group_heads=True).validate()
+    sig = grouped.signature()
+    assert sig == replace(grouped, group_heads=False).signature()  # gqa=False's outputs
+    assert sig.outputs[1].dtype == "bfloat16" and sig.outputs[1].sample_shape[2] == 2  # Hkv
+    shipped = [c for c in shipped_configs() if getattr(c, "group_heads", False)]
+    assert shipped and all(c.head_dim in (96, 128, 192) and not c.sink_grad for c in shipped)
+    assert {c.deterministic for c in shipped} == {False, True}
+
+
 def test_deterministic_signature_adds_the_counters():
     cfg = BwdConfig.make("bfloat16", 128, mask="causal", deterministic=True)
     sig = cfg.signature()
@@ -317,9 +356,16 @@ def test_signature_alias_and_shapes():
 
 
 def test_every_shipped_variant_fits_shared_memory():
-    mains = [c for c in shipped_configs() if isinstance(c, BwdConfig)]
+    every = [c for c in shipped_configs() if isinstance(c, BwdConfig)]
+    mains = [c for c in every if not c.group_heads]
     # dtypes × rows × masks × softcap × gqa × sink × (default, deterministic, varlen, segments)
     assert len(mains) == 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 2 * 2 * 2 * 4
+    # and the group_heads form of each GQA kind without a sink, default and deterministic, on
+    # the rows that have it
+    grouped = [c for c in every if c.group_heads]
+    rows = sum(row["none"].group_heads for row in TUNING_TABLE.values())
+    assert len(grouped) == 2 * rows * len(MASK_KINDS) * 2 * 2
+    assert all(c.smem_bytes() <= SMEM_BUDGET_BYTES for c in grouped)
     assert sum(c.deterministic for c in mains) == len(mains) // 4
     assert sum(c.sink_grad for c in mains) == len(mains) // 2
     assert not any(c.sink_grad and c.swap_sdp for c in mains)

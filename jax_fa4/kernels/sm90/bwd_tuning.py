@@ -25,6 +25,16 @@ class Sm90BwdTuning:
     reverse_launch: bool = False  # key blocks launched from the last one down (BwdConfig)
     stats_smem: bool = False  # lse_log2 / delta through shared memory, loaded by a producer warp
     dq_red: bool = False  # dQ added to dq_accum by the MMA threads (red.global), no dQ buffer
+    # GQA calls with one CTA per (key block, kv head) summing its group's query heads
+    # (BwdConfig.group_heads), when that launches at least GROUP_HEADS_MIN_CTAS CTAs. Off at
+    # head dims 64 and 256: there the form puts an accumulator in local memory (LDL 96).
+    group_heads: bool = False
+
+
+#: The fewest CTAs (B·Hkv·key blocks) for which a GQA call takes the group_heads form: two per
+#: SM of an H100 / H200 (132 SMs, one backward CTA each). Below it the per-query-head form keeps
+#: the GPU busier. A starting point, not measured.
+GROUP_HEADS_MIN_CTAS = 264
 
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Warpgroup layouts of the five
@@ -48,13 +58,14 @@ class Sm90BwdTuning:
 # swap_sdp is off, its stats_smem and dq_red only with it. docs/kernels/sm90-backward.md.
 _T = Sm90BwdTuning
 _REV = dict(reverse_launch=True)
+_GH = dict(group_heads=True)
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
     (64, 64): {k: _T(128, 128, 2, 1, **_REV) for k in MASK_KINDS},
-    (96, 96): {k: _T(64, 128, 2, 2, swap_sdp=k == "causal", stats_smem=k == "causal", **_REV)
-               for k in MASK_KINDS},
-    (128, 128): {k: _T(64, 128, 2, 2, swap_sdp=True, stats_smem=True, dq_red=True, **_REV)
-                 for k in MASK_KINDS},
-    (192, 128): {k: _T(64, 64, 2, 2, **_REV) for k in MASK_KINDS},
+    (96, 96): {k: _T(64, 128, 2, 2, swap_sdp=k == "causal", stats_smem=k == "causal", **_REV,
+                     **_GH) for k in MASK_KINDS},
+    (128, 128): {k: _T(64, 128, 2, 2, swap_sdp=True, stats_smem=True, dq_red=True, **_REV,
+                       **_GH) for k in MASK_KINDS},
+    (192, 128): {k: _T(64, 64, 2, 2, **_REV, **_GH) for k in MASK_KINDS},
     (256, 256): {k: _T(64, 64, 1, 1, **_REV) for k in MASK_KINDS},
 }
 
