@@ -450,3 +450,30 @@ def test_block_info_matches_brute_force(kind, tile_m, tile_n):
             if kind == "causal" and hi_m > lo_m:
                 rows = range(lo_m * tile_m, min((lo_m + 1) * tile_m, sq))
                 assert any(_visible(i, j, sq, sk, kind, wl, wr) for i in rows for j in cols), where
+
+
+@pytest.mark.parametrize("batch,grouped", [(8, True), (2, False)])
+def test_gqa_gradient_takes_the_group_heads_kernel_at_large_grids(batch, grouped):
+    """jax.grad of a causal GQA call (16 query heads over 4 kv heads, head dim 128, 2048 tokens)
+    lowers to the group_heads main kernel once B·Hkv·key blocks reaches the table's threshold
+    (B 8: 512 CTAs; dK / dV come out of it per kv head in bfloat16, no float32 slice per query
+    head) and to the per-query-head kernel below it (B 2: 128 CTAs)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_fa4
+    from cuda_lowering import lower_for_cuda
+
+    q = jax.ShapeDtypeStruct((batch, 2048, 16, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, 2048, 4, 128), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = jax_fa4.flash_attention(q, k, v, causal=True, implementation="sm90")
+        return jnp.sum(out.astype(jnp.float32))
+
+    lowered = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv,
+                             compute_capability="9.0")
+    mains = [c for c, _ in lowered.kernels if isinstance(c, BwdConfig)]
+    assert len(mains) == 1
+    assert mains[0].group_heads == grouped and mains[0].gqa == (not grouped)
+    assert (batch * 4 * (2048 // mains[0].tile_n) >= GROUP_HEADS_MIN_CTAS) == grouped
