@@ -33,7 +33,7 @@ from jax_fa4.kernels.sm90.bwd_tuning import GROUP_HEADS_MIN_CTAS
 from jax_fa4.kernels.sm90.bwd_config import (swap_sdp_config, with_stats_smem, with_swap_sdp,
                                              without_swap_sdp)
 from jax_fa4.kernels.spec import MASK_KINDS, SMEM_BUDGET_BYTES
-from jax_fa4.tools.variants import (SM90_BWD_GPU_SWAP, sm90_bwd_d192_candidates,
+from jax_fa4.tools.variants import (OPT_IN_FORMS, SM90_BWD_GPU_SWAP, sm90_bwd_d192_candidates,
                                     sm90_bwd_gpu_configs)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,8 +58,8 @@ def _main_configs() -> list[BwdConfig]:
     out += [BwdConfig.make("bfloat16", d, dv, "causal", True) for (d, dv) in TUNING_TABLE]
     out += [BwdConfig.make("bfloat16", d, dv, "local", gqa=True) for (d, dv) in TUNING_TABLE]
     out += [BwdConfig.make("float16", 128, 128, mask) for mask in MASK_KINDS]
-    out += [BwdConfig.make("bfloat16", d, dv, "causal", gqa=True, group_shape=GROUP_HEADS_ANY)
-            for (d, dv), row in TUNING_TABLE.items() if row["causal"].group_heads]
+    out += [OPT_IN_FORMS["group"](BwdConfig.make("bfloat16", d, dv, "causal", gqa=True))
+            for (d, dv) in ((96, 96), (128, 128), (192, 128))]
     out += [BwdConfig.make("bfloat16", d, dv, "causal", gqa=True, sink_grad=True)
             for (d, dv) in TUNING_TABLE]
     out += [BwdConfig.make("float16", 128, 128, "local", sink_grad=True)]
@@ -293,7 +293,16 @@ def test_sink_grad_config():
                 reverse_launch=False).validate()
 
 
-def test_group_heads_config():
+@pytest.fixture
+def group_heads_rows(monkeypatch):
+    """The tuning table with group_heads on in the rows whose kernels compile clean with it
+    (head dims 96, 128, 192/128; no row has it on before a GPU run has chosen it)."""
+    for key in ((96, 96), (128, 128), (192, 128)):
+        monkeypatch.setitem(TUNING_TABLE, key, {mask: replace(t, group_heads=True)
+                                                for mask, t in TUNING_TABLE[key].items()})
+
+
+def test_group_heads_config(group_heads_rows):
     """A GQA call takes the group_heads form (one CTA per kv head, dK / dV in the input dtype
     per kv head: gqa=False's outputs) where its row allows it and it launches at least
     GROUP_HEADS_MIN_CTAS CTAs; validate refuses the form where it spills or has no code."""
@@ -302,6 +311,8 @@ def test_group_heads_config():
     few = (GROUP_HEADS_MIN_CTAS - 1, tn)
     grouped = BwdConfig.make("bfloat16", 128, mask="causal", gqa=True, group_shape=enough)
     assert grouped.group_heads and not grouped.gqa
+    assert grouped == OPT_IN_FORMS["group"](BwdConfig.make("bfloat16", 128, mask="causal",
+                                                           gqa=True))
     assert not BwdConfig.make("bfloat16", 128, mask="causal", gqa=True,
                               group_shape=few).group_heads
     mha = BwdConfig.make("bfloat16", 128, mask="causal", group_shape=enough)
@@ -323,8 +334,18 @@ def test_group_heads_config():
     assert sig == replace(grouped, group_heads=False).signature()  # gqa=False's outputs
     assert sig.outputs[1].dtype == "bfloat16" and sig.outputs[1].sample_shape[2] == 2  # Hkv
     shipped = [c for c in shipped_configs() if getattr(c, "group_heads", False)]
-    assert shipped and all(c.head_dim in (96, 128, 192) and not c.sink_grad for c in shipped)
-    assert {c.deterministic for c in shipped} == {False, True}
+    # each GQA kind without a sink of those rows, default and deterministic
+    assert len(shipped) == 2 * 3 * len(MASK_KINDS) * 2 * 2
+    assert all(c.head_dim in (96, 128, 192) and not c.sink_grad for c in shipped)
+    assert all(c.smem_bytes() <= SMEM_BUDGET_BYTES for c in shipped)
+
+
+def test_no_row_takes_group_heads_before_a_gpu_run():
+    """group_heads has compiled clean but not run on a GPU: no tuning row picks it, so no call
+    and no shipped variant uses it (its "group" form runs in the GPU tests)."""
+    assert not any(t.group_heads for row in TUNING_TABLE.values() for t in row.values())
+    assert not any(getattr(c, "group_heads", False) for c in shipped_configs())
+    assert any(getattr(c, "group_heads", False) for c in sm90_bwd_gpu_configs())
 
 
 def test_deterministic_signature_adds_the_counters():
@@ -360,12 +381,9 @@ def test_every_shipped_variant_fits_shared_memory():
     mains = [c for c in every if not c.group_heads]
     # dtypes × rows × masks × softcap × gqa × sink × (default, deterministic, varlen, segments)
     assert len(mains) == 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 2 * 2 * 2 * 4
-    # and the group_heads form of each GQA kind without a sink, default and deterministic, on
-    # the rows that have it
-    grouped = [c for c in every if c.group_heads]
-    rows = sum(row["none"].group_heads for row in TUNING_TABLE.values())
-    assert len(grouped) == 2 * rows * len(MASK_KINDS) * 2 * 2
-    assert all(c.smem_bytes() <= SMEM_BUDGET_BYTES for c in grouped)
+    # (and the group_heads form of the rows that pick it: test_group_heads_config)
+    assert len(every) - len(mains) == 2 * sum(
+        row["none"].group_heads for row in TUNING_TABLE.values()) * len(MASK_KINDS) * 2 * 2
     assert sum(c.deterministic for c in mains) == len(mains) // 4
     assert sum(c.sink_grad for c in mains) == len(mains) // 2
     assert not any(c.sink_grad and c.swap_sdp for c in mains)
@@ -453,9 +471,11 @@ def test_block_info_matches_brute_force(kind, tile_m, tile_n):
 
 
 @pytest.mark.parametrize("batch,grouped", [(8, True), (2, False)])
-def test_gqa_gradient_takes_the_group_heads_kernel_at_large_grids(batch, grouped):
-    """jax.grad of a causal GQA call (16 query heads over 4 kv heads, head dim 128, 2048 tokens)
-    lowers to the group_heads main kernel once B·Hkv·key blocks reaches the table's threshold
+def test_gqa_gradient_takes_the_group_heads_kernel_at_large_grids(batch, grouped,
+                                                                   group_heads_rows):
+    """With the row on: jax.grad of a causal GQA call (16 query heads over 4 kv heads, head dim
+    128, 2048 tokens) lowers to the group_heads main kernel once B·Hkv·key blocks reaches the
+    threshold
     (B 8: 512 CTAs; dK / dV come out of it per kv head in bfloat16, no float32 slice per query
     head) and to the per-query-head kernel below it (B 2: 128 CTAs)."""
     import jax

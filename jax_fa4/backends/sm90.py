@@ -19,13 +19,12 @@ Dense backward (jax_fa4/kernels/sm90/bwd_config.py), :meth:`Sm90Backend.backward
 Deterministic configs (``opts.deterministic``) also take ``dq_sem`` (B, H, Sq_pad/tile_m) int32
 zeros: the counters that make the key blocks add into each query block's dQ in a fixed order.
 
-GQA/MQA (H > Hkv), two forms (BwdConfig.make picks by the tuning row and the call's shape):
-``group_heads`` (head dims 96, 128, 192/128, when B·Hkv·key blocks reaches
-bwd_tuning.GROUP_HEADS_MIN_CTAS): one CTA per (key block, kv head) walks the G = H/Hkv query
-heads of its group and writes dK/dV once per kv head in the input dtype. Otherwise the main
-kernel writes float32 dK/dV per *query* head, (B, Sk, H, D), summed over each group here (cost:
-4·B·Sk·H·(D+Dv) bytes written by the kernel and read back by XLA's reduction, instead of
-2·B·Sk·Hkv·(D+Dv)).
+GQA/MQA (H > Hkv): the main kernel writes float32 dK/dV per *query* head, (B, Sk, H, D), summed
+over each group here (cost: 4·B·Sk·H·(D+Dv) bytes written by the kernel and read back by XLA's
+reduction, instead of 2·B·Sk·Hkv·(D+Dv)). BwdConfig.make takes the ``group_heads`` form instead
+(one CTA per (key block, kv head) walking the G = H/Hkv query heads of its group, dK/dV written
+once per kv head in the input dtype) where the tuning row allows it and B·Hkv·key blocks reaches
+bwd_tuning.GROUP_HEADS_MIN_CTAS; no row allows it until it has run on a GPU.
 
 Varlen backward (:meth:`Sm90Backend.varlen_backward`): one CTA per (key block of a sequence,
 head), listed by a work list built here from cu_seqlens (:func:`work_table`), so every sequence

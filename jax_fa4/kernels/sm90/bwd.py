@@ -5,9 +5,10 @@ dq_accum layout; bwd_postprocess.py turns dq_accum into dq).
 
 Features: bf16/fp16, head dims from bwd_tuning.TUNING_TABLE, dynamic batch / sequence lengths /
 head counts (one compile serves all), GQA/MQA (query head h reads kv head h // (H / Hkv); GQA
-configs write float32 dK/dV per query head), key-length tail, bottom-right aligned causal and
-sliding-window masks with query-block skipping (a block is masked only when it cuts a boundary),
-softcap with its derivative.
+configs write float32 dK/dV per query head, group_heads configs one CTA per kv head that walks
+its group's query heads and writes dK/dV per kv head), key-length tail, bottom-right aligned
+causal and sliding-window masks with query-block skipping (a block is masked only when it cuts a
+boundary), softcap with its derivative.
 
 Structure (one CTA = one block of tile_n keys of one (batch, query head); not persistent):
   * warpgroup 0 = producer: gives registers back (setmaxnreg).

@@ -26,8 +26,11 @@ class Sm90BwdTuning:
     stats_smem: bool = False  # lse_log2 / delta through shared memory, loaded by a producer warp
     dq_red: bool = False  # dQ added to dq_accum by the MMA threads (red.global), no dQ buffer
     # GQA calls with one CTA per (key block, kv head) summing its group's query heads
-    # (BwdConfig.group_heads), when that launches at least GROUP_HEADS_MIN_CTAS CTAs. Off at
-    # head dims 64 and 256: there the form puts an accumulator in local memory (LDL 96).
+    # (BwdConfig.group_heads), when that launches at least GROUP_HEADS_MIN_CTAS CTAs. Off in
+    # every row until the form has passed the GPU tests (its "group" opt-in form,
+    # tools/variants.OPT_IN_FORMS) and a same-process A/B (benchmarks/bwd_variants.py) has
+    # chosen it; it compiles clean at head dims 96, 128 and 192/128 and puts an accumulator in
+    # local memory at 64 and 256 (BwdConfig.validate).
     group_heads: bool = False
 
 
@@ -58,14 +61,13 @@ GROUP_HEADS_MIN_CTAS = 264
 # swap_sdp is off, its stats_smem and dq_red only with it. docs/kernels/sm90-backward.md.
 _T = Sm90BwdTuning
 _REV = dict(reverse_launch=True)
-_GH = dict(group_heads=True)
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
     (64, 64): {k: _T(128, 128, 2, 1, **_REV) for k in MASK_KINDS},
-    (96, 96): {k: _T(64, 128, 2, 2, swap_sdp=k == "causal", stats_smem=k == "causal", **_REV,
-                     **_GH) for k in MASK_KINDS},
-    (128, 128): {k: _T(64, 128, 2, 2, swap_sdp=True, stats_smem=True, dq_red=True, **_REV,
-                       **_GH) for k in MASK_KINDS},
-    (192, 128): {k: _T(64, 64, 2, 2, **_REV, **_GH) for k in MASK_KINDS},
+    (96, 96): {k: _T(64, 128, 2, 2, swap_sdp=k == "causal", stats_smem=k == "causal", **_REV)
+               for k in MASK_KINDS},
+    (128, 128): {k: _T(64, 128, 2, 2, swap_sdp=True, stats_smem=True, dq_red=True, **_REV)
+                 for k in MASK_KINDS},
+    (192, 128): {k: _T(64, 64, 2, 2, **_REV) for k in MASK_KINDS},
     (256, 256): {k: _T(64, 64, 1, 1, **_REV) for k in MASK_KINDS},
 }
 
