@@ -26,12 +26,14 @@ from pathlib import Path
 import pytest
 
 from compiled import assert_no_local_memory, compiled_report, needs_disassembler, tiered
-from jax_fa4.kernels.sm90.bwd_config import (TUNING_TABLE, BwdConfig, BwdPostprocessConfig,
-                                             shipped_configs, varlen_config)
+from jax_fa4.kernels.sm90.bwd_config import (GROUP_HEADS_ANY, TUNING_TABLE, BwdConfig,
+                                             BwdPostprocessConfig, shipped_configs,
+                                             varlen_config)
+from jax_fa4.kernels.sm90.bwd_tuning import GROUP_HEADS_MIN_CTAS
 from jax_fa4.kernels.sm90.bwd_config import (swap_sdp_config, with_stats_smem, with_swap_sdp,
                                              without_swap_sdp)
 from jax_fa4.kernels.spec import MASK_KINDS, SMEM_BUDGET_BYTES
-from jax_fa4.tools.variants import (SM90_BWD_GPU_SWAP, sm90_bwd_d192_candidates,
+from jax_fa4.tools.variants import (OPT_IN_FORMS, SM90_BWD_GPU_SWAP, sm90_bwd_d192_candidates,
                                     sm90_bwd_gpu_configs)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +58,8 @@ def _main_configs() -> list[BwdConfig]:
     out += [BwdConfig.make("bfloat16", d, dv, "causal", True) for (d, dv) in TUNING_TABLE]
     out += [BwdConfig.make("bfloat16", d, dv, "local", gqa=True) for (d, dv) in TUNING_TABLE]
     out += [BwdConfig.make("float16", 128, 128, mask) for mask in MASK_KINDS]
+    out += [OPT_IN_FORMS["group"](BwdConfig.make("bfloat16", d, dv, "causal", gqa=True))
+            for (d, dv) in ((96, 96), (128, 128), (192, 128))]
     out += [BwdConfig.make("bfloat16", d, dv, "causal", gqa=True, sink_grad=True)
             for (d, dv) in TUNING_TABLE]
     out += [BwdConfig.make("float16", 128, 128, "local", sink_grad=True)]
@@ -69,7 +73,8 @@ def _id(c) -> str:
     return (f"{text}-{c.mask}{'-cap' if c.has_softcap else ''}{'-gqa' if c.gqa else ''}"
             f"{'-det' if c.deterministic else ''}{'-swap' if c.swap_sdp else ''}"
             f"{'-stats' if c.stats_smem else ''}{'-red' if c.dq_red else ''}"
-            f"{'-sink' if getattr(c, 'sink_grad', False) else ''}")
+            f"{'-sink' if getattr(c, 'sink_grad', False) else ''}"
+            f"{'-group' if getattr(c, 'group_heads', False) else ''}")
 
 
 @needs_disassembler
@@ -288,6 +293,61 @@ def test_sink_grad_config():
                 reverse_launch=False).validate()
 
 
+@pytest.fixture
+def group_heads_rows(monkeypatch):
+    """The tuning table with group_heads on in the rows whose kernels compile clean with it
+    (head dims 96, 128, 192/128; no row has it on before a GPU run has chosen it)."""
+    for key in ((96, 96), (128, 128), (192, 128)):
+        monkeypatch.setitem(TUNING_TABLE, key, {mask: replace(t, group_heads=True)
+                                                for mask, t in TUNING_TABLE[key].items()})
+
+
+def test_group_heads_config(group_heads_rows):
+    """A GQA call takes the group_heads form (one CTA per kv head, dK / dV in the input dtype
+    per kv head: gqa=False's outputs) where its row allows it and it launches at least
+    GROUP_HEADS_MIN_CTAS CTAs; validate refuses the form where it spills or has no code."""
+    tn = BwdConfig.make("bfloat16", 128, mask="causal").tile_n
+    enough = (GROUP_HEADS_MIN_CTAS, tn)  # (B·Hkv, Sk): exactly the threshold
+    few = (GROUP_HEADS_MIN_CTAS - 1, tn)
+    grouped = BwdConfig.make("bfloat16", 128, mask="causal", gqa=True, group_shape=enough)
+    assert grouped.group_heads and not grouped.gqa
+    assert grouped == OPT_IN_FORMS["group"](BwdConfig.make("bfloat16", 128, mask="causal",
+                                                           gqa=True))
+    assert not BwdConfig.make("bfloat16", 128, mask="causal", gqa=True,
+                              group_shape=few).group_heads
+    mha = BwdConfig.make("bfloat16", 128, mask="causal", group_shape=enough)
+    assert not mha.group_heads  # (MHA has no group to walk)
+    assert grouped != replace(mha, group_heads=False)  # a distinct compile key
+    for d in (64, 256):  # (rows without the form)
+        assert not BwdConfig.make("bfloat16", d, gqa=True, group_shape=GROUP_HEADS_ANY).group_heads
+        with pytest.raises(ValueError, match="local memory"):
+            replace(BwdConfig.make("bfloat16", d), group_heads=True).validate()
+    assert not BwdConfig.make("bfloat16", 128, gqa=True, sink_grad=True,
+                              group_shape=GROUP_HEADS_ANY).group_heads
+    for bad in (dict(gqa=True), dict(sink_grad=True, swap_sdp=False, stats_smem=False,
+                                     dq_red=False)):
+        with pytest.raises(ValueError, match="group_heads"):
+            replace(grouped, **bad).validate()
+    with pytest.raises(ValueError, match="group_heads"):
+        replace(varlen_config("bfloat16", 128, gqa=False), group_heads=True).validate()
+    sig = grouped.signature()
+    assert sig == replace(grouped, group_heads=False).signature()  # gqa=False's outputs
+    assert sig.outputs[1].dtype == "bfloat16" and sig.outputs[1].sample_shape[2] == 2  # Hkv
+    shipped = [c for c in shipped_configs() if getattr(c, "group_heads", False)]
+    # each GQA kind without a sink of those rows, default and deterministic
+    assert len(shipped) == 2 * 3 * len(MASK_KINDS) * 2 * 2
+    assert all(c.head_dim in (96, 128, 192) and not c.sink_grad for c in shipped)
+    assert all(c.smem_bytes() <= SMEM_BUDGET_BYTES for c in shipped)
+
+
+def test_no_row_takes_group_heads_before_a_gpu_run():
+    """group_heads has compiled clean but not run on a GPU: no tuning row picks it, so no call
+    and no shipped variant uses it (its "group" form runs in the GPU tests)."""
+    assert not any(t.group_heads for row in TUNING_TABLE.values() for t in row.values())
+    assert not any(getattr(c, "group_heads", False) for c in shipped_configs())
+    assert any(getattr(c, "group_heads", False) for c in sm90_bwd_gpu_configs())
+
+
 def test_deterministic_signature_adds_the_counters():
     cfg = BwdConfig.make("bfloat16", 128, mask="causal", deterministic=True)
     sig = cfg.signature()
@@ -317,9 +377,13 @@ def test_signature_alias_and_shapes():
 
 
 def test_every_shipped_variant_fits_shared_memory():
-    mains = [c for c in shipped_configs() if isinstance(c, BwdConfig)]
+    every = [c for c in shipped_configs() if isinstance(c, BwdConfig)]
+    mains = [c for c in every if not c.group_heads]
     # dtypes × rows × masks × softcap × gqa × sink × (default, deterministic, varlen, segments)
     assert len(mains) == 2 * len(TUNING_TABLE) * len(MASK_KINDS) * 2 * 2 * 2 * 4
+    # (and the group_heads form of the rows that pick it: test_group_heads_config)
+    assert len(every) - len(mains) == 2 * sum(
+        row["none"].group_heads for row in TUNING_TABLE.values()) * len(MASK_KINDS) * 2 * 2
     assert sum(c.deterministic for c in mains) == len(mains) // 4
     assert sum(c.sink_grad for c in mains) == len(mains) // 2
     assert not any(c.sink_grad and c.swap_sdp for c in mains)
@@ -404,3 +468,32 @@ def test_block_info_matches_brute_force(kind, tile_m, tile_n):
             if kind == "causal" and hi_m > lo_m:
                 rows = range(lo_m * tile_m, min((lo_m + 1) * tile_m, sq))
                 assert any(_visible(i, j, sq, sk, kind, wl, wr) for i in rows for j in cols), where
+
+
+@pytest.mark.parametrize("batch,grouped", [(8, True), (2, False)])
+def test_gqa_gradient_takes_the_group_heads_kernel_at_large_grids(batch, grouped,
+                                                                   group_heads_rows):
+    """With the row on: jax.grad of a causal GQA call (16 query heads over 4 kv heads, head dim
+    128, 2048 tokens) lowers to the group_heads main kernel once B·Hkv·key blocks reaches the
+    threshold
+    (B 8: 512 CTAs; dK / dV come out of it per kv head in bfloat16, no float32 slice per query
+    head) and to the per-query-head kernel below it (B 2: 128 CTAs)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_fa4
+    from cuda_lowering import lower_for_cuda
+
+    q = jax.ShapeDtypeStruct((batch, 2048, 16, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, 2048, 4, 128), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = jax_fa4.flash_attention(q, k, v, causal=True, implementation="sm90")
+        return jnp.sum(out.astype(jnp.float32))
+
+    lowered = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv,
+                             compute_capability="9.0")
+    mains = [c for c, _ in lowered.kernels if isinstance(c, BwdConfig)]
+    assert len(mains) == 1
+    assert mains[0].group_heads == grouped and mains[0].gqa == (not grouped)
+    assert (batch * 4 * (2048 // mains[0].tile_n) >= GROUP_HEADS_MIN_CTAS) == grouped

@@ -19,10 +19,12 @@ Dense backward (jax_fa4/kernels/sm90/bwd_config.py), :meth:`Sm90Backend.backward
 Deterministic configs (``opts.deterministic``) also take ``dq_sem`` (B, H, Sq_pad/tile_m) int32
 zeros: the counters that make the key blocks add into each query block's dQ in a fixed order.
 
-GQA/MQA (H > Hkv): the main kernel writes float32 dK/dV per *query* head, (B, Sk, H, D), and they
-are summed over each group of G = H/Hkv heads here (cost: 4·B·Sk·H·(D+Dv) bytes written by the
-kernel and read back by XLA's reduction, instead of 2·B·Sk·Hkv·(D+Dv); an in-kernel fp32 reduce
-into (B, Sk, Hkv, D) accumulators is the planned replacement).
+GQA/MQA (H > Hkv): the main kernel writes float32 dK/dV per *query* head, (B, Sk, H, D), summed
+over each group here (cost: 4·B·Sk·H·(D+Dv) bytes written by the kernel and read back by XLA's
+reduction, instead of 2·B·Sk·Hkv·(D+Dv)). BwdConfig.make takes the ``group_heads`` form instead
+(one CTA per (key block, kv head) walking the G = H/Hkv query heads of its group, dK/dV written
+once per kv head in the input dtype) where the tuning row allows it and B·Hkv·key blocks reaches
+bwd_tuning.GROUP_HEADS_MIN_CTAS; no row allows it until it has run on a GPU.
 
 Varlen backward (:meth:`Sm90Backend.varlen_backward`): one CTA per (key block of a sequence,
 head), listed by a work list built here from cu_seqlens (:func:`work_table`), so every sequence
@@ -210,7 +212,8 @@ class Sm90Backend(KernelBackend):
                          ) -> tuple[BwdConfig, object]:
         """(main config, postprocess config) for this call (``sink_grad``: the config that
         also sums the sink's share of the output's rowsum); raises ValueError if unsupported."""
-        cfg = BwdConfig.make(**backward_kind(q, k, v, opts), sink_grad=sink_grad)
+        cfg = BwdConfig.make(**backward_kind(q, k, v, opts), sink_grad=sink_grad,
+                             group_shape=(q.shape[0] * k.shape[2], k.shape[1]))
         return cfg, cfg.postprocess_config()
 
     def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts,
@@ -230,6 +233,8 @@ class Sm90Backend(KernelBackend):
         else:  # (also a config the table does not pick, e.g. its head dims have no row yet)
             kind = {**backward_kind(q, k, v, opts), "sink_grad": sink_grad}
             kind.pop("deterministic")
+            if config.group_heads:  # (a GQA call's form with gqa=False's outputs)
+                kind["gqa"] = False
             wrong = {f: getattr(config, f) for f, want in kind.items()
                      if getattr(config, f) != want}
             if wrong:

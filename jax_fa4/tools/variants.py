@@ -127,7 +127,9 @@ SM90_BWD_GPU_SWAP = [
 #: The forms of a table kernel that tests/gpu/test_sm90_bwd.py checks against the reference on
 #: the SM90_BWD_GPU_SWAP problems, whatever the table picks (name -> config transform): the
 #: transposed S / dP loop and the statistics through shared memory, each alone and together
-#: (dQ through the dQ warp), and the table's kernel with dQ added by the MMA threads (dq_red).
+#: (dQ through the dQ warp), the table's kernel with dQ added by the MMA threads (dq_red), and
+#: the table's kernel with one CTA per kv head walking its group's query heads (group_heads; the
+#: table picks it for GQA calls that launch enough CTAs, larger than the test's).
 OPT_IN_FORMS: dict[str, Callable[[BwdConfig], BwdConfig]] = {
     "swap": lambda cfg: dataclasses.replace(with_swap_sdp(cfg), stats_smem=False, dq_red=False),
     "stats": lambda cfg: dataclasses.replace(without_swap_sdp(cfg), stats_smem=True,
@@ -135,6 +137,7 @@ OPT_IN_FORMS: dict[str, Callable[[BwdConfig], BwdConfig]] = {
     "swap+stats": lambda cfg: dataclasses.replace(with_swap_sdp(cfg), stats_smem=True,
                                                   dq_red=False),
     "red": lambda cfg: dataclasses.replace(cfg, dq_red=True),
+    "group": lambda cfg: dataclasses.replace(cfg, gqa=False, group_heads=True),
 }
 
 

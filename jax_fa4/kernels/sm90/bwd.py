@@ -5,9 +5,10 @@ dq_accum layout; bwd_postprocess.py turns dq_accum into dq).
 
 Features: bf16/fp16, head dims from bwd_tuning.TUNING_TABLE, dynamic batch / sequence lengths /
 head counts (one compile serves all), GQA/MQA (query head h reads kv head h // (H / Hkv); GQA
-configs write float32 dK/dV per query head), key-length tail, bottom-right aligned causal and
-sliding-window masks with query-block skipping (a block is masked only when it cuts a boundary),
-softcap with its derivative.
+configs write float32 dK/dV per query head, group_heads configs one CTA per kv head that walks
+its group's query heads and writes dK/dV per kv head), key-length tail, bottom-right aligned
+causal and sliding-window masks with query-block skipping (a block is masked only when it cuts a
+boundary), softcap with its derivative.
 
 Structure (one CTA = one block of tile_n keys of one (batch, query head); not persistent):
   * warpgroup 0 = producer: gives registers back (setmaxnreg).
@@ -211,6 +212,7 @@ class FlashAttentionBackwardSm90:
         self.varlen = cfg.varlen
         self.sink_grad = cfg.sink_grad  # (bwd_config.BwdConfig)
         self.segments = cfg.segments  # (bwd_config.BwdConfig)
+        self.group_heads = cfg.group_heads  # (bwd_config.BwdConfig)
         # deterministic + causal: dQ adds in descending key-block order, key blocks launched
         # from the last one down. A causal key block's first query block is the diagonal one,
         # so the higher key block n+1 reaches each query block two (tile_n / tile_m) steps
@@ -384,7 +386,9 @@ class FlashAttentionBackwardSm90:
             sSink: cute.struct.Align[cute.struct.MemRange[Float32, sink_elems], 16]
             sKvIds: cute.struct.Align[cute.struct.MemRange[Int32, kv_id_elems], 16]
 
-        grid = (cute.ceil_div(mK.shape[0], self.tile_n), mQ.shape[2], mQ.shape[3])
+        # one CTA per (key block, query head, batch); group_heads: per kv head
+        heads = mK.shape[2] if const_expr(self.group_heads) else mQ.shape[2]
+        grid = (cute.ceil_div(mK.shape[0], self.tile_n), heads, mQ.shape[3])
         mdK_rows, mdV_rows = None, None  # varlen, 16-bit dK / dV: the tensors for row stores
         if const_expr(self.varlen):  # one CTA per (work item, query head)
             grid = (mWork.shape[0], mQ.shape[2], 1)
@@ -500,7 +504,14 @@ class FlashAttentionBackwardSm90:
             # key blocks launch from the last one down (deterministic causal: each then waits
             # only on earlier launches)
             n_block = (seqlen_k + self.tile_n - 1) // self.tile_n - 1 - n_block
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        group = None  # group_heads: the query heads per kv head, walked by every role
+        if const_expr(self.group_heads):
+            # (the grid's y is the kv head; head becomes the group's first query head)
+            group = mQ.shape[2] // mK.shape[2]
+            head_kv = head
+            head = head_kv * group
+        else:
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
         head_dkv = head if const_expr(self.gqa) else head_kv
         block_info = BwdBlocks(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                   seqlen_q, seqlen_k, window_left, window_right)
@@ -520,15 +531,15 @@ class FlashAttentionBackwardSm90:
                 self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_atom_Q, tma_atom_K, tma_atom_V,
                           tma_atom_dO, pipeline_kv, pipeline_q, pipeline_do,
                           n_block, head, head_kv, batch, m_block_min, m_block_max,
-                          q_offset, k_offset)
+                          q_offset, k_offset, group)
             if const_expr(not self.dq_red):  # (dq_red: the MMA threads add dQ themselves)
                 if warp_idx == 1:
                     self.store_dq(mdQacc, sdQ, mdQsem, n_block, head, batch, m_block_min,
-                                  m_block_max, block_info, dq_tile0)
+                                  m_block_max, block_info, dq_tile0, group)
             if const_expr(self.stats_smem):
                 if warp_idx == 2:
                     self.load_stats(mLSE, mDelta, sLSE, sDelta, pipeline_stats, n_block, head,
-                                    batch, m_block_min, m_block_max, seqlen_q)
+                                    batch, m_block_min, m_block_max, seqlen_q, group)
         else:  # MMA warpgroups
             cute.arch.setmaxregister_increase(_MMA_REGS)
             self.mma(mdK, mdV, mLSE, mDelta, mParams, sQ, sK, sV, sdO, sP, sdS, sdQ,
@@ -538,7 +549,7 @@ class FlashAttentionBackwardSm90:
                      seqlen_q, seqlen_k, block_info, q_offset, k_offset, mdK_rows, mdV_rows,
                      seq, mCuSeqlensK, pipeline_stats, sLSE, sDelta, mdQacc,
                      (mSinkPart, sSink, x_block) if const_expr(self.sink_grad) else None,
-                     segs)
+                     segs, group)
 
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -546,20 +557,14 @@ class FlashAttentionBackwardSm90:
              tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
              tma_atom_dO: cute.CopyAtom, pipeline_kv, pipeline_q, pipeline_do,
              n_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
-             m_block_min: Int32, m_block_max: Int32, q_offset=None, k_offset=None):
-        gQ = cute.local_tile(sequence(mQ, head, batch, q_offset), (self.tile_m, self.hdim),
-                             (None, 0))
-        gdO = cute.local_tile(sequence(mdO, head, batch, q_offset), (self.tile_m, self.hdimv),
-                              (None, 0))
+             m_block_min: Int32, m_block_max: Int32, q_offset=None, k_offset=None, group=None):
+        """The TMA warp: K and V of the key block once, then Q and dO of every visited query
+        block (of ``head``, or with ``group`` of the group's query heads in turn)."""
         gK = cute.local_tile(sequence(mK, head_kv, batch, k_offset), (self.tile_n, self.hdim),
                              (n_block, 0))
         gV = cute.local_tile(sequence(mV, head_kv, batch, k_offset), (self.tile_n, self.hdimv),
                              (n_block, 0))
         one = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_dO, 0, one, cute.group_modes(sdO, 0, 2),
-                                               cute.group_modes(gdO, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2),
@@ -572,21 +577,66 @@ class FlashAttentionBackwardSm90:
             cute.copy(tma_atom_V, tVgV, tVsV,
                       tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-            start = self.first_visit(n_block, m_block_min, m_block_max)
-            for it in cutlass.range(m_block_min, m_block_max, unroll=1):
-                m_block = self.m_block_at(it, start, m_block_min, m_block_max)
-                pipeline_q.producer_acquire(state)
-                cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index],
-                          tma_bar_ptr=pipeline_q.producer_get_barrier(state))
-                pipeline_do.producer_acquire(state)
-                cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index],
-                          tma_bar_ptr=pipeline_do.producer_get_barrier(state))
-                state.advance()
+            if const_expr(group is None):
+                self.load_head(mQ, mdO, sQ, sdO, tma_atom_Q, tma_atom_dO, pipeline_q,
+                               pipeline_do, state, n_block, head, batch, m_block_min,
+                               m_block_max, q_offset)
+            else:
+                for g in cutlass.range(group, unroll=1):
+                    state = self.load_head(mQ, mdO, sQ, sdO, tma_atom_Q, tma_atom_dO, pipeline_q,
+                                           pipeline_do, state, n_block, head + g, batch,
+                                           m_block_min, m_block_max, q_offset)
+
+    @cute.jit
+    def load_head(self, mQ: cute.Tensor, mdO: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor,
+                  tma_atom_Q: cute.CopyAtom, tma_atom_dO: cute.CopyAtom, pipeline_q,
+                  pipeline_do, state, n_block: Int32, head: Int32, batch: Int32,
+                  m_block_min: Int32, m_block_max: Int32, q_offset=None):
+        """Q and dO of query head ``head``'s visited query blocks into the pipelines' stages;
+        returns the pipeline state after them."""
+        gQ = cute.local_tile(sequence(mQ, head, batch, q_offset), (self.tile_m, self.hdim),
+                             (None, 0))
+        gdO = cute.local_tile(sequence(mdO, head, batch, q_offset), (self.tile_m, self.hdimv),
+                              (None, 0))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_dO, 0, one, cute.group_modes(sdO, 0, 2),
+                                               cute.group_modes(gdO, 0, 2))
+        start = self.first_visit(n_block, m_block_min, m_block_max)
+        for it in cutlass.range(m_block_min, m_block_max, unroll=1):
+            m_block = self.m_block_at(it, start, m_block_min, m_block_max)
+            pipeline_q.producer_acquire(state)
+            cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index],
+                      tma_bar_ptr=pipeline_q.producer_get_barrier(state))
+            pipeline_do.producer_acquire(state)
+            cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index],
+                      tma_bar_ptr=pipeline_do.producer_get_barrier(state))
+            state.advance()
+        return state
 
     @cute.jit
     def store_dq(self, mdQacc: cute.Tensor, sdQ: cute.Tensor, mdQsem: cute.Tensor | None,
                  n_block: Int32, head: Int32, batch: Int32, m_block_min: Int32,
-                 m_block_max: Int32, block_info: BwdBlocks, dq_tile0=None):
+                 m_block_max: Int32, block_info: BwdBlocks, dq_tile0=None, group=None):
+        """The dQ warp (warp 1 of the producer warpgroup): ``store_dq_head`` for ``head``, or
+        with ``group`` (group_heads) for the group's query heads in turn, the hand-over
+        running on from one head's last block to the next head's first."""
+        if const_expr(group is None):
+            self.store_dq_head(mdQacc, sdQ, mdQsem, n_block, head, batch, m_block_min,
+                               m_block_max, block_info, dq_tile0)
+        else:
+            for g in cutlass.range(group, unroll=1):
+                # the buffers go back after this head's last block too, unless it is the last
+                more = cutlass.min(group - 1 - g, 1)
+                self.store_dq_head(mdQacc, sdQ, mdQsem, n_block, head + g, batch, m_block_min,
+                                   m_block_max, block_info, None, m_block_max + more)
+
+    @cute.jit
+    def store_dq_head(self, mdQacc: cute.Tensor, sdQ: cute.Tensor, mdQsem: cute.Tensor | None,
+                      n_block: Int32, head: Int32, batch: Int32, m_block_min: Int32,
+                      m_block_max: Int32, block_info: BwdBlocks, dq_tile0=None,
+                      hand_back_end=None):
         """The dQ warp (warp 1 of the producer warpgroup). Per visited query block: wait until
         both MMA warpgroups have put their dQ chunk in shared memory, reduce-add the two chunks
         into dq_accum (one ``cp.reduce.async.bulk`` each, issued by lane 0), and hand the buffers
@@ -596,7 +646,9 @@ class FlashAttentionBackwardSm90:
         block's predecessor; publish this key block one query block later, once the adds are
         complete (``wait_group 1``), so that the completion latency overlaps the next block.
 
-        Varlen: query block m of the sequence is dq_accum tile ``dq_tile0 + m``."""
+        Varlen: query block m of the sequence is dq_accum tile ``dq_tile0 + m``.
+        ``hand_back_end`` (group_heads): the buffers go back after loop position ``it`` while
+        ``it + 1`` is below it (default m_block_max: not after the last block)."""
         gdQacc = mdQacc[None, head, batch]
         lane = cute.arch.lane_idx()
         bar_threads = 128 + 32
@@ -620,7 +672,10 @@ class FlashAttentionBackwardSm90:
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.sync_warp()
-            if it + 1 < m_block_max:  # (no MMA warpgroup waits after the last block)
+            more_blocks = it + 1 < m_block_max
+            if const_expr(hand_back_end is not None):
+                more_blocks = it + 1 < hand_back_end
+            if more_blocks:  # (no MMA warpgroup waits after the last block)
                 for wg in cutlass.range_constexpr(2):
                     cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQ_EMPTY_WG0) + wg,
                                              number_of_threads=bar_threads)
@@ -640,16 +695,34 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def load_stats(self, mLSE: cute.Tensor, mDelta: cute.Tensor, sLSE: cute.Tensor,
                    sDelta: cute.Tensor, pipeline_stats, n_block: Int32, head: Int32,
-                   batch: Int32, m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32):
+                   batch: Int32, m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32,
+                   group=None):
         """The stats warp (warp 2 of the producer warpgroup, ``stats_smem``): per visited query
         block, in the MMA warpgroups' order, lse_log2 and delta of its tile_m rows into the
         stage's shared-memory rows (4-byte ``cp.async``, one row per lane and round; rows past
         seqlen_q read row seqlen_q − 1, which the readers replace: see read_stats), completion
-        signalled on the stage's mbarrier (``cp.async.mbarrier.arrive.noinc``)."""
+        signalled on the stage's mbarrier (``cp.async.mbarrier.arrive.noinc``). With ``group``
+        (group_heads): the group's query heads in turn."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        if const_expr(group is None):
+            self.load_stats_head(mLSE, mDelta, sLSE, sDelta, pipeline_stats, state, n_block,
+                                 head, batch, m_block_min, m_block_max, seqlen_q)
+        else:
+            for g in cutlass.range(group, unroll=1):
+                state = self.load_stats_head(mLSE, mDelta, sLSE, sDelta, pipeline_stats, state,
+                                             n_block, head + g, batch, m_block_min, m_block_max,
+                                             seqlen_q)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)  # (nothing left in flight when the warp exits)
+
+    @cute.jit
+    def load_stats_head(self, mLSE: cute.Tensor, mDelta: cute.Tensor, sLSE: cute.Tensor,
+                        sDelta: cute.Tensor, pipeline_stats, state, n_block: Int32, head: Int32,
+                        batch: Int32, m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32):
+        """``load_stats`` for query head ``head``; returns the pipeline state after it."""
         lane = cute.arch.lane_idx()
         gLSE, gDelta = mLSE[None, head, batch], mDelta[None, head, batch]
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         start = self.first_visit(n_block, m_block_min, m_block_max)
         for it in cutlass.range(m_block_min, m_block_max, unroll=1):
             m_block = self.m_block_at(it, start, m_block_min, m_block_max)
@@ -662,8 +735,7 @@ class FlashAttentionBackwardSm90:
                               cute.local_tile(s[None, state.index], (1,), (t,)))
             pipeline_stats.producer_commit(state)
             state.advance()
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)  # (nothing left in flight when the warp exits)
+        return state
 
     @cute.jit
     def read_stats(self, sX: cute.Tensor, x: cute.Tensor, outside: Float32, tScS_mn: cute.Tensor,
@@ -740,7 +812,10 @@ class FlashAttentionBackwardSm90:
             m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32,
             block_info: BwdBlocks, q_offset=None, k_offset=None, mdK_rows=None,
             mdV_rows=None, seq=None, mCuSeqlensK=None, pipeline_stats=None, sLSE=None,
-            sDelta=None, mdQacc=None, sink=None, segs=None):
+            sDelta=None, mdQacc=None, sink=None, segs=None, group=None):
+        """The MMA warpgroups: dK and dV of key block n_block over its query blocks (of query
+        head ``head``, or with ``group`` (group_heads) of the ``group`` query heads from
+        ``head`` on), then the epilogue."""
         tm, tn, D, Dv = self.tile_m, self.tile_n, self.hdim, self.hdimv
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         tidx_in_wg = tidx % 128
@@ -759,6 +834,7 @@ class FlashAttentionBackwardSm90:
             tdPrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
             tdPrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV))
             tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS)))
+            tdVrPt, tdKrdSt = None, None  # (Pᵀ, dSᵀ from registers)
         else:
             tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ))
             tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))
@@ -779,13 +855,13 @@ class FlashAttentionBackwardSm90:
         # (row, col) of each S (swap: Sᵀ, (key, query)) element of this thread, within the tile
         tScS = thr_sdp.partition_C(cute.make_identity_tensor(s_tile))
         tScS_mn = acc_view_mn(tScS)
-        num_rows = cute.size(tScS_mn, mode=[0])
 
         # P / dS register -> shared memory (stmatrix)
         st_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         st_thr = cute.make_tiled_copy_C(st_atom, mma_sdp).get_slice(tidx)
         tdSsdS = st_thr.partition_D(sdS)
+        tPsP = None
         if const_expr(not self.swap):
             tPsP = st_thr.partition_D(sP)
 
@@ -794,11 +870,8 @@ class FlashAttentionBackwardSm90:
         # dq_fragment_view's order
         tdQsdQ, tdQgdQ = None, None
         if const_expr(self.dq_red):
-            gdQacc = mdQacc[None, head, batch]
-            tdQgdQ = cute.make_tensor(
-                gdQacc.iterator + (wg_idx * self.dq_wg_elems + tidx_in_wg * 4),
-                cute.make_layout((4, self.dq_regs // 4, gdQacc.shape[0] // (2 * self.dq_wg_elems)),
-                                 stride=(1, 512, 2 * self.dq_wg_elems)))
+            if const_expr(group is None):  # (group_heads: per head, in the loop below)
+                tdQgdQ = self.dq_red_view(mdQacc, head, batch, wg_idx, tidx_in_wg)
         else:
             sdQ_wg = cute.local_tile(sdQ, (self.dq_wg_elems,), (wg_idx,))
             tdQsdQ = dq_fragment_view(sdQ_wg, self.dq_regs, tidx_in_wg)
@@ -808,7 +881,6 @@ class FlashAttentionBackwardSm90:
         scale_log2, tanh_in_scale = scales.scale_log2, scales.tanh_in_scale
         inv_scale_log2 = scales.inv_scale_log2
         kv_tail = BwdBlocks.kv_tail(block_info, n_block)  # only the last key block has a tail
-        pds_barrier = int(NamedBarrier.PDS)
         # sink_grad: Σ over this thread's (row, key) elements of e^{σ − lse_row}·P·dP, kept in
         # shared memory (sink[1][tidx]), and σ·log2 e there too (every thread writes the same
         # value and reads it after its own write: no barrier)
@@ -832,117 +904,18 @@ class FlashAttentionBackwardSm90:
             if const_expr(self.varlen):
                 self.zero_tail_rows((sK, sV), seqlen_k - n_block * tn, wg_idx, tidx_in_wg)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            if const_expr(self.swap):
-                self.swapped_loop(
-                    mLSE, mDelta, tSrQ, tSrK, tdPrdO, tdPrV, tdVrdOt, tdKrQt, tdQrdS, tdQrKt,
-                    acc_dK, acc_dV, acc_S_shape, acc_dQ_shape, tScS_mn, st_thr, tdSsdS, tdQsdQ,
-                    mma_sdp, mma_dk, mma_dv, mma_dq, pipeline_q, pipeline_do, state, wg_idx,
-                    n_block, head, batch, m_block_min, m_block_max, seqlen_q, block_info,
-                    kv_tail, scale_log2, tanh_in_scale, inv_scale_log2, pipeline_stats, sLSE,
-                    sDelta, tdQgdQ)
-            else:
-                start = self.first_visit(n_block, m_block_min, m_block_max)
-                # the rows' lse_log2 and delta, loaded one query block ahead: the next block's
-                # are requested once this one's dS is computed, so their global-memory latency
-                # hides under the dV / dQ / dK GEMMs instead of stalling the next softmax
-                lse = cute.make_rmem_tensor(num_rows, Float32)
-                dpsum = cute.make_rmem_tensor(num_rows, Float32)
-                if const_expr(not self.stats_smem):
-                    self.load_row_stats(
-                        mLSE, mDelta, lse, dpsum, tScS_mn,
-                        self.m_block_at(m_block_min, start, m_block_min, m_block_max),
-                        seqlen_q, head, batch, q_offset)
-                for it in cutlass.range(m_block_min, m_block_max, unroll=1):
-                    m_block = self.m_block_at(it, start, m_block_min, m_block_max)
-                    pds_idx = (it - m_block_min) % self.pds_stages
+            loop = self.swapped_loop if const_expr(self.swap) else self.plain_loop
+            frags = (tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdKrdSt, tdQrdS, tdQrKt, tdVrdOt, tdKrQt)
+            mmas = (mma_sdp, mma_dk, mma_dv, mma_dq)
+            scales3 = (scale_log2, tanh_in_scale, inv_scale_log2)
+            # (group_heads: one loop over the group's query heads' blocks in turn, dK / dV
+            # accumulating over all of them)
+            loop(mLSE, mDelta, frags, acc_dK, acc_dV, acc_S_shape, acc_dQ_shape, tScS_mn,
+                 st_thr, tPsP, tdSsdS, tdQsdQ, mmas, pipeline_q, pipeline_do, state, wg_idx,
+                 tidx_in_wg, n_block, head, batch, m_block_min, m_block_max, seqlen_q,
+                 seqlen_k, block_info, kv_tail, scales3, sQ, sdO, q_offset, pipeline_stats,
+                 sLSE, sDelta, tdQgdQ, sink_acc, segs, group, mdQacc)
 
-                    # segment ids: this thread's rows' key spans, read before the GEMMs
-                    # (fewer values live then) for mask_p
-                    seg_span = None
-                    if const_expr(segs is not None):
-                        seg_span = self.row_spans(segs, tScS_mn, m_block, n_block, batch,
-                                                  seqlen_q)
-                    # S = Q·Kᵀ and dP = dO·Vᵀ
-                    pipeline_q.consumer_wait(state)
-                    if const_expr(self.varlen):
-                        if seqlen_q - m_block * tm < tm:  # the sequence's last query block
-                            pipeline_do.consumer_wait(state)
-                            self.zero_tail_rows((sQ[None, None, state.index],
-                                                 sdO[None, None, state.index]),
-                                                seqlen_q - m_block * tm, wg_idx, tidx_in_wg)
-                    acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
-                    wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state.index], tSrK, zero_init=True)
-                    pipeline_do.consumer_wait(state)
-                    acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
-                    wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, state.index], tdPrV,
-                          zero_init=True)
-                    if const_expr(self.stats_smem):  # (under the S GEMM)
-                        pipeline_stats.consumer_wait(state)
-                        self.read_stats(sLSE, lse, Float32.inf, tScS_mn, m_block, seqlen_q,
-                                        state.index, per_col=False)
-
-                    need_mask = self.block_needs_mask(block_info, m_block, n_block, kv_tail)
-                    if const_expr(segs is not None):
-                        tiles = segs[0]
-                        need_mask = need_mask or (
-                            n_block < tiles[batch, m_block, SEG_BULK_LO]
-                            or n_block >= tiles[batch, m_block, SEG_BULK_HI])
-
-                    s_mn = acc_view_mn(acc_S)
-                    dp_mn = acc_view_mn(acc_dP)
-                    warpgroup.wait_group(1)  # S is ready, dP may still run
-                    self.scores_to_p(s_mn, lse, scale_log2, tanh_in_scale, per_col=False)
-                    if need_mask:
-                        self.mask_p(s_mn, tScS_mn, m_block, n_block, block_info,
-                                    segs=None if const_expr(segs is None) else
-                                    (*segs, batch, seqlen_q, seqlen_k, seg_span))
-
-                    # P -> shared memory (the previous iteration's readers are done: see PDS)
-                    if const_expr(self.pds_stages == 1):
-                        cute.arch.barrier(barrier_id=pds_barrier,
-                                          number_of_threads=self.num_mma_threads)
-                    rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
-                    convert_f32_pairs(acc_S, rP, self.is_bf16)
-                    cute.copy(st_thr, st_thr.retile(rP), tPsP[None, None, None, pds_idx])
-
-                    # dS = P∘(dP − delta) [∘ (1 − tanh²)]
-                    warpgroup.wait_group(0)
-                    if const_expr(self.stats_smem):
-                        self.read_stats(sDelta, dpsum, Float32(0.0), tScS_mn, m_block, seqlen_q,
-                                        state.index, per_col=False)
-                    if const_expr(self.sink_grad):
-                        self.add_sink_terms(sink_acc, s_mn, dp_mn, lse)
-                    self.dp_to_ds(s_mn, dp_mn, lse, dpsum, inv_scale_log2, per_col=False)
-                    if const_expr(self.stats_smem):
-                        pipeline_stats.consumer_release(state)
-                    else:
-                        # the next query block's stats (past the last one: any block, unused)
-                        self.load_row_stats(
-                            mLSE, mDelta, lse, dpsum, tScS_mn,
-                            self.m_block_at(it + 1, start, m_block_min, m_block_max),
-                            seqlen_q, head, batch, q_offset)
-                    rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
-                    convert_f32_pairs(acc_dP, rdS, self.is_bf16)
-                    cute.copy(st_thr, st_thr.retile(rdS), tdSsdS[None, None, None, pds_idx])
-
-                    cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> WGMMA reads
-                    cute.arch.barrier(barrier_id=pds_barrier,
-                                      number_of_threads=self.num_mma_threads)
-
-                    # dV += Pᵀ·dO, dQ = dS·K, dK += dSᵀ·Q
-                    wgmma(mma_dv, acc_dV, tdVrPt[None, None, None, pds_idx],
-                          tdVrdOt[None, None, None, state.index], zero_init=False)
-                    acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
-                    wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, zero_init=True)
-                    wgmma(mma_dk, acc_dK, tdKrdSt[None, None, None, pds_idx],
-                          tdKrQt[None, None, None, state.index], zero_init=False)
-                    warpgroup.wait_group(1)  # dV and dQ done
-                    pipeline_do.consumer_release(state)
-
-                    self.hand_dq_over(acc_dQ, tdQsdQ, wg_idx, it > m_block_min, tdQgdQ, m_block)
-                    warpgroup.wait_group(0)  # dK done
-                    pipeline_q.consumer_release(state)
-                    state.advance()
 
         if const_expr(self.sink_grad):
             self.store_sink_part(sink, head, batch, tidx)
@@ -1045,16 +1018,145 @@ class FlashAttentionBackwardSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def swapped_loop(self, mLSE: cute.Tensor, mDelta: cute.Tensor, tSrQ, tSrK, tdPrdO, tdPrV,
-                     tdVrdOt, tdKrQt, tdQrdS, tdQrKt, acc_dK: cute.Tensor, acc_dV: cute.Tensor,
-                     acc_S_shape: cutlass.Constexpr, acc_dQ_shape: cutlass.Constexpr,
-                     tScS_mn: cute.Tensor, st_thr, tdSsdS: cute.Tensor, tdQsdQ: cute.Tensor,
-                     mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
-                     mma_dq: cute.TiledMma, pipeline_q, pipeline_do, state, wg_idx: Int32,
-                     n_block: Int32, head: Int32, batch: Int32, m_block_min: Int32,
-                     m_block_max: Int32, seqlen_q: Int32, block_info: BwdBlocks, kv_tail,
-                     scale_log2: Float32, tanh_in_scale: Float32, inv_scale_log2,
-                     pipeline_stats=None, sLSE=None, sDelta=None, tdQgdQ=None):
+    def plain_loop(self, mLSE: cute.Tensor, mDelta: cute.Tensor, frags, acc_dK: cute.Tensor,
+                   acc_dV: cute.Tensor, acc_S_shape: cutlass.Constexpr,
+                   acc_dQ_shape: cutlass.Constexpr, tScS_mn: cute.Tensor, st_thr, tPsP,
+                   tdSsdS: cute.Tensor, tdQsdQ, mmas, pipeline_q, pipeline_do, state,
+                   wg_idx: Int32, tidx_in_wg: Int32, n_block: Int32, head: Int32, batch: Int32,
+                   m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                   block_info: BwdBlocks, kv_tail, scales3, sQ: cute.Tensor, sdO: cute.Tensor,
+                   q_offset=None, pipeline_stats=None, sLSE=None, sDelta=None, tdQgdQ=None,
+                   sink_acc=None, segs=None, group=None, mdQacc=None):
+        """The query-block loop of the plain configs (S, dP with M = queries; P and dS through
+        shared memory), for query head ``head``; returns the Q / dO pipeline state after it.
+        ``group`` (group_heads): one loop over the blocks of the ``group`` query heads from
+        ``head`` on, in turn (``head_at``), dQ into ``mdQacc``'s head of each block."""
+        tm = self.tile_m
+        (tSrQ, tSrK, tdPrdO, tdPrV, tdVrPt, tdKrdSt, tdQrdS, tdQrKt, tdVrdOt, tdKrQt) = frags
+        mma_sdp, mma_dk, mma_dv, mma_dq = mmas
+        scale_log2, tanh_in_scale, inv_scale_log2 = scales3
+        num_rows = cute.size(tScS_mn, mode=[0])
+        pds_barrier = int(NamedBarrier.PDS)
+        start = self.first_visit(n_block, m_block_min, m_block_max)
+        # the rows' lse_log2 and delta, loaded one query block ahead: the next block's
+        # are requested once this one's dS is computed, so their global-memory latency
+        # hides under the dV / dQ / dK GEMMs instead of stalling the next softmax
+        lse = cute.make_rmem_tensor(num_rows, Float32)
+        dpsum = cute.make_rmem_tensor(num_rows, Float32)
+        if const_expr(not self.stats_smem):
+            self.load_row_stats(
+                mLSE, mDelta, lse, dpsum, tScS_mn,
+                self.m_block_at(m_block_min, start, m_block_min, m_block_max),
+                seqlen_q, head, batch, q_offset)
+        for it in cutlass.range(m_block_min, self.loop_end(m_block_min, m_block_max, group),
+                                unroll=1):
+            pos, head_it = self.head_at(it, head, m_block_min, m_block_max, group)
+            m_block = self.m_block_at(pos, start, m_block_min, m_block_max)
+            pds_idx = (it - m_block_min) % self.pds_stages
+
+            # segment ids: this thread's rows' key spans, read before the GEMMs
+            # (fewer values live then) for mask_p
+            seg_span = None
+            if const_expr(segs is not None):
+                seg_span = self.row_spans(segs, tScS_mn, m_block, n_block, batch,
+                                          seqlen_q)
+            # S = Q·Kᵀ and dP = dO·Vᵀ
+            pipeline_q.consumer_wait(state)
+            if const_expr(self.varlen):
+                if seqlen_q - m_block * tm < tm:  # the sequence's last query block
+                    pipeline_do.consumer_wait(state)
+                    self.zero_tail_rows((sQ[None, None, state.index],
+                                         sdO[None, None, state.index]),
+                                        seqlen_q - m_block * tm, wg_idx, tidx_in_wg)
+            acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+            wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state.index], tSrK, zero_init=True)
+            pipeline_do.consumer_wait(state)
+            acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
+            wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, state.index], tdPrV,
+                  zero_init=True)
+            if const_expr(self.stats_smem):  # (under the S GEMM)
+                pipeline_stats.consumer_wait(state)
+                self.read_stats(sLSE, lse, Float32.inf, tScS_mn, m_block, seqlen_q,
+                                state.index, per_col=False)
+
+            need_mask = self.block_needs_mask(block_info, m_block, n_block, kv_tail)
+            if const_expr(segs is not None):
+                tiles = segs[0]
+                need_mask = need_mask or (
+                    n_block < tiles[batch, m_block, SEG_BULK_LO]
+                    or n_block >= tiles[batch, m_block, SEG_BULK_HI])
+
+            s_mn = acc_view_mn(acc_S)
+            dp_mn = acc_view_mn(acc_dP)
+            warpgroup.wait_group(1)  # S is ready, dP may still run
+            self.scores_to_p(s_mn, lse, scale_log2, tanh_in_scale, per_col=False)
+            if need_mask:
+                self.mask_p(s_mn, tScS_mn, m_block, n_block, block_info,
+                            segs=None if const_expr(segs is None) else
+                            (*segs, batch, seqlen_q, seqlen_k, seg_span))
+
+            # P -> shared memory (the previous iteration's readers are done: see PDS)
+            if const_expr(self.pds_stages == 1):
+                cute.arch.barrier(barrier_id=pds_barrier,
+                                  number_of_threads=self.num_mma_threads)
+            rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
+            convert_f32_pairs(acc_S, rP, self.is_bf16)
+            cute.copy(st_thr, st_thr.retile(rP), tPsP[None, None, None, pds_idx])
+
+            # dS = P∘(dP − delta) [∘ (1 − tanh²)]
+            warpgroup.wait_group(0)
+            if const_expr(self.stats_smem):
+                self.read_stats(sDelta, dpsum, Float32(0.0), tScS_mn, m_block, seqlen_q,
+                                state.index, per_col=False)
+            if const_expr(self.sink_grad):
+                self.add_sink_terms(sink_acc, s_mn, dp_mn, lse)
+            self.dp_to_ds(s_mn, dp_mn, lse, dpsum, inv_scale_log2, per_col=False)
+            if const_expr(self.stats_smem):
+                pipeline_stats.consumer_release(state)
+            else:
+                # the next query block's stats (past the last one: any block, unused)
+                pos1, head1 = self.head_at(it + 1, head, m_block_min, m_block_max, group)
+                self.load_row_stats(
+                    mLSE, mDelta, lse, dpsum, tScS_mn,
+                    self.m_block_at(pos1, start, m_block_min, m_block_max),
+                    seqlen_q, head1, batch, q_offset)
+            rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
+            convert_f32_pairs(acc_dP, rdS, self.is_bf16)
+            cute.copy(st_thr, st_thr.retile(rdS), tdSsdS[None, None, None, pds_idx])
+
+            cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> WGMMA reads
+            cute.arch.barrier(barrier_id=pds_barrier,
+                              number_of_threads=self.num_mma_threads)
+
+            # dV += Pᵀ·dO, dQ = dS·K, dK += dSᵀ·Q
+            wgmma(mma_dv, acc_dV, tdVrPt[None, None, None, pds_idx],
+                  tdVrdOt[None, None, None, state.index], zero_init=False)
+            acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
+            wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, zero_init=True)
+            wgmma(mma_dk, acc_dK, tdKrdSt[None, None, None, pds_idx],
+                  tdKrQt[None, None, None, state.index], zero_init=False)
+            warpgroup.wait_group(1)  # dV and dQ done
+            pipeline_do.consumer_release(state)
+
+            dq_view = tdQgdQ  # (group_heads: this block's head's)
+            if const_expr(group is not None and self.dq_red):
+                dq_view = self.dq_red_view(mdQacc, head_it, batch, wg_idx, tidx_in_wg)
+            self.hand_dq_over(acc_dQ, tdQsdQ, wg_idx, it > m_block_min, dq_view, m_block)
+            warpgroup.wait_group(0)  # dK done
+            pipeline_q.consumer_release(state)
+            state.advance()
+        return state
+
+    @cute.jit
+    def swapped_loop(self, mLSE: cute.Tensor, mDelta: cute.Tensor, frags, acc_dK: cute.Tensor,
+                     acc_dV: cute.Tensor, acc_S_shape: cutlass.Constexpr,
+                     acc_dQ_shape: cutlass.Constexpr, tScS_mn: cute.Tensor, st_thr, tPsP,
+                     tdSsdS: cute.Tensor, tdQsdQ, mmas, pipeline_q, pipeline_do, state,
+                     wg_idx: Int32, tidx_in_wg: Int32, n_block: Int32, head: Int32, batch: Int32,
+                     m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                     block_info: BwdBlocks, kv_tail, scales3, sQ: cute.Tensor, sdO: cute.Tensor,
+                     q_offset=None, pipeline_stats=None, sLSE=None, sDelta=None, tdQgdQ=None,
+                     sink_acc=None, segs=None, group=None, mdQacc=None):
         """The query-block loop of ``swap_sdp`` configs (see BwdConfig.swap_sdp). This
         warpgroup holds Sᵀ / dPᵀ for its 64 keys × all tile_m queries; per query block:
 
@@ -1062,14 +1164,21 @@ class FlashAttentionBackwardSm90:
             registers, issued before dS is computed → dSᵀ = Pᵀ∘(dPᵀ − delta) → dSᵀ to shared
             memory (for dQ) and, as registers, A of dK += dSᵀ·Q → dQ = dS·K.
 
-        lse and delta belong to the query columns: each thread loads the 16 of its columns."""
+        lse and delta belong to the query columns: each thread loads the 16 of its columns.
+        Same arguments and result as ``plain_loop`` (tPsP, sQ, sdO, q_offset, sink_acc, segs
+        and seqlen_k unused: no varlen, sink_grad or segment ids here)."""
         tm = self.tile_m
+        (tSrQ, tSrK, tdPrdO, tdPrV, _, _, tdQrdS, tdQrKt, tdVrdOt, tdKrQt) = frags
+        mma_sdp, mma_dk, mma_dv, mma_dq = mmas
+        scale_log2, tanh_in_scale, inv_scale_log2 = scales3
         num_cols = cute.size(tScS_mn, mode=[1])
         pds_barrier = int(NamedBarrier.PDS)
-        gLSE, gDelta = mLSE[None, head, batch], mDelta[None, head, batch]
         start = self.first_visit(n_block, m_block_min, m_block_max)
-        for it in cutlass.range(m_block_min, m_block_max, unroll=1):
-            m_block = self.m_block_at(it, start, m_block_min, m_block_max)
+        for it in cutlass.range(m_block_min, self.loop_end(m_block_min, m_block_max, group),
+                                unroll=1):
+            pos, head_it = self.head_at(it, head, m_block_min, m_block_max, group)
+            gLSE, gDelta = mLSE[None, head_it, batch], mDelta[None, head_it, batch]
+            m_block = self.m_block_at(pos, start, m_block_min, m_block_max)
             pds_idx = (it - m_block_min) % self.pds_stages
             # the columns' lse_log2 and delta (queries past seqlen_q: +inf and 0: P = dS = 0)
             lse = cute.make_rmem_tensor(num_cols, Float32)
@@ -1136,10 +1245,14 @@ class FlashAttentionBackwardSm90:
                   tdKrQt[None, None, None, state.index], zero_init=False)
             warpgroup.wait_group(1)  # dV and dQ done
             pipeline_do.consumer_release(state)
-            self.hand_dq_over(acc_dQ, tdQsdQ, wg_idx, it > m_block_min, tdQgdQ, m_block)
+            dq_view = tdQgdQ  # (group_heads: this block's head's)
+            if const_expr(group is not None and self.dq_red):
+                dq_view = self.dq_red_view(mdQacc, head_it, batch, wg_idx, tidx_in_wg)
+            self.hand_dq_over(acc_dQ, tdQsdQ, wg_idx, it > m_block_min, dq_view, m_block)
             warpgroup.wait_group(0)  # dK done
             pipeline_q.consumer_release(state)
             state.advance()
+        return state
 
     @cute.jit
     def block_needs_mask(self, block_info: BwdBlocks, m_block: Int32, n_block: Int32, kv_tail):
@@ -1227,6 +1340,43 @@ class FlashAttentionBackwardSm90:
                     ds = (ds * (Float32(1.0) - t * t) if p >= Float32(_FLT_MIN_NORMAL)
                           else Float32(0.0))
                 dp_mn[r, c] = ds
+
+    @cute.jit
+    def loop_end(self, m_block_min: Int32, m_block_max: Int32, group=None) -> Int32:
+        """End of the query-block loop's positions: m_block_max, or with ``group``
+        (group_heads) past the blocks of all its query heads (one run of positions each)."""
+        end = m_block_max
+        if const_expr(group is not None):
+            end = m_block_min + (m_block_max - m_block_min) * group
+        return end
+
+    @cute.jit
+    def head_at(self, it: Int32, head: Int32, m_block_min: Int32, m_block_max: Int32,
+                group=None) -> tuple:
+        """(loop position within its head's run of [m_block_min, m_block_max), query head) of
+        loop position ``it``: (it, head), or with ``group`` the ``it // visits``-th head after
+        ``head`` (one loop over the heads keeps the dK / dV accumulators in registers; a loop
+        per head around the block loop put them in local memory). Past the end: the last
+        head's positions go on (the look-ahead reads in bounds, unused)."""
+        pos, head_it = it, head
+        if const_expr(group is not None):
+            visits = m_block_max - m_block_min
+            # (clamped: the plain loop's look-ahead past the last block stays in the last head)
+            g = cutlass.min((it - m_block_min) // visits, group - 1)
+            pos = it - g * visits
+            head_it = head + g
+        return pos, head_it
+
+    @cute.jit
+    def dq_red_view(self, mdQacc: cute.Tensor, head: Int32, batch: Int32, wg_idx: Int32,
+                    tidx_in_wg: Int32) -> cute.Tensor:
+        """dq_red: this thread's floats of every query block's chunk of head ``head`` in
+        dq_accum, (4, dq_regs / 4, m_block) in dq_fragment_view's order."""
+        gdQacc = mdQacc[None, head, batch]
+        return cute.make_tensor(
+            gdQacc.iterator + (wg_idx * self.dq_wg_elems + tidx_in_wg * 4),
+            cute.make_layout((4, self.dq_regs // 4, gdQacc.shape[0] // (2 * self.dq_wg_elems)),
+                             stride=(1, 512, 2 * self.dq_wg_elems)))
 
     @cute.jit
     def hand_dq_over(self, acc_dQ: cute.Tensor, tdQsdQ, wg_idx: Int32, not_first,

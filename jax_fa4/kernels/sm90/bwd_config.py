@@ -25,7 +25,9 @@ Two kernels (see bwd.py and bwd_postprocess.py):
                                             output 3 (the launcher takes it after dq_accum).
     outputs (after the alias): dk (B, Sk, Hdk, D), dv (B, Sk, Hdk, Dv) with Hdk = Hkv for MHA
       configs (gqa=False, dtype = input dtype) and Hdk = H for GQA configs (gqa=True, float32, one
-      slice per query head; the caller sums each group of H/Hkv heads); sink_grad configs (params
+      slice per query head; the caller sums each group of H/Hkv heads); group_heads configs take
+      GQA inputs with gqa=False's outputs (one CTA per kv head sums its group itself,
+      BwdConfig.group_heads); sink_grad configs (params
       (4 + H,): one learnable sink logit per query head after the four scalars) end with
       sink_part (B, H, ceil(Sk/tile_n)) float32: key block n's Σ_i e^{σ_h − lse_i}·Σ_j P_ij·dP_ij
       (BwdConfig.sink_grad).
@@ -53,7 +55,7 @@ from typing import ClassVar
 # the segment-id tables' call contract, shared with the sm100 backward
 from jax_fa4.kernels.segments_config import with_segment_tables
 # the table chooses configs (whose fields are the key): not part of any kernel's key
-from jax_fa4.kernels.sm90.bwd_tuning import TUNING_TABLE, tuning_for
+from jax_fa4.kernels.sm90.bwd_tuning import GROUP_HEADS_MIN_CTAS, TUNING_TABLE, tuning_for
 from jax_fa4.kernels.spec import (FLOAT_DTYPES, NUM_PARAMS, SMEM_BUDGET_BYTES,
                                   KernelConfig, KernelSignature, TensorArg,
                                   attention_backward_signature, check_dtype_and_mask)
@@ -134,12 +136,21 @@ class BwdConfig(KernelConfig):
     # the query tile's bulk is masked by each row's key span (and key-by-key ids in flagged
     # tiles), as in the forward (segments_attention_backward_signature). The plain loop only.
     segments: bool = False
+    # GQA / MQA (H > Hkv) with one CTA per (key block, kv head) instead of per query head: the
+    # CTA walks the query blocks of each of the H/Hkv query heads of its group in turn, its dK /
+    # dV accumulators summing over all of them, and writes dK / dV once, in the input dtype per
+    # kv head (the outputs of gqa=False): no float32 slice per query head, no group sum after
+    # the kernel. H/Hkv times fewer, longer CTAs (the caller's rule: sm90/bwd_tuning.py).
+    group_heads: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
              has_softcap: bool = False, gqa: bool = False,
              deterministic: bool = False, sink_grad: bool = False,
-             segments: bool = False) -> BwdConfig:
+             segments: bool = False, group_shape: tuple[int, int] | None = None) -> BwdConfig:
+        """The table's config of a problem kind. ``group_shape`` = (B·Hkv, Sk) of a GQA call:
+        its group_heads form where the table's row allows it and it launches at least
+        GROUP_HEADS_MIN_CTAS CTAs (``GROUP_HEADS_ANY``: wherever the row allows it)."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         t = tuning_for(head_dim, head_dim_v, mask)
         # swap_sdp spills with softcap (validate) and was measured slower deterministic
@@ -158,6 +169,11 @@ class BwdConfig(KernelConfig):
                   stats_smem=t.stats_smem and swap,
                   dq_red=t.dq_red and swap, sink_grad=bool(sink_grad),
                   segments=bool(segments))
+        if (gqa and group_shape is not None and t.group_heads and not sink_grad
+                and not segments):
+            kv_heads, seqlen_k = group_shape
+            if kv_heads * -(-seqlen_k // t.tile_n) >= GROUP_HEADS_MIN_CTAS:
+                cfg = replace(cfg, gqa=False, group_heads=True)
         cfg.validate()
         return cfg
 
@@ -200,6 +216,13 @@ class BwdConfig(KernelConfig):
         if self.swap_sdp and self.sink_grad:
             raise ValueError("sm90 backward: swap_sdp with sink_grad spills registers (the sink "
                              "sums beside every column's lse and delta); use swap_sdp=False")
+        if self.group_heads and (self.gqa or self.varlen or self.segments or self.sink_grad):
+            raise ValueError("sm90 backward: group_heads writes dK / dV per kv head itself (not "
+                             "with gqa's float32 slices per query head) and is implemented for "
+                             "dense calls without segment ids or sink_grad")
+        if self.group_heads and max(self.head_dim, self.head_dim_v) not in (96, 128, 192):
+            raise ValueError("sm90 backward: group_heads puts an accumulator in local memory at "
+                             f"head dims {self.head_dim}/{self.head_dim_v} (LDL 96 at 64 and 256)")
         if self.swap_sdp and self.has_softcap:
             raise ValueError("sm90 backward: swap_sdp with softcap spills registers (the tanh "
                              "derivative keeps every column's lse live); use swap_sdp=False")
@@ -334,6 +357,10 @@ def segments_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
     return cfg
 
 
+#: A ``group_shape`` that takes the group_heads form wherever the table's row allows it.
+GROUP_HEADS_ANY = (1 << 30, 1)
+
+
 def shipped_configs() -> list[KernelConfig]:
     """Every backward variant the package precompiles (main kernels and their postprocesses)."""
     out: list[KernelConfig] = []
@@ -346,6 +373,10 @@ def shipped_configs() -> list[KernelConfig]:
                             for det in (False, True):
                                 out.append(BwdConfig.make(dtype, d, dv, mask, softcap, gqa,
                                                           deterministic=det, sink_grad=sink))
+                                if gqa and row[mask].group_heads and not sink:
+                                    out.append(BwdConfig.make(
+                                        dtype, d, dv, mask, softcap, gqa, deterministic=det,
+                                        group_shape=GROUP_HEADS_ANY))
                             out.append(varlen_config(dtype, d, dv, mask, softcap, gqa,
                                                      sink_grad=sink))
                             out.append(segments_config(dtype, d, dv, mask, softcap, gqa,

@@ -25,6 +25,19 @@ class Sm90BwdTuning:
     reverse_launch: bool = False  # key blocks launched from the last one down (BwdConfig)
     stats_smem: bool = False  # lse_log2 / delta through shared memory, loaded by a producer warp
     dq_red: bool = False  # dQ added to dq_accum by the MMA threads (red.global), no dQ buffer
+    # GQA calls with one CTA per (key block, kv head) summing its group's query heads
+    # (BwdConfig.group_heads), when that launches at least GROUP_HEADS_MIN_CTAS CTAs. Off in
+    # every row until the form has passed the GPU tests (its "group" opt-in form,
+    # tools/variants.OPT_IN_FORMS) and a same-process A/B (benchmarks/bwd_variants.py) has
+    # chosen it; it compiles clean at head dims 96, 128 and 192/128 and puts an accumulator in
+    # local memory at 64 and 256 (BwdConfig.validate).
+    group_heads: bool = False
+
+
+#: The fewest CTAs (B·Hkv·key blocks) for which a GQA call takes the group_heads form: two per
+#: SM of an H100 / H200 (132 SMs, one backward CTA each). Below it the per-query-head form keeps
+#: the GPU busier. A starting point, not measured.
+GROUP_HEADS_MIN_CTAS = 264
 
 
 # THE tuning table: (head_dim, head_dim_v) -> {mask kind: tuning}. Warpgroup layouts of the five
