@@ -222,7 +222,7 @@ def test_tiny_sweep_on_cpu(tmp_path, capsys, monkeypatch, two_input_sets):
 def test_backward_variant_sweep_lists_valid_distinct_configs():
     """benchmarks/bwd_variants.py's configs (jax_fa4.tools.variant_sweeps): per shape, v1 is the
     tuning table's config, every other variant is a distinct config the validator accepts (the
-    run precompiles exactly these)."""
+    run precompiles exactly these), the group_heads form where it compiles."""
     from jax_fa4.kernels.sm90.bwd_config import BwdConfig
     from jax_fa4.tools import variant_sweeps
 
@@ -237,7 +237,9 @@ def test_backward_variant_sweep_lists_valid_distinct_configs():
         assert len(set(cfgs)) == len(cfgs)
         for cfg in cfgs:
             cfg.validate()
-            assert cfg.gqa == gqa and cfg.mask == mask
+            # (the group_heads form writes dK / dV per kv head: gqa=False's outputs)
+            assert cfg.gqa == (gqa and not cfg.group_heads) and cfg.mask == mask
+        assert ("group" in names) == (shape.D in (96, 128, 192))
     needed = variant_sweeps.bwd_variant_configs("d128", ["det"])
     assert {c.kernel_name for c in needed} == {"sm90_bwd", "sm90_bwd_postprocess"}
 
