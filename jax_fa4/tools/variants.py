@@ -128,8 +128,8 @@ SM90_BWD_GPU_SWAP = [
 #: the SM90_BWD_GPU_SWAP problems, whatever the table picks (name -> config transform): the
 #: transposed S / dP loop and the statistics through shared memory, each alone and together
 #: (dQ through the dQ warp), the table's kernel with dQ added by the MMA threads (dq_red), and
-#: the table's kernel with one CTA per kv head walking its group's query heads (group_heads; the
-#: table picks it for GQA calls that launch enough CTAs, larger than the test's).
+#: the table's kernel with one CTA per kv head walking its group's query heads (group_heads, which
+#: no tuning row picks before it has run on a GPU).
 OPT_IN_FORMS: dict[str, Callable[[BwdConfig], BwdConfig]] = {
     "swap": lambda cfg: dataclasses.replace(with_swap_sdp(cfg), stats_smem=False, dq_red=False),
     "stats": lambda cfg: dataclasses.replace(without_swap_sdp(cfg), stats_smem=True,
