@@ -1355,9 +1355,9 @@ class FlashAttentionBackwardSm90:
                 group=None) -> tuple:
         """(loop position within its head's run of [m_block_min, m_block_max), query head) of
         loop position ``it``: (it, head), or with ``group`` the ``it // visits``-th head after
-        ``head`` (one loop over the heads keeps the dK / dV accumulators in registers; a loop
-        per head around the block loop put them in local memory). Past the end: the last
-        head's positions go on (the look-ahead reads in bounds, unused)."""
+        ``head`` (one loop over all the heads' blocks: the P / dS buffer parity, the dQ
+        hand-over and the statistics look-ahead run on across heads as within one). Past the
+        end: the last head's positions go on (the look-ahead reads in bounds, unused)."""
         pos, head_it = it, head
         if const_expr(group is not None):
             visits = m_block_max - m_block_min
