@@ -93,7 +93,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
 from jax_fa4.kernels.common.convert import convert_f32_pairs
@@ -189,6 +189,17 @@ def st_release_gpu_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) ->
         "st.release.gpu.global.s32 [$0], $1;", "l,r",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip)
+
+
+@dsl_user_op
+def thread_idx_x_again(*, loc=None, ip=None) -> Int32:
+    """``%tid.x``, read anew: an asm read with side effects, which LLVM may not merge with the
+    kernel's first read, so a value derived from the thread index before a long loop need not
+    stay live (or spill) to be used after it."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [], "mov.u32 $0, %tid.x;", "=r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -924,6 +935,12 @@ class FlashAttentionBackwardSm90:
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
             acc_dK[i] = acc_dK[i] * scale
         if const_expr(self.gqa):
+            # (the thread's fragment coordinates from a fresh read of its index: the segment-id
+            # kernels at head dim 128 with a window and softcap spilled the one kept across the
+            # loop)
+            tidx = thread_idx_x_again() - 128
+            thr_dk = mma_dk.get_slice(tidx)
+            thr_dv = mma_dv.get_slice(tidx)
             if const_expr(self.varlen):
                 if seq == ZERO_PADDING:
                     zero_padding_rows(mdK, mCuSeqlensK, head_dkv, (tn, D), self.num_mma_threads,
