@@ -15,6 +15,7 @@ Plus CPU-only checks of the pieces whose mistakes would be silent on the GPU:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from compiled import assert_no_local_memory, compiled_sass, needs_disassembler, 
 from jax_fa4.kernels.common.geometry import FwdBlocks, resolve_windows
 from jax_fa4.kernels.sm90.fwd_config import (FwdConfig, TUNING_TABLE, decode_config,
                                               decode_option_configs)
+from jax_fa4.kernels.spec import SMEM_BUDGET_BYTES
 from jax_fa4.tools.variants import sm90_fwd_fallback_configs, sm90_fwd_option_configs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,6 +152,13 @@ def test_v2_options_compile_with_clean_sass(cfg, shipped_cache):
     assert (k.count("VOTE.ANY") > 0) == (cfg.rescale_threshold > 0)
     assert (k.count("MUFU.TANH") > 0) == cfg.has_softcap
     assert k.count("STSM") > 0 and k.count("MUFU.EX2") > 0
+    # O's TMA store: waited for right after it is issued, unless O has its own buffer in a
+    # persistent kernel, which waits only before the next tile's epilogue overwrites the buffer
+    # (the first wait precedes the first store) and before exiting
+    ops = [line.split(";")[0] for line in k.sass.splitlines()]
+    store = next(i for i, op in enumerate(ops) if "UTMASTG" in op)
+    wait = next(i for i, op in enumerate(ops) if "DEPBAR.LE SB0" in op)
+    assert (wait < store) == cfg.own_o_buffer, (wait, store)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -181,6 +190,23 @@ def test_default_rows_are_not_persistent():
             cfg = FwdConfig.make("bfloat16", d, dv, mask)
             assert cfg.num_sms == 0, cfg
             assert cfg.tile_m == 128 or d == 64, cfg
+
+
+def test_persistent_configs_stage_o_in_their_own_buffer_where_it_fits():
+    """A persistent grid gives O a staging buffer of its own (Q then reloads under the
+    epilogue) wherever Q + the K/V stages + O fit the shared memory, and counts it; elsewhere,
+    and without a persistent grid, O reuses Q's buffer."""
+    for (d, dv), masks in TUNING_TABLE.items():
+        for mask in masks:
+            cfg = FwdConfig.make("bfloat16", d, dv, mask)
+            persistent = dataclasses.replace(cfg, num_sms=132)
+            o_bytes = 2 * cfg.tile_m * dv
+            assert not cfg.own_o_buffer
+            fits = cfg.smem_bytes() + o_bytes <= SMEM_BUDGET_BYTES
+            assert persistent.own_o_buffer == fits, persistent
+            assert persistent.smem_bytes() == cfg.smem_bytes() + o_bytes * fits
+    assert FwdConfig.make("bfloat16", 128, num_sms=132).own_o_buffer
+    assert not FwdConfig.make("bfloat16", 256, num_sms=132).own_o_buffer  # 128x80, 2 stages
 
 
 @pytest.mark.parametrize("kwargs,word", [

@@ -49,6 +49,8 @@ def fwd_variants_for(head_dim: int, head_dim_v: int, mask: str) -> list[tuple[st
     add("pp", pingpong=True)
     add("pp+rs8", pingpong=True, rescale_threshold=8.0)
     add("pp+persist", pingpong=True, num_sms=H200_SMS)
+    # the table's tile on a persistent grid (O in its own buffer where it fits: own_o_buffer)
+    add("persist", num_sms=H200_SMS)
     if head_dim in (64, 128):
         add("rs8", rescale_threshold=8.0)
     if head_dim == 64:

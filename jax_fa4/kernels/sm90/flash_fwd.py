@@ -26,7 +26,8 @@ Tuning options (FwdConfig; the v1 defaults leave them off and generate v1's exac
     so one warpgroup's softmax runs under the others' GEMMs;
   * tile_m = 192: 3 consumer warpgroups (registers 160 / 32 after setmaxnreg);
   * rescale_threshold: FA4's conditional O rescaling (common/softmax.py);
-  * num_sms: persistent grid of that many CTAs walking the tiles (common/tile_scheduler.py).
+  * num_sms: persistent grid of that many CTAs walking the tiles (common/tile_scheduler.py);
+    O is staged in a buffer of its own where it fits (FwdConfig.own_o_buffer; run_persistent).
 
 Paged KV (FwdConfig.paged, not persistent): K and V are a cache of tiles viewed as one batch entry
 (1, tiles·tile_n, Hkv, ·); key block n of batch entry b is the cache tile page_table[b, n], read
@@ -134,6 +135,9 @@ class FlashAttentionForwardSm90:
         self.pingpong = cfg.pingpong
         self.persistent = cfg.num_sms > 0
         self.num_sms = cfg.num_sms
+        # persistent: O staged in its own buffer (the next tile's Q loads under this tile's
+        # epilogue, the O store drains under the next mainloop), where it fits
+        self.own_o = cfg.own_o_buffer
         self.rescale_threshold = float(cfg.rescale_threshold)
         self.rescale_skip = cfg.rescale_skip
         self.paged = cfg.paged
@@ -242,10 +246,14 @@ class FlashAttentionForwardSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            # Q's buffer is O's staging buffer too (FP8: 16-bit O, larger than Q)
+            # Q's buffer is O's staging buffer too (FP8: 16-bit O, larger than Q), unless O has
+            # its own (own_o, below)
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            if const_expr(self.own_o):
+                sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype,
+                                                           cute.cosize(sO_layout)], 1024]
 
         # varlen: q is (1, total_q, H, D) and the batch and the longest sequence come from lse
         num_m_blocks = cute.ceil_div(mLSE.shape[0] if const_expr(self.varlen) else mQ.shape[0],
@@ -325,9 +333,10 @@ class FlashAttentionForwardSm90:
         tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # PipelineTmaAsync releases with one elected lane per consumer warp
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        # persistent: Q's buffer (reused for O) is released once per tile, by the warp that
-        # TMA-stores O, after the store has read it
-        q_consumers = tma_thread if const_expr(self.persistent) else mma_warps
+        # persistent: Q's buffer is released once per tile: with O in Q's buffer by the warp
+        # that TMA-stores O, after the store has read it; with O's own buffer (own_o) by every
+        # consumer warp once its GEMMs are done
+        q_consumers = tma_thread if const_expr(self.persistent and not self.own_o) else mma_warps
         pipeline_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_thread,
             consumer_group=q_consumers, tx_count=self.tx_bytes_q, defer_sync=True)
@@ -345,8 +354,11 @@ class FlashAttentionForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner,
-                                   dtype=self.out_dtype)  # reuses Q's buffer
+        if const_expr(self.own_o):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner,
+                                       dtype=self.out_dtype)  # reuses Q's buffer
 
         seqlen_q = mQ.shape[0]
         if const_expr(self.persistent):
@@ -426,8 +438,11 @@ class FlashAttentionForwardSm90:
     # --- persistent scheduling (num_sms > 0) -----------------------------------------------------
     # The grid is min(num_sms, tiles) CTAs; the producer warp and the consumer warpgroups walk the
     # same tile sequence (PersistentTileScheduler), carrying their pipeline states from tile to
-    # tile, so the producer prefetches the next tile's K/V during this tile's epilogue. Q's buffer
-    # doubles as O's staging buffer: the consumer warp that TMA-stores O releases Q's stage once the
+    # tile, so the producer prefetches the next tile's K/V during this tile's epilogue. Where O
+    # has its own staging buffer (own_o) the consumer warps release Q's stage as their epilogue
+    # starts, so the next Q loads under it too, and the TMA store of O is waited for only before
+    # the next tile's epilogue overwrites the buffer (and before the CTA exits). Otherwise Q's
+    # buffer doubles as O's: the consumer warp that TMA-stores O releases Q's stage once the
     # store has read it, and only then may the producer load the next tile's Q. Q is loaded (and
     # released) for every tile, even one without visible keys, so the two sides stay in step.
     @cute.jit
@@ -498,6 +513,9 @@ class FlashAttentionForwardSm90:
                     self.sink_log2(mParams, head), (k_state, v_state, q_state),
                     max_logits=mMaxLogits)
                 t += t_stride
+            if const_expr(self.own_o):
+                if warp_idx == 4:  # (the warp that stores O) its last store has read sO
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def load_tile(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
@@ -787,6 +805,9 @@ class FlashAttentionForwardSm90:
             acc_O.fill(0.0)  # no visible key in the whole tile: O = 0, lse = -inf
             if const_expr(persistent):
                 pipeline_q.consumer_wait(q_state)  # Q is loaded for every tile (see run_persistent)
+        if const_expr(self.own_o):
+            # every GEMM that read this tile's Q is done: the producer may load the next one
+            pipeline_q.consumer_release(q_state)
 
         # ---- epilogue ----
         lse = cute.make_rmem_tensor(num_rows, Float32)
@@ -826,7 +847,10 @@ class FlashAttentionForwardSm90:
             convert_f32_pairs(acc_O, rO, self.is_bf16)
 
             # every consumer warpgroup has finished its QK GEMMs (they read sQ) before O
-            # overwrites it
+            # overwrites it; own_o: the previous tile's TMA store has read O's buffer
+            if const_expr(self.own_o):
+                if warp_idx == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE),
                               number_of_threads=self.num_mma_threads)
             smem_copy_atom = cute.make_copy_atom(
@@ -892,8 +916,9 @@ class FlashAttentionForwardSm90:
                                                cute.group_modes(gO, 0, 2))
             cute.copy(tma_atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if const_expr(persistent):
+            if const_expr(not self.own_o):  # (own_o: waited for before sO's next use)
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(persistent and not self.own_o):
                 pipeline_q.consumer_release(q_state)  # the store has read sO = sQ: Q may reload
         else:
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.EPILOGUE),

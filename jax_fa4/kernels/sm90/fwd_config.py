@@ -258,14 +258,32 @@ class FwdConfig(KernelConfig):
         return self.tile_n // 2 + p + self.head_dim_v // 2
 
     def smem_bytes(self) -> int:
-        """Q (one stage, reused for O) + K and V stages: 16-bit elements, or (FP8) one-byte
-        q / k / v with Q's buffer as large as the 16-bit O tile."""
+        """Q (one stage, reused for O unless ``own_o_buffer``) + K and V stages (+ O): 16-bit
+        elements, or (FP8) one-byte q / k / v with Q's buffer as large as the 16-bit O tile."""
         if self.fp8:
             q = max(self.tile_m * self.head_dim, 2 * self.tile_m * self.head_dim_v)
             return q + self.stages * self.tile_n * (self.head_dim + self.head_dim_v)
+        return self._smem_16bit() + (self._o_bytes() if self.own_o_buffer else 0)
+
+    def _smem_16bit(self) -> int:
+        """Q's one stage and the K and V stages of a 16-bit config, in bytes."""
         q = self.tile_m * self.head_dim
         kv = self.stages * self.tile_n * (self.head_dim + self.head_dim_v)
         return 2 * (q + kv)
+
+    def _o_bytes(self) -> int:
+        """The 16-bit O tile's staging buffer, in bytes."""
+        return 2 * self.tile_m * self.head_dim_v
+
+    @property
+    def own_o_buffer(self) -> bool:
+        """A persistent config stages O in a buffer of its own wherever that fits the shared
+        memory (head dims up to 192 at the table's tiles; not 256's 128x80 with two stages): the
+        next tile's Q then loads while this tile's O is stored, and the TMA store drains under
+        the next tile's mainloop. Elsewhere O reuses Q's buffer, which the next Q must wait for.
+        Derived from the fields (the cache key), so no field of its own."""
+        return (self.num_sms > 0 and not self.fp8
+                and self._smem_16bit() + self._o_bytes() <= SMEM_BUDGET_BYTES)
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
