@@ -10,7 +10,9 @@
 # (Nsight Compute on one training step, ours and cuDNN's: tools/device/profile.sh), step-bench
 # (a decoder's whole jitted training step, ours against cuDNN's: jax_fa4.tools.step_bench, with
 # its per-kernel profile: step.json, step-profile.md and step-files.tar.xz, the traces and HLO;
-# STEP_BENCH_ARGS adds flags, e.g. STEP_BENCH_ARGS="--configs b8s2k-16-4-d128 --no-attention").
+# STEP_BENCH_ARGS adds flags, e.g. STEP_BENCH_ARGS="--configs b8s2k-16-4-d128 --no-attention"),
+# bwd-variants (benchmarks/bwd_variants.py: backward configs side by side, bwd-variants.json;
+# BWD_VARIANTS_ARGS chooses, e.g. BWD_VARIANTS_ARGS="--shapes d256 --variants v1,red").
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -54,6 +56,8 @@ for s in "$@"; do
                   --hlo "$out/step-files/hlo" --profile "$out/step-files/profile" \
                   ${STEP_BENCH_ARGS:-}
                 pack_step_files ;;
+    bwd-variants) step bwd-variants 560 python benchmarks/bwd_variants.py \
+                    --out "$out/bwd-variants.json" ${BWD_VARIANTS_ARGS:-} ;;
     *) echo "unknown step $s"; status=2 ;;
   esac
 done
