@@ -351,17 +351,19 @@ def test_float64_runs_in_float64_as_flax_does():
         params = theirs.init(jax.random.key(1), x)
         ours = LinenMultiHeadAttention(num_heads=4, param_dtype=jnp.float64)
         for mask in (None, nn.make_causal_mask(jnp.ones((B, S)))):
-            y = ours.apply(params, x, mask=mask)
+            y = jax.jit(ours.apply)(params, x, mask=mask)
             assert y.dtype == jnp.float64
-            np.testing.assert_allclose(y, theirs.apply(params, x, mask=mask), rtol=0, atol=1e-12)
+            np.testing.assert_allclose(y, jax.jit(theirs.apply)(params, x, mask=mask), rtol=0,
+                                       atol=1e-12)
         # (nnx.MultiHeadAttention's default attention, jax.nn.dot_product_attention, rounds
         # the softmax of float64 to float32: the reference here is the layer in float64.)
         m = MultiHeadAttention(num_heads=4, in_features=F, num_kv_heads=2,
                                param_dtype=jnp.float64, decode=False, rngs=nnx.Rngs(0))
-        y = m(x, is_causal=True)
+        y = nnx.jit(lambda m, x: m(x, is_causal=True))(m, x)
         assert y.dtype == jnp.float64
-        np.testing.assert_allclose(y, plain_attention_layer(nnx_weights(m), x, heads=4,
-                                                            kv_heads=2, causal=True), atol=1e-12)
+        want = jax.jit(lambda w, x: plain_attention_layer(w, x, heads=4, kv_heads=2,
+                                                          causal=True))(nnx_weights(m), x)
+        np.testing.assert_allclose(y, want, atol=1e-12)
         with pytest.raises(TypeError, match="got float64"):  # the API keeps its contract
             jax_fa4.flash_attention(*_qkv(), implementation="reference")
         q, k, v = (t.astype(jnp.float64) for t in _qkv())
@@ -503,8 +505,9 @@ def test_nnx_learnable_sink_is_a_trained_parameter():
         w, x, heads=4, kv_heads=2, causal=True, sink=sink)
     close(m(x), plain(nnx_weights(m), m.sink[...], x))
     assert float(jnp.max(jnp.abs(m(x) - plain(nnx_weights(m), None, x)))) > 1e-2
-    grads = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(m)
-    want = jax.grad(lambda s: jnp.sum(jnp.sin(plain(nnx_weights(m), s, x))))(m.sink[...])
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(jnp.sin(m(x)))))(m)
+    want = jax.jit(jax.grad(lambda w, s: jnp.sum(jnp.sin(plain(w, s, x))), argnums=1))(
+        nnx_weights(m), m.sink[...])
     close(grads.sink[...], want, 1e-4)
     assert float(jnp.max(jnp.abs(want))) > 1e-3
 

@@ -2,7 +2,7 @@
 
 The installed Flax version's source distribution (downloaded from PyPI with pip once, then kept
 in ``.pytest_cache``) ships ``tests/nnx/nn/attention_test.py`` and
-``tests/linen/linen_attention_test.py``. A separate pytest runs them with the plugin
+``tests/linen/linen_attention_test.py``. A separate pytest runs both with the plugin
 ``tests/flax_suite/fa4_flax_substitute.py``, which puts ``jax_fa4.flax``'s layers in place of
 ``nnx.MultiHeadAttention``, ``linen.MultiHeadDotProductAttention`` and ``linen.MultiHeadAttention``:
 every test must pass, except the documented refusals (attention-probability dropout,
@@ -91,19 +91,20 @@ def flax_tests(request, tmp_path_factory) -> Path:
     return dest
 
 
-@pytest.mark.parametrize("path", FLAX_TEST_FILES, ids=lambda path: Path(path).stem)
-def test_flax_attention_suite(flax_tests, tmp_path, path):
-    """Flax's attention tests of ``path`` pass on jax-fa4's layers, but for the documented
-    refusals (one file per test: the two run side by side under pytest-xdist)."""
+def test_flax_attention_suite(flax_tests, tmp_path):
+    """Flax's attention tests of both files pass on jax-fa4's layers, but for the documented
+    refusals (one pytest for both: one interpreter's start-up and imports)."""
     report = tmp_path / "report.json"
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # none of this repository's settings
-    env = dict(os.environ, FA4_FLAX_SUITE_REPORT=str(report), PYTHONPATH=os.pathsep.join(
-        [str(SUITE), str(Path(jax_fa4.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    # only the substitution plugin (-p below): none of the environment's pytest plugins
+    env = dict(os.environ, FA4_FLAX_SUITE_REPORT=str(report), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+               PYTHONPATH=os.pathsep.join([str(SUITE), str(Path(jax_fa4.__file__).parents[1]),
+                                           os.environ.get("PYTHONPATH", "")]))
     if jax.config.jax_compilation_cache_dir:  # tests/conftest.py's XLA cache serves it too
         env.update(JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    files = [str(flax_tests / path)]
+    files = [str(flax_tests / path) for path in FLAX_TEST_FILES]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-c", str(tmp_path / "pytest.ini"),
          "--rootdir", str(flax_tests), "-p", "no:cacheprovider", "-p", "fa4_flax_substitute",
@@ -122,11 +123,13 @@ def test_flax_attention_suite(flax_tests, tmp_path, path):
     xfailed = {node for node, v in outcomes.items() if v == "xfailed"}
     expected = {node for node in outcomes if _refusal_key(node) in refusals}
     assert xfailed == expected, f"expected failures {sorted(xfailed)} != refusals"
-    name = Path(path).name  # the file exercised jax-fa4's attention
-    ran = [node for node in outcomes if _refusal_key(node)[0] == name]
-    assert ran and len(ran) == len(outcomes), f"no test of {path} ran"
-    assert sum(result["attention_calls"].get(node, 0) for node in ran) > 0, (
-        f"no test of {path} called jax-fa4's attention: were the layers substituted?")
+    names = {Path(path).name: path for path in FLAX_TEST_FILES}
+    assert {_refusal_key(node)[0] for node in outcomes} <= names.keys(), sorted(outcomes)
+    for name, path in names.items():  # each file exercised jax-fa4's attention
+        ran = [node for node in outcomes if _refusal_key(node)[0] == name]
+        assert ran, f"no test of {path} ran"
+        assert sum(result["attention_calls"].get(node, 0) for node in ran) > 0, (
+            f"no test of {path} called jax-fa4's attention: were the layers substituted?")
 
 
 def _refusal_key(nodeid: str) -> tuple[str, str, str]:
