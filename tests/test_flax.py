@@ -403,14 +403,14 @@ def test_linen_decode_under_x64():
         m = LinenMultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True, decode=True)
         variables = m.init(jax.random.key(0), x)
         cache, outs = variables["cache"], []
+        step = jax.jit(lambda variables, x: m.apply(variables, x, mutable=["cache"]))
         for i in range(3):
-            y, updates = m.apply({"params": variables["params"], "cache": cache},
-                                 x[:, i:i + 1], mutable=["cache"])
+            y, updates = step({"params": variables["params"], "cache": cache}, x[:, i:i + 1])
             cache = updates["cache"]
             outs.append(y)
         full = LinenMultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True)
         close(jnp.concatenate(outs, axis=1),
-              full.apply({"params": variables["params"]}, x)[:, :3])
+              jax.jit(full.apply)({"params": variables["params"]}, x)[:, :3])
 
 
 def test_linen_takes_flax_fields():
@@ -537,15 +537,16 @@ def test_linen_learnable_sink_parameter_decode_and_serialization():
     want = plain_attention_layer(linen_weights({"params": params}), x, heads=4, kv_heads=2,
                                  causal=True, sink=params["sink"])
     close(m.apply({"params": params}, x), want)
-    grad = jax.grad(lambda p: jnp.sum(jnp.sin(m.apply({"params": p}, x))))(params)["sink"]
+    grad = jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(m.apply({"params": p}, x)))))(
+        params)["sink"]
     assert grad.shape == (4,) and float(jnp.max(jnp.abs(grad))) > 1e-3
     # one token at a time through the cache (the masked fallback) gives the same rows
     dec = LinenMultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True, decode=True,
                                   learnable_sink=True)
     cache, outs = dec.init(jax.random.key(0), x)["cache"], []
+    step = jax.jit(lambda variables, x: dec.apply(variables, x, mutable=["cache"]))
     for i in range(S):
-        y, updates = dec.apply({"params": params, "cache": cache}, x[:, i:i + 1],
-                               mutable=["cache"])
+        y, updates = step({"params": params, "cache": cache}, x[:, i:i + 1])
         cache = updates["cache"]
         outs.append(y)
     close(jnp.concatenate(outs, axis=1), want)
@@ -560,10 +561,12 @@ def test_attention_fn_sink_with_a_mask_matches_the_kernel_path():
     q, k, v = (jax.random.normal(kk, (2, 9, 4, 8)) for kk in jax.random.split(
         jax.random.key(3), 3))
     sink = jnp.array([0.5, -1.0, 2.0, 0.0])
-    want = jax_fa4.flash_attention(q, k, v, causal=True, learnable_sink=sink)
+    want = jax.jit(lambda q, k, v, s: jax_fa4.flash_attention(q, k, v, causal=True,
+                                                               learnable_sink=s))(q, k, v, sink)
+    masked = jax.jit(lambda q, k, v, mask, s: attention_fn(q, k, v, mask=mask, learnable_sink=s))
     mask = jnp.tril(jnp.ones((9, 9), bool))
-    close(attention_fn(q, k, v, mask=mask, learnable_sink=sink), want)
+    close(masked(q, k, v, mask, sink), want)
     empty = jnp.zeros((9, 9), bool).at[1:].set(mask[1:])  # row 0 sees nothing
-    got = attention_fn(q, k, v, mask=empty, learnable_sink=sink)
+    got = masked(q, k, v, empty, sink)
     assert float(jnp.max(jnp.abs(got[:, 0]))) == 0.0
     close(got[:, 1:], want[:, 1:])
