@@ -1,7 +1,7 @@
 """Flax's own attention tests, run on jax-fa4's Flax layers.
 
-The installed Flax version's source distribution (downloaded from PyPI with pip once, then kept
-in ``.pytest_cache``) ships ``tests/nnx/nn/attention_test.py`` and
+The installed Flax version's source distribution (downloaded from PyPI once, then kept in
+``.pytest_cache``) ships ``tests/nnx/nn/attention_test.py`` and
 ``tests/linen/linen_attention_test.py``. A separate pytest runs both with the plugin
 ``tests/flax_suite/fa4_flax_substitute.py``, which puts ``jax_fa4.flax``'s layers in place of
 ``nnx.MultiHeadAttention``, ``linen.MultiHeadDotProductAttention`` and ``linen.MultiHeadAttention``:
@@ -12,6 +12,7 @@ be reached.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import flax
@@ -49,20 +51,43 @@ def _pypi_reachable() -> bool:
     return True
 
 
+def _sdist_from_index(version: str, folder: Path) -> Path | None:
+    """Flax ``version``'s sdist from PyPI's simple index (its JSON form, PEP 691) into
+    ``folder``, its sha256 checked; None where the index or the file cannot be read."""
+    name = f"flax-{version}.tar.gz"
+    index = urllib.request.Request("https://pypi.org/simple/flax/",
+                                   headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(index, timeout=30) as response:
+            (entry,) = [f for f in json.load(response)["files"] if f["filename"] == name]
+        with urllib.request.urlopen(entry["url"], timeout=300) as response:
+            data = response.read()
+    except (OSError, ValueError, KeyError):
+        return None
+    if hashlib.sha256(data).hexdigest() != entry.get("hashes", {}).get("sha256"):
+        return None
+    (folder / name).write_bytes(data)
+    return folder / name
+
+
 def _download_tests(version: str, dest: Path) -> None:
-    """Download Flax ``version``'s sdist with pip and extract :data:`FLAX_TEST_FILES` into
-    ``dest`` (written whole, then renamed: concurrent runs never see half a directory)."""
+    """Download Flax ``version``'s sdist and extract :data:`FLAX_TEST_FILES` into ``dest``
+    (written whole, then renamed: concurrent runs never see half a directory). From PyPI's
+    index directly, else with pip (which knows the machine's index settings, but first
+    prepares the package's metadata in a build environment: seconds of work)."""
     with tempfile.TemporaryDirectory() as tmp:
-        pip = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             "--disable-pip-version-check", "-q", f"flax=={version}", "-d", tmp],
-            capture_output=True, text=True, timeout=600)
-        if pip.returncode:
-            if not _pypi_reachable():
-                pytest.skip(f"cannot download Flax {version}'s sdist (PyPI unreachable): "
-                            f"{pip.stderr.strip()[-300:]}")
-            pytest.fail(f"pip download of flax=={version}'s sdist failed:\n{pip.stderr}")
-        (sdist,) = Path(tmp).glob("flax-*.tar.gz")
+        sdist = _sdist_from_index(version, Path(tmp))
+        if sdist is None:
+            pip = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                 "--disable-pip-version-check", "-q", f"flax=={version}", "-d", tmp],
+                capture_output=True, text=True, timeout=600)
+            if pip.returncode:
+                if not _pypi_reachable():
+                    pytest.skip(f"cannot download Flax {version}'s sdist (PyPI unreachable): "
+                                f"{pip.stderr.strip()[-300:]}")
+                pytest.fail(f"pip download of flax=={version}'s sdist failed:\n{pip.stderr}")
+            (sdist,) = Path(tmp).glob("flax-*.tar.gz")
         staging = Path(tmp) / "tests"
         with tarfile.open(sdist) as tar:
             for path in FLAX_TEST_FILES:
