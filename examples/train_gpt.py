@@ -271,6 +271,8 @@ def main(argv=None) -> dict:
     p.add_argument("--implementation", choices=["auto", "reference", "sm90", "sm100"],
                    default="auto", help="attention implementation (auto: kernel on a GPU)")
     p.add_argument("--batch", type=int, default=None, help="override the config's batch size")
+    p.add_argument("--layers", type=int, default=None,
+                   help="override the config's number of blocks")
     p.add_argument("--log-json", type=pathlib.Path, default=None, metavar="PATH",
                    help="write the per-step losses and the run's settings here")
     p.add_argument("--pack", action="store_true",
@@ -282,6 +284,8 @@ def main(argv=None) -> dict:
     cfg = TINY if tiny else GPU
     if args.batch:
         cfg = dataclasses.replace(cfg, batch=args.batch)
+    if args.layers:
+        cfg = dataclasses.replace(cfg, layers=args.layers)
     steps = args.steps if args.steps is not None else (300 if tiny else 2000)
     implementation = None if args.implementation == "auto" else args.implementation
     print(f"jax-fa4 {jax_fa4.__version__}: {'tiny' if tiny else 'gpu'} config, "

@@ -29,7 +29,7 @@ ON_CPU = jax.devices()[0].platform == "cpu"
 ])
 def test_visible_fraction_matches_the_library_mask(sq, sk, causal, window):
     shape = bench_shapes.Shape(1, sq, sk, 1, 1, 64, 64, causal, window)
-    mask = np.asarray(visible_mask(sq, sk, shape.mask_window))
+    mask = np.asarray(jax.jit(visible_mask, static_argnums=(0, 1, 2))(sq, sk, shape.mask_window))
     assert shape.visible_fraction() == pytest.approx(mask.mean(), rel=1e-12)
 
 
@@ -88,6 +88,14 @@ def test_chain_length_only_for_short_gpu_calls():
     assert bench.chain_length(Shape(64, 1, 8192, 32, 8, 128, 128, False), 2, "gpu") == 1
 
 
+@pytest.fixture
+def two_input_sets(monkeypatch):
+    """CPU sweeps rotate through two input sets (the fewest ``make_inputs`` makes), not the
+    GPU's L2-flushing rotation: on tiny shapes that is 64 sets, whose drawing cost more than
+    the rows' timing, and the rows see no cache to flush."""
+    monkeypatch.setattr(bench, "ROTATION_BYTES", 0)
+
+
 def test_chained_program_computes_each_call():
     shape = bench_shapes.Shape(1, 16, 16, 2, 1, 8, 8, True)
     sets = bench.make_inputs(shape, jnp.float32, jax.random.key(1), multiple_of=3)
@@ -95,7 +103,7 @@ def test_chained_program_computes_each_call():
     fn = bench._fwd_bwd(bench._fa4_fn(shape, "reference"))
     outs = jax.jit(bench.chained(fn))(*sets[:3])
     for args, got in zip(sets[:3], outs):
-        jax.tree.map(np.testing.assert_allclose, got, fn(*args))
+        jax.tree.map(np.testing.assert_allclose, got, jax.jit(fn)(*args))
 
 
 @pytest.mark.skipif(not ON_CPU, reason="a kernel cannot lower on the CPU")
@@ -118,6 +126,7 @@ def test_rounds_rotate_which_program_goes_first(monkeypatch):
     assert [t.ms for t in timings] == [1.0, 2.0, 3.0]  # each program keeps its own samples
 
 
+@pytest.mark.usefixtures("two_input_sets")  # (the first set is the one used)
 def test_jax_fa4_row_probes_the_forced_kernel():
     shape = bench_shapes.Shape(1, 16, 16, 2, 1, 8, 8, True)
     inputs = bench.make_inputs(shape, jnp.bfloat16, jax.random.key(0), multiple_of=1)[0]
@@ -128,14 +137,6 @@ def test_jax_fa4_row_probes_the_forced_kernel():
     # One that cannot (no kernel lowers for the CPU): the row is skipped with the reason.
     with pytest.raises(bench.SkipRow, match="sm90"):
         bench.lower_impl("jax-fa4", shape, "sm90", inputs, False)
-
-
-@pytest.fixture
-def two_input_sets(monkeypatch):
-    """CPU sweeps rotate through two input sets (the fewest ``make_inputs`` makes), not the
-    GPU's L2-flushing rotation: on tiny shapes that is 64 sets, whose drawing cost more than
-    the rows' timing, and the rows see no cache to flush."""
-    monkeypatch.setattr(bench, "ROTATION_BYTES", 0)
 
 
 @pytest.mark.skipif(not ON_CPU, reason="checks the CPU sweep's rows")
@@ -336,6 +337,7 @@ def test_one_rotation_times_every_implementations_programs(monkeypatch):
     assert bench.timed_rounds(5, 3) == 6 and bench.timed_rounds(1, 4) == 4
 
 
+@pytest.mark.usefixtures("two_input_sets")  # (the first set is the one used)
 @pytest.mark.parametrize("impl", ["reference", "xla"])
 def test_training_forward_returns_the_residuals(impl):
     """The training-forward program returns more than out: the residuals the backward reads (for
@@ -513,6 +515,7 @@ def test_fp8_flags():
                                     "gpu", ns) is None
 
 
+@pytest.mark.usefixtures("two_input_sets")
 def test_fp8_input_sets_share_e4m3_values():
     shape = bench_shapes.Shape(1, 40, 40, 2, 1, 32, 32, False)
     sets = bench.make_inputs(shape, jnp.float8_e4m3fn, jax.random.key(3), multiple_of=1)
@@ -530,8 +533,9 @@ def test_fp8_input_sets_share_e4m3_values():
 def test_tiny_fp8_sweep_on_cpu(tmp_path, two_input_sets):
     out = tmp_path / "fp8.json"
     assert bench.main(["--dtype", "float8_e4m3fn", "--shapes", "tiny", "--repeats", "1",
-                       "--target-ms", "5", "--out", str(out)]) == 0
+                       "--target-ms", "5", "--no-plot", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert not out.with_suffix(".png").exists()  # --no-plot
     assert report["settings"]["fwd_only"] is True and report["settings"]["dtype"] == bench.FP8
     rows = report["rows"]
     assert len(rows) == len(bench_shapes.PRESETS["tiny"]) * len(bench.FP8_IMPLS)
@@ -625,7 +629,8 @@ def test_peer_column_on_cpu(tmp_path, monkeypatch, capsys, two_input_sets):
     assert bench.main(["--shapes", "custom", "--B", "1", "--Sq", "48", "--H", "2", "--Hkv", "1",
                        "--D", "16,256", "--causal", "yes", "--window", "none,none",
                        "--impls", "jax-fa4,reference,fa3-jax",
-                       "--repeats", "1", "--target-ms", "2", "--out", str(out)]) == 0
+                       "--repeats", "1", "--target-ms", "2", "--no-plot", "--out",
+                       str(out)]) == 0
     report = json.loads(out.read_text())
     peer = report["peers"]["fa3-jax"]
     assert peer["available"] and peer["timed"] and peer["version"] == "0.0-refuse256"
@@ -657,8 +662,9 @@ def test_peer_column_on_cpu(tmp_path, monkeypatch, capsys, two_input_sets):
     monkeypatch.setitem(sys.modules, "flash_attn3_jax", _fake_fa3("nan"))
     out = tmp_path / "nan.json"
     assert bench.main(["--shapes", "custom", "--B", "1", "--Sq", "48", "--H", "2", "--Hkv", "1",
-                       "--D", "16", "--causal", "yes", "--impls", "reference,fa3-jax",
-                       "--repeats", "1", "--target-ms", "2", "--out", str(out)]) == 0
+                       "--D", "16", "--causal", "yes", "--impls", "fa3-jax",
+                       "--repeats", "1", "--target-ms", "2", "--no-plot", "--out",
+                       str(out)]) == 0
     fa3 = [r for r in json.loads(out.read_text())["rows"] if r["impl"] == "fa3-jax"][0]
     assert fa3["skipped"] is None and fa3["bwd_ms"] is not None
     assert fa3["finite"] == {"out": True, "dq": False, "dk": False, "dv": False}

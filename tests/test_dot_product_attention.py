@@ -202,8 +202,9 @@ def test_gradients_match(case):
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v, **kw) * w)
 
-    got = jax.grad(loss(jax_fa4.dot_product_attention), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(loss(jax.nn.dot_product_attention), argnums=(0, 1, 2))(q, k, v)
+    # (jitted: one compiled program each, not the gradient's operations one by one)
+    got = jax.jit(jax.grad(loss(jax_fa4.dot_product_attention), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(loss(jax.nn.dot_product_attention), argnums=(0, 1, 2)))(q, k, v)
     for name, g, r in zip(("dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(g, r, atol=ATOL, rtol=ATOL, err_msg=name)
 
@@ -234,8 +235,8 @@ def test_vmap_and_export():
         return lambda q, k, v: fn(q, k, v, local_window_size=(2, 1), key_value_seq_lengths=kl)
 
     stack = lambda x: jnp.stack([x, 2 * x])  # noqa: E731
-    got = jax.vmap(f(jax_fa4.dot_product_attention))(stack(q), stack(k), stack(v))
-    want = jax.vmap(f(jax.nn.dot_product_attention))(stack(q), stack(k), stack(v))
+    got = jax.jit(jax.vmap(f(jax_fa4.dot_product_attention)))(stack(q), stack(k), stack(v))
+    want = jax.jit(jax.vmap(f(jax.nn.dot_product_attention)))(stack(q), stack(k), stack(v))
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=ATOL)
     exported = jax.export.export(jax.jit(f(jax_fa4.dot_product_attention)),
                                  disabled_checks=jax_fa4.export_disabled_safety_checks())(q, k, v)

@@ -26,8 +26,14 @@ TOL = 2e-5
 F, B, S = 32, 2, 12
 
 
+def _normal(seed, shape):
+    """Standard normal test inputs of JAX's default float dtype (float64 under x64), drawn by
+    NumPy: no XLA program to compile per shape."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape))
+
+
 def _x(seed=1, shape=(B, S, F)):
-    return jax.random.normal(jax.random.key(seed), shape)
+    return _normal(seed, shape)
 
 
 def plain_attention_layer(w, x, *, heads, kv_heads, causal=False, window=(None, None),
@@ -202,10 +208,8 @@ def test_attention_fn_inside_linen_module():
 
 
 def _qkv(lead=(B,), sq=S, sk=S, h=4, hkv=2, d=8):
-    ks = jax.random.split(jax.random.key(5), 3)
-    return (jax.random.normal(ks[0], (*lead, sq, h, d)),
-            jax.random.normal(ks[1], (*lead, sk, hkv, d)),
-            jax.random.normal(ks[2], (*lead, sk, hkv, d)))
+    return (_normal(5, (*lead, sq, h, d)), _normal(6, (*lead, sk, hkv, d)),
+            _normal(7, (*lead, sk, hkv, d)))
 
 
 @pytest.mark.parametrize("lead", [(), (B,), (2, 3)])
@@ -221,7 +225,7 @@ def test_mask_and_bias_fall_back_to_masked_attention():
     q, k, v = _qkv(sk=9)
     pad = jnp.arange(9) < jnp.array([9, 5])[:, None]  # (B, Sk): key padding
     mask = nnx.make_attention_mask(jnp.ones((B, S), bool), pad, dtype=bool)  # (B, 1, Sq, Sk)
-    bias = jax.random.normal(jax.random.key(7), (1, 4, S, 9))
+    bias = _normal(8, (1, 4, S, 9))
     ours = jax.jit(lambda q, k, v, bias, mask: attention_fn(q, k, v, bias=bias, mask=mask))
     flax_ = jax.jit(lambda q, k, v, bias, mask: nnx.dot_product_attention(q, k, v, bias=bias,
                                                                           mask=mask))
@@ -293,7 +297,7 @@ def test_nnx_segment_ids_and_sown_max_logits():
     max logits that return_max_logits gives, also under nnx.jit."""
     layer = MultiHeadAttention(num_heads=4, in_features=32, num_kv_heads=2, causal=True,
                                decode=False, sow_max_logits=True, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(1), (2, 40, 32))
+    x = _normal(1, (2, 40, 32))
     ids = _packed()
     y = layer(x, segment_ids=ids)
     sown = nnx.pop(layer, nnx.Intermediate)["max_logits"].get_value()
@@ -317,7 +321,7 @@ def test_nnx_segment_ids_and_sown_max_logits():
 
 def test_linen_segment_ids_and_sown_max_logits():
     layer = LinenMultiHeadAttention(num_heads=4, causal=True, sow_max_logits=True)
-    x = jax.random.normal(jax.random.key(2), (2, 40, 32))
+    x = _normal(2, (2, 40, 32))
     ids = _packed()
     params = layer.init(jax.random.key(0), x, segment_ids=ids)
     y, state = layer.apply(params, x, segment_ids=ids, mutable=["intermediates"])
@@ -328,7 +332,7 @@ def test_linen_segment_ids_and_sown_max_logits():
 
 
 def test_attention_fn_segment_ids_with_batch_dims_and_bad_shapes():
-    q = jax.random.normal(jax.random.key(3), (3, 2, 40, 4, 16))
+    q = _normal(3, (3, 2, 40, 4, 16))
     ids = jnp.stack([_packed()] * 3)  # (3, 2, 40)
     got = attention_fn(q, q, q, segment_ids=ids)
     want = jax_fa4.flash_attention(q.reshape(6, 40, 4, 16), q.reshape(6, 40, 4, 16),
@@ -346,22 +350,24 @@ def test_float64_runs_in_float64_as_flax_does():
     attention in float64, masked or not: Flax's layers' results to float64 rounding (a float32
     computation would miss by ~1e-7)."""
     with enable_x64():
-        x = jax.random.normal(jax.random.key(0), (B, S, F), jnp.float64)
+        x = _normal(0, (B, S, F))
         theirs = nn.MultiHeadDotProductAttention(num_heads=4, param_dtype=jnp.float64)
         params = theirs.init(jax.random.key(1), x)
         ours = LinenMultiHeadAttention(num_heads=4, param_dtype=jnp.float64)
         for mask in (None, nn.make_causal_mask(jnp.ones((B, S)))):
-            y = ours.apply(params, x, mask=mask)
+            y = jax.jit(ours.apply)(params, x, mask=mask)
             assert y.dtype == jnp.float64
-            np.testing.assert_allclose(y, theirs.apply(params, x, mask=mask), rtol=0, atol=1e-12)
+            np.testing.assert_allclose(y, jax.jit(theirs.apply)(params, x, mask=mask), rtol=0,
+                                       atol=1e-12)
         # (nnx.MultiHeadAttention's default attention, jax.nn.dot_product_attention, rounds
         # the softmax of float64 to float32: the reference here is the layer in float64.)
         m = MultiHeadAttention(num_heads=4, in_features=F, num_kv_heads=2,
                                param_dtype=jnp.float64, decode=False, rngs=nnx.Rngs(0))
-        y = m(x, is_causal=True)
+        y = nnx.jit(lambda m, x: m(x, is_causal=True))(m, x)
         assert y.dtype == jnp.float64
-        np.testing.assert_allclose(y, plain_attention_layer(nnx_weights(m), x, heads=4,
-                                                            kv_heads=2, causal=True), atol=1e-12)
+        want = jax.jit(lambda w, x: plain_attention_layer(w, x, heads=4, kv_heads=2,
+                                                          causal=True))(nnx_weights(m), x)
+        np.testing.assert_allclose(y, want, atol=1e-12)
         with pytest.raises(TypeError, match="got float64"):  # the API keeps its contract
             jax_fa4.flash_attention(*_qkv(), implementation="reference")
         q, k, v = (t.astype(jnp.float64) for t in _qkv())
@@ -401,14 +407,14 @@ def test_linen_decode_under_x64():
         m = LinenMultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True, decode=True)
         variables = m.init(jax.random.key(0), x)
         cache, outs = variables["cache"], []
+        step = jax.jit(lambda variables, x: m.apply(variables, x, mutable=["cache"]))
         for i in range(3):
-            y, updates = m.apply({"params": variables["params"], "cache": cache},
-                                 x[:, i:i + 1], mutable=["cache"])
+            y, updates = step({"params": variables["params"], "cache": cache}, x[:, i:i + 1])
             cache = updates["cache"]
             outs.append(y)
         full = LinenMultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True)
         close(jnp.concatenate(outs, axis=1),
-              full.apply({"params": variables["params"]}, x)[:, :3])
+              jax.jit(full.apply)({"params": variables["params"]}, x)[:, :3])
 
 
 def test_linen_takes_flax_fields():
@@ -503,8 +509,9 @@ def test_nnx_learnable_sink_is_a_trained_parameter():
         w, x, heads=4, kv_heads=2, causal=True, sink=sink)
     close(m(x), plain(nnx_weights(m), m.sink[...], x))
     assert float(jnp.max(jnp.abs(m(x) - plain(nnx_weights(m), None, x)))) > 1e-2
-    grads = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(m)
-    want = jax.grad(lambda s: jnp.sum(jnp.sin(plain(nnx_weights(m), s, x))))(m.sink[...])
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(jnp.sin(m(x)))))(m)
+    want = jax.jit(jax.grad(lambda w, s: jnp.sum(jnp.sin(plain(w, s, x))), argnums=1))(
+        nnx_weights(m), m.sink[...])
     close(grads.sink[...], want, 1e-4)
     assert float(jnp.max(jnp.abs(want))) > 1e-3
 
@@ -534,15 +541,16 @@ def test_linen_learnable_sink_parameter_decode_and_serialization():
     want = plain_attention_layer(linen_weights({"params": params}), x, heads=4, kv_heads=2,
                                  causal=True, sink=params["sink"])
     close(m.apply({"params": params}, x), want)
-    grad = jax.grad(lambda p: jnp.sum(jnp.sin(m.apply({"params": p}, x))))(params)["sink"]
+    grad = jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(m.apply({"params": p}, x)))))(
+        params)["sink"]
     assert grad.shape == (4,) and float(jnp.max(jnp.abs(grad))) > 1e-3
     # one token at a time through the cache (the masked fallback) gives the same rows
     dec = LinenMultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True, decode=True,
                                   learnable_sink=True)
     cache, outs = dec.init(jax.random.key(0), x)["cache"], []
+    step = jax.jit(lambda variables, x: dec.apply(variables, x, mutable=["cache"]))
     for i in range(S):
-        y, updates = dec.apply({"params": params, "cache": cache}, x[:, i:i + 1],
-                               mutable=["cache"])
+        y, updates = step({"params": params, "cache": cache}, x[:, i:i + 1])
         cache = updates["cache"]
         outs.append(y)
     close(jnp.concatenate(outs, axis=1), want)
@@ -554,13 +562,14 @@ def test_linen_learnable_sink_parameter_decode_and_serialization():
 def test_attention_fn_sink_with_a_mask_matches_the_kernel_path():
     """The masked fallback joins a sink as flash_attention does, rows with no visible key
     included (output 0)."""
-    q, k, v = (jax.random.normal(kk, (2, 9, 4, 8)) for kk in jax.random.split(
-        jax.random.key(3), 3))
+    q, k, v = (_normal(seed, (2, 9, 4, 8)) for seed in (3, 4, 5))
     sink = jnp.array([0.5, -1.0, 2.0, 0.0])
-    want = jax_fa4.flash_attention(q, k, v, causal=True, learnable_sink=sink)
+    want = jax.jit(lambda q, k, v, s: jax_fa4.flash_attention(q, k, v, causal=True,
+                                                               learnable_sink=s))(q, k, v, sink)
+    masked = jax.jit(lambda q, k, v, mask, s: attention_fn(q, k, v, mask=mask, learnable_sink=s))
     mask = jnp.tril(jnp.ones((9, 9), bool))
-    close(attention_fn(q, k, v, mask=mask, learnable_sink=sink), want)
+    close(masked(q, k, v, mask, sink), want)
     empty = jnp.zeros((9, 9), bool).at[1:].set(mask[1:])  # row 0 sees nothing
-    got = attention_fn(q, k, v, mask=empty, learnable_sink=sink)
+    got = masked(q, k, v, empty, sink)
     assert float(jnp.max(jnp.abs(got[:, 0]))) == 0.0
     close(got[:, 1:], want[:, 1:])

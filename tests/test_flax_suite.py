@@ -1,8 +1,8 @@
 """Flax's own attention tests, run on jax-fa4's Flax layers.
 
-The installed Flax version's source distribution (downloaded from PyPI with pip once, then kept
-in ``.pytest_cache``) ships ``tests/nnx/nn/attention_test.py`` and
-``tests/linen/linen_attention_test.py``. A separate pytest runs them with the plugin
+The installed Flax version's source distribution (downloaded from PyPI once, then kept in
+``.pytest_cache``) ships ``tests/nnx/nn/attention_test.py`` and
+``tests/linen/linen_attention_test.py``. A separate pytest runs both with the plugin
 ``tests/flax_suite/fa4_flax_substitute.py``, which puts ``jax_fa4.flax``'s layers in place of
 ``nnx.MultiHeadAttention``, ``linen.MultiHeadDotProductAttention`` and ``linen.MultiHeadAttention``:
 every test must pass, except the documented refusals (attention-probability dropout,
@@ -12,6 +12,7 @@ be reached.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import flax
@@ -49,20 +51,43 @@ def _pypi_reachable() -> bool:
     return True
 
 
+def _sdist_from_index(version: str, folder: Path) -> Path | None:
+    """Flax ``version``'s sdist from PyPI's simple index (its JSON form, PEP 691) into
+    ``folder``, its sha256 checked; None where the index or the file cannot be read."""
+    name = f"flax-{version}.tar.gz"
+    index = urllib.request.Request("https://pypi.org/simple/flax/",
+                                   headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(index, timeout=30) as response:
+            (entry,) = [f for f in json.load(response)["files"] if f["filename"] == name]
+        with urllib.request.urlopen(entry["url"], timeout=300) as response:
+            data = response.read()
+    except (OSError, ValueError, KeyError):
+        return None
+    if hashlib.sha256(data).hexdigest() != entry.get("hashes", {}).get("sha256"):
+        return None
+    (folder / name).write_bytes(data)
+    return folder / name
+
+
 def _download_tests(version: str, dest: Path) -> None:
-    """Download Flax ``version``'s sdist with pip and extract :data:`FLAX_TEST_FILES` into
-    ``dest`` (written whole, then renamed: concurrent runs never see half a directory)."""
+    """Download Flax ``version``'s sdist and extract :data:`FLAX_TEST_FILES` into ``dest``
+    (written whole, then renamed: concurrent runs never see half a directory). From PyPI's
+    index directly, else with pip (which knows the machine's index settings, but first
+    prepares the package's metadata in a build environment: seconds of work)."""
     with tempfile.TemporaryDirectory() as tmp:
-        pip = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             "--disable-pip-version-check", "-q", f"flax=={version}", "-d", tmp],
-            capture_output=True, text=True, timeout=600)
-        if pip.returncode:
-            if not _pypi_reachable():
-                pytest.skip(f"cannot download Flax {version}'s sdist (PyPI unreachable): "
-                            f"{pip.stderr.strip()[-300:]}")
-            pytest.fail(f"pip download of flax=={version}'s sdist failed:\n{pip.stderr}")
-        (sdist,) = Path(tmp).glob("flax-*.tar.gz")
+        sdist = _sdist_from_index(version, Path(tmp))
+        if sdist is None:
+            pip = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                 "--disable-pip-version-check", "-q", f"flax=={version}", "-d", tmp],
+                capture_output=True, text=True, timeout=600)
+            if pip.returncode:
+                if not _pypi_reachable():
+                    pytest.skip(f"cannot download Flax {version}'s sdist (PyPI unreachable): "
+                                f"{pip.stderr.strip()[-300:]}")
+                pytest.fail(f"pip download of flax=={version}'s sdist failed:\n{pip.stderr}")
+            (sdist,) = Path(tmp).glob("flax-*.tar.gz")
         staging = Path(tmp) / "tests"
         with tarfile.open(sdist) as tar:
             for path in FLAX_TEST_FILES:
@@ -91,19 +116,20 @@ def flax_tests(request, tmp_path_factory) -> Path:
     return dest
 
 
-@pytest.mark.parametrize("path", FLAX_TEST_FILES, ids=lambda path: Path(path).stem)
-def test_flax_attention_suite(flax_tests, tmp_path, path):
-    """Flax's attention tests of ``path`` pass on jax-fa4's layers, but for the documented
-    refusals (one file per test: the two run side by side under pytest-xdist)."""
+def test_flax_attention_suite(flax_tests, tmp_path):
+    """Flax's attention tests of both files pass on jax-fa4's layers, but for the documented
+    refusals (one pytest for both: one interpreter's start-up and imports)."""
     report = tmp_path / "report.json"
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # none of this repository's settings
-    env = dict(os.environ, FA4_FLAX_SUITE_REPORT=str(report), PYTHONPATH=os.pathsep.join(
-        [str(SUITE), str(Path(jax_fa4.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    # only the substitution plugin (-p below): none of the environment's pytest plugins
+    env = dict(os.environ, FA4_FLAX_SUITE_REPORT=str(report), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+               PYTHONPATH=os.pathsep.join([str(SUITE), str(Path(jax_fa4.__file__).parents[1]),
+                                           os.environ.get("PYTHONPATH", "")]))
     if jax.config.jax_compilation_cache_dir:  # tests/conftest.py's XLA cache serves it too
         env.update(JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    files = [str(flax_tests / path)]
+    files = [str(flax_tests / path) for path in FLAX_TEST_FILES]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-c", str(tmp_path / "pytest.ini"),
          "--rootdir", str(flax_tests), "-p", "no:cacheprovider", "-p", "fa4_flax_substitute",
@@ -122,11 +148,13 @@ def test_flax_attention_suite(flax_tests, tmp_path, path):
     xfailed = {node for node, v in outcomes.items() if v == "xfailed"}
     expected = {node for node in outcomes if _refusal_key(node) in refusals}
     assert xfailed == expected, f"expected failures {sorted(xfailed)} != refusals"
-    name = Path(path).name  # the file exercised jax-fa4's attention
-    ran = [node for node in outcomes if _refusal_key(node)[0] == name]
-    assert ran and len(ran) == len(outcomes), f"no test of {path} ran"
-    assert sum(result["attention_calls"].get(node, 0) for node in ran) > 0, (
-        f"no test of {path} called jax-fa4's attention: were the layers substituted?")
+    names = {Path(path).name: path for path in FLAX_TEST_FILES}
+    assert {_refusal_key(node)[0] for node in outcomes} <= names.keys(), sorted(outcomes)
+    for name, path in names.items():  # each file exercised jax-fa4's attention
+        ran = [node for node in outcomes if _refusal_key(node)[0] == name]
+        assert ran, f"no test of {path} ran"
+        assert sum(result["attention_calls"].get(node, 0) for node in ran) > 0, (
+            f"no test of {path} called jax-fa4's attention: were the layers substituted?")
 
 
 def _refusal_key(nodeid: str) -> tuple[str, str, str]:

@@ -29,7 +29,7 @@ The calls, taken from the GPU tests' own data and code wherever it can be done w
 * tests/gpu/test_dot_product_attention.py's calls, from its case table and call builder.
 
 The backward kernels those calls reach through the API come from
-``jax_fa4.tools.variants.GPU_API_BACKWARD``, a table of problem kinds by GPU test module; a second
+``jax_fa4.tools.variants.GPU_API_BACKWARD``, a table of problem kinds by GPU test module; the same
 test keeps each of its entries exactly what its module's calls reach. The conformance cases are
 checked by tests/test_conformance.py (``test_gpu_suite_holds_every_kernel_of_the_cases``).
 """
@@ -528,32 +528,34 @@ def _needs(group: str) -> Needs:
     return needs
 
 
-@pytest.mark.parametrize("group", GROUPS)
-def test_gpu_suite_kernels_are_in_the_tests_suite(group):
-    needs = _needs(group)
-    assert needs.calls and needs.tests
-    missing = needs.missing()
-    if missing:
-        pytest.fail(f"{len(missing)} kernels the GPU suite runs are not in the tests suite of "
-                    "jax_fa4.tools.variants (precompile --suite tests):\n" + "\n".join(missing),
-                    pytrace=False)
-
-
-def test_gpu_api_backward_is_what_the_gpu_tests_reach():
-    """Each entry of variants.GPU_API_BACKWARD is exactly the backward kinds its module's calls
-    reach: none missing (the first test would name its kernels), none no longer reached (a
-    kernel the GPU run would compile for nothing)."""
+def test_gpu_suite_kernels_are_in_the_tests_suite():
+    """Every kernel the calls of each group lower to is in the ``tests`` suite; and each entry of
+    variants.GPU_API_BACKWARD is exactly the backward kinds its module's calls reach: none
+    missing (the first check would name its kernels), none no longer reached (a kernel the GPU
+    run would compile for nothing). One test for both: the second reads the first's lowerings
+    (two tests, given to two pytest-xdist workers, would each lower every group)."""
+    problems = []
+    for group in GROUPS:
+        needs = _needs(group)
+        assert needs.calls and needs.tests, f"{group}: no call lowered to a kernel"
+        missing = needs.missing()
+        if missing:
+            problems.append(f"{group}: {len(missing)} kernels the GPU suite runs are not in the "
+                            "tests suite of jax_fa4.tools.variants (precompile --suite tests):\n"
+                            + "\n".join(missing))
     reached: dict[str, set[str]] = {}
     for group in API_GROUPS:
         for module, kinds in _needs(group).backward_kinds().items():
             reached.setdefault(module, set()).update(kinds)
-    problems = []
+    backward = []
     for module in sorted(reached.keys() | GPU_API_BACKWARD.keys()):
         have, listed = reached.get(module, set()), set(GPU_API_BACKWARD.get(module, ()))
         if have - listed:
-            problems.append(f"{module}: add {sorted(have - listed)}")
+            backward.append(f"{module}: add {sorted(have - listed)}")
         if listed - have:
-            problems.append(f"{module}: reached by none of its calls: {sorted(listed - have)}")
+            backward.append(f"{module}: reached by none of its calls: {sorted(listed - have)}")
+    if backward:
+        problems.append("jax_fa4.tools.variants.GPU_API_BACKWARD is not what the GPU tests "
+                        "reach:\n" + "\n".join(backward))
     if problems:
-        pytest.fail("jax_fa4.tools.variants.GPU_API_BACKWARD is not what the GPU tests reach:\n"
-                    + "\n".join(problems), pytrace=False)
+        pytest.fail("\n\n".join(problems), pytrace=False)

@@ -28,6 +28,12 @@ def _tangents(*xs, seed=7):
                  for kk, x in zip(ks, xs))
 
 
+def _jvp(f, primals, tangents):
+    """``jax.jvp(f, primals, tangents)`` as one compiled program (the tests' other calls;
+    test_jvp_matches_the_reference runs the JVP op by op as well)."""
+    return jax.jit(lambda p, t: jax.jvp(f, p, t))(tuple(primals), tuple(tangents))
+
+
 def _close(a, b, tol=TOL):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     scale = max(1.0, float(np.max(np.abs(b))))
@@ -72,7 +78,7 @@ def test_bfloat16_tangent_meets_fa4s_rule():
     FA4's rule with the naive bfloat16 computation as the baseline."""
     q, k, v = random_qkv(2, 67, 67, 4, 2, 64, dtype=jnp.bfloat16, seed=3)
     t = _tangents(q, k, v)
-    _, t_out = jax.jvp(lambda *x: jax_fa4.flash_attention(*x, causal=True), (q, k, v), t)
+    _, t_out = _jvp(lambda *x: jax_fa4.flash_attention(*x, causal=True), (q, k, v), t)
     assert t_out.dtype == jnp.bfloat16
 
     def ref(compute_dtype):
@@ -80,7 +86,7 @@ def test_bfloat16_tangent_meets_fa4s_rule():
             return reference.attention(q, k, v, window=(None, 0), compute_dtype=compute_dtype)[0]
         up = [x.astype(jnp.float32) for x in (q, k, v)]
         ts = [x.astype(jnp.float32) for x in t] if compute_dtype == jnp.float32 else t
-        return jax.jvp(f, tuple(up) if compute_dtype == jnp.float32 else (q, k, v), tuple(ts))[1]
+        return _jvp(f, tuple(up) if compute_dtype == jnp.float32 else (q, k, v), tuple(ts))[1]
 
     assert_fa4_close(t_out, ref(jnp.float32), ref(jnp.bfloat16), name="jvp tangent")
 
@@ -95,9 +101,9 @@ def test_linearize_and_jacfwd_agree_with_reverse_mode():
 
     t = _tangents(q, k, v)
     out, f_lin = jax.linearize(f, q, k, v)
-    _close(f_lin(*t), jax.jvp(f, (q, k, v), t)[1])
-    fwd = jax.jacfwd(f, argnums=(0, 1, 2))(q, k, v)
-    rev = jax.jacrev(f, argnums=(0, 1, 2))(q, k, v)
+    _close(f_lin(*t), _jvp(f, (q, k, v), t)[1])
+    fwd = jax.jit(jax.jacfwd(f, argnums=(0, 1, 2)))(q, k, v)
+    rev = jax.jit(jax.jacrev(f, argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(fwd, rev):
         assert a.shape == out.shape + q.shape[:0] + a.shape[out.ndim:]
         _close(a, b)
@@ -111,10 +117,10 @@ def test_vmap_of_jvp_and_jvp_of_vmap():
     def one(q, k, v):  # one batch entry, (S, H, D)
         return jax_fa4.flash_attention(q[None], k[None], v[None], window_size=(4, 2))[0]
 
-    want = jax.jvp(lambda *x: reference.attention(*x, window=(4, 2))[0], (q, k, v), t)[1]
-    got = jax.vmap(lambda *a: jax.jvp(one, a[:3], a[3:])[1])(q, k, v, *t)
+    want = _jvp(lambda *x: reference.attention(*x, window=(4, 2))[0], (q, k, v), t)[1]
+    got = jax.jit(jax.vmap(lambda *a: jax.jvp(one, a[:3], a[3:])[1]))(q, k, v, *t)
     _close(got, want)
-    got = jax.jvp(jax.vmap(one), (q, k, v), t)[1]
+    got = _jvp(jax.vmap(one), (q, k, v), t)[1]
     _close(got, want)
 
 
@@ -129,13 +135,13 @@ def test_sink_tangent_includes_the_sink():
     def ref(q, k, v, s):
         return reference.attention(q, k, v, window=(None, 0), learnable_sink=s)
 
-    (_, got_lse), (got, got_t_lse) = jax.jvp(ours, (q, k, v, sink), t)
-    want = jax.jvp(ref, (q, k, v, sink), t)[1]
+    (_, got_lse), (got, got_t_lse) = _jvp(ours, (q, k, v, sink), t)
+    want = _jvp(ref, (q, k, v, sink), t)[1]
     _close(got, want[0])
     _close(got_t_lse, want[1])
     # the sink's own tangent moves the output: with only it nonzero the tangent is not zero
     zeros = tuple(jnp.zeros_like(x) for x in (q, k, v))
-    only_sink = jax.jvp(ours, (q, k, v, sink), (*zeros, t[3]))[1][0]
+    only_sink = _jvp(ours, (q, k, v, sink), (*zeros, t[3]))[1][0]
     assert float(jnp.max(jnp.abs(only_sink))) > 1e-3
     # and jacfwd in the sink equals jacrev (the backward chain's d sink), on the output taken
     # along a random direction of its head dim: still a row per query and head, and jacrev
@@ -144,7 +150,7 @@ def test_sink_tangent_includes_the_sink():
 
     def out_of_sink(s):
         return ours(q, k, v, s)[0] @ direction
-    _close(jax.jacfwd(out_of_sink)(sink), jax.jacrev(out_of_sink)(sink))
+    _close(jax.jit(jax.jacfwd(out_of_sink))(sink), jax.jit(jax.jacrev(out_of_sink))(sink))
 
 
 def test_segment_ids_tangent():
@@ -156,11 +162,11 @@ def test_segment_ids_tangent():
         return jax_fa4.flash_attention(q, k, v, causal=True, segment_ids=ids,
                                        padding_segment_id=0)
 
-    got = jax.jvp(ours, (q, k, v), t)[1]
+    got = _jvp(ours, (q, k, v), t)[1]
     pad_q = jnp.where(ids == 0, -2, ids)
     pad_k = jnp.where(ids == 0, -3, ids)
-    want = jax.jvp(lambda *x: reference.attention(*x, window=(None, 0), q_segment_ids=pad_q,
-                                                  kv_segment_ids=pad_k)[0], (q, k, v), t)[1]
+    want = _jvp(lambda *x: reference.attention(*x, window=(None, 0), q_segment_ids=pad_q,
+                                               kv_segment_ids=pad_k)[0], (q, k, v), t)[1]
     _close(got, want)
     assert float(jnp.max(jnp.abs(got[0, 35:]))) == 0.0  # padding queries: no tangent
 
@@ -178,19 +184,19 @@ def test_varlen_tangent_is_each_sequences_own():
         return jax_fa4.flash_attention_varlen(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k),
                                               17, 17, causal=True)
 
-    got = jax.jvp(ours, (q, k, v), t)[1]
+    got = _jvp(ours, (q, k, v), t)[1]
     for i in range(len(lens)):
         qs, ks_ = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
-        want = jax.jvp(lambda *x: reference.attention(*(y[None] for y in x),
-                                                      window=(None, 0))[0][0],
-                       (q[qs], k[ks_], v[ks_]), (t[0][qs], t[1][ks_], t[2][ks_]))[1]
+        want = _jvp(lambda *x: reference.attention(*(y[None] for y in x),
+                                                   window=(None, 0))[0][0],
+                    (q[qs], k[ks_], v[ks_]), (t[0][qs], t[1][ks_], t[2][ks_]))[1]
         _close(got[qs], want)
 
 
 def test_max_logits_have_no_tangent():
     q, k, v = random_qkv(1, 12, 12, 2, 2, 8, seed=9)
     t = _tangents(q, k, v)
-    (_, row_max), (t_out, t_max) = jax.jvp(
+    (_, row_max), (t_out, t_max) = _jvp(
         lambda *x: jax_fa4.flash_attention(*x, return_max_logits=True), (q, k, v), t)
     assert row_max.shape == (1, 2) and float(jnp.max(jnp.abs(t_max))) == 0.0
     assert float(jnp.max(jnp.abs(t_out))) > 0.0

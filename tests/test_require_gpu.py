@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _pytest(env_value: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_FA4_REQUIRE_GPU=env_value)
+    # (the environment's pytest plugins stay out: the run needs none, and loading them is most
+    # of its start-up)
+    env = dict(os.environ, JAX_FA4_REQUIRE_GPU=env_value, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "tests/gpu/test_preprocess.py"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)

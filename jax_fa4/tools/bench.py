@@ -299,6 +299,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default: benchmarks/results/<gpu-slug>-<date>.json); the "
                         "PNG goes next to it")
+    p.add_argument("--no-plot", dest="plot", action="store_false",
+                   help="write no PNG (the JSON and the tables only)")
     args = p.parse_args(argv)
     if args.shapes is None:
         args.shapes = "anchors-main" if args.dtype == FP8 else "default"
@@ -1093,12 +1095,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, records = run_sweep(
         shapes, ctx, on_shape_done=lambda rows, records: write(rows, records, complete=False))
     write(rows, records, complete=True)
-    png = out.with_suffix(".png")
-    today = datetime.date.today().isoformat()
-    bench_report.plot(rows, png, f"{device.device_kind}, {args.dtype}, {today}")
+    written = str(out)
+    if args.plot:
+        png = out.with_suffix(".png")
+        today = datetime.date.today().isoformat()
+        bench_report.plot(rows, png, f"{device.device_kind}, {args.dtype}, {today}")
+        written += f" and {png}"
     bench_report.print_table(rows)
     bench_report.print_bar(rows)
-    print(f"wrote {out} and {png}; total wall time {time.perf_counter() - start:.1f} s")
+    print(f"wrote {written}; total wall time {time.perf_counter() - start:.1f} s")
     return 0
 
 
