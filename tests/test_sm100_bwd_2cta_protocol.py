@@ -161,8 +161,8 @@ import compiled
 import pytest
 from compiled import per_class
 from test_sm100_bwd_protocol import (WARP, BwdCta, BwdSim, PipelineAsync, Reduce,
-                                     check_barrier_ends, padding_zeroed_once, random_ids,
-                                     varlen_work)
+                                     check_barrier_ends, first_tiles, padding_zeroed_once,
+                                     random_ids, varlen_work)
 from test_sm100_fwd_protocol import (
     Barrier,
     PipelineState,
@@ -1111,7 +1111,6 @@ def simulate_varlen(cfg: Sm100BwdConfig, lens: list[tuple[int, int]], heads: int
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_fa4.backends import sm90
     from jax_fa4.kernels.sm100.bwd import ZERO_PADDING
 
     assert cfg.varlen and cfg.two_cta and cfg.work_tile_n == PAIR_TILE
@@ -1136,7 +1135,7 @@ def simulate_varlen(cfg: Sm100BwdConfig, lens: list[tuple[int, int]], heads: int
             cluster[1].link(cluster[0])
             ctas += cluster
             sim.pending.append(cluster)
-    first = np.asarray(sm90.first_tiles(jnp.asarray(cu_q), TILE))
+    first = np.asarray(first_tiles(jnp.asarray(cu_q), TILE))
     for b, (len_q, len_k) in enumerate(lens):
         pairs = make_blocks(cfg, len_q, len_k, wl, wr, PAIR_TILE)
         ranges = {p: pairs.m_block_range(p) for p in range(-(-len_k // PAIR_TILE))}
