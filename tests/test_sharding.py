@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import pytest
+from conformance import normal
 
 import jax_fa4
 from jax_fa4.parallel import sharding
@@ -236,9 +237,7 @@ def test_explicit_axes_keep_batch_and_heads_and_reject_sequence(suite):
 
 # -- single device: the operations are inlined, everything else unchanged ----------------------
 def _qkv(b=2, s=16, h=4, hkv=2, d=8):
-    ks = jax.random.split(jax.random.key(0), 3)
-    return (jax.random.normal(ks[0], (b, s, h, d)), jax.random.normal(ks[1], (b, s, hkv, d)),
-            jax.random.normal(ks[2], (b, s, hkv, d)))
+    return normal("sharding", [(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d)], jnp.float32)
 
 
 def test_forward_and_backward_are_partitionable_operations():
