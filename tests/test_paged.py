@@ -39,6 +39,8 @@ def dense_per_sequence(q, k_cache, v_cache, table, seqused, sink=None, **options
     """reference.attention on each sequence's first seqused_k keys, gathered by hand."""
     b, sq, h, _ = q.shape
     dv = v_cache.shape[-1]
+    # gathered as NumPy arrays (a jax.Array's indexing compiles an XLA program per shape)
+    q, k_cache, v_cache = (np.asarray(x) for x in (q, k_cache, v_cache))
     out = np.zeros((b, sq, h, dv), np.float32)
     lse = np.full((b, h, sq), -np.inf, np.float32)
     for row in range(b):
@@ -48,10 +50,10 @@ def dense_per_sequence(q, k_cache, v_cache, table, seqused, sink=None, **options
                 lse[row] = np.asarray(sink)[:, None]
             continue
         pages = table[row, : -(-n // k_cache.shape[1])]
-        k = np.concatenate([np.asarray(k_cache[p]) for p in pages])[:n]
-        v = np.concatenate([np.asarray(v_cache[p]) for p in pages])[:n]
-        o, l = reference.attention(q[row:row + 1], jnp.asarray(k)[None], jnp.asarray(v)[None],
-                                   learnable_sink=sink, **options)
+        k = np.concatenate([k_cache[p] for p in pages])[:n]
+        v = np.concatenate([v_cache[p] for p in pages])[:n]
+        o, l = reference.attention(q[row:row + 1], k[None], v[None], learnable_sink=sink,
+                                   **options)
         out[row], lse[row] = o[0], l[0]
     return out, lse
 

@@ -37,6 +37,10 @@ def packed_ids(rng, b, s, max_docs, pad_id=None):
     return out
 
 
+#: segments.row_spans as one program per shape (op by op, each operation compiles for each shape)
+row_spans = jax.jit(segments.row_spans)
+
+
 def simulate(q_ids, kv_ids, tile_m, tile_n):
     """(visible (B, Sq, Sk) by the kernel's rule from the tables, the tables)."""
     tiles, rows, kv = (np.asarray(x) for x in segments.forward_tables(q_ids, kv_ids, tile_m,
@@ -109,7 +113,7 @@ def test_cross_attention_pairs_and_missing_ids():
     kv_ids = packed_ids(rng, 2, 517, max_docs=4, pad_id=-2)
     tiles = check(q_ids, kv_ids, 128, 128)
     # rows whose id no key has: empty spans
-    start, end, contiguous = (np.asarray(x) for x in segments.row_spans(q_ids, kv_ids))
+    start, end, contiguous = (np.asarray(x) for x in row_spans(q_ids, kv_ids))
     assert (start[q_ids == -1] == end[q_ids == -1]).all()
     assert contiguous[q_ids == -1].all()
     assert tiles.shape == (2, 3, cols.SEG_TILE_COLUMNS)
@@ -126,6 +130,8 @@ def test_sm100_rule_is_exact(tile_n, q_tiles):
 
     from jax_fa4.kernels.sm100.fwd_config import FwdConfig
 
+    # jitted: one program per case (op by op, each operation compiles for each shape)
+    visible_of = jax.jit(sm100_table_visible, static_argnums=(3, 4, 5, 6))
     rng = np.random.default_rng(11)
     packed = packed_ids(rng, 2, 421, max_docs=5)
     cases = [(packed, packed),
@@ -135,8 +141,7 @@ def test_sm100_rule_is_exact(tile_n, q_tiles):
               packed_ids(rng, 2, 517, max_docs=4, pad_id=-2))]
     for q_ids, kv_ids in cases:
         tiles, rows, kv = segments.forward_tables(q_ids, kv_ids, FwdConfig.tile_m, tile_n)
-        visible = sm100_table_visible(tiles, rows, kv, q_ids.shape[1], kv_ids.shape[1], tile_n,
-                                      q_tiles)
+        visible = visible_of(tiles, rows, kv, q_ids.shape[1], kv_ids.shape[1], tile_n, q_tiles)
         np.testing.assert_array_equal(visible, q_ids[:, :, None] == kv_ids[:, None, :])
 
 
@@ -145,7 +150,7 @@ def test_row_spans_brute_force():
     q_ids = rng.integers(0, 6, (3, 57)).astype(np.int32)
     kv_ids = np.sort(rng.integers(0, 6, (3, 91)), axis=1).astype(np.int32)
     kv_ids[1] = rng.permutation(kv_ids[1])
-    start, end, contiguous = (np.asarray(x) for x in segments.row_spans(q_ids, kv_ids))
+    start, end, contiguous = (np.asarray(x) for x in row_spans(q_ids, kv_ids))
     for b in range(3):
         for i in range(57):
             hits = np.nonzero(kv_ids[b] == q_ids[b, i])[0]
