@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from compiled import per_class
+from conformance import normal
 
 import jax_fa4
 from jax_fa4 import autodiff, backends, options, reference
@@ -645,7 +646,7 @@ def test_work_table_lists_every_key_block_once(order, window):
         assert np.asarray(got).tolist() == costs
 
 
-@pytest.mark.parametrize("tile_m", [64, 128])
+@pytest.mark.parametrize("tile_m", per_class([64, 128], key=lambda tile_m: 0))  # quick: 64
 def test_dq_accum_tiles_of_sequences_are_disjoint(tile_m):
     """Sequence b's query blocks start at tile (cu_q[b] + b·tile_m) // tile_m: no two sequences
     share a tile, all fit in dq_accum_rows, and tile_owners names each tile's sequence."""
@@ -759,13 +760,14 @@ def test_traced_cu_seqlens_are_clamped_into_the_buffers(cu, total, max_len, want
 def test_bad_traced_cu_seqlens_run_as_their_clamped_form():
     """Under jit (no call-time check) a call with bad cu_seqlens equals the call with the
     clamped metadata, and stays finite."""
-    q, k, v = (jax.random.normal(jax.random.key(i), (12, 2, 8), jnp.float32) for i in range(3))
+    q, k, v = normal("clamped cu_seqlens", [(12, 2, 8)] * 3, jnp.float32)
     bad_q, bad_k = jnp.asarray([0, 9, 4, 40], jnp.int32), jnp.asarray([-3, 2, 11, 12], jnp.int32)
     f = jax.jit(lambda cq, ck: jax_fa4.flash_attention_varlen(q, k, v, cq, ck, 6, 6,
                                                               return_lse=True))
     out, lse = f(bad_q, bad_k)
-    clamp = functools.partial(base.clamp_cu_seqlens, max_seqlen=6)
-    want_out, want_lse = f(clamp(bad_q, 12), clamp(bad_k, 12))
+    # (jitted: one program, not one per operation)
+    clamp = jax.jit(functools.partial(base.clamp_cu_seqlens, total=12, max_seqlen=6))
+    want_out, want_lse = f(clamp(bad_q), clamp(bad_k))
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_array_equal(out, want_out)
     np.testing.assert_array_equal(lse, want_lse)
