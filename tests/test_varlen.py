@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from compiled import per_class
 from conformance import normal
+from extreme_cases import oracle, window_visible
 
 import jax_fa4
 from jax_fa4 import autodiff, backends, options, reference
@@ -45,22 +46,20 @@ def _packed(lens_q, lens_k, h, hkv, d, dv, seed, pad_q=PAD_Q, pad_k=PAD_K):
     return q, k, v, sink, dout, dlse
 
 
-@functools.partial(jax.jit, static_argnames=("window", "softcap", "softmax_scale"))
-def _ref_vjp(q, k, v, sink, dout, dlse, **options):
-    """reference.attention of one (B = 1) problem and its vjp, in one compiled program."""
-    def f(q, k, v, s):
-        return reference.attention(q, k, v, learnable_sink=s, **options)
-
-    (out, lse), vjp = jax.vjp(f, q, k, v, sink)
-    return out, lse, vjp((dout, dlse))
+def _oracle(q, k, v, sink, dout, dlse, *, window, softcap, softmax_scale):
+    """(out, lse, (dq, dk, dv, dsink)) of one (B = 1) problem: the float64 oracle of
+    tests/extreme_cases.py (NumPy: no XLA program per sequence length)."""
+    scale = 1 / np.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    visible = window_visible(q.shape[1], k.shape[1], window)[None]
+    return oracle(q, k, v, visible, scale, softcap, None if sink is None else np.asarray(sink),
+                  dout=dout, dlse=dlse)
 
 
 def per_sequence(q, k, v, lens_q, lens_k, sink=None, cotangents=None, **options):
-    """(out, lse) and optionally (dq, dk, dv, dsink), running reference.attention on each
-    sequence alone; padding rows and key-less sequences filled in by hand."""
+    """(out, lse) and optionally (dq, dk, dv, dsink), by the oracle on each sequence alone;
+    padding rows and key-less sequences filled in by hand."""
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     h, dv = q.shape[1], v.shape[2]
-    # sliced as NumPy arrays (a jax.Array's slices and zeros compile an XLA program per shape)
     q, k, v = (np.asarray(x) for x in (q, k, v))
     cotangents = None if cotangents is None else tuple(np.asarray(x) for x in cotangents)
     out = np.zeros((q.shape[0], h, dv), np.float32)
@@ -79,8 +78,8 @@ def per_sequence(q, k, v, lens_q, lens_k, sink=None, cotangents=None, **options)
 
         dout, dlse = ((np.zeros((lq, h, dv), np.float32), np.zeros((h, lq), np.float32))
                       if cotangents is None else (cotangents[0][qs], cotangents[1][:, qs]))
-        o, l, (dq, dk, dv_, ds) = _ref_vjp(q[qs][None], k[ks][None], v[ks][None], sink,
-                                           dout[None], dlse[None], **options)
+        o, l, (dq, dk, dv_, ds) = _oracle(q[qs][None], k[ks][None], v[ks][None], sink,
+                                          dout[None], dlse[None], **options)
         out[qs], lse[:, qs] = o[0], l[0]
         grads[0][qs], grads[1][ks], grads[2][ks] = dq[0], dk[0], dv_[0]
         if sink is not None:
@@ -265,7 +264,6 @@ def test_packed_segments_match_per_segment_reference():
             ids[row, lo:hi] = 10 * n + 3  # any int ids
     q, k, v, dout, dlse = _segment_inputs(b, s, s, h, hkv, d, seed=5)
     opts = _ref_options(kwargs)
-    # sliced as NumPy arrays (a jax.Array's slices compile an XLA program per shape)
     q_, k_, v_, dout_, dlse_ = (np.asarray(x) for x in (q, k, v, dout, dlse))
 
     want_out = np.zeros(q.shape, np.float32)
@@ -274,8 +272,8 @@ def test_packed_segments_match_per_segment_reference():
     for row, edges in enumerate(bounds):
         for lo, hi in zip(edges[:-1], edges[1:]):
             sl = (slice(row, row + 1), slice(lo, hi))
-            o, l, grads = _ref_vjp(q_[sl], k_[sl], v_[sl], None, dout_[sl],
-                                   dlse_[row:row + 1, :, lo:hi], **opts)
+            o, l, grads = _oracle(q_[sl], k_[sl], v_[sl], None, dout_[sl],
+                                  dlse_[row:row + 1, :, lo:hi], **opts)
             want_out[sl], want_lse[row, :, lo:hi] = o, l[0]
             for w, g in zip(want, grads):
                 w[sl] = g
