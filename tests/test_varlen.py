@@ -477,7 +477,8 @@ def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch)
     gathered from the padded layout, padding rows zeroed, the sink joined; the backward by the
     varlen backward chain: dq rows gathered from their tiles, GQA groups summed, padding tokens
     zeroed; sm100 at head dim 192/128 by the 2-CTA kernel's varlen mode, on a work list of
-    256-key pair spans): the same forward and gradients as the reference route."""
+    256-key pair spans): the reference's forward and gradients (each sequence's, by
+    :func:`per_sequence`)."""
     import math
 
     from sm100_emulation import emulated_call_kernel
@@ -525,14 +526,12 @@ def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch)
         assert [c.kernel_name for c in called] == ["bwd_preprocess", "sm100_bwd"]
         assert called[1].varlen and called[1].gqa == (h != hkv)
         assert called[1].two_cta == (d == 192)  # 192/128: the 2-CTA kernel's varlen mode
-    # the same call on the reference route: the emulated kernel computes what the reference
-    # does, so everything around it must give the same numbers
-    monkeypatch.undo()
-    (want_out, want_lse), want_vjp = jax.vjp(
-        lambda q, k, v, s: flash_attention_varlen(
-            q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), learnable_sink=s, return_lse=True,
-            implementation="reference", **kwargs), q, k, v, sink)
-    want_grads = want_vjp((dout, dlse))
+    # the reference's numbers (the float64 oracle's on each sequence, as the reference route
+    # gives them: test_matches_per_sequence_reference): the emulated kernel computes what the
+    # reference does, so everything around it must give the same numbers
+    want_out, want_lse, want_grads = per_sequence(q, k, v, LENS_Q, LENS_K, sink, (dout, dlse),
+                                                  **_ref_options(kwargs))
+    want_grads = want_grads[:3] + [want_grads[3] if with_sink else None]
     assert not np.isnan(np.asarray(out, np.float32)).any()
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dsink"),
                                (out, lse, *grads), (want_out, want_lse, *want_grads)):
