@@ -120,7 +120,11 @@ def test_cross_attention_pairs_and_missing_ids():
     assert tiles.shape == (2, 3, cols.SEG_TILE_COLUMNS)
 
 
-@pytest.mark.parametrize("tile_n, q_tiles", [(128, 2), (128, 1), (64, 1)])
+#: (tile_n, q_tiles): the quick tier runs one per work tile size (tile_n 128), --exhaustive the
+#: 64-key blocks too (the same rule; tables whose key blocks are shorter than the query tiles:
+#: test_packed_documents' 192 × 128)
+@pytest.mark.parametrize("tile_n, q_tiles", per_class([(128, 2), (128, 1), (64, 1)],
+                                                      key=lambda case: case[1]))
 def test_sm100_rule_is_exact(tile_n, q_tiles):
     """The sm100 forward reads the tables built for its 128-row Q tiles: a work tile of
     ``q_tiles`` of them visits the union of their key-block ranges and masks every visited key
