@@ -121,9 +121,10 @@ class Case:
 
 def normal(seed: str, shapes, dtype) -> tuple[jax.Array, ...]:
     """Standard normal arrays of ``shapes`` in ``dtype``, drawn in float32 by NumPy from a
-    generator seeded by ``seed``."""
+    generator seeded by ``seed`` (and transferred with ``jax.device_put``: ``jnp.asarray`` of a
+    NumPy array compiles an XLA program per shape)."""
     rng = np.random.default_rng(zlib.crc32(seed.encode()))
-    return tuple(jnp.asarray(rng.standard_normal(s, np.float32).astype(dtype)) for s in shapes)
+    return tuple(jax.device_put(rng.standard_normal(s, np.float32).astype(dtype)) for s in shapes)
 
 
 def _cu(lengths, pad: int = 0) -> np.ndarray:

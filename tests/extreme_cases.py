@@ -228,7 +228,7 @@ def _scaling(case: Case, q, k, group: int):
     return _overflow_inputs(case, np.asarray(q), np.asarray(k), group)
 
 
-def _window_visible(sq, sk, window):
+def window_visible(sq, sk, window):
     """(sq, sk) bool: query i sees key j under the bottom-right aligned window rule."""
     i = np.arange(sq)[:, None] + sk - sq
     j = np.arange(sk)[None, :]
@@ -273,7 +273,7 @@ def make_problem(case: Case, implementation: str) -> Problem:
         v = jnp.asarray(_normal(rng, (case.b, case.sk, case.hkv, case.d)), dtype)
         factor, scale = _scaling(case, q, k, group)
         q, k = jnp.asarray(q * factor, dtype), jnp.asarray(k * factor, dtype)
-        visible = np.broadcast_to(_window_visible(case.sq, case.sk, case.window),
+        visible = np.broadcast_to(window_visible(case.sq, case.sk, case.window),
                                   (case.b, case.sq, case.sk)).copy()
         ref_kwargs, seg_arg = {}, None
         if case.segments:
@@ -307,7 +307,7 @@ def make_problem(case: Case, implementation: str) -> Problem:
         pos_q, pos_k = np.zeros((1, tq), np.int32), np.zeros((1, tk), np.int32)
         for s, (lq, lk) in enumerate(zip(case.lens_q, case.lens_k)):
             rows, cols = slice(cu_q[s], cu_q[s] + lq), slice(cu_k[s], cu_k[s] + lk)
-            visible[0, rows, cols] = _window_visible(lq, lk, case.window)
+            visible[0, rows, cols] = window_visible(lq, lk, case.window)
             padding[0, rows] = False
             ids_q[0, rows], ids_k[0, cols] = s, s
             pos_q[0, rows] = np.arange(lq) + lk - lq
@@ -344,7 +344,7 @@ def make_problem(case: Case, implementation: str) -> Problem:
     sk = max_pages * ps
     visible = np.zeros((b, case.sq, sk), bool)
     for row, n in enumerate(used):
-        visible[row, :, :n] = _window_visible(case.sq, int(n), case.window)
+        visible[row, :, :n] = window_visible(case.sq, int(n), case.window)
 
     def call(q, k_cache, v_cache, table, used, sink):
         return jax_fa4.flash_attention_paged(q, k_cache, v_cache, table, used,

@@ -41,12 +41,12 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
 def qkv(b=4, s=32, h=4, hkv=2, d=16, dtype=jnp.float32, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (b, s, h, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.float32).astype(dtype)
-    ct = jax.random.normal(ks[3], (b, s, h, d), jnp.float32).astype(dtype)
-    return q, k, v, ct
+    """q (b, s, h, d), k and v (b, s, hkv, d) and a cotangent shaped like q, standard normal in
+    ``dtype`` (drawn by NumPy: jax.random would compile a program per shape)."""
+    from conformance import normal
+
+    return normal(f"multidevice {seed}", [(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d),
+                                          (b, s, h, d)], dtype)
 
 
 def max_err(a, b) -> float:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conformance import normal
 
 #: What poisoned padding holds, element by element in turn.
 POISON_VALUES = (np.nan, np.inf, -np.inf)
@@ -126,17 +127,17 @@ def varlen_layout(lens_q, lens_k, pad_front: int, pad_back: int):
 
 def varlen_inputs(total_q, total_k, h, hkv, d, dv, dtype, seed, with_sink):
     """Finite random q, k, v, sink (or None), dout and dlse (float32) for a packed batch; the
-    padding tokens hold random values too."""
-    ks = jax.random.split(jax.random.key(seed), 6)
-    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32)  # noqa: E731
-    return dict(
-        q=normal(ks[0], (total_q, h, d)).astype(dtype),
-        k=normal(ks[1], (total_k, hkv, d)).astype(dtype),
-        v=normal(ks[2], (total_k, hkv, dv)).astype(dtype),
-        sink=jnp.linspace(-1.0, 2.0, h, dtype=jnp.float32) if with_sink else None,
-        dout=normal(ks[3], (total_q, h, dv)).astype(dtype),
-        dlse=normal(ks[4], (h, total_q)),
-    )
+    padding tokens hold random values too (drawn by NumPy: no XLA program per shape)."""
+    q, k, v, dout = normal(f"padding varlen {seed}", [(total_q, h, d), (total_k, hkv, d),
+                                                      (total_k, hkv, dv), (total_q, h, dv)],
+                           dtype)
+    (dlse,) = normal(f"padding varlen dlse {seed}", [(h, total_q)], jnp.float32)
+    return dict(q=q, k=k, v=v, sink=_sink(h) if with_sink else None, dout=dout, dlse=dlse)
+
+
+def _sink(h: int) -> jax.Array:
+    """The learnable sink of the checks: (h,) float32 from -1 to 2."""
+    return jnp.asarray(np.linspace(-1.0, 2.0, h, dtype=np.float32))
 
 
 def varlen_isolation_failures(attend: Callable, lens_q, lens_k, pad_front: int, pad_back: int,
@@ -279,12 +280,9 @@ def paged_isolation_failures(attend: Callable, b: int, sq: int, h: int, hkv: int
                                                    extra_pages, seed)
     assert tail.any() and unused_pages.any(), "the layout must have both kinds of padding"
     num_pages = table.size + extra_pages
-    ks = jax.random.split(jax.random.key(seed), 3)
-    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32)  # noqa: E731
-    clean = dict(q=normal(ks[0], (b, sq, h, d)).astype(dtype),
-                 k=normal(ks[1], (num_pages, page_size, hkv, d)).astype(dtype),
-                 v=normal(ks[2], (num_pages, page_size, hkv, dv)).astype(dtype))
-    sink = jnp.linspace(-1.0, 2.0, h, dtype=jnp.float32) if with_sink else None
+    clean = dict(zip("qkv", normal(f"padding paged {seed}", [
+        (b, sq, h, d), (num_pages, page_size, hkv, d), (num_pages, page_size, hkv, dv)], dtype)))
+    sink = _sink(h) if with_sink else None
     table_dev, used_dev = jnp.asarray(table), jnp.asarray(used)
 
     @jax.jit

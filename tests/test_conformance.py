@@ -28,6 +28,7 @@ import jax
 import pytest
 
 import jax_fa4
+from compiled import per_class
 from conformance import (CASES, Case, check_backend, check_declines, gpu_is_default_device,
                          watch_fallbacks)
 from cuda_lowering import lower_for_cuda, placeholder
@@ -83,8 +84,22 @@ def _check_lowering(backend, case: Case) -> None:
         assert set(case.backward_kernels(backend, opts)) <= configs, configs
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-@pytest.mark.parametrize("name", list(backends.BACKENDS))
+def _conformance_params() -> list:
+    """(backend name, case) of the test below: every case on every kernel backend (each case
+    lowers to that backend's kernels for it); on the backend that runs the cases for real here,
+    the reference (its options and shapes checked against an oracle by tests/test_reference.py
+    and tests/test_extreme_numerics.py), the quick tier runs one case per kind, the layout
+    (dense, segment ids, varlen, paged) and the dtype (16-bit inputs: FA4's rule; float32:
+    float32 agreement), ``--exhaustive`` every case."""
+    params = []
+    for name, backend in backends.BACKENDS.items():
+        cases = CASES if backend.compute_capability is not None else per_class(
+            CASES, key=lambda case: (type(case), case.dtype))
+        params += [pytest.param(name, case, id=f"{name}-{case.name}") for case in cases]
+    return params
+
+
+@pytest.mark.parametrize("name, case", _conformance_params())
 def test_conformance(name, case):
     backend = backends.get(name)
     if backend.compute_capability is None:

@@ -4,7 +4,8 @@ windows, segment ids, varlen, paged), through the public API under ``jax.jit``, 
 float64 oracle. The cases and the checks are in tests/extreme_cases.py, shared with
 tests/gpu/test_extreme_numerics.py (the same cases on the Hopper kernels).
 
-The quick tier runs one case of each class (:func:`case_class`), ``--exhaustive`` all of them.
+The quick tier runs one case of each class (:func:`case_class`; :func:`blocked_class` for the
+blocked forms), ``--exhaustive`` all of them.
 Also the reference's other forms on the same masks and magnitudes: the blocked (online-softmax)
 forward and the blocked explicit backward, which the API runs only above 4096² scores per head.
 """
@@ -35,7 +36,16 @@ def test_extreme_case_reference(case):
     check_case(case, "reference")
 
 
-_BLOCKED = per_class([c for c in CASES if c.kind == "dense"], case_class)
+def blocked_class(case) -> tuple:
+    """The blocked forms' classes in the quick tier: :func:`case_class` without segment ids (the
+    forms' block masks from segment ids: tests/test_varlen.py's
+    test_packed_segments_match_per_segment_reference; their rows without a visible key: the
+    causal Sq > Sk cases here)."""
+    kind, scores, _, extras = case_class(case)
+    return kind, scores, extras
+
+
+_BLOCKED = per_class([c for c in CASES if c.kind == "dense"], blocked_class)
 
 
 @pytest.mark.parametrize("case", _BLOCKED, ids=lambda c: c.name)

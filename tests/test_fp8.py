@@ -10,34 +10,36 @@ import numpy as np
 import pytest
 
 import jax_fa4
+from conformance import normal
 from jax_fa4 import fp8
 from jax_fa4.kernels.sm90 import fwd_config
 
 
 def _inputs(b=2, sq=77, sk=131, h=4, hkv=2, d=64, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(ks[0], (b, sq, h, d))
-    k = jax.random.normal(ks[1], (b, sk, hkv, d)) * 2.0
-    v = jax.random.normal(ks[2], (b, sk, hkv, d)) * 0.5
-    return q, k, v
+    q, k, v = normal(f"fp8 {seed}", [(b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d)],
+                     jnp.float32)
+    return q, k * 2.0, v * 0.5
 
 
 def test_quantize_round_trip_per_head():
     q, k, _ = _inputs()
-    k8, kd = fp8.quantize(k)
+    # the helpers jitted (op by op, each of their operations compiles for each shape); the
+    # checks' arithmetic in NumPy
+    quantize, dequantize = jax.jit(fp8.quantize), jax.jit(fp8.dequantize)
+    k8, kd = quantize(k)
     assert k8.dtype == jnp.float8_e4m3fn and kd.shape == (2, 2) and kd.dtype == jnp.float32
     # the largest magnitude of each (batch, head) maps to 448; e4m3 keeps 3 mantissa bits
-    np.testing.assert_allclose(np.asarray(jnp.abs(k8.astype(jnp.float32)).max(axis=(1, 3))),
-                               448.0)
-    back = fp8.dequantize(k8, kd)
-    rel = jnp.abs(back - k) / jnp.maximum(jnp.abs(k), 1e-3 * jnp.max(jnp.abs(k)))
-    assert float(jnp.max(rel)) <= 2.0 ** -4 + 1e-6
-    q8, qd = fp8.quantize_grouped(q, 2)  # one descale per kv head's group of query heads
+    np.testing.assert_allclose(np.abs(np.asarray(k8, np.float32)).max(axis=(1, 3)), 448.0)
+    back, k = np.asarray(dequantize(k8, kd)), np.asarray(k)
+    rel = np.abs(back - k) / np.maximum(np.abs(k), 1e-3 * np.max(np.abs(k)))
+    assert float(np.max(rel)) <= 2.0 ** -4 + 1e-6
+    # one descale per kv head's group of query heads
+    q8, qd = jax.jit(fp8.quantize_grouped, static_argnums=1)(q, 2)
     assert qd.shape == (2, 2)
-    np.testing.assert_allclose(np.asarray(fp8.dequantize(q8, qd)), np.asarray(q), rtol=0.07,
-                               atol=0.02 * float(jnp.max(jnp.abs(q))))
-    z8, zd = fp8.quantize(jnp.zeros((1, 5, 1, 8)))
-    assert float(zd[0, 0]) == 1.0 and not jnp.any(z8.astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(dequantize(q8, qd)), np.asarray(q), rtol=0.07,
+                               atol=0.02 * float(np.max(np.abs(np.asarray(q)))))
+    z8, zd = quantize(np.zeros((1, 5, 1, 8), np.float32))
+    assert float(zd[0, 0]) == 1.0 and not np.any(np.asarray(z8, np.float32))
 
 
 @pytest.mark.parametrize("causal, window, softcap", [(False, (None, None), 0.0),

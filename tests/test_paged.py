@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
+from extreme_cases import oracle, window_visible
 from jax_fa4 import autodiff, backends, options, reference
 from jax_fa4.api import flash_attention_paged
 from jax_fa4.backends import base, decode
@@ -35,23 +36,29 @@ def _cache(b, sq, h, hkv, d, dv, page_size, num_pages, max_pages, seqused, seed)
     return q, k_cache, v_cache, table, seqused
 
 
-def dense_per_sequence(q, k_cache, v_cache, table, seqused, sink=None, **options):
-    """reference.attention on each sequence's first seqused_k keys, gathered by hand."""
-    b, sq, h, _ = q.shape
+def dense_per_sequence(q, k_cache, v_cache, table, seqused, sink=None, *, window=(None, None),
+                       softcap=0.0, softmax_scale=None):
+    """Each sequence's attention on its first seqused_k keys, gathered by hand: the float64
+    oracle of tests/extreme_cases.py, as float32 (NumPy: no XLA program per sequence length);
+    a sequence without keys gives out 0 and lse the sink (or -inf)."""
+    b, sq, h, d = q.shape
     dv = v_cache.shape[-1]
+    q, k_cache, v_cache = (np.asarray(x, np.float32) for x in (q, k_cache, v_cache))
+    sink = None if sink is None else np.asarray(sink, np.float32)
+    scale = 1 / np.sqrt(d) if softmax_scale is None else softmax_scale
     out = np.zeros((b, sq, h, dv), np.float32)
     lse = np.full((b, h, sq), -np.inf, np.float32)
     for row in range(b):
         n = int(seqused[row])
         if n == 0:
             if sink is not None:
-                lse[row] = np.asarray(sink)[:, None]
+                lse[row] = sink[:, None]
             continue
         pages = table[row, : -(-n // k_cache.shape[1])]
-        k = np.concatenate([np.asarray(k_cache[p]) for p in pages])[:n]
-        v = np.concatenate([np.asarray(v_cache[p]) for p in pages])[:n]
-        o, l = reference.attention(q[row:row + 1], jnp.asarray(k)[None], jnp.asarray(v)[None],
-                                   learnable_sink=sink, **options)
+        k = np.concatenate([k_cache[p] for p in pages])[:n]
+        v = np.concatenate([v_cache[p] for p in pages])[:n]
+        o, l = oracle(q[row:row + 1], k[None], v[None], window_visible(sq, n, window)[None],
+                      scale, softcap, sink)
         out[row], lse[row] = o[0], l[0]
     return out, lse
 

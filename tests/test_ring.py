@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fa4
 from compiled import per_class
+from conformance import normal
 from jax_fa4.parallel import ring
 from test_sharding import multidevice_suite
 
@@ -73,7 +74,7 @@ def test_zigzag_gives_device_i_chunks_i_and_2n_minus_1_minus_i():
 
 
 def test_zigzag_round_trip_on_the_sequence_axis():
-    x = jax.random.normal(jax.random.key(0), (2, 24, 3, 4))
+    (x,) = normal("zigzag", [(2, 24, 3, 4)], jnp.float32)
     assert jnp.array_equal(ring.unzigzag(ring.zigzag(x, 3), 3), x)
     assert jax_fa4.zigzag is ring.zigzag and jax_fa4.unzigzag is ring.unzigzag
 
@@ -85,9 +86,7 @@ def test_zigzag_needs_a_multiple_of_two_n():
 
 # -- errors --------------------------------------------------------------------------------------
 def _qkv(s=8, sk=None):
-    ks = jax.random.split(jax.random.key(1), 3)
-    return (jax.random.normal(ks[0], (1, s, 2, 8)), jax.random.normal(ks[1], (1, sk or s, 2, 8)),
-            jax.random.normal(ks[2], (1, sk or s, 2, 8)))
+    return normal("ring", [(1, s, 2, 8), (1, sk or s, 2, 8), (1, sk or s, 2, 8)], jnp.float32)
 
 
 @pytest.mark.parametrize("kwargs, qkv, words", [

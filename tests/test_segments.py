@@ -21,6 +21,7 @@ import jax_fa4
 from jax_fa4 import backends, reference, segments
 from jax_fa4.backends import base
 from jax_fa4.kernels import segments_config as cols
+from extreme_cases import oracle, window_visible
 
 
 def packed_ids(rng, b, s, max_docs, pad_id=None):
@@ -35,6 +36,10 @@ def packed_ids(rng, b, s, max_docs, pad_id=None):
             ids[s - rng.integers(0, s // 3 + 1):] = pad_id
         out[row] = ids
     return out
+
+
+#: segments.row_spans as one program per shape (op by op, each operation compiles for each shape)
+row_spans = jax.jit(segments.row_spans)
 
 
 def simulate(q_ids, kv_ids, tile_m, tile_n):
@@ -109,13 +114,17 @@ def test_cross_attention_pairs_and_missing_ids():
     kv_ids = packed_ids(rng, 2, 517, max_docs=4, pad_id=-2)
     tiles = check(q_ids, kv_ids, 128, 128)
     # rows whose id no key has: empty spans
-    start, end, contiguous = (np.asarray(x) for x in segments.row_spans(q_ids, kv_ids))
+    start, end, contiguous = (np.asarray(x) for x in row_spans(q_ids, kv_ids))
     assert (start[q_ids == -1] == end[q_ids == -1]).all()
     assert contiguous[q_ids == -1].all()
     assert tiles.shape == (2, 3, cols.SEG_TILE_COLUMNS)
 
 
-@pytest.mark.parametrize("tile_n, q_tiles", [(128, 2), (128, 1), (64, 1)])
+#: (tile_n, q_tiles): the quick tier runs one per work tile size (tile_n 128), --exhaustive the
+#: 64-key blocks too (the same rule; tables whose key blocks are shorter than the query tiles:
+#: test_packed_documents' 192 × 128)
+@pytest.mark.parametrize("tile_n, q_tiles", per_class([(128, 2), (128, 1), (64, 1)],
+                                                      key=lambda case: case[1]))
 def test_sm100_rule_is_exact(tile_n, q_tiles):
     """The sm100 forward reads the tables built for its 128-row Q tiles: a work tile of
     ``q_tiles`` of them visits the union of their key-block ranges and masks every visited key
@@ -126,6 +135,8 @@ def test_sm100_rule_is_exact(tile_n, q_tiles):
 
     from jax_fa4.kernels.sm100.fwd_config import FwdConfig
 
+    # jitted: one program per case (op by op, each operation compiles for each shape)
+    visible_of = jax.jit(sm100_table_visible, static_argnums=(3, 4, 5, 6))
     rng = np.random.default_rng(11)
     packed = packed_ids(rng, 2, 421, max_docs=5)
     cases = [(packed, packed),
@@ -135,8 +146,7 @@ def test_sm100_rule_is_exact(tile_n, q_tiles):
               packed_ids(rng, 2, 517, max_docs=4, pad_id=-2))]
     for q_ids, kv_ids in cases:
         tiles, rows, kv = segments.forward_tables(q_ids, kv_ids, FwdConfig.tile_m, tile_n)
-        visible = sm100_table_visible(tiles, rows, kv, q_ids.shape[1], kv_ids.shape[1], tile_n,
-                                      q_tiles)
+        visible = visible_of(tiles, rows, kv, q_ids.shape[1], kv_ids.shape[1], tile_n, q_tiles)
         np.testing.assert_array_equal(visible, q_ids[:, :, None] == kv_ids[:, None, :])
 
 
@@ -145,7 +155,7 @@ def test_row_spans_brute_force():
     q_ids = rng.integers(0, 6, (3, 57)).astype(np.int32)
     kv_ids = np.sort(rng.integers(0, 6, (3, 91)), axis=1).astype(np.int32)
     kv_ids[1] = rng.permutation(kv_ids[1])
-    start, end, contiguous = (np.asarray(x) for x in segments.row_spans(q_ids, kv_ids))
+    start, end, contiguous = (np.asarray(x) for x in row_spans(q_ids, kv_ids))
     for b in range(3):
         for i in range(57):
             hits = np.nonzero(kv_ids[b] == q_ids[b, i])[0]
@@ -294,8 +304,8 @@ def _emulated_segments_kernel(window, softcap, calls):
 def test_kernel_route_with_an_emulated_kernel(kwargs, with_sink, ids_kind, monkeypatch):
     """implementation="sm90" with segment ids runs the segment-id forward and backward kernels
     on the tables jax_fa4.segments builds (the emulated kernels read the mask from them
-    alone): the same forward and gradients as the reference route, without the (Sq × Sk)
-    mask reaching any kernel."""
+    alone): the reference's forward and gradients, without the (Sq × Sk) mask reaching any
+    kernel."""
     from jax_fa4.ffi import call
 
     rng = np.random.default_rng(len(repr(kwargs)))
@@ -313,15 +323,12 @@ def test_kernel_route_with_an_emulated_kernel(kwargs, with_sink, ids_kind, monke
     monkeypatch.setattr(backends.get("sm90"), "backward_preprocess",
                         base.REFERENCE_BACKEND.backward_preprocess)
 
-    def run(implementation):
-        def f(q, k, v, s):
-            return jax_fa4.flash_attention(q, k, v, segment_ids=jnp.asarray(ids),
-                                           learnable_sink=s, return_lse=True,
-                                           implementation=implementation, **kwargs)
-        (out, lse), vjp = jax.vjp(f, q, k, v, sink)
-        return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
+    def f(q, k, v, s):
+        return jax_fa4.flash_attention(q, k, v, segment_ids=jnp.asarray(ids), learnable_sink=s,
+                                       return_lse=True, implementation="sm90", **kwargs)
 
-    got = run("sm90")
+    (out, lse), vjp = jax.vjp(f, q, k, v, sink)
+    got = (out, lse, *vjp((dout, jnp.zeros_like(lse))))
     mask = "causal" if kwargs.get("causal") else "local" if "window_size" in kwargs else "none"
     fwd = [c for c in calls if c.kernel_name == "sm90_fwd"]
     bwd = [c for c in calls if c.kernel_name == "sm90_bwd"]
@@ -329,8 +336,12 @@ def test_kernel_route_with_an_emulated_kernel(kwargs, with_sink, ids_kind, monke
         "bfloat16", d, d, mask, "softcap" in kwargs) for c in fwd), fwd
     assert bwd and all(c.segments and c.sink_grad == with_sink and c.gqa for c in bwd), bwd
     assert [c.kernel_name for c in calls].count("sm90_bwd_postprocess") == len(bwd)
-    monkeypatch.undo()
-    want = run("reference")
+    # the reference's results: the float64 oracle of tests/extreme_cases.py (which the reference
+    # is checked against), NumPy: no reference program compiled per case
+    visible = window_visible(s, s, window)[None] & (ids[:, :, None] == ids[:, None, :])
+    out, lse, grads = oracle(q, k, v, visible, 1 / np.sqrt(d), kwargs.get("softcap", 0.0),
+                             sink, dout=dout)
+    want = (out, lse, *grads)
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv", "dsink"), got, want):
         if w is None:
             assert g is None, name

@@ -19,6 +19,8 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import pytest
+from compiled import per_class
+from conformance import normal
 
 import jax_fa4
 from jax_fa4.parallel import sharding
@@ -93,12 +95,14 @@ def _ok(result: dict) -> dict:
     return result
 
 
-@pytest.mark.parametrize("case, spec", [
+#: the quick tier runs one case per sharding (its first: GQA for batch and heads), --exhaustive
+#: all (MHA with options over batch and heads too)
+@pytest.mark.parametrize("case, spec", per_class([
     ("batch_and_heads_gqa", "P('data', None, 'model', None)"),
     ("batch_and_heads_mha_options", "P('data', None, 'model', None)"),
     ("batch_only", "P(('data', 'model'),)"),
     ("heads_only_bf16", "P(None, None, 'model', None)"),
-])
+], key=lambda case: case[1]))
 def test_batch_and_head_sharding_needs_no_communication(suite, case, spec):
     r = _ok(suite[case])
     # No collective at all in the forward; in the backward nothing but the loss's scalar sum.
@@ -236,9 +240,7 @@ def test_explicit_axes_keep_batch_and_heads_and_reject_sequence(suite):
 
 # -- single device: the operations are inlined, everything else unchanged ----------------------
 def _qkv(b=2, s=16, h=4, hkv=2, d=8):
-    ks = jax.random.split(jax.random.key(0), 3)
-    return (jax.random.normal(ks[0], (b, s, h, d)), jax.random.normal(ks[1], (b, s, hkv, d)),
-            jax.random.normal(ks[2], (b, s, hkv, d)))
+    return normal("sharding", [(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d)], jnp.float32)
 
 
 def test_forward_and_backward_are_partitionable_operations():

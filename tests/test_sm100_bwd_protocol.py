@@ -89,6 +89,7 @@ import re
 from collections import defaultdict, deque
 from functools import partial
 
+import jax
 import pytest
 import compiled
 from compiled import per_class
@@ -102,6 +103,7 @@ from test_sm100_fwd_protocol import (
     make_pipeline_state,
 )
 
+from jax_fa4.backends import sm90
 from jax_fa4.kernels.common.geometry import BwdBlocks
 from jax_fa4.kernels.sm100.bwd_config import TUNING_TABLE, Sm100BwdConfig
 
@@ -111,6 +113,13 @@ NUM_REDUCE = 4 * WARP  # reduce warps 0-3
 TMEM_USERS = 4 + 8 + 1  # warps at the TMEM_ALLOC / TMEM_DEALLOC named barriers
 CELL = 8  # TMEM columns per modelled cell
 TILE = 128  # tile_m = tile_n
+
+#: The backend's varlen tables the launches are built from, under one jit each (static: the
+#: int, window and order arguments): called eagerly, each of their operations compiled anew
+#: for every new shape of the random grids (most of the varlen checks' time); jitted, one
+#: program per shape gives the same integers, as inside the backend's calls.
+work_table = jax.jit(sm90.work_table, static_argnums=(2, 3, 4, 5, 6))
+first_tiles = jax.jit(sm90.first_tiles, static_argnums=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,7 +350,7 @@ class BwdSim(Sim):
     def run(self, max_steps: int = 400_000):
         """Fire one enabled event at a time, drawn by the (re-drawn now and then) weights, until
         none is left; then fail unless every actor finished (deadlock)."""
-        rng = self.rng
+        rng, actors, weights, enabled = self.rng, self.actors, self.weights, self.enabled
         self._draw_weights()
         while True:
             self.steps += 1
@@ -349,10 +358,10 @@ class BwdSim(Sim):
                 self.fail("no progress bound reached (livelock?)")
             if rng.random() < 0.01:
                 self._draw_weights()
-            events: list = []  # (weight, fire)
-            for name, (_, op) in self.actors.items():
-                if self.enabled(name, op):
-                    events.append((self.weights[name], partial(self.step_actor, name)))
+            # (weight, fire): an actor's step as its name (the most events, each step: no
+            # callable built for them), the other events as callables
+            events: list = [(weights[name], name) for name, (_, op) in actors.items()
+                            if enabled(name, op)]
             for cta in self.launched:
                 self.pipe_events(cta, events)
             for i in range(len(self.tma_loads)):
@@ -368,7 +377,11 @@ class BwdSim(Sim):
             self.launch_events(events)
             if not events:
                 break
-            rng.choices([fire for _, fire in events], weights=[w for w, _ in events])[0]()
+            fire = rng.choices([fire for _, fire in events], weights=[w for w, _ in events])[0]
+            if fire.__class__ is str:
+                self.step_actor(fire)
+            else:
+                fire()
         if self.unfinished():
             self.fail("deadlock: " + "; ".join(
                 f"{n} at {op[0]} {', '.join(map(repr, op[1:3]))}"
@@ -898,17 +911,15 @@ def varlen_work(mask: str, lens: list[tuple[int, int]], wl: int, wr: int, order:
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_fa4.backends import sm90
-
     pad = 7
     cu_q = np.concatenate([[0], np.cumsum([q for q, _ in lens])]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum([k for _, k in lens])]).astype(np.int32)
     total_k, batch = int(cu_k[-1]) + pad, len(lens)
     window = {"none": (None, None), "causal": (None, 0)}.get(
         mask, (None if wl < 0 else wl, None if wr < 0 else wr))
-    work = np.asarray(sm90.work_table(jnp.asarray(cu_q), jnp.asarray(cu_k),
-                                      sm90.work_items(total_k, batch, tile_n), TILE, tile_n,
-                                      window, order))
+    work = np.asarray(work_table(jnp.asarray(cu_q), jnp.asarray(cu_k),
+                                 sm90.work_items(total_k, batch, tile_n), TILE, tile_n, window,
+                                 order))
     return cu_q, work
 
 
@@ -934,7 +945,6 @@ def simulate_varlen(cfg: Sm100BwdConfig, lens: list[tuple[int, int]], heads: int
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_fa4.backends import sm90
     from jax_fa4.kernels.sm100.bwd import ZERO_PADDING
 
     assert cfg.varlen
@@ -948,7 +958,7 @@ def simulate_varlen(cfg: Sm100BwdConfig, lens: list[tuple[int, int]], heads: int
         ctas.append(BwdCta(sim, cfg, blocks, i, n, h, dq_tile0=tile0, contrib=(seq, n),
                            zero_padding=seq == ZERO_PADDING))
     sim.pending.extend(ctas)
-    first = np.asarray(sm90.first_tiles(jnp.asarray(cu_q), TILE))
+    first = np.asarray(first_tiles(jnp.asarray(cu_q), TILE))
     for b, (len_q, len_k) in enumerate(lens):
         blocks = make_blocks(cfg, len_q, len_k, wl, wr)
         ranges = {n: blocks.m_block_range(n) for n in range(-(-len_k // TILE))}
@@ -999,7 +1009,10 @@ MASKS = ("none", "causal", "local")
 #: tier runs one per ``deterministic`` value (tests/compiled.py), ``--exhaustive`` all six.
 SCHEDULES = per_class([(m, d) for m in ("local", "causal", "none") for d in (False, True)],
                       key=lambda case: case[1])
-RUNS = 60  # per (mask, deterministic) case
+RUNS = 60  # per (mask, deterministic) case with ``--exhaustive``
+#: the quick tier's runs per case (every wait is found blocked well within them; the mutation
+#: checks below run schedules of their own)
+QUICK_RUNS = 20
 
 
 def random_case(rng: random.Random, mask: str, deterministic: bool):
@@ -1047,7 +1060,7 @@ def test_protocol_random_schedules(mask, deterministic):
     every wait of the kernel was found blocked at least once (each wait mattered)."""
     rng = random.Random(f"{mask}-{deterministic}")
     blocked = set()
-    for _ in range(RUNS):
+    for _ in range(RUNS if compiled.EXHAUSTIVE else QUICK_RUNS):
         cfg, sq, sk, heads, slots, wl, wr = random_case(rng, mask, deterministic)
         blocked |= simulate(cfg, sq, sk, heads, slots, rng.getrandbits(32), wl, wr).blocked
     missing = wait_sites(deterministic) - blocked
@@ -1121,10 +1134,10 @@ def random_ids(rng: random.Random, b: int, seqlen_q: int, seqlen_k: int):
     return q_ids, kv_ids
 
 
-def mode_runs() -> int:
-    """Random grids per case of the segment-id and varlen checks: 15 in the quick tier, 30 with
-    ``--exhaustive`` (each mode changes only the key blocks' query-block ranges)."""
-    return RUNS // 2 if compiled.EXHAUSTIVE else RUNS // 4
+def mode_runs(quick: int) -> int:
+    """Random grids per case of the segment-id and varlen checks: ``quick`` in the quick tier,
+    30 with ``--exhaustive`` (each mode changes only the key blocks' query-block ranges)."""
+    return RUNS // 2 if compiled.EXHAUSTIVE else quick
 
 
 @pytest.mark.parametrize("mask", per_class(["local", "causal", "none"], key=lambda m: 0))
@@ -1138,7 +1151,7 @@ def test_protocol_segments_random_schedules(mask):
 
     rng = random.Random(f"segments-{mask}")
     idle = cut = 0
-    for _ in range(mode_runs()):
+    for _ in range(mode_runs(quick=12)):  # (each grid compiles its tables: the most time here)
         d = rng.choice((64, 96, 128))
         cfg = segments_config("bfloat16", d, d, mask, has_softcap=rng.random() < 0.3)
         b = rng.choice((1, 2))
@@ -1175,7 +1188,7 @@ def test_protocol_varlen_random_schedules(mask):
 
     rng = random.Random(f"varlen-{mask}")
     idle = 0
-    for _ in range(mode_runs()):
+    for _ in range(mode_runs(quick=6)):  # (CTAs no query block sees come within a few grids)
         d = rng.choice((64, 96, 128))
         cfg = varlen_config("bfloat16", d, d, mask, has_softcap=rng.random() < 0.3,
                             gqa=rng.random() < 0.3)
@@ -1197,7 +1210,7 @@ def test_protocol_varlen_key_blocks_no_query_sees():
     from jax_fa4.kernels.sm100.bwd_config import varlen_config
 
     cfg = varlen_config("bfloat16", 64, 64, "local")
-    for seed in range(3):
+    for seed in range(3 if compiled.EXHAUSTIVE else 1):  # schedules: one in the quick tier
         sim = simulate_varlen(cfg, [(TILE, 4 * TILE), (0, 2 * TILE), (0, 0), (5, 0),
                                     (3 * TILE - 1, 3 * TILE)], 2, 64, seed, wl=10, wr=0)
         assert sim.idle_ctas >= 2 * (2 + 2)  # per head: 2 unseen key blocks, 2 without queries

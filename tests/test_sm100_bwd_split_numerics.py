@@ -10,7 +10,7 @@ block, from ``visible_cols``), softcap with tanh and 1 − t² (dK/dV recovering
 fused ``softmax_ds`` does; dQ keeping t), P and dS rounded to the input dtype before the TS
 GEMMs, float32 accumulation, each dK/dV CTA's output column part (the config's ``col_splits``:
 halves at 256, all columns at 192/192), the scales, the row bounds of the stores, GQA per query
-head. Its gradients must match the float32 reference's within the
+head. Its gradients must match the float64 oracle's (tests/extreme_cases.py) within the
 16-bit roundings' error: a wrong block range, mask bound, column part or scale shows here.
 """
 
@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import math
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from compiled import per_class
+from extreme_cases import oracle, window_visible
 
-from jax_fa4 import reference
 from jax_fa4.kernels.common.geometry import BwdBlocks, FwdBlocks, clamp_windows
 from jax_fa4.kernels.sm100.bwd_split_config import Sm100BwdSplitConfig
 
@@ -166,8 +166,13 @@ CASES = [  # (b, sq, sk, h, hkv, mask, window, softcap, scale)
 ]
 
 
-@pytest.mark.parametrize("d", (256, 192))
-@pytest.mark.parametrize("case", CASES, ids=str)
+#: (case, head dim): the quick tier runs every case at 256 (dK/dV in two column halves) and one
+#: at 192 (all columns in one part: the same blocks, masks and scales); --exhaustive all
+SPLIT_CASES = per_class([(case, d) for d in (256, 192) for case in CASES],
+                        key=lambda param: param if param[1] == 256 else param[1])
+
+
+@pytest.mark.parametrize("case, d", SPLIT_CASES, ids=str)
 def test_split_arithmetic_matches_the_reference(case, d):
     b, sq, sk, h, hkv, mask, window, softcap, scale = case
     dtype = ml_dtypes.bfloat16
@@ -175,13 +180,11 @@ def test_split_arithmetic_matches_the_reference(case, d):
     q, k, v, dout = (_round(rng.standard_normal(shape), dtype) for shape in
                      ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, h, d)))
     scale = 1 / math.sqrt(d) if scale is None else scale
-    opts = dict(softmax_scale=scale, window=window, softcap=softcap)
-    out, lse = reference.attention(*(jnp.asarray(x) for x in (q, k, v)), **opts)
-    out, lse = np.asarray(out, np.float32), np.asarray(lse, np.float32)  # lse (B, H, Sq)
+    # the float64 oracle's out, lse (B, H, Sq) and gradients (NumPy: no XLA program per shape)
+    visible = np.broadcast_to(window_visible(sq, sk, window), (b, sq, sk))
+    out, lse, want = oracle(q, k, v, visible, scale, softcap, dout=dout)
+    out, lse = out.astype(np.float32), lse.astype(np.float32)
     delta = np.einsum("bshd,bshd->bhs", out, dout)
-    want = reference.attention_backward(
-        *(jnp.asarray(x) for x in (q, k, v)), jnp.zeros(dout.shape, jnp.float32),
-        jnp.asarray(lse), jnp.asarray(dout), delta=jnp.asarray(delta), **opts)
     # the preprocess: rows that saw no key get lse_log2 = +∞
     lse_log2 = np.where(np.isneginf(lse), np.inf, lse * LOG2_E)
     got = [np.zeros(x.shape, np.float32) for x in (q, k, v)]
@@ -201,7 +204,7 @@ def test_split_arithmetic_matches_the_reference(case, d):
         np.testing.assert_allclose(x, w, atol=2e-2 * np.abs(w).max(), rtol=0, err_msg=name)
 
 
-@pytest.mark.parametrize("d", (256, 192))
+@pytest.mark.parametrize("d", per_class([256, 192], key=lambda d: 0))  # quick tier: 256
 def test_split_varlen_arithmetic_matches_the_reference(d):
     """Varlen: each sequence's CTAs read the packed tensors from its first row, so their tiles
     load the next sequences' rows (and the zeroed padding after the last); masks and the −∞
@@ -216,17 +219,14 @@ def test_split_varlen_arithmetic_matches_the_reference(d):
     k, v = (_round(rng.standard_normal((tk + pad, h, d)), dtype) for _ in range(2))
     for x, t in ((q, tq), (dout, tq), (k, tk), (v, tk)):
         x[t:] = 0.0
-    opts = dict(softmax_scale=scale, window=(None, 0), softcap=0.0)
     oq = ok = 0
     for len_q, len_k in lens:
         sl = [x[None, o:o + n] for x, o, n in ((q, oq, len_q), (k, ok, len_k), (v, ok, len_k),
                                                  (dout, oq, len_q))]
-        out, lse = reference.attention(*(jnp.asarray(x) for x in sl[:3]), **opts)
-        out, lse = np.asarray(out, np.float32), np.asarray(lse, np.float32)
+        out, lse, want = oracle(*sl[:3], window_visible(len_q, len_k, (None, 0))[None], scale,
+                                dout=sl[3])
+        out, lse = out.astype(np.float32), lse.astype(np.float32)
         delta = np.einsum("bshd,bshd->bhs", out, sl[3])
-        want = reference.attention_backward(
-            *(jnp.asarray(x) for x in sl[:3]), jnp.zeros(sl[3].shape, jnp.float32),
-            jnp.asarray(lse), jnp.asarray(sl[3]), delta=jnp.asarray(delta), **opts)
         lse_log2 = np.where(np.isneginf(lse), np.inf, lse * LOG2_E)
         for hi in range(h):
             p = Problem(q[oq:, hi], k[ok:, hi], v[ok:, hi], dout[oq:, hi], lse_log2[0, hi],

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from compiled import per_class
 from conformance import normal
+from extreme_cases import oracle, window_visible
 from sm100_emulation import emulated_call_kernel
 
 import jax_fa4
@@ -57,6 +58,27 @@ def _assert_grads_close(got, want) -> None:
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         assert np.isfinite(g).all(), name
         np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max(), rtol=0, err_msg=name)
+
+
+def _oracle_grads(inputs, kwargs: dict, ct, visible=None) -> list:
+    """The reference's gradients of ``sum(out · ct)`` with respect to q, k, v (and the sink,
+    when ``inputs`` has one), in the inputs' dtypes: the float64 oracle of
+    tests/extreme_cases.py (which the reference is checked against there and in
+    tests/test_reference.py), NumPy: no XLA program per case. ``kwargs``: the call's window,
+    softcap and scale options; ``visible`` (B, Sq, Sk): the segment ids' mask, joined with the
+    window's."""
+    q, k, v, sink = (inputs + (None,))[:4]
+    b, sq, sk, d = q.shape[0], q.shape[1], k.shape[1], q.shape[3]
+    window = (None, 0) if kwargs.get("causal") else kwargs.get("window_size", (None, None))
+    mask = np.broadcast_to(window_visible(sq, sk, window), (b, sq, sk))
+    if visible is not None:
+        mask = mask & visible
+    scale = kwargs.get("softmax_scale", 1 / math.sqrt(d))
+    _, _, grads = oracle(*(np.asarray(x, np.float32) for x in (q, k, v)), mask, scale,
+                         kwargs.get("softcap", 0.0), None if sink is None else np.asarray(sink),
+                         dout=np.asarray(ct, np.float32))
+    return [np.asarray(g).astype(x.dtype) for g, x in zip(grads, (q, k, v, sink))
+            if x is not None]
 
 
 def _export_for_cuda(f, *args):
@@ -279,15 +301,17 @@ def _mask_kind(kwargs: dict) -> str:
     return "causal" if kwargs.get("causal") else "local" if "window_size" in kwargs else "none"
 
 
-#: the quick tier runs one case per (route, sink, deterministic); --exhaustive all
+#: the quick tier runs one case per (route, sink, deterministic), deterministic for the fused
+#: kernels only (the split kernels take the same configs either way: its lowering test above
+#: checks that); --exhaustive all
 @pytest.mark.parametrize("case", per_class(NUMERIC_CASES, key=lambda c: (
-    _route(c[5]), c[7], c[6].get("deterministic", False))), ids=str)
+    _route(c[5]), c[7], _route(c[5]) == "fused" and c[6].get("deterministic", False))), ids=str)
 def test_sm100_backward_contract_gives_the_reference_gradients(case, monkeypatch, fresh_warning):
     """With the kernels replaced by contract-exact stand-ins, jax.grad through
     implementation="sm100" (dq_accum rows past Sq dropped and scaled by softmax_scale, GQA/MQA
     dK/dV summed per group, the ordered-dQ counters passed, a sink's gradient from the
     backward's delta; head dims 192/192 and 256: the split kernels' dk, dv and scaled dq) gives
-    the reference route's out and gradients."""
+    the reference's gradients (:func:`_oracle_grads`)."""
     b, sq, sk, h, hkv, d, kwargs, with_sink = case
     q, k, v = _qkv(b, sq, sk, h, hkv, d, seed=3)
     sink = jnp.linspace(-1.0, 1.0, h, dtype=jnp.float32) if with_sink else None
@@ -308,7 +332,7 @@ def test_sm100_backward_contract_gives_the_reference_gradients(case, monkeypatch
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the kernel serves: no fallback warning
         got = loss("sm100")(q, k, v, sink)
-    want = loss("reference")(q, k, v, sink)
+    want = _oracle_grads((q, k, v, sink), kwargs, ct)
     if d in (192, 256):  # the split kernels (deterministic without a config of their own)
         split = sorted((c.part, c.gqa) for c, _, _ in calls if c.kernel_name == "sm100_bwd_split")
         assert split == [("dkdv", h != hkv), ("dq", False)]
@@ -446,6 +470,23 @@ SEGMENT_BACKWARD_CASES = [  # (b, sq, sk, h, hkv, d, flash_attention kwargs, ids
 ]
 
 
+def _segments_visible(ids, padding_id) -> np.ndarray:
+    """(B, Sq, Sk) bool: the keys each query's segment id leaves visible (a (q, kv) pair or one
+    array for both; padding queries see no key, no query sees a padding key)."""
+    q_ids, kv_ids = (np.asarray(x) for x in (ids if isinstance(ids, tuple) else (ids, ids)))
+    visible = q_ids[:, :, None] == kv_ids[:, None, :]
+    if padding_id is not None:
+        visible &= (q_ids != padding_id)[:, :, None] & (kv_ids != padding_id)[:, None, :]
+    return visible
+
+
+def _segments_oracle(inputs, rest, **kwargs) -> list:
+    """:func:`_oracle_grads` of a segment-id case (``inputs``, ``rest`` as
+    :func:`_segments_emulated` returns them)."""
+    ids, padding_id, ct, _ = rest
+    return _oracle_grads(inputs, kwargs, ct, _segments_visible(ids, padding_id))
+
+
 def _segments_grad_fn(implementation, ids, padding_id, ct, with_sink, **kwargs):
     def loss(q, k, v, s):
         out = jax_fa4.flash_attention(q, k, v, segment_ids=ids, padding_segment_id=padding_id,
@@ -481,8 +522,8 @@ def test_sm100_segments_backward_gives_the_reference_gradients(case, monkeypatch
     kernels emulated (the backward's stand-in reads the mask from its tables as the kernel does:
     key-block ranges, bulk, ids): packed documents, ids without contiguous runs, padding ids,
     query / key id pairs of other lengths, causal and windows, softcap, GQA / MQA, odd lengths
-    and a sink (its gradient from delta) give the reference route's gradients, with the sm100
-    backward kernel with segment ids and no fallback warning."""
+    and a sink (its gradient from delta) give the reference's gradients (:func:`_oracle_grads`),
+    with the sm100 backward kernel with segment ids and no fallback warning."""
     inputs, rest, calls = _segments_emulated(monkeypatch, case)
     kwargs = case[6]
     with warnings.catch_warnings():
@@ -492,8 +533,7 @@ def test_sm100_segments_backward_gives_the_reference_gradients(case, monkeypatch
     assert bwd.segments and not bwd.two_cta and bwd.gqa == (case[3] != case[4])
     assert bwd.head_dim == case[5] and bwd.has_softcap == ("softcap" in kwargs)
     monkeypatch.undo()
-    want = _segments_grad_fn("reference", *rest, **kwargs)(*inputs)
-    _assert_grads_close(got, want)
+    _assert_grads_close(got, _segments_oracle(inputs, rest, **kwargs))
 
 
 def _shift(x, column: int, by: int):
@@ -506,11 +546,11 @@ _TABLES_CASE = (2, 300, 300, 4, 2, 64, {"causal": True}, "random", False)
 
 @functools.cache
 def _tables_case_reference() -> tuple:
-    """The reference route's gradients of ``_TABLES_CASE`` (computed once for the three
-    mutation checks below)."""
+    """The reference's gradients (:func:`_oracle_grads`) of ``_TABLES_CASE`` (computed once for
+    the three mutation checks below)."""
     with pytest.MonkeyPatch.context() as mp:
         inputs, rest, _ = _segments_emulated(mp, _TABLES_CASE)
-    return _segments_grad_fn("reference", *rest, **_TABLES_CASE[6])(*inputs)
+    return _segments_oracle(inputs, rest, **_TABLES_CASE[6])
 
 
 @pytest.mark.parametrize("broken", ["key range", "bulk", "row ids"])
@@ -627,8 +667,7 @@ def test_sm100_2cta_segments_backward_gives_the_reference_gradients(case, monkey
     assert (bwd.head_dim, bwd.head_dim_v, bwd.gqa) == (192, 128, case[3] != case[4])
     assert bwd.has_softcap == ("softcap" in kwargs) and not bwd.deterministic
     monkeypatch.undo()
-    want = _segments_grad_fn("reference", *rest, **kwargs)(*inputs)
-    _assert_grads_close(got, want)
+    _assert_grads_close(got, _segments_oracle(inputs, rest, **kwargs))
 
 
 def test_the_2cta_segments_stand_in_walks_the_pair_ranges(monkeypatch, fresh_warning):
@@ -662,7 +701,7 @@ def test_the_2cta_segments_stand_in_walks_the_pair_ranges(monkeypatch, fresh_war
         monkeypatch.setattr(segments, "backward_tables", emptied(blocks))
         results[name] = _segments_grad_fn("sm100", *rest, causal=True)(*inputs)
     monkeypatch.undo()
-    want = _segments_grad_fn("reference", *rest, causal=True)(*inputs)
+    want = _segments_oracle(inputs, rest, causal=True)
     _assert_grads_close(results["even"], want)
     with pytest.raises(AssertionError):
         _assert_grads_close(results["all"], want)
@@ -718,6 +757,20 @@ def _varlen_inputs(h, hkv, d, dv=None, seed=5, pad_value=None, pad=VARLEN_PAD):
                   for x in (VARLEN_LENS_Q, VARLEN_LENS_K))
     q, k, v = (jnp.asarray(x.astype(jnp.bfloat16)) for x in (q, k, v))
     return q, k, v, jnp.asarray(ct), cu_q, cu_k, max(VARLEN_LENS_Q), max(VARLEN_LENS_K)
+
+
+def _varlen_oracle(inputs, ct, cu_q, cu_k, kwargs: dict) -> list:
+    """The reference's gradients of a varlen case's loss (:func:`_varlen_grad_fn`) with respect
+    to q, k, v (and the sink, when ``inputs`` has one), in the inputs' dtypes: the float64
+    oracle on each sequence alone (tests/test_varlen.py's per_sequence; the padding tokens' 0),
+    NumPy: no XLA program per case."""
+    from test_varlen import _ref_options, per_sequence
+
+    q, k, v, sink = inputs
+    lens_q, lens_k = (np.diff(np.asarray(cu)) for cu in (cu_q, cu_k))
+    cotangents = (ct, np.zeros((q.shape[1], q.shape[0]), np.float32))
+    _, _, grads = per_sequence(q, k, v, lens_q, lens_k, sink, cotangents, **_ref_options(kwargs))
+    return [np.asarray(g).astype(x.dtype) for g, x in zip(grads, inputs) if x is not None]
 
 
 def _varlen_grad_fn(implementation, ct, cu_q, cu_k, max_q, max_k, with_sink=False, **kwargs):
@@ -828,11 +881,12 @@ VARLEN_CASES = [  # (h, hkv, d, flash_attention_varlen kwargs, learnable sink)
 ]
 #: the 2-CTA kernel's varlen mode (head dims 192/128): (h, hkv, kwargs, learnable sink); 200
 #: NaN padding tokens, more than a 128-key tile's overhang past the last sequence (33 keys: its
-#: pair span loads 223 rows past it), so the backend must zero a pair span's 256 key rows
-VARLEN_2CTA_CASES = [
-    (2, 2, {"causal": True}, False),
+#: pair span loads 223 rows past it), so the backend must zero a pair span's 256 key rows. The
+#: quick tier runs the first (GQA, window, softcap, sink), --exhaustive both.
+VARLEN_2CTA_CASES = per_class([
     (4, 2, {"window_size": (50, 7), "softcap": 3.0}, True),
-]
+    (2, 2, {"causal": True}, False),
+], key=lambda case: 0)
 
 
 def _varlen_emulated(monkeypatch, kwargs, d):
@@ -864,8 +918,9 @@ def test_sm100_varlen_backward_contract_gives_the_reference_gradients(case, monk
     """With the kernels replaced by contract-exact stand-ins, jax.grad through
     flash_attention_varlen(implementation="sm100") (work list, dq rows gathered from their
     tiles and scaled, GQA groups summed, zero dK / dV outside every sequence, a sink's gradient
-    from delta) gives the reference route's gradients, with NaN in every padding token of q, k,
-    v and the cotangent (the rows after the last sequence that its tiles load are zeroed)."""
+    from delta) gives the reference's gradients (:func:`_varlen_oracle`), with NaN in every
+    padding token of q, k, v and the cotangent (the rows after the last sequence that its tiles
+    load are zeroed)."""
     h, hkv, d, kwargs, with_sink = case
     q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(h, hkv, d, pad_value=jnp.nan)
     sink = jnp.linspace(-1.0, 1.0, h, dtype=jnp.float32) if with_sink else None
@@ -882,9 +937,7 @@ def test_sm100_varlen_backward_contract_gives_the_reference_gradients(case, monk
         (bwd,) = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
         assert bwd.varlen and bwd.gqa == (h != hkv) and bwd.head_dim == d
     monkeypatch.undo()
-    want = _varlen_grad_fn("reference", ct, cu_q, cu_k, max_q, max_k, with_sink, **kwargs)(
-        q, k, v, sink)
-    _assert_grads_close(got, want)
+    _assert_grads_close(got, _varlen_oracle((q, k, v, sink), ct, cu_q, cu_k, kwargs))
 
 
 @pytest.mark.parametrize("case", VARLEN_2CTA_CASES, ids=str)
@@ -893,8 +946,8 @@ def test_sm100_2cta_varlen_backward_contract_gives_the_reference_gradients(case,
     """At 192/128, with the kernels replaced by contract-exact stand-ins (the 2-CTA varlen
     config's: one work row per 256-key pair span, k / v rows loaded up to a span past each
     sequence), jax.grad through flash_attention_varlen(implementation="sm100") runs the 2-CTA
-    varlen kernel and gives the reference route's gradients, with NaN in 200 padding tokens of
-    q, k, v and the cotangent."""
+    varlen kernel and gives the reference's gradients (:func:`_varlen_oracle`), with NaN in 200
+    padding tokens of q, k, v and the cotangent."""
     h, hkv, kwargs, with_sink = case
     q, k, v, ct, cu_q, cu_k, max_q, max_k = _varlen_inputs(h, hkv, 192, 128, pad_value=jnp.nan,
                                                            pad=200)
@@ -907,9 +960,7 @@ def test_sm100_2cta_varlen_backward_contract_gives_the_reference_gradients(case,
     (bwd,) = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
     assert bwd.varlen and bwd.two_cta and bwd.work_tile_n == 256 and bwd.gqa == (h != hkv)
     monkeypatch.undo()
-    want = _varlen_grad_fn("reference", ct, cu_q, cu_k, max_q, max_k, with_sink, **kwargs)(
-        q, k, v, sink)
-    _assert_grads_close(got, want)
+    _assert_grads_close(got, _varlen_oracle((q, k, v, sink), ct, cu_q, cu_k, kwargs))
 
 
 def test_sm100_varlen_backward_needs_the_padding_rows_zeroed(monkeypatch, fresh_warning):
@@ -937,7 +988,7 @@ def test_sm100_varlen_backward_needs_the_padding_rows_zeroed(monkeypatch, fresh_
         np.testing.assert_array_equal(nan_rows, want)
 
 
-@pytest.mark.parametrize("d", (256, 192))
+@pytest.mark.parametrize("d", per_class([256, 192], key=lambda d: 0))  # quick tier: 256
 def test_sm100_split_varlen_backward_needs_the_padding_rows_zeroed(monkeypatch, fresh_warning,
                                                                     d):
     """Head dims 256 and 192/192, as above for the split kernels' tiles: without the backend's

@@ -62,6 +62,7 @@ import itertools
 import random
 from collections import defaultdict, deque
 
+import compiled
 import pytest
 from compiled import per_class
 
@@ -735,7 +736,10 @@ def simulate(q_tiles: int, kv_stages: int, varlen: bool, work: list[int], seed: 
 #: (tests/compiled.py), ``--exhaustive`` all twelve.
 CASES = per_class([(q, s, v) for q in (1, 2) for s in (3, 2, 5) for v in (False, True)],
                   key=lambda case: (case[0], case[2]))
-RUNS_PER_CASE = 250
+RUNS_PER_CASE = 250  # with ``--exhaustive``
+#: the quick tier's runs per case (every wait is found blocked well within them; the mutation
+#: check below runs schedules of its own)
+QUICK_RUNS_PER_CASE = 80
 
 
 def wait_sites(q_tiles: int, varlen: bool) -> set:
@@ -756,7 +760,7 @@ def test_protocol_random_schedules(q_tiles, kv_stages, varlen):
     the kernel was found blocked in some run (each wait mattered at least once)."""
     rng = random.Random(f"{q_tiles}-{kv_stages}-{varlen}")
     blocked = set()
-    for _ in range(RUNS_PER_CASE):
+    for _ in range(RUNS_PER_CASE if compiled.EXHAUSTIVE else QUICK_RUNS_PER_CASE):
         work = [rng.choice(N_BLOCKS_CHOICES) for _ in range(rng.randint(1, 6))]
         blocked |= simulate(q_tiles, kv_stages, varlen, work, rng.getrandbits(32)).blocked
     assert blocked == wait_sites(q_tiles, varlen), wait_sites(q_tiles, varlen) ^ blocked

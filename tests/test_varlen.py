@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from compiled import per_class
+from conformance import normal
+from extreme_cases import oracle, window_visible
 
 import jax_fa4
 from jax_fa4 import autodiff, backends, options, reference
@@ -44,21 +46,22 @@ def _packed(lens_q, lens_k, h, hkv, d, dv, seed, pad_q=PAD_Q, pad_k=PAD_K):
     return q, k, v, sink, dout, dlse
 
 
-@functools.partial(jax.jit, static_argnames=("window", "softcap", "softmax_scale"))
-def _ref_vjp(q, k, v, sink, dout, dlse, **options):
-    """reference.attention of one (B = 1) problem and its vjp, in one compiled program."""
-    def f(q, k, v, s):
-        return reference.attention(q, k, v, learnable_sink=s, **options)
-
-    (out, lse), vjp = jax.vjp(f, q, k, v, sink)
-    return out, lse, vjp((dout, dlse))
+def _oracle(q, k, v, sink, dout, dlse, *, window, softcap, softmax_scale):
+    """(out, lse, (dq, dk, dv, dsink)) of one (B = 1) problem: the float64 oracle of
+    tests/extreme_cases.py (NumPy: no XLA program per sequence length)."""
+    scale = 1 / np.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    visible = window_visible(q.shape[1], k.shape[1], window)[None]
+    return oracle(q, k, v, visible, scale, softcap, None if sink is None else np.asarray(sink),
+                  dout=dout, dlse=dlse)
 
 
 def per_sequence(q, k, v, lens_q, lens_k, sink=None, cotangents=None, **options):
-    """(out, lse) and optionally (dq, dk, dv, dsink), running reference.attention on each
-    sequence alone; padding rows and key-less sequences filled in by hand."""
+    """(out, lse) and optionally (dq, dk, dv, dsink), by the oracle on each sequence alone;
+    padding rows and key-less sequences filled in by hand."""
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     h, dv = q.shape[1], v.shape[2]
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    cotangents = None if cotangents is None else tuple(np.asarray(x) for x in cotangents)
     out = np.zeros((q.shape[0], h, dv), np.float32)
     lse = np.full((h, q.shape[0]), -np.inf, np.float32)
     grads = [np.zeros(x.shape, np.float32) for x in (q, k, v)] + [np.zeros(h, np.float32)]
@@ -73,10 +76,10 @@ def per_sequence(q, k, v, lens_q, lens_k, sink=None, cotangents=None, **options)
                     grads[3] += np.asarray(cotangents[1][:, qs]).sum(axis=1)
             continue
 
-        dout, dlse = ((jnp.zeros((lq, h, dv)), jnp.zeros((h, lq))) if cotangents is None
-                      else (cotangents[0][qs], cotangents[1][:, qs]))
-        o, l, (dq, dk, dv_, ds) = _ref_vjp(q[qs][None], k[ks][None], v[ks][None], sink,
-                                           dout[None], dlse[None], **options)
+        dout, dlse = ((np.zeros((lq, h, dv), np.float32), np.zeros((h, lq), np.float32))
+                      if cotangents is None else (cotangents[0][qs], cotangents[1][:, qs]))
+        o, l, (dq, dk, dv_, ds) = _oracle(q[qs][None], k[ks][None], v[ks][None], sink,
+                                          dout[None], dlse[None], **options)
         out[qs], lse[:, qs] = o[0], l[0]
         grads[0][qs], grads[1][ks], grads[2][ks] = dq[0], dk[0], dv_[0]
         if sink is not None:
@@ -261,6 +264,7 @@ def test_packed_segments_match_per_segment_reference():
             ids[row, lo:hi] = 10 * n + 3  # any int ids
     q, k, v, dout, dlse = _segment_inputs(b, s, s, h, hkv, d, seed=5)
     opts = _ref_options(kwargs)
+    q_, k_, v_, dout_, dlse_ = (np.asarray(x) for x in (q, k, v, dout, dlse))
 
     want_out = np.zeros(q.shape, np.float32)
     want_lse = np.zeros((b, h, s), np.float32)
@@ -268,8 +272,8 @@ def test_packed_segments_match_per_segment_reference():
     for row, edges in enumerate(bounds):
         for lo, hi in zip(edges[:-1], edges[1:]):
             sl = (slice(row, row + 1), slice(lo, hi))
-            o, l, grads = _ref_vjp(q[sl], k[sl], v[sl], None, dout[sl],
-                                   dlse[row:row + 1, :, lo:hi], **opts)
+            o, l, grads = _oracle(q_[sl], k_[sl], v_[sl], None, dout_[sl],
+                                  dlse_[row:row + 1, :, lo:hi], **opts)
             want_out[sl], want_lse[row, :, lo:hi] = o, l[0]
             for w, g in zip(want, grads):
                 w[sl] = g
@@ -473,7 +477,8 @@ def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch)
     gathered from the padded layout, padding rows zeroed, the sink joined; the backward by the
     varlen backward chain: dq rows gathered from their tiles, GQA groups summed, padding tokens
     zeroed; sm100 at head dim 192/128 by the 2-CTA kernel's varlen mode, on a work list of
-    256-key pair spans): the same forward and gradients as the reference route."""
+    256-key pair spans): the reference's forward and gradients (each sequence's, by
+    :func:`per_sequence`)."""
     import math
 
     from sm100_emulation import emulated_call_kernel
@@ -521,14 +526,12 @@ def test_kernel_route_with_an_emulated_kernel(case, implementation, monkeypatch)
         assert [c.kernel_name for c in called] == ["bwd_preprocess", "sm100_bwd"]
         assert called[1].varlen and called[1].gqa == (h != hkv)
         assert called[1].two_cta == (d == 192)  # 192/128: the 2-CTA kernel's varlen mode
-    # the same call on the reference route: the emulated kernel computes what the reference
-    # does, so everything around it must give the same numbers
-    monkeypatch.undo()
-    (want_out, want_lse), want_vjp = jax.vjp(
-        lambda q, k, v, s: flash_attention_varlen(
-            q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), learnable_sink=s, return_lse=True,
-            implementation="reference", **kwargs), q, k, v, sink)
-    want_grads = want_vjp((dout, dlse))
+    # the reference's numbers (the float64 oracle's on each sequence, as the reference route
+    # gives them: test_matches_per_sequence_reference): the emulated kernel computes what the
+    # reference does, so everything around it must give the same numbers
+    want_out, want_lse, want_grads = per_sequence(q, k, v, LENS_Q, LENS_K, sink, (dout, dlse),
+                                                  **_ref_options(kwargs))
+    want_grads = want_grads[:3] + [want_grads[3] if with_sink else None]
     assert not np.isnan(np.asarray(out, np.float32)).any()
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dsink"),
                                (out, lse, *grads), (want_out, want_lse, *want_grads)):
@@ -580,8 +583,16 @@ def _random_lengths(rng, batch, max_len):
     return lens
 
 
-@pytest.mark.parametrize("order", ["heavy_first", "sequence"])
-@pytest.mark.parametrize("window", [(None, None), (None, 0), (70, 3)], ids=str)
+#: (launch order, window): the quick tier runs heavy_first, whose order the window's costs set,
+#: with each mask kind, and the sequence order (the same list for every window) with one;
+#: --exhaustive every pair
+WORK_TABLE_CASES = per_class(
+    [(order, window) for order in ("heavy_first", "sequence")
+     for window in ((None, None), (None, 0), (70, 3))],
+    key=lambda case: case if case[0] == "heavy_first" else case[0])
+
+
+@pytest.mark.parametrize("order, window", WORK_TABLE_CASES, ids=str)
 def test_work_table_lists_every_key_block_once(order, window):
     """Every key block of every sequence is one row of the work list, with its sequence's
     offsets, lengths and first dq tile (spare rows (-1, 0, …) after them, the ZERO_PADDING item
@@ -632,7 +643,7 @@ def test_work_table_lists_every_key_block_once(order, window):
         assert np.asarray(got).tolist() == costs
 
 
-@pytest.mark.parametrize("tile_m", [64, 128])
+@pytest.mark.parametrize("tile_m", per_class([64, 128], key=lambda tile_m: 0))  # quick: 64
 def test_dq_accum_tiles_of_sequences_are_disjoint(tile_m):
     """Sequence b's query blocks start at tile (cu_q[b] + b·tile_m) // tile_m: no two sequences
     share a tile, all fit in dq_accum_rows, and tile_owners names each tile's sequence."""
@@ -746,13 +757,14 @@ def test_traced_cu_seqlens_are_clamped_into_the_buffers(cu, total, max_len, want
 def test_bad_traced_cu_seqlens_run_as_their_clamped_form():
     """Under jit (no call-time check) a call with bad cu_seqlens equals the call with the
     clamped metadata, and stays finite."""
-    q, k, v = (jax.random.normal(jax.random.key(i), (12, 2, 8), jnp.float32) for i in range(3))
+    q, k, v = normal("clamped cu_seqlens", [(12, 2, 8)] * 3, jnp.float32)
     bad_q, bad_k = jnp.asarray([0, 9, 4, 40], jnp.int32), jnp.asarray([-3, 2, 11, 12], jnp.int32)
     f = jax.jit(lambda cq, ck: jax_fa4.flash_attention_varlen(q, k, v, cq, ck, 6, 6,
                                                               return_lse=True))
     out, lse = f(bad_q, bad_k)
-    clamp = functools.partial(base.clamp_cu_seqlens, max_seqlen=6)
-    want_out, want_lse = f(clamp(bad_q, 12), clamp(bad_k, 12))
+    # (jitted: one program, not one per operation)
+    clamp = jax.jit(functools.partial(base.clamp_cu_seqlens, total=12, max_seqlen=6))
+    want_out, want_lse = f(clamp(bad_q), clamp(bad_k))
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_array_equal(out, want_out)
     np.testing.assert_array_equal(lse, want_lse)
