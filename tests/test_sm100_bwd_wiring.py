@@ -394,8 +394,8 @@ def test_sm100_segments_route_gives_the_reference(case, monkeypatch, fresh_warni
     logits) on jax_fa4.segments' tables for its 128-row Q tiles, emulated by the sm100 rule
     from the tables alone (sm100_emulation.sm100_table_visible), and the sm100 backward with
     segment ids (head dim 128; at 256, which has no such kernel, the reference's backward with
-    a one-time warning): out, lse, max logits and gradients equal the reference route's (a
-    sink joined around the kernel's output)."""
+    a one-time warning): out, lse, max logits and gradients equal the reference's (the float64
+    oracle's; a sink joined around the kernel's output)."""
     from test_segments import packed_ids
 
     b, s, h, hkv, d, kwargs, ids_kind, with_sink = case
@@ -412,27 +412,34 @@ def test_sm100_segments_route_gives_the_reference(case, monkeypatch, fresh_warni
     monkeypatch.setattr(call, "call_kernel", emulated_call_kernel(options, calls))
     ct = _cotangent(9, b, s, h, d)
 
-    def run(implementation):
-        def f(q, k, v):
-            out, lse, row_max = jax_fa4.flash_attention(
-                q, k, v, segment_ids=ids, learnable_sink=sink, return_lse=True,
-                return_max_logits=True, implementation=implementation, **kwargs)
-            return jnp.sum(out.astype(jnp.float32) * ct), (out, lse, row_max)
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    def f(q, k, v):
+        out, lse, row_max = jax_fa4.flash_attention(
+            q, k, v, segment_ids=ids, learnable_sink=sink, return_lse=True,
+            return_max_logits=True, implementation="sm100", **kwargs)
+        return jnp.sum(out.astype(jnp.float32) * ct), (out, lse, row_max)
 
     with (warnings.catch_warnings() if kernel_backward
           else pytest.warns(RuntimeWarning, match="segment-id kernel at head dims 256/256")):
         if kernel_backward:
             warnings.simplefilter("error")  # the kernel serves: no fallback warning
-        (_, got), grads = run("sm100")
+        (_, got), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(
+            q, k, v)
     fwd = [(c, arch) for c, arch, _ in calls if c.kernel_name == "sm100_fwd"]
     assert fwd and all(c.segments and c.max_logits and c.head_dim == d and arch == "sm_100a"
                        for c, arch in fwd)
     bwd = [c for c, _, _ in calls if c.kernel_name == "sm100_bwd"]
     assert len(bwd) == kernel_backward and all(c.segments and c.gqa for c in bwd), bwd
-    (_, want), want_grads = run("reference")
+    # the reference's numbers by the float64 oracle (NumPy: no reference program compiled)
+    visible = window_visible(s, s, window)[None] & _segments_visible(ids, None)
+    q64, k64 = (np.asarray(x, np.float64) for x in (q, k))
+    scores = np.einsum("bqhd,bkhd->bhqk", q64, np.repeat(k64, h // hkv, axis=2)) / math.sqrt(d)
+    if kwargs.get("softcap"):
+        scores = kwargs["softcap"] * np.tanh(scores / kwargs["softcap"])
+    want_max = np.where(visible[:, None], scores, -np.inf).max(axis=(2, 3))  # (B, H)
+    want_out, want_lse, want_grads = oracle(q, k, v, visible, 1 / math.sqrt(d),
+                                            kwargs.get("softcap", 0.0), sink, dout=ct)
     for name, g, w in zip(("out", "lse", "max_logits", "dq", "dk", "dv"), (*got, *grads),
-                          (*want, *want_grads)):
+                          (want_out, want_lse, want_max, *want_grads[:3])):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w), err_msg=name)
         fin = np.isfinite(w)
