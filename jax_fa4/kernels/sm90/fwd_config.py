@@ -198,7 +198,7 @@ class FwdConfig(KernelConfig):
                 f"needs ~{self.accumulator_registers()} accumulator registers per thread, over the "
                 f"{self.consumer_registers} a consumer gets with {self.num_mma_warpgroups} "
                 "warpgroups (it would spill)")
-        limit = SMEM_BUDGET_BYTES if self.ctas_per_sm == 1 else SMEM_PER_SM_BYTES // 2 - 2048
+        limit = self.smem_limit()
         if self.smem_bytes() > limit:
             raise ValueError(f"sm90 forward: {self.smem_bytes()} B of shared memory exceeds "
                              f"{limit} B (tile {self.tile_m}x{self.tile_n}, {self.stages} stages, "
@@ -275,6 +275,11 @@ class FwdConfig(KernelConfig):
         """The 16-bit O tile's staging buffer, in bytes."""
         return 2 * self.tile_m * self.head_dim_v
 
+    def smem_limit(self) -> int:
+        """The shared memory one CTA may plan for: the budget, or half the SM's with two CTAs
+        per SM."""
+        return SMEM_BUDGET_BYTES if self.ctas_per_sm == 1 else SMEM_PER_SM_BYTES // 2 - 2048
+
     @property
     def own_o_buffer(self) -> bool:
         """A persistent config stages O in a buffer of its own wherever that fits the shared
@@ -283,7 +288,7 @@ class FwdConfig(KernelConfig):
         the next tile's mainloop. Elsewhere O reuses Q's buffer, which the next Q must wait for.
         Derived from the fields (the cache key), so no field of its own."""
         return (self.num_sms > 0 and not self.fp8
-                and self._smem_16bit() + self._o_bytes() <= SMEM_BUDGET_BYTES)
+                and self._smem_16bit() + self._o_bytes() <= self.smem_limit())
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
