@@ -283,9 +283,10 @@ class FwdConfig(KernelConfig):
     @property
     def own_o_buffer(self) -> bool:
         """A persistent config stages O in a buffer of its own wherever that fits the shared
-        memory (head dims up to 192 at the table's tiles; not 256's 128x80 with two stages): the
-        next tile's Q then loads while this tile's O is stored, and the TMA store drains under
-        the next tile's mainloop. Elsewhere O reuses Q's buffer, which the next Q must wait for.
+        memory (at the table's tiles: head dims 64, 96 and 128, and 192/128 with a window; not
+        the other 192 rows nor 256, whose K/V stages leave no room): the next tile's Q then
+        loads while this tile's O is stored, and the TMA store drains under the next tile's
+        mainloop. Elsewhere O reuses Q's buffer, which the next Q must wait for.
         Derived from the fields (the cache key), so no field of its own."""
         return (self.num_sms > 0 and not self.fp8
                 and self._smem_16bit() + self._o_bytes() <= self.smem_limit())
