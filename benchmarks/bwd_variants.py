@@ -162,7 +162,7 @@ def main(argv=None) -> int:
             print(cfg.describe())
         return 0
     if args.precompile:
-        return sweeps.precompile(configs, args.cache_dir)
+        return sweeps.precompile(configs, args)
     return sweeps.write(run(args), "bwd-variants", args.out)
 
 

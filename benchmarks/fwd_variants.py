@@ -174,7 +174,7 @@ def main(argv=None) -> int:
             print(cfg.describe())
         return 0
     if args.precompile:
-        return sweeps.precompile(configs_for(args), args.cache_dir)
+        return sweeps.precompile(configs_for(args), args)
     return sweeps.write(run(args), "fwd-variants", args.out)
 
 

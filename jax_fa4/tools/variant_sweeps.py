@@ -182,6 +182,10 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="print the configs needed and exit")
     p.add_argument("--precompile", action="store_true", help="build the configs into the cache")
     p.add_argument("--cache-dir", help="kernel cache for --precompile (default: the package's)")
+    p.add_argument("--from-cache", metavar="DIR",
+                   help="--precompile copies the entries this cache holds for the same kernel "
+                        "sources (e.g. an exhaustive check's) instead of compiling them")
+    p.add_argument("--jobs", type=int, default=1, help="--precompile's compiler processes")
     p.add_argument("--verbose", action="store_true")
     return p
 
@@ -191,13 +195,16 @@ def variant_names(args: argparse.Namespace) -> list[str] | None:
     return args.variants.split(",") if args.variants else None
 
 
-def precompile(configs: list[Any], cache_dir: str | None) -> int:
-    """Build ``configs`` for sm_90a into the kernel cache (the CPU machine's side of a run)."""
+def precompile(configs: list[Any], args: argparse.Namespace) -> int:
+    """Build ``configs`` for sm_90a into the kernel cache (the CPU machine's side of a run):
+    ``--cache-dir``, copying what ``--from-cache`` holds, ``--jobs`` compiler processes."""
     from jax_fa4.ffi.cache import KernelCache
     from jax_fa4.tools.precompile import build
     from jax_fa4.tools.variants import Variant
 
-    for record in build([Variant(c, "sm_90a") for c in configs], KernelCache(cache_dir)):
+    source = KernelCache(args.from_cache) if args.from_cache else None
+    for record in build([Variant(c, "sm_90a") for c in configs], KernelCache(args.cache_dir),
+                        jobs=args.jobs, source=source):
         print(record)
     return 0
 
