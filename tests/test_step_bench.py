@@ -26,7 +26,7 @@ def test_smoke_run_writes_the_result_and_both_models_agree(tmp_path: Path) -> No
     prof = tmp_path / "profile"
     assert step_bench.main(["--smoke", "--layers", "1", "--rounds", "1", "--steps", "1",
                             "--warmup", "0", "--attn-target-ms", "1", "--hlo", str(hlo),
-                            "--profile", str(prof), "--profile-steps", "2",
+                            "--profile", str(prof), "--profile-steps", "2", "--profile-warmup", "1",
                             "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["complete"] and report["settings"]["impls"] == ["jax-fa4", "xla"]

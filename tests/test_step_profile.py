@@ -160,6 +160,11 @@ def test_hlo_ops_their_fused_ops_and_command_buffers() -> None:
     ("anything", sp.HloOp("custom-call.7", "custom-call", "f32[]", target=sp.OUR_CALL_TARGET),
      sp.OURS),
     (CUDNN_BWD, None, sp.CUDNN),
+    # its backward's helpers, inside a command buffer (the op names no custom call)
+    ("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*, void const*)",
+     sp.HloOp("command_buffer_1", "command-buffer", "f32[]"), sp.CUDNN),
+    ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int)", None,
+     sp.CUDNN),
     ("cudnn_kernel", sp.HloOp("c", "custom-call", "f32[]", target="__cudnn$fmhaSoftmax"),
      sp.CUDNN),
     (GEMM, None, sp.GEMM),

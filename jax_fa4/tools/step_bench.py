@@ -48,7 +48,11 @@ training forward and forward+backward with ``jax_fa4.tools.bench``'s programs an
 (input sets rotated past twice the L2); ``attn_bwd_ms`` = forward+backward - training forward.
 
 ``--profile DIR`` traces ``--profile-steps`` back-to-back steps of each implementation per
-config with ``jax.profiler.trace`` after the timed rounds (``DIR/<config>/<impl>``) and reads
+config with ``jax.profiler.trace`` after the timed rounds (``DIR/<config>/<impl>``), each trace
+right after ``--profile-warmup`` untraced steps of the same implementation, so that each runs
+at the clocks its own load sets rather than those of a GPU left idle while the previous trace
+was written (without them the same GEMMs took 1–6 % less time in the baseline's trace, taken
+second, than in ours, while the timed steps agreed within 1 %), and reads
 them with ``jax_fa4.tools.step_profile``: per implementation (``profile`` in its entry) the
 kernels of one step grouped by name and category (GEMM, XLA fusions, copies / transposes with
 their HLO ops, attention kernels, memsets / memcpys), busy time, span, idle gaps, host-side
@@ -464,6 +468,9 @@ def profile_config(cfg: Config, runners: Sequence[Runner],
                 runner.run(batches[i % len(batches)])
             jax.block_until_ready(runner.params)
 
+        for i in range(args.profile_warmup):  # the GPU at this implementation's own clocks
+            runner.run(batches[i % len(batches)])
+        jax.block_until_ready(runner.params)
         try:
             trace = step_profile.capture(run, where)
             profile = step_profile.analyse(step_profile.load_events(trace), runner.hlo,
@@ -589,6 +596,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "per-kernel side by side (DIR/profile.md, the result file)")
     p.add_argument("--profile-steps", type=int, default=3,
                    help="back-to-back steps per trace (the figures are their median)")
+    p.add_argument("--profile-warmup", type=int, default=10,
+                   help="untraced steps of the same implementation right before each trace")
     p.add_argument("--hlo", type=Path, default=None,
                    help="write each step's optimized HLO to DIR/<config>-<impl>.hlo.txt")
     p.add_argument("--precompile", action="store_true",
@@ -613,8 +622,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         wrong = [x for x in args.impls if x not in IMPLS]
         if wrong:
             p.error(f"unknown implementation(s) {wrong}; known: {', '.join(IMPLS)}")
-    if min(args.rounds, args.steps, args.profile_steps) < 1 or args.warmup < 0:
-        p.error("--rounds, --steps and --profile-steps must be >= 1, --warmup >= 0")
+    if min(args.rounds, args.steps, args.profile_steps) < 1 or min(args.warmup,
+                                                                   args.profile_warmup) < 0:
+        p.error("--rounds, --steps and --profile-steps must be >= 1, --warmup and "
+                "--profile-warmup >= 0")
     return args
 
 

@@ -66,7 +66,10 @@ OUR_CALL_TARGET = "CuteDSLRT_NvJaxCutlassCall_v2"
 #: jax-fa4 kernel kinds by a class-name fragment, first match wins.
 OUR_KINDS = (("Preprocess", "bwd preprocess"), ("Postprocess", "bwd postprocess"),
              ("Backward", "bwd"), ("Forward", "fwd"))
-_CUDNN_ATTENTION = re.compile(r"sdpa|fmha|flash_fprop|flash_bprop|flash_attn", re.I)
+#: cuDNN's attention kernels: the fused attention graphs and their helper kernels in the
+#: ``cudnn::fusion`` namespace (the backward's dO·O, dQ conversion and GQA head sum)
+_CUDNN_ATTENTION = re.compile(r"sdpa|fmha|flash_fprop|flash_bprop|flash_attn|cudnn::fusion::",
+                              re.I)
 _GEMM_NAME = re.compile(r"gemm|nvjet|xmma|cublas|cutlass|matmul|triton_.*dot|wgmma", re.I)
 _MEM_NAME = re.compile(r"^mem(cpy|set)|memset|memcpy", re.I)
 #: Host calls that put work on a GPU stream (CUDA driver and runtime API names).
