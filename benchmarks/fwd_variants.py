@@ -8,8 +8,9 @@
 
 For every anchor shape (``jax_fa4.tools.bench_shapes.ANCHOR_SHAPES``: B·S·H·D of the peers'
 table, and ``D96_SHAPES``, the extra table's head dim 96 pair; causal and not, bf16) it runs the
-kernel directly (``jax_fa4.ffi.call.call_kernel``, bypassing the dispatch, so a config that is
-not the table's default can run) under each config of
+kernel directly (``jax_fa4.backends.sm90.call_forward``: ``call_kernel`` plus the tile counter of
+a dynamic-tiles config, bypassing the dispatch, so a config that is not the table's default can
+run) under each config of
 ``jax_fa4.tools.variant_sweeps.fwd_variants_for(D, Dv, mask)``, and cuDNN
 (``jax.nn.dot_product_attention(implementation="cudnn")``) in the same process. ``--list``
 prints exactly the kernels it needs.
@@ -48,7 +49,7 @@ def _kernel_fn(cfg, shape):
     import jax
     import jax.numpy as jnp
 
-    from jax_fa4.ffi.call import call_kernel
+    from jax_fa4.backends.sm90 import call_forward
 
     scale = 1.0 / math.sqrt(shape.D)
     window = (-1.0, 0.0) if shape.causal else (-1.0, -1.0)  # as the API passes them
@@ -56,7 +57,7 @@ def _kernel_fn(cfg, shape):
     def attention(q, k, v):
         params = jnp.array([scale, 0.0, *window], jnp.float32)
         b, sq, h, _ = q.shape
-        out, lse = call_kernel(cfg, "sm_90a", q, k, v, params, out_shapes=(
+        out, lse = call_forward(cfg, q, k, v, params, out_shapes=(
             jax.ShapeDtypeStruct((b, sq, h, v.shape[3]), q.dtype),
             jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
         return out, lse

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -233,3 +234,47 @@ def test_deterministic_backward_lowers_with_its_counters(cache_dir):
     assert [a.shape for a in exported.out_avals] == [(b, sq, h, d), (b, sk, h, d), (b, sk, h, d)]
     names = {e["kernel"] for e in KernelCache(cache_dir).entries()}
     assert names == {"sm90_bwd", "sm90_bwd_postprocess"}
+
+
+def test_dynamic_tiles_forward_lowers_with_its_counter(cache_dir):
+    """The persistent forward with dynamic tiles gets one more operand, an int32 counter that
+    XLA zero-fills for each call and the kernel updates in place (an input/output alias), through
+    the backend's call, export and vmap; the same config with static tiles gets none."""
+    from typing import NamedTuple
+
+    from jax_fa4.kernels.sm90.fwd_config import FwdConfig
+
+    class Opts(NamedTuple):
+        softmax_scale: float | None = None
+        window: tuple = (None, 0)
+        softcap: float = 0.0
+
+    b, sq, sk, h, d = 2, 300, 517, 4, 128
+    bf = jnp.bfloat16
+    args = (jax.ShapeDtypeStruct((b, sq, h, d), bf), jax.ShapeDtypeStruct((b, sk, h, d), bf),
+            jax.ShapeDtypeStruct((b, sk, h, d), bf))
+    static = FwdConfig.make("bfloat16", d, d, "causal", num_sms=132)
+    texts = {}
+    for cfg in (static, dataclasses.replace(static, dynamic_tiles=True)):
+        f = jax.jit(lambda q, k, v, cfg=cfg: backends.get("sm90").kernel_forward(
+            q, k, v, Opts(), config=cfg))
+        exported = jax.export.export(f, platforms=["cuda"],
+                                     disabled_checks=jax_fa4.export_disabled_safety_checks())(
+            *args)
+        assert [a.shape for a in exported.out_avals] == [(b, sq, h, d), (b, h, sq)]
+        texts[cfg.dynamic_tiles] = exported.mlir_module()
+    for dynamic, text in texts.items():
+        assert text.count("stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2") == 1
+        assert ("tensor<1xi32>" in text) == dynamic
+        assert ("output_operand_aliases" in text) == dynamic
+    # vmap folds the mapped axis into the batch; the counter stays one int32
+    f = jax.jit(jax.vmap(lambda q, k, v: backends.get("sm90").kernel_forward(
+        q, k, v, Opts(), config=dataclasses.replace(static, dynamic_tiles=True))))
+    stacked = [jax.ShapeDtypeStruct((3, *a.shape), a.dtype) for a in args]
+    exported = jax.export.export(f, platforms=["cuda"],
+                                 disabled_checks=jax_fa4.export_disabled_safety_checks())(
+        *stacked)
+    text = exported.mlir_module()
+    assert text.count("CuteDSLRT_NvJaxCutlassCall_v2(") == 1 and "tensor<1xi32>" in text
+    assert "tensor<6x300x4x128xbf16>" in text
+    assert [a.shape for a in exported.out_avals] == [(3, b, sq, h, d), (3, b, h, sq)]

@@ -118,7 +118,7 @@ def _option_id(cfg: FwdConfig) -> str:
              f"{cfg.tile_m}x{cfg.tile_n}"]
     parts += ["pp"] * cfg.pingpong + [f"rs{cfg.rescale_threshold:g}"] * (cfg.rescale_threshold > 0)
     parts += ["softcap"] * cfg.has_softcap + ["serial"] * (not cfg.intra_wg_overlap)
-    parts += [f"persist{cfg.num_sms}"] * (cfg.num_sms > 0)
+    parts += [f"persist{cfg.num_sms}"] * (cfg.num_sms > 0) + ["dyn"] * cfg.dynamic_tiles
     return "-".join(parts)
 
 
@@ -159,6 +159,29 @@ def test_v2_options_compile_with_clean_sass(cfg, shipped_cache):
     store = next(i for i, op in enumerate(ops) if "UTMASTG" in op)
     wait = next(i for i, op in enumerate(ops) if "DEPBAR.LE SB0" in op)
     assert (wait < store) == cfg.own_o_buffer, (wait, store)
+    # dynamic tiles: the producer warp's atomic claims on the global counter (and only there)
+    assert (k.count("ATOMG.E.ADD") > 0) == cfg.dynamic_tiles
+
+
+@needs_disassembler
+@pytest.mark.parametrize("mask", ["causal", "none"])
+def test_dynamic_tiles_claim_with_one_global_atomic(mask, shipped_cache):
+    """A persistent kernel with dynamic tiles claims each next tile with one global atomic add
+    (one ATOMG in the producer's tile loop), and hands it over through shared memory with
+    mbarriers, spill-free within 255 registers; the same config with static tiles has no
+    atomic."""
+    static = FwdConfig.make("bfloat16", 128, 128, mask, pingpong=True, num_sms=132)
+    dynamic = dataclasses.replace(static, dynamic_tiles=True)
+    ks, kd = (compiled_sass(shipped_cache, c, ARCH) for c in (static, dynamic))
+    print(f"\n{mask}: registers static {ks.registers}, dynamic {kd.registers}")
+    assert ks.count("ATOMG") == 0 and ks.count("ATOM") == 0
+    assert kd.matches(r"ATOMG\.E\.ADD\S*\.GPU ") == 1, kd.count("ATOMG")
+    assert kd.count("SHFL.IDX") > ks.count("SHFL.IDX")  # lane 0's claim, to the whole warp
+    for k in (ks, kd):
+        assert_no_local_memory(k)
+        assert k.registers <= 255
+    # the index ring: two more mbarrier arrivals (the producer's commit, the consumers' release)
+    assert kd.count("SYNCS.ARRIVE") >= ks.count("SYNCS.ARRIVE") + 2
 
 
 # ------------------------------------------------------------------------------------------------
@@ -217,6 +240,9 @@ def test_persistent_configs_stage_o_in_their_own_buffer_where_it_fits():
     (dict(paged=True, num_sms=132), "paged KV"),
     (dict(varlen=True, num_sms=132), "varlen"),
     (dict(varlen=True, paged=True), "varlen"),
+    (dict(dynamic_tiles=True), "dynamic_tiles"),  # needs a persistent grid
+    (dict(dynamic_tiles=True, num_sms=132, max_logits=True), "dynamic_tiles"),
+    (dict(dynamic_tiles=True, num_sms=132, paged=True), "paged KV"),
 ])
 def test_validator_rejects_bad_v2_options(kwargs, word):
     with pytest.raises(ValueError, match=word):
@@ -231,6 +257,24 @@ def test_tuning_comes_from_the_table():
             sig = cfg.signature()
             assert [a.name for a in sig.inputs] == ["q", "k", "v", "params"]
             assert [a.name for a in sig.outputs] == ["out", "lse"]
+            assert sig.aliases == ()
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "local"])
+def test_dynamic_tiles_take_a_zeroed_counter_in_place(mask):
+    """Only a config with dynamic tiles has the tile counter: one int32, the last input,
+    aliased to the last output (updated in place, not batched); the same persistent config
+    with static tiles keeps the plain forward's operands."""
+    static = FwdConfig.make("bfloat16", 128, 128, mask, num_sms=132)
+    dynamic = FwdConfig.make("bfloat16", 128, 128, mask, num_sms=132, dynamic_tiles=True)
+    assert static.signature() == FwdConfig.make("bfloat16", 128, 128, mask).signature()
+    assert "tile_counter" not in [a.name for a in static.signature().inputs]
+    sig = dynamic.signature()
+    assert [a.name for a in sig.inputs] == ["q", "k", "v", "params", "tile_counter"]
+    assert [a.name for a in sig.outputs] == ["out", "lse", "tile_counter"]
+    assert sig.aliases == ((4, 2),)
+    counter = sig.inputs[4]
+    assert (counter.dtype, counter.sample_shape, counter.batched) == ("int32", (1,), False)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -209,8 +209,6 @@ class KernelBackend(Backend):
         serve; ``sink``: the learnable sink of each query head, ``kernel_sinks`` families).
         q and out are (B, S, H, ·), or (B, H, S, ·) for a head-major config (the decode tiles);
         out is float32 for an ``out_f32`` config."""
-        from jax_fa4.ffi.call import call_kernel
-
         config = self.forward_config(q, k, v, opts) if config is None else config
         assert not isinstance(config, str), config
         if getattr(config, "qo_head_major", False):
@@ -220,11 +218,20 @@ class KernelBackend(Backend):
             b, sq, h, _ = q.shape
             out_shape = (b, sq, h, v.shape[3])
         out_dtype = jnp.float32 if getattr(config, "out_f32", False) else q.dtype
-        return call_kernel(
-            config, self.arch, q, k, v, kernel_params(opts, q.shape[3], sink),
+        return self.call_forward(
+            config, q, k, v, kernel_params(opts, q.shape[3], sink),
             out_shapes=(jax.ShapeDtypeStruct(out_shape, out_dtype),
                         jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
                         *_with_row_max(config, b, h, sq)))
+
+    def call_forward(self, config, *inputs: jax.Array,
+                     out_shapes: tuple[jax.ShapeDtypeStruct, ...]) -> list[jax.Array]:
+        """The dense forward kernel's call: ``call_kernel`` on the signature's inputs and
+        outputs (a family whose configs take more operands, e.g. Hopper's tile counter, adds
+        them here)."""
+        from jax_fa4.ffi.call import call_kernel
+
+        return call_kernel(config, self.arch, *inputs, out_shapes=out_shapes)
 
     def _decode_forward(self, qp, k, v, opts, out_f32: bool = False
                         ) -> tuple[jax.Array, jax.Array]:

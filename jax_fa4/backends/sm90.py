@@ -8,7 +8,9 @@ is a free reshape) when the packed rows fit it. ``JAX_FA4_DECODE_TILE`` (read at
 comparisons) selects the training tile (``0``) or a decode-tile alternative (a name in
 ``fwd_config.DECODE_OPTIONS``, also for paged calls). Paged KV calls run the 64-row decode tile
 in its paged mode (``paged_config``; page_size a multiple of its 64-key block); varlen calls the
-varlen forward (``varlen_config``). Speed: docs/kernels/sm90-forward.md (decode).
+varlen forward (``varlen_config``). Speed: docs/kernels/sm90-forward.md (decode). A persistent
+config with dynamic tiles (``FwdConfig.dynamic_tiles``, which no table row picks) takes a zeroed
+int32 tile counter as one more operand, updated in place (:func:`call_forward`).
 
 Dense backward (jax_fa4/kernels/sm90/bwd_config.py), :meth:`Sm90Backend.backward`:
 
@@ -166,6 +168,25 @@ def work_table(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, num_items: int,
     return jnp.concatenate([table, padding])
 
 
+# -- the forward's call ---------------------------------------------------------------------------
+def call_forward(config, *inputs: jax.Array, out_shapes: tuple[jax.ShapeDtypeStruct, ...]
+                 ) -> list[jax.Array]:
+    """``call_kernel`` of a Hopper forward config on ``inputs`` (its signature's, without the
+    tile counter), returning the ``out_shapes`` outputs. A ``dynamic_tiles`` config also takes
+    its tile counter (``fwd_config.TILE_COUNTER``): zeros made here for each call, passed as the
+    last input and aliased to a last output the kernel's atomic adds update in place, dropped
+    from the results; every other config, no extra operand."""
+    from jax_fa4.ffi.call import call_kernel
+
+    if not getattr(config, "dynamic_tiles", False):
+        return call_kernel(config, ARCH, *inputs, out_shapes=out_shapes)
+    counter = jnp.zeros(fwd_config.TILE_COUNTER.sample_shape, fwd_config.TILE_COUNTER.dtype)
+    outs = call_kernel(config, ARCH, *inputs, counter,
+                       out_shapes=(*out_shapes, jax.ShapeDtypeStruct(counter.shape,
+                                                                     counter.dtype)))
+    return outs[:-1]
+
+
 # -- the backend ---------------------------------------------------------------------------------
 class Sm90Backend(KernelBackend):
     """Hopper: the sm90 forward (training, decode, varlen and paged tiles), the preprocess, and
@@ -184,6 +205,9 @@ class Sm90Backend(KernelBackend):
         if max_logits:
             return fwd_config.max_logits_config(dtype, head_dim, head_dim_v, mask, has_softcap)
         return fwd_config.FwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap)
+
+    def call_forward(self, config, *inputs, out_shapes):
+        return call_forward(config, *inputs, out_shapes=out_shapes)
 
     def make_segments(self, dtype, head_dim, head_dim_v, mask, has_softcap, max_logits=False):
         return fwd_config.segments_config(dtype, head_dim, head_dim_v, mask, has_softcap,

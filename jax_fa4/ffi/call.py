@@ -6,7 +6,8 @@ is missing and nvidia-cutlass-dsl is installed) and emits a custom call to the r
 with the object bytes as an attribute, so a jitted or exported program carries its kernels.
 
 Batching (``jax.vmap``): every kernel tensor marked ``batched`` has the batch as its leading axis,
-so vmapped axes are folded into it and the kernel runs once.
+so vmapped axes are folded into it and the kernel runs once; an output not marked ``batched``
+(the forward's tile counter, updated in place) keeps its shape and is not mapped.
 """
 
 from __future__ import annotations
@@ -161,10 +162,13 @@ def _batching_rule(args, dims, *, config: KernelConfig, arch: str, out_shapes):
         x = (jnp.broadcast_to(x, (size, *x.shape)) if d is None
              else jnp.moveaxis(x, d, 0))
         folded.append(x.reshape(size * x.shape[1], *x.shape[2:]))
-    new_outs = tuple(((size * s[0], *s[1:]), dt) for s, dt in out_shapes)
+    batched = [arg.batched for arg in sig.outputs]
+    new_outs = tuple(((size * s[0], *s[1:]) if b else s, dt)
+                     for b, (s, dt) in zip(batched, out_shapes))
     results = kernel_call_p.bind(*folded, config=config, arch=arch, out_shapes=new_outs)
-    results = [r.reshape(size, r.shape[0] // size, *r.shape[1:]) for r in results]
-    return results, [0] * len(results)
+    results = [r.reshape(size, r.shape[0] // size, *r.shape[1:]) if b else r
+               for b, r in zip(batched, results)]
+    return results, [0 if b else None for b in batched]  # (None: not mapped)
 
 
 batching.primitive_batchers[kernel_call_p] = _batching_rule

@@ -51,6 +51,9 @@ def fwd_variants_for(head_dim: int, head_dim_v: int, mask: str) -> list[tuple[st
     add("pp+persist", pingpong=True, num_sms=H200_SMS)
     # the table's tile on a persistent grid (O in its own buffer where it fits: own_o_buffer)
     add("persist", num_sms=H200_SMS)
+    # the same two with the tiles claimed from a global counter (FwdConfig.dynamic_tiles)
+    add("pp+persist+dyn", pingpong=True, num_sms=H200_SMS, dynamic_tiles=True)
+    add("persist+dyn", num_sms=H200_SMS, dynamic_tiles=True)
     if head_dim in (64, 128):
         add("rs8", rescale_threshold=8.0)
     if head_dim == 64:

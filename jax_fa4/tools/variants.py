@@ -66,7 +66,8 @@ def sm90_fwd_fallback_configs() -> list[FwdConfig]:
 def sm90_fwd_option_configs() -> list[FwdConfig]:
     """Representative configs of the v2 tuning options (some are table defaults now): ping-pong,
     3 consumer warpgroups at hdim 64 (tile 192×128, 3-way ping-pong), conditional rescaling, a
-    wider key tile at hdim 128, ping-pong at hdim 192/256, persistent scheduling. The compile
+    wider key tile at hdim 128, ping-pong at hdim 192/256, persistent scheduling (static and
+    with dynamic tiles: O in its own buffer and in Q's, with and without ping-pong). The compile
     test checks their SASS and the GPU tests (tests/gpu/test_sm90_fwd.py) run them against the
     reference: precompile them for it."""
     m = FwdConfig.make
@@ -90,6 +91,11 @@ def sm90_fwd_option_configs() -> list[FwdConfig]:
         m("bfloat16", 64, 64, "none", tile_m=192, pingpong=True, rescale_threshold=8.0, num_sms=5),
         m("bfloat16", 128, 128, "local", intra_wg_overlap=False, num_sms=3),
         m("bfloat16", 256, 256, "causal", pingpong=True, num_sms=132),
+        m("bfloat16", 128, 128, "causal", pingpong=True, num_sms=7, dynamic_tiles=True),
+        m("bfloat16", 64, 64, "none", tile_m=192, pingpong=True, rescale_threshold=8.0, num_sms=5,
+          dynamic_tiles=True),
+        m("bfloat16", 128, 128, "local", intra_wg_overlap=False, num_sms=3, dynamic_tiles=True),
+        m("bfloat16", 256, 256, "causal", pingpong=True, num_sms=132, dynamic_tiles=True),
     ]
 
 
@@ -358,12 +364,15 @@ def required_sass(config: KernelConfig) -> tuple[str, ...]:
     """REQUIRED_SASS of ``config``'s kind, plus what its options imply: the sm90 backward's dQ
     reduce-add, a bulk copy from shared memory (UBLKRED) or with ``dq_red`` the MMA threads'
     vector reductions (REDG ... F32x4); a float32-out forward's 8-byte stores from registers
-    (STG.E.64: the accumulators' column pairs, not one float at a time)."""
+    (STG.E.64: the accumulators' column pairs, not one float at a time); a forward with dynamic
+    tiles, the global atomic add that claims them (ATOMG.E.ADD)."""
     need = REQUIRED_SASS.get(config.kernel_name, ())
     if config.kernel_name == "sm90_bwd":
         need += ("REDG.E.ADD.F32x4",) if config.dq_red else ("UBLKRED",)
     if getattr(config, "out_f32", False):
         need += ("STG.E.64",)
+    if getattr(config, "dynamic_tiles", False):
+        need += ("ATOMG.E.ADD",)
     if getattr(config, "fp8", False):  # e4m3 WGMMAs are QGMMA, not HGMMA
         need = tuple("QGMMA" if x == "HGMMA" else x for x in need)
     return need

@@ -14,7 +14,8 @@ Kernels needed in the cache: every ``FwdConfig`` from ``jax_fa4.kernels.sm90.fwd
 ``shipped_configs()`` and ``jax_fa4.tools.variants``' ``sm90_fwd_fallback_configs()`` and
 ``sm90_fwd_option_configs()`` (precompile them on the CPU machine;
 ``python benchmarks/fwd_variants.py --precompile --with-tests`` builds the option configs).
-The last tests call those configs directly (``jax_fa4.ffi.call.call_kernel``), bypassing the API:
+The last tests call those configs directly (``jax_fa4.backends.sm90.call_forward``: the kernel
+call, with the zeroed tile counter of a dynamic-tiles config), bypassing the API:
 the serial (no intra-warpgroup overlap) mainloop, and the raw ``params`` contract.
 """
 
@@ -241,13 +242,13 @@ def test_softmax_scale():
 
 # --- raw kernel contract, and the serial (no-overlap) mainloop ----------------------------------
 def _call_config(cfg, q, k, v, scale, softcap=0.0, window=(-1, -1)):
-    from jax_fa4.ffi.call import call_kernel
+    from jax_fa4.backends.sm90 import call_forward
 
     params = jnp.array([scale, softcap, window[0], window[1]], jnp.float32)
     b, sq, h, _ = q.shape
     out_shapes = (jax.ShapeDtypeStruct((b, sq, h, v.shape[3]), q.dtype),
                   jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
-    return call_kernel(cfg, "sm_90a", q, k, v, params, out_shapes=out_shapes)
+    return call_forward(cfg, q, k, v, params, out_shapes=out_shapes)
 
 
 @pytest.mark.parametrize("mask,softcap,window", [
@@ -289,7 +290,8 @@ def _option_id(cfg):
              f"{cfg.tile_m}x{cfg.tile_n}"]
     parts += ["pp"] * cfg.pingpong + [f"rs{cfg.rescale_threshold:g}"] * (cfg.rescale_threshold > 0)
     parts += ["softcap"] * cfg.has_softcap + ["serial"] * (not cfg.intra_wg_overlap)
-    return "-".join(parts + [f"persist{cfg.num_sms}"] * (cfg.num_sms > 0))
+    parts += [f"persist{cfg.num_sms}"] * (cfg.num_sms > 0) + ["dyn"] * cfg.dynamic_tiles
+    return "-".join(parts)
 
 
 # (b, sq, sk, h, hkv, scale multiplier): odd lengths, more queries than keys (empty causal rows),

@@ -2,7 +2,9 @@
 
 ``SingleTileScheduler`` (v1): one tile per CTA (not persistent). Grid = (m_blocks, heads, batch).
 With ``longest_first`` (causal / local) the M order is reversed so the tiles with the most key
-blocks start first. ``PersistentTileScheduler``: a fixed grid of SM-count CTAs loops over tiles.
+blocks start first. ``PersistentTileScheduler``: a fixed grid of SM-count CTAs loops over tiles
+(statically; with ``FwdConfig.dynamic_tiles`` the sm90 forward assigns the same linear tiles
+from a global counter instead, sm90/flash_fwd.py ``run_persistent``).
 """
 
 import cutlass.cute as cute

@@ -27,7 +27,8 @@ Tuning options (FwdConfig; the v1 defaults leave them off and generate v1's exac
   * tile_m = 192: 3 consumer warpgroups (registers 160 / 32 after setmaxnreg);
   * rescale_threshold: FA4's conditional O rescaling (common/softmax.py);
   * num_sms: persistent grid of that many CTAs walking the tiles (common/tile_scheduler.py);
-    O is staged in a buffer of its own where it fits (FwdConfig.own_o_buffer; run_persistent).
+    O is staged in a buffer of its own where it fits (FwdConfig.own_o_buffer; run_persistent);
+    dynamic_tiles: the CTAs claim their tiles from a zeroed global counter (run_persistent).
 
 Paged KV (FwdConfig.paged, not persistent): K and V are a cache of tiles viewed as one batch entry
 (1, tiles·tile_n, Hkv, ·); key block n of batch entry b is the cache tile page_table[b, n], read
@@ -100,6 +101,9 @@ from jax_fa4.kernels.spec import LOG2_E, NUM_PARAMS, PARAM_SCALE, PARAM_SINKS
 
 # Persistent scheduling: K+V bytes of the (batch, head) pairs of one L2 section (H200 L2: 60 MB)
 L2_SECTION_KB = 48 * 1024
+# Dynamic tiles (FwdConfig.dynamic_tiles): slots of the shared-memory ring that hands each claimed
+# tile index from the producer warp to the consumer warpgroups
+TILE_SLOTS = 2
 
 
 class NamedBarrier(enum.IntEnum):
@@ -138,6 +142,8 @@ class FlashAttentionForwardSm90:
         # persistent: O staged in its own buffer (the next tile's Q loads under this tile's
         # epilogue, the O store drains under the next mainloop), where it fits
         self.own_o = cfg.own_o_buffer
+        # persistent: tiles claimed from a global counter instead of a fixed stride
+        self.dynamic = cfg.dynamic_tiles
         self.rescale_threshold = float(cfg.rescale_threshold)
         self.rescale_skip = cfg.rescale_skip
         self.paged = cfg.paged
@@ -159,7 +165,7 @@ class FlashAttentionForwardSm90:
                  mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None,
                  mSegTiles: cute.Tensor | None = None, mSegRows: cute.Tensor | None = None,
                  mKvIds: cute.Tensor | None = None, mMaxLogits: cute.Tensor | None = None,
-                 mDescale: cute.Tensor | None = None):
+                 mDescale: cute.Tensor | None = None, mTileCounter: cute.Tensor | None = None):
         for name, t in (("q", mQ), ("k", mK), ("v", mV), ("out", mO)):
             expected = self.dtype
             if const_expr(name == "out"):
@@ -188,6 +194,10 @@ class FlashAttentionForwardSm90:
                       self.segments != (mKvIds is not None)):
             raise TypeError("seg_tiles, seg_rows and kv_ids are given exactly when the config "
                             "has segments")
+        if const_expr(self.dynamic != (mTileCounter is not None)):
+            raise TypeError("tile_counter is given exactly when the config has dynamic tiles")
+        if const_expr(mTileCounter is not None and mTileCounter.element_type != Int32):
+            raise TypeError(f"tile_counter: expected Int32, got {mTileCounter.element_type}")
         if const_expr(self.paged or self.varlen or self.segments):
             for name, t in (("page_table", mPageTable), ("seqused_k", mSeqUsedK),
                             ("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK),
@@ -246,6 +256,9 @@ class FlashAttentionForwardSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            if const_expr(self.dynamic):  # the claimed tile indices' ring (full + empty)
+                mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * TILE_SLOTS]
+                tile_idx: cute.struct.MemRange[Int32, TILE_SLOTS]
             # Q's buffer is O's staging buffer too (FP8: 16-bit O, larger than Q), unless O has
             # its own (own_o, below)
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
@@ -269,7 +282,7 @@ class FlashAttentionForwardSm90:
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mO if const_expr(self.varlen) else None, mLSE, mParams,
             mPageTable, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK, mSegTiles, mSegRows, mKvIds,
-            mMaxLogits, mDescale, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            mMaxLogits, mDescale, mTileCounter, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
@@ -314,8 +327,8 @@ class FlashAttentionForwardSm90:
                mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                mSegTiles: cute.Tensor | None, mSegRows: cute.Tensor | None,
                mKvIds: cute.Tensor | None, mMaxLogits: cute.Tensor | None,
-               mDescale: cute.Tensor | None, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
-               tma_atom_V: cute.CopyAtom,
+               mDescale: cute.Tensor | None, mTileCounter: cute.Tensor | None,
+               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_O: cute.CopyAtom,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
@@ -348,6 +361,18 @@ class FlashAttentionForwardSm90:
             barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.stages,
             producer_group=tma_thread, consumer_group=mma_warps, tx_count=self.tx_bytes_v,
             defer_sync=True)
+        tile_ring = None
+        if const_expr(self.dynamic):
+            # the producer warp's lane 0 publishes each claimed tile index; every consumer thread
+            # releases its slot after reading it (its release orders its own read)
+            pipeline_tile = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=TILE_SLOTS,
+                producer_group=tma_thread,
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.num_mma_threads),
+                defer_sync=True)
+            tile_ring = (mTileCounter, pipeline_tile,
+                         storage.tile_idx.get_tensor(cute.make_layout(TILE_SLOTS)))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -368,7 +393,7 @@ class FlashAttentionForwardSm90:
                                 tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
                                 tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v,
                                 warp_idx, tidx, seqlen_q, seqlen_k, window_left, window_right,
-                                mMaxLogits)
+                                mMaxLogits, tile_ring)
         else:
             # varlen: the grid covers the longest sequence (lse is (batch, H, max_seqlen_q))
             rows = mLSE.shape[0] if const_expr(self.varlen) else seqlen_q
@@ -445,6 +470,14 @@ class FlashAttentionForwardSm90:
     # buffer doubles as O's: the consumer warp that TMA-stores O releases Q's stage once the
     # store has read it, and only then may the producer load the next tile's Q. Q is loaded (and
     # released) for every tile, even one without visible keys, so the two sides stay in step.
+    # The tiles a CTA computes: c, c + grid, c + 2·grid, ... (static), or (dynamic_tiles, the
+    # ``tile_ring``) c first, then whichever linear tile the producer warp claims from the global
+    # counter as it starts loading each tile (one atomic add, plus the grid size: the first
+    # `grid` tiles are the CTAs' first ones). It hands each claimed index to the consumer
+    # warpgroups through a ring of TILE_SLOTS shared-memory slots, once it has issued that
+    # tile's loads (the atomic's latency hides under them); the consumers read it as they finish
+    # the tile. An index >= num_tiles ends both loops. The order of the linear tiles is the same
+    # either way; only their assignment to CTAs follows which CTA is free first.
     @cute.jit
     def run_persistent(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                        mLSE: cute.Tensor, mParams: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
@@ -453,7 +486,10 @@ class FlashAttentionForwardSm90:
                        tma_atom_O: cute.CopyAtom, tiled_mma_qk: cute.TiledMma,
                        tiled_mma_pv: cute.TiledMma, pipeline_q, pipeline_k, pipeline_v,
                        warp_idx: Int32, tidx: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                       window_left, window_right, mMaxLogits: cute.Tensor | None = None):
+                       window_left, window_right, mMaxLogits: cute.Tensor | None = None,
+                       tile_ring=None):
+        """The persistent kernel's tile loops; ``tile_ring`` (dynamic_tiles): (the global
+        counter, the PipelineAsync of the index ring, its TILE_SLOTS int32 slots)."""
         num_heads = mQ.shape[2]
         group = num_heads // mK.shape[2]
         # (batch, head) pairs per L2 section: their K+V (a kv head counted once per group) fit
@@ -474,10 +510,15 @@ class FlashAttentionForwardSm90:
                 v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                        self.stages)
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                if const_expr(self.dynamic):
+                    tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                              TILE_SLOTS)
                 t = t_first
                 while t < num_tiles:
                     m_block, head, batch = PersistentTileScheduler.tile(
                         t, num_m_blocks, num_heads, batch_size, heads_per_section, longest_first)
+                    if const_expr(self.dynamic):
+                        claimed = self.claim_tile(tile_ring[0])  # read after the loads
                     block_info = FwdBlocks(self.tile_m, self.tile_n, self.is_causal,
                                            self.is_local, seqlen_q, seqlen_k, window_left,
                                            window_right)
@@ -486,7 +527,11 @@ class FlashAttentionForwardSm90:
                         mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                         pipeline_q, pipeline_k, pipeline_v, m_block, head, head // group, batch,
                         n_block_min, n_block_max, k_state, v_state, q_state)
-                    t += t_stride
+                    if const_expr(self.dynamic):
+                        t, tile_state = self.publish_tile(tile_ring, tile_state, claimed,
+                                                          t_stride)
+                    else:
+                        t += t_stride
         else:  # consumer warpgroups
             cute.arch.setmaxregister_increase(self.mma_regs)
             scales = score_scales(mParams[PARAM_SCALE], mParams, self.has_softcap)
@@ -496,6 +541,9 @@ class FlashAttentionForwardSm90:
             k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            if const_expr(self.dynamic):
+                tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                          TILE_SLOTS)
             t = t_first
             while t < num_tiles:
                 m_block, head, batch = PersistentTileScheduler.tile(
@@ -512,10 +560,52 @@ class FlashAttentionForwardSm90:
                     m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
                     self.sink_log2(mParams, head), (k_state, v_state, q_state),
                     max_logits=mMaxLogits)
-                t += t_stride
+                if const_expr(self.dynamic):
+                    t, tile_state = self.next_tile(tile_ring, tile_state)
+                else:
+                    t += t_stride
             if const_expr(self.own_o):
                 if warp_idx == 4:  # (the warp that stores O) its last store has read sO
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def claim_tile(self, mTileCounter: cute.Tensor) -> Int32:
+        """Dynamic tiles, the producer warp: lane 0's atomic add on the counter (its old value:
+        the claim; 0 in the other lanes). Only :meth:`publish_tile` reads it, so the atomic's
+        round trip runs under the tile's loads."""
+        claimed = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            claimed = cute.arch.atomic_add(mTileCounter.iterator, Int32(1), sem="relaxed",
+                                           scope="gpu")
+        return claimed
+
+    @cute.jit
+    def publish_tile(self, tile_ring: cutlass.Constexpr, tile_state, claimed: Int32,
+                     grid: Int32):
+        """Dynamic tiles, the producer warp: the claimed tile (lane 0's ``claimed`` plus the
+        grid size: the counter starts at 0 and the grid's first tiles are the CTAs' first ones)
+        broadcast to the warp and, by lane 0 (the ring's producer is one thread), written into
+        the ring's next slot for the consumer warpgroups. Returns (the tile, the ring's
+        state)."""
+        _, pipeline_tile, sTileIdx = tile_ring
+        t = cute.arch.shuffle_sync(claimed, 0) + grid
+        pipeline_tile.producer_acquire(tile_state)
+        if cute.arch.lane_idx() == 0:
+            sTileIdx[tile_state.index] = t
+            pipeline_tile.producer_commit(tile_state)
+        tile_state.advance()
+        return t, tile_state
+
+    @cute.jit
+    def next_tile(self, tile_ring: cutlass.Constexpr, tile_state):
+        """Dynamic tiles, a consumer thread: the next tile index from the ring (each thread
+        releases the slot after its own read)."""
+        _, pipeline_tile, sTileIdx = tile_ring
+        pipeline_tile.consumer_wait(tile_state)
+        t = sTileIdx[tile_state.index]
+        pipeline_tile.consumer_release(tile_state)
+        tile_state.advance()
+        return t, tile_state
 
     @cute.jit
     def load_tile(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
@@ -1070,7 +1160,8 @@ def make_launcher(cfg: FwdConfig):
     """The `@cute.jit` launcher ``fn(stream, q, k, v, params, out, lse)`` for this config,
     ``fn(stream, q, k_cache, v_cache, params, page_table, seqused_k, out, lse)`` when it is paged,
     ``fn(stream, q, k, v, params, cu_seqlens_q, cu_seqlens_k, out, lse)`` when it is varlen,
-    ``fn(stream, q, k, v, params, seg_tiles, seg_rows, kv_ids, out, lse)`` with segment ids;
+    ``fn(stream, q, k, v, params, seg_tiles, seg_rows, kv_ids, out, lse)`` with segment ids,
+    ``fn(stream, q, k, v, params, tile_counter, out, lse)`` with dynamic tiles;
     with max logits (FwdConfig.max_logits) a ``max_logits`` output follows lse."""
     kernel = FlashAttentionForwardSm90(cfg)
     if cfg.fp8:
@@ -1126,6 +1217,14 @@ def make_launcher(cfg: FwdConfig):
                    mKvIds=kv_ids)
 
         return sm90_fwd_segments
+    if cfg.dynamic_tiles:
+        @cute.jit
+        def sm90_fwd_dynamic(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                             v: cute.Tensor, params: cute.Tensor, tile_counter: cute.Tensor,
+                             out: cute.Tensor, lse: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, mTileCounter=tile_counter)
+
+        return sm90_fwd_dynamic
 
     @cute.jit
     def sm90_fwd(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,

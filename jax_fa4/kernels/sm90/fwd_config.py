@@ -112,6 +112,13 @@ class FwdConfig(KernelConfig):
     # running max kept apart from the softmax's (which starts at the sink and may stay stale
     # under conditional rescaling). Dense and segment-id calls only.
     max_logits: bool = False
+    # Dynamic tile assignment on the persistent grid (needs num_sms > 0): each CTA starts with
+    # the tile of its block index and then claims the next linear tile with one atomic add on a
+    # zeroed int32 counter, an extra operand (input ``tile_counter``, aliased to the last
+    # output; :func:`with_tile_counter`), so a CTA whose tiles ran short takes more of them.
+    # The tile order is PersistentTileScheduler's (heaviest causal / local M blocks first);
+    # every mask kind may take it. Dense 16-bit calls without max logits only.
+    dynamic_tiles: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -177,6 +184,11 @@ class FwdConfig(KernelConfig):
         if self.paged and self.num_sms:
             raise ValueError("sm90 forward: paged KV is not implemented with persistent scheduling "
                              "(num_sms must be 0)")
+        if self.dynamic_tiles and not self.num_sms:
+            raise ValueError("sm90 forward: dynamic_tiles assigns the tiles of a persistent grid "
+                             "(num_sms must be the GPU's SM count, not 0)")
+        if self.dynamic_tiles and self.max_logits:
+            raise ValueError("sm90 forward: dynamic_tiles is implemented without max logits")
         if not (isinstance(self.num_sms, int) and 0 <= self.num_sms <= 1024):
             raise ValueError(f"sm90 forward: num_sms {self.num_sms!r} must be 0 (not persistent) "
                              "or the GPU's SM count")
@@ -293,6 +305,11 @@ class FwdConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
+        sig = self._call_signature()
+        return with_tile_counter(sig) if self.dynamic_tiles else sig
+
+    def _call_signature(self) -> KernelSignature:
+        """The signature before the dynamic scheduler's tile counter (``dynamic_tiles``)."""
         if self.fp8:
             return fp8_attention_forward_signature(self.head_dim, self.head_dim_v)
         if self.segments or self.max_logits:
@@ -320,6 +337,20 @@ class FwdConfig(KernelConfig):
 
         return dataclasses.replace(sig, inputs=tuple(map(head_major, sig.inputs)),
                                    outputs=tuple(map(head_major, sig.outputs)))
+
+
+#: The dynamic tile scheduler's counter (FwdConfig.dynamic_tiles): one int32, zeros in.
+TILE_COUNTER = TensorArg("tile_counter", "int32", (1,), (1,), batched=False)
+
+
+def with_tile_counter(sig: KernelSignature) -> KernelSignature:
+    """``sig`` with the dynamic tile scheduler's counter (:data:`TILE_COUNTER`) as its last
+    input, aliased to a last output: the caller passes zeros and the kernel's atomic adds update
+    the buffer in place (the launcher takes it once, after the other inputs:
+    ``fn(stream, q, k, v, params, tile_counter, out, lse)``)."""
+    inputs, outputs = sig.inputs + (TILE_COUNTER,), sig.outputs + (TILE_COUNTER,)
+    return dataclasses.replace(sig, inputs=inputs, outputs=outputs,
+                               aliases=sig.aliases + ((len(inputs) - 1, len(outputs) - 1),))
 
 
 #: Keys per group of the FP8 forward's value permutation (the e4m3 P·V WGMMA's K step).
