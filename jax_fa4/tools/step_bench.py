@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -300,12 +301,17 @@ class Runner:
         self.params, loss, norms = self.compiled(self.params, *batch)
         return loss, norms
 
-    def round_ms(self, batches: Sequence[tuple[jax.Array, ...]], steps: int, first: int) -> float:
-        """Time per step of ``steps`` back-to-back steps, synchronised at the end."""
-        t0 = time.perf_counter()
+    def steps(self, batches: Sequence[tuple[jax.Array, ...]], steps: int, first: int = 0) -> None:
+        """``steps`` back-to-back steps on batches ``first``, ``first + 1``, ... (cycled),
+        synchronised at the end."""
         for i in range(first, first + steps):
             self.run(batches[i % len(batches)])
         jax.block_until_ready(self.params)
+
+    def round_ms(self, batches: Sequence[tuple[jax.Array, ...]], steps: int, first: int) -> float:
+        """Time per step of ``steps`` back-to-back steps, synchronised at the end."""
+        t0 = time.perf_counter()
+        self.steps(batches, steps, first)
         return (time.perf_counter() - t0) / steps * 1e3
 
 
@@ -463,16 +469,10 @@ def profile_config(cfg: Config, runners: Sequence[Runner],
         where = args.profile / cfg.name / runner.impl
         row = entry["impls"][runner.impl]
 
-        def run(runner: Runner = runner) -> None:
-            for i in range(args.profile_steps):
-                runner.run(batches[i % len(batches)])
-            jax.block_until_ready(runner.params)
-
-        for i in range(args.profile_warmup):  # the GPU at this implementation's own clocks
-            runner.run(batches[i % len(batches)])
-        jax.block_until_ready(runner.params)
+        runner.steps(batches, args.profile_warmup)  # the GPU at this implementation's clocks
         try:
-            trace = step_profile.capture(run, where)
+            trace = step_profile.capture(
+                functools.partial(runner.steps, batches, args.profile_steps), where)
             profile = step_profile.analyse(step_profile.load_events(trace), runner.hlo,
                                            args.profile_steps, cfg.layers)
         except Exception as err:  # a failed trace keeps the timings
