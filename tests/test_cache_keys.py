@@ -18,6 +18,7 @@ from jax_fa4.kernels import registry
 from jax_fa4.kernels.exp2_probe_config import Exp2ProbeConfig
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.kernels.sm90 import bwd_config, fwd_config
+from jax_fa4.kernels.sm90.bwd_pair_config import BwdPairConfig
 from jax_fa4.kernels.sm100 import bwd_config as sm100_bwd_config
 from jax_fa4.kernels.sm100 import fwd_config as sm100_fwd_config
 from jax_fa4.kernels.sm100.bwd_split_config import Sm100BwdSplitConfig
@@ -33,6 +34,7 @@ CONFIGS = {
     "sm90_fwd": fwd_config.FwdConfig.make("bfloat16", 128),
     "sm90_bwd": bwd_config.BwdConfig.make("bfloat16", 128),
     "sm90_bwd_postprocess": bwd_config.BwdConfig.make("bfloat16", 128).postprocess_config(),
+    "sm90_bwd_pair": BwdPairConfig.of(bwd_config.BwdConfig.make("bfloat16", 256)),
     "sm100_fwd": sm100_fwd_config.FwdConfig.make("bfloat16", 128),
     "sm100_bwd": sm100_bwd_config.Sm100BwdConfig.make("bfloat16", 128),
     "sm100_bwd_split": Sm100BwdSplitConfig.make("dkdv", "bfloat16", 256),
@@ -55,6 +57,11 @@ EXPECTED_FILES = {
         "geometry", "convert", "layout", "rows", "scores", "views")} | {
         _K + "sm90/bwd.py", _K + "sm90/bwd_common.py", _K + "sm90/common.py",
         _K + "sm90/bwd_config.py"},
+    # the pair reuses the one-CTA kernel's pieces (bwd.py) and has a key of its own
+    "sm90_bwd_pair": _SPEC | _SEG | _VARLEN_BWD | {_K + f"common/{m}.py" for m in (
+        "cluster", "geometry", "convert", "layout", "operands", "rows", "scores", "views")} | {
+        _K + f"sm90/{m}.py" for m in ("bwd", "bwd_common", "common", "bwd_config", "bwd_pair",
+                                      "bwd_pair_config")},
     "sm90_bwd_postprocess": _SPEC | _SEG | _VARLEN_BWD | {_K + f"common/{m}.py" for m in (
         "convert", "geometry", "layout", "rows", "views")} | {
         _K + "sm90/bwd_postprocess.py", _K + "sm90/bwd_common.py", _K + "sm90/common.py",
@@ -125,23 +132,29 @@ def test_keys_do_not_depend_on_where_the_package_lies(tmp_path):
 @pytest.mark.parametrize("edited, rekeyed", [
     ("kernels/sm100/tile_order.py", {"sm100_fwd"}),
     ("kernels/sm100/bwd_2cta.py", {"sm100_bwd"}),
-    ("kernels/sm90/bwd_common.py", {"sm90_bwd", "sm90_bwd_postprocess"}),
-    ("kernels/sm90/common.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess"}),
-    ("kernels/common/views.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess", "sm100_fwd",
+    ("kernels/sm90/bwd_common.py", {"sm90_bwd", "sm90_bwd_postprocess", "sm90_bwd_pair"}),
+    ("kernels/sm90/common.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess",
+                                "sm90_bwd_pair"}),
+    ("kernels/common/views.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess", "sm90_bwd_pair",
+                                 "sm100_fwd",
                                  "sm100_bwd", "sm100_bwd_split"}),
-    ("kernels/common/geometry.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess", "sm100_fwd",
+    ("kernels/common/geometry.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess",
+                                    "sm90_bwd_pair", "sm100_fwd",
                                     "sm100_bwd", "sm100_bwd_split"}),
     ("kernels/common/mask.py", {"sm90_fwd"}),
-    ("kernels/common/scores.py", {"sm90_fwd", "sm90_bwd", "sm100_fwd", "sm100_bwd",
+    ("kernels/common/scores.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_pair", "sm100_fwd", "sm100_bwd",
                                   "sm100_bwd_split"}),
     ("kernels/sm100/bwd_split.py", {"sm100_bwd_split"}),
     ("kernels/sm100/bwd.py", {"sm100_bwd", "sm100_bwd_split"}),
     ("kernels/sm90/fwd_config.py", {"sm90_fwd"}),
+    ("kernels/sm90/bwd.py", {"sm90_bwd", "sm90_bwd_pair"}),  # (the pair reuses its pieces)
+    ("kernels/sm90/bwd_pair.py", {"sm90_bwd_pair"}),
+    ("kernels/common/cluster.py", {"sm90_bwd_pair"}),
     ("kernels/sm90/fwd_tuning.py", set()),  # a tuning table: only the configs it changes
     ("kernels/sm90/bwd_tuning.py", set()),
     ("kernels/sm100/fwd_tuning.py", set()),
     ("kernels/sm100/bwd_tuning.py", set()),
-    ("kernels/segments_config.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess",
+    ("kernels/segments_config.py", {"sm90_fwd", "sm90_bwd", "sm90_bwd_postprocess", "sm90_bwd_pair",
                                     "sm100_fwd", "sm100_bwd", "sm100_bwd_split"}),
     ("kernels/common/softmax.py", {"sm90_fwd", "sm100_fwd"}),
     ("kernels/forward_signatures_config.py", {"sm90_fwd", "sm100_fwd"}),

@@ -22,6 +22,7 @@ LAUNCHERS: dict[str, str] = {
     "bwd_preprocess": "jax_fa4.kernels.preprocess",
     "sm90_fwd": "jax_fa4.kernels.sm90.flash_fwd",
     "sm90_bwd": "jax_fa4.kernels.sm90.bwd",
+    "sm90_bwd_pair": "jax_fa4.kernels.sm90.bwd_pair",
     "sm90_bwd_postprocess": "jax_fa4.kernels.sm90.bwd_postprocess",
     "sm100_fwd": "jax_fa4.kernels.sm100.flash_fwd",
     "sm100_bwd": "jax_fa4.kernels.sm100.bwd_launcher",

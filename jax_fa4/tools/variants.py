@@ -22,6 +22,7 @@ from jax_fa4.kernels.exp2_probe_config import Exp2ProbeConfig
 from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.kernels.sm90 import bwd_config, fwd_config
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig, with_swap_sdp, without_swap_sdp
+from jax_fa4.kernels.sm90.bwd_pair_config import BwdPairConfig
 from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE, FwdConfig
 from jax_fa4.kernels.sm100 import bwd_config as sm100_bwd_config
 from jax_fa4.kernels.sm100 import bwd_split_config as sm100_bwd_split_config
@@ -163,6 +164,22 @@ def sm90_bwd_d192_candidates() -> list[BwdConfig]:
     return out
 
 
+#: (dtype, head_dim, head_dim_v, mask, softcap, gqa) of the problems whose split-operand pair
+#: (BwdPairConfig, not picked by the tuning table until it has run and been timed) the GPU test
+#: runs against the reference: tests/gpu/test_sm90_bwd.py::test_pair_kernel_matches_reference
+SM90_BWD_GPU_PAIR = (
+    [("bfloat16", 256, 256, m, False, gqa) for m in MASK_KINDS for gqa in (False, True)]
+    + [("bfloat16", 256, 256, "none", True, False), ("float16", 256, 256, "causal", False, False),
+       ("bfloat16", 128, 128, "none", False, False), ("bfloat16", 128, 128, "causal", False, True)]
+)
+
+
+def sm90_bwd_pair_candidates() -> list[BwdPairConfig]:
+    """The split-operand pair configs of SM90_BWD_GPU_PAIR (2 Q / dO stages, 2 P / dS exchange
+    buffers)."""
+    return [BwdPairConfig.of(BwdConfig.make(*v)) for v in SM90_BWD_GPU_PAIR]
+
+
 def _with_postprocess(mains: Iterable[BwdConfig]) -> list[KernelConfig]:
     """``mains``, then each one's dQ postprocess config once."""
     mains = list(mains)
@@ -177,6 +194,7 @@ def sm90_bwd_gpu_configs() -> list[KernelConfig]:
     for form in OPT_IN_FORMS.values():
         mains += [form(BwdConfig.make(*v)) for v in SM90_BWD_GPU_SWAP]
     mains += sm90_bwd_d192_candidates()
+    mains += sm90_bwd_pair_candidates()
     for cfg in mains:
         cfg.validate()
     return _with_postprocess(mains)
@@ -352,6 +370,8 @@ REQUIRED_SASS: dict[str, tuple[str, ...]] = {
     "bwd_preprocess": (),
     "sm90_fwd": ("HGMMA", "UTMALDG", "MUFU.EX2"),
     "sm90_bwd": ("HGMMA", "UTMALDG", "MUFU.EX2"),
+    # the pair: dQ from the MMA registers, dP − delta by st.async, P / dS by one bulk copy
+    "sm90_bwd_pair": ("HGMMA", "UTMALDG", "MUFU.EX2", "REDG.E.ADD.F32x4", "STAS", "UBLKCP"),
     "sm90_bwd_postprocess": (),
     "sm100_fwd": ("UTCHMMA", "UTCBAR", "LDTM", "UTCATOMSWS", "UTMALDG", "MUFU.EX2"),
     "sm100_bwd": ("UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTCATOMSWS", "UTMALDG", "UTMAREDG"),

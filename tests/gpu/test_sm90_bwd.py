@@ -23,7 +23,7 @@ import pytest
 
 import jax_fa4
 from jax_fa4 import backends, reference
-from jax_fa4.tools.variants import OPT_IN_FORMS, sm90_bwd_gpu_configs
+from jax_fa4.tools.variants import OPT_IN_FORMS, sm90_bwd_gpu_configs, sm90_bwd_pair_candidates
 from numerics import assert_fa4_close
 
 
@@ -252,6 +252,47 @@ def test_head_dim_192_candidates_match_reference(case, dq_red):
     poison_device_memory()
     got = sm90_backward_config(q, k, v, out32.astype(q.dtype), lse, dout,
                                Opts(kw["scale"], case.window, case.softcap), config)
+    ref = _ref_backward(q, k, v, out32, lse, dout, **kw)
+    pt = _pt_backward(q, k, v, dout, **kw)
+    for name, g, r, p, x in zip(("dq", "dk", "dv"), got, ref, pt, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype, (name, g.shape, g.dtype)
+        assert bool(jnp.all(jnp.isfinite(g))), f"{name}: non-finite values"
+        assert_fa4_close(g, r.astype(x.dtype), p, name=name)
+
+
+PAIR_CASES = [
+    Case(BF, 256, 256, 113, 203, 2, 2),  # query and key tails
+    Case(BF, 256, 256, 1023, 1024, 2, 2, CAUSAL),
+    Case(BF, 256, 256, 203, 113, 4, 2, CAUSAL),  # GQA; 90 rows see no key
+    Case(BF, 256, 256, 1023, 1024, 2, 2, (64, 32)),
+    Case(BF, 256, 256, 113, 203, 2, 2, (3, 0)),  # key blocks nobody sees: dK = dV = 0
+    Case(BF, 256, 256, 2049, 2048, 2, 1, (256, 0), b=1),  # MQA
+    Case(BF, 256, 256, 1023, 1024, 4, 2),  # GQA
+    Case(BF, 256, 256, 113, 203, 2, 2, softcap=30.0),
+    Case(FP, 256, 256, 1023, 1024, 2, 2, CAUSAL),
+    Case(BF, 128, 128, 2049, 2048, 2, 2, b=1),
+    Case(BF, 128, 128, 1023, 1024, 4, 2, CAUSAL),  # GQA
+]  # every problem kind of variants.SM90_BWD_GPU_PAIR
+
+
+def _pair_config(case: Case):
+    from jax_fa4.backends.base import mask_kind
+
+    kind = (case.dtype, case.d, mask_kind(case.window), bool(case.softcap), case.h != case.hkv)
+    return next(c for c in sm90_bwd_pair_candidates()
+                if (c.dtype, c.head_dim, c.mask, c.has_softcap, c.gqa) == kind)
+
+
+@pytest.mark.parametrize("case", PAIR_CASES, ids=_id)
+def test_pair_kernel_matches_reference(case):
+    """The split-operand CTA pair (BwdPairConfig: no table row picks it before it has passed
+    here and been timed) passes FA4's rule like the table's kernels, outputs poisoned first."""
+    q, k, v, dout = _inputs(case, seed=7)
+    kw = dict(scale=1.0 / case.d ** 0.5, window=case.window, softcap=case.softcap)
+    out32, lse = _forward32(q, k, v, **kw)
+    poison_device_memory()
+    got = sm90_backward_config(q, k, v, out32.astype(q.dtype), lse, dout,
+                               Opts(kw["scale"], case.window, case.softcap), _pair_config(case))
     ref = _ref_backward(q, k, v, out32, lse, dout, **kw)
     pt = _pt_backward(q, k, v, dout, **kw)
     for name, g, r, p, x in zip(("dq", "dk", "dv"), got, ref, pt, (q, k, v)):

@@ -1,0 +1,75 @@
+"""Compile key of the Hopper (sm_90a) backward's split-operand CTA pair (``sm90_bwd_pair``,
+bwd_pair.py). No compiler import here.
+
+The call contract, dq_accum layout and postprocess are the one-CTA backward's
+(``bwd_config``): a pair config is a ``BwdConfig`` whose kernel is another. What differs is the
+main kernel's inside: a cluster of two CTAs per block of 128 keys, rank 0 holding Q, K and dK,
+rank 1 dO, V, K's second half and dV, exchanging dP − delta and P, dS through distributed
+shared memory; every dQ addition covers 128 keys (bwd_pair.py's docstring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+from jax_fa4.kernels.sm90.bwd_config import BwdConfig
+from jax_fa4.kernels.spec import SMEM_BUDGET_BYTES, check_dtype_and_mask
+
+#: head dims (D = Dv) the pair serves: Q and dO, K and V share their buffers' layouts, and each
+#: MMA warpgroup's quarter of dQ (D / 4 columns) is a whole number of 32-column swizzle atoms
+PAIR_HEAD_DIMS = (128, 256)
+
+
+@dataclass(frozen=True)
+class BwdPairConfig(BwdConfig):
+    """A ``BwdConfig`` (same fields, same call) of the split-operand pair: ``tile_n`` keys per
+    cluster, ``stages`` Q (rank 0) / dO (rank 1) pipeline stages, ``pds_stages`` P / dS exchange
+    buffers. The one-CTA kernel's loop options (swap_sdp, stats_smem, dq_red, group_heads,
+    reverse_launch) stay off: the pair has its own loop, and adds dQ from its registers."""
+
+    kernel_name: ClassVar[str] = "sm90_bwd_pair"
+
+    tile_m: int = 64
+    tile_n: int = 128
+    stages: int = 2
+    pds_stages: int = 2
+
+    @classmethod
+    def of(cls, cfg: BwdConfig, stages: int = 2, pds_stages: int = 2) -> BwdPairConfig:
+        """The pair form of ``cfg``'s problem kind (dtype, head dims, mask, softcap, gqa)."""
+        out = cls(dtype=cfg.dtype, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
+                  mask=cfg.mask, has_softcap=cfg.has_softcap, gqa=cfg.gqa, stages=stages,
+                  pds_stages=pds_stages)
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first unsupported feature."""
+        check_dtype_and_mask("sm90 backward pair", self.dtype, self.mask)
+        if (self.tile_m, self.tile_n) != (64, 128):
+            raise ValueError("sm90 backward pair: needs a 64x128 tile (64 keys of dK or dV per "
+                             f"MMA warpgroup), not {self.tile_m}x{self.tile_n}")
+        if self.head_dim != self.head_dim_v or self.head_dim not in PAIR_HEAD_DIMS:
+            raise ValueError("sm90 backward pair: head_dim == head_dim_v in "
+                             f"{PAIR_HEAD_DIMS} required, not {self.head_dim}/{self.head_dim_v}")
+        if self.stages < 1 or self.pds_stages not in (1, 2):
+            raise ValueError("sm90 backward pair: stages >= 1 and pds_stages in {1, 2} required")
+        off = [f.name for f in dataclasses.fields(BwdConfig)
+               if f.name in ("deterministic", "varlen", "segments", "sink_grad", "group_heads",
+                             "swap_sdp", "stats_smem", "dq_red", "reverse_launch")
+               and getattr(self, f.name)]
+        if off:
+            raise ValueError(f"sm90 backward pair: {', '.join(off)} not implemented (dense calls, "
+                             "the pair's own loop, dQ added from registers)")
+        if self.smem_bytes() > SMEM_BUDGET_BYTES:
+            raise ValueError(f"sm90 backward pair: {self.smem_bytes()} B of shared memory exceeds "
+                             f"{SMEM_BUDGET_BYTES} B ({self.describe()})")
+
+    def smem_bytes(self) -> int:
+        """Per CTA, the two ranks' buffers overlaid (bwd_pair.py): Q or dO stages, K or V,
+        float32 dP − delta or K's second half, P and dS per exchange stage."""
+        e, tm, tn, D = 2, self.tile_m, self.tile_n, self.head_dim
+        return (self.stages * tm * D * e + tn * D * e + max(tm * tn * 4, tn * D // 2 * e)
+                + 2 * self.pds_stages * tm * tn * e)
