@@ -12,6 +12,21 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 @dsl_user_op
+def trap_unless_cluster_of(ctas: int, *, loc=None, ip=None) -> None:
+    """``trap`` (a launch error, not a hang) when the CTA's cluster does not hold ``ctas`` CTAs:
+    a launch that dropped the cluster dimensions would wait forever on its peer's signals."""
+    llvm.inline_asm(
+        None, [Int32(ctas).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .u32 n;\n\t.reg .pred p;\n\t"
+        "mov.u32 n, %cluster_nctarank;\n\t"
+        "setp.ne.u32 p, n, $0;\n\t"
+        "@p trap;\n\t}",
+        "r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
+
+
+@dsl_user_op
 def peer_address(ptr: cute.Pointer, peer: Int32, *, loc=None, ip=None) -> Int32:
     """``mapa.shared::cluster``: the shared::cluster address of this CTA's shared-memory
     location ``ptr`` in the CTA of cluster rank ``peer`` (same offset there)."""

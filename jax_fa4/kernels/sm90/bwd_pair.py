@@ -74,7 +74,8 @@ from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jax_fa4.kernels.common.cluster import (bulk_copy_to_cluster, mbarrier_wait_cluster,
-                                            peer_address, st_async_v4_f32)
+                                            peer_address, st_async_v4_f32,
+                                            trap_unless_cluster_of)
 from jax_fa4.kernels.common.convert import convert_f32_pairs
 from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
 from jax_fa4.kernels.common.layout import acc_view_mn, select_modes, transpose_mn
@@ -193,6 +194,7 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                sKh_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout,
                mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
                mma_dqh: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        trap_unless_cluster_of(2)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
