@@ -26,7 +26,8 @@ ARCH = "sm_90a"
 
 def _id(cfg: BwdPairConfig) -> str:
     return (f"{cfg.dtype[:4]}-d{cfg.head_dim}-{cfg.mask}{'-cap' if cfg.has_softcap else ''}"
-            f"{'-gqa' if cfg.gqa else ''}-s{cfg.stages}p{cfg.pds_stages}")
+            f"{'-gqa' if cfg.gqa else ''}-s{cfg.stages}p{cfg.pds_stages}"
+            f"{'-la' if cfg.lookahead else ''}")
 
 
 def _configs() -> list[BwdPairConfig]:
@@ -43,7 +44,8 @@ def test_pair_kernel_compiles_with_clean_sass(cfg, shipped_cache):
     k, seconds = compiled_report(shipped_cache, cfg, ARCH)
     print(f"\n{cfg.describe()}: {seconds:.1f} s, regs {k.registers}")
     quarter = cfg.tile_m * cfg.head_dim // 2 // 256  # dQ floats of one MMA thread per rank
-    assert k.count("REDG.E.ADD.F32x4") == 2 * quarter // 4, "dQ adds: q / 4 per rank"
+    # dQ adds: q / 4 per rank (lookahead: rank 0's in the loop and after it)
+    assert k.count("REDG.E.ADD.F32x4") == (3 if cfg.lookahead else 2) * quarter // 4
     assert k.count("STAS") == cfg.tile_m * cfg.tile_n // 256 // 4, "dP − delta: one st.async per 4"
     assert k.count("UBLKCP") == 1 and k.count("UBLKRED") == 0
     assert k.count("HGMMA") > 0 and (k.count("UTMASTG") > 0) == (not cfg.gqa)
@@ -59,6 +61,7 @@ def test_pair_kernel_compiles_with_clean_sass(cfg, shipped_cache):
     (dict(dq_red=True), "dq_red"),
     (dict(pds_stages=3), "pds_stages"),
     (dict(stages=4), "shared memory"),
+    (dict(lookahead=True, pds_stages=1), "lookahead"),
 ])
 def test_validator_names_the_unsupported_feature(change, word):
     cfg = dataclasses.replace(BwdPairConfig.of(BwdConfig.make("bfloat16", 256, 256)), **change)

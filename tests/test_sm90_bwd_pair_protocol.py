@@ -85,12 +85,16 @@ class Cta:
     tags: dict = field(default_factory=dict)  # buffer -> the iteration whose data it holds
     busy: dict = field(default_factory=dict)  # buffer -> what reads or writes it in flight
     writing: dict = field(default_factory=dict)  # buffer -> an asynchronous write in flight
+    readers: dict = field(default_factory=dict)  # buffer -> the warps whose GEMMs read it
+    gemm_reads: dict = field(default_factory=dict)  # warp -> the buffers its GEMMs read
     exited: bool = False
 
 
 class Model:
-    def __init__(self, count: int, pds: int, seed: int, pre_barrier: bool = True):
+    def __init__(self, count: int, pds: int, seed: int, pre_barrier: bool = True,
+                 lookahead: bool = False):
         self.count, self.pds, self.pre_barrier = count, pds, pre_barrier
+        self.lookahead = lookahead
         self.rng = random.Random(seed)
         self.cta = [Cta(0), Cta(1)]
         for cta in self.cta:
@@ -109,7 +113,22 @@ class Model:
             raise ProtocolError(f"write into r{cta.rank}.{buf} after the CTA exited")
         if cta.busy.get(buf):
             raise ProtocolError(f"r{cta.rank}.{buf} written while {cta.busy[buf]} is in flight")
+        if cta.readers.get(buf):
+            raise ProtocolError(f"r{cta.rank}.{buf} written while GEMMs of warps "
+                                f"{sorted(cta.readers[buf])} read it")
         cta.tags[buf] = tag
+
+    def start_gemm(self, cta: Cta, w: int, bufs: list, want: int) -> None:
+        """Warp ``w``'s warpgroup's GEMMs read ``bufs`` (data of iteration ``want``) from their
+        issue until the warp's wait for them (``end_gemm``)."""
+        for buf in bufs:
+            self.read(cta, buf, want)
+            cta.readers.setdefault(buf, set()).add(w)
+        cta.gemm_reads[w] = bufs
+
+    def end_gemm(self, cta: Cta, w: int) -> None:
+        for buf in cta.gemm_reads.pop(w):
+            cta.readers[buf].discard(w)
 
     def read(self, cta: Cta, buf: str, want: int) -> None:
         if cta.writing.get(buf):
@@ -131,6 +150,8 @@ class Model:
             if j >= self.pds:
                 yield lambda j=j, s=s: c0.bars[f"pds_empty{s}"].ready(j // self.pds - 1)
             self.write(c0, f"P{s}.{w}", j)
+            if self.lookahead and j > 0:  # wait_group(0): the GEMMs of j − 1 ran under P(j)
+                self.end_gemm(c0, w)
             yield lambda j=j: c0.bars["dpd_full"].ready(j)
             if w == 0 and j + 1 < self.count:
                 c0.bars["dpd_full"].arrive(tx=C_BYTES)
@@ -143,9 +164,13 @@ class Model:
             if w == 0:  # remote arrive.expect_tx, then the bulk copy of D[s]
                 c1.bars[f"pds_full{s}"].arrive(tx=D_BYTES)
                 self.bulk_copy(s, j)
-            for src in range(WARPS):  # dK and dQ GEMMs read every warp's dS
-                self.read(c0, f"dS{s}.{src}", j)
-            yield None  # the GEMMs run
+            self.start_gemm(c0, w, [f"dS{s}.{src}" for src in range(WARPS)], j)  # dK, dQ
+            if not self.lookahead:
+                yield None  # the GEMMs run; wait_group(0)
+                self.end_gemm(c0, w)
+        if self.lookahead and self.count:
+            yield None
+            self.end_gemm(c0, w)
         for k in range(min(self.pds, self.count)):
             j = self.count - 1 - k
             yield lambda j=j: c0.bars[f"pds_empty{j % self.pds}"].ready(j // self.pds)
@@ -159,10 +184,10 @@ class Model:
                 yield lambda j=j: c1.bars["dpd_empty"].ready(j - 1)
             self.st_async(w, j)
             yield lambda j=j, s=s: c1.bars[f"pds_full{s}"].ready(j // self.pds)
-            for src in range(WARPS):  # dV and dQ GEMMs read all of P and dS
-                self.read(c1, f"P{s}.{src}", j)
-                self.read(c1, f"dS{s}.{src}", j)
-            yield None  # the GEMMs run
+            self.start_gemm(c1, w, [f"{x}{s}.{src}" for x in ("P", "dS")
+                                    for src in range(WARPS)], j)  # dV and dQ
+            yield None  # the GEMMs run; wait_group(0)
+            self.end_gemm(c1, w)
             c0.bars[f"pds_empty{s}"].arrive()
         if self.count:
             yield lambda: c1.bars["dpd_empty"].ready(self.count - 1)
@@ -228,11 +253,20 @@ class Model:
                                         f"({b.pending} arrivals, {b.tx} B pending)")
 
 
-@pytest.mark.parametrize("pds", [1, 2])
+@pytest.mark.parametrize("pds,lookahead", [(1, False), (2, False), (2, True)])
 @pytest.mark.parametrize("count", [0, 1, 2, 3, 5])
-def test_exchange_protocol_holds_under_random_schedules(count, pds):
+def test_exchange_protocol_holds_under_random_schedules(count, pds, lookahead):
     for seed in range(60):
-        Model(count, pds, seed).run()
+        Model(count, pds, seed, lookahead=lookahead).run()
+
+
+def test_lookahead_needs_two_exchange_buffers():
+    """What BwdPairConfig.validate enforces: with one buffer, rank 0's P of the next block
+    would be written while the bulk copy or rank 1 may still read D, or its dS while the
+    previous block's GEMMs read it."""
+    with pytest.raises(ProtocolError):
+        for seed in range(60):
+            Model(4, 1, seed, lookahead=True).run()
 
 
 def test_model_catches_an_overwritten_exchange_buffer():

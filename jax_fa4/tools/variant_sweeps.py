@@ -144,12 +144,15 @@ def bwd_variants_for(head_dim: int, head_dim_v: int, mask: str,
             cfg = dataclasses.replace(cfg, dq_red=True)
         add(f"m{tm}n{tn}s{stages}p{pds}{form}", cfg)
     # the split-operand CTA pair (bwd_pair_config.BwdPairConfig): "pair" with 2 Q / dO stages
-    # and 2 P / dS exchange buffers, "pair-p1" with one exchange buffer, "pair-s3" 3 stages
+    # and 2 P / dS exchange buffers, "pair-la" the same with lookahead, "pair-p1" with one
+    # exchange buffer, "pair-s3" 3 stages and one buffer
     from jax_fa4.kernels.sm90.bwd_pair_config import BwdPairConfig
 
-    for name, stages, pds in (("pair", 2, 2), ("pair-p1", 2, 1), ("pair-s3", 3, 1)):
+    for name, stages, pds, la in (("pair", 2, 2, False), ("pair-la", 2, 2, True),
+                                  ("pair-p1", 2, 1, False), ("pair-s3", 3, 1, False)):
         add(name, BwdPairConfig(dtype=base.dtype, head_dim=head_dim, head_dim_v=head_dim_v,
-                                mask=mask, gqa=gqa, stages=stages, pds_stages=pds))
+                                mask=mask, gqa=gqa, stages=stages, pds_stages=pds,
+                                lookahead=la))
     det = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa, deterministic=True)
     add("det", det)
     if not base.swap_sdp:

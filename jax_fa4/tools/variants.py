@@ -176,8 +176,9 @@ SM90_BWD_GPU_PAIR = (
 
 def sm90_bwd_pair_candidates() -> list[BwdPairConfig]:
     """The split-operand pair configs of SM90_BWD_GPU_PAIR (2 Q / dO stages, 2 P / dS exchange
-    buffers)."""
-    return [BwdPairConfig.of(BwdConfig.make(*v)) for v in SM90_BWD_GPU_PAIR]
+    buffers), without and with lookahead."""
+    return [BwdPairConfig.of(BwdConfig.make(*v), lookahead=la)
+            for la in (False, True) for v in SM90_BWD_GPU_PAIR]
 
 
 def _with_postprocess(mains: Iterable[BwdConfig]) -> list[KernelConfig]:

@@ -54,7 +54,17 @@ Iteration j:
           → pds_full[s] + bulk copy; dK, dQ-half GEMMs; wait; release Q_j; dQ adds.
   rank 1: wait dO_j; dP; dP − delta; j ≥ 1: wait dpd_empty; st.async → rank 0's C; wait
           pds_full[s]; dV, dQ-half GEMMs; wait; release dO_j; → pds_empty[s]; dQ adds.
+With one exchange buffer (pds_stages = 1) rank 0 meets at the named barrier PDS before writing
+P: both warpgroups' dK / dQ GEMMs of block j − 1, which read D's dS, are then complete.
+``lookahead`` (pds_stages = 2): each rank issues the next block's first GEMM before this
+block's others: rank 0 issues S(j + 1) before dK(j), dQ(j) and waits for S(j + 1) alone
+(wait_group 2) at the top of iteration j + 1, so its exponentials run under dK(j), dQ(j),
+whose completion (wait_group 0), Q_j's release and dQ(j)'s adds follow P(j + 1)'s store; rank 1
+issues dP(j + 1) right after its st.async of block j, before waiting for P and dS of block j.
 Waits on a peer's arrivals use cluster-scoped acquire (``mbarrier_wait_cluster``).
+The order of pds_full(j) after every rank-0 warp's read of C already keeps rank 1's stores of
+block j + 1 out of C until it has been read; dpd_empty is the buffer's own guard.
+The exchange is checked by a discrete-event model (tests/test_sm90_bwd_pair_protocol.py).
 Start: every barrier initialised, then a cluster barrier before any role runs. End: rank 0
 waits the pds_empty arrivals of its last min(pds_stages, count) iterations and rank 1 the last
 dpd_empty, then every thread of both CTAs meets at a cluster barrier: no CTA exits while its
@@ -106,6 +116,7 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
         self.dq_quarter_regs = self.tile_m * self.dq_half // self.num_mma_threads
         self.dpd_regs = self.tile_m * self.tile_n // self.num_mma_threads
         self.pds_bytes = 2 * self.tile_m * self.tile_n * self.dtype.width // 8  # P and dS
+        self.lookahead = cfg.lookahead  # (bwd_pair_config.BwdPairConfig)
 
     # ---------------------------------------------------------------------------------------------
     # Host side
@@ -458,12 +469,24 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
         if tidx == 0:  # iteration 0's bytes
             cute.arch.mbarrier_arrive_and_expect_tx(dpd_full, dpd_bytes)
         cute.arch.mbarrier_wait(sig + KV, 0)
+        # state: the Q stage of the block whose dK GEMM comes next (released after it);
+        # ahead (lookahead): the newest Q stage waited for
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        ahead = state.clone()
+        acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+        acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
+        m_prev = Int32(0)  # (lookahead: the query block whose dQ is in flight)
+        if const_expr(self.lookahead):  # S of the first block
+            acc_S = self.first_gemm(pipeline_q, ahead, mma_sdp, tSrQ, tSrK, acc_S_shape)
         for it in cutlass.range(m_block_min, m_block_max, unroll=1):
             j = it - m_block_min
             m_block = self.m_block_at(it, start, m_block_min, m_block_max)
             s = j % pds
-            acc_S = self.first_gemm(pipeline_q, state, mma_sdp, tSrQ, tSrK, acc_S_shape)  # Q·Kᵀ
+            if const_expr(self.lookahead):
+                if j > 0:
+                    warpgroup.wait_group(2)  # S(j), issued before dK(j − 1) and dQ(j − 1)
+            else:
+                acc_S = self.first_gemm(pipeline_q, state, mma_sdp, tSrQ, tSrK, acc_S_shape)
             s_mn = acc_view_mn(acc_S)
             self.scores_to_p(s_mn, lse, scale_log2, tanh_in_scale, per_col=False)
             if self.block_needs_mask(block_info, m_block, n_block, kv_tail):
@@ -478,6 +501,12 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
             rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
             convert_f32_pairs(acc_S, rP, self.is_bf16)
             cute.copy(st_thr, st_thr.retile(rP), tXsD[None, None, None, 2 * s])
+            if const_expr(self.lookahead):
+                if j > 0:  # the previous block's dK / dQ GEMMs ran under this block's P
+                    warpgroup.wait_group(0)
+                    pipeline_q.consumer_release(state)
+                    state.advance()
+                    self.add_dq(acc_dQ, dq_view, m_prev)
             # dP − delta from the peer -> registers, C back to the peer
             acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
             mbarrier_wait_cluster(dpd_full, j % 2)
@@ -509,15 +538,27 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                 src = sD[None, None, 2 * s].iterator
                 bulk_copy_to_cluster(peer_address(src, Int32(1)), src,
                                      peer_address(full, Int32(1)), self.pds_bytes)
+            if const_expr(self.lookahead):  # S of the next block first
+                if it + 1 < m_block_max:
+                    ahead.advance()
+                    pipeline_q.consumer_wait(ahead)
+                    wgmma(mma_sdp, acc_S, tSrQ[None, None, None, ahead.index], tSrK,
+                          zero_init=True)
             # dK += dSᵀ·Q, dQ[:, :D/2] = dS·K[:, :D/2]
             wgmma(mma_dk, acc_dK, tdKrdSt[None, None, None, 2 * s + 1],
                   tdKrQt[None, None, None, state.index], zero_init=False)
-            acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
             wgmma(mma_dqh, acc_dQ, tdQrdS[None, None, None, 2 * s + 1], tdQrKt, zero_init=True)
+            if const_expr(self.lookahead):
+                m_prev = m_block
+            else:
+                warpgroup.wait_group(0)
+                pipeline_q.consumer_release(state)
+                state.advance()
+                self.add_dq(acc_dQ, dq_view, m_block)
+        if const_expr(self.lookahead):  # the last block's dK / dQ
             warpgroup.wait_group(0)
             pipeline_q.consumer_release(state)
-            self.add_dq(acc_dQ, dq_view, m_block)
-            state.advance()
+            self.add_dq(acc_dQ, dq_view, m_prev)
 
     @cute.jit
     def loop_dp(self, mDelta: cute.Tensor, mdQacc: cute.Tensor, sdO: cute.Tensor,
@@ -542,13 +583,22 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                                                                m_block_max),
                        seqlen_q, head, batch, Float32(0.0))
         cute.arch.mbarrier_wait(sig + KV, 0)
+        # state: the dO stage of the block whose dV GEMM comes next; ahead (lookahead): the
+        # newest dO stage waited for
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        ahead = state.clone()
+        acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
+        if const_expr(self.lookahead):  # dP of the first block
+            acc_dP = self.first_gemm(pipeline_do, ahead, mma_sdp, tdPrdO, tdPrV, acc_S_shape)
         for it in cutlass.range(m_block_min, m_block_max, unroll=1):
             j = it - m_block_min
             m_block = self.m_block_at(it, start, m_block_min, m_block_max)
             s = j % pds
-            # dP = dO·Vᵀ, dP − delta -> the peer's C
-            acc_dP = self.first_gemm(pipeline_do, state, mma_sdp, tdPrdO, tdPrV, acc_S_shape)
+            # dP = dO·Vᵀ (lookahead: issued in the previous iteration, complete), dP − delta
+            # -> the peer's C
+            if const_expr(not self.lookahead):
+                acc_dP = self.first_gemm(pipeline_do, state, mma_sdp, tdPrdO, tdPrV,
+                                         acc_S_shape)
             dp_mn = acc_view_mn(acc_dP)
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
                 for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
@@ -562,19 +612,25 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
             for c in cutlass.range_constexpr(self.dpd_regs // 4):
                 st_async_v4_f32(c_peer + c * 512 * 4, acc_dP[4 * c], acc_dP[4 * c + 1],
                                 acc_dP[4 * c + 2], acc_dP[4 * c + 3], dpd_full_peer)
+            if const_expr(self.lookahead):  # the next block's dP runs while P, dS come
+                if it + 1 < m_block_max:
+                    ahead.advance()
+                    pipeline_do.consumer_wait(ahead)
+                    wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, ahead.index], tdPrV,
+                          zero_init=True)
             # dV += Pᵀ·dO, dQ[:, D/2:] = dS·K[:, D/2:] once P and dS have landed in D[s]
             mbarrier_wait_cluster(sig + PDS_BASE + 2 * s, (j // pds) % 2)
             wgmma(mma_dv, acc_dV, tdVrPt[None, None, None, 2 * s],
                   tdVrdOt[None, None, None, state.index], zero_init=False)
             acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
             wgmma(mma_dqh, acc_dQ, tdQrdS[None, None, None, 2 * s + 1], tdQrKt, zero_init=True)
-            warpgroup.wait_group(0)
+            warpgroup.wait_group(0)  # (lookahead: the next block's dP too)
             pipeline_do.consumer_release(state)
+            state.advance()
             cute.arch.sync_warp()
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive(sig + PDS_BASE + 2 * s + 1, 0, scope=CLUSTER)
             self.add_dq(acc_dQ, dq_view, m_block)
-            state.advance()
 
     @cute.jit
     def store_pair(self, rank: Int32, acc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,

@@ -35,13 +35,19 @@ class BwdPairConfig(BwdConfig):
     tile_n: int = 128
     stages: int = 2
     pds_stages: int = 2
+    # each rank issues the next block's first GEMM (S or dP) before this block's accumulated
+    # and dQ GEMMs, so that rank 0's exponentials of block j + 1 run under its dK / dQ GEMMs
+    # of block j, and rank 1's dP of block j + 1 while P and dS of block j come (bwd_pair.py);
+    # needs two exchange buffers (rank 0 writes P of block j + 1 while block j's GEMMs read D)
+    lookahead: bool = False
 
     @classmethod
-    def of(cls, cfg: BwdConfig, stages: int = 2, pds_stages: int = 2) -> BwdPairConfig:
+    def of(cls, cfg: BwdConfig, stages: int = 2, pds_stages: int = 2,
+           lookahead: bool = False) -> BwdPairConfig:
         """The pair form of ``cfg``'s problem kind (dtype, head dims, mask, softcap, gqa)."""
         out = cls(dtype=cfg.dtype, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
                   mask=cfg.mask, has_softcap=cfg.has_softcap, gqa=cfg.gqa, stages=stages,
-                  pds_stages=pds_stages)
+                  pds_stages=pds_stages, lookahead=lookahead)
         out.validate()
         return out
 
@@ -56,6 +62,9 @@ class BwdPairConfig(BwdConfig):
                              f"{PAIR_HEAD_DIMS} required, not {self.head_dim}/{self.head_dim_v}")
         if self.stages < 1 or self.pds_stages not in (1, 2):
             raise ValueError("sm90 backward pair: stages >= 1 and pds_stages in {1, 2} required")
+        if self.lookahead and (self.pds_stages != 2 or self.stages < 2):
+            raise ValueError("sm90 backward pair: lookahead needs pds_stages == 2 (P of the next "
+                             "block is written while this block's GEMMs read D) and stages >= 2")
         off = [f.name for f in dataclasses.fields(BwdConfig)
                if f.name in ("deterministic", "varlen", "segments", "sink_grad", "group_heads",
                              "swap_sdp", "stats_smem", "dq_red", "reverse_launch")
