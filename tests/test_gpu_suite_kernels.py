@@ -386,12 +386,12 @@ def sm90_backward_lists(needs: Needs) -> None:
     for c, form in itertools.product(module.SWAP_CASES, module.OPT_IN_FORMS):
         chain(module.test_opt_in_kernel_matches_reference, c,
               module.Opts(1.0 / c.d ** 0.5, c.window, c.softcap), form)
-    for c, lookahead in itertools.product(module.PAIR_CASES, (False, True)):
+    for (c, grouped), lookahead in itertools.product(module.PAIR_FORMS, (False, True)):
         node = _node(module, module.test_pair_kernel_matches_reference,
-                     f"{module._id(c)}-{lookahead}")
+                     f"{module._id(c)}{'-group' if grouped else ''}-{lookahead}")
         program = functools.partial(module.sm90_backward_config,
                                     opts=module.Opts(1.0 / c.d ** 0.5, c.window, c.softcap),
-                                    config=module._pair_config(c, lookahead))
+                                    config=module._pair_config(c, lookahead, grouped))
         needs.lower(node, program, *shapes(c))
 
 

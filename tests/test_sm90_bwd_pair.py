@@ -26,7 +26,8 @@ ARCH = "sm_90a"
 
 def _id(cfg: BwdPairConfig) -> str:
     return (f"{cfg.dtype[:4]}-d{cfg.head_dim}-{cfg.mask}{'-cap' if cfg.has_softcap else ''}"
-            f"{'-gqa' if cfg.gqa else ''}-s{cfg.stages}p{cfg.pds_stages}"
+            f"{'-gqa' if cfg.gqa else ''}{'-group' if cfg.group_heads else ''}"
+            f"-s{cfg.stages}p{cfg.pds_stages}"
             f"{'-la' if cfg.lookahead else ''}")
 
 
@@ -62,6 +63,7 @@ def test_pair_kernel_compiles_with_clean_sass(cfg, shipped_cache):
     (dict(pds_stages=3), "pds_stages"),
     (dict(stages=4), "shared memory"),
     (dict(lookahead=True, pds_stages=1), "lookahead"),
+    (dict(gqa=True, group_heads=True), "group_heads"),
 ])
 def test_validator_names_the_unsupported_feature(change, word):
     cfg = dataclasses.replace(BwdPairConfig.of(BwdConfig.make("bfloat16", 256, 256)), **change)
@@ -75,6 +77,8 @@ def test_contract_is_the_one_cta_kernels():
     for cfg in sm90_bwd_pair_candidates():
         one = BwdConfig.make(cfg.dtype, cfg.head_dim, cfg.head_dim_v, cfg.mask,
                              cfg.has_softcap, cfg.gqa)
+        if cfg.group_heads:  # (the one-CTA kernel's group_heads form has the same contract)
+            one = dataclasses.replace(one, group_heads=True)
         assert cfg.signature() == one.signature()
         assert cfg.postprocess_config() == one.postprocess_config()
         assert cfg.smem_bytes() <= SMEM_BUDGET_BYTES

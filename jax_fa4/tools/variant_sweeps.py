@@ -150,9 +150,11 @@ def bwd_variants_for(head_dim: int, head_dim_v: int, mask: str,
 
     for name, stages, pds, la in (("pair", 2, 2, False), ("pair-la", 2, 2, True),
                                   ("pair-p1", 2, 1, False), ("pair-s3", 3, 1, False)):
-        add(name, BwdPairConfig(dtype=base.dtype, head_dim=head_dim, head_dim_v=head_dim_v,
-                                mask=mask, gqa=gqa, stages=stages, pds_stages=pds,
-                                lookahead=la))
+        pair = BwdPairConfig(dtype=base.dtype, head_dim=head_dim, head_dim_v=head_dim_v,
+                             mask=mask, gqa=gqa, stages=stages, pds_stages=pds, lookahead=la)
+        add(name, pair)
+        if gqa:  # "+group": one cluster per kv head (BwdPairConfig.group_heads)
+            add(f"{name}+group", dataclasses.replace(pair, gqa=False, group_heads=True))
     det = BwdConfig.make("bfloat16", head_dim, head_dim_v, mask, False, gqa, deterministic=True)
     add("det", det)
     if not base.swap_sdp:

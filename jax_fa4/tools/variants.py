@@ -176,9 +176,10 @@ SM90_BWD_GPU_PAIR = (
 
 def sm90_bwd_pair_candidates() -> list[BwdPairConfig]:
     """The split-operand pair configs of SM90_BWD_GPU_PAIR (2 Q / dO stages, 2 P / dS exchange
-    buffers), without and with lookahead."""
-    return [BwdPairConfig.of(BwdConfig.make(*v), lookahead=la)
-            for la in (False, True) for v in SM90_BWD_GPU_PAIR]
+    buffers), without and with lookahead; GQA problems also in their group_heads form."""
+    return [BwdPairConfig.of(BwdConfig.make(*v), lookahead=la, group_heads=grouped)
+            for la in (False, True) for v in SM90_BWD_GPU_PAIR
+            for grouped in ((False, True) if v[5] else (False,))]
 
 
 def _with_postprocess(mains: Iterable[BwdConfig]) -> list[KernelConfig]:

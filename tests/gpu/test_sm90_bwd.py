@@ -275,18 +275,25 @@ PAIR_CASES = [
 ]  # every problem kind of variants.SM90_BWD_GPU_PAIR
 
 
-def _pair_config(case: Case, lookahead: bool):
+def _pair_config(case: Case, lookahead: bool, grouped: bool):
     from jax_fa4.backends.base import mask_kind
 
-    kind = (case.dtype, case.d, mask_kind(case.window), bool(case.softcap), case.h != case.hkv,
-            lookahead)
+    gqa = case.h != case.hkv
+    kind = (case.dtype, case.d, mask_kind(case.window), bool(case.softcap), gqa and not grouped,
+            grouped, lookahead)
     return next(c for c in sm90_bwd_pair_candidates()
-                if (c.dtype, c.head_dim, c.mask, c.has_softcap, c.gqa, c.lookahead) == kind)
+                if (c.dtype, c.head_dim, c.mask, c.has_softcap, c.gqa, c.group_heads,
+                    c.lookahead) == kind)
+
+
+#: (case, grouped): every case, and the GQA ones in the group_heads form too
+PAIR_FORMS = [(c, False) for c in PAIR_CASES] + [(c, True) for c in PAIR_CASES if c.h != c.hkv]
 
 
 @pytest.mark.parametrize("lookahead", [False, True])
-@pytest.mark.parametrize("case", PAIR_CASES, ids=_id)
-def test_pair_kernel_matches_reference(case, lookahead):
+@pytest.mark.parametrize("case,grouped", PAIR_FORMS,
+                         ids=[f"{_id(c)}{'-group' if g else ''}" for c, g in PAIR_FORMS])
+def test_pair_kernel_matches_reference(case, grouped, lookahead):
     """The split-operand CTA pair (BwdPairConfig: no table row picks it before it has passed
     here and been timed) passes FA4's rule like the table's kernels, outputs poisoned first."""
     q, k, v, dout = _inputs(case, seed=7)
@@ -295,7 +302,7 @@ def test_pair_kernel_matches_reference(case, lookahead):
     poison_device_memory()
     got = sm90_backward_config(q, k, v, out32.astype(q.dtype), lse, dout,
                                Opts(kw["scale"], case.window, case.softcap),
-                               _pair_config(case, lookahead))
+                               _pair_config(case, lookahead, grouped))
     ref = _ref_backward(q, k, v, out32, lse, dout, **kw)
     pt = _pt_backward(q, k, v, dout, **kw)
     for name, g, r, p, x in zip(("dq", "dk", "dv"), got, ref, pt, (q, k, v)):

@@ -61,6 +61,10 @@ block's others: rank 0 issues S(j + 1) before dK(j), dQ(j) and waits for S(j + 1
 (wait_group 2) at the top of iteration j + 1, so its exponentials run under dK(j), dQ(j),
 whose completion (wait_group 0), Q_j's release and dQ(j)'s adds follow P(j + 1)'s store; rank 1
 issues dP(j + 1) right after its st.async of block j, before waiting for P and dS of block j.
+``group_heads`` (GQA): one cluster per (key block, kv head), grid y = kv heads; every role walks
+the group's query heads' blocks as one run of positions (``head_at``, as the one-CTA kernel's
+group_heads form), so the exchange's iterations, phases and lookahead go on across heads; dK / dV
+sum over the group and are stored per kv head in the input dtype.
 Waits on a peer's arrivals use cluster-scoped acquire (``mbarrier_wait_cluster``).
 The order of pds_full(j) after every rank-0 warp's read of C already keeps rank 1's stores of
 block j + 1 out of C until it has been read; dpd_empty is the buffer's own guard.
@@ -165,12 +169,14 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
             sD: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sPdS_layout)], 1024]
 
         n_blocks = cute.ceil_div(mK.shape[0], tn)
+        # a cluster per (key block, query head, batch); group_heads: per kv head
+        heads = mK.shape[2] if const_expr(self.group_heads) else mQ.shape[2]
         self.kernel(
             tma_Q, tma_K, tma_V, tma_Kh, tma_dO, tma_dK, tma_dV, mLSE, mDelta, mParams, mdQacc,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_Kh, tma_atom_dO, tma_atom_dK,
             tma_atom_dV, sA_layout, sB_layout, sKh_layout, sPdS_layout,
             mma_sdp, mma_dk, mma_dv, mma_dqh, SharedStorage,
-        ).launch(grid=(2 * n_blocks, mQ.shape[2], mQ.shape[3]),
+        ).launch(grid=(2 * n_blocks, heads, mQ.shape[3]),
                  block=[self.num_threads, 1, 1], cluster=[2, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -248,7 +254,13 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
         window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
         x, head, batch = cute.arch.block_idx()
         n_block = x // 2
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        group = None  # group_heads: the query heads per kv head, walked in turn by every role
+        if const_expr(self.group_heads):
+            group = mQ.shape[2] // mK.shape[2]
+            head_kv = head
+            head = head_kv * group
+        else:
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
         head_dkv = head if const_expr(self.gqa) else head_kv
         block_info = BwdBlocks(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                seqlen_q, seqlen_k, window_left, window_right)
@@ -259,13 +271,13 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
             if warp_idx == 0:
                 self.load_pair(rank, mQ, mdO, mK, mV, mKh, sA, sB, sKh, tma_atom_Q, tma_atom_dO,
                                tma_atom_K, tma_atom_V, tma_atom_Kh, pipeline_a, sig + KV,
-                               n_block, head, head_kv, batch, m_block_min, m_block_max)
+                               n_block, head, head_kv, batch, m_block_min, m_block_max, group)
         else:  # MMA warpgroups
             cute.arch.setmaxregister_increase(_MMA_REGS)
             self.mma_pair(rank, mdK, mdV, mLSE, mDelta, mParams, mdQacc, sA, sB, sC, sKh, sD,
                           tma_atom_dK, tma_atom_dV, mma_sdp, mma_dk, mma_dv, mma_dqh,
                           pipeline_a, sig, tidx - 128, n_block, head, head_dkv, batch,
-                          m_block_min, m_block_max, seqlen_q, seqlen_k, block_info)
+                          m_block_min, m_block_max, seqlen_q, seqlen_k, block_info, group)
         # no CTA exits while its peer may still signal it (every role has waited the last
         # signals it receives)
         cute.arch.cluster_arrive()
@@ -278,9 +290,10 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                   tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                   tma_atom_Kh: cute.CopyAtom, pipeline_a, kv_bar: cute.Pointer,
                   n_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
-                  m_block_min: Int32, m_block_max: Int32):
+                  m_block_min: Int32, m_block_max: Int32, group=None):
         """The TMA warp: rank 0 loads K once and Q of every visited query block, rank 1 V and
-        K's second half once and dO of every visited query block."""
+        K's second half once and dO of every visited query block (of ``head``, or with
+        ``group`` of the group's query heads in turn: the MMA loops' positions)."""
         D, tn, tm = self.hdim, self.tile_n, self.tile_m
         one = cute.make_layout(1)
         if m_block_max > m_block_min:
@@ -303,17 +316,20 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
             else:
                 cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=kv_bar)
                 cute.copy(tma_atom_Kh, tKhgKh, tKhsKh, tma_bar_ptr=kv_bar)
-            gQ = cute.local_tile(sequence(mQ, head, batch), (tm, D), (None, 0))
-            gdO = cute.local_tile(sequence(mdO, head, batch), (tm, D), (None, 0))
-            tQsA, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sA, 0, 2),
-                                               cute.group_modes(gQ, 0, 2))
-            tdOsA, tdOgdO = cpasync.tma_partition(tma_atom_dO, 0, one,
-                                                  cute.group_modes(sA, 0, 2),
-                                                  cute.group_modes(gdO, 0, 2))
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             start = self.first_visit(n_block, m_block_min, m_block_max)
-            for it in cutlass.range(m_block_min, m_block_max, unroll=1):
-                m_block = self.m_block_at(it, start, m_block_min, m_block_max)
+            for it in cutlass.range(m_block_min, self.loop_end(m_block_min, m_block_max, group),
+                                    unroll=1):
+                pos, head_it = self.head_at(it, head, m_block_min, m_block_max, group)
+                m_block = self.m_block_at(pos, start, m_block_min, m_block_max)
+                gQ = cute.local_tile(sequence(mQ, head_it, batch), (tm, D), (None, 0))
+                gdO = cute.local_tile(sequence(mdO, head_it, batch), (tm, D), (None, 0))
+                tQsA, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one,
+                                                   cute.group_modes(sA, 0, 2),
+                                                   cute.group_modes(gQ, 0, 2))
+                tdOsA, tdOgdO = cpasync.tma_partition(tma_atom_dO, 0, one,
+                                                      cute.group_modes(sA, 0, 2),
+                                                      cute.group_modes(gdO, 0, 2))
                 pipeline_a.producer_acquire(state)
                 if rank == 0:
                     cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsA[None, state.index],
@@ -334,6 +350,18 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
             x[r] = v if row < seqlen_q else outside
 
     @cute.jit
+    def load_next_rows(self, mX: cute.Tensor, x: cute.Tensor, tScS_mn: cute.Tensor, it: Int32,
+                       end: Int32, start: Int32, m_block_min: Int32, m_block_max: Int32,
+                       seqlen_q: Int32, head: Int32, batch: Int32, outside: Float32,
+                       group=None):
+        """``load_rows`` of loop position ``it + 1``'s query block and head (past the last
+        position: the last one's, unused)."""
+        pos, head_it = self.head_at(cutlass.min(it + 1, end - 1), head, m_block_min,
+                                    m_block_max, group)
+        self.load_rows(mX, x, tScS_mn, self.m_block_at(pos, start, m_block_min, m_block_max),
+                       seqlen_q, head_it, batch, outside)
+
+    @cute.jit
     def dq_quarter_view(self, mdQacc: cute.Tensor, rank: Int32, head: Int32, batch: Int32,
                         wg_idx: Int32, tidx_in_wg: Int32) -> cute.Tensor:
         """This thread's dQ floats of every query block in dq_accum, (4, q / 4, m_block), q =
@@ -348,9 +376,12 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                              stride=(1, 512, 2 * chunk)))
 
     @cute.jit
-    def add_dq(self, acc: cute.Tensor, view: cute.Tensor, m_block: Int32):
-        """``red.global.add.v4.f32`` of this thread's dQ quarter into dq_accum."""
-        v = view[None, None, m_block]
+    def add_dq(self, acc: cute.Tensor, mdQacc: cute.Tensor, rank: Int32, head: Int32,
+               batch: Int32, wg_idx: Int32, tidx_in_wg: Int32, m_block: Int32):
+        """``red.global.add.v4.f32`` of this thread's dQ quarter of query block ``m_block`` of
+        ``head`` into dq_accum."""
+        v = self.dq_quarter_view(mdQacc, rank, head, batch, wg_idx, tidx_in_wg)[None, None,
+                                                                              m_block]
         for c in cutlass.range_constexpr(self.dq_quarter_regs // 4):
             red_add_v4_f32(v[None, c].iterator, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2],
                            acc[4 * c + 3])
@@ -396,13 +427,14 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                  mma_dk: cute.TiledMma, mma_dv: cute.TiledMma, mma_dqh: cute.TiledMma,
                  pipeline_a, sig: cute.Pointer, tidx: Int32, n_block: Int32, head: Int32,
                  head_dkv: Int32, batch: Int32, m_block_min: Int32, m_block_max: Int32,
-                 seqlen_q: Int32, seqlen_k: Int32, block_info: BwdBlocks):
-        """The MMA warpgroups of either rank: the query-block loop, the end-of-loop waits and
-        the epilogue (dK on rank 0, dV on rank 1)."""
+                 seqlen_q: Int32, seqlen_k: Int32, block_info: BwdBlocks, group=None):
+        """The MMA warpgroups of either rank: the query-block loop (with ``group``: over the
+        group's query heads' blocks in turn), the end-of-loop waits and the epilogue (dK on
+        rank 0, dV on rank 1)."""
         tn, D = self.tile_n, self.hdim
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         tidx_in_wg = tidx % 128
-        count = m_block_max - m_block_min
+        count = self.loop_end(m_block_min, m_block_max, group) - m_block_min  # iterations
         scale = mParams[PARAM_SCALE]
         acc_X = cute.make_rmem_tensor(mma_dk.get_slice(tidx).partition_shape_C((tn, D)),
                                       Float32)
@@ -411,10 +443,10 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
             if count > 0:
                 self.loop_s(mLSE, mParams, mdQacc, sA, sB, sC, sD, mma_sdp, mma_dk, mma_dqh,
                             acc_X, pipeline_a, sig, tidx, wg_idx, tidx_in_wg, n_block, head,
-                            batch, m_block_min, m_block_max, seqlen_q, block_info)
+                            batch, m_block_min, m_block_max, seqlen_q, block_info, group)
                 # the peer's pds_empty arrivals of the last min(pds_stages, count) iterations
                 for k in cutlass.range_constexpr(self.pds_stages):
-                    j = m_block_max - m_block_min - 1 - k
+                    j = count - 1 - k
                     if j >= 0:
                         mbarrier_wait_cluster(sig + PDS_BASE + 2 * (j % self.pds_stages) + 1,
                                               (j // self.pds_stages) % 2)
@@ -424,7 +456,7 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
             if count > 0:
                 self.loop_dp(mDelta, mdQacc, sA, sB, sC, sKh, sD, mma_sdp, mma_dv, mma_dqh,
                              acc_X, pipeline_a, sig, tidx, wg_idx, tidx_in_wg, n_block, head,
-                             batch, m_block_min, m_block_max, seqlen_q)
+                             batch, m_block_min, m_block_max, seqlen_q, group)
                 # the peer's dpd_empty arrival of the last iteration
                 mbarrier_wait_cluster(sig + DPD_EMPTY, (count - 1) % 2)
         self.store_pair(rank, acc_X, mdK, mdV, sB, tma_atom_dK, tma_atom_dV, mma_dk,
@@ -437,7 +469,7 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                acc_dK: cute.Tensor, pipeline_q, sig: cute.Pointer, tidx: Int32, wg_idx: Int32,
                tidx_in_wg: Int32, n_block: Int32, head: Int32, batch: Int32,
                m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32,
-               block_info: BwdBlocks):
+               block_info: BwdBlocks, group=None):
         """Rank 0's query-block loop: S, P, dS, dK and dQ's first half (module docstring)."""
         tm, tn, pds = self.tile_m, self.tile_n, self.pds_stages
         sK_half = cute.local_tile(sK, (tn, self.dq_half), (0, 0))
@@ -450,7 +482,6 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
         # dP − delta in C: this thread's floats in fragment order (dq_fragment_view's)
         sC_wg = cute.local_tile(sC, (128 * self.dpd_regs,), (wg_idx,))
         tCsC = dq_fragment_view(sC_wg, self.dpd_regs, tidx_in_wg)
-        dq_view = self.dq_quarter_view(mdQacc, Int32(0), head, batch, wg_idx, tidx_in_wg)
 
         scales = score_scales(mParams[PARAM_SCALE], mParams, self.has_softcap, inverse=True)
         scale_log2, tanh_in_scale = scales.scale_log2, scales.tanh_in_scale
@@ -475,12 +506,15 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
         ahead = state.clone()
         acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
         acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
-        m_prev = Int32(0)  # (lookahead: the query block whose dQ is in flight)
+        # (lookahead: the query block and head whose dQ is in flight)
+        m_prev, h_prev = Int32(0), head
+        end = self.loop_end(m_block_min, m_block_max, group)
         if const_expr(self.lookahead):  # S of the first block
             acc_S = self.first_gemm(pipeline_q, ahead, mma_sdp, tSrQ, tSrK, acc_S_shape)
-        for it in cutlass.range(m_block_min, m_block_max, unroll=1):
+        for it in cutlass.range(m_block_min, end, unroll=1):
             j = it - m_block_min
-            m_block = self.m_block_at(it, start, m_block_min, m_block_max)
+            pos, head_it = self.head_at(it, head, m_block_min, m_block_max, group)
+            m_block = self.m_block_at(pos, start, m_block_min, m_block_max)
             s = j % pds
             if const_expr(self.lookahead):
                 if j > 0:
@@ -506,11 +540,12 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                     warpgroup.wait_group(0)
                     pipeline_q.consumer_release(state)
                     state.advance()
-                    self.add_dq(acc_dQ, dq_view, m_prev)
+                    self.add_dq(acc_dQ, mdQacc, Int32(0), h_prev, batch, wg_idx, tidx_in_wg,
+                                m_prev)
             # dP − delta from the peer -> registers, C back to the peer
             acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
             mbarrier_wait_cluster(dpd_full, j % 2)
-            if tidx == 0 and it + 1 < m_block_max:
+            if tidx == 0 and it + 1 < end:
                 cute.arch.mbarrier_arrive_and_expect_tx(dpd_full, dpd_bytes)
             cute.autovec_copy(tCsC, cute.make_tensor(acc_dP.iterator,
                                                      cute.make_layout((4, self.dpd_regs // 4))))
@@ -521,10 +556,8 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
             self.dp_to_ds(s_mn, acc_view_mn(acc_dP), lse, zeros, inv_scale_log2,
                           per_col=False)
             # the next block's lse (past the last one: any block, unused)
-            self.load_rows(mLSE, lse, tScS_mn,
-                           self.m_block_at(cutlass.min(it + 1, m_block_max - 1), start,
-                                           m_block_min, m_block_max),
-                           seqlen_q, head, batch, Float32.inf)
+            self.load_next_rows(mLSE, lse, tScS_mn, it, end, start, m_block_min, m_block_max,
+                                seqlen_q, head, batch, Float32.inf, group)
             rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
             convert_f32_pairs(acc_dP, rdS, self.is_bf16)
             cute.copy(st_thr, st_thr.retile(rdS), tXsD[None, None, None, 2 * s + 1])
@@ -539,7 +572,7 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                 bulk_copy_to_cluster(peer_address(src, Int32(1)), src,
                                      peer_address(full, Int32(1)), self.pds_bytes)
             if const_expr(self.lookahead):  # S of the next block first
-                if it + 1 < m_block_max:
+                if it + 1 < end:
                     ahead.advance()
                     pipeline_q.consumer_wait(ahead)
                     wgmma(mma_sdp, acc_S, tSrQ[None, None, None, ahead.index], tSrK,
@@ -549,16 +582,17 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                   tdKrQt[None, None, None, state.index], zero_init=False)
             wgmma(mma_dqh, acc_dQ, tdQrdS[None, None, None, 2 * s + 1], tdQrKt, zero_init=True)
             if const_expr(self.lookahead):
-                m_prev = m_block
+                m_prev, h_prev = m_block, head_it
             else:
                 warpgroup.wait_group(0)
                 pipeline_q.consumer_release(state)
                 state.advance()
-                self.add_dq(acc_dQ, dq_view, m_block)
+                self.add_dq(acc_dQ, mdQacc, Int32(0), head_it, batch, wg_idx, tidx_in_wg,
+                            m_block)
         if const_expr(self.lookahead):  # the last block's dK / dQ
             warpgroup.wait_group(0)
             pipeline_q.consumer_release(state)
-            self.add_dq(acc_dQ, dq_view, m_prev)
+            self.add_dq(acc_dQ, mdQacc, Int32(0), h_prev, batch, wg_idx, tidx_in_wg, m_prev)
 
     @cute.jit
     def loop_dp(self, mDelta: cute.Tensor, mdQacc: cute.Tensor, sdO: cute.Tensor,
@@ -566,12 +600,11 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                 mma_sdp: cute.TiledMma, mma_dv: cute.TiledMma, mma_dqh: cute.TiledMma,
                 acc_dV: cute.Tensor, pipeline_do, sig: cute.Pointer, tidx: Int32,
                 wg_idx: Int32, tidx_in_wg: Int32, n_block: Int32, head: Int32, batch: Int32,
-                m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32):
+                m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, group=None):
         """Rank 1's query-block loop: dP − delta to the peer, dV and dQ's second half."""
         pds = self.pds_stages
         (tdPrdO, tdPrV, tdVrPt, tdVrdOt, tdQrdS, tdQrKt, acc_S_shape, acc_dQ_shape,
          tScS_mn) = self.fragments(sdO, sV, sKh, sD, mma_sdp, mma_dv, mma_dqh, tidx)
-        dq_view = self.dq_quarter_view(mdQacc, Int32(1), head, batch, wg_idx, tidx_in_wg)
         # the peer's C and dpd_full, this thread's first float of C there
         c_peer = peer_address(sC.iterator, Int32(0)) + (
             (wg_idx * 128 * self.dpd_regs + tidx_in_wg * 4) * 4)
@@ -590,9 +623,11 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
         acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
         if const_expr(self.lookahead):  # dP of the first block
             acc_dP = self.first_gemm(pipeline_do, ahead, mma_sdp, tdPrdO, tdPrV, acc_S_shape)
-        for it in cutlass.range(m_block_min, m_block_max, unroll=1):
+        end = self.loop_end(m_block_min, m_block_max, group)
+        for it in cutlass.range(m_block_min, end, unroll=1):
             j = it - m_block_min
-            m_block = self.m_block_at(it, start, m_block_min, m_block_max)
+            pos, head_it = self.head_at(it, head, m_block_min, m_block_max, group)
+            m_block = self.m_block_at(pos, start, m_block_min, m_block_max)
             s = j % pds
             # dP = dO·Vᵀ (lookahead: issued in the previous iteration, complete), dP − delta
             # -> the peer's C
@@ -603,17 +638,15 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
                 for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
                     dp_mn[r, c] = dp_mn[r, c] - delta[r]
-            self.load_rows(mDelta, delta, tScS_mn,
-                           self.m_block_at(cutlass.min(it + 1, m_block_max - 1), start,
-                                           m_block_min, m_block_max),
-                           seqlen_q, head, batch, Float32(0.0))
+            self.load_next_rows(mDelta, delta, tScS_mn, it, end, start, m_block_min,
+                                m_block_max, seqlen_q, head, batch, Float32(0.0), group)
             if j >= 1:
                 mbarrier_wait_cluster(sig + DPD_EMPTY, (j - 1) % 2)
             for c in cutlass.range_constexpr(self.dpd_regs // 4):
                 st_async_v4_f32(c_peer + c * 512 * 4, acc_dP[4 * c], acc_dP[4 * c + 1],
                                 acc_dP[4 * c + 2], acc_dP[4 * c + 3], dpd_full_peer)
             if const_expr(self.lookahead):  # the next block's dP runs while P, dS come
-                if it + 1 < m_block_max:
+                if it + 1 < end:
                     ahead.advance()
                     pipeline_do.consumer_wait(ahead)
                     wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, ahead.index], tdPrV,
@@ -630,7 +663,7 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
             cute.arch.sync_warp()
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive(sig + PDS_BASE + 2 * s + 1, 0, scope=CLUSTER)
-            self.add_dq(acc_dQ, dq_view, m_block)
+            self.add_dq(acc_dQ, mdQacc, Int32(1), head_it, batch, wg_idx, tidx_in_wg, m_block)
 
     @cute.jit
     def store_pair(self, rank: Int32, acc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,

@@ -26,8 +26,10 @@ PAIR_HEAD_DIMS = (128, 256)
 class BwdPairConfig(BwdConfig):
     """A ``BwdConfig`` (same fields, same call) of the split-operand pair: ``tile_n`` keys per
     cluster, ``stages`` Q (rank 0) / dO (rank 1) pipeline stages, ``pds_stages`` P / dS exchange
-    buffers. The one-CTA kernel's loop options (swap_sdp, stats_smem, dq_red, group_heads,
-    reverse_launch) stay off: the pair has its own loop, and adds dQ from its registers."""
+    buffers, ``group_heads`` (GQA: one cluster per kv head walking its group's query heads, dK /
+    dV per kv head in the input dtype, as ``BwdConfig.group_heads``). The one-CTA kernel's loop
+    options (swap_sdp, stats_smem, dq_red, reverse_launch) stay off: the pair has its own loop,
+    and adds dQ from its registers."""
 
     kernel_name: ClassVar[str] = "sm90_bwd_pair"
 
@@ -43,11 +45,17 @@ class BwdPairConfig(BwdConfig):
 
     @classmethod
     def of(cls, cfg: BwdConfig, stages: int = 2, pds_stages: int = 2,
-           lookahead: bool = False) -> BwdPairConfig:
-        """The pair form of ``cfg``'s problem kind (dtype, head dims, mask, softcap, gqa)."""
+           lookahead: bool = False, group_heads: bool | None = None) -> BwdPairConfig:
+        """The pair form of ``cfg``'s problem kind (dtype, head dims, mask, softcap, gqa or
+        group_heads: ``cfg``'s unless ``group_heads`` says, which for a GQA problem takes the
+        one cluster per kv head form)."""
+        grouped = cfg.group_heads if group_heads is None else group_heads
+        if grouped and not (cfg.gqa or cfg.group_heads):
+            raise ValueError("sm90 backward pair: group_heads is a form of a GQA problem")
         out = cls(dtype=cfg.dtype, head_dim=cfg.head_dim, head_dim_v=cfg.head_dim_v,
-                  mask=cfg.mask, has_softcap=cfg.has_softcap, gqa=cfg.gqa, stages=stages,
-                  pds_stages=pds_stages, lookahead=lookahead)
+                  mask=cfg.mask, has_softcap=cfg.has_softcap,
+                  gqa=(cfg.gqa or cfg.group_heads) and not grouped, group_heads=grouped,
+                  stages=stages, pds_stages=pds_stages, lookahead=lookahead)
         out.validate()
         return out
 
@@ -66,12 +74,15 @@ class BwdPairConfig(BwdConfig):
             raise ValueError("sm90 backward pair: lookahead needs pds_stages == 2 (P of the next "
                              "block is written while this block's GEMMs read D) and stages >= 2")
         off = [f.name for f in dataclasses.fields(BwdConfig)
-               if f.name in ("deterministic", "varlen", "segments", "sink_grad", "group_heads",
-                             "swap_sdp", "stats_smem", "dq_red", "reverse_launch")
+               if f.name in ("deterministic", "varlen", "segments", "sink_grad", "swap_sdp",
+                             "stats_smem", "dq_red", "reverse_launch")
                and getattr(self, f.name)]
         if off:
             raise ValueError(f"sm90 backward pair: {', '.join(off)} not implemented (dense calls, "
                              "the pair's own loop, dQ added from registers)")
+        if self.group_heads and self.gqa:
+            raise ValueError("sm90 backward pair: group_heads writes dK / dV per kv head itself "
+                             "(gqa=False's outputs), not with gqa")
         if self.smem_bytes() > SMEM_BUDGET_BYTES:
             raise ValueError(f"sm90 backward pair: {self.smem_bytes()} B of shared memory exceeds "
                              f"{SMEM_BUDGET_BYTES} B ({self.describe()})")
