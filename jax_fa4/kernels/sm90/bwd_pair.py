@@ -192,8 +192,11 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
         P / dS pairs: D[2s] = P, D[2s + 1] = dS of exchange stage s (one contiguous copy)."""
         dt, tm, tn, D = self.dtype, self.tile_m, self.tile_n, self.hdim
         sA = make_smem_layout(dt, tm, D, D, self.stages)
-        sB = make_smem_layout(dt, tn, D, self.dq_half)
-        sKh = make_smem_layout(dt, tn, self.dq_half, self.dq_half // 2)
+        # K's swizzle atom no wider than a warpgroup's dQ columns (D/4), so that rank 0's view of
+        # its first half is a canonical MN-major B operand of the dQ GEMM (as rank 1's K half)
+        quarter = self.dq_half // 2
+        sB = make_smem_layout(dt, tn, D, quarter)
+        sKh = make_smem_layout(dt, tn, self.dq_half, quarter)
         mms = tn // self.wg_sdp[1]  # (= tn // wg_dkv[0]: 64)
         sPdS = make_smem_layout(dt, tm, tn, mms, 2 * self.pds_stages)
         return sA, sB, sKh, sPdS
