@@ -170,7 +170,9 @@ def sm90_bwd_d192_candidates() -> list[BwdConfig]:
 SM90_BWD_GPU_PAIR = (
     [("bfloat16", 256, 256, m, False, gqa) for m in MASK_KINDS for gqa in (False, True)]
     + [("bfloat16", 256, 256, "none", True, False), ("float16", 256, 256, "causal", False, False),
-       ("bfloat16", 128, 128, "none", False, False), ("bfloat16", 128, 128, "causal", False, True)]
+       ("bfloat16", 128, 128, "none", False, False), ("bfloat16", 128, 128, "causal", False, True),
+       ("bfloat16", 192, 128, "causal", False, False), ("bfloat16", 192, 128, "none", False, True),
+       ("bfloat16", 192, 128, "local", False, False)]
 )
 
 

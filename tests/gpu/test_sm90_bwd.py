@@ -272,6 +272,9 @@ PAIR_CASES = [
     Case(FP, 256, 256, 1023, 1024, 2, 2, CAUSAL),
     Case(BF, 128, 128, 2049, 2048, 2, 2, b=1),
     Case(BF, 128, 128, 1023, 1024, 4, 2, CAUSAL),  # GQA
+    Case(BF, 192, 128, 1023, 1024, 2, 2, CAUSAL),
+    Case(BF, 192, 128, 113, 203, 4, 2),  # GQA
+    Case(BF, 192, 128, 113, 203, 2, 2, (40, 10)),
 ]  # every problem kind of variants.SM90_BWD_GPU_PAIR
 
 

@@ -13,7 +13,7 @@ every dQ addition covers 128 keys.
 
 Roles. Cluster (2, 1, 1); key block n = blockIdx.x // 2 (128 keys), rank r = blockIdx.x % 2.
 Both ranks walk the same query blocks m (the range of the 128-key block; unmasked, from the
-same rotated start). Per query block, with D = head dim:
+same rotated start). Per query block, with D, Dv = the head dims (128/128, 192/128, 256/256):
 
   rank 0  buffers: A = Q stages, B = K, C = dP − delta (float32, written by rank 1), D = P, dS
           S = Q·Kᵀ; P = exp2(S·scale_log2 − lse_log2) [softcap: tanh first], 0 outside the
@@ -131,40 +131,48 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                  mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor):
         check_backward_operands(self.dtype, self.gqa, mQ, mK, mV, mdO, mLSE, mDelta, mParams,
                                 mdQacc, mdK, mdV)
-        D, tm, tn, dt = self.hdim, self.tile_m, self.tile_n, self.dtype
+        D, Dv, tm, tn, dt = self.hdim, self.hdimv, self.tile_m, self.tile_n, self.dtype
         mQ, mK, mdK = seq_major(mQ, D), seq_major(mK, D), seq_major(mdK, D)
-        mV, mdO, mdV = seq_major(mV, D), seq_major(mdO, D), seq_major(mdV, D)
+        mV, mdO, mdV = seq_major(mV, Dv), seq_major(mdO, Dv), seq_major(mdV, Dv)
         mLSE, mDelta, mdQacc = [select_modes(t, (2, 1, 0)) for t in (mLSE, mDelta, mdQacc)]
 
         mma_sdp, mma_dk, mma_dv, _ = self._tiled_mmas()
         mma_dqh = self._tiled_mma_dq_half()
-        sA_layout, sB_layout, sKh_layout, sPdS_layout = self._pair_smem_layouts()
+        (sQ_layout, sdO_layout, sK_layout, sV_layout, sKh_layout,
+         sPdS_layout) = self._pair_smem_layouts()
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tile_a = cute.select(sA_layout, mode=[0, 1])
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, mQ, tile_a, (tm, D))
-        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(g2s, mdO, tile_a, (tm, D))
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, mK, sB_layout, (tn, D))
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, mV, sB_layout, (tn, D))
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            g2s, mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, D))
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
+            g2s, mdO, cute.select(sdO_layout, mode=[0, 1]), (tm, Dv))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (tn, D))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (tn, Dv))
         tma_atom_Kh, tma_Kh = cpasync.make_tiled_tma_atom(g2s, mK, sKh_layout,
                                                           (tn, self.dq_half))
         tma_atom_dK, tma_dK, tma_atom_dV, tma_dV = None, mdK, None, mdV
         if const_expr(not self.gqa):
             s2g = cpasync.CopyBulkTensorTileS2GOp()
-            tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(s2g, mdK, sB_layout, (tn, D))
-            tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(s2g, mdV, sB_layout, (tn, D))
-        self.tx_bytes_a = tm * D * dt.width // 8
-        self.tx_bytes_b = tn * D * dt.width // 8
+            tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (tn, D))
+            tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (tn, Dv))
+        self.tx_bytes_q = tm * D * dt.width // 8
+        self.tx_bytes_do = tm * Dv * dt.width // 8
+        self.tx_bytes_k = tn * D * dt.width // 8
+        self.tx_bytes_v = tn * Dv * dt.width // 8
         self.tx_bytes_kh = tn * self.dq_half * dt.width // 8
-        # region C: rank 0's float32 dP − delta, or rank 1's half of K (the larger of the two)
-        c_floats = max(tm * tn, tn * self.dq_half * dt.width // 32)
+        # regions A (Q or dO stages) and B (K or V): the larger of the ranks' buffers; C: rank
+        # 0's float32 dP − delta, or rank 1's half of K
+        a_elems = max(cute.cosize(sQ_layout), cute.cosize(sdO_layout))
+        b_elems = max(cute.cosize(sK_layout), cute.cosize(sV_layout))
+        c_floats = max(tm * tn, cute.cosize(sKh_layout) * dt.width // 32)
 
         @cute.struct
         class SharedStorage:
-            mbar_a: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             mbar_sig: cute.struct.MemRange[cutlass.Int64, PDS_BASE + 2 * self.pds_stages]
-            sA: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sA_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sB_layout)], 1024]
+            sA: cute.struct.Align[cute.struct.MemRange[dt, a_elems], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[dt, b_elems], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[Float32, c_floats], 1024]
             sD: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sPdS_layout)], 1024]
 
@@ -174,7 +182,7 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
         self.kernel(
             tma_Q, tma_K, tma_V, tma_Kh, tma_dO, tma_dK, tma_dV, mLSE, mDelta, mParams, mdQacc,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_Kh, tma_atom_dO, tma_atom_dK,
-            tma_atom_dV, sA_layout, sB_layout, sKh_layout, sPdS_layout,
+            tma_atom_dV, sQ_layout, sdO_layout, sK_layout, sV_layout, sKh_layout, sPdS_layout,
             mma_sdp, mma_dk, mma_dv, mma_dqh, SharedStorage,
         ).launch(grid=(2 * n_blocks, heads, mQ.shape[3]),
                  block=[self.num_threads, 1, 1], cluster=[2, 1, 1], stream=stream,
@@ -188,18 +196,21 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                                                  (1, 2, 1), (64, self.dq_half // 2))
 
     def _pair_smem_layouts(self):
-        """Region A (Q or dO stages), B (K or V), rank 1's K half in region C, and region D's
-        P / dS pairs: D[2s] = P, D[2s + 1] = dS of exchange stage s (one contiguous copy)."""
-        dt, tm, tn, D = self.dtype, self.tile_m, self.tile_n, self.hdim
-        sA = make_smem_layout(dt, tm, D, D, self.stages)
+        """Q and dO stages (region A of rank 0 / 1), K and V (region B), rank 1's K half
+        (region C), and region D's P / dS pairs: D[2s] = P, D[2s + 1] = dS of exchange stage s
+        (one contiguous copy)."""
+        dt, tm, tn, D, Dv = self.dtype, self.tile_m, self.tile_n, self.hdim, self.hdimv
+        sQ = make_smem_layout(dt, tm, D, D, self.stages)
+        sdO = make_smem_layout(dt, tm, Dv, Dv, self.stages)
         # K's swizzle atom no wider than a warpgroup's dQ columns (D/4), so that rank 0's view of
         # its first half is a canonical MN-major B operand of the dQ GEMM (as rank 1's K half)
         quarter = self.dq_half // 2
-        sB = make_smem_layout(dt, tn, D, quarter)
+        sK = make_smem_layout(dt, tn, D, quarter)
+        sV = make_smem_layout(dt, tn, Dv, Dv)
         sKh = make_smem_layout(dt, tn, self.dq_half, quarter)
         mms = tn // self.wg_sdp[1]  # (= tn // wg_dkv[0]: 64)
         sPdS = make_smem_layout(dt, tm, tn, mms, 2 * self.pds_stages)
-        return sA, sB, sKh, sPdS
+        return sQ, sdO, sK, sV, sKh, sPdS
 
     # ---------------------------------------------------------------------------------------------
     # Device side
@@ -210,7 +221,8 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                mDelta: cute.Tensor, mParams: cute.Tensor, mdQacc: cute.Tensor,
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_Kh: cute.CopyAtom, tma_atom_dO: cute.CopyAtom, tma_atom_dK,
-               tma_atom_dV, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+               tma_atom_dV, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sKh_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout,
                mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
                mma_dqh: cute.TiledMma, SharedStorage: cutlass.Constexpr):
@@ -227,11 +239,16 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        pipeline_a = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_a.data_ptr(), num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),
-            tx_count=self.tx_bytes_a, defer_sync=True)
+
+        def tma_pipeline(mbars, tx: int):  # Q (rank 0) or dO (rank 1) stages
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbars.data_ptr(), num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),
+                tx_count=tx, defer_sync=True)
+
+        pipeline_q = tma_pipeline(storage.mbar_q, self.tx_bytes_q)
+        pipeline_do = tma_pipeline(storage.mbar_do, self.tx_bytes_do)
         sig = storage.mbar_sig.data_ptr()
         if warp_idx == 1:
             with cute.arch.elect_one():
@@ -246,8 +263,11 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
         cute.arch.cluster_arrive_relaxed()
         cute.arch.cluster_wait()
 
-        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        # regions A and B as each rank's buffers
+        sQ = storage.sA.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sA.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sB.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sB.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sD = storage.sD.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
         sC = storage.sC.get_tensor(cute.make_layout(self.tile_m * self.tile_n))
         sKh = cute.make_tensor(cute.recast_ptr(storage.sC.data_ptr(), sKh_layout.inner,
@@ -272,14 +292,15 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
         if warp_idx < 4:  # producer warpgroup
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp_idx == 0:
-                self.load_pair(rank, mQ, mdO, mK, mV, mKh, sA, sB, sKh, tma_atom_Q, tma_atom_dO,
-                               tma_atom_K, tma_atom_V, tma_atom_Kh, pipeline_a, sig + KV,
+                self.load_pair(rank, mQ, mdO, mK, mV, mKh, sQ, sdO, sK, sV, sKh, tma_atom_Q,
+                               tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_Kh, pipeline_q,
+                               pipeline_do, sig + KV,
                                n_block, head, head_kv, batch, m_block_min, m_block_max, group)
         else:  # MMA warpgroups
             cute.arch.setmaxregister_increase(_MMA_REGS)
-            self.mma_pair(rank, mdK, mdV, mLSE, mDelta, mParams, mdQacc, sA, sB, sC, sKh, sD,
-                          tma_atom_dK, tma_atom_dV, mma_sdp, mma_dk, mma_dv, mma_dqh,
-                          pipeline_a, sig, tidx - 128, n_block, head, head_dkv, batch,
+            self.mma_pair(rank, mdK, mdV, mLSE, mDelta, mParams, mdQacc, sQ, sdO, sK, sV, sC,
+                          sKh, sD, tma_atom_dK, tma_atom_dV, mma_sdp, mma_dk, mma_dv, mma_dqh,
+                          pipeline_q, pipeline_do, sig, tidx - 128, n_block, head, head_dkv, batch,
                           m_block_min, m_block_max, seqlen_q, seqlen_k, block_info, group)
         # no CTA exits while its peer may still signal it (every role has waited the last
         # signals it receives)
@@ -288,32 +309,33 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
 
     @cute.jit
     def load_pair(self, rank: Int32, mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor,
-                  mV: cute.Tensor, mKh: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
-                  sKh: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_dO: cute.CopyAtom,
+                  mV: cute.Tensor, mKh: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor,
+                  sK: cute.Tensor, sV: cute.Tensor, sKh: cute.Tensor,
+                  tma_atom_Q: cute.CopyAtom, tma_atom_dO: cute.CopyAtom,
                   tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
-                  tma_atom_Kh: cute.CopyAtom, pipeline_a, kv_bar: cute.Pointer,
+                  tma_atom_Kh: cute.CopyAtom, pipeline_q, pipeline_do, kv_bar: cute.Pointer,
                   n_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
                   m_block_min: Int32, m_block_max: Int32, group=None):
         """The TMA warp: rank 0 loads K once and Q of every visited query block, rank 1 V and
         K's second half once and dO of every visited query block (of ``head``, or with
         ``group`` of the group's query heads in turn: the MMA loops' positions)."""
-        D, tn, tm = self.hdim, self.tile_n, self.tile_m
+        D, Dv, tn, tm = self.hdim, self.hdimv, self.tile_n, self.tile_m
         one = cute.make_layout(1)
         if m_block_max > m_block_min:
             gK = cute.local_tile(sequence(mK, head_kv, batch), (tn, D), (n_block, 0))
-            gV = cute.local_tile(sequence(mV, head_kv, batch), (tn, D), (n_block, 0))
+            gV = cute.local_tile(sequence(mV, head_kv, batch), (tn, Dv), (n_block, 0))
             gKh = cute.local_tile(sequence(mKh, head_kv, batch), (tn, self.dq_half),
                                   (n_block, 1))
-            tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sB, 0, 2),
+            tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 2),
                                                cute.group_modes(gK, 0, 2))
-            tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sB, 0, 2),
+            tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2),
                                                cute.group_modes(gV, 0, 2))
             tKhsKh, tKhgKh = cpasync.tma_partition(tma_atom_Kh, 0, one,
                                                    cute.group_modes(sKh, 0, 2),
                                                    cute.group_modes(gKh, 0, 2))
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(
-                    kv_bar, self.tx_bytes_b + (self.tx_bytes_kh if rank == 1 else 0))
+                    kv_bar, self.tx_bytes_k if rank == 0 else self.tx_bytes_v + self.tx_bytes_kh)
             if rank == 0:
                 cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=kv_bar)
             else:
@@ -325,21 +347,22 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                                     unroll=1):
                 pos, head_it = self.head_at(it, head, m_block_min, m_block_max, group)
                 m_block = self.m_block_at(pos, start, m_block_min, m_block_max)
-                gQ = cute.local_tile(sequence(mQ, head_it, batch), (tm, D), (None, 0))
-                gdO = cute.local_tile(sequence(mdO, head_it, batch), (tm, D), (None, 0))
-                tQsA, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one,
-                                                   cute.group_modes(sA, 0, 2),
-                                                   cute.group_modes(gQ, 0, 2))
-                tdOsA, tdOgdO = cpasync.tma_partition(tma_atom_dO, 0, one,
-                                                      cute.group_modes(sA, 0, 2),
-                                                      cute.group_modes(gdO, 0, 2))
-                pipeline_a.producer_acquire(state)
                 if rank == 0:
-                    cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsA[None, state.index],
-                              tma_bar_ptr=pipeline_a.producer_get_barrier(state))
+                    gQ = cute.local_tile(sequence(mQ, head_it, batch), (tm, D), (None, 0))
+                    tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one,
+                                                       cute.group_modes(sQ, 0, 2),
+                                                       cute.group_modes(gQ, 0, 2))
+                    pipeline_q.producer_acquire(state)
+                    cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index],
+                              tma_bar_ptr=pipeline_q.producer_get_barrier(state))
                 else:
-                    cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsA[None, state.index],
-                              tma_bar_ptr=pipeline_a.producer_get_barrier(state))
+                    gdO = cute.local_tile(sequence(mdO, head_it, batch), (tm, Dv), (None, 0))
+                    tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_dO, 0, one,
+                                                           cute.group_modes(sdO, 0, 2),
+                                                           cute.group_modes(gdO, 0, 2))
+                    pipeline_do.producer_acquire(state)
+                    cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index],
+                              tma_bar_ptr=pipeline_do.producer_get_barrier(state))
                 state.advance()
 
     @cute.jit
@@ -425,27 +448,27 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
     @cute.jit
     def mma_pair(self, rank: Int32, mdK: cute.Tensor, mdV: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, mParams: cute.Tensor, mdQacc: cute.Tensor,
-                 sA: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor, sKh: cute.Tensor,
-                 sD: cute.Tensor, tma_atom_dK, tma_atom_dV, mma_sdp: cute.TiledMma,
-                 mma_dk: cute.TiledMma, mma_dv: cute.TiledMma, mma_dqh: cute.TiledMma,
-                 pipeline_a, sig: cute.Pointer, tidx: Int32, n_block: Int32, head: Int32,
-                 head_dkv: Int32, batch: Int32, m_block_min: Int32, m_block_max: Int32,
-                 seqlen_q: Int32, seqlen_k: Int32, block_info: BwdBlocks, group=None):
+                 sQ: cute.Tensor, sdO: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                 sC: cute.Tensor, sKh: cute.Tensor, sD: cute.Tensor, tma_atom_dK, tma_atom_dV,
+                 mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
+                 mma_dqh: cute.TiledMma, pipeline_q, pipeline_do, sig: cute.Pointer, tidx: Int32,
+                 n_block: Int32, head: Int32, head_dkv: Int32, batch: Int32,
+                 m_block_min: Int32, m_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                 block_info: BwdBlocks, group=None):
         """The MMA warpgroups of either rank: the query-block loop (with ``group``: over the
         group's query heads' blocks in turn), the end-of-loop waits and the epilogue (dK on
         rank 0, dV on rank 1)."""
-        tn, D = self.tile_n, self.hdim
+        tn, D, Dv = self.tile_n, self.hdim, self.hdimv
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         tidx_in_wg = tidx % 128
         count = self.loop_end(m_block_min, m_block_max, group) - m_block_min  # iterations
-        scale = mParams[PARAM_SCALE]
-        acc_X = cute.make_rmem_tensor(mma_dk.get_slice(tidx).partition_shape_C((tn, D)),
-                                      Float32)
-        acc_X.fill(0.0)
         if rank == 0:
+            acc_dK = cute.make_rmem_tensor(mma_dk.get_slice(tidx).partition_shape_C((tn, D)),
+                                           Float32)
+            acc_dK.fill(0.0)
             if count > 0:
-                self.loop_s(mLSE, mParams, mdQacc, sA, sB, sC, sD, mma_sdp, mma_dk, mma_dqh,
-                            acc_X, pipeline_a, sig, tidx, wg_idx, tidx_in_wg, n_block, head,
+                self.loop_s(mLSE, mParams, mdQacc, sQ, sK, sC, sD, mma_sdp, mma_dk, mma_dqh,
+                            acc_dK, pipeline_q, sig, tidx, wg_idx, tidx_in_wg, n_block, head,
                             batch, m_block_min, m_block_max, seqlen_q, block_info, group)
                 # the peer's pds_empty arrivals of the last min(pds_stages, count) iterations
                 for k in cutlass.range_constexpr(self.pds_stages):
@@ -453,17 +476,23 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                     if j >= 0:
                         mbarrier_wait_cluster(sig + PDS_BASE + 2 * (j % self.pds_stages) + 1,
                                               (j // self.pds_stages) % 2)
-            for i in cutlass.range_constexpr(cute.size(acc_X)):
-                acc_X[i] = acc_X[i] * scale
+            scale = mParams[PARAM_SCALE]
+            for i in cutlass.range_constexpr(cute.size(acc_dK)):
+                acc_dK[i] = acc_dK[i] * scale
+            self.store_pair(acc_dK, mdK, sK, tma_atom_dK, mma_dk, (tn, D), n_block, head_dkv,
+                            batch, seqlen_k)
         else:
+            acc_dV = cute.make_rmem_tensor(mma_dv.get_slice(tidx).partition_shape_C((tn, Dv)),
+                                           Float32)
+            acc_dV.fill(0.0)
             if count > 0:
-                self.loop_dp(mDelta, mdQacc, sA, sB, sC, sKh, sD, mma_sdp, mma_dv, mma_dqh,
-                             acc_X, pipeline_a, sig, tidx, wg_idx, tidx_in_wg, n_block, head,
+                self.loop_dp(mDelta, mdQacc, sdO, sV, sC, sKh, sD, mma_sdp, mma_dv, mma_dqh,
+                             acc_dV, pipeline_do, sig, tidx, wg_idx, tidx_in_wg, n_block, head,
                              batch, m_block_min, m_block_max, seqlen_q, group)
                 # the peer's dpd_empty arrival of the last iteration
                 mbarrier_wait_cluster(sig + DPD_EMPTY, (count - 1) % 2)
-        self.store_pair(rank, acc_X, mdK, mdV, sB, tma_atom_dK, tma_atom_dV, mma_dk,
-                        n_block, head_dkv, batch, seqlen_k)
+            self.store_pair(acc_dV, mdV, sV, tma_atom_dV, mma_dv, (tn, Dv), n_block, head_dkv,
+                            batch, seqlen_k)
 
     @cute.jit
     def loop_s(self, mLSE: cute.Tensor, mParams: cute.Tensor, mdQacc: cute.Tensor,
@@ -669,45 +698,33 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
             self.add_dq(acc_dQ, mdQacc, Int32(1), head_it, batch, wg_idx, tidx_in_wg, m_block)
 
     @cute.jit
-    def store_pair(self, rank: Int32, acc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-                   sB: cute.Tensor, tma_atom_dK, tma_atom_dV, mma_dkv: cute.TiledMma,
-                   n_block: Int32, head_dkv: Int32, batch: Int32, seqlen_k: Int32):
-        """dK (rank 0) or dV (rank 1) of the key block: float32 from registers (GQA), else
-        converted, stmatrix into B (K / V, read by no GEMM any more) and one TMA store."""
-        tn, D = self.tile_n, self.hdim
+    def store_pair(self, acc: cute.Tensor, mX: cute.Tensor, sX: cute.Tensor, tma_atom_X,
+                   mma_x: cute.TiledMma, tile: cutlass.Constexpr, n_block: Int32,
+                   head_dkv: Int32, batch: Int32, seqlen_k: Int32):
+        """The rank's accumulator (dK on rank 0, dV on rank 1) of the key block: float32 from
+        registers (GQA), else converted, stmatrix into its K / V buffer ``sX`` (read by no GEMM
+        any more) and one TMA store."""
+        tidx = thread_idx_x_again() - 128
         if const_expr(self.gqa):
-            tidx = thread_idx_x_again() - 128
-            thr = mma_dkv.get_slice(tidx)
-            if rank == 0:
-                self.store_dkv_f32(acc, mdK, thr, (tn, D), n_block, head_dkv, batch, seqlen_k)
-            else:
-                self.store_dkv_f32(acc, mdV, thr, (tn, D), n_block, head_dkv, batch, seqlen_k)
+            self.store_dkv_f32(acc, mX, mma_x.get_slice(tidx), tile, n_block, head_dkv, batch,
+                               seqlen_k)
         else:
-            tidx = thread_idx_x_again() - 128
             r16 = cute.make_rmem_tensor(acc.layout, self.dtype)
             convert_f32_pairs(acc, r16, self.is_bf16)
             epi_barrier = int(NamedBarrier.EPILOGUE)
             cute.arch.barrier(barrier_id=epi_barrier, number_of_threads=self.num_mma_threads)
             st_atom = cute.make_copy_atom(
                 cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-            st = cute.make_tiled_copy_C(st_atom, mma_dkv).get_slice(tidx)
-            cute.copy(st, st.retile(r16), st.partition_D(sB))
+            st = cute.make_tiled_copy_C(st_atom, mma_x).get_slice(tidx)
+            cute.copy(st, st.retile(r16), st.partition_D(sX))
             cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> TMA store
             cute.arch.barrier(barrier_id=epi_barrier, number_of_threads=self.num_mma_threads)
             if tidx < 32:
-                one = cute.make_layout(1)
-                if rank == 0:
-                    g = cute.local_tile(sequence(mdK, head_dkv, batch), (tn, D), (n_block, 0))
-                    t_s, t_g = cpasync.tma_partition(tma_atom_dK, 0, one,
-                                                     cute.group_modes(sB, 0, 2),
-                                                     cute.group_modes(g, 0, 2))
-                    cute.copy(tma_atom_dK, t_s, t_g)
-                else:
-                    g = cute.local_tile(sequence(mdV, head_dkv, batch), (tn, D), (n_block, 0))
-                    t_s, t_g = cpasync.tma_partition(tma_atom_dV, 0, one,
-                                                     cute.group_modes(sB, 0, 2),
-                                                     cute.group_modes(g, 0, 2))
-                    cute.copy(tma_atom_dV, t_s, t_g)
+                g = cute.local_tile(sequence(mX, head_dkv, batch), tile, (n_block, 0))
+                t_s, t_g = cpasync.tma_partition(tma_atom_X, 0, cute.make_layout(1),
+                                                 cute.group_modes(sX, 0, 2),
+                                                 cute.group_modes(g, 0, 2))
+                cute.copy(tma_atom_X, t_s, t_g)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 

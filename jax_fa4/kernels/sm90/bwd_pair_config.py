@@ -17,9 +17,9 @@ from typing import ClassVar
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig
 from jax_fa4.kernels.spec import SMEM_BUDGET_BYTES, check_dtype_and_mask
 
-#: head dims (D = Dv) the pair serves: Q and dO, K and V share their buffers' layouts, and each
-#: MMA warpgroup's quarter of dQ (D / 4 columns) is a whole number of 32-column swizzle atoms
-PAIR_HEAD_DIMS = (128, 256)
+#: (head_dim, head_dim_v) the pair serves: the tuning table's rows whose dQ quarter per MMA
+#: warpgroup (D / 4 columns: 32, 48, 64) is a WGMMA N extent and a swizzle-atom multiple
+PAIR_HEAD_DIMS = ((128, 128), (192, 128), (256, 256))
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,8 @@ class BwdPairConfig(BwdConfig):
         if (self.tile_m, self.tile_n) != (64, 128):
             raise ValueError("sm90 backward pair: needs a 64x128 tile (64 keys of dK or dV per "
                              f"MMA warpgroup), not {self.tile_m}x{self.tile_n}")
-        if self.head_dim != self.head_dim_v or self.head_dim not in PAIR_HEAD_DIMS:
-            raise ValueError("sm90 backward pair: head_dim == head_dim_v in "
+        if (self.head_dim, self.head_dim_v) not in PAIR_HEAD_DIMS:
+            raise ValueError("sm90 backward pair: head_dim/head_dim_v in "
                              f"{PAIR_HEAD_DIMS} required, not {self.head_dim}/{self.head_dim_v}")
         if self.stages < 1 or self.pds_stages not in (1, 2):
             raise ValueError("sm90 backward pair: stages >= 1 and pds_stages in {1, 2} required")
@@ -91,5 +91,6 @@ class BwdPairConfig(BwdConfig):
         """Per CTA, the two ranks' buffers overlaid (bwd_pair.py): Q or dO stages, K or V,
         float32 dP − delta or K's second half, P and dS per exchange stage."""
         e, tm, tn, D = 2, self.tile_m, self.tile_n, self.head_dim
-        return (self.stages * tm * D * e + tn * D * e + max(tm * tn * 4, tn * D // 2 * e)
+        wide = max(D, self.head_dim_v)
+        return (self.stages * tm * wide * e + tn * wide * e + max(tm * tn * 4, tn * D // 2 * e)
                 + 2 * self.pds_stages * tm * tn * e)
