@@ -103,9 +103,11 @@ GQA_SHAPES = (Shape(4, 8192, 8192, 32, 8, 128, 128, False),
 #: The anchors README's head dim 96 pair (in its "more shapes" table).
 D96_SHAPES = (Shape(4, 8192, 8192, 16, 16, 96, 96, False),
               Shape(4, 8192, 8192, 16, 16, 96, 96, True))
+#: The anchors README's head dims 192/128 pair (in its "more shapes" table).
+D192_SHAPES = (Shape(4, 8192, 8192, 16, 16, 192, 128, False),
+               Shape(4, 8192, 8192, 16, 16, 192, 128, True))
 #: The anchors README's "more shapes" table.
-ANCHOR_EXTRA_SHAPES = GQA_SHAPES + D96_SHAPES + (
-    Shape(4, 8192, 8192, 16, 16, 192, 128, False), Shape(4, 8192, 8192, 16, 16, 192, 128, True),
+ANCHOR_EXTRA_SHAPES = GQA_SHAPES + D96_SHAPES + D192_SHAPES + (
     Shape(64, 1, 8192, 32, 8, 128, 128, False), Shape(128, 1, 32768, 32, 8, 128, 128, False),
 )
 LATENCY_SHAPES = (Shape(1, 128, 128, 16, 16, 128, 128, False),

@@ -21,8 +21,8 @@ from typing import Any
 from jax_fa4.tools.bench_harness import timing_parser
 
 #: --shapes groups: the head dims of the anchor shapes each takes
-SHAPE_GROUPS = {"d64": (64,), "d96": (96,), "d128": (128,), "d256": (256,),
-                "all": (64, 96, 128, 256)}
+SHAPE_GROUPS = {"d64": (64,), "d96": (96,), "d128": (128,), "d192": (192,), "d256": (256,),
+                "all": (64, 96, 128, 192, 256)}
 H200_SMS = 132  # the persistent forward variants' grid (an H100 SXM has 132 SMs too)
 
 
@@ -164,9 +164,10 @@ def bwd_variants_for(head_dim: int, head_dim_v: int, mask: str,
 
 def bwd_shapes(group: str = "all") -> list[Any]:
     """The backward sweep's shapes: the anchor, GQA 32/8 and head dim 96 shapes, of ``group``."""
-    from jax_fa4.tools.bench_shapes import ANCHOR_SHAPES, D96_SHAPES, GQA_SHAPES
+    from jax_fa4.tools.bench_shapes import ANCHOR_SHAPES, D96_SHAPES, D192_SHAPES, GQA_SHAPES
 
-    return [s for s in ANCHOR_SHAPES + GQA_SHAPES + D96_SHAPES if s.D in SHAPE_GROUPS[group]]
+    return [s for s in ANCHOR_SHAPES + GQA_SHAPES + D96_SHAPES + D192_SHAPES
+            if s.D in SHAPE_GROUPS[group]]
 
 
 def bwd_shape_variants(shape: Any, names: list[str] | None) -> list[tuple[str, Any]]:
