@@ -16,8 +16,9 @@ import pytest
 
 from compiled import assert_no_local_memory, compiled_report, needs_disassembler, tiered
 from jax_fa4.kernels import registry
+from jax_fa4.kernels.sm90 import bwd_tuning
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig
-from jax_fa4.kernels.sm90.bwd_pair_config import BwdPairConfig
+from jax_fa4.kernels.sm90.bwd_pair_config import BwdPairConfig, with_pair
 from jax_fa4.kernels.spec import SMEM_BUDGET_BYTES
 from jax_fa4.tools.variants import sm90_bwd_gpu_configs, sm90_bwd_pair_candidates
 
@@ -85,3 +86,33 @@ def test_contract_is_the_one_cta_kernels():
         assert cfg.kernel_name == "sm90_bwd_pair" != one.kernel_name
         assert registry.launcher_module(cfg) == "jax_fa4.kernels.sm90.bwd_pair"
         assert cfg in sm90_bwd_gpu_configs()  # the GPU test runs it against the reference
+
+
+def test_no_row_takes_the_pair_before_a_gpu_run():
+    """The pair has run on no GPU yet: no tuning row may pick it (with_pair leaves every
+    table config as it is)."""
+    assert not any(t.pair for row in bwd_tuning.TUNING_TABLE.values() for t in row.values())
+    for (d, dv) in bwd_tuning.TUNING_TABLE:
+        cfg = BwdConfig.make("bfloat16", d, dv, "causal", gqa=True)
+        assert with_pair(cfg) is cfg
+
+
+def test_a_row_that_picks_the_pair(monkeypatch):
+    """With a row's ``pair`` on: dense calls take the pair with the row's options (GQA in its
+    group_heads form when the row says so); deterministic, segment-id and sink_grad calls keep
+    the one-CTA kernel, and so do head dims the pair does not serve."""
+    table = dict(bwd_tuning.TUNING_TABLE)
+    for key in ((256, 256), (96, 96)):
+        table[key] = {m: dataclasses.replace(t, pair=True, pair_lookahead=True,
+                                             pair_group_heads=True)
+                      for m, t in table[key].items()}
+    monkeypatch.setattr(bwd_tuning, "TUNING_TABLE", table)
+    mha = with_pair(BwdConfig.make("bfloat16", 256, 256, "causal"))
+    assert isinstance(mha, BwdPairConfig) and mha.lookahead and not mha.group_heads
+    gqa = with_pair(BwdConfig.make("bfloat16", 256, 256, "none", gqa=True))
+    assert isinstance(gqa, BwdPairConfig) and gqa.group_heads and not gqa.gqa
+    for kwargs in (dict(deterministic=True), dict(segments=True), dict(sink_grad=True)):
+        cfg = BwdConfig.make("bfloat16", 256, 256, "causal", **kwargs)
+        assert with_pair(cfg) is cfg
+    d96 = BwdConfig.make("bfloat16", 96, 96, "causal")
+    assert with_pair(d96) is d96

@@ -49,6 +49,7 @@ from jax_fa4.backends.kernel import KernelBackend, backward_kind, kernel_params,
 from jax_fa4.kernels.common import geometry
 from jax_fa4.kernels.sm90 import bwd_config, fwd_config
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig
+from jax_fa4.kernels.sm90.bwd_pair_config import with_pair
 
 ARCH = "sm_90a"
 
@@ -236,8 +237,8 @@ class Sm90Backend(KernelBackend):
                          ) -> tuple[BwdConfig, object]:
         """(main config, postprocess config) for this call (``sink_grad``: the config that
         also sums the sink's share of the output's rowsum); raises ValueError if unsupported."""
-        cfg = BwdConfig.make(**backward_kind(q, k, v, opts), sink_grad=sink_grad,
-                             group_shape=(q.shape[0] * k.shape[2], k.shape[1]))
+        cfg = with_pair(BwdConfig.make(**backward_kind(q, k, v, opts), sink_grad=sink_grad,
+                                       group_shape=(q.shape[0] * k.shape[2], k.shape[1])))
         return cfg, cfg.postprocess_config()
 
     def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts,

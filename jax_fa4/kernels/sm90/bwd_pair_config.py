@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig
+# the table chooses configs (whose fields are the key): not part of any kernel's key
+from jax_fa4.kernels.sm90.bwd_tuning import tuning_for
 from jax_fa4.kernels.spec import SMEM_BUDGET_BYTES, check_dtype_and_mask
 
 #: (head_dim, head_dim_v) the pair serves: the tuning table's rows whose dQ quarter per MMA
@@ -94,3 +96,17 @@ class BwdPairConfig(BwdConfig):
         wide = max(D, self.head_dim_v)
         return (self.stages * tm * wide * e + tn * wide * e + max(tm * tn * 4, tn * D // 2 * e)
                 + 2 * self.pds_stages * tm * tn * e)
+
+
+def with_pair(cfg: BwdConfig) -> BwdConfig:
+    """``cfg`` (``BwdConfig.make``'s choice for a call), or its split-operand pair form where the
+    tuning row of its problem kind picks the pair (``Sm90BwdTuning.pair``) and the pair serves
+    the call: a dense one, not deterministic and without segment ids or sink_grad, at head dims
+    in PAIR_HEAD_DIMS. The row's ``pair_lookahead`` and, for GQA calls, ``pair_group_heads``
+    choose its options."""
+    row = tuning_for(cfg.head_dim, cfg.head_dim_v, cfg.mask)
+    if (not row.pair or (cfg.head_dim, cfg.head_dim_v) not in PAIR_HEAD_DIMS
+            or cfg.deterministic or cfg.varlen or cfg.segments or cfg.sink_grad):
+        return cfg
+    grouped = (cfg.gqa or cfg.group_heads) and row.pair_group_heads
+    return BwdPairConfig.of(cfg, lookahead=row.pair_lookahead, group_heads=grouped)

@@ -32,6 +32,15 @@ class Sm90BwdTuning:
     # chosen it; it compiles clean at head dims 96, 128 and 192/128 and puts an accumulator in
     # local memory at 64 and 256 (BwdConfig.validate).
     group_heads: bool = False
+    # the split-operand CTA pair (bwd_pair_config.BwdPairConfig, its own kernel) for the dense
+    # calls it serves (not deterministic, varlen, segment ids or sink_grad), with its lookahead
+    # option and, for GQA calls, its group_heads form (pair_group_heads). Off in every row until
+    # the pair has passed the GPU tests (tests/gpu/test_sm90_bwd.py::
+    # test_pair_kernel_matches_reference) and won a same-process A/B (benchmarks/bwd_variants.py
+    # variants pair, pair-la, +group).
+    pair: bool = False
+    pair_lookahead: bool = False
+    pair_group_heads: bool = False
 
 
 #: The fewest CTAs (B·Hkv·key blocks) for which a GQA call takes the group_heads form: two per
