@@ -31,9 +31,10 @@ half is the one-CTA warpgroup r's chunk, warpgroup w's quarter that chunk's regi
 regions A–D have the same offsets in both CTAs (a struct of raw buffers, viewed per rank).
 
 Warps: warpgroup 0 = producer (warp 0 issues the TMA loads: this rank's K / V / K-half once on
-one mbarrier armed with this rank's bytes, then Q or dO of every query block through a
-``stages``-deep pipeline); warpgroups 1, 2 = MMA, 64-row S / dP (two 64-column halves), 64-key
-dK / dV (two key halves) and dQ-half (two D/4-column quarters) per warpgroup.
+one mbarrier armed with this rank's bytes, then Q (rank 0) or dO (rank 1) of every query block
+through that operand's ``stages``-deep pipeline); warpgroups 1, 2 = MMA, 64-row S / dP (two
+64-column halves), 64-key dK / dV (two key halves) and dQ-half (two D/4-column quarters) per
+warpgroup.
 
 Signals (mbarriers at the same offsets in both CTAs; "remote": the peer's copy, cluster scope;
 j = the iteration, s = j mod pds_stages):
