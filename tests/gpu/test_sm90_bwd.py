@@ -246,7 +246,13 @@ def test_head_dim_192_candidates_match_reference(case, dq_red):
     config = next(c for c in sm90_bwd_d192_candidates()
                   if (c.mask, c.gqa, c.dq_red) == (mask_kind(case.window), case.h != case.hkv,
                                                    dq_red))
-    q, k, v, dout = _inputs(case, seed=5)
+    _check_config(case, config, seed=5)
+
+
+def _check_config(case: Case, config, seed: int) -> None:
+    """``config``'s backward on fresh inputs of ``case`` (outputs poisoned first): each gradient
+    has its input's shape and dtype, is finite and passes FA4's rule."""
+    q, k, v, dout = _inputs(case, seed=seed)
     kw = dict(scale=1.0 / case.d ** 0.5, window=case.window, softcap=case.softcap)
     out32, lse = _forward32(q, k, v, **kw)
     poison_device_memory()
@@ -299,19 +305,7 @@ PAIR_FORMS = [(c, False) for c in PAIR_CASES] + [(c, True) for c in PAIR_CASES i
 def test_pair_kernel_matches_reference(case, grouped, lookahead):
     """The split-operand CTA pair (BwdPairConfig: no table row picks it before it has passed
     here and been timed) passes FA4's rule like the table's kernels, outputs poisoned first."""
-    q, k, v, dout = _inputs(case, seed=7)
-    kw = dict(scale=1.0 / case.d ** 0.5, window=case.window, softcap=case.softcap)
-    out32, lse = _forward32(q, k, v, **kw)
-    poison_device_memory()
-    got = sm90_backward_config(q, k, v, out32.astype(q.dtype), lse, dout,
-                               Opts(kw["scale"], case.window, case.softcap),
-                               _pair_config(case, lookahead, grouped))
-    ref = _ref_backward(q, k, v, out32, lse, dout, **kw)
-    pt = _pt_backward(q, k, v, dout, **kw)
-    for name, g, r, p, x in zip(("dq", "dk", "dv"), got, ref, pt, (q, k, v)):
-        assert g.shape == x.shape and g.dtype == x.dtype, (name, g.shape, g.dtype)
-        assert bool(jnp.all(jnp.isfinite(g))), f"{name}: non-finite values"
-        assert_fa4_close(g, r.astype(x.dtype), p, name=name)
+    _check_config(case, _pair_config(case, lookahead, grouped), seed=7)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
