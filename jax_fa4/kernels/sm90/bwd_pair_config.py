@@ -10,7 +10,6 @@ shared memory; every dQ addition covers 128 keys (bwd_pair.py's docstring).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -75,10 +74,9 @@ class BwdPairConfig(BwdConfig):
         if self.lookahead and (self.pds_stages != 2 or self.stages < 2):
             raise ValueError("sm90 backward pair: lookahead needs pds_stages == 2 (P of the next "
                              "block is written while this block's GEMMs read D) and stages >= 2")
-        off = [f.name for f in dataclasses.fields(BwdConfig)
-               if f.name in ("deterministic", "varlen", "segments", "sink_grad", "swap_sdp",
-                             "stats_smem", "dq_red", "reverse_launch")
-               and getattr(self, f.name)]
+        off = [name for name in ("deterministic", "varlen", "segments", "sink_grad", "swap_sdp",
+                                 "stats_smem", "dq_red", "reverse_launch")
+               if getattr(self, name)]
         if off:
             raise ValueError(f"sm90 backward pair: {', '.join(off)} not implemented (dense calls, "
                              "the pair's own loop, dQ added from registers)")
