@@ -563,24 +563,45 @@ def assert_lse_close(lse, ref_lse, pt_lse, *, softcap: bool, name: str = "lse") 
                               f"(pt error {pt_err:.4g})")
 
 
-def sink_gradient_of_rounded_output(ref_out, ref_lse, sink, w_out, w_lse, out_dtype):
-    """d sink of the weighted loss as a FlashAttention backward computes it, from what it has:
-    its output and the output's cotangent, both in the output dtype (the cotangent of a
-    bfloat16 output is bfloat16 under JAX's autodiff), here the oracle's float32 ``ref_out`` and
-    ``w_out`` rounded to ``out_dtype``:
+def sink_gradients_of_rounded_cotangent(ref_out, ref_lse, sink, w_out, w_lse, out_dtype):
+    """d sink of the weighted loss as a FlashAttention backward computes it from what it has:
+    the output's cotangent in the output dtype (the cotangent of a bfloat16 output is bfloat16
+    under JAX's autodiff), here ``w_out`` rounded to ``out_dtype``, with the output either as
+    the forward accumulated it (a backward summing P·dP in float32, as the sm90 kernel's
+    sink_grad does: the oracle's float32 ``ref_out``) or rounded to ``out_dtype`` (one taking
+    ``rowsum(dout · out)`` of the output it returned). Both forms, each
     ``-sum_{b,i} e^{sink_h - lse_bhi} (sum_d w_out_bihd out_bihd - w_lse_bhi)`` over the rows
     with a finite lse, in float64. ref_out (B, Sq, H, Dv), ref_lse (B, H, Sq)."""
     def rounded(x):
         return np.asarray(np.asarray(x, np.float32).astype(out_dtype), np.float64)
 
     lse = np.asarray(ref_lse, np.float64)
-    rowsum = np.einsum("bqhd,bqhd->bhq", rounded(w_out), rounded(ref_out))
-    if w_lse is not None:
-        rowsum = rowsum - np.asarray(w_lse, np.float64)
     finite = np.isfinite(lse)
     p_sink = np.where(finite, np.exp(np.asarray(sink, np.float64)[None, :, None]
                                      - np.where(finite, lse, 0.0)), 0.0)
-    return -(p_sink * rowsum).sum(axis=(0, 2)).astype(np.float32)
+    forms = []
+    for out in (np.asarray(ref_out, np.float64), rounded(ref_out)):
+        rowsum = np.einsum("bqhd,bqhd->bhq", rounded(w_out), out)
+        if w_lse is not None:
+            rowsum = rowsum - np.asarray(w_lse, np.float64)
+        forms.append(-(p_sink * rowsum).sum(axis=(0, 2)).astype(np.float32))
+    return tuple(forms)
+
+
+def dsink_pt(pt_dsink, ref_dsink, forms):
+    """FA4's "pt" for d sink: the farthest from ``ref_dsink`` of the 16-bit oracle's d sink
+    ``pt_dsink`` and ``forms`` (:func:`sink_gradients_of_rounded_cotangent`), in pt's dtype."""
+    ref32 = np.asarray(ref_dsink, np.float32)
+    far = max((np.asarray(pt_dsink, np.float32), *forms),
+              key=lambda x: np.abs(np.asarray(x, np.float32) - ref32).max())
+    return np.asarray(far).astype(pt_dsink.dtype)
+
+
+def dsink_pt_of(pt_dsink, ref_dsink, ref_out, ref_lse, sink, w_out, w_lse,
+                out_dtype=jnp.bfloat16) -> jax.Array:
+    """:func:`dsink_pt` with the forms of :func:`sink_gradients_of_rounded_cotangent`."""
+    forms = sink_gradients_of_rounded_cotangent(ref_out, ref_lse, sink, w_out, w_lse, out_dtype)
+    return jnp.asarray(dsink_pt(pt_dsink, ref_dsink, forms))
 
 
 def assert_rule(got, ref, pt, *, softcap: bool, name: str,
@@ -607,17 +628,17 @@ def assert_rule(got, ref, pt, *, softcap: bool, name: str,
 
 
 def check_results(name: str, got, ref, pt, *, softcap: bool, grad_names=(),
-                  dsink_rounding=None) -> None:
+                  dsink_forms=()) -> None:
     """``got``, ``ref``, ``pt`` are (out, lse, grads): out and each gradient by FA4's rule
     against ref (:func:`assert_rule`), lse by :func:`assert_lse_close`; nothing NaN.
 
     d sink (float32, summed over every row) is the one gradient whose low-precision error the
-    bfloat16 oracle does not bound: a FlashAttention backward computes it from
-    ``rowsum(dout · out)`` with the output it returned and that output's cotangent, both
-    bfloat16, so its error grows with the rows and Dv, while pt's d sink (through P and V, not
-    the rounded output) is nearly the float32 sum rounded once. Its pt is therefore whichever of
-    pt's d sink and ``dsink_rounding`` (:func:`sink_gradient_of_rounded_output`: the exact
-    formula on the rounded output and cotangent) is farther from ref."""
+    bfloat16 oracle does not bound: a FlashAttention backward computes it from the output's
+    cotangent, bfloat16 (and possibly the bfloat16 output), so its error grows with the rows and
+    Dv, while pt's d sink (through P and V) is nearly the float32 sum rounded once. Its pt is
+    therefore the farthest from ref of pt's d sink and ``dsink_forms``
+    (:func:`sink_gradients_of_rounded_cotangent`: the exact formula on the rounded cotangent,
+    with the output exact or rounded), :func:`dsink_pt`."""
     (out, lse, grads), (ref_out, ref_lse, ref_grads), (pt_out, pt_lse, pt_grads) = got, ref, pt
     assert_no_nan(f"{name} out", out)
     assert_rule(out, ref_out, pt_out, softcap=softcap, name=f"{name} out")
@@ -628,10 +649,8 @@ def check_results(name: str, got, ref, pt, *, softcap: bool, grad_names=(),
         scale = grad_scale(r) if gname == "dsink" else token_scale
         assert g.shape == r.shape and g.dtype == p.dtype, (gname, g.shape, g.dtype)
         assert_no_nan(f"{name} {gname}", g)
-        if gname == "dsink" and dsink_rounding is not None:
-            r32 = np.asarray(r, np.float32)
-            if np.abs(dsink_rounding - r32).max() > np.abs(np.asarray(p, np.float32) - r32).max():
-                p = np.asarray(dsink_rounding).astype(p.dtype)
+        if gname == "dsink" and dsink_forms:
+            p = dsink_pt(p, r, dsink_forms)
         assert_rule(g, r, p, softcap=softcap, name=f"{name} {gname}", grad_scale=scale)
 
 
@@ -712,10 +731,10 @@ def check_dense(case: DenseCase, implementation: str | None, space: Space,
     assert out.shape == (case.b, case.sq, hd.h, hd.dv) and out.dtype == jnp.bfloat16
     assert lse.shape == (case.b, hd.h, case.sq) and lse.dtype == jnp.float32
     name = f"dense {case}"
-    rounding = None if sink is None else sink_gradient_of_rounded_output(
+    forms = () if sink is None else sink_gradients_of_rounded_cotangent(
         ref[0], ref[1], sink, w_out, w_lse, out.dtype)
     check_results(name, got, ref, pt, softcap=opts.softcap > 0, grad_names=_grad_names(sink),
-                  dsink_rounding=rounding)
+                  dsink_forms=forms)
     key_less = np.broadcast_to(~mask.any(-1)[:, None, :], lse.shape)
     check_empty_rows(name, out, lse, key_less, sink)
 
@@ -759,11 +778,11 @@ def check_varlen(case: VarlenCase, implementation: str | None, space: Space,
     out, lse, grads = got
     assert out.shape == (total_q, hd.h, hd.dv) and lse.shape == (hd.h, total_q)
     name = f"varlen {case}"
-    rounding = None if sink is None else sink_gradient_of_rounded_output(
+    forms = () if sink is None else sink_gradients_of_rounded_cotangent(
         ref[0][None], ref[1][None], sink, w_out[None],
         None if w_lse is None else w_lse_valid[None], out.dtype)
     check_results(name, got, ref, pt, softcap=opts.softcap > 0, grad_names=_grad_names(sink),
-                  dsink_rounding=rounding)
+                  dsink_forms=forms)
     out32 = np.asarray(out, np.float32)
     assert (out32[~in_sequence_q] == 0).all(), f"{name}: padding tokens' output is not 0"
     assert np.isneginf(np.asarray(lse)[:, ~in_sequence_q]).all(), \

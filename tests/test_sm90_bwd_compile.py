@@ -253,6 +253,22 @@ def test_without_swap_sdp_restores_the_plain_launch_order():
         assert without_swap_sdp(default).reverse_launch  # the head dim 128 row's order
 
 
+def test_dq_red_where_the_row_allows_it():
+    """make() gives dq_red (and the row's red_stages) to the calls it serves, and the row's
+    stages without it: head dim 256 (plain loop) two Q/dO stages with dq_red, one deterministic
+    or varlen; head dim 128 (swapped loop) dq_red only where the swapped loop applies."""
+    d256 = BwdConfig.make("bfloat16", 256, mask="causal", has_softcap=True, gqa=True)
+    assert d256.dq_red and d256.stages == 2 and not d256.swap_sdp
+    for cfg in (BwdConfig.make("bfloat16", 256, deterministic=True),
+                varlen_config("bfloat16", 256, mask="causal")):
+        cfg.validate()
+        assert not cfg.dq_red and cfg.stages == 1
+    assert BwdConfig.make("bfloat16", 128).dq_red
+    assert not BwdConfig.make("bfloat16", 128, has_softcap=True).dq_red  # plain loop there
+    v128 = varlen_config("bfloat16", 128, mask="causal")
+    assert not (v128.dq_red or v128.swap_sdp or v128.reverse_launch or v128.stats_smem)
+
+
 def test_swap_sdp_validation():
     base = with_stats_smem(without_swap_sdp(BwdConfig.make("bfloat16", 128, mask="causal")),
                            False)
@@ -340,10 +356,10 @@ def test_group_heads_config(group_heads_rows):
     assert all(c.smem_bytes() <= SMEM_BUDGET_BYTES for c in shipped)
 
 
-def test_no_row_takes_group_heads_before_a_gpu_run():
-    """group_heads has compiled clean but not run on a GPU: no tuning row picks it, so no call
-    and no shipped variant uses it (its "group" form runs in the GPU tests). A row that turns it
-    on comes with its GPU test results and A/B, and replaces this check."""
+def test_no_row_takes_group_heads_before_a_step_ab():
+    """group_heads passes the GPU tests (its "group" form runs there) and has won only +2 % in
+    the attention-alone A/B: no tuning row picks it, so no call and no shipped variant uses it.
+    A row that turns it on comes with its whole-step A/B, and replaces this check."""
     assert not any(t.group_heads for row in TUNING_TABLE.values() for t in row.values())
     assert not any(getattr(c, "group_heads", False) for c in shipped_configs())
     assert any(getattr(c, "group_heads", False) for c in sm90_bwd_gpu_configs())
@@ -396,8 +412,10 @@ def test_every_shipped_variant_fits_shared_memory():
     assert not any(c.swap_sdp or c.deterministic or c.varlen or c.tile_m > 64
                    for c in segments)
     # every varlen variant is the table's default kernel of its kind in the plain loop (no
-    # swap_sdp, statistics from registers, dQ through the dQ warp), launched by the work list
-    plain = {replace(c, swap_sdp=False, stats_smem=False, dq_red=False, reverse_launch=False)
+    # swap_sdp, statistics from registers, dQ through the dQ warp with the row's stages, not its
+    # red_stages), launched by the work list
+    plain = {replace(c, swap_sdp=False, stats_smem=False, dq_red=False, reverse_launch=False,
+                     stages=TUNING_TABLE[c.head_dim, c.head_dim_v][c.mask].stages)
              for c in mains if not c.varlen and not c.deterministic}
     assert all(replace(c, varlen=False) in plain for c in varlen)
     assert all(c.smem_bytes() <= SMEM_BUDGET_BYTES for c in mains)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
+from attention_properties import dsink_pt_of
 from jax_fa4 import reference
 from numerics import assert_fa4_close
 from tests.gpu.test_paged import run_paged_case
@@ -159,26 +160,9 @@ def test_sink_forward_backward_random(seed):
                   name)
     ref_lse = np.asarray(ref_pair[1])
     w_lse = np.where(np.isfinite(ref_lse), np.cos(np.where(np.isfinite(ref_lse), ref_lse, 0)), 0)
-    pt = (*pt[:3], dsink_pt(pt[3], ref[3], ref_pair[0], ref_lse, sink, w, w_lse))
+    pt = (*pt[:3], dsink_pt_of(pt[3], ref[3], ref_pair[0], ref_lse, sink, w, w_lse))
     for gname, g, r, p in zip(("dq", "dk", "dv", "dsink"), got, ref, pt):
         assert_fa4_close(g, r.astype(g.dtype), p, softcap=softcap > 0, name=f"{name} {gname}")
-
-
-def dsink_pt(pt_dsink, ref_dsink, ref_out, ref_lse, sink, w_out, w_lse):
-    """FA4's "pt" for d sink: the farther from ref of the 16-bit reference's d sink and the
-    exact formula on the 16-bit-rounded output and cotangent. A FlashAttention backward (FA4's
-    too) computes d sink from ``rowsum(dout · out)`` with the output it returned and that
-    output's cotangent, both 16-bit, an error that grows with the rows and Dv and that the
-    16-bit reference's d sink (through P and V) does not carry
-    (tests/attention_properties.py, ``check_results``)."""
-    from attention_properties import sink_gradient_of_rounded_output
-
-    rounded = sink_gradient_of_rounded_output(ref_out, ref_lse, sink, w_out, w_lse,
-                                              jnp.bfloat16)
-    ref32 = np.asarray(ref_dsink, np.float32)
-    if np.abs(rounded - ref32).max() > np.abs(np.asarray(pt_dsink, np.float32) - ref32).max():
-        return jnp.asarray(rounded, pt_dsink.dtype)
-    return pt_dsink
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -150,13 +150,13 @@ def run_varlen_grad_case(lens_q, lens_k, h, hkv, d, dv, dtype=jnp.bfloat16, caus
         g32 = np.asarray(g, np.float32)
         assert (g32[~valid] == 0).all(), f"{name} {gname}: padding tokens got a gradient"
         assert_fa4_close(g[valid], r.astype(g.dtype)[valid], p[valid], name=f"{name} {gname}")
-    if sink is not None:  # (pt: tests/gpu/test_single_rounding.py's dsink_pt)
-        from tests.gpu.test_single_rounding import dsink_pt
+    if sink is not None:  # (pt: tests/attention_properties.py's dsink_pt_of)
+        from attention_properties import dsink_pt_of
 
         ref_out, ref_lse = reference.attention(*(x[None].astype(jnp.float32) for x in (q, k, v)),
                                                learnable_sink=sink, **kw)
-        assert_fa4_close(got[3], ref[3], dsink_pt(pt[3], ref[3], ref_out, ref_lse, sink,
-                                                  w[None], None), name=f"{name} dsink")
+        assert_fa4_close(got[3], ref[3], dsink_pt_of(pt[3], ref[3], ref_out, ref_lse, sink,
+                                                     w[None], None), name=f"{name} dsink")
 
 
 # lengths 0 and 1, a key-only sequence (its dK, dV are 0), a query-only one (its dQ is 0),

@@ -147,10 +147,13 @@ class BwdConfig(KernelConfig):
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
              has_softcap: bool = False, gqa: bool = False,
              deterministic: bool = False, sink_grad: bool = False,
-             segments: bool = False, group_shape: tuple[int, int] | None = None) -> BwdConfig:
+             segments: bool = False, group_shape: tuple[int, int] | None = None,
+             varlen: bool = False) -> BwdConfig:
         """The table's config of a problem kind. ``group_shape`` = (B·Hkv, Sk) of a GQA call:
         its group_heads form where the table's row allows it and it launches at least
-        GROUP_HEADS_MIN_CTAS CTAs (``GROUP_HEADS_ANY``: wherever the row allows it)."""
+        GROUP_HEADS_MIN_CTAS CTAs (``GROUP_HEADS_ANY``: wherever the row allows it).
+        ``varlen``: the packed-sequence kernel, the plain loop in the work list's key-block
+        order."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         t = tuning_for(head_dim, head_dim_v, mask)
         # swap_sdp spills with softcap (validate) and was measured slower deterministic
@@ -159,16 +162,20 @@ class BwdConfig(KernelConfig):
         swap = t.swap_sdp and not has_softcap and not deterministic
         # sink_grad's per-column sums spill in the swapped loop (its 16 + 16 column statistics
         # are live there: hdim 128 GQA LDL 23, fp16 local LDL 2): the plain loop
-        swap = swap and not sink_grad and not segments
+        swap = swap and not sink_grad and not segments and not varlen
+        # dq_red: with the row's swap_sdp where the row asks for it (measured only so); no fixed
+        # order of the adds (deterministic) and no varlen form
+        red = t.dq_red and (swap or not t.swap_sdp) and not deterministic and not varlen
         cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
                   has_softcap=bool(has_softcap), gqa=bool(gqa), deterministic=bool(deterministic),
-                  tile_m=t.tile_m, tile_n=t.tile_n, stages=t.stages, pds_stages=t.pds_stages,
-                  swap_sdp=swap,
+                  tile_m=t.tile_m, tile_n=t.tile_n,
+                  stages=t.red_stages if red and t.red_stages else t.stages,
+                  pds_stages=t.pds_stages, swap_sdp=swap,
                   reverse_launch=((mask == "causal") if deterministic
-                                  else t.reverse_launch and not swap),
+                                  else t.reverse_launch and not swap and not varlen),
                   stats_smem=t.stats_smem and swap,
-                  dq_red=t.dq_red and swap, sink_grad=bool(sink_grad),
-                  segments=bool(segments))
+                  dq_red=red, sink_grad=bool(sink_grad),
+                  segments=bool(segments), varlen=bool(varlen))
         if (gqa and group_shape is not None and t.group_heads and not sink_grad
                 and not segments):
             kv_heads, seqlen_k = group_shape
@@ -389,12 +396,8 @@ def varlen_config(dtype: str, head_dim: int, head_dim_v: int | None = None, mask
                   sink_grad: bool = False) -> BwdConfig:
     """The varlen backward config of a problem kind: the table's tile and stages (its key blocks
     launch in the work list's order)."""
-    cfg = replace(BwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, gqa,
-                                 sink_grad=sink_grad),
-                  swap_sdp=False, reverse_launch=False, stats_smem=False, dq_red=False,
-                  varlen=True)
-    cfg.validate()
-    return cfg
+    return BwdConfig.make(dtype, head_dim, head_dim_v, mask, has_softcap, gqa,
+                          sink_grad=sink_grad, varlen=True)
 
 
 def _with_postprocess(mains: list[BwdConfig]) -> list[KernelConfig]:

@@ -25,19 +25,25 @@ class Sm90BwdTuning:
     reverse_launch: bool = False  # key blocks launched from the last one down (BwdConfig)
     stats_smem: bool = False  # lse_log2 / delta through shared memory, loaded by a producer warp
     dq_red: bool = False  # dQ added to dq_accum by the MMA threads (red.global), no dQ buffer
+    # Q and dO pipeline depth where dq_red applies (0: ``stages``): the shared memory of the dQ
+    # buffer it frees may hold another stage; ``stages`` stays the depth of the calls dq_red
+    # does not serve (deterministic, varlen, a row's swap_sdp that does not apply)
+    red_stages: int = 0
     # GQA calls with one CTA per (key block, kv head) summing its group's query heads
-    # (BwdConfig.group_heads), when that launches at least GROUP_HEADS_MIN_CTAS CTAs. Off in
-    # every row until the form has passed the GPU tests (its "group" opt-in form,
-    # tools/variants.OPT_IN_FORMS) and a same-process A/B (benchmarks/bwd_variants.py) has
-    # chosen it; it compiles clean at head dims 96, 128 and 192/128 and puts an accumulator in
-    # local memory at 64 and 256 (BwdConfig.validate).
+    # (BwdConfig.group_heads), when that launches at least GROUP_HEADS_MIN_CTAS CTAs. It passes
+    # the GPU tests (its "group" opt-in form, tools/variants.OPT_IN_FORMS) and is off in every
+    # row: +2 % over the per-query-head form at B4·S8192·H32/8 D128 on an H100
+    # (benchmarks/results/bwd-variants-d128-pair-group-nvidia-h100-2026-12-05.json), too
+    # little to choose it without a whole-step A/B. It compiles clean at head dims 96, 128 and
+    # 192/128 and puts an accumulator in local memory at 64 and 256 (BwdConfig.validate).
     group_heads: bool = False
     # the split-operand CTA pair (bwd_pair_config.BwdPairConfig, its own kernel) for the dense
     # calls it serves (not deterministic, varlen, segment ids or sink_grad), with its lookahead
-    # option and, for GQA calls, its group_heads form (pair_group_heads). Off in every row until
-    # the pair has passed the GPU tests (tests/gpu/test_sm90_bwd.py::
-    # test_pair_kernel_matches_reference) and won a same-process A/B (benchmarks/bwd_variants.py
-    # variants pair, pair-la, +group).
+    # option and, for GQA calls, its group_heads form (pair_group_heads). Off in every row: it
+    # passes the GPU tests (tests/gpu/test_sm90_bwd.py::test_pair_kernel_matches_reference) and
+    # is slower than the one-CTA kernel at head dims 128, 192/128 and 256 on an H100
+    # (benchmarks/results/bwd-variants-d{128-pair-group,192-pair,256-pair}-nvidia-h100-
+    # 2026-12-05.json).
     pair: bool = False
     pair_lookahead: bool = False
     pair_group_heads: bool = False
@@ -65,9 +71,12 @@ GROUP_HEADS_MIN_CTAS = 264
 # loop (benchmarks/results/bwd-variants-stats-nvidia-h200-2026-12-02.json), and dq_red on top,
 # +1 … +5 % more (bwd-variants-red-nvidia-h200-2026-12-02.json); hdim 96 causal: swap_sdp with
 # stats_smem, +5.5 % (unmasked: 2 % slower, off;
-# benchmarks/results/bwd-variants-d96-forms-nvidia-h200-2026-12-02.json). A row's swap_sdp
-# applies without softcap and when not deterministic (make); its reverse_launch only where
-# swap_sdp is off, its stats_smem and dq_red only with it. docs/kernels/sm90-backward.md.
+# benchmarks/results/bwd-variants-d96-forms-nvidia-h200-2026-12-02.json). hdim 256: dq_red in
+# the plain loop with a second Q/dO stage in the dQ buffer's place, 1.46 / 1.49x the one-stage
+# row at B4·S8192·H8 on an H100 (benchmarks/results/bwd-variants-d256-red-nvidia-h100-
+# 2026-12-05.json). A row's swap_sdp applies without softcap and when not deterministic (make);
+# its reverse_launch only where swap_sdp is off, its stats_smem only with it, its dq_red with
+# it where the row has both, and never deterministic or varlen. docs/kernels/sm90-backward.md.
 _T = Sm90BwdTuning
 _REV = dict(reverse_launch=True)
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
@@ -77,7 +86,7 @@ TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
     (128, 128): {k: _T(64, 128, 2, 2, swap_sdp=True, stats_smem=True, dq_red=True, **_REV)
                  for k in MASK_KINDS},
     (192, 128): {k: _T(64, 64, 2, 2, **_REV) for k in MASK_KINDS},
-    (256, 256): {k: _T(64, 64, 1, 1, **_REV) for k in MASK_KINDS},
+    (256, 256): {k: _T(64, 64, 1, 1, dq_red=True, red_stages=2, **_REV) for k in MASK_KINDS},
 }
 
 
