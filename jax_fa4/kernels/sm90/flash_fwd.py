@@ -10,7 +10,8 @@ starts from it, OnlineSoftmax.reset_with_sink, so the output is rounded once).
 Structure (one CTA = one tile of tile_m query rows of one (batch, head); not persistent):
   * warpgroup 0 = producer. It gives registers back (setmaxnreg); its warp 0 issues the TMA loads:
     Q once, then K[n], V[n] for the visited key blocks, highest n first, through mbarrier
-    pipelines (PipelineTmaAsync: Q one stage, K and V `stages` stages each).
+    pipelines (PipelineTmaAsync: Q one stage, K and V `stages` stages each; FP8: its four warps
+    also transpose V, see below).
   * warpgroups 1..W = consumers, 64 query rows each (tile_m = 64·W). Per key block:
       S = Q·Kᵀ (WGMMA, both operands in shared memory) → [softcap] → [mask] → online softmax
       (exp2 with scale·log2 e folded into one FFMA) → P converted to 16 bits in registers →
@@ -55,12 +56,21 @@ Padding isolation (varlen and paged): in the highest key block, the rows of V's 
 keys (the next sequence, padding tokens, a page's unused slots) are zeroed before the P·V GEMM
 reads them (zero_v_rows_past_keys, common/rows.py): P is 0 there, but 0·NaN is not.
 
-FP8 (FwdConfig.dtype "float8_e4m3fn", docs/fp8.md): e4m3 q, k and vt, the value operand
-transposed by the caller (B, Hkv, Dv, Skp) because e4m3 WGMMAs read both operands K-major, with
-its keys permuted within groups of 32 to match P's register packing (convert_p_e4m3: the
-accumulator's values packed as they lie, no shuffles); descale (B, Hkv, 2) folds q·k's into the
-softmax scale and v's into each row's 1/Σ; O is bfloat16, staged in Q's buffer (sized for it).
-Dense calls only, exact row max (fwd_config.FwdConfig.validate_fp8).
+FP8 (FwdConfig.dtype "float8_e4m3fn", docs/fp8.md): e4m3 q, k and v, as the 16-bit kernel
+takes them; descale (B, Hkv, 2) folds q·k's into the softmax scale and v's into each row's 1/Σ;
+O is bfloat16, staged in Q's buffer (sized for it). Dense calls, overlapped mainloop, exact row
+max only (fwd_config.FwdConfig.validate_fp8). e4m3 WGMMAs read both operands K-major, and P
+(convert_p_e4m3) holds each group of 32 keys in a permuted order (the accumulator's values packed
+as they lie), so V's operand is (Dv, tile_n), keys contiguous, column l of each group of 32
+holding key fwd_config.fp8_value_permutation()[l]. V gets there in the kernel: warp 0 TMA-loads
+each V block as stored into a staging buffer (FwdConfig.v_staging_stages stages, a
+PipelineTmaAsync whose consumers are the producer warps), and all four producer warps transpose
+it into sV with ldmatrix.trans / prmt / stmatrix (v_transpose.py; its lane addresses and their
+bank-conflict freedom: v_transpose_plan.py), fence the writes for the WGMMA's async proxy and
+arrive on sV's full barrier (a PipelineAsync whose consumers, every consumer thread, release it
+as for 16-bit V). With two staging stages a block is transposed after the next one's load is
+issued, with one (head dim 256) after its own. Keys past seqlen_k read zeros (TMA fills rows out
+of bounds) and are masked in S, so P·V adds 0 there: no padding of the key count.
 
 Decode shapes reach this kernel rewritten by jax_fa4/decode.py (GQA packing, split-KV), in the
 decode tile's configs (fwd_config.decode_config / paged_config): 64 rows, often two CTAs per SM
