@@ -9,10 +9,9 @@ the query heads of its group. The output is bfloat16 by default (``out_dtype``).
 On Hopper the FP8 forward kernel runs (:class:`~jax_fa4.kernels.sm90.flash_fwd.
 FlashAttentionForwardSm90` with ``FwdConfig.dtype == "float8_e4m3fn"``): e4m3 WGMMAs for Q·Kᵀ
 and P·V, the q·k descale folded into the softmax scale and v's into the output's 1/Σ, P
-rounded to e4m3 in registers. Its value operand must be K-major: :func:`kernel_values` passes v
-transposed (keys contiguous), padded to a multiple of 32 keys and with each group of 32 keys
-in the order the kernel's P fragment holds them (one XLA transpose of v per call). Elsewhere
-the pure-JAX reference runs on the dequantised inputs in float32.
+rounded to e4m3 in registers. It takes q, k and v as stored, like the 16-bit kernel (V's
+transpose into the K-major operand the e4m3 WGMMA reads happens in its shared memory).
+Elsewhere the pure-JAX reference runs on the dequantised inputs in float32.
 
 Forward only: the gradient of an FP8 call raises (train in bfloat16; quantise for inference).
 :func:`quantize` turns bfloat16 / float32 tensors into e4m3 with per-(batch, head) descales.
@@ -20,13 +19,8 @@ Forward only: the gradient of an FP8 call raises (train in bfloat16; quantise fo
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
-
-from jax_fa4.kernels.sm90.fwd_config import FP8_KEY_GROUP, fp8_value_permutation
 
 #: The FP8 dtype the kernels take.
 FP8 = jnp.float8_e4m3fn
@@ -69,40 +63,3 @@ def dequantize(x: jax.Array, descale: jax.Array) -> jax.Array:
     b, _, h, _ = x.shape
     per_head = jnp.repeat(descale, h // descale.shape[1], axis=1)  # (B, H)
     return x.astype(jnp.float32) * per_head[:, None, :, None]
-
-
-#: fwd_config.fp8_value_permutation as an axis permutation: a group's source key
-#: 16h + 8a + 2t + c, split as axes (h, a, t, c) of sizes (2, 2, 4, 2), goes to position
-#: 16h + 4t + 2a + c, i.e. the axes in the order (h, t, a, c).
-_GROUP_AXES = (2, 2, 4, 2)
-_GROUP_ORDER = (0, 2, 1, 3)
-
-
-@functools.cache
-def _check_group_axes() -> None:
-    """The axis form above reproduces fp8_value_permutation (checked once, on the host)."""
-    keys = np.arange(FP8_KEY_GROUP).reshape(_GROUP_AXES).transpose(_GROUP_ORDER).reshape(-1)
-    if tuple(keys) != fp8_value_permutation():
-        raise AssertionError("fp8._GROUP_AXES/_GROUP_ORDER disagree with the kernel's "
-                             "fp8_value_permutation")
-
-
-def kernel_values(v: jax.Array) -> jax.Array:
-    """v (B, Sk, Hkv, Dv) -> the FP8 kernel's vt (B, Hkv, Dv, Skp): keys padded with zeros to a
-    multiple of 32, permuted within each group of 32 (fwd_config.fp8_value_permutation), and
-    made the contiguous axis.
-
-    Two XLA ops, kept apart by an optimization barrier: the permutation moves whole rows of
-    Hkv·Dv bytes (coalesced on both sides), then a plain (keys, Hkv·Dv) transpose. As one op
-    (or as a gather, the first version) XLA wrote the 1-byte elements one by one, several times
-    slower (201-396 against 39-56 µs per call at S = 8k: value_transform_us in
-    benchmarks/results/fp8-tiles-nvidia-h200-2026-12-03.json)."""
-    _check_group_axes()
-    b, sk, hkv, dv = v.shape
-    group = FP8_KEY_GROUP
-    skp = -(-sk // group) * group
-    v = jnp.pad(v, ((0, 0), (0, skp - sk), (0, 0), (0, 0)))
-    v = v.reshape(b, skp // group, *_GROUP_AXES, hkv, dv)
-    v = v.transpose(0, 1, *(2 + i for i in _GROUP_ORDER), 6, 7).reshape(b, skp, hkv, dv)
-    v = jax.lax.optimization_barrier(v)
-    return v.transpose(0, 2, 3, 1)

@@ -52,7 +52,8 @@ EXPECTED_FILES = {
     "bwd_preprocess": _SPEC | {_K + "preprocess.py", _K + "preprocess_config.py"},
     "sm90_fwd": _SPEC | _SEG | _FWD_SIGS | _COMMON_FWD | {_K + f"common/{m}.py" for m in (
         "geometry", "mask", "rows", "scores", "softmax", "tile_scheduler")} | {
-        _K + "sm90/flash_fwd.py", _K + "sm90/common.py", _K + "sm90/fwd_config.py"},
+        _K + "sm90/flash_fwd.py", _K + "sm90/common.py", _K + "sm90/fwd_config.py",
+        _K + "sm90/v_transpose.py", _K + "sm90/v_transpose_plan.py"},
     "sm90_bwd": _SPEC | _SEG | _VARLEN_BWD | {_K + f"common/{m}.py" for m in (
         "geometry", "convert", "layout", "rows", "scores", "views")} | {
         _K + "sm90/bwd.py", _K + "sm90/bwd_common.py", _K + "sm90/common.py",

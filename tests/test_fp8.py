@@ -126,32 +126,24 @@ def _operand_a_from_accumulator(p: np.ndarray) -> np.ndarray:
     return logical
 
 
-def test_kernel_values_follow_the_p_fragment():
-    """P·V through the kernel's layouts (the permuted A operand, vt from kernel_values) equals
-    P·V: the value rows are permuted exactly as the P fragment's keys (Sk not a multiple of 32:
-    the padded keys are zero)."""
+def test_value_permutation_follows_the_p_fragment():
+    """P·V through the kernel's layouts (the permuted A operand; the value operand with column
+    l of each group of 32 keys holding key fp8_value_permutation()[l], as the producer warps'
+    transpose writes it: tests/test_v_transpose.py) equals P·V. Sk is not a multiple of 32:
+    the keys past it read zeros (TMA fills rows out of bounds with zeros) and P is 0 there."""
     rng = np.random.default_rng(0)
     sk, dv = 77, 16
     p = rng.random((8, 96)).astype(np.float32)
     p[:, sk:] = 0.0  # keys past Sk are masked: P = 0 there
-    v = rng.standard_normal((1, sk, 1, dv)).astype(np.float32)
-    vt = np.asarray(fp8.kernel_values(jnp.asarray(v)))  # (1, 1, dv, 96)
-    assert vt.shape == (1, 1, dv, 96)
-    got = _operand_a_from_accumulator(p) @ vt[0, 0].T
-    np.testing.assert_allclose(got, p[:, :sk] @ v[0, :, 0], rtol=1e-5, atol=1e-5)
+    v = rng.standard_normal((sk, dv)).astype(np.float32)
+    v_tiles = np.zeros((96, dv), np.float32)  # the key blocks as TMA loads them
+    v_tiles[:sk] = v
     perm = fwd_config.fp8_value_permutation()
     assert sorted(perm) == list(range(32))
-
-
-def test_kernel_values_moves_rows_then_transposes():
-    """kernel_values is a row permutation (whole Hkv·Dv rows move) and a plain transpose, kept
-    apart by an optimization barrier; no gather and no fused byte-wise reshuffle (a gather cost
-    0.2-0.4 ms per call on the H200, ~8x the two ops:
-    benchmarks/results/fp8-tiles-nvidia-h200-2026-12-03.json)."""
-    v = jnp.zeros((2, 96, 3, 32), jnp.float8_e4m3fn)
-    hlo = jax.jit(fp8.kernel_values).lower(v).as_text()
-    assert "gather" not in hlo and "optimization_barrier" in hlo
-    fp8._check_group_axes()  # the axis form equals the kernel's permutation
+    keys = [32 * (l // 32) + perm[l % 32] for l in range(96)]
+    operand = v_tiles[keys].T  # (Dv, keys): the K-major B operand
+    got = _operand_a_from_accumulator(p) @ operand.T
+    np.testing.assert_allclose(got, p[:, :sk] @ v, rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_configs_and_signature():
@@ -159,9 +151,15 @@ def test_fp8_configs_and_signature():
     assert cfg.rescale_skip  # the exact skip (no threshold: checked for every shipped config below)
     assert cfg.fp8 and cfg.dtype == "float8_e4m3fn" and cfg.tile_n % 32 == 0
     names = [(a.name, a.dtype) for a in cfg.signature().inputs + cfg.signature().outputs]
-    assert names == [("q", "float8_e4m3fn"), ("k", "float8_e4m3fn"), ("vt", "float8_e4m3fn"),
+    assert names == [("q", "float8_e4m3fn"), ("k", "float8_e4m3fn"), ("v", "float8_e4m3fn"),
                      ("params", "float32"), ("descale", "float32"), ("out", "bfloat16"),
                      ("lse", "float32")]
+    # v as the 16-bit kernel takes it: (B, Sk, Hkv, Dv), no padding of the keys
+    v_arg, = (a for a in cfg.signature().inputs if a.name == "v")
+    b, sk, hkv, dv = v_arg.sample_shape
+    assert dv == 128 and v_arg.divisibility == (1, 1, 1, 128)
+    descale, = (a for a in cfg.signature().inputs if a.name == "descale")
+    assert descale.sample_shape == (b, hkv, 2)
     with pytest.raises(ValueError, match="float8_e4m3fn is implemented for dense calls only"):
         fwd_config.FwdConfig.make("float8_e4m3fn", 128, 128, "none", False, varlen=True)
     with pytest.raises(ValueError, match="head_dim/head_dim_v 96/96 not supported"):
@@ -172,12 +170,27 @@ def test_fp8_configs_and_signature():
     assert all(c.rescale_threshold == 0 for c in shipped)
     with pytest.raises(ValueError, match="float8_e4m3fn needs rescale_threshold 0"):
         fwd_config.FwdConfig.make("float8_e4m3fn", 256, 256, "none", rescale_threshold=8.0)
+    with pytest.raises(ValueError, match="float8_e4m3fn needs intra_wg_overlap"):
+        fwd_config.FwdConfig.make("float8_e4m3fn", 128, 128, "none", intra_wg_overlap=False)
+
+
+def test_fp8_configs_stage_v_for_the_transpose():
+    """Every shipped FP8 config stages V as loaded in two stages where they fit (one at head dim
+    256, whose K and V stages and O tile leave room for one), within the shared memory; 16-bit
+    configs stage nothing."""
+    for cfg in (c for c in fwd_config.shipped_configs() if c.fp8):
+        assert cfg.v_staging_stages == (1 if cfg.head_dim_v == 256 else 2), cfg.describe()
+        assert cfg.smem_bytes() <= cfg.smem_limit()
+        two = cfg.smem_bytes() + (2 - cfg.v_staging_stages) * cfg.tile_n * cfg.head_dim_v
+        assert (two <= cfg.smem_limit()) == (cfg.v_staging_stages == 2)
+    assert fwd_config.FwdConfig.make("bfloat16", 128).v_staging_stages == 0
 
 
 def test_sm90_route_passes_the_kernel_its_layouts(monkeypatch):
-    """implementation="sm90" on FP8 inputs calls the FP8 forward kernel with q, k as given, v
-    as kernel_values(v) and the descales as (q·k, v) per (batch, kv head); its bfloat16 out is
-    cast to out_dtype (the kernel is stubbed: this checks the route, not the kernel)."""
+    """implementation="sm90" on FP8 inputs calls the FP8 forward kernel with q, k and v as
+    given (no transpose, no padding of the 100 keys) and the descales as (q·k, v) per (batch,
+    kv head); its bfloat16 out is cast to out_dtype (the kernel is stubbed: this checks the
+    route, not the kernel)."""
     from jax_fa4.ffi import call
 
     calls = []
@@ -195,10 +208,10 @@ def test_sm90_route_passes_the_kernel_its_layouts(monkeypatch):
     jax.effects_barrier()
     (config, arch, args), = calls
     assert config.fp8 and config.mask == "causal" and arch == "sm_90a"
-    q_in, k_in, vt, params, descale = args
-    assert q_in.dtype == k_in.dtype == vt.dtype == jnp.float8_e4m3fn
-    assert vt.shape == (2, 2, 64, 128)  # keys padded to a multiple of 32, contiguous
-    np.testing.assert_array_equal(np.asarray(vt), np.asarray(fp8.kernel_values(v8)))
+    q_in, k_in, v_in, params, descale = args
+    assert q_in.dtype == k_in.dtype == v_in.dtype == jnp.float8_e4m3fn
+    assert v_in.shape == (2, 100, 2, 64)
+    np.testing.assert_array_equal(np.asarray(v_in, np.float32), np.asarray(v8, np.float32))
     np.testing.assert_allclose(np.asarray(descale), np.stack([qd * kd, vd], -1), rtol=1e-7)
 
 

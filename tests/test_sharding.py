@@ -291,8 +291,8 @@ def test_fp8_shards_over_batch_and_heads(suite):
     r = _ok(suite["fp8_kernel_batch_heads"])
     assert r["fwd_collectives"] == {}, r["fwd_collectives"]
     fwd = [shapes for name, dtype, shapes in r["kernel_shapes"] if dtype == "float8_e4m3fn"]
-    # q (2 rows, 2 of 4 heads), k (1 of 2 kv heads), vt (B, Hkv, Dv, keys padded to 32·k)
-    assert [[2, 64, 2, 64], [2, 64, 1, 64], [2, 1, 64, 64]] in fwd, fwd
+    # q (2 rows, 2 of 4 heads), k and v (1 of 2 kv heads), v as stored (B, Sk, Hkv, Dv)
+    assert [[2, 64, 2, 64], [2, 64, 1, 64], [2, 64, 1, 64]] in fwd, fwd
 
 
 def test_fp8_vmap(suite):

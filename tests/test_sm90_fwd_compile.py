@@ -26,7 +26,8 @@ import pytest
 from compiled import assert_no_local_memory, compiled_sass, needs_disassembler, tiered
 from jax_fa4.kernels.common.geometry import FwdBlocks, resolve_windows
 from jax_fa4.kernels.sm90.fwd_config import (FwdConfig, TUNING_TABLE, decode_config,
-                                              decode_option_configs)
+                                              decode_option_configs, shipped_configs)
+from jax_fa4.kernels.sm90.v_transpose_plan import VTransposePlan
 from jax_fa4.kernels.spec import SMEM_BUDGET_BYTES
 from jax_fa4.tools.variants import sm90_fwd_fallback_configs, sm90_fwd_option_configs
 
@@ -111,6 +112,38 @@ def test_decode_tile_alternatives_compile(cfg, shipped_cache):
     """The decode-tile alternatives the decode benchmark and GPU tests compare
     (fwd_config.DECODE_OPTIONS), dense and paged."""
     _check_decode_tile_sass(cfg, compiled_sass(shipped_cache, cfg, ARCH))
+
+
+def _fp8_id(cfg: FwdConfig) -> str:
+    return (f"fp8-{cfg.head_dim}-{cfg.mask}{'-softcap' if cfg.has_softcap else ''}-"
+            f"{cfg.tile_m}x{cfg.tile_n}")
+
+
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered([c for c in shipped_configs() if c.fp8], ARCH),
+                         ids=_fp8_id)
+def test_fp8_compiles_with_clean_sass(cfg, shipped_cache):
+    """Every shipped FP8 forward: e4m3 WGMMAs (QGMMA), TMA, no local memory within the
+    register split (the producer's V transpose fits its 24 or 32 registers), and the
+    transpose's instructions: at each of its call sites (two, three with two staging stages)
+    one ldmatrix.x4.trans and one stmatrix.x4 per 512 bytes of a warp's share
+    (v_transpose_plan) and 4 prmt each."""
+    k = compiled_sass(shipped_cache, cfg, ARCH)
+    plan = VTransposePlan(cfg.tile_n, cfg.head_dim_v)
+    sites = 2 + (cfg.v_staging_stages - 1)
+    print(f"\n{cfg.describe()}: regs {k.registers}, smem {cfg.smem_bytes()} B "
+          f"(V staging stages {cfg.v_staging_stages}), setmaxnreg {k.setmaxnreg()}, "
+          f"LDSM {k.count('LDSM')}, STSM {k.count('STSM')}, PRMT {k.count('PRMT')}")
+    assert k.arch == ARCH
+    assert k.count("QGMMA") > 0 and k.count("HGMMA") == 0
+    assert k.count("UTMALDG") > 0 and k.count("UTMASTG") > 0
+    assert_no_local_memory(k)
+    assert k.setmaxnreg() == sorted(cfg.register_split()), k.setmaxnreg()
+    assert k.count("LDSM") == k.count("LDSM.16.MT88.4") == sites * plan.instructions
+    # the transpose's stmatrix and the epilogue's (O, 16-bit, one per 16 columns of Dv)
+    assert k.count("STSM.16.M88.4") == sites * plan.instructions + cfg.head_dim_v // 16
+    assert k.count("PRMT") >= 4 * sites * plan.instructions
+    assert cfg.smem_bytes() <= SMEM_BUDGET_BYTES
 
 
 def _option_id(cfg: FwdConfig) -> str:

@@ -52,7 +52,7 @@ ratio to cuDNN among those whose results are finite and pass the rule) and its r
 FP8 (``--dtype float8_e4m3fn``, forward only: an FP8 call has no gradient): the bfloat16 inputs
 are quantised to e4m3 with one scale per tensor (``per_tensor_e4m3``), so every FP8 row reads the
 same e4m3 values: ``jax-fa4`` (``flash_attention`` with ``q_descale``/``k_descale``/``v_descale``,
-bfloat16 out; the kernel's value transform is part of the call), ``cudnn`` (cuDNN's FP8 attention
+bfloat16 out), ``cudnn`` (cuDNN's FP8 attention
 through JAX's private module, e4m3 out; causal or no mask) and ``reference`` (float32 on the
 dequantised inputs: the base of ``fwd_rel_err``); ``jax-fa4-bf16`` times our bfloat16 forward on
 the unquantised inputs, and FP8 rows carry ``fwd_ratio_vs_bf16`` against it. Rows say

@@ -3,8 +3,9 @@ inputs.
 
 ``flash_attention(q8, k8, v8, q_descale=..., k_descale=..., v_descale=..., implementation=
 "sm90")`` under ``jax.jit`` (out bfloat16, lse), in NaN-poisoned memory, on odd and mismatched
-lengths, every mask kind, softcap, GQA/MQA, head dims 64, 128 and 256, per-(batch, kv head)
-descales that differ from 1.
+lengths (key counts that are no multiple of 32: the kernel reads v as stored, its tail rows
+zero-filled by TMA), every mask kind, softcap, GQA/MQA, head dims 64, 128 and 256, per-(batch,
+kv head) descales that differ from 1.
 
 The rule (docs/fp8.md): FA4's, ``max|out - ref| <= 2·max|pt - ref| + atol`` (3 with a
 softcap), where ``ref`` is attention in float32 on the dequantised inputs and ``pt`` the naive
@@ -80,6 +81,12 @@ CASES = [  # (b, sq, sk, h, hkv, causal, window, softcap)
     (2, 640, 640, 4, 2, True, (None, None), 30.0),
     (1, 333, 4000, 4, 4, False, (None, None), 5.0),
     (3, 129, 97, 2, 1, True, (None, None), 0.0),  # keys end before the diagonal: empty rows
+    # V read as stored: key counts that are no multiple of 32 (the tail rows TMA zero-fills),
+    # one key block (77 < every FP8 tile_n: the producer's last transposes alone) and two or
+    # three (200)
+    (2, 77, 77, 4, 2, False, (None, None), 0.0),
+    (1, 300, 77, 8, 2, False, (30, 5), 3.0),
+    (2, 200, 200, 6, 3, True, (None, None), 0.0),
 ]
 
 

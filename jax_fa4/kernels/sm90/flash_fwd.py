@@ -10,7 +10,8 @@ starts from it, OnlineSoftmax.reset_with_sink, so the output is rounded once).
 Structure (one CTA = one tile of tile_m query rows of one (batch, head); not persistent):
   * warpgroup 0 = producer. It gives registers back (setmaxnreg); its warp 0 issues the TMA loads:
     Q once, then K[n], V[n] for the visited key blocks, highest n first, through mbarrier
-    pipelines (PipelineTmaAsync: Q one stage, K and V `stages` stages each).
+    pipelines (PipelineTmaAsync: Q one stage, K and V `stages` stages each; FP8: its four warps
+    also transpose V, see below).
   * warpgroups 1..W = consumers, 64 query rows each (tile_m = 64·W). Per key block:
       S = Q·Kᵀ (WGMMA, both operands in shared memory) → [softcap] → [mask] → online softmax
       (exp2 with scale·log2 e folded into one FFMA) → P converted to 16 bits in registers →
@@ -55,12 +56,21 @@ Padding isolation (varlen and paged): in the highest key block, the rows of V's 
 keys (the next sequence, padding tokens, a page's unused slots) are zeroed before the P·V GEMM
 reads them (zero_v_rows_past_keys, common/rows.py): P is 0 there, but 0·NaN is not.
 
-FP8 (FwdConfig.dtype "float8_e4m3fn", docs/fp8.md): e4m3 q, k and vt, the value operand
-transposed by the caller (B, Hkv, Dv, Skp) because e4m3 WGMMAs read both operands K-major, with
-its keys permuted within groups of 32 to match P's register packing (convert_p_e4m3: the
-accumulator's values packed as they lie, no shuffles); descale (B, Hkv, 2) folds q·k's into the
-softmax scale and v's into each row's 1/Σ; O is bfloat16, staged in Q's buffer (sized for it).
-Dense calls only, exact row max (fwd_config.FwdConfig.validate_fp8).
+FP8 (FwdConfig.dtype "float8_e4m3fn", docs/fp8.md): e4m3 q, k and v, as the 16-bit kernel
+takes them; descale (B, Hkv, 2) folds q·k's into the softmax scale and v's into each row's 1/Σ;
+O is bfloat16, staged in Q's buffer (sized for it). Dense calls, overlapped mainloop, exact row
+max only (fwd_config.FwdConfig.validate_fp8). e4m3 WGMMAs read both operands K-major, and P
+(convert_p_e4m3) holds each group of 32 keys in a permuted order (the accumulator's values packed
+as they lie), so V's operand is (Dv, tile_n), keys contiguous, column l of each group of 32
+holding key fwd_config.fp8_value_permutation()[l]. V gets there in the kernel: warp 0 TMA-loads
+each V block as stored into a staging buffer (FwdConfig.v_staging_stages stages, a
+PipelineTmaAsync whose consumers are the producer warps), and all four producer warps transpose
+it into sV with ldmatrix.trans / prmt / stmatrix (v_transpose.py; its lane addresses and their
+bank-conflict freedom: v_transpose_plan.py), fence the writes for the WGMMA's async proxy and
+arrive on sV's full barrier (a PipelineAsync whose consumers, every consumer thread, release it
+as for 16-bit V). With two staging stages a block is transposed after the next one's load is
+issued, with one (head dim 256) after its own. Keys past seqlen_k read zeros (TMA fills rows out
+of bounds) and are masked in S, so P·V adds 0 there: no padding of the key count.
 
 Decode shapes reach this kernel rewritten by jax_fa4/decode.py (GQA packing, split-KV), in the
 decode tile's configs (fwd_config.decode_config / paged_config): 64 rows, often two CTAs per SM
@@ -97,6 +107,8 @@ from jax_fa4.kernels.segments_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, 
                                             SEG_N_LO, SEG_ROW_END, SEG_ROW_ID, SEG_ROW_START)
 from jax_fa4.kernels.sm90.common import make_smem_layout, wgmma
 from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE, FwdConfig
+from jax_fa4.kernels.sm90.v_transpose import VTransposer, check_layouts
+from jax_fa4.kernels.sm90.v_transpose_plan import TRANSPOSE_WARPS, VTransposePlan
 from jax_fa4.kernels.spec import LOG2_E, NUM_PARAMS, PARAM_SCALE, PARAM_SINKS
 
 # Persistent scheduling: K+V bytes of the (batch, head) pairs of one L2 section (H200 L2: 60 MB)
@@ -116,12 +128,21 @@ class NamedBarrier(enum.IntEnum):
     ZERO_TAIL_WG0 = 5
 
 
+def pipeline_state_at(stages: int, position: Int32, producer: bool) -> pipeline.PipelineState:
+    """The state of a pipeline of ``stages`` stages after ``position`` advances from its start
+    (a producer's phase starts at 1, a consumer's at 0)."""
+    return pipeline.PipelineState(stages, position, position % stages,
+                                  ((position // stages) % 2) ^ int(producer))
+
+
 class FlashAttentionForwardSm90:
     def __init__(self, cfg: FwdConfig):
         cfg.validate()
         self.cfg = cfg
-        # FP8 (cfg.fp8): e4m3 q, k, v (v transposed: vt), bfloat16 out
+        # FP8 (cfg.fp8): e4m3 q, k, v, bfloat16 out; V staged as loaded, then transposed
         self.fp8 = cfg.fp8
+        self.v_staging = cfg.v_staging_stages
+        self.v_plan = VTransposePlan(cfg.tile_n, cfg.head_dim_v) if cfg.fp8 else None
         self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
                       FP8_DTYPE: cutlass.Float8E4M3FN}[cfg.dtype]
         self.out_dtype = cutlass.BFloat16 if self.fp8 else self.dtype
@@ -209,7 +230,7 @@ class FlashAttentionForwardSm90:
                     raise TypeError(f"{name}: expected Int32, got {t.element_type}")
         D, Dv = self.hdim, self.hdimv
         mQ, mK = self.qo_view(mQ, D), seq_major(mK, D)
-        mV, mO = self.v_view(mV, Dv), self.qo_view(mO, Dv)
+        mV, mO = seq_major(mV, Dv), self.qo_view(mO, Dv)
         mLSE = select_modes(mLSE, (2, 1, 0))  # (Sq, H, B); varlen: (max_seqlen_q, H, batch)
         if const_expr(mMaxLogits is not None):
             mMaxLogits = select_modes(mMaxLogits, (2, 1, 0))  # (Sq, H, B) like lse
@@ -218,7 +239,7 @@ class FlashAttentionForwardSm90:
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             Float32, (self.num_mma_wg, 1, 1), (64, self.tile_n))
         # V is the P·V GEMM's B operand: MN-major (V as stored) for 16-bit types; FP8 WGMMAs
-        # read both operands K-major, so the caller passes V transposed (vt, keys contiguous)
+        # read both operands K-major: the producer warps transpose V into sV (keys contiguous)
         v_major = cute.nvgpu.OperandMajorMode.K if const_expr(self.fp8) else \
             cute.nvgpu.OperandMajorMode.MN
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
@@ -230,13 +251,20 @@ class FlashAttentionForwardSm90:
         v_tile = (Dv, self.tile_n) if const_expr(self.fp8) else (self.tile_n, Dv)
         sV_layout = make_smem_layout(self.dtype, *v_tile, stages=self.stages)
         sO_layout = make_smem_layout(self.out_dtype, self.tile_m, Dv)
+        # FP8: TMA stages V as stored, (tile_n, Dv), for the producer warps' transpose
+        sVstaged_layout = None
+        if const_expr(self.fp8):
+            sVstaged_layout = make_smem_layout(self.dtype, self.tile_n, Dv,
+                                               stages=self.v_staging)
+            check_layouts(self.v_plan, sVstaged_layout, sV_layout, self.v_staging, self.stages)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, D))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             g2s, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, D))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            g2s, mV, cute.select(sV_layout, mode=[0, 1]), v_tile)
+            g2s, mV, cute.select(sVstaged_layout if const_expr(self.fp8) else sV_layout,
+                                 mode=[0, 1]), (self.tile_n, Dv))
         if const_expr(self.out_f32):  # stored from registers (mma's epilogue)
             tma_atom_O, tma_O = None, mO
         else:
@@ -256,6 +284,8 @@ class FlashAttentionForwardSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            if const_expr(self.fp8):  # V's staging stages (full + empty)
+                mbar_v_staged: cute.struct.MemRange[cutlass.Int64, 2 * self.v_staging]
             if const_expr(self.dynamic):  # the claimed tile indices' ring (full + empty)
                 mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * TILE_SLOTS]
                 tile_idx: cute.struct.MemRange[Int32, TILE_SLOTS]
@@ -264,6 +294,9 @@ class FlashAttentionForwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            if const_expr(self.fp8):
+                sVstaged: cute.struct.Align[
+                    cute.struct.MemRange[self.dtype, cute.cosize(sVstaged_layout)], 1024]
             if const_expr(self.own_o):
                 sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype,
                                                            cute.cosize(sO_layout)], 1024]
@@ -283,7 +316,7 @@ class FlashAttentionForwardSm90:
             tma_Q, tma_K, tma_V, tma_O, mO if const_expr(self.varlen) else None, mLSE, mParams,
             mPageTable, mSeqUsedK, mCuSeqlensQ, mCuSeqlensK, mSegTiles, mSegRows, mKvIds,
             mMaxLogits, mDescale, mTileCounter, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            sQ_layout, sK_layout, sV_layout, sO_layout,
+            sQ_layout, sK_layout, sV_layout, sO_layout, sVstaged_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=self.cfg.ctas_per_sm,
@@ -291,20 +324,8 @@ class FlashAttentionForwardSm90:
                  # DSL would otherwise query the GPU for it while compiling)
                  preferred_smem_carveout=100 if const_expr(self.cfg.ctas_per_sm > 1) else None)
 
-    def v_view(self, t: cute.Tensor, dv: int) -> cute.Tensor:
-        """v as the kernel's (S, Dv, Hkv, B) view; FP8: vt (B, Hkv, Dv, Skp) as (Dv, Skp, Hkv,
-        B), keys contiguous."""
-        if const_expr(not self.fp8):
-            return seq_major(t, dv)
-        layout = cute.make_layout((dv, t.shape[3], t.shape[1], t.shape[0]),
-                                  stride=(t.stride[2], 1, t.stride[1], t.stride[0]))
-        return cute.make_tensor(t.iterator, layout)
-
     def v_blocks(self, mV: cute.Tensor, head_kv, batch, k_offset=None) -> cute.Tensor:
         """One kv head's V as tiles of tile_n keys, the key block the last mode."""
-        if const_expr(self.fp8):
-            return cute.local_tile(mV[None, None, head_kv, batch], (self.hdimv, self.tile_n),
-                                   (0, None))
         return cute.local_tile(sequence(mV, head_kv, batch, k_offset),
                                (self.tile_n, self.hdimv), (None, 0))
 
@@ -332,6 +353,7 @@ class FlashAttentionForwardSm90:
                tma_atom_O: cute.CopyAtom,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+               sVstaged_layout: cute.ComposedLayout | None,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -357,10 +379,27 @@ class FlashAttentionForwardSm90:
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.stages,
             producer_group=tma_thread, consumer_group=mma_warps, tx_count=self.tx_bytes_k,
             defer_sync=True)
-        pipeline_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.stages,
-            producer_group=tma_thread, consumer_group=mma_warps, tx_count=self.tx_bytes_v,
-            defer_sync=True)
+        pipeline_v_staged = None
+        if const_expr(self.fp8):
+            # V as stored -> (TMA) the staging stages -> the producer warps transpose it (each
+            # warp's lane 0 releases a stage) -> sV -> the consumers (every thread releases)
+            pipeline_v_staged = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_v_staged.data_ptr(), num_stages=self.v_staging,
+                producer_group=tma_thread,
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, TRANSPOSE_WARPS),
+                tx_count=self.tx_bytes_v, defer_sync=True)
+            pipeline_v = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         32 * TRANSPOSE_WARPS),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.num_mma_threads),
+                defer_sync=True)
+        else:
+            pipeline_v = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.stages,
+                producer_group=tma_thread, consumer_group=mma_warps, tx_count=self.tx_bytes_v,
+                defer_sync=True)
         tile_ring = None
         if const_expr(self.dynamic):
             # the producer warp's lane 0 publishes each claimed tile index; every consumer thread
@@ -426,11 +465,20 @@ class FlashAttentionForwardSm90:
 
             if warp_idx < 4:  # producer warpgroup
                 cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp_idx == 0:
-                    self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                              pipeline_q, pipeline_k, pipeline_v, mPageTable,
-                              m_block, head, head_kv, batch, n_block_min, n_block_max,
-                              q_offset, k_offset)
+                if const_expr(self.fp8):
+                    sVstaged = storage.sVstaged.get_tensor(sVstaged_layout.outer,
+                                                           swizzle=sVstaged_layout.inner)
+                    self.load_fp8(mQ, mK, mV, sQ, sK, sVstaged, tma_atom_Q, tma_atom_K,
+                                  tma_atom_V, pipeline_q, pipeline_k, pipeline_v_staged,
+                                  pipeline_v, storage.sVstaged.data_ptr(), storage.sV.data_ptr(),
+                                  m_block, head, head_kv, batch, n_block_min, n_block_max,
+                                  warp_idx)
+                else:
+                    if warp_idx == 0:
+                        self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                                  pipeline_q, pipeline_k, pipeline_v, mPageTable,
+                                  m_block, head, head_kv, batch, n_block_min, n_block_max,
+                                  q_offset, k_offset)
             else:  # consumer warpgroups
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 scale = mParams[PARAM_SCALE]
@@ -607,6 +655,22 @@ class FlashAttentionForwardSm90:
         tile_state.advance()
         return t, tile_state
 
+    def dense_tma_tiles(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                        sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                        tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
+                        tma_atom_V: cute.CopyAtom, m_block: Int32, head: Int32, head_kv: Int32,
+                        batch: Int32) -> tuple:
+        """The TMA partitions ((smem, gmem) of Q's tile, of K's and V's key blocks, the block
+        the last mode) of one dense tile (persistent and FP8 producers)."""
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
+        gV = self.v_blocks(mV, head_kv, batch)
+        one = cute.make_layout(1)
+        return tuple(cpasync.tma_partition(atom, 0, one, cute.group_modes(smem, 0, 2),
+                                           cute.group_modes(gmem, 0, 2))
+                     for atom, smem, gmem in ((tma_atom_Q, sQ, gQ), (tma_atom_K, sK, gK),
+                                              (tma_atom_V, sV, gV)))
+
     @cute.jit
     def load_tile(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                   sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
@@ -615,16 +679,9 @@ class FlashAttentionForwardSm90:
                   m_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
                   n_block_min: Int32, n_block_max: Int32, k_state, v_state, q_state):
         """The producer's part of one tile (persistent): `load`'s order, states carried."""
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
-        gV = self.v_blocks(mV, head_kv, batch)
-        one = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
+        (tQsQ, tQgQ), (tKsK, tKgK), (tVsV, tVgV) = self.dense_tma_tiles(
+            mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, m_block, head, head_kv,
+            batch)
         if n_block_max > n_block_min:
             # K first: it need not wait for the previous tile's epilogue to free Q's buffer
             pipeline_k.producer_acquire(k_state)
@@ -772,6 +829,81 @@ class FlashAttentionForwardSm90:
                     v_tile = self.kv_tile(mPageTable, batch, n_block_min)
                     cute.copy(tma_atom_V, tVgV[None, v_tile], tVsV[None, v_state.index],
                               tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+
+    @cute.jit
+    def load_fp8(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                 sQ: cute.Tensor, sK: cute.Tensor, sVstaged: cute.Tensor,
+                 tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+                 pipeline_q, pipeline_k, pipeline_v_staged, pipeline_v,
+                 staged_ptr: cute.Pointer, vt_ptr: cute.Pointer,
+                 m_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
+                 n_block_min: Int32, n_block_max: Int32, warp_idx: Int32):
+        """FP8, the producer warpgroup's four warps: warp 0 issues the TMA loads in `load`'s
+        overlapped order, K[hi], Q, (K[n], V[n + 1])..., V[lo], V into the staging stages as
+        stored; every warp transposes its share of each staged V tile into sV, in the consumers'
+        order (:meth:`transpose_v`). With two staging stages the transpose of a block follows the
+        load of the next one, so warp 0 never waits for the landing of the V it just issued
+        before its next loads; with one (head dim 256) it follows the block's own load."""
+        (tQsQ, tQgQ), (tKsK, tKgK), (tVsV, tVgV) = self.dense_tma_tiles(
+            mQ, mK, mV, sQ, sK, sVstaged, tma_atom_Q, tma_atom_K, tma_atom_V, m_block, head,
+            head_kv, batch)
+        lag = self.v_staging - 1  # V loads issued ahead of the transposes
+        if n_block_max > n_block_min:
+            # every pipeline position follows from the block's place in the sequence (the
+            # states are rebuilt from it: fewer live registers within the producer's 24)
+            num_blocks = n_block_max - n_block_min
+            transposer = VTransposer(self.v_plan, warp_idx, cute.arch.lane_idx())
+            addrs = (staged_ptr.toint(), vt_ptr.toint())
+            if warp_idx == 0:
+                k_state = pipeline_state_at(self.stages, Int32(0), producer=True)
+                pipeline_k.producer_acquire(k_state)
+                cute.copy(tma_atom_K, tKgK[None, n_block_max - 1], tKsK[None, k_state.index],
+                          tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                pipeline_q.producer_acquire(q_state)
+                cute.copy(tma_atom_Q, tQgQ, tQsQ,
+                          tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            for i in cutlass.range(num_blocks - 1, unroll=1):
+                n_block = n_block_max - 2 - i
+                if warp_idx == 0:
+                    k_state = pipeline_state_at(self.stages, i + 1, producer=True)
+                    pipeline_k.producer_acquire(k_state)
+                    cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, k_state.index],
+                              tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
+                    v_state = pipeline_state_at(self.v_staging, i, producer=True)
+                    pipeline_v_staged.producer_acquire(v_state)
+                    cute.copy(tma_atom_V, tVgV[None, n_block + 1], tVsV[None, v_state.index],
+                              tma_bar_ptr=pipeline_v_staged.producer_get_barrier(v_state))
+                if i >= lag:
+                    self.transpose_v(transposer, pipeline_v_staged, pipeline_v, i - lag, addrs)
+            if warp_idx == 0:
+                v_state = pipeline_state_at(self.v_staging, num_blocks - 1, producer=True)
+                pipeline_v_staged.producer_acquire(v_state)
+                cute.copy(tma_atom_V, tVgV[None, n_block_min], tVsV[None, v_state.index],
+                          tma_bar_ptr=pipeline_v_staged.producer_get_barrier(v_state))
+            if const_expr(lag > 0):  # the block before the last, if any
+                if num_blocks > 1:
+                    self.transpose_v(transposer, pipeline_v_staged, pipeline_v, num_blocks - 2,
+                                     addrs)
+            self.transpose_v(transposer, pipeline_v_staged, pipeline_v, num_blocks - 1, addrs)
+
+    def transpose_v(self, transposer: VTransposer, pipeline_v_staged, pipeline_v,
+                    position: Int32, addrs: tuple) -> None:
+        """FP8, one producer thread, the V block at ``position`` of the sequence: wait for its
+        staged tile and a free sV stage, transpose this warp's share (v_transpose.VTransposer),
+        fence the writes for the P·V WGMMA (async proxy), mark the sV stage full (every producer
+        thread arrives) and free the staging stage (each warp's lane 0). ``addrs``: the shared
+        addresses of the staging buffer and sV."""
+        stage_bytes = self.tile_n * self.hdimv
+        staged_state = pipeline_state_at(self.v_staging, position, producer=False)
+        vt_state = pipeline_state_at(self.stages, position, producer=True)
+        pipeline_v_staged.consumer_wait(staged_state)
+        pipeline_v.producer_acquire(vt_state)
+        transposer.stage(addrs[0] + staged_state.index * stage_bytes,
+                         addrs[1] + vt_state.index * stage_bytes)
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> WGMMA reads
+        pipeline_v.producer_commit(vt_state)
+        pipeline_v_staged.consumer_release(staged_state)
 
     @cute.jit
     def sink_log2(self, mParams: cute.Tensor, head: Int32) -> Float32:
@@ -1161,15 +1293,16 @@ def make_launcher(cfg: FwdConfig):
     ``fn(stream, q, k_cache, v_cache, params, page_table, seqused_k, out, lse)`` when it is paged,
     ``fn(stream, q, k, v, params, cu_seqlens_q, cu_seqlens_k, out, lse)`` when it is varlen,
     ``fn(stream, q, k, v, params, seg_tiles, seg_rows, kv_ids, out, lse)`` with segment ids,
-    ``fn(stream, q, k, v, params, tile_counter, out, lse)`` with dynamic tiles;
+    ``fn(stream, q, k, v, params, tile_counter, out, lse)`` with dynamic tiles,
+    ``fn(stream, q, k, v, params, descale, out, lse)`` when it is FP8;
     with max logits (FwdConfig.max_logits) a ``max_logits`` output follows lse."""
     kernel = FlashAttentionForwardSm90(cfg)
     if cfg.fp8:
         @cute.jit
         def sm90_fwd_fp8(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
-                         vt: cute.Tensor, params: cute.Tensor, descale: cute.Tensor,
+                         v: cute.Tensor, params: cute.Tensor, descale: cute.Tensor,
                          out: cute.Tensor, lse: cute.Tensor):
-            kernel(stream, q, k, vt, params, out, lse, mDescale=descale)
+            kernel(stream, q, k, v, params, out, lse, mDescale=descale)
 
         return sm90_fwd_fp8
     if cfg.paged:

@@ -232,10 +232,14 @@ class FwdConfig(KernelConfig):
             # threshold 8 at hdim 256 (benchmarks/results/fp8-nvidia-h200-2026-12-03.json, note)
             raise ValueError("sm90 forward: float8_e4m3fn needs rescale_threshold 0 (a stale "
                              "row max would round the largest P to e4m3)")
-        if self.tile_n % 32 or self.head_dim % 32 or self.head_dim_v % 32:
-            raise ValueError("sm90 forward: float8_e4m3fn needs tile_n and head dims that are "
-                             f"multiples of 32 (the e4m3 WGMMA's K step), got tile_n "
+        if self.tile_n % 32 or self.head_dim % 32 or self.head_dim_v % 64:
+            raise ValueError("sm90 forward: float8_e4m3fn needs tile_n and head_dim multiples "
+                             "of 32 (the e4m3 WGMMA's K step) and head_dim_v of 64 (the four "
+                             "producer warps' share of the V transpose), got tile_n "
                              f"{self.tile_n}, head dims {self.head_dim}/{self.head_dim_v}")
+        if not self.intra_wg_overlap:
+            raise ValueError("sm90 forward: float8_e4m3fn needs intra_wg_overlap (the producer "
+                             "warps' V transposes follow the overlapped mainloop's load order)")
 
     @property
     def fp8(self) -> bool:
@@ -271,11 +275,29 @@ class FwdConfig(KernelConfig):
 
     def smem_bytes(self) -> int:
         """Q (one stage, reused for O unless ``own_o_buffer``) + K and V stages (+ O): 16-bit
-        elements, or (FP8) one-byte q / k / v with Q's buffer as large as the 16-bit O tile."""
+        elements, or (FP8) one-byte q / k / v with Q's buffer as large as the 16-bit O tile, and
+        V's staging stages (:attr:`v_staging_stages`)."""
         if self.fp8:
-            q = max(self.tile_m * self.head_dim, 2 * self.tile_m * self.head_dim_v)
-            return q + self.stages * self.tile_n * (self.head_dim + self.head_dim_v)
+            return self._smem_fp8() + self.v_staging_stages * self.tile_n * self.head_dim_v
         return self._smem_16bit() + (self._o_bytes() if self.own_o_buffer else 0)
+
+    def _smem_fp8(self) -> int:
+        """An FP8 config's Q / O buffer and its K and (transposed) V stages, in bytes."""
+        q = max(self.tile_m * self.head_dim, 2 * self.tile_m * self.head_dim_v)
+        return q + self.stages * self.tile_n * (self.head_dim + self.head_dim_v)
+
+    @property
+    def v_staging_stages(self) -> int:
+        """FP8: stages of the buffer TMA loads V into as stored, (tile_n, Dv), before the
+        producer warps transpose it into the P·V operand (kernels/sm90/v_transpose_plan.py):
+        two where they fit the shared memory (V's load then runs one block ahead of the
+        transposes), else one (head dim 256); 0 for 16-bit configs. Derived from the fields
+        (the cache key), so no field of its own."""
+        if not self.fp8:
+            return 0
+        fits = [n for n in (2, 1) if n <= self.stages and self._smem_fp8()
+                + n * self.tile_n * self.head_dim_v <= self.smem_limit()]
+        return fits[0] if fits else 1
 
     def _smem_16bit(self) -> int:
         """Q's one stage and the K and V stages of a 16-bit config, in bytes."""
@@ -369,20 +391,17 @@ def fp8_value_permutation() -> tuple[int, ...]:
 
 
 def fp8_attention_forward_signature(head_dim: int, head_dim_v: int) -> KernelSignature:
-    """``fn(stream, q, k, vt, params, descale, out, lse)`` of the FP8 forward: q (B, Sq, H, D) and
-    k (B, Sk, Hkv, D) float8_e4m3fn; vt (B, Hkv, Dv, Skp) float8_e4m3fn, v transposed (keys
-    contiguous: the e4m3 WGMMA reads both operands K-major) with its keys padded to Skp, a
-    multiple of 32, and permuted within each group of 32 (:func:`fp8_value_permutation`);
-    descale (B, Hkv, 2) float32: the q·k descale (q_descale · k_descale, folded into the softmax
-    scale) and v's (folded into the output's normalisation); out (B, Sq, H, Dv) bfloat16; params
-    and lse as in :func:`spec.attention_forward_signature`."""
+    """``fn(stream, q, k, v, params, descale, out, lse)`` of the FP8 forward: q (B, Sq, H, D),
+    k (B, Sk, Hkv, D) and v (B, Sk, Hkv, Dv) float8_e4m3fn, as the 16-bit kernel takes them (the
+    kernel transposes V in shared memory); descale (B, Hkv, 2) float32: the q·k descale
+    (q_descale · k_descale, folded into the softmax scale) and v's (folded into the output's
+    normalisation); out (B, Sq, H, Dv) bfloat16; params and lse as in
+    :func:`spec.attention_forward_signature`."""
     base = attention_forward_signature(FP8_DTYPE, head_dim, head_dim_v)
-    q, k, v, params = base.inputs
-    b, sk, hkv, dv = v.sample_shape
-    vt = TensorArg("vt", FP8_DTYPE, (b, hkv, dv, sk), (1, 1, dv, FP8_KEY_GROUP))
+    b, _, hkv, _ = base.inputs[2].sample_shape  # v's
     descale = TensorArg("descale", "float32", (b, hkv, 2), (1, 1, 2))
     out, lse = base.outputs
-    return dataclasses.replace(base, inputs=(q, k, vt, params, descale),
+    return dataclasses.replace(base, inputs=(*base.inputs, descale),
                                outputs=(dataclasses.replace(out, dtype="bfloat16"), lse))
 
 
