@@ -15,11 +15,17 @@ The default profile (``jax-fa4-cpu``) is derandomized and small, for CI;
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+import numpy as np
+import pytest
 from hypothesis import example, given
 
 from attention_properties import (CPU_PROFILE, CPU_SPACE, DenseCase, Heads, Options, PagedCase,
-                                  VarlenCase, check_dense, check_paged, check_varlen,
-                                  dense_cases, paged_cases, profile, varlen_cases)
+                                  VarlenCase, assert_rule, check_dense, check_paged,
+                                  check_varlen, dense_cases, dense_mask, dsink_pt, grad_scale,
+                                  naive_results, normal, paged_cases, profile,
+                                  sink_gradients_of_rounded_cotangent, sink_values,
+                                  varlen_cases)
 
 IMPLEMENTATION = "reference"
 
@@ -75,3 +81,34 @@ def test_paged_matches_naive(case):
     """flash_attention_paged: each entry's first seqused_k keys in page-table order, windows
     aligned to seqused_k."""
     check_paged(case, IMPLEMENTATION, CPU_SPACE)
+
+
+def test_dsink_bound_covers_the_rounded_cotangent():
+    """Regression (the sm90 kernel's sink_grad on the GPU: Sq = Sk = 1, segment ids, an extreme
+    sink). The kernel sums P·dP in float32 from the bfloat16 cotangent, so its d sink is the
+    exact formula on the rounded cotangent with the float32 output (forms[0]). The GPU's pt d
+    sink was ref rounded once to bfloat16, and the rounded-output form (forms[1]) 4x closer to
+    ref than forms[0]: a bound from those two refused the kernel's value. :func:`dsink_pt`
+    admits it, and still refuses a d sink that misses one row's term."""
+    b, sq, sk, hd = 3, 1, 1, Heads(h=4, hkv=2, d=64, dv=64)
+    rng = np.random.default_rng(12921243)
+    q, k, v = (normal(rng, b, s, h, d) for s, h, d in ((sq, hd.h, hd.d), (sk, hd.hkv, hd.d),
+                                                      (sk, hd.hkv, hd.dv)))
+    sink = sink_values(rng, hd.h, "extreme")
+    w_out = rng.standard_normal((b, sq, hd.h, hd.dv), np.float32)
+    mask = dense_mask(b, sq, sk, (2, None))
+    ref, _ = naive_results(CPU_SPACE, q, k, v, mask, sink, hd.d ** -0.5, 0.0, w_out, None)
+    ref_out, ref_lse, ref_dsink = np.asarray(ref[0]), np.asarray(ref[1]), ref[2][3]
+    pt_dsink = np.asarray(jnp.asarray(ref_dsink).astype(jnp.bfloat16).astype(jnp.float32))
+    forms = sink_gradients_of_rounded_cotangent(ref_out, ref_lse, sink, w_out, None, jnp.bfloat16)
+    kernel, scale = forms[0], grad_scale(ref_dsink)
+    with pytest.raises(AssertionError):  # the bound from pt and the rounded-output form
+        assert_rule(kernel, ref_dsink, dsink_pt(pt_dsink, ref_dsink, forms[1:]), softcap=False,
+                    name="dsink", grad_scale=scale)
+    p = dsink_pt(pt_dsink, ref_dsink, forms)
+    assert_rule(kernel, ref_dsink, p, softcap=False, name="dsink", grad_scale=scale)
+    p_sink = np.exp(np.asarray(sink)[None, :] - ref_lse[:, :, 0])  # (B, H)
+    one_row = p_sink[1] * np.einsum("qhd,qhd->h", w_out[1], ref_out[1])
+    with pytest.raises(AssertionError):  # batch entry 1's term left out
+        assert_rule(kernel + one_row.astype(np.float32), ref_dsink, p, softcap=False,
+                    name="dsink", grad_scale=scale)
