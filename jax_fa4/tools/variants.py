@@ -228,7 +228,8 @@ def _sm90_bwd(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[Kerne
 #: tests/test_gpu_suite_kernels.py lowers those calls for CUDA (each extreme-numerics case at its
 #: dtype, the case lists, runners' parameters, the sanitizer groups, ...) and fails on a kind
 #: missing here or listed but reached no more, naming it. test_properties.py: its explicit
-#: examples (the drawn cases range over every shipped bfloat16 kernel). Listed here, outside
+#: examples (the drawn cases range over every shipped bfloat16 kernel, all of which the tests
+#: suite holds: _sm90_bwd_tests). Listed here, outside
 #: every kernel's import closure: editing the table rekeys nothing.
 #: Notation: ``"<bf16|fp16> <head dim>[/<head dim v>] <none|causal|local> [softcap] [gqa] [sink]
 #: [det|segments|varlen]"`` (gqa: fewer kv heads than query heads; sink: a learnable sink, the
@@ -331,7 +332,10 @@ def _sm90_bwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable
                            *GPU_CONFORMANCE_BACKWARD])
     mains = [backward_kind_config(k) for k in kinds]
     extra = [*mains, *(c.postprocess_config() for c in mains)]
-    for cfg in dict.fromkeys([*sm90_bwd_gpu_configs(), *extra]):
+    # the Hypothesis property tests (tests/gpu/test_properties.py) draw bfloat16 problems of
+    # every kind: every shipped bfloat16 backward
+    drawn = _sm90_bwd(("bfloat16",), head_dims)
+    for cfg in dict.fromkeys([*sm90_bwd_gpu_configs(), *extra, *drawn]):
         if cfg.dtype in dtypes and cfg.head_dim in head_dims:
             yield cfg
 
