@@ -54,23 +54,29 @@ the packed rows outside every sequence (zero_padding_rows).
 
 Padding isolation (varlen and paged): in the highest key block, the rows of V's stage past the
 keys (the next sequence, padding tokens, a page's unused slots) are zeroed before the P·V GEMM
-reads them (zero_v_rows_past_keys, common/rows.py): P is 0 there, but 0·NaN is not.
+reads them (zero_v_rows_past_keys, common/rows.py): P is 0 there, but 0·NaN is not. FP8 clears
+them in the producer's transpose instead: each lane knows which keys its bytes hold, and ANDs
+the words of the keys past the sequence with a byte mask before stmatrix (transpose_tail;
+v_transpose.VTransposer.stage's keys_left), with no shared-memory pass or barrier.
 
-FP8 (FwdConfig.dtype "float8_e4m3fn", docs/fp8.md): e4m3 q, k and v, as the 16-bit kernel
-takes them; descale (B, Hkv, 2) folds q·k's into the softmax scale and v's into each row's 1/Σ;
-O is bfloat16, staged in Q's buffer (sized for it). Dense calls, overlapped mainloop, exact row
-max only (fwd_config.FwdConfig.validate_fp8). e4m3 WGMMAs read both operands K-major, and P
-(convert_p_e4m3) holds each group of 32 keys in a permuted order (the accumulator's values packed
-as they lie), so V's operand is (Dv, tile_n), keys contiguous, column l of each group of 32
-holding key fwd_config.fp8_value_permutation()[l]. V gets there in the kernel: warp 0 TMA-loads
-each V block as stored into a staging buffer (FwdConfig.v_staging_stages stages, a
-PipelineTmaAsync whose consumers are the producer warps), and all four producer warps transpose
-it into sV with ldmatrix.trans / prmt / stmatrix (v_transpose.py; its lane addresses and their
-bank-conflict freedom: v_transpose_plan.py), fence the writes for the WGMMA's async proxy and
-arrive on sV's full barrier (a PipelineAsync whose consumers, every consumer thread, release it
-as for 16-bit V). With two staging stages a block is transposed after the next one's load is
-issued, with one (head dim 256) after its own. Keys past seqlen_k read zeros (TMA fills rows out
-of bounds) and are masked in S, so P·V adds 0 there: no padding of the key count.
+FP8 (FwdConfig.dtype "float8_e4m3fn", docs/fp8.md): e4m3 q, k and v, as the 16-bit kernel takes
+them; descale (B, Hkv, 2) folds q·k's into the softmax scale and v's into each row's 1/Σ; O is
+bfloat16, staged in Q's buffer (sized for it). Dense, paged and varlen calls (not segment ids, max
+logits, persistent, head-major or float32 out), overlapped mainloop, exact row max only
+(fwd_config.FwdConfig.validate_fp8); paged: warp 0 reads each block's page-table entries as it
+issues the block's loads (load_kv_fp8), varlen: the 16-bit kernel's sequence offsets and epilogue,
+the descale row of the padding rows' batch slice clamped to the last sequence's. e4m3 WGMMAs read
+both operands K-major, and P (convert_p_e4m3) holds each group of 32 keys in a permuted order (the
+accumulator's values packed as they lie), so V's operand is (Dv, tile_n), keys contiguous, column l
+of each group of 32 holding key fwd_config.fp8_value_permutation()[l]. V gets there in the kernel:
+warp 0 TMA-loads each V block as stored into a staging buffer (FwdConfig.v_staging_stages stages, a
+PipelineTmaAsync whose consumers are the producer warps), and all four producer warps transpose it
+into sV with ldmatrix.trans / prmt / stmatrix (v_transpose.py; its lane addresses and their bank-
+conflict freedom: v_transpose_plan.py), fence the writes for the WGMMA's async proxy and arrive on
+sV's full barrier (a PipelineAsync whose consumers, every consumer thread, release it as for 16-bit
+V). With two staging stages a block is transposed after the next one's load is issued, with one
+(head dim 256) after its own. Keys past seqlen_k read zeros (TMA fills rows out of bounds) and are
+masked in S, so P·V adds 0 there: no padding of the key count.
 
 Decode shapes reach this kernel rewritten by jax_fa4/decode.py (GQA packing, split-KV), in the
 decode tile's configs (fwd_config.decode_config / paged_config): 64 rows, often two CTAs per SM
