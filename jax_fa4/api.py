@@ -162,23 +162,16 @@ def flash_attention(
     fp8_args = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale,
                 "out_dtype": out_dtype}
     if jnp.dtype(q.dtype) == options.FP8_DTYPE:
-        unsupported = [name for name, on in (
-            ("learnable_sink", learnable_sink is not None),
-            ("segment_ids", segment_ids is not None), ("return_max_logits", return_max_logits))
-            if on]
-        if unsupported:
-            raise NotImplementedError(f"FP8 (float8_e4m3fn) attention does not support "
-                                      f"{', '.join(unsupported)} yet")
-        b, hkv = q.shape[0], k.shape[2]
-        descales = [options.check_descale(name, x, b, hkv) for name, x in (
+        options.refuse_fp8_features(learnable_sink=learnable_sink is not None,
+                                    segment_ids=segment_ids is not None,
+                                    return_max_logits=return_max_logits)
+        shape = (q.shape[0], k.shape[2])
+        descales = [options.check_descale(name, x, shape) for name, x in (
             ("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))]
         out, lse = autodiff.fp8_attention(q, k, v, *descales, opts,
                                           options.check_out_dtype(out_dtype))
         return (out, lse) if return_lse else out
-    given = [name for name, x in fp8_args.items() if x is not None]
-    if given:
-        raise ValueError(f"{', '.join(given)} apply to FP8 calls only (q, k, v in "
-                         f"float8_e4m3fn), got q of dtype {q.dtype}")
+    options.reject_fp8_arguments(fp8_args, "q, k, v", f"q of dtype {q.dtype}")
     if return_max_logits:
         opts = dataclasses.replace(opts, max_logits=True)
     learnable_sink = options.check_learnable_sink(learnable_sink, q.shape[2])
@@ -215,6 +208,10 @@ def flash_attention_varlen(
     return_lse: bool = False,
     implementation: str | None = None,
     validate: bool = False,
+    q_descale: jax.Array | float | None = None,
+    k_descale: jax.Array | float | None = None,
+    v_descale: jax.Array | float | None = None,
+    out_dtype: Any = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention over a batch of variable-length sequences packed along one axis (FA4 varlen).
 
@@ -257,11 +254,17 @@ def flash_attention_varlen(
         for concrete values, checked on the host when the program runs (one small
         device-to-host copy per call); a broken rule surfaces as JAX's runtime error carrying
         the ValueError's message, at the first wait on the results.
+      q_descale, k_descale, v_descale: FP8 calls (q, k, v in float8_e4m3fn) only: float32
+        descales, each a scalar or ``(num_sequences, Hkv)`` (one per sequence and kv head;
+        default 1): the call attends over the dequantised tokens (docs/fp8.md;
+        :func:`jax_fa4.fp8.dequantize_packed` is the rule). Forward only; no sink. On Hopper
+        the FP8 varlen forward kernel runs, elsewhere the reference on the dequantised inputs.
+      out_dtype: FP8 calls only: the output's dtype, bfloat16 by default.
 
     Returns:
-      ``out`` ``(total_q, H, Dv)`` in q's dtype, and with ``return_lse`` also ``lse``
-      ``(H, total_q)`` float32. Rows with no visible key (e.g. a query whose sequence has no
-      key) give 0 and lse ``-inf`` (``lse = sink`` with a sink).
+      ``out`` ``(total_q, H, Dv)`` in q's dtype (FP8: ``out_dtype``), and with ``return_lse``
+      also ``lse`` ``(H, total_q)`` float32. Rows with no visible key (e.g. a query whose
+      sequence has no key) give 0 and lse ``-inf`` (``lse = sink`` with a sink).
 
     Differentiable with ``jax.grad`` in q, k, v and the sink (also through lse); works under
     ``jax.jit`` and ``jax.vmap``. cu_seqlens values that break the contract (negative,
@@ -275,6 +278,19 @@ def flash_attention_varlen(
     opts = options.options(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
                            window_size=window_size, softcap=softcap,
                            implementation=implementation)
+    fp8_args = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale,
+                "out_dtype": out_dtype}
+    if jnp.dtype(q.dtype) == options.FP8_DTYPE:
+        options.refuse_fp8_features(learnable_sink=learnable_sink is not None)
+        shape = (cu_seqlens_q.shape[0] - 1, k.shape[1])
+        descales = [options.check_descale(name, x, shape, "(num_sequences, Hkv)")
+                    for name, x in (("q_descale", q_descale), ("k_descale", k_descale),
+                                    ("v_descale", v_descale))]
+        out, lse = autodiff.fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *descales, opts,
+                                       options.check_out_dtype(out_dtype), max_seqlen_q,
+                                       max_seqlen_k)
+        return (out, lse) if return_lse else out
+    options.reject_fp8_arguments(fp8_args, "q, k, v", f"q of dtype {q.dtype}")
     learnable_sink = options.check_learnable_sink(learnable_sink, q.shape[1])
     out, lse = autodiff.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, learnable_sink, opts,
                                max_seqlen_q, max_seqlen_k)
@@ -296,6 +312,10 @@ def flash_attention_paged(
     return_lse: bool = False,
     implementation: str | None = None,
     validate: bool = False,
+    q_descale: jax.Array | float | None = None,
+    k_descale: jax.Array | float | None = None,
+    v_descale: jax.Array | float | None = None,
+    out_dtype: Any = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of a few new query tokens over a paged KV cache (decode / chunked prefill).
 
@@ -322,11 +342,22 @@ def flash_attention_paged(
         :class:`jax_fa4.ImplementationUnavailableError` saying why not) or ``"reference"``.
       validate: also check traced page_table / seqused_k (under ``jit``), as
         :func:`flash_attention_varlen`'s ``validate`` does for cu_seqlens.
+      q_descale, k_descale, v_descale: an FP8 KV cache (k_cache and v_cache in
+        float8_e4m3fn) only: float32 descales. ``k_descale`` / ``v_descale``: a scalar or
+        ``(Hkv,)``, one per kv head for every page (the cache is shared by the batch;
+        :func:`jax_fa4.fp8.quantize_paged_cache` makes them). q may be float8_e4m3fn with
+        ``q_descale`` a scalar or ``(B, Hkv)``, or bfloat16 / float16 / float32 (no
+        ``q_descale``): the call then quantises it to e4m3 itself, one scale per (batch
+        entry, kv head) (:func:`jax_fa4.fp8.quantize_grouped`), as the e4m3 kernel needs both
+        operands in e4m3. The call attends over the dequantised inputs (docs/fp8.md). Forward
+        only; no sink. On Hopper the FP8 paged kernel runs on the call as it is (no GQA
+        packing or split-KV), elsewhere the reference on the dequantised inputs.
+      out_dtype: FP8 cache only: the output's dtype, bfloat16 by default.
 
     Returns:
-      ``out`` ``(B, Sq, H, Dv)`` in q's dtype, and with ``return_lse`` also lse ``(B, H, Sq)``.
-      Rows with no visible key (e.g. ``seqused_k[b] = 0``) give 0 and lse ``-inf`` (``lse =
-      sink`` with a sink).
+      ``out`` ``(B, Sq, H, Dv)`` in q's dtype (FP8 cache: ``out_dtype``), and with
+      ``return_lse`` also lse ``(B, H, Sq)``. Rows with no visible key (e.g. ``seqused_k[b] =
+      0``) give 0 and lse ``-inf`` (``lse = sink`` with a sink).
 
     Forward only: differentiating through it raises ``NotImplementedError`` (see the module
     docstring). Works under ``jax.jit`` and ``jax.vmap``. A seqused_k outside its range, or a
@@ -335,11 +366,31 @@ def flash_attention_paged(
     under ``jit`` they are checked only with ``validate=True``: otherwise the kernels stay in
     bounds and the result is unspecified.
     """
+    fp8_cache = options.FP8_DTYPE in (getattr(x, "dtype", None) for x in (k_cache, v_cache))
     options.check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k,
-                               options.check_validate(validate))
+                               options.check_validate(validate), fp8=fp8_cache)
     opts = options.options(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
                            window_size=window_size, softcap=softcap,
                            implementation=implementation)
+    fp8_args = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale,
+                "out_dtype": out_dtype}
+    if fp8_cache:
+        options.refuse_fp8_features(learnable_sink=learnable_sink is not None)
+        hkv = k_cache.shape[2]
+        if jnp.dtype(q.dtype) == options.FP8_DTYPE:
+            q_descale = options.check_descale("q_descale", q_descale, (q.shape[0], hkv))
+        elif q_descale is not None:
+            raise ValueError(f"q_descale applies to a float8_e4m3fn q; q of dtype {q.dtype} "
+                             "is quantised by the call (one scale per batch entry and kv head)")
+        k_descale, v_descale = (options.check_descale(name, x, (hkv,), "(Hkv,)")
+                                for name, x in (("k_descale", k_descale),
+                                                ("v_descale", v_descale)))
+        out, lse = autodiff.fp8_paged(q, k_cache, v_cache, page_table, seqused_k, q_descale,
+                                      k_descale, v_descale, opts,
+                                      options.check_out_dtype(out_dtype))
+        return (out, lse) if return_lse else out
+    options.reject_fp8_arguments(fp8_args, "k_cache and v_cache",
+                                 f"k_cache of dtype {k_cache.dtype}")
     learnable_sink = options.check_learnable_sink(learnable_sink, q.shape[2])
     out, lse = autodiff.paged(q, k_cache, v_cache, page_table, seqused_k, learnable_sink, opts)
     return (out, lse) if return_lse else out

@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import backends, reference
+from jax_fa4 import backends, fp8, reference
 from jax_fa4.backends import base
 from jax_fa4.backends.base import Segments
 from jax_fa4.parallel import sharding
@@ -530,12 +530,16 @@ def _fp8_attention_fwd(q, k, v, q_descale, k_descale, v_descale, static):
     return _fp8_attention(q, k, v, q_descale, k_descale, v_descale, static), None
 
 
+#: What differentiating an FP8 call raises.
+FP8_FORWARD_ONLY = (
+    "attention with float8_e4m3fn inputs is forward only (prefill and inference): it has no "
+    "gradient. Train with bfloat16 inputs (and quantise for inference with jax_fa4.fp8), or "
+    "wrap the FP8 call's inputs in jax.lax.stop_gradient if the surrounding computation is "
+    "differentiated.")
+
+
 def _fp8_attention_bwd(static, residuals, cotangents):
-    raise NotImplementedError(
-        "flash_attention with float8_e4m3fn inputs is forward only (prefill and inference): "
-        "it has no gradient. Train with bfloat16 inputs (and quantise for inference with "
-        "jax_fa4.fp8.quantize), or wrap the FP8 call's inputs in jax.lax.stop_gradient if the "
-        "surrounding computation is differentiated.")
+    raise NotImplementedError(FP8_FORWARD_ONLY)
 
 
 _fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd)
@@ -552,3 +556,89 @@ def fp8_attention(q, k, v, q_descale, k_descale, v_descale, opts, out_dtype
     e4m3 q, k, v and their (B, Hkv) float32 descales (:mod:`jax_fa4.fp8`). Forward only."""
     return _fp8_run(q, k, v, q_descale, k_descale, v_descale,
                     Fp8Static(opts, fp8_route(q, k, v, opts), jnp.dtype(out_dtype)))
+
+
+# -- FP8 paged KV and varlen (forward only) ------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fp8_forward_only(run, static: Fp8Static, *args):
+    """``run(*args, static)``, with a gradient that raises (:data:`FP8_FORWARD_ONLY`)."""
+    return run(*args, static)
+
+
+def _fp8_forward_only_fwd(run, static, *args):
+    return _fp8_forward_only(run, static, *args), None
+
+
+def _fp8_forward_only_bwd(run, static, residuals, cotangents):
+    raise NotImplementedError(FP8_FORWARD_ONLY)
+
+
+_fp8_forward_only.defvjp(_fp8_forward_only_fwd, _fp8_forward_only_bwd)
+
+
+def _fp8_paged_impl(q, k_cache, v_cache, page_table, seqused_k, q_descale, k_descale,
+                    v_descale, static: Fp8Static):
+    name, plan = static.route
+    return backends.get(name).fp8_paged_forward(q, k_cache, v_cache, page_table, seqused_k,
+                                                q_descale, k_descale, v_descale, static.opts,
+                                                plan)
+
+
+@functools.partial(jax.jit, static_argnames=("static",))
+def _fp8_paged_run(q, k_cache, v_cache, page_table, seqused_k, q_descale, k_descale, v_descale,
+                   static: Fp8Static):
+    if q.dtype != fp8.FP8:  # one e4m3 scale per (batch entry, kv head), as the kernels take q
+        q, q_descale = fp8.quantize_grouped(q, k_cache.shape[2])
+    out, lse = _fp8_forward_only(_fp8_paged_impl, static, q, k_cache, v_cache, page_table,
+                                 seqused_k, q_descale, k_descale, v_descale)
+    return out.astype(static.out_dtype), lse
+
+
+def fp8_paged(q, k_cache, v_cache, page_table, seqused_k, q_descale, k_descale, v_descale,
+              opts, out_dtype) -> tuple[jax.Array, jax.Array]:
+    """(out (B, Sq, H, Dv) in ``out_dtype``, lse (B, H, Sq)) of a validated paged call over an
+    e4m3 cache: q e4m3 with its (B, Hkv) descale, or 16-bit / float32 (``q_descale`` None:
+    quantised here by :func:`jax_fa4.fp8.quantize_grouped`); the cache's descales (Hkv,)
+    float32. Forward only."""
+    q8_shape = jax.ShapeDtypeStruct(q.shape, fp8.FP8)  # (what the backend gets)
+    backend, plan = base.planned(
+        backends.get(opts.implementation), "FP8 paged KV attention", opts,
+        lambda b: b.fp8_paged_plan(q8_shape, k_cache, v_cache, page_table, opts))
+    static = Fp8Static(opts, (backend.name, plan), jnp.dtype(out_dtype))
+    return _fp8_paged_run(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache),
+                          jnp.asarray(page_table), jnp.asarray(seqused_k), q_descale, k_descale,
+                          v_descale, static)
+
+
+def _fp8_varlen_impl(q, k, v, segments, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale,
+                     v_descale, static: Fp8Static):
+    name, plan = static.route
+    return backends.get(name).fp8_varlen_forward(q, k, v, segments, cu_seqlens_q, cu_seqlens_k,
+                                                 q_descale, k_descale, v_descale, static.opts,
+                                                 plan)
+
+
+@functools.partial(jax.jit, static_argnames=("static", "max_seqlen_q", "max_seqlen_k"))
+def _fp8_varlen_run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale,
+                    static: Fp8Static, max_seqlen_q: int, max_seqlen_k: int):
+    # (as _varlen: the identity on valid metadata)
+    cu_seqlens_q = base.clamp_cu_seqlens(cu_seqlens_q, q.shape[0], max_seqlen_q)
+    cu_seqlens_k = base.clamp_cu_seqlens(cu_seqlens_k, k.shape[0], max_seqlen_k)
+    segments = base.varlen_segments(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    out, lse = _fp8_forward_only(_fp8_varlen_impl, static, q, k, v, segments, cu_seqlens_q,
+                                 cu_seqlens_k, q_descale, k_descale, v_descale)
+    lse = jnp.where(segments.q_segment_ids >= 0, lse[0], -jnp.inf)
+    return out[0].astype(static.out_dtype), lse  # (total_q, H, Dv), (H, total_q)
+
+
+def fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, opts,
+               out_dtype, max_seqlen_q: int, max_seqlen_k: int) -> tuple[jax.Array, jax.Array]:
+    """(out (total_q, H, Dv) in ``out_dtype``, lse (H, total_q)) of a validated varlen call
+    with packed e4m3 q, k, v and (num_sequences, Hkv) float32 descales. Forward only."""
+    backend, plan = base.planned(
+        backends.get(opts.implementation), "FP8 varlen attention", opts,
+        lambda b: b.fp8_varlen_plan(q, k, v, opts, max_seqlen_q, max_seqlen_k))
+    static = Fp8Static(opts, (backend.name, plan), jnp.dtype(out_dtype))
+    return _fp8_varlen_run(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                           jnp.asarray(cu_seqlens_q), jnp.asarray(cu_seqlens_k), q_descale,
+                           k_descale, v_descale, static, max_seqlen_q, max_seqlen_k)

@@ -73,7 +73,9 @@ def check_nonempty(name: str, x: Any) -> None:
         raise ValueError(f"{name} must have no zero-sized dimension, got shape {x.shape}")
 
 
-#: FP8 inputs (forward only, with descale factors): :func:`jax_fa4.flash_attention` only.
+#: FP8 inputs (forward only, with descale factors): :func:`jax_fa4.flash_attention`, an e4m3
+#: cache in :func:`jax_fa4.flash_attention_paged`, e4m3 q, k, v in
+#: :func:`jax_fa4.flash_attention_varlen`.
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 
 
@@ -88,20 +90,53 @@ def check_dtypes(q: Any, k: Any, v: Any, k_name: str = "k", v_name: str = "v",
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
 
 
-def check_descale(name: str, x: Any, b: int, hkv: int) -> jax.Array:
-    """A descale argument as (B, Hkv) float32: None -> ones, a scalar or (B, Hkv) broadcast."""
+def check_descale(name: str, x: Any, shape: tuple[int, ...], layout: str = "(B, Hkv)"
+                  ) -> jax.Array:
+    """A descale argument as a float32 array of ``shape`` (its ``layout``: ``(B, Hkv)``,
+    ``(Hkv,)`` for a paged cache's, ``(num_sequences, Hkv)`` for varlen): None -> ones, a
+    scalar or ``shape`` broadcast."""
     if x is None:
-        return jnp.ones((b, hkv), jnp.float32)
+        return jnp.ones(shape, jnp.float32)
     if not (is_array(x) or isinstance(x, (int, float))):
-        raise TypeError(f"{name} must be a float32 scalar or (B, Hkv) array, got "
+        raise TypeError(f"{name} must be a float32 scalar or {layout} array, got "
                         f"{type(x).__name__}")
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{name} must be floating (float32), got {x.dtype}")
-    if x.ndim not in (0, 2) or (x.ndim == 2 and x.shape != (b, hkv)):
-        raise ValueError(f"{name} must be a scalar or have shape (B, Hkv) = {(b, hkv)}, got "
-                         f"{x.shape}")
-    return jnp.broadcast_to(x.astype(jnp.float32), (b, hkv))
+    if x.ndim != 0 and x.shape != tuple(shape):
+        raise ValueError(f"{name} must be a scalar or have shape {layout} = {tuple(shape)}, "
+                         f"got {x.shape}")
+    return jnp.broadcast_to(x.astype(jnp.float32), shape)
+
+
+def reject_fp8_arguments(fp8_args: dict[str, Any], what: str, got: str) -> None:
+    """The FP8 arguments (descales, out_dtype) of a call whose inputs are not e4m3: a
+    ValueError naming those given (``what``: the inputs an FP8 call has in e4m3; ``got``: what
+    this call has)."""
+    given = [name for name, x in fp8_args.items() if x is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to FP8 calls only ({what} in "
+                         f"float8_e4m3fn); got {got}")
+
+
+def refuse_fp8_features(**features: bool) -> None:
+    """NotImplementedError naming the features an FP8 call asked for that it lacks."""
+    unsupported = [name for name, on in features.items() if on]
+    if unsupported:
+        raise NotImplementedError(f"FP8 (float8_e4m3fn) attention does not support "
+                                  f"{', '.join(unsupported)} yet")
+
+
+def check_fp8_cache_dtypes(q: Any, k_cache: Any, v_cache: Any) -> None:
+    """An e4m3 paged cache: k_cache and v_cache both float8_e4m3fn; q float8_e4m3fn (with its
+    q_descale) or bfloat16 / float16 / float32 (the call quantises it)."""
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if jnp.dtype(x.dtype) != FP8_DTYPE:
+            raise TypeError(f"{name} must have dtype float8_e4m3fn like the other cache "
+                            f"tensor (an FP8 KV cache), got {x.dtype}")
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES + (FP8_DTYPE,):
+        raise TypeError(f"q must have dtype float8_e4m3fn, bfloat16, float16 or float32 "
+                        f"with an FP8 KV cache, got {q.dtype}")
 
 
 def check_out_dtype(out_dtype: Any) -> jnp.dtype:
@@ -255,16 +290,17 @@ def check_static_int(name: str, x: Any) -> int:
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         validate: bool = False) -> None:
-    """Packed q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), int32 cu_seqlens
-    (batch + 1,) and static max_seqlen ints. Values are checked wherever they are known at the
-    call (:func:`concrete_values`); traced ones only with ``validate``
+    """Packed q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) of one dtype
+    (float8_e4m3fn too: the FP8 varlen forward), int32 cu_seqlens (batch + 1,) and static
+    max_seqlen ints. Values are checked wherever they are known at the call
+    (:func:`concrete_values`); traced ones only with ``validate``
     (:func:`check_at_run_time`)."""
     for name, x, layout in (("q", q, "(total_q, H, D)"), ("k", k, "(total_k, Hkv, D)"),
                             ("v", v, "(total_k, Hkv, Dv)")):
         check_array(name, x)
         check_rank(name, x, layout, 3, " (tokens packed along one axis)")
         check_nonempty(name, x)
-    check_dtypes(q, k, v)
+    check_dtypes(q, k, v, allow_fp8=True)
     total_q, h, d = q.shape
     total_k, hkv = k.shape[:2]
     if k.shape[2] != d:
@@ -354,17 +390,22 @@ def check_cu_seqlens(name: str, cu: np.ndarray, total: int, max_len: int, max_na
                          f"{name}[{b}]={cu[b]})")
 
 
-def check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k, validate: bool = False) -> None:
+def check_paged_inputs(q, k_cache, v_cache, page_table, seqused_k, validate: bool = False,
+                       fp8: bool = False) -> None:
     """q (B, Sq, H, D), a paged cache (num_pages, page_size, Hkv, D / Dv), an int32 page table
-    (B, max_pages) and seqused_k (B,). Values are checked wherever they are known at the call
-    (:func:`concrete_values`); traced ones only with ``validate`` (:func:`check_at_run_time`)."""
+    (B, max_pages) and seqused_k (B,); ``fp8``: an e4m3 cache (:func:`check_fp8_cache_dtypes`).
+    Values are checked wherever they are known at the call (:func:`concrete_values`); traced
+    ones only with ``validate`` (:func:`check_at_run_time`)."""
     for name, x, layout in (("q", q, "(B, Sq, H, D)"),
                             ("k_cache", k_cache, "(num_pages, page_size, Hkv, D)"),
                             ("v_cache", v_cache, "(num_pages, page_size, Hkv, Dv)")):
         check_array(name, x)
         check_rank(name, x, layout)
         check_nonempty(name, x)
-    check_dtypes(q, k_cache, v_cache, "k_cache", "v_cache")
+    if fp8:
+        check_fp8_cache_dtypes(q, k_cache, v_cache)
+    else:
+        check_dtypes(q, k_cache, v_cache, "k_cache", "v_cache")
     b, _, h, d = q.shape
     num_pages, page_size, hkv, _ = k_cache.shape
     if k_cache.shape[3] != d:

@@ -1,6 +1,8 @@
 """FP8 (e4m3) attention on the CPU: the API's checks, the quantisation helpers, the reference
 route, the missing gradient, and the FP8 kernel's value layout (its key permutation) against a
-model of the WGMMA register fragments."""
+model of the WGMMA register fragments. The FP8 KV cache (flash_attention_paged) and packed FP8
+sequences (flash_attention_varlen): their checks, the reference route on the dequantised
+inputs, q quantised by the paged call, the Hopper route's operands (kernel stubbed)."""
 
 from __future__ import annotations
 
@@ -104,9 +106,14 @@ def test_fp8_options_that_are_not_supported_say_so():
         jax_fa4.flash_attention(qb, kb, vb, q_descale=1.0)
     with pytest.raises(TypeError, match="k must have q's dtype"):
         jax_fa4.flash_attention(q, kb, vb)
-    with pytest.raises(TypeError, match="float8_e4m3fn"):  # other entry points: 16-bit only
-        jax_fa4.flash_attention_varlen(q[0], k[0], v[0], jnp.array([0, 77]), jnp.array([0, 131]),
-                                       77, 131)
+    cu_q, cu_k = jnp.array([0, 77], jnp.int32), jnp.array([0, 131], jnp.int32)
+    with pytest.raises(NotImplementedError, match="does not support learnable_sink"):
+        jax_fa4.flash_attention_varlen(q[0], k[0], v[0], cu_q, cu_k, 77, 131,
+                                       learnable_sink=jnp.zeros(4))
+    with pytest.raises(ValueError, match=r"v_descale, out_dtype apply to FP8 calls only \(q, k, "
+                                         r"v in float8_e4m3fn\); got q of dtype float32"):
+        jax_fa4.flash_attention_varlen(qb[0], kb[0], vb[0], cu_q, cu_k, 77, 131, v_descale=1.0,
+                                       out_dtype=jnp.float32)
 
 
 def _operand_a_from_accumulator(p: np.ndarray) -> np.ndarray:
@@ -160,12 +167,17 @@ def test_fp8_configs_and_signature():
     assert dv == 128 and v_arg.divisibility == (1, 1, 1, 128)
     descale, = (a for a in cfg.signature().inputs if a.name == "descale")
     assert descale.sample_shape == (b, hkv, 2)
-    with pytest.raises(ValueError, match="float8_e4m3fn is implemented for dense calls only"):
-        fwd_config.FwdConfig.make("float8_e4m3fn", 128, 128, "none", False, varlen=True)
+    for refused in (dict(segments=True), dict(max_logits=True), dict(qo_head_major=True),
+                    dict(out_f32=True), dict(num_sms=132)):
+        with pytest.raises(ValueError, match="float8_e4m3fn is implemented for dense, paged and "
+                                             "varlen calls"):
+            fwd_config.FwdConfig.make("float8_e4m3fn", 128, 128, "none", False, **refused)
     with pytest.raises(ValueError, match="head_dim/head_dim_v 96/96 not supported"):
         fwd_config.fp8_config(96)
     shipped = [c for c in fwd_config.shipped_configs() if c.fp8]
-    assert len(shipped) == 18  # head dims 64, 128, 256 x 3 mask kinds x softcap
+    # head dims 64, 128, 256 x 3 mask kinds x softcap x dense, varlen, paged
+    assert len(shipped) == 54
+    assert sum(c.paged for c in shipped) == sum(c.varlen for c in shipped) == 18
     # the exact row max keeps each row's largest P exactly 1 in e4m3 (docs/fp8.md)
     assert all(c.rescale_threshold == 0 for c in shipped)
     with pytest.raises(ValueError, match="float8_e4m3fn needs rescale_threshold 0"):
@@ -176,10 +188,12 @@ def test_fp8_configs_and_signature():
 
 def test_fp8_configs_stage_v_for_the_transpose():
     """Every shipped FP8 config stages V as loaded in two stages where they fit (one at head dim
-    256, whose K and V stages and O tile leave room for one), within the shared memory; 16-bit
-    configs stage nothing."""
+    256 with 128 query rows, whose K and V stages and O tile leave room for one; the paged
+    tile's 64 rows leave room for two), within the shared memory; 16-bit configs stage
+    nothing."""
     for cfg in (c for c in fwd_config.shipped_configs() if c.fp8):
-        assert cfg.v_staging_stages == (1 if cfg.head_dim_v == 256 else 2), cfg.describe()
+        one = cfg.head_dim_v == 256 and not cfg.paged
+        assert cfg.v_staging_stages == (1 if one else 2), cfg.describe()
         assert cfg.smem_bytes() <= cfg.smem_limit()
         two = cfg.smem_bytes() + (2 - cfg.v_staging_stages) * cfg.tile_n * cfg.head_dim_v
         assert (two <= cfg.smem_limit()) == (cfg.v_staging_stages == 2)
@@ -220,3 +234,255 @@ def test_blackwell_refuses_fp8_with_a_reason():
     with pytest.raises(jax_fa4.ImplementationUnavailableError,
                        match="cannot run this FP8 attention call: there is no sm100 FP8"):
         jax_fa4.flash_attention(q, k, v, implementation="sm100")
+
+
+# -- an FP8 KV cache (flash_attention_paged) ---------------------------------------------------
+def _paged(b=3, sq=5, h=4, hkv=2, d=64, page_size=16, max_pages=4, seed=1):
+    """float32 q (B, Sq, H, D), an e4m3 cache (quantize_paged_cache) with shuffled pages, the
+    page table (unused entries -1) and odd key counts (one empty sequence)."""
+    num_pages = b * max_pages + 2
+    q, k, v = normal(f"fp8 paged {seed}", [(b, sq, h, d), (num_pages, page_size, hkv, d),
+                                           (num_pages, page_size, hkv, d)], jnp.float32)
+    k8, v8, kd, vd = fp8.quantize_paged_cache(k * 3.0, v * 0.5)
+    rng = np.random.default_rng(seed)
+    table = rng.permutation(num_pages)[: b * max_pages].reshape(b, max_pages).astype(np.int32)
+    used = np.array([37, 0, 61][:b], np.int32)
+    table[1] = -1  # the empty sequence: no page read
+    return q, k8, v8, kd, vd, jnp.asarray(table), jnp.asarray(used)
+
+
+def _paged_dequantised(q, k8, v8, kd, vd, table, used, **kw):
+    """(out, lse) of the float32 attention over the dequantised cache (16-bit route)."""
+    num_pages, hkv = k8.shape[0], k8.shape[2]
+    k = fp8.dequantize(k8, jnp.broadcast_to(kd, (num_pages, hkv)))
+    v = fp8.dequantize(v8, jnp.broadcast_to(vd, (num_pages, hkv)))
+    return jax_fa4.flash_attention_paged(q, k, v, table, used, return_lse=True, **kw)
+
+
+def test_quantize_paged_cache_one_descale_per_kv_head():
+    k = normal("cache", [(6, 16, 3, 32)], jnp.float32)[0] * jnp.array([1.0, 10.0, 0.1])[:, None]
+    k8, v8, kd, vd = fp8.quantize_paged_cache(k, k[..., :16])
+    assert k8.dtype == v8.dtype == jnp.float8_e4m3fn and k8.shape == k.shape
+    assert kd.shape == vd.shape == (3,) and kd.dtype == jnp.float32
+    # each kv head's largest magnitude over every page maps to 448
+    np.testing.assert_allclose(np.abs(np.asarray(k8, np.float32)).max(axis=(0, 1, 3)), 448.0)
+    np.testing.assert_allclose(np.asarray(kd), np.abs(np.asarray(k)).max(axis=(0, 1, 3)) / 448,
+                               rtol=1e-6)
+    back = np.asarray(fp8.dequantize(k8, jnp.broadcast_to(kd, (6, 3))))
+    np.testing.assert_allclose(back, np.asarray(k), rtol=2.0 ** -4,
+                               atol=1e-6 * float(np.abs(np.asarray(k)).max()))
+    with pytest.raises(ValueError, match=r"k_cache must have rank 4 .* got shape \(6, 16, 3\)"):
+        fp8.quantize_paged_cache(k[..., 0], k)
+
+
+@pytest.mark.parametrize("causal, window, softcap", [(False, (None, None), 0.0),
+                                                     (True, (None, None), 0.0),
+                                                     (False, (9, 2), 5.0)])
+def test_fp8_paged_reference_is_the_dequantised_attention(causal, window, softcap):
+    """An e4m3 q with its (B, Hkv) descale over an e4m3 cache: the reference on the dequantised
+    inputs (out bfloat16, lse float32; the empty sequence's rows 0 and -inf)."""
+    q, k8, v8, kd, vd, table, used = _paged()
+    q8, qd = fp8.quantize_grouped(q, 2)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = jax_fa4.flash_attention_paged(q8, k8, v8, table, used, q_descale=qd,
+                                             k_descale=kd, v_descale=vd, return_lse=True, **kw)
+    assert out.dtype == jnp.bfloat16 and out.shape == (3, 5, 4, 64)
+    want, want_lse = _paged_dequantised(fp8.dequantize(q8, qd), k8, v8, kd, vd, table, used,
+                                        **kw)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=2.0 ** -8,
+                               atol=1e-3)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6, atol=1e-6)
+    assert np.all(np.asarray(out[1], np.float32) == 0) and np.all(np.isneginf(lse[1]))
+
+
+def test_fp8_paged_quantises_a_16_bit_q_itself():
+    """A bfloat16 q over an e4m3 cache is what the call gives with q quantised by
+    fp8.quantize_grouped (one scale per batch entry and kv head) and passed in e4m3; scalar
+    cache descales broadcast; out is bfloat16 unless out_dtype says otherwise."""
+    q, k8, v8, kd, vd, table, used = _paged()
+    qb = q.astype(jnp.bfloat16)
+    got = jax_fa4.flash_attention_paged(qb, k8, v8, table, used, k_descale=0.5, v_descale=2.0,
+                                        out_dtype=jnp.float32)
+    q8, qd = fp8.quantize_grouped(qb, 2)
+    want = jax_fa4.flash_attention_paged(q8, k8, v8, table, used, q_descale=qd,
+                                         k_descale=jnp.full((2,), 0.5), v_descale=2.0,
+                                         out_dtype=jnp.float32)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    bf16 = jax_fa4.flash_attention_paged(qb, k8, v8, table, used, k_descale=0.5, v_descale=2.0)
+    assert bf16.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(v_cache="bf16"), TypeError,
+     "v_cache must have dtype float8_e4m3fn like the other cache tensor .* got bfloat16"),
+    (dict(q="int32"), TypeError, "q must have dtype float8_e4m3fn, bfloat16, float16 or float32 "
+                                 "with an FP8 KV cache, got int32"),
+    (dict(k_descale=jnp.ones((3,))), ValueError,
+     r"k_descale must be a scalar or have shape \(Hkv,\) = \(2,\), got \(3,\)"),
+    (dict(v_descale=jnp.ones((3, 2))), ValueError,
+     r"v_descale must be a scalar or have shape \(Hkv,\) = \(2,\), got \(3, 2\)"),
+    (dict(q_descale=1.0), ValueError,
+     "q_descale applies to a float8_e4m3fn q; q of dtype float32 is quantised by the call"),
+    (dict(q="e4m3", q_descale=jnp.ones((2,))), ValueError,
+     r"q_descale must be a scalar or have shape \(B, Hkv\) = \(3, 2\), got \(2,\)"),
+    (dict(k_descale=jnp.ones((2,), jnp.int32)), TypeError, "k_descale must be floating"),
+    (dict(learnable_sink=jnp.zeros(4)), NotImplementedError,
+     r"FP8 \(float8_e4m3fn\) attention does not support learnable_sink"),
+    (dict(out_dtype=jnp.int8), TypeError, "out_dtype must be bfloat16, float16 or float32"),
+])
+def test_fp8_paged_arguments_are_checked(change, error, match):
+    q, k8, v8, kd, vd, table, used = _paged()
+    args = dict(q=q, k_cache=k8, v_cache=v8)
+    kw = {name: x for name, x in change.items() if name not in args}
+    casts = {"bf16": jnp.bfloat16, "int32": jnp.int32, "e4m3": jnp.float8_e4m3fn}
+    args.update({name: args[name].astype(casts[x]) for name, x in change.items() if name in args})
+    with pytest.raises(error, match=match):
+        jax_fa4.flash_attention_paged(args["q"], args["k_cache"], args["v_cache"], table, used,
+                                      **kw)
+
+
+def test_fp8_descales_need_an_fp8_cache():
+    q, k8, v8, kd, vd, table, used = _paged()
+    k, v = (x.astype(jnp.float32) for x in (k8, v8))
+    with pytest.raises(ValueError, match=r"k_descale apply to FP8 calls only \(k_cache and "
+                                         r"v_cache in float8_e4m3fn\); got k_cache of dtype "
+                                         "float32"):
+        jax_fa4.flash_attention_paged(q, k, v, table, used, k_descale=kd)
+
+
+def test_fp8_paged_and_varlen_calls_have_no_gradient():
+    q, k8, v8, kd, vd, table, used = _paged()
+    _, pullback = jax.vjp(lambda q: jax_fa4.flash_attention_paged(q, k8, v8, table, used), q)
+    with pytest.raises(NotImplementedError, match="forward only"):
+        pullback(jnp.ones((3, 5, 4, 64), jnp.bfloat16))
+    q8, k8, v8, cu_q, cu_k, _ = _varlen()
+    _, pullback = jax.vjp(lambda x: jax_fa4.flash_attention_varlen(
+        x.astype(fp8.FP8), k8, v8, cu_q, cu_k, 9, 13), q8.astype(jnp.float32))
+    with pytest.raises(NotImplementedError, match="forward only"):
+        pullback(jnp.ones(q8.shape, jnp.bfloat16))
+
+
+# -- packed FP8 sequences (flash_attention_varlen) ---------------------------------------------
+def _varlen(h=4, hkv=2, d=64, seed=2):
+    """Packed e4m3 q, k, v of sequences with lengths (q, k) (5, 9), (0, 4), (1, 1), (9, 13)
+    after 2 padding tokens, 3 more at the end (padding holds NaN), and their (4, Hkv) descales."""
+    lens_q, lens_k = [5, 0, 1, 9], [9, 4, 1, 13]
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]) + 2
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]) + 2
+    tq, tk = int(cu_q[-1]) + 3, int(cu_k[-1]) + 3
+    q, k, v = normal(f"fp8 varlen {seed}", [(tq, h, d), (tk, hkv, d), (tk, hkv, d)],
+                     jnp.float32)
+    q8, k8, v8 = (x.at[:2].set(jnp.nan).astype(fp8.FP8) for x in (q * 30, k * 100, v * 50))
+    descales = [jnp.exp(jnp.asarray(normal(f"descale {i}", [(4, hkv)], jnp.float32)[0]) - 4)
+                for i in range(3)]
+    return q8, k8, v8, jnp.asarray(cu_q, jnp.int32), jnp.asarray(cu_k, jnp.int32), descales
+
+
+@pytest.mark.parametrize("causal, window", [(False, (None, None)), (True, (None, None)),
+                                            (False, (3, 1))])
+def test_fp8_varlen_reference_is_the_dequantised_attention(causal, window):
+    """Per-(sequence, kv head) descales: each sequence attends as a dense call on its own
+    dequantised tokens (lengths 0, 1 and odd; padding out 0 and lse -inf)."""
+    q8, k8, v8, cu_q, cu_k, (qd, kd, vd) = _varlen()
+    out, lse = jax_fa4.flash_attention_varlen(q8, k8, v8, cu_q, cu_k, 9, 13, q_descale=qd,
+                                              k_descale=kd, v_descale=vd, causal=causal,
+                                              window_size=window, return_lse=True)
+    assert out.dtype == jnp.bfloat16 and out.shape == q8.shape and lse.shape == (4, q8.shape[0])
+    for s in range(4):
+        (q0, q1), (k0, k1) = (int(x) for x in cu_q[s: s + 2]), (int(x) for x in cu_k[s: s + 2])
+        if q1 == q0:
+            continue
+        one = [fp8.dequantize(x[None, a:b], d[s: s + 1])
+               for x, d, a, b in ((q8, qd, q0, q1), (k8, kd, k0, k1), (v8, vd, k0, k1))]
+        want, want_lse = jax_fa4.flash_attention(*one, causal=causal, window_size=window,
+                                                 return_lse=True)
+        np.testing.assert_allclose(np.asarray(out[q0:q1], np.float32), np.asarray(want[0]),
+                                   rtol=2.0 ** -8, atol=1e-3, err_msg=f"sequence {s}")
+        np.testing.assert_allclose(np.asarray(lse[:, q0:q1]), np.asarray(want_lse[0]),
+                                   rtol=1e-5, atol=1e-5)
+    padding = np.r_[0:2, int(cu_q[-1]):q8.shape[0]]
+    assert np.all(np.asarray(out, np.float32)[padding] == 0)
+    assert np.all(np.isneginf(np.asarray(lse)[:, padding]))
+
+
+def test_fp8_varlen_descales_are_checked():
+    q8, k8, v8, cu_q, cu_k, (qd, kd, vd) = _varlen()
+    with pytest.raises(ValueError, match=r"k_descale must be a scalar or have shape "
+                                         r"\(num_sequences, Hkv\) = \(4, 2\), got \(2, 4\)"):
+        jax_fa4.flash_attention_varlen(q8, k8, v8, cu_q, cu_k, 9, 13, k_descale=kd.T)
+    with pytest.raises(TypeError, match="k must have q's dtype float8_e4m3fn, got float32"):
+        jax_fa4.flash_attention_varlen(q8, k8.astype(jnp.float32), v8, cu_q, cu_k, 9, 13)
+    scalar = jax_fa4.flash_attention_varlen(q8, k8, v8, cu_q, cu_k, 9, 13, q_descale=0.01,
+                                            v_descale=0.02)
+    full = jax_fa4.flash_attention_varlen(q8, k8, v8, cu_q, cu_k, 9, 13,
+                                          q_descale=jnp.full((4, 2), 0.01),
+                                          v_descale=jnp.full((4, 2), 0.02))
+    np.testing.assert_array_equal(np.asarray(scalar, np.float32), np.asarray(full, np.float32))
+
+
+def _stub_kernel(monkeypatch) -> list:
+    """call_kernel replaced by zeros of its out shapes; the calls' (config, arch, inputs)."""
+    from jax_fa4.ffi import call
+
+    calls = []
+
+    def stub(config, arch, *args, out_shapes):
+        jax.debug.callback(lambda *a: calls.append((config, arch, a)), *args)
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shapes)
+
+    monkeypatch.setattr(call, "call_kernel", stub)
+    return calls
+
+
+def test_sm90_fp8_paged_route_passes_the_kernel_its_operands(monkeypatch):
+    """implementation="sm90" over an e4m3 cache with a bfloat16 q: the FP8 paged kernel gets q
+    quantised, the cache as one batch entry of its 128-key blocks (a 256-key page: two blocks;
+    32-key pages are refused), seqused_k as it is and the (B, Hkv, 2) descale of (q·k, v) with
+    the cache's per-kv-head values in every batch row (the kernel is stubbed: this checks the
+    route, not the kernel)."""
+    calls = _stub_kernel(monkeypatch)
+    q, k8, v8, kd, vd, table, used = _paged(page_size=256)
+    out = jax_fa4.flash_attention_paged(q.astype(jnp.bfloat16), k8, v8, table, used,
+                                        k_descale=kd, v_descale=vd, causal=True,
+                                        implementation="sm90")
+    assert out.dtype == jnp.bfloat16 and out.shape == (3, 5, 4, 64)
+    jax.effects_barrier()
+    (config, arch, args), = calls
+    assert config.fp8 and config.paged and config.mask == "causal" and arch == "sm_90a"
+    assert config.tile_n == 128 and not config.qo_head_major
+    q_in, k_in, v_in, params, table_in, used_in, descale = args
+    q8, qd = fp8.quantize_grouped(q.astype(jnp.bfloat16), 2)
+    np.testing.assert_array_equal(np.asarray(q_in, np.float32), np.asarray(q8, np.float32))
+    assert k_in.shape == (1, 14 * 256, 2, 64) and k_in.dtype == jnp.float8_e4m3fn
+    t = np.asarray(table)
+    np.testing.assert_array_equal(table_in, np.stack([2 * t, 2 * t + 1], -1).reshape(3, 8))
+    np.testing.assert_array_equal(used_in, used)
+    want = np.stack([np.asarray(qd) * np.asarray(kd), np.broadcast_to(vd, (3, 2))], -1)
+    np.testing.assert_allclose(np.asarray(descale), want, rtol=1e-7)
+    with pytest.raises(jax_fa4.ImplementationUnavailableError,
+                       match="page_size 32 is not a multiple of the FP8 paged kernel's key "
+                             "block 128"):
+        q, k8, v8, kd, vd, table, used = _paged(page_size=32)
+        jax_fa4.flash_attention_paged(q, k8, v8, table, jnp.minimum(used, 32),
+                                      implementation="sm90")
+
+
+def test_sm90_fp8_varlen_route_passes_the_kernel_its_operands(monkeypatch):
+    """implementation="sm90" on packed e4m3 q, k, v: the FP8 varlen kernel gets them as one
+    batch entry, cu_seqlens, and the (num_sequences, Hkv, 2) descale of (q·k, v); lse comes
+    back as (batch, H, max_seqlen_q) and is gathered to the packed layout (stubbed)."""
+    calls = _stub_kernel(monkeypatch)
+    q8, k8, v8, cu_q, cu_k, (qd, kd, vd) = _varlen()
+    out, lse = jax_fa4.flash_attention_varlen(q8, k8, v8, cu_q, cu_k, 9, 13, q_descale=qd,
+                                              k_descale=kd, v_descale=vd, return_lse=True,
+                                              implementation="sm90")
+    assert out.dtype == jnp.bfloat16 and out.shape == q8.shape
+    jax.effects_barrier()
+    (config, arch, args), = calls
+    assert config.fp8 and config.varlen and arch == "sm_90a"
+    q_in, k_in, v_in, params, cu_q_in, cu_k_in, descale = args
+    assert q_in.shape == (1, *q8.shape) and q_in.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(cu_q_in, cu_q)
+    np.testing.assert_allclose(np.asarray(descale), np.stack([qd * kd, vd], -1), rtol=1e-7)
+    assert np.all(np.isneginf(np.asarray(lse)[:, :2]))  # padding tokens

@@ -16,7 +16,8 @@ The calls, taken from the GPU tests' own data and code wherever it can be done w
   deterministic one, each opt-in form of the swap cases);
 * the GPU tests that go through a runner (test_varlen.py's ``run_varlen_case`` and
   ``run_varlen_grad_case``, test_paged.py's ``run_paged_case``, test_segments.py's ``run``, also
-  from test_single_rounding.py): each is called with each of its parameters, the runner replaced by
+  from test_single_rounding.py, test_fp8.py's ``run_fp8_paged_case`` and
+  ``run_fp8_varlen_case``): each is called with each of its parameters, the runner replaced by
   one that lowers the runner's call (its arguments, shapes and options) instead of running it;
 * the padding-isolation cases, the sanitizer case groups (tests/gpu/sanitizer_cases.py) and the
   GPU tests that take a gradient in their own body (:data:`GRADIENT_TESTS`): their code runs with
@@ -229,6 +230,41 @@ def _paged_call(needs: Needs, node: str, a: dict) -> None:
         implementation="sm90"), *args)
 
 
+def _fp8_paged_call(needs: Needs, node: str, a: dict) -> None:
+    """tests/gpu/test_fp8.py's run_fp8_paged_case, lowered (an e4m3 cache; q e4m3 with its
+    descale, or bfloat16 quantised by the call)."""
+    b, h, hkv, d, page, pages = a["b"], a["h"], a["hkv"], a["d"], a["page_size"], a["max_pages"]
+    e4m3 = jnp.float8_e4m3fn
+    num_pages = b * pages + 3
+    args = (_spec((b, a["sq"], h, d), jnp.bfloat16 if a["q16"] else e4m3),
+            _spec((num_pages, page, hkv, d), e4m3), _spec((num_pages, page, hkv, d), e4m3),
+            _spec((b, pages), jnp.int32), _spec((b,), jnp.int32), _spec((b, hkv), F32),
+            _spec((hkv,), F32), _spec((hkv,), F32))
+    window = (None, 0) if a["causal"] else a["window"]
+    needs.lower(node, lambda q, kc, vc, table, used, qd, kd, vd: jax_fa4.flash_attention_paged(
+        q, kc, vc, table, used, q_descale=None if a["q16"] else qd, k_descale=kd, v_descale=vd,
+        window_size=window, softcap=a["softcap"], return_lse=True, implementation="sm90"),
+        *args)
+
+
+def _fp8_varlen_call(needs: Needs, node: str, a: dict) -> None:
+    """tests/gpu/test_fp8.py's run_fp8_varlen_case, lowered (packed e4m3 q, k, v)."""
+    from tests.gpu import test_fp8
+
+    pad = test_fp8.PAD_FRONT + test_fp8.PAD_BACK
+    tq, tk = pad + sum(a["lens_q"]), pad + sum(a["lens_k"])
+    h, hkv, d, n = a["h"], a["hkv"], a["d"], len(a["lens_q"])
+    e4m3 = jnp.float8_e4m3fn
+    args = (_spec((tq, h, d), e4m3), _spec((tk, hkv, d), e4m3), _spec((tk, hkv, d), e4m3),
+            _spec((n + 1,), jnp.int32), _spec((n + 1,), jnp.int32),
+            *(_spec((n, hkv), F32) for _ in range(3)))
+    window = (None, 0) if a["causal"] else a["window"]
+    needs.lower(node, lambda q, k, v, cu_q, cu_k, qd, kd, vd: jax_fa4.flash_attention_varlen(
+        q, k, v, cu_q, cu_k, max(a["lens_q"]), max(a["lens_k"]), q_descale=qd, k_descale=kd,
+        v_descale=vd, window_size=window, softcap=a["softcap"], return_lse=True,
+        implementation="sm90"), *args)
+
+
 def _segments_call(needs: Needs, node: str, a: dict) -> None:
     """tests/gpu/test_segments.py's run, lowered (the gradient too with ``grads``)."""
     (b, sq), sk = a["q_ids"].shape, a["kv_ids"].shape[1]
@@ -426,7 +462,7 @@ def property_examples(needs: Needs) -> None:
 
 
 def runner_based(needs: Needs) -> None:
-    from tests.gpu import test_paged, test_segments, test_single_rounding, test_varlen
+    from tests.gpu import test_fp8, test_paged, test_segments, test_single_rounding, test_varlen
 
     replacements = {
         "run_varlen_case": lambda n, node, a: _varlen_call(n, node, a, grad=False),
@@ -436,6 +472,8 @@ def runner_based(needs: Needs) -> None:
     for module in (test_varlen, test_paged, test_single_rounding):
         run_through_runners(needs, module, replacements, patch_in=(test_varlen, test_paged))
     run_through_runners(needs, test_segments, {"run": _segments_call})
+    run_through_runners(needs, test_fp8, {"run_fp8_paged_case": _fp8_paged_call,
+                                          "run_fp8_varlen_case": _fp8_varlen_call})
 
 
 def forward_parameters(needs: Needs) -> None:

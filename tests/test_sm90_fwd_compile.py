@@ -115,12 +115,14 @@ def test_decode_tile_alternatives_compile(cfg, shipped_cache):
 
 
 def _fp8_id(cfg: FwdConfig) -> str:
-    return (f"fp8-{cfg.head_dim}-{cfg.mask}{'-softcap' if cfg.has_softcap else ''}-"
+    form = "paged-" if cfg.paged else "varlen-" if cfg.varlen else ""
+    return (f"fp8-{form}{cfg.head_dim}-{cfg.mask}{'-softcap' if cfg.has_softcap else ''}-"
             f"{cfg.tile_m}x{cfg.tile_n}")
 
 
 @needs_disassembler
-@pytest.mark.parametrize("cfg", tiered([c for c in shipped_configs() if c.fp8], ARCH),
+@pytest.mark.parametrize("cfg", tiered([c for c in shipped_configs()
+                                        if c.fp8 and not (c.paged or c.varlen)], ARCH),
                          ids=_fp8_id)
 def test_fp8_compiles_with_clean_sass(cfg, shipped_cache):
     """Every shipped FP8 forward: e4m3 WGMMAs (QGMMA), TMA, no local memory within the
@@ -128,22 +130,47 @@ def test_fp8_compiles_with_clean_sass(cfg, shipped_cache):
     transpose's instructions: at each of its call sites (two, three with two staging stages)
     one ldmatrix.x4.trans and one stmatrix.x4 per 512 bytes of a warp's share
     (v_transpose_plan) and 4 prmt each."""
-    k = compiled_sass(shipped_cache, cfg, ARCH)
+    _check_fp8_sass(cfg, compiled_sass(shipped_cache, cfg, ARCH), transposes_per_site=1)
+
+
+def _check_fp8_sass(cfg: FwdConfig, k, transposes_per_site: int) -> None:
+    """An FP8 forward's SASS facts: QGMMA (no HGMMA), TMA loads and O's store, no local
+    memory, the register split, and per transpose call site ``transposes_per_site`` unrolled
+    transposes of ldmatrix.x4.trans / 4 prmt / stmatrix.x4 per 512 bytes of a warp's share."""
     plan = VTransposePlan(cfg.tile_n, cfg.head_dim_v)
-    sites = 2 + (cfg.v_staging_stages - 1)
+    transposes = (2 + (cfg.v_staging_stages - 1)) * transposes_per_site
     print(f"\n{cfg.describe()}: regs {k.registers}, smem {cfg.smem_bytes()} B "
           f"(V staging stages {cfg.v_staging_stages}), setmaxnreg {k.setmaxnreg()}, "
-          f"LDSM {k.count('LDSM')}, STSM {k.count('STSM')}, PRMT {k.count('PRMT')}")
+          f"LDSM {k.count('LDSM')}, STSM {k.count('STSM')}, PRMT {k.count('PRMT')}, "
+          f"SEL {k.count('SEL')}")
     assert k.arch == ARCH
     assert k.count("QGMMA") > 0 and k.count("HGMMA") == 0
     assert k.count("UTMALDG") > 0 and k.count("UTMASTG") > 0
     assert_no_local_memory(k)
     assert k.setmaxnreg() == sorted(cfg.register_split()), k.setmaxnreg()
-    assert k.count("LDSM") == k.count("LDSM.16.MT88.4") == sites * plan.instructions
+    assert k.count("LDSM") == k.count("LDSM.16.MT88.4") == transposes * plan.instructions
     # the transpose's stmatrix and the epilogue's (O, 16-bit, one per 16 columns of Dv)
-    assert k.count("STSM.16.M88.4") == sites * plan.instructions + cfg.head_dim_v // 16
-    assert k.count("PRMT") >= 4 * sites * plan.instructions
+    assert k.count("STSM.16.M88.4") == transposes * plan.instructions + cfg.head_dim_v // 16
+    assert k.count("PRMT") >= 4 * transposes * plan.instructions
     assert cfg.smem_bytes() <= SMEM_BUDGET_BYTES
+
+
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered([c for c in shipped_configs()
+                                        if c.fp8 and (c.paged or c.varlen)], ARCH),
+                         ids=_fp8_id)
+def test_fp8_paged_and_varlen_compile_with_clean_sass(cfg, shipped_cache):
+    """Every shipped FP8 paged and varlen forward: the dense FP8 facts (no local memory within
+    the register split: the producer holds the page-table reads, the highest block's key count
+    and the transposes in its 24 or 32 registers), with two transposes at each call site, the
+    dense one and the one that clears the keys past the sequence in registers
+    (VTransposer.stage's keys_left: selects build its byte masks; no other shared-memory
+    instruction or barrier); varlen: the last, partial tile's rows stored in 16-byte pieces."""
+    k = compiled_sass(shipped_cache, cfg, ARCH)
+    _check_fp8_sass(cfg, k, transposes_per_site=2)
+    assert k.count("SEL") > 0  # the byte masks' selects
+    if cfg.varlen:
+        assert k.count("STG.E.128") > 0
 
 
 def _option_id(cfg: FwdConfig) -> str:

@@ -4,7 +4,8 @@ the plan's lane addresses run through models of ``ldmatrix.x4.trans``, ``prmt`` 
 ships and a few more. Checked: every staged byte is read and every Vt byte written exactly once;
 Vt's column l of each group of 32 keys holds key fwd_config.fp8_value_permutation()[l]; every
 8-row phase of every warp instruction touches 8 distinct 16-byte bank groups (no bank
-conflict); the kernel's split of each address into (lane base ^ X) + C holds. Nothing compiles.
+conflict); the kernel's split of each address into (lane base ^ X) + C holds; the varlen /
+paged byte masks clear exactly the keys past the valid ones. Nothing compiles.
 """
 
 from __future__ import annotations
@@ -144,3 +145,53 @@ def test_plan_refuses_what_it_cannot_split():
         VTransposePlan(128, 96)
     with pytest.raises(ValueError, match="tile_n a multiple of 32"):
         VTransposePlan(80, 128)
+
+
+@pytest.mark.parametrize("tile_n, dv", [(128, 64), (128, 128), (96, 128), (128, 256)])
+def test_key_masks_clear_exactly_the_keys_past_the_valid_ones(tile_n, dv):
+    """The varlen / paged transpose of the highest key block (v_transpose.VTransposer.stage's
+    keys_left): each lane ANDs its words with VTransposePlan.key_mask before stmatrix; in the
+    model every Vt column of a key >= valid is zero and every other holds its key (NaN in the
+    staged rows past the keys cannot reach the operand), for every valid in [0, tile_n]."""
+    plan = VTransposePlan(tile_n, dv)
+    perm = fwd_config.fp8_value_permutation()
+    group = fwd_config.FP8_KEY_GROUP
+    staged = np.full(tile_n * dv, -1, np.int64)
+    for key in range(tile_n):
+        for dim in range(dv):
+            staged[smem_offset(tile_n, dv, key, dim)] = 1 + key * dv + dim  # 0: cleared
+    for valid in sorted({0, 1, 2, 7, 8, 9, 10, 17, 31, 32, 33, tile_n - 1, tile_n}):
+        vt = np.full(tile_n * dv, -1, np.int64)
+        for warp in range(TRANSPOSE_WARPS):
+            for c in range(plan.chunks):
+                for o in range(plan.half_pairs):
+                    reads = [plan.read_offset(warp, c, o, lane) for lane in range(LANES)]
+                    writes = [plan.write_offset(warp, c, o, lane) for lane in range(LANES)]
+                    loaded = _ldmatrix_x4_trans(staged, reads)
+                    words = []
+                    for lane in range(LANES):
+                        first, second = plan.selectors(lane)
+                        r = loaded[lane]
+                        masks = [plan.key_mask(lane, o, p, valid) for p in (0, 1)]
+                        lane_words = [_prmt(r[0], r[1], first), _prmt(r[0], r[1], second),
+                                      _prmt(r[2], r[3], first), _prmt(r[2], r[3], second)]
+                        words.append([[b if (masks[i // 2] >> (8 * j)) & 0xFF else 0
+                                       for j, b in enumerate(w)]
+                                      for i, w in enumerate(lane_words)])
+                    _stmatrix_x4(vt, writes, words)
+        for dim in range(dv):
+            for col in range(tile_n):
+                key = group * (col // group) + perm[col % group]
+                want = 1 + key * dv + dim if key < valid else 0
+                assert vt[smem_offset(dv, tile_n, dim, col)] == want, (valid, dim, col)
+
+
+def test_key_mask_thresholds():
+    """Byte j of a pair's words is key first + 2·(lane % 4) + (0, 1, 8, 9)[j]."""
+    plan = VTransposePlan(128, 64)
+    assert plan.mask_thresholds(1, 1) == (48, 49, 56, 57)
+    assert plan.key_mask(lane=6, o=0, pair=0, valid=4) == 0  # keys 4, 5, 12, 13
+    assert plan.key_mask(lane=6, o=0, pair=0, valid=5) == 0x00FF
+    assert plan.key_mask(lane=6, o=0, pair=0, valid=6) == 0xFFFF
+    assert plan.key_mask(lane=6, o=0, pair=0, valid=13) == 0xFFFFFF
+    assert plan.key_mask(lane=1, o=1, pair=0, valid=128) == 0xFFFFFFFF

@@ -416,6 +416,28 @@ class Backend:
             fp8.dequantize(v, v_descale)
         return reference_forward(q, k, v, opts)
 
+    def fp8_paged_plan(self, q, k_cache, v_cache, page_table, opts) -> Hashable | str:
+        """What :meth:`fp8_paged_forward` needs decided outside the jit, or why this backend
+        declines the call (a str). The reference: :meth:`paged_plan`'s."""
+        return Backend.paged_plan(self, q, k_cache, v_cache, page_table, opts)
+
+    def fp8_paged_forward(self, q, k_cache, v_cache, page_table, seqused_k, q_descale,
+                          k_descale, v_descale, opts, plan) -> tuple[jax.Array, jax.Array]:
+        """(out (B, Sq, H, Dv), lse (B, H, Sq)) over an e4m3 paged cache: the reference on the
+        dequantised inputs, in float32 (q's descale (B, Hkv), the cache's (Hkv,), one per kv
+        head for every page); out float32."""
+        from jax_fa4 import fp8
+
+        num_pages, hkv = k_cache.shape[0], k_cache.shape[2]
+
+        def per_page(x):  # the cache's descale as fp8.dequantize's (pages, Hkv)
+            return jnp.broadcast_to(x, (num_pages, hkv))
+
+        return paged_reference(fp8.dequantize(q, q_descale),
+                               fp8.dequantize(k_cache, per_page(k_descale)),
+                               fp8.dequantize(v_cache, per_page(v_descale)), page_table,
+                               seqused_k, None, opts, plan)
+
     # -- varlen ---------------------------------------------------------------------------------
     def varlen_plan(self, q, k, v, opts, max_seqlen_q: int, max_seqlen_k: int
                     ) -> Hashable | str:
@@ -436,6 +458,25 @@ class Backend:
         ``segments``: :func:`varlen_segments` of the batch."""
         return reference_forward(q[None], k[None], v[None], opts, learnable_sink=sink,
                                  **segments._asdict())
+
+    def fp8_varlen_plan(self, q, k, v, opts, max_seqlen_q: int, max_seqlen_k: int
+                        ) -> Hashable | str:
+        """:meth:`varlen_plan` of an FP8 varlen call (packed e4m3 q, k, v)."""
+        return None
+
+    def fp8_varlen_forward(self, q, k, v, segments: Segments, cu_seqlens_q, cu_seqlens_k,
+                           q_descale, k_descale, v_descale, opts, plan
+                           ) -> tuple[jax.Array, jax.Array]:
+        """(out (1, total_q, H, Dv), lse (1, H, total_q)) of a packed e4m3 batch, each
+        (num_sequences, Hkv) descale applying to its sequence's tokens: the reference on the
+        dequantised inputs, in float32; out float32."""
+        from jax_fa4 import fp8
+
+        q, k, v = (fp8.dequantize_packed(x, descale, cu) for x, descale, cu in (
+            (q, q_descale, cu_seqlens_q), (k, k_descale, cu_seqlens_k),
+            (v, v_descale, cu_seqlens_k)))
+        return self.varlen_forward(q, k, v, None, segments, cu_seqlens_q, cu_seqlens_k, opts,
+                                   plan)
 
     def supports_varlen_backward(self, q, k, v, opts) -> str | None:
         """None when :meth:`varlen_backward` serves this call, else why not."""

@@ -82,6 +82,18 @@ def _config_or_reason(make, *args, **kwargs):
         return str(err)
 
 
+def _fitting_pages(config, k_cache, kernel: str):
+    """A paged kernel ``config``, or why it does not serve this cache (a str: ``config``
+    itself, or its key block not dividing the pages)."""
+    if isinstance(config, str):
+        return config
+    page_size = k_cache.shape[1]
+    if page_size % config.tile_n:
+        return (f"page_size {page_size} is not a multiple of the {kernel} kernel's key block "
+                f"{config.tile_n}")
+    return config
+
+
 def _dense_config(make, q, v, opts):
     """``make``'s config (a family's ``make_*`` hook) for a dense (B, S, H, D) call, or the
     reason none serves it (a str); with ``opts.max_logits`` a config that also writes each
@@ -99,6 +111,38 @@ def _with_row_max(config, b: int, h: int, sq: int) -> tuple:
     if getattr(config, "max_logits", False):
         return (jax.ShapeDtypeStruct((b, h, sq), jnp.float32),)
     return ()
+
+
+def fp8_descale_operand(q_descale, k_descale, v_descale) -> jax.Array:
+    """The FP8 forward kernels' descale operand, (B, Hkv, 2) float32 from three (B, Hkv)
+    descales (varlen: one row per sequence): q·k's (folded into the softmax scale) and v's
+    (into each row's 1/Σ)."""
+    return jnp.stack([q_descale * k_descale, v_descale], axis=-1).astype(jnp.float32)
+
+
+def paged_tiles(k_cache, v_cache, page_table, tile_n: int) -> tuple:
+    """(k_tiles, v_tiles, table) of the paged kernels: the cache (num_pages, page_size, Hkv, ·)
+    as one batch entry (1, num_pages·page_size, Hkv, ·) of tile_n-key tiles (a free reshape),
+    and the page table (B, max_pages) as the cache tile of each key block (B, max_pages·
+    page_size / tile_n): a page is page_size / tile_n consecutive tiles."""
+    num_pages, page_size, hkv, d = k_cache.shape
+    per_page = page_size // tile_n
+    k_tiles = k_cache.reshape(1, num_pages * page_size, hkv, d)
+    v_tiles = v_cache.reshape(1, num_pages * page_size, hkv, v_cache.shape[3])
+    table = page_table
+    if per_page > 1:
+        table = (page_table[:, :, None] * per_page
+                 + jnp.arange(per_page, dtype=jnp.int32)).reshape(page_table.shape[0], -1)
+    return k_tiles, v_tiles, table
+
+
+def packed_lse(lse_pad: jax.Array, cu_seqlens_q: jax.Array, total_q: int) -> jax.Array:
+    """The varlen kernels' lse (batch, H, max_seqlen_q) gathered to the packed layout
+    (1, H, total_q); -inf for the tokens outside every sequence."""
+    max_q = lse_pad.shape[2]
+    t, seq, valid, start, _ = token_layout(cu_seqlens_q, total_q)
+    lse = lse_pad[seq, :, jnp.clip(t - start, 0, max_q - 1)].T  # (H, total_q)
+    return jnp.where(valid, lse, -jnp.inf)[None]  # (the kernel wrote 0 to padding tokens' out)
 
 
 def sum_gqa_groups(dk, dv, hkv: int, head_axis: int):
@@ -409,12 +453,77 @@ class KernelBackend(Backend):
         from jax_fa4.ffi.call import call_kernel
 
         b, sq, h, _ = q.shape
-        descale = jnp.stack([q_descale * k_descale, v_descale], axis=-1).astype(jnp.float32)
         out, lse = call_kernel(
-            plan, self.arch, q, k, v, kernel_params(opts, q.shape[3]), descale,
+            plan, self.arch, q, k, v, kernel_params(opts, q.shape[3]),
+            fp8_descale_operand(q_descale, k_descale, v_descale),
             out_shapes=(jax.ShapeDtypeStruct((b, sq, h, v.shape[3]), jnp.bfloat16),
                         jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
         return out, lse
+
+    def make_fp8_paged(self, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool):
+        """The family's FP8 paged forward config (raises ValueError where it has none)."""
+        raise ValueError(f"there is no {self.name} FP8 paged forward kernel")
+
+    def make_fp8_varlen(self, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool):
+        """The family's FP8 varlen forward config (raises ValueError where it has none)."""
+        raise ValueError(f"there is no {self.name} FP8 varlen forward kernel")
+
+    def fp8_paged_plan(self, q, k_cache, v_cache, page_table, opts) -> Hashable | str:
+        """The FP8 paged forward kernel config serving this call (e4m3 q and cache), or the
+        reason none does (a str)."""
+        return _fitting_pages(_config_or_reason(self.make_fp8_paged, q.shape[3],
+                                                v_cache.shape[3], mask_kind(opts.window),
+                                                opts.softcap > 0), k_cache, "FP8 paged")
+
+    def fp8_paged_forward(self, q, k_cache, v_cache, page_table, seqused_k, q_descale,
+                          k_descale, v_descale, opts, plan):
+        """The FP8 paged forward kernel on the call as it is (no GQA packing or split: the FP8
+        kernel has no head-major or float32-out form): the cache as one batch entry of the
+        kernel's key blocks; q's (B, Hkv) descale and the cache's (Hkv,) ones (broadcast over
+        the batch) as the (B, Hkv, 2) operand; out bfloat16."""
+        from jax_fa4.ffi.call import call_kernel
+
+        b, sq, h, d = q.shape
+        k_tiles, v_tiles, table = paged_tiles(k_cache, v_cache, page_table, plan.tile_n)
+        used = seqused_k if self.paged_clamps_seqused else jnp.clip(
+            seqused_k, 0, table.shape[1] * plan.tile_n)
+        # the cache's (Hkv,) descales, the same in every batch row
+        k_descale, v_descale = (jnp.broadcast_to(x, q_descale.shape) for x in (k_descale,
+                                                                               v_descale))
+        out, lse = call_kernel(
+            plan, self.arch, q, k_tiles, v_tiles, kernel_params(opts, d), table,
+            used.astype(jnp.int32), fp8_descale_operand(q_descale, k_descale, v_descale),
+            out_shapes=(jax.ShapeDtypeStruct((b, sq, h, v_cache.shape[3]), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
+        return out, lse
+
+    def fp8_varlen_plan(self, q, k, v, opts, max_seqlen_q: int, max_seqlen_k: int
+                        ) -> Hashable | str:
+        """(config, max_seqlen_q, max_seqlen_k) of the FP8 varlen forward kernel serving this
+        call (packed e4m3 q, k, v), or the reason none does (a str)."""
+        if max_seqlen_q == 0:
+            return "max_seqlen_q is 0 (no query rows to launch)"
+        config = _config_or_reason(self.make_fp8_varlen, q.shape[2], v.shape[2],
+                                   mask_kind(opts.window), opts.softcap > 0)
+        return config if isinstance(config, str) else (config, max_seqlen_q, max_seqlen_k)
+
+    def fp8_varlen_forward(self, q, k, v, segments, cu_seqlens_q, cu_seqlens_k, q_descale,
+                           k_descale, v_descale, opts, plan):
+        """The FP8 varlen forward kernel: (out (1, total_q, H, Dv) bfloat16, lse (1, H,
+        total_q)), the (num_sequences, Hkv) descales as one (num_sequences, Hkv, 2) operand;
+        tokens outside every sequence: out 0 (written by the kernel), lse -inf."""
+        from jax_fa4.ffi.call import call_kernel
+
+        del segments
+        config, max_q = plan[:2]
+        total_q, h, d = q.shape
+        out, lse_pad = call_kernel(
+            config, self.arch, q[None], k[None], v[None], kernel_params(opts, d),
+            cu_seqlens_q, cu_seqlens_k, fp8_descale_operand(q_descale, k_descale, v_descale),
+            out_shapes=(jax.ShapeDtypeStruct((1, total_q, h, v.shape[2]), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((cu_seqlens_q.shape[0] - 1, h, max_q),
+                                             jnp.float32)))
+        return out, packed_lse(lse_pad, cu_seqlens_q, total_q)
 
     # -- varlen ----------------------------------------------------------------------------------
     def varlen_config(self, q, v, opts, max_seqlen_q: int):
@@ -456,9 +565,7 @@ class KernelBackend(Backend):
             cu_seqlens_q, cu_seqlens_k,
             out_shapes=(jax.ShapeDtypeStruct((1, total_q, h, v.shape[2]), q.dtype),
                         jax.ShapeDtypeStruct((batch, h, max_q), jnp.float32)))
-        t, seq, valid, start, _ = token_layout(cu_seqlens_q, total_q)
-        lse = lse_pad[seq, :, jnp.clip(t - start, 0, max_q - 1)].T  # (H, total_q)
-        lse = jnp.where(valid, lse, -jnp.inf)[None]  # (the kernel wrote 0 to padding tokens' out)
+        lse = packed_lse(lse_pad, cu_seqlens_q, total_q)
         if self.kernel_sinks:
             return out, lse
         return join_sink(out, lse, sink)
@@ -487,15 +594,9 @@ class KernelBackend(Backend):
             return f"the kernels take bfloat16 or float16 inputs, got {dtype}"
         # the mask of the rewritten call (paged_forward packs a decode step's GQA heads)
         window = decode.kernel_window(q.shape[1], opts.window)
-        config = _config_or_reason(self.make_paged, dtype, q.shape[3], v_cache.shape[3],
-                                   mask_kind(window), opts.softcap > 0)
-        if isinstance(config, str):
-            return config
-        page_size = k_cache.shape[1]
-        if page_size % config.tile_n:
-            return (f"page_size {page_size} is not a multiple of the paged kernel's key block "
-                    f"{config.tile_n}")
-        return config
+        return _fitting_pages(_config_or_reason(self.make_paged, dtype, q.shape[3],
+                                                v_cache.shape[3], mask_kind(window),
+                                                opts.softcap > 0), k_cache, "paged")
 
     def paged_forward(self, q, k_cache, v_cache, page_table, seqused_k, sink, opts, plan):
         """The paged forward kernel: each key block of a batch entry is one TMA load of the
@@ -509,17 +610,9 @@ class KernelBackend(Backend):
 
         config = plan
         b, sq, h, d = q.shape
-        num_pages, page_size, hkv, _ = k_cache.shape
-        dv = v_cache.shape[3]
+        hkv, dv = k_cache.shape[2], v_cache.shape[3]
         tile_n = config.tile_n
-        per_page = page_size // tile_n
-        # the cache as one batch entry of tile_n-key tiles; a page is per_page consecutive tiles
-        k_tiles = k_cache.reshape(1, num_pages * page_size, hkv, d)
-        v_tiles = v_cache.reshape(1, num_pages * page_size, hkv, dv)
-        table = page_table  # (B, blocks): the cache tile of each key block
-        if per_page > 1:
-            table = (page_table[:, :, None] * per_page
-                     + jnp.arange(per_page, dtype=jnp.int32)).reshape(b, -1)
+        k_tiles, v_tiles, table = paged_tiles(k_cache, v_cache, page_table, tile_n)
         blocks = table.shape[1]
         plan = decode.plan(q.shape, (b, blocks * tile_n, hkv, d), opts.window, key_block=tile_n)
         if plan is None:

@@ -226,6 +226,12 @@ class Sm90Backend(KernelBackend):
     def make_fp8(self, head_dim, head_dim_v, mask, has_softcap):
         return fwd_config.fp8_config(head_dim, head_dim_v, mask, has_softcap)
 
+    def make_fp8_paged(self, head_dim, head_dim_v, mask, has_softcap):
+        return fwd_config.fp8_paged_config(head_dim, head_dim_v, mask, has_softcap)
+
+    def make_fp8_varlen(self, head_dim, head_dim_v, mask, has_softcap):
+        return fwd_config.fp8_config(head_dim, head_dim_v, mask, has_softcap, varlen=True)
+
     def make_varlen(self, dtype, head_dim, head_dim_v, mask, has_softcap):
         return fwd_config.varlen_config(dtype, head_dim, head_dim_v, mask, has_softcap)
 

@@ -54,23 +54,29 @@ the packed rows outside every sequence (zero_padding_rows).
 
 Padding isolation (varlen and paged): in the highest key block, the rows of V's stage past the
 keys (the next sequence, padding tokens, a page's unused slots) are zeroed before the P·V GEMM
-reads them (zero_v_rows_past_keys, common/rows.py): P is 0 there, but 0·NaN is not.
+reads them (zero_v_rows_past_keys, common/rows.py): P is 0 there, but 0·NaN is not. FP8 clears
+them in the producer's transpose instead: each lane knows which keys its bytes hold, and ANDs
+the words of the keys past the sequence with a byte mask before stmatrix (transpose_tail;
+v_transpose.VTransposer.stage's keys_left), with no shared-memory pass or barrier.
 
-FP8 (FwdConfig.dtype "float8_e4m3fn", docs/fp8.md): e4m3 q, k and v, as the 16-bit kernel
-takes them; descale (B, Hkv, 2) folds q·k's into the softmax scale and v's into each row's 1/Σ;
-O is bfloat16, staged in Q's buffer (sized for it). Dense calls, overlapped mainloop, exact row
-max only (fwd_config.FwdConfig.validate_fp8). e4m3 WGMMAs read both operands K-major, and P
-(convert_p_e4m3) holds each group of 32 keys in a permuted order (the accumulator's values packed
-as they lie), so V's operand is (Dv, tile_n), keys contiguous, column l of each group of 32
-holding key fwd_config.fp8_value_permutation()[l]. V gets there in the kernel: warp 0 TMA-loads
-each V block as stored into a staging buffer (FwdConfig.v_staging_stages stages, a
-PipelineTmaAsync whose consumers are the producer warps), and all four producer warps transpose
-it into sV with ldmatrix.trans / prmt / stmatrix (v_transpose.py; its lane addresses and their
-bank-conflict freedom: v_transpose_plan.py), fence the writes for the WGMMA's async proxy and
-arrive on sV's full barrier (a PipelineAsync whose consumers, every consumer thread, release it
-as for 16-bit V). With two staging stages a block is transposed after the next one's load is
-issued, with one (head dim 256) after its own. Keys past seqlen_k read zeros (TMA fills rows out
-of bounds) and are masked in S, so P·V adds 0 there: no padding of the key count.
+FP8 (FwdConfig.dtype "float8_e4m3fn", docs/fp8.md): e4m3 q, k and v, as the 16-bit kernel takes
+them; descale (B, Hkv, 2) folds q·k's into the softmax scale and v's into each row's 1/Σ; O is
+bfloat16, staged in Q's buffer (sized for it). Dense, paged and varlen calls (not segment ids, max
+logits, persistent, head-major or float32 out), overlapped mainloop, exact row max only
+(fwd_config.FwdConfig.validate_fp8); paged: warp 0 reads each block's page-table entries as it
+issues the block's loads (load_kv_fp8), varlen: the 16-bit kernel's sequence offsets and epilogue,
+the descale row of the padding rows' batch slice clamped to the last sequence's. e4m3 WGMMAs read
+both operands K-major, and P (convert_p_e4m3) holds each group of 32 keys in a permuted order (the
+accumulator's values packed as they lie), so V's operand is (Dv, tile_n), keys contiguous, column l
+of each group of 32 holding key fwd_config.fp8_value_permutation()[l]. V gets there in the kernel:
+warp 0 TMA-loads each V block as stored into a staging buffer (FwdConfig.v_staging_stages stages, a
+PipelineTmaAsync whose consumers are the producer warps), and all four producer warps transpose it
+into sV with ldmatrix.trans / prmt / stmatrix (v_transpose.py; its lane addresses and their bank-
+conflict freedom: v_transpose_plan.py), fence the writes for the WGMMA's async proxy and arrive on
+sV's full barrier (a PipelineAsync whose consumers, every consumer thread, release it as for 16-bit
+V). With two staging stages a block is transposed after the next one's load is issued, with one
+(head dim 256) after its own. Keys past seqlen_k read zeros (TMA fills rows out of bounds) and are
+masked in S, so P·V adds 0 there: no padding of the key count.
 
 Decode shapes reach this kernel rewritten by jax_fa4/decode.py (GQA packing, split-KV), in the
 decode tile's configs (fwd_config.decode_config / paged_config): 64 rows, often two CTAs per SM
@@ -107,7 +113,7 @@ from jax_fa4.kernels.segments_config import (SEG_BULK_HI, SEG_BULK_LO, SEG_IDS, 
                                             SEG_N_LO, SEG_ROW_END, SEG_ROW_ID, SEG_ROW_START)
 from jax_fa4.kernels.sm90.common import make_smem_layout, wgmma
 from jax_fa4.kernels.sm90.fwd_config import FP8_DTYPE, FwdConfig
-from jax_fa4.kernels.sm90.v_transpose import VTransposer, check_layouts
+from jax_fa4.kernels.sm90.v_transpose import VTransposer, check_layouts, lane_idx_here
 from jax_fa4.kernels.sm90.v_transpose_plan import TRANSPOSE_WARPS, VTransposePlan
 from jax_fa4.kernels.spec import LOG2_E, NUM_PARAMS, PARAM_SCALE, PARAM_SINKS
 
@@ -173,8 +179,11 @@ class FlashAttentionForwardSm90:
         self.segments = cfg.segments
         # K/V rows past the keys are loaded from memory the caller does not promise to be finite
         # (the next sequence or padding tokens; a page's unused slots): V's must be zeroed, as
-        # P = 0 there does not cancel a NaN or Inf in P·V (scores are masked by selection)
-        self.zero_v_tail = cfg.varlen or cfg.paged
+        # P = 0 there does not cancel a NaN or Inf in P·V (scores are masked by selection). The
+        # 16-bit consumers zero them in V's stage; FP8's producer warps clear them in registers
+        # as they transpose the block (v_transpose.VTransposer.stage's keys_left)
+        self.zero_v_tail = (cfg.varlen or cfg.paged) and not cfg.fp8
+        self.mask_v_tail = (cfg.varlen or cfg.paged) and cfg.fp8
 
     # ---------------------------------------------------------------------------------------------
     # Host side: views, layouts, TMA atoms, launch
@@ -472,7 +481,8 @@ class FlashAttentionForwardSm90:
                                   tma_atom_V, pipeline_q, pipeline_k, pipeline_v_staged,
                                   pipeline_v, storage.sVstaged.data_ptr(), storage.sV.data_ptr(),
                                   m_block, head, head_kv, batch, n_block_min, n_block_max,
-                                  warp_idx)
+                                  warp_idx, mPageTable, q_offset, k_offset,
+                                  seqlen_k if const_expr(self.mask_v_tail) else None)
                 else:
                     if warp_idx == 0:
                         self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
@@ -484,8 +494,12 @@ class FlashAttentionForwardSm90:
                 scale = mParams[PARAM_SCALE]
                 out_scale = None
                 if const_expr(self.fp8):  # dequantisation: q·k's into the scale, v's into O's
-                    scale = scale * mDescale[batch, head_kv, 0]
-                    out_scale = mDescale[batch, head_kv, 1]
+                    # (varlen: the padding rows' batch slice, past the sequences, reads the last
+                    # sequence's descales and computes nothing)
+                    d_batch = cutlass.min(batch, mDescale.shape[0] - 1) if const_expr(
+                        self.varlen) else batch
+                    scale = scale * mDescale[d_batch, head_kv, 0]
+                    out_scale = mDescale[d_batch, head_kv, 1]
                 scales = score_scales(scale, mParams, self.has_softcap)
                 mask = AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                      window_left, window_right)
@@ -655,16 +669,21 @@ class FlashAttentionForwardSm90:
         tile_state.advance()
         return t, tile_state
 
-    def dense_tma_tiles(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
-                        sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                        tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
-                        tma_atom_V: cute.CopyAtom, m_block: Int32, head: Int32, head_kv: Int32,
-                        batch: Int32) -> tuple:
+    def tma_tiles(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                  sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                  tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
+                  tma_atom_V: cute.CopyAtom, m_block: Int32, head: Int32, head_kv: Int32,
+                  batch: Int32, q_offset=None, k_offset=None) -> tuple:
         """The TMA partitions ((smem, gmem) of Q's tile, of K's and V's key blocks, the block
-        the last mode) of one dense tile (persistent and FP8 producers)."""
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
-        gV = self.v_blocks(mV, head_kv, batch)
+        the last mode) of one tile (persistent and FP8 producers): varlen from the sequence's
+        rows ``q_offset`` / ``k_offset`` on, paged with K and V the whole cache as one batch
+        entry (a block's cache tile from the page table: :meth:`kv_tile`)."""
+        gQ = cute.local_tile(sequence(mQ, head, batch, q_offset), (self.tile_m, self.hdim),
+                             (m_block, 0))
+        kv_batch = 0 if const_expr(self.paged) else batch
+        gK = cute.local_tile(sequence(mK, head_kv, kv_batch, k_offset), (self.tile_n, self.hdim),
+                             (None, 0))
+        gV = self.v_blocks(mV, head_kv, kv_batch, k_offset)
         one = cute.make_layout(1)
         return tuple(cpasync.tma_partition(atom, 0, one, cute.group_modes(smem, 0, 2),
                                            cute.group_modes(gmem, 0, 2))
@@ -679,7 +698,7 @@ class FlashAttentionForwardSm90:
                   m_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
                   n_block_min: Int32, n_block_max: Int32, k_state, v_state, q_state):
         """The producer's part of one tile (persistent): `load`'s order, states carried."""
-        (tQsQ, tQgQ), (tKsK, tKgK), (tVsV, tVgV) = self.dense_tma_tiles(
+        (tQsQ, tQgQ), (tKsK, tKgK), (tVsV, tVgV) = self.tma_tiles(
             mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, m_block, head, head_kv,
             batch)
         if n_block_max > n_block_min:
@@ -837,73 +856,135 @@ class FlashAttentionForwardSm90:
                  pipeline_q, pipeline_k, pipeline_v_staged, pipeline_v,
                  staged_ptr: cute.Pointer, vt_ptr: cute.Pointer,
                  m_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
-                 n_block_min: Int32, n_block_max: Int32, warp_idx: Int32):
+                 n_block_min: Int32, n_block_max: Int32, warp_idx: Int32,
+                 mPageTable: cute.Tensor | None = None, q_offset=None, k_offset=None,
+                 seqlen_k: Int32 | None = None):
         """FP8, the producer warpgroup's four warps: warp 0 issues the TMA loads in `load`'s
         overlapped order, K[hi], Q, (K[n], V[n + 1])..., V[lo], V into the staging stages as
         stored; every warp transposes its share of each staged V tile into sV, in the consumers'
         order (:meth:`transpose_v`). With two staging stages the transpose of a block follows the
         load of the next one, so warp 0 never waits for the landing of the V it just issued
-        before its next loads; with one (head dim 256) it follows the block's own load."""
-        (tQsQ, tQgQ), (tKsK, tKgK), (tVsV, tVgV) = self.dense_tma_tiles(
+        before its next loads; with one (head dim 256) it follows the block's own load.
+        Varlen: the sequence's rows from ``q_offset`` / ``k_offset`` on. Paged: K and V are the
+        cache as one batch entry and each block's cache tile comes from ``mPageTable``'s row,
+        read by warp 0 as it issues the block's load (:meth:`load_kv_fp8`: K's and V's entries
+        each; carried through the loop, as the 16-bit producer carries them, they spilled the
+        24-register producer's transposes to local memory). ``seqlen_k`` (varlen, paged): the
+        keys, so that the transpose of the highest block clears V's rows past them
+        (:meth:`transpose_tail`)."""
+        (tQsQ, tQgQ), (tKsK, tKgK), (tVsV, tVgV) = self.tma_tiles(
             mQ, mK, mV, sQ, sK, sVstaged, tma_atom_Q, tma_atom_K, tma_atom_V, m_block, head,
-            head_kv, batch)
+            head_kv, batch, q_offset, k_offset)
         lag = self.v_staging - 1  # V loads issued ahead of the transposes
         if n_block_max > n_block_min:
             # every pipeline position follows from the block's place in the sequence (the
             # states are rebuilt from it: fewer live registers within the producer's 24)
             num_blocks = n_block_max - n_block_min
-            transposer = VTransposer(self.v_plan, warp_idx, cute.arch.lane_idx())
+            # varlen / paged: the lane bases are rebuilt for each block (:meth:`transpose_v`),
+            # as the page-table entries and the highest block's key count take their registers
+            transposer = warp_idx if const_expr(self.mask_v_tail) else VTransposer(
+                self.v_plan, warp_idx, cute.arch.lane_idx())
             addrs = (staged_ptr.toint(), vt_ptr.toint())
+            # the keys of the highest block (varlen / paged: fewer than tile_n where the
+            # sequence ends inside it)
+            valid = None
+            if const_expr(seqlen_k is not None):
+                valid = seqlen_k - (n_block_max - 1) * self.tile_n
+            # paged: the batch entry's row of the page table
+            table = mPageTable[batch, None] if const_expr(self.paged) else None
             if warp_idx == 0:
+                k_tile = table[n_block_max - 1] if const_expr(self.paged) else n_block_max - 1
                 k_state = pipeline_state_at(self.stages, Int32(0), producer=True)
                 pipeline_k.producer_acquire(k_state)
-                cute.copy(tma_atom_K, tKgK[None, n_block_max - 1], tKsK[None, k_state.index],
+                cute.copy(tma_atom_K, tKgK[None, k_tile], tKsK[None, k_state.index],
                           tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 pipeline_q.producer_acquire(q_state)
                 cute.copy(tma_atom_Q, tQgQ, tQsQ,
                           tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            kv = (tma_atom_K, tma_atom_V, tKgK, tKsK, tVgV, tVsV, pipeline_k, pipeline_v_staged)
+            # (paged: warp 0 reads each block's page-table entries as it issues its loads,
+            # load_kv_fp8; no entry is carried through the loop, whose transposes leave the
+            # 24-register producer no room for one)
             for i in cutlass.range(num_blocks - 1, unroll=1):
                 n_block = n_block_max - 2 - i
                 if warp_idx == 0:
-                    k_state = pipeline_state_at(self.stages, i + 1, producer=True)
-                    pipeline_k.producer_acquire(k_state)
-                    cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, k_state.index],
-                              tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
-                    v_state = pipeline_state_at(self.v_staging, i, producer=True)
-                    pipeline_v_staged.producer_acquire(v_state)
-                    cute.copy(tma_atom_V, tVgV[None, n_block + 1], tVsV[None, v_state.index],
-                              tma_bar_ptr=pipeline_v_staged.producer_get_barrier(v_state))
+                    self.load_kv_fp8(kv, i, n_block, n_block + 1, table)
                 if i >= lag:
-                    self.transpose_v(transposer, pipeline_v_staged, pipeline_v, i - lag, addrs)
+                    self.transpose_v(transposer, pipeline_v_staged, pipeline_v, i - lag, addrs,
+                                     valid)
             if warp_idx == 0:
+                v_tile = table[n_block_min] if const_expr(self.paged) else n_block_min
                 v_state = pipeline_state_at(self.v_staging, num_blocks - 1, producer=True)
                 pipeline_v_staged.producer_acquire(v_state)
-                cute.copy(tma_atom_V, tVgV[None, n_block_min], tVsV[None, v_state.index],
+                cute.copy(tma_atom_V, tVgV[None, v_tile], tVsV[None, v_state.index],
                           tma_bar_ptr=pipeline_v_staged.producer_get_barrier(v_state))
             if const_expr(lag > 0):  # the block before the last, if any
                 if num_blocks > 1:
                     self.transpose_v(transposer, pipeline_v_staged, pipeline_v, num_blocks - 2,
-                                     addrs)
-            self.transpose_v(transposer, pipeline_v_staged, pipeline_v, num_blocks - 1, addrs)
+                                     addrs, valid)
+            self.transpose_v(transposer, pipeline_v_staged, pipeline_v, num_blocks - 1, addrs,
+                             valid)
 
-    def transpose_v(self, transposer: VTransposer, pipeline_v_staged, pipeline_v,
-                    position: Int32, addrs: tuple) -> None:
+    def load_kv_fp8(self, kv: tuple, i: Int32, k_tile: Int32, v_tile: Int32,
+                    table: cute.Tensor | None = None) -> None:
+        """FP8, warp 0, iteration ``i`` of :meth:`load_fp8`'s loop: K's block ``k_tile`` into K
+        stage position i + 1, V's block ``v_tile`` into staging position i (paged: the cache
+        tiles of those blocks, from the batch entry's page-table row ``table``)."""
+        tma_atom_K, tma_atom_V, tKgK, tKsK, tVgV, tVsV, pipeline_k, pipeline_v_staged = kv
+        if const_expr(table is not None):
+            k_tile, v_tile = table[k_tile], table[v_tile]
+        k_state = pipeline_state_at(self.stages, i + 1, producer=True)
+        pipeline_k.producer_acquire(k_state)
+        cute.copy(tma_atom_K, tKgK[None, k_tile], tKsK[None, k_state.index],
+                  tma_bar_ptr=pipeline_k.producer_get_barrier(k_state))
+        v_state = pipeline_state_at(self.v_staging, i, producer=True)
+        pipeline_v_staged.producer_acquire(v_state)
+        cute.copy(tma_atom_V, tVgV[None, v_tile], tVsV[None, v_state.index],
+                  tma_bar_ptr=pipeline_v_staged.producer_get_barrier(v_state))
+
+    def transpose_v(self, transposer, pipeline_v_staged, pipeline_v,
+                    position: Int32, addrs: tuple, valid: Int32 | None = None) -> None:
         """FP8, one producer thread, the V block at ``position`` of the sequence: wait for its
         staged tile and a free sV stage, transpose this warp's share (v_transpose.VTransposer),
         fence the writes for the P·V WGMMA (async proxy), mark the sV stage full (every producer
         thread arrives) and free the staging stage (each warp's lane 0). ``addrs``: the shared
-        addresses of the staging buffer and sV."""
+        addresses of the staging buffer and sV. ``transposer``: the thread's VTransposer, or
+        (varlen / paged) its warp index, the VTransposer then built here. ``valid`` (varlen /
+        paged): the highest block's keys (:meth:`transpose_tail`)."""
         stage_bytes = self.tile_n * self.hdimv
         staged_state = pipeline_state_at(self.v_staging, position, producer=False)
         vt_state = pipeline_state_at(self.stages, position, producer=True)
         pipeline_v_staged.consumer_wait(staged_state)
         pipeline_v.producer_acquire(vt_state)
-        transposer.stage(addrs[0] + staged_state.index * stage_bytes,
-                         addrs[1] + vt_state.index * stage_bytes)
+        staged = addrs[0] + staged_state.index * stage_bytes
+        vt = addrs[1] + vt_state.index * stage_bytes
+        if const_expr(valid is None):
+            transposer.stage(staged, vt)
+        else:
+            self.transpose_tail(VTransposer(self.v_plan, transposer, lane_idx_here()),
+                                staged, vt, position, valid)
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> WGMMA reads
         pipeline_v.producer_commit(vt_state)
         pipeline_v_staged.consumer_release(staged_state)
+
+    @cute.jit
+    def transpose_tail(self, transposer: cutlass.Constexpr, staged: Int32, vt: Int32,
+                       position: Int32, valid: Int32):
+        """Varlen / paged FP8: the transpose of the block at ``position``, with the bytes of
+        the keys past the sequence cleared in registers where it is the highest block
+        (position 0) and holds fewer than tile_n keys; every other block as a dense call's.
+        The rows past the keys (the next sequence, a page's unused slots) may hold NaN, which
+        P = 0 would not cancel in P·V; no shared-memory pass, no barrier. ``valid``: the
+        highest block's keys."""
+        limit = Int32(cutlass.select_(position == 0, valid, Int32(self.tile_n)))
+        # (VTransposer.stage(transposer, ...): a method call on the object would make the
+        # DSL carry it through the run-time `if` as a value)
+        if limit < self.tile_n:
+            VTransposer.stage(transposer, staged, vt,
+                              limit - VTransposePlan.lane_key(lane_idx_here()))
+        else:
+            VTransposer.stage(transposer, staged, vt)
 
     @cute.jit
     def sink_log2(self, mParams: cute.Tensor, head: Int32) -> Float32:
@@ -1294,9 +1375,29 @@ def make_launcher(cfg: FwdConfig):
     ``fn(stream, q, k, v, params, cu_seqlens_q, cu_seqlens_k, out, lse)`` when it is varlen,
     ``fn(stream, q, k, v, params, seg_tiles, seg_rows, kv_ids, out, lse)`` with segment ids,
     ``fn(stream, q, k, v, params, tile_counter, out, lse)`` with dynamic tiles,
-    ``fn(stream, q, k, v, params, descale, out, lse)`` when it is FP8;
+    ``fn(stream, q, k, v, params, descale, out, lse)`` when it is FP8 (paged or varlen FP8:
+    the descale follows seqused_k or cu_seqlens_k);
     with max logits (FwdConfig.max_logits) a ``max_logits`` output follows lse."""
     kernel = FlashAttentionForwardSm90(cfg)
+    if cfg.fp8 and cfg.paged:
+        @cute.jit
+        def sm90_fwd_fp8_paged(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                               v: cute.Tensor, params: cute.Tensor, page_table: cute.Tensor,
+                               seqused_k: cute.Tensor, descale: cute.Tensor, out: cute.Tensor,
+                               lse: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, page_table, seqused_k, mDescale=descale)
+
+        return sm90_fwd_fp8_paged
+    if cfg.fp8 and cfg.varlen:
+        @cute.jit
+        def sm90_fwd_fp8_varlen(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,
+                                v: cute.Tensor, params: cute.Tensor, cu_seqlens_q: cute.Tensor,
+                                cu_seqlens_k: cute.Tensor, descale: cute.Tensor,
+                                out: cute.Tensor, lse: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, mCuSeqlensQ=cu_seqlens_q,
+                   mCuSeqlensK=cu_seqlens_k, mDescale=descale)
+
+        return sm90_fwd_fp8_varlen
     if cfg.fp8:
         @cute.jit
         def sm90_fwd_fp8(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,

@@ -22,6 +22,7 @@ Call: ``fn(stream, q, k, v, params, out, lse)`` with
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -217,14 +218,15 @@ class FwdConfig(KernelConfig):
                              f"{self.ctas_per_sm} CTA(s) per SM)")
 
     def validate_fp8(self) -> None:
-        """The FP8 forward's limits: dense calls (no paged KV, varlen, segment ids, max logits,
-        persistent grid, head-major or float32 out), key blocks and head dims of 32·k keys."""
+        """The FP8 forward's limits: dense, paged and varlen calls (no segment ids, max logits,
+        persistent grid, head-major q and out, float32 out or two CTAs per SM), key blocks and
+        head dims of 32·k keys."""
         check_dtype_and_mask("sm90 forward", "bfloat16", self.mask)  # the mask kind
-        if (self.paged or self.varlen or self.segments or self.max_logits or self.num_sms
-                or self.qo_head_major or self.out_f32 or self.ctas_per_sm != 1):
-            raise ValueError("sm90 forward: float8_e4m3fn is implemented for dense calls only "
-                             "(not paged, varlen, segment ids, max logits, persistent, "
-                             "head-major, float32 out or two CTAs per SM)")
+        if (self.segments or self.max_logits or self.num_sms or self.qo_head_major
+                or self.out_f32 or self.ctas_per_sm != 1):
+            raise ValueError("sm90 forward: float8_e4m3fn is implemented for dense, paged and "
+                             "varlen calls (not segment ids, max logits, persistent, head-major "
+                             "(decode), float32 out or two CTAs per SM)")
         if self.rescale_threshold:
             # with the exact max, each row's largest P is exactly 1.0 in e4m3; a stale max
             # rounds that dominant term by up to 6 % (3 mantissa bits): up to 1.7x the error in
@@ -333,7 +335,9 @@ class FwdConfig(KernelConfig):
     def _call_signature(self) -> KernelSignature:
         """The signature before the dynamic scheduler's tile counter (``dynamic_tiles``)."""
         if self.fp8:
-            return fp8_attention_forward_signature(self.head_dim, self.head_dim_v)
+            return fp8_attention_forward_signature(self.head_dim, self.head_dim_v,
+                                                   paged_tile_n=self.tile_n if self.paged
+                                                   else None, varlen=self.varlen)
         if self.segments or self.max_logits:
             sig = (segments_attention_forward_signature(self.dtype, self.head_dim,
                                                         self.head_dim_v) if self.segments
@@ -390,16 +394,28 @@ def fp8_value_permutation() -> tuple[int, ...]:
                  for l in range(FP8_KEY_GROUP))
 
 
-def fp8_attention_forward_signature(head_dim: int, head_dim_v: int) -> KernelSignature:
+def fp8_attention_forward_signature(head_dim: int, head_dim_v: int,
+                                    paged_tile_n: int | None = None, varlen: bool = False
+                                    ) -> KernelSignature:
     """``fn(stream, q, k, v, params, descale, out, lse)`` of the FP8 forward: q (B, Sq, H, D),
     k (B, Sk, Hkv, D) and v (B, Sk, Hkv, Dv) float8_e4m3fn, as the 16-bit kernel takes them (the
     kernel transposes V in shared memory); descale (B, Hkv, 2) float32: the q·k descale
     (q_descale · k_descale, folded into the softmax scale) and v's (folded into the output's
     normalisation); out (B, Sq, H, Dv) bfloat16; params and lse as in
-    :func:`spec.attention_forward_signature`."""
-    base = attention_forward_signature(FP8_DTYPE, head_dim, head_dim_v)
-    b, _, hkv, _ = base.inputs[2].sample_shape  # v's
-    descale = TensorArg("descale", "float32", (b, hkv, 2), (1, 1, 2))
+    :func:`spec.attention_forward_signature`. Paged (``paged_tile_n``: the key block) and
+    varlen: their 16-bit signatures' operands (spec.paged_attention_forward_signature,
+    spec.varlen_attention_forward_signature) in e4m3, the descale after them: (B, Hkv, 2) for
+    paged (batch entry b's row), (num_sequences, Hkv, 2) for varlen (sequence b's row)."""
+    if paged_tile_n is not None:
+        base = paged_attention_forward_signature(FP8_DTYPE, head_dim, head_dim_v, paged_tile_n)
+    elif varlen:
+        base = varlen_attention_forward_signature(FP8_DTYPE, head_dim, head_dim_v)
+    else:
+        base = attention_forward_signature(FP8_DTYPE, head_dim, head_dim_v)
+    _, _, hkv, _ = base.inputs[2].sample_shape  # v's
+    b = (base.inputs[4].sample_shape[0] - 1 if varlen  # cu_seqlens_q's (batch + 1,)
+         else base.inputs[0].sample_shape[0])
+    descale = TensorArg("descale", "float32", (b, hkv, 2), (1, 1, 2), batched=not varlen)
     out, lse = base.outputs
     return dataclasses.replace(base, inputs=(*base.inputs, descale),
                                outputs=(dataclasses.replace(out, dtype="bfloat16"), lse))
@@ -495,14 +511,28 @@ SEGMENTS_MAX_TILE_M = 128
 
 
 def fp8_config(head_dim: int, head_dim_v: int | None = None, mask: str = "none",
-               has_softcap: bool = False) -> FwdConfig:
+               has_softcap: bool = False, varlen: bool = False) -> FwdConfig:
     """The FP8 (e4m3 in, bfloat16 out) forward of a problem kind: FP8_TUNING_TABLE's tile
-    (with a softcap, FP8_SOFTCAP_TILE_N's key block where it names one)."""
+    (with a softcap, FP8_SOFTCAP_TILE_N's key block where it names one); ``varlen``: the
+    varlen form of the same tile (as :func:`varlen_config` is of the 16-bit table's)."""
     dv = head_dim if head_dim_v is None else head_dim_v
     overrides = {}
     if has_softcap and (head_dim, dv) in FP8_SOFTCAP_TILE_N:
         overrides["tile_n"] = FP8_SOFTCAP_TILE_N[(head_dim, dv)]
-    return FwdConfig.make(FP8_DTYPE, head_dim, dv, mask, has_softcap, **overrides)
+    return FwdConfig.make(FP8_DTYPE, head_dim, dv, mask, has_softcap, varlen=varlen,
+                          **overrides)
+
+
+def fp8_paged_config(head_dim: int, head_dim_v: int | None = None, mask: str = "none",
+                     has_softcap: bool = False) -> FwdConfig:
+    """The FP8 paged forward of a problem kind (an e4m3 KV cache): :func:`paged_config`'s tile
+    where FP8 allows it: DECODE_TILE_M query rows (one consumer warpgroup) and the first key
+    block of PAGED_TILE_N that fits (cache pages hold a multiple of it), the FP8 row's stages
+    and rescale skip; q and out (B, S, H, D) and one CTA per SM (FP8 has no head-major or
+    two-CTA form: the decode rewrite's GQA packing does not reach it)."""
+    return _first_fitting(FP8_DTYPE, head_dim, head_dim_v, mask, has_softcap,
+                          dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0, paged=True),
+                          [dict(tile_n=n) for n in PAGED_TILE_N])
 
 
 def segments_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
@@ -530,9 +560,11 @@ def shipped_configs() -> list[FwdConfig]:
     fp16, the decode config of each row, and the paged, varlen and segment-id configs of each
     row and mask kind; the decode and paged ones also with a float32 out, the dense and
     segment-id ones also with max logits; the FP8 forward of every FP8 table row, mask kind and
-    softcap."""
-    out = [fp8_config(d, dv, mask, softcap) for (d, dv), row in FP8_TUNING_TABLE.items()
-           for mask in row for softcap in (False, True)]
+    softcap, dense, varlen and paged."""
+    out = [make(d, dv, mask, softcap) for (d, dv), row in FP8_TUNING_TABLE.items()
+           for mask in row for softcap in (False, True)
+           for make in (fp8_config, functools.partial(fp8_config, varlen=True),
+                        fp8_paged_config)]
     for dtype in FLOAT_DTYPES:
         for (d, dv), row in TUNING_TABLE.items():
             for softcap in (False, True):

@@ -1,10 +1,12 @@
 """The FP8 forward's V transpose in shared memory, device side: one staged (tile_n, Dv) e4m3 tile
 into the P·V WGMMA's K-major, key-permuted (Dv, tile_n) operand, by the producer warpgroup's four
 warps with ``ldmatrix.x4.trans`` / ``prmt`` / ``stmatrix.x4`` (the plan and its reasoning:
-v_transpose_plan.py)."""
+v_transpose_plan.py). Varlen and paged calls clear, in the highest key block, the bytes of the keys
+past the sequence in registers (:meth:`VTransposer.stage`'s ``keys_left``)."""
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 from cutlass._mlir.dialects import llvm
@@ -38,6 +40,16 @@ def stmatrix_x4(addr: Int32, offset: int, words: tuple, *, loc=None, ip=None) ->
         "r,r,r,r,r",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip)
+
+
+@dsl_user_op
+def lane_idx_here(*, loc=None, ip=None) -> Int32:
+    """The lane index, read where it is used (``mov`` from ``%laneid`` as a volatile asm):
+    ptxas neither hoists it nor what is computed from it out of a loop, so values derived from
+    it (the varlen / paged transposer's lane bases) take no register through the loop."""
+    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %laneid;", "=r",
+                                 has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -82,11 +94,14 @@ class VTransposer:
         self.select_first = SELECT_EVEN_DIM + (lane >> 4) * (SELECT_ODD_DIM - SELECT_EVEN_DIM)
         self.select_second = self.select_first ^ (SELECT_EVEN_DIM ^ SELECT_ODD_DIM)
 
-    def stage(self, staged_addr: Int32, vt_addr: Int32) -> None:
+    def stage(self, staged_addr: Int32, vt_addr: Int32, keys_left: Int32 | None = None) -> None:
         """Transpose the staged tile at shared address ``staged_addr`` into the Vt stage at
         ``vt_addr`` (both 1024-byte aligned): this warp's Dv / 64 · tile_n / 32 ldmatrix,
         4·that prmt and as many stmatrix (unrolled at trace time; an XOR constant of 0 costs
-        no instruction)."""
+        no instruction). ``keys_left`` (varlen / paged, a block holding keys past the
+        sequence): the block's valid keys minus this lane's ``plan.lane_key``; the bytes of
+        the keys past them are cleared in the words before stmatrix (one AND mask per pair
+        of a key-half pair, from four selects: :meth:`VTransposePlan.key_mask`)."""
         plan = self.plan
         read = staged_addr + self.read_base
         write = vt_addr + self.write_base
@@ -97,6 +112,9 @@ class VTransposer:
         for o in range(plan.half_pairs):
             x_write, _ = plan.write_step(0, o)
             write_o = write ^ x_write if x_write else write
+            masks = None
+            if keys_left is not None:  # (the same for every chunk of the key-half pair)
+                masks = [self.key_mask(keys_left, plan.mask_thresholds(o, p)) for p in (0, 1)]
             for c in range(plan.chunks):
                 x_read, off_read = plan.read_step(c, o)
                 x, off_write = plan.write_step(c, o)
@@ -107,4 +125,15 @@ class VTransposer:
                          byte_perm(r0, r1, self.select_second),
                          byte_perm(r2, r3, self.select_first),
                          byte_perm(r2, r3, self.select_second))
+                if masks is not None:
+                    words = tuple(w & masks[i // 2] for i, w in enumerate(words))
                 stmatrix_x4(write_o, off_write, words)
+
+    @staticmethod
+    def key_mask(keys_left: Int32, thresholds: tuple[int, ...]) -> Int32:
+        """The AND mask of a pair's words: byte j kept iff ``keys_left > thresholds[j]``."""
+        mask = Int32(0)
+        for j, threshold in enumerate(thresholds):
+            byte = Int32((0xFF << (8 * j)) - (1 << 32 if j == 3 else 0))  # (as a signed int32)
+            mask = mask | Int32(cutlass.select_(keys_left > threshold, byte, Int32(0)))
+        return mask

@@ -31,6 +31,14 @@ instruction (the lane base holds the swizzle's row-dependent part): the reads st
 keys, whole swizzle periods (C only, an immediate offset); the writes step along the keys of a
 Vt row, inside its swizzle atom (one XOR, none where the atom is 32 bytes wide).
 
+Keys past a sequence (varlen, paged): in the highest key block the staged rows past the keys
+hold whatever the memory had (the next sequence, a page's unused slots: NaN possibly, and P = 0
+does not cancel a NaN in P·V). Each lane knows which keys its bytes hold: byte j of both words of
+a pair is key 16h + 2c + WORD_KEYS[j] (c = lane % 4, h the pair's key half). Those of keys >=
+the block's valid count are cleared in registers after the prmt (:meth:`VTransposePlan.
+key_mask`: an AND mask per pair from four comparisons with compile-time thresholds) before
+stmatrix: no pass over shared memory, no barrier.
+
 Both layouts are jax_fa4.kernels.sm90.common.make_smem_layout tiles of 8-bit elements (rows x
 cols, cols contiguous, swizzle atoms of 8 rows x W bytes, W the widest of 128 / 64 / 32 dividing
 cols, tiled rows first): byte (row, col) of a stage is ``swizzle((col // W)·rows·W + row·W +
@@ -51,6 +59,9 @@ LANES = 32
 #: dim 2r + 1 (odd bytes), each in key (column) order.
 SELECT_EVEN_DIM = 0x6420
 SELECT_ODD_DIM = 0x7531
+#: The keys of a pair's output words, byte by byte, relative to the pair's first key plus
+#: 2·(lane % 4): both words (two dims) hold the same four keys.
+WORD_KEYS = (0, 1, 8, 9)
 
 
 def swizzle_width(cols: int) -> int:
@@ -131,6 +142,34 @@ class VTransposePlan:
         if lane < 16:
             return SELECT_EVEN_DIM, SELECT_ODD_DIM
         return SELECT_ODD_DIM, SELECT_EVEN_DIM
+
+    # -- keys past the sequence: the byte mask of a pair's words ------------------------------
+    @staticmethod
+    def pair_first_key(o: int, pair: int) -> int:
+        """The first key of pair ``pair`` (0: registers 0-1, 1: registers 2-3) of key-half pair
+        ``o``: the key half 2o + pair."""
+        return 16 * (2 * o + pair)
+
+    @staticmethod
+    def lane_key(lane: int) -> int:
+        """The lane's key offset within each key half's first 8 keys: 2·(lane % 4)."""
+        return 2 * (lane % 4)
+
+    @staticmethod
+    def mask_thresholds(o: int, pair: int) -> tuple[int, ...]:
+        """Byte j of pair ``pair``'s words of key-half pair ``o`` holds a key below ``valid``
+        iff ``valid - lane_key(lane) > thresholds[j]`` (compile-time constants)."""
+        first = VTransposePlan.pair_first_key(o, pair)
+        return tuple(first + key for key in WORD_KEYS)
+
+    @classmethod
+    def key_mask(cls, lane: int, o: int, pair: int, valid: int) -> int:
+        """The AND mask (unsigned 32 bits) that keeps the bytes of keys below ``valid`` in
+        lane ``lane``'s two words of pair ``pair`` of key-half pair ``o``, and clears the
+        rest (the kernel computes it with selects on ``valid - lane_key(lane)``)."""
+        left = valid - cls.lane_key(lane)
+        return sum(0xFF << (8 * j) for j, t in enumerate(cls.mask_thresholds(o, pair))
+                   if left > t)
 
     # -- the same, split as the kernel computes it: (base ^ X) + C ---------------------------
     def read_base(self, warp: int, lane: int) -> int:
