@@ -99,6 +99,7 @@ from jax_fa4.kernels.common.geometry import BwdBlocks, resolve_windows
 from jax_fa4.kernels.common.convert import convert_f32_pairs
 from jax_fa4.kernels.common.layout import (acc_view_as_a_operand, acc_view_mn, select_modes,
                                             transpose_mn)
+from jax_fa4.kernels.common.operands import check_backward_operands
 from jax_fa4.kernels.common.scores import score_scales
 from jax_fa4.kernels.common.rows import store_rows, zero_padding_rows, zero_rows_from
 from jax_fa4.kernels.common.views import seq_major, sequence
@@ -331,16 +332,8 @@ class FlashAttentionBackwardSm90:
                 raise TypeError(f"{name} must be int32")
         if const_expr(mdQsem is not None and mdQsem.element_type != Int32):
             raise TypeError("dq_sem must be int32")
-        for name, t in (("q", mQ), ("k", mK), ("v", mV), ("dout", mdO)):
-            if const_expr(t.element_type != self.dtype):
-                raise TypeError(f"{name}: expected {self.dtype}, got {t.element_type}")
-        dkv_type = Float32 if self.gqa else self.dtype
-        if const_expr(mdK.element_type != dkv_type or mdV.element_type != dkv_type):
-            raise TypeError(f"dk, dv must be {dkv_type}")
-        for name, t in (("lse_log2", mLSE), ("delta", mDelta), ("params", mParams),
-                        ("dq_accum", mdQacc)):
-            if const_expr(t.element_type != Float32):
-                raise TypeError(f"{name} must be float32")
+        check_backward_operands(self.dtype, self.gqa, mQ, mK, mV, mdO, mLSE, mDelta, mParams,
+                                mdQacc, mdK, mdV)
         D, Dv = self.hdim, self.hdimv
         mQ, mK, mdK = seq_major(mQ, D), seq_major(mK, D), seq_major(mdK, D)
         mV, mdO, mdV = seq_major(mV, Dv), seq_major(mdO, Dv), seq_major(mdV, Dv)
@@ -515,15 +508,7 @@ class FlashAttentionBackwardSm90:
             # key blocks launch from the last one down (deterministic causal: each then waits
             # only on earlier launches)
             n_block = (seqlen_k + self.tile_n - 1) // self.tile_n - 1 - n_block
-        group = None  # group_heads: the query heads per kv head, walked by every role
-        if const_expr(self.group_heads):
-            # (the grid's y is the kv head; head becomes the group's first query head)
-            group = mQ.shape[2] // mK.shape[2]
-            head_kv = head
-            head = head_kv * group
-        else:
-            head_kv = head // (mQ.shape[2] // mK.shape[2])
-        head_dkv = head if const_expr(self.gqa) else head_kv
+        group, head, head_kv, head_dkv = self.cta_heads(head, mQ.shape[2], mK.shape[2])
         block_info = BwdBlocks(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                   seqlen_q, seqlen_k, window_left, window_right)
         m_block_min, m_block_max = block_info.m_block_range(n_block)
@@ -1368,6 +1353,22 @@ class FlashAttentionBackwardSm90:
         return end
 
     @cute.jit
+    def cta_heads(self, y: Int32, num_heads: Int32, num_kv_heads: Int32) -> tuple:
+        """(group, head, head_kv, head_dkv) of a CTA whose grid y is ``y``: the query head
+        (group None), or with group_heads the kv head, ``head`` then the group's first query head
+        and ``group`` its query heads per kv head, walked in turn by every role (:meth:`head_at`).
+        ``head_dkv``: the head of dK / dV's outputs (per query head with ``gqa``)."""
+        group = None
+        if const_expr(self.group_heads):
+            group = num_heads // num_kv_heads
+            head_kv = y
+            head = head_kv * group
+        else:
+            head = y
+            head_kv = head // (num_heads // num_kv_heads)
+        head_dkv = head if const_expr(self.gqa) else head_kv
+        return group, head, head_kv, head_dkv
+
     def head_at(self, it: Int32, head: Int32, m_block_min: Int32, m_block_max: Int32,
                 group=None) -> tuple:
         """(loop position within its head's run of [m_block_min, m_block_max), query head) of

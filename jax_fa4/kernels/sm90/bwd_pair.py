@@ -278,14 +278,7 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
         window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
         x, head, batch = cute.arch.block_idx()
         n_block = x // 2
-        group = None  # group_heads: the query heads per kv head, walked in turn by every role
-        if const_expr(self.group_heads):
-            group = mQ.shape[2] // mK.shape[2]
-            head_kv = head
-            head = head_kv * group
-        else:
-            head_kv = head // (mQ.shape[2] // mK.shape[2])
-        head_dkv = head if const_expr(self.gqa) else head_kv
+        group, head, head_kv, head_dkv = self.cta_heads(head, mQ.shape[2], mK.shape[2])
         block_info = BwdBlocks(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                seqlen_q, seqlen_k, window_left, window_right)
         m_block_min, m_block_max = block_info.m_block_range(n_block)
