@@ -55,7 +55,7 @@ EXPECTED_FILES = {
         _K + "sm90/flash_fwd.py", _K + "sm90/common.py", _K + "sm90/fwd_config.py",
         _K + "sm90/v_transpose.py", _K + "sm90/v_transpose_plan.py"},
     "sm90_bwd": _SPEC | _SEG | _VARLEN_BWD | {_K + f"common/{m}.py" for m in (
-        "geometry", "convert", "layout", "rows", "scores", "views")} | {
+        "geometry", "convert", "layout", "operands", "rows", "scores", "views")} | {
         _K + "sm90/bwd.py", _K + "sm90/bwd_common.py", _K + "sm90/common.py",
         _K + "sm90/bwd_config.py"},
     # the pair reuses the one-CTA kernel's pieces (bwd.py) and has a key of its own
