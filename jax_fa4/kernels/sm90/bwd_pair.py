@@ -313,7 +313,7 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
         """The TMA warp: rank 0 loads K once and Q of every visited query block, rank 1 V and
         K's second half once and dO of every visited query block (of ``head``, or with
         ``group`` of the group's query heads in turn: the MMA loops' positions)."""
-        D, Dv, tn, tm = self.hdim, self.hdimv, self.tile_n, self.tile_m
+        D, Dv, tn = self.hdim, self.hdimv, self.tile_n
         one = cute.make_layout(1)
         if m_block_max > m_block_min:
             gK = cute.local_tile(sequence(mK, head_kv, batch), (tn, D), (n_block, 0))
@@ -342,22 +342,23 @@ class FlashAttentionBackwardSm90Pair(FlashAttentionBackwardSm90):
                 pos, head_it = self.head_at(it, head, m_block_min, m_block_max, group)
                 m_block = self.m_block_at(pos, start, m_block_min, m_block_max)
                 if rank == 0:
-                    gQ = cute.local_tile(sequence(mQ, head_it, batch), (tm, D), (None, 0))
-                    tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one,
-                                                       cute.group_modes(sQ, 0, 2),
-                                                       cute.group_modes(gQ, 0, 2))
-                    pipeline_q.producer_acquire(state)
-                    cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index],
-                              tma_bar_ptr=pipeline_q.producer_get_barrier(state))
+                    self.load_row_block(tma_atom_Q, mQ, sQ, pipeline_q, state, D, head_it,
+                                        batch, m_block)
                 else:
-                    gdO = cute.local_tile(sequence(mdO, head_it, batch), (tm, Dv), (None, 0))
-                    tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_dO, 0, one,
-                                                           cute.group_modes(sdO, 0, 2),
-                                                           cute.group_modes(gdO, 0, 2))
-                    pipeline_do.producer_acquire(state)
-                    cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index],
-                              tma_bar_ptr=pipeline_do.producer_get_barrier(state))
+                    self.load_row_block(tma_atom_dO, mdO, sdO, pipeline_do, state, Dv, head_it,
+                                        batch, m_block)
                 state.advance()
+
+    def load_row_block(self, tma_atom: cute.CopyAtom, mX: cute.Tensor, sX: cute.Tensor,
+                       pipeline_x, state, d: int, head: Int32, batch: Int32, m_block: Int32):
+        """Producer warp: query block ``m_block`` of ``mX`` (Q on rank 0, dO on rank 1; ``d``
+        columns) of ``head`` into ``sX``'s stage of ``state``, through ``pipeline_x``."""
+        gX = cute.local_tile(sequence(mX, head, batch), (self.tile_m, d), (None, 0))
+        tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1),
+                                           cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+        pipeline_x.producer_acquire(state)
+        cute.copy(tma_atom, tXgX[None, m_block], tXsX[None, state.index],
+                  tma_bar_ptr=pipeline_x.producer_get_barrier(state))
 
     @cute.jit
     def load_rows(self, mX: cute.Tensor, x: cute.Tensor, tScS_mn: cute.Tensor, m_block: Int32,
