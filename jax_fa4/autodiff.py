@@ -71,20 +71,24 @@ def backward_chain(q, k, v, out, lse, dout, dlse, opts):
     is deterministic too; an opt-in backend whose forward ran a kernel says so with a one-time
     :class:`RuntimeWarning` naming the reason.
     """
-    chosen, delta, lse_log2 = _backward_inputs(q, k, v, out, lse, dout, dlse, opts)
-    return (*chosen.backward(q, k, v, out, lse, dout, delta, lse_log2, opts), delta)
+    chosen, delta, lse_log2, accum = _backward_inputs(q, k, v, out, lse, dout, dlse, opts)
+    return (*chosen.backward(q, k, v, out, lse, dout, delta, lse_log2, opts, **accum), delta)
 
 
 def _backward_inputs(q, k, v, out, lse, dout, dlse, opts):
-    """(the backend that runs the backward, delta, lse_log2): the preprocess of
-    ``opts.implementation`` (or the reference's), and the backward's choice."""
+    """(the backend that runs the backward, delta, lse_log2, accum): the backward's choice,
+    and the preprocess of ``opts.implementation`` (or the reference's), which also zero-fills
+    the chosen kernel backward's dQ accumulator where it can: ``accum`` is then
+    ``{"dq_accum": it}`` for the backward's keyword, else empty (a backend whose
+    ``dq_accum_shape`` is None needs no such keyword)."""
     backend = backends.get(opts.implementation)
-    delta, lse_log2 = base.preprocess(backend, out, dout, lse, opts)
-    # d lse / d S = P, so a cotangent on lse enters dS = P * (dP - delta) as -dlse on delta.
-    delta = delta - dlse
     chosen = base.choose(backend, "backward", backend.supports_backward(q, k, v, opts), opts,
                          kernel_forward=backend.supports_forward(q, k, v, opts) is None)
-    return chosen, delta, lse_log2
+    shape = chosen.dq_accum_shape(q, k, v, opts) if chosen is backend else None
+    delta, lse_log2, dq_accum = base.preprocess(backend, out, dout, lse, opts, shape)
+    # d lse / d S = P, so a cotangent on lse enters dS = P * (dP - delta) as -dlse on delta.
+    delta = delta - dlse
+    return chosen, delta, lse_log2, ({} if dq_accum is None else {"dq_accum": dq_accum})
 
 
 def backward_chain_with_sink(q, k, v, out, lse, dout, dlse, sink, opts):
@@ -93,12 +97,13 @@ def backward_chain_with_sink(q, k, v, out, lse, dout, dlse, sink, opts):
     from its float32 view of the output (``Backend.backward_with_sink``), d sink takes that;
     else ``-sum_i P_sink_i * delta_i`` with delta from the 16-bit output (as everywhere else
     the sink's gradient is computed, :func:`jax_fa4.reference.sink_gradient`)."""
-    chosen, delta, lse_log2 = _backward_inputs(q, k, v, out, lse, dout, dlse, opts)
+    chosen, delta, lse_log2, accum = _backward_inputs(q, k, v, out, lse, dout, dlse, opts)
     if sink.ndim == 1:
         dq, dk, dv, rows = chosen.backward_with_sink(q, k, v, out, lse, dout, delta, lse_log2,
-                                                     opts, sink)
+                                                     opts, sink, **accum)
     else:  # one sink per batch entry (vmap): no kernel takes those
-        (dq, dk, dv), rows = chosen.backward(q, k, v, out, lse, dout, delta, lse_log2, opts), None
+        (dq, dk, dv), rows = chosen.backward(q, k, v, out, lse, dout, delta, lse_log2, opts,
+                                             **accum), None
     empty = jnp.isneginf(lse)
     p_sink = reference.sink_probability(sink, lse)
     if rows is None:

@@ -326,7 +326,9 @@ def emulated_call_kernel(options: dict, calls: list):
         if name == "bwd_preprocess":
             out, dout, lse = inputs
             lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * math.log2(math.e))
-            return base.reference_delta(out, dout), lse_log2
+            accum = ((jnp.zeros(out_shapes[2].shape, jnp.float32),) if config.zero_dq_accum
+                     else ())
+            return base.reference_delta(out, dout), lse_log2, *accum
         if name == "sm100_bwd_split":
             assert arch == "sm_100a", arch
             if config.varlen:

@@ -135,8 +135,8 @@ def test_precompile_representative_builds_the_rules_choice(tmp_path, capsys):
 
 
 def test_precompile_in_parallel_matches_serial(tmp_path):
-    args = ["--family", "bwd_preprocess", "--dtype", "bfloat16", "--head-dim", "64", "128",
-            "--quiet"]
+    # one head dim: its two forms (zero_dq_accum or not) on two archs, four kernels
+    args = ["--family", "bwd_preprocess", "--dtype", "bfloat16", "--head-dim", "64", "--quiet"]
     precompile.main([*args, "--cache-dir", str(tmp_path / "serial"), "--jobs", "1"])
     precompile.main([*args, "--cache-dir", str(tmp_path / "parallel"), "--jobs", "2"])
     names = [sorted(p.name for p in (tmp_path / d).glob("*/*.json"))
@@ -145,11 +145,15 @@ def test_precompile_in_parallel_matches_serial(tmp_path):
 
 
 @needs_disassembler
+@pytest.mark.parametrize("zero_dq_accum", [False, True])
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_preprocess_sass_has_no_local_memory(shipped_cache, arch):
-    kernel = compiled_sass(shipped_cache, PreprocessConfig("bfloat16", 128), arch)
+def test_preprocess_sass_has_no_local_memory(shipped_cache, arch, zero_dq_accum):
+    """No local memory; the dq_accum clear (zero_dq_accum) stores 16 bytes at a time."""
+    kernel = compiled_sass(shipped_cache, PreprocessConfig("bfloat16", 128, zero_dq_accum),
+                           arch)
     assert kernel.arch == arch
     assert_no_local_memory(kernel)
+    assert (kernel.count("STG.E.128") > 0) == zero_dq_accum
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -76,7 +76,7 @@ def test_without_compiler_a_miss_names_the_kernel_and_the_command(cache_dir, mon
     with pytest.raises(call.KernelNotAvailableError) as info:
         call.kernel_object(CFG, ARCH)
     msg = str(info.value)
-    assert "bwd_preprocess(dtype=bfloat16, head_dim_v=128)" in msg
+    assert "bwd_preprocess(dtype=bfloat16, head_dim_v=128, zero_dq_accum=False)" in msg
     assert "python -m jax_fa4.tools.precompile" in msg and str(cache_dir) in msg
 
 

@@ -221,7 +221,8 @@ def _emulated_segments_kernel(window, softcap, calls):
     (bwd_config.with_segment_tables: the table mask restricted to each key block's query-block
     range; dq written unscaled in row order into dq_accum, dk / dv per kv head or, GQA, float32
     per query head; sink_grad: the sink's share of the float32 output's rowsum) and its
-    postprocess (dq_accum rows · scale)."""
+    postprocess (dq_accum rows · scale); the preprocess by the reference's rule, with the
+    dense backward's zeroed dq_accum (PreprocessConfig.zero_dq_accum)."""
     from jax_fa4.kernels.sm90.bwd_config import BwdConfig, BwdPostprocessConfig
 
     def forward(config, q, k, v, params, tiles, rows, kv_ids, out_shapes):
@@ -284,6 +285,10 @@ def _emulated_segments_kernel(window, softcap, calls):
     def kernel(config, arch, *args, out_shapes):
         assert arch == "sm_90a"
         calls.append(config)
+        if config.kernel_name == "bwd_preprocess":  # the reference's rule, dq_accum's zeros
+            delta, lse_log2 = base.REFERENCE_BACKEND.backward_preprocess(*args)
+            return (delta, lse_log2, *([jnp.zeros(out_shapes[2].shape, jnp.float32)]
+                                       if config.zero_dq_accum else []))
         if isinstance(config, BwdPostprocessConfig):
             dq_accum, params = args
             b, h, n = dq_accum.shape
@@ -320,8 +325,6 @@ def test_kernel_route_with_an_emulated_kernel(kwargs, with_sink, ids_kind, monke
     calls = []
     monkeypatch.setattr(call, "call_kernel",
                         _emulated_segments_kernel(window, kwargs.get("softcap", 0.0), calls))
-    monkeypatch.setattr(backends.get("sm90"), "backward_preprocess",
-                        base.REFERENCE_BACKEND.backward_preprocess)
 
     def f(q, k, v, s):
         return jax_fa4.flash_attention(q, k, v, segment_ids=jnp.asarray(ids), learnable_sink=s,
@@ -336,6 +339,8 @@ def test_kernel_route_with_an_emulated_kernel(kwargs, with_sink, ids_kind, monke
         "bfloat16", d, d, mask, "softcap" in kwargs) for c in fwd), fwd
     assert bwd and all(c.segments and c.sink_grad == with_sink and c.gqa for c in bwd), bwd
     assert [c.kernel_name for c in calls].count("sm90_bwd_postprocess") == len(bwd)
+    # the preprocess zero-fills the main kernel's dq_accum (PreprocessConfig.zero_dq_accum)
+    assert [c.zero_dq_accum for c in calls if c.kernel_name == "bwd_preprocess"] == [True]
     # the reference's results: the float64 oracle of tests/extreme_cases.py (which the reference
     # is checked against), NumPy: no reference program compiled per case
     visible = window_visible(s, s, window)[None] & (ids[:, :, None] == ids[:, None, :])

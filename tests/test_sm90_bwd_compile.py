@@ -231,6 +231,29 @@ def test_stats_smem_kernel_compiles_with_clean_sass(cfg, shipped_cache):
     assert_no_local_memory(k)
 
 
+def _wg_fragment_configs() -> list[BwdConfig]:
+    """wg_fragments on the table's rows of every head dim (one mask kind each), the plain and
+    the swapped loop."""
+    rows = [("bfloat16", 64, 64, "none"), ("bfloat16", 96, 96, "causal"),
+            ("bfloat16", 128, 128, "causal"), ("bfloat16", 192, 128, "none"),
+            ("bfloat16", 256, 256, "causal")]
+    return [replace(BwdConfig.make(*r), wg_fragments=True) for r in rows]
+
+
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered(_wg_fragment_configs(), ARCH), ids=_id)
+def test_wg_fragments_keep_the_descriptors_uniform(cfg, shipped_cache):
+    """Operand fragments from warpgroup slices: the same GEMMs, no spills, and the descriptors
+    no longer moved from per-thread registers (R2UR) between the WGMMAs of a block: the whole
+    kernel keeps at most half the per-thread form's R2URs (head dim 128: 51 -> 4)."""
+    k, _ = compiled_report(shipped_cache, cfg, ARCH)
+    per_thread, _ = compiled_report(shipped_cache, replace(cfg, wg_fragments=False), ARCH)
+    print(f"\n{cfg.describe()}: R2UR {per_thread.count('R2UR')} -> {k.count('R2UR')}")
+    assert k.count("HGMMA") == per_thread.count("HGMMA") > 0
+    assert 2 * k.count("R2UR") <= per_thread.count("R2UR")
+    assert_no_local_memory(k)
+
+
 def test_stats_smem_validation():
     base = with_stats_smem(BwdConfig.make("bfloat16", 128, mask="causal"), False)
     staged = with_stats_smem(base)

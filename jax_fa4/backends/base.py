@@ -18,6 +18,10 @@ entry point                   supports                             called from
 ``paged_forward``             ``paged_plan`` (a plan, or reason)   paged KV forward
 ============================  ===================================  ===========================
 
+A kernel backend whose dense backward adds dQ into a float32 accumulator gives its shape from
+``dq_accum_shape`` (None: the backward makes its own); ``backward_preprocess_with_accum`` then
+returns it zero-filled beside delta and lse_log2, and ``backward`` takes it as ``dq_accum``.
+
 The varlen and paged calls are jitted by the package: what a backend decides outside the trace
 (its kernel config, switches read from the environment) it returns from ``*_plan``, a hashable
 value that keys the jitted call, and gets back in the entry point.
@@ -122,11 +126,17 @@ def planned(backend: Backend, what: str, opts: Any, make_plan) -> tuple[Backend,
     return backend, plan
 
 
-def preprocess(backend: Backend, out, dout, lse, opts) -> tuple[jax.Array, jax.Array]:
-    """(delta, lse_log2) by ``backend``'s backward preprocess, or the reference's (reported)
-    where it declines."""
+def preprocess(backend: Backend, out, dout, lse, opts,
+               dq_accum_shape: tuple[int, ...] | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(delta, lse_log2, dq_accum) by ``backend``'s backward preprocess, or the reference's
+    (reported) where it declines. ``dq_accum_shape``: the dense backward kernel's float32
+    accumulator (:meth:`Backend.dq_accum_shape`), returned zero-filled by a backend whose
+    preprocess kernel clears it (else None: the backward makes its own)."""
     chosen = choose(backend, "backward preprocess", backend.supports_preprocess(out), opts)
-    return chosen.backward_preprocess(out, dout, lse)
+    if dq_accum_shape is None:
+        return (*chosen.backward_preprocess(out, dout, lse), None)
+    return chosen.backward_preprocess_with_accum(out, dout, lse, dq_accum_shape)
 
 
 # -- shared pieces (any backend) ---------------------------------------------------------------
@@ -368,25 +378,41 @@ class Backend:
         lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse_log2)
         return reference_delta(out, dout), lse_log2
 
+    def backward_preprocess_with_accum(self, out, dout, lse, dq_accum_shape: tuple[int, ...]
+                                       ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """:meth:`backward_preprocess` and the dense backward's float32 dQ accumulator of
+        ``dq_accum_shape`` zero-filled, where this backend's preprocess kernel clears it;
+        None here."""
+        del dq_accum_shape
+        return (*self.backward_preprocess(out, dout, lse), None)
+
     def supports_backward(self, q, k, v, opts) -> str | None:
         """None when :meth:`backward` serves this call, else why not."""
         return None
 
-    def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def dq_accum_shape(self, q, k, v, opts) -> tuple[int, ...] | None:
+        """The float32 dQ accumulator that this backend's dense backward of the call adds
+        into, where its preprocess kernel clears it (:func:`preprocess`); None here."""
+        return None
+
+    def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts,
+                 dq_accum: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(dq, dk, dv) in the dtypes of q, k, v from the saved forward, ``delta`` (the
-        preprocess's, minus the lse cotangent) and ``lse_log2``."""
-        del lse_log2
+        preprocess's, minus the lse cotangent), ``lse_log2`` and the preprocess's zero-filled
+        ``dq_accum`` where it made one (:meth:`dq_accum_shape`)."""
+        del lse_log2, dq_accum
         return reference_backward(q, k, v, out, lse, dout, delta, opts)
 
-    def backward_with_sink(self, q, k, v, out, lse, dout, delta, lse_log2, opts, sink
+    def backward_with_sink(self, q, k, v, out, lse, dout, delta, lse_log2, opts, sink,
+                           dq_accum: jax.Array | None = None
                            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
         """:meth:`backward` of a call with the learnable ``sink`` (H,), plus ``sink_rows``
         (B, H) float32, ``sum_i e^{sink_h - lse_bhi} rowsum(dout * out)_bhi`` with the output
         as the backward kernel rebuilds it in float32 (``sum_j P_ij dP_ij``), where the backend
         computes it; None here: the caller takes the sink's gradient from ``delta``."""
         del sink
-        return (*self.backward(q, k, v, out, lse, dout, delta, lse_log2, opts), None)
+        accum = {} if dq_accum is None else {"dq_accum": dq_accum}
+        return (*self.backward(q, k, v, out, lse, dout, delta, lse_log2, opts, **accum), None)
 
     def supports_extras(self, what: str) -> str | None:
         """None when this backend takes ``what`` (``"learnable_sink"``, ``"segment_ids"``)

@@ -300,13 +300,25 @@ class KernelBackend(Backend):
 
     def backward_preprocess(self, out, dout, lse) -> tuple[jax.Array, jax.Array]:
         """The preprocess kernel (the same for every family)."""
+        delta, lse_log2 = self._preprocess_kernel(out, dout, lse)
+        return delta, lse_log2
+
+    def backward_preprocess_with_accum(self, out, dout, lse, dq_accum_shape: tuple[int, ...]
+                                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The preprocess kernel that also returns the dQ accumulator of ``dq_accum_shape``
+        zero-filled (``PreprocessConfig.zero_dq_accum``)."""
+        return self._preprocess_kernel(out, dout, lse, dq_accum_shape)
+
+    def _preprocess_kernel(self, out, dout, lse, dq_accum_shape: tuple[int, ...] | None = None
+                           ) -> list[jax.Array]:
         from jax_fa4.ffi.call import call_kernel
 
         b, sq, h, dv = out.shape
-        shape = jax.ShapeDtypeStruct((b, h, sq), jnp.float32)
-        delta, lse_log2 = call_kernel(PreprocessConfig(jnp.dtype(out.dtype).name, dv), self.arch,
-                                      out, dout, lse, out_shapes=(shape, shape))
-        return delta, lse_log2
+        rows = jax.ShapeDtypeStruct((b, h, sq), jnp.float32)
+        zero = dq_accum_shape is not None
+        accum = (jax.ShapeDtypeStruct(dq_accum_shape, jnp.float32),) if zero else ()
+        return call_kernel(PreprocessConfig(jnp.dtype(out.dtype).name, dv, zero), self.arch,
+                           out, dout, lse, out_shapes=(rows, rows, *accum))
 
     def supports_backward(self, q, k, v, opts) -> str | None:
         if not (q.dtype == k.dtype == v.dtype):
@@ -317,23 +329,26 @@ class KernelBackend(Backend):
             return str(e)
         return None
 
-    def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts):
+    def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts, dq_accum=None):
         raise NotImplementedError(f"{type(self).__name__} has no backward kernel chain")
 
-    def backward_with_sink(self, q, k, v, out, lse, dout, delta, lse_log2, opts, sink):
+    def backward_with_sink(self, q, k, v, out, lse, dout, delta, lse_log2, opts, sink,
+                           dq_accum=None):
         """The backward, and ``sink_rows`` where the family's kernel computes them
         (``kernel_sink_grad``; else None, base.Backend's rule)."""
         if not self.kernel_sink_grad:
             return super().backward_with_sink(q, k, v, out, lse, dout, delta, lse_log2, opts,
-                                              sink)
+                                              sink, dq_accum)
         return self.backward(q, k, v, out, lse, dout, delta, lse_log2, opts, sink=sink,
-                             with_sink_rows=True)
+                             with_sink_rows=True, dq_accum=dq_accum)
 
     def backward_main(self, cfg, q, k, v, dout, delta, lse_log2, params, sq_pad: int,
-                      semaphores: int, extra_inputs: tuple = ()):
+                      semaphores: int, extra_inputs: tuple = (),
+                      dq_accum: jax.Array | None = None):
         """The dense backward's main kernel (the same contract on every family): returns
-        dq_accum (B, H, sq_pad·D) float32 (zeros in, updated in place through an input/output
-        alias) and dk, dv per kv head (GQA configs: float32 per *query* head from the kernel,
+        dq_accum (B, H, sq_pad·D) float32 (zeros in: the preprocess's ``dq_accum`` where it
+        has that shape, else an XLA fill; updated in place through an input/output alias)
+        and dk, dv per kv head (GQA configs: float32 per *query* head from the kernel,
         summed over each group here). Deterministic configs also take ``semaphores`` int32
         zero counters per (B, H): the ordering of the key blocks' dQ adds. A ``sink_grad``
         config (params then carry the sinks) also returns its sink_part summed over the key
@@ -343,7 +358,8 @@ class KernelBackend(Backend):
 
         b, sq, h, d = q.shape
         sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
-        dq_accum = jnp.zeros((b, h, sq_pad * d), jnp.float32)
+        if dq_accum is None or dq_accum.shape != (b, h, sq_pad * d):
+            dq_accum = jnp.zeros((b, h, sq_pad * d), jnp.float32)
         hdk = h if cfg.gqa else hkv
         dkv_dtype = jnp.float32 if cfg.gqa else q.dtype
         inputs = [q, k, v, dout, lse_log2.astype(jnp.float32), delta.astype(jnp.float32), params,

@@ -140,9 +140,18 @@ class Sm100Backend(KernelBackend):
             return self.split_backward_configs(q, k, v, opts)
         return Sm100BwdConfig.make(**backward_kind(q, k, v, opts)), None
 
-    def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts):
+    def dq_accum_shape(self, q, k, v, opts) -> tuple[int, ...] | None:
+        """(B, H, Sq_pad·D) of the main-kernel config for this call; None for the split
+        backward (head dims 192/192 and 256), which has no dq_accum."""
+        if bwd_split_config.serves(q.shape[3], v.shape[3]):
+            return None
+        cfg, _ = self.backward_configs(q, k, v, opts)
+        b, sq, h, d = q.shape
+        return (b, h, cfg.num_m_blocks(sq) * cfg.tile_m * d)
+
+    def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts, dq_accum=None):
         """(dq, dk, dv) in the dtypes of q, k, v. ``out`` and ``lse`` are unused (their
-        information is in delta and lse_log2)."""
+        information is in delta and lse_log2); ``dq_accum``: the preprocess's zeros."""
         del out, lse
         if bwd_split_config.serves(q.shape[3], v.shape[3]):
             return self.split_backward(q, k, v, dout, delta, lse_log2, opts)
@@ -152,7 +161,8 @@ class Sm100Backend(KernelBackend):
         num_m = cfg.num_m_blocks(sq)
         sq_pad = num_m * cfg.tile_m
         dq_accum, dk, dvv, _ = self.backward_main(cfg, q, k, v, dout, delta, lse_log2, params,
-                                                  sq_pad, num_m * cfg.semaphore_slots)
+                                                  sq_pad, num_m * cfg.semaphore_slots,
+                                                  dq_accum=dq_accum)
         dq = dense_dq(dq_accum, q, sq_pad, params[PARAM_SCALE])
         return dq, dk.astype(k.dtype), dvv.astype(v.dtype)
 
@@ -176,7 +186,7 @@ class Sm100Backend(KernelBackend):
 
         cfg = self.segments_backward_config(q, k, v, opts)
         assert not isinstance(cfg, str), cfg
-        rowsum, lse_log2 = base.preprocess(self, out, dout, lse, opts)
+        rowsum, lse_log2, _ = base.preprocess(self, out, dout, lse, opts)
         sq, d = q.shape[1], q.shape[3]
         params = kernel_params(opts, d)
         sq_pad = cfg.num_m_blocks(sq) * cfg.tile_m
@@ -251,7 +261,7 @@ class Sm100Backend(KernelBackend):
         total_k, hkv, dv = v.shape
         batch = cu_seqlens_q.shape[0] - 1
         tm, tn = config.tile_m, config.work_tile_n  # keys per work item (a 2-CTA pair's: 256)
-        delta, lse_log2 = base.preprocess(self, out, dout, lse, opts)
+        delta, lse_log2, _ = base.preprocess(self, out, dout, lse, opts)
         # a cotangent on lse enters as -dlse (jax_fa4.autodiff); padding tokens' delta (their
         # dout may be NaN) is read by no kernel and selected out for the sink's gradient
         in_sequence = segments.q_segment_ids[:, None, :] >= 0
@@ -297,7 +307,7 @@ class Sm100Backend(KernelBackend):
         total_k, hkv, dv = v.shape
         batch = cu_seqlens_q.shape[0] - 1
         rows, cols = dkdv_cfg.tile_rows, dkdv_cfg.tile_cols
-        delta, lse_log2 = base.preprocess(self, out, dout, lse, opts)
+        delta, lse_log2, _ = base.preprocess(self, out, dout, lse, opts)
         in_sequence = segments.q_segment_ids[:, None, :] >= 0  # (as varlen_backward)
         delta = jnp.where(in_sequence, delta - dlse, 0.0)
         params = kernel_params(opts, d)

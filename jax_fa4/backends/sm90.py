@@ -247,9 +247,15 @@ class Sm90Backend(KernelBackend):
                                        group_shape=(q.shape[0] * k.shape[2], k.shape[1])))
         return cfg, cfg.postprocess_config()
 
+    def dq_accum_shape(self, q, k, v, opts) -> tuple[int, ...]:
+        """(B, H, Sq_pad·D) of the table's main-kernel config for this call (its tile_m)."""
+        cfg, _ = self.backward_configs(q, k, v, opts)
+        b, sq, h, d = q.shape
+        return (b, h, -(-sq // cfg.tile_m) * cfg.tile_m * d)
+
     def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts,
                  config: BwdConfig | None = None, sink: jax.Array | None = None,
-                 with_sink_rows: bool = False):
+                 with_sink_rows: bool = False, dq_accum: jax.Array | None = None):
         """(dq, dk, dv) in the dtypes of q, k, v. ``out`` and ``lse`` are unused (their
         information is in delta and lse_log2). ``config`` replaces the tuning table's
         main-kernel config (benchmarks/bwd_variants.py); it must describe the same problem
@@ -276,7 +282,8 @@ class Sm90Backend(KernelBackend):
         params = kernel_params(opts, d, sink if sink_grad else None)
         sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
         dq_accum, dk, dvv, sink_rows = self.backward_main(cfg, q, k, v, dout, delta, lse_log2,
-                                                          params, sq_pad, sq_pad // cfg.tile_m)
+                                                          params, sq_pad, sq_pad // cfg.tile_m,
+                                                          dq_accum=dq_accum)
         (dq,) = call_kernel(post, self.arch, dq_accum, kernel_params(opts, d),
                             out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),))
         grads = (dq, dk.astype(k.dtype), dvv.astype(v.dtype))
@@ -300,15 +307,16 @@ class Sm90Backend(KernelBackend):
 
         cfg = self.segments_backward_config(q, k, v, opts, sink_grad=sink is not None)
         assert not isinstance(cfg, str), cfg
-        delta, lse_log2 = base.preprocess(self, out, dout, lse, opts)
-        delta = delta - dlse  # a cotangent on lse enters as -dlse (jax_fa4.autodiff)
         b, sq, h, d = q.shape
+        sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
+        delta, lse_log2, dq_accum = base.preprocess(self, out, dout, lse, opts,
+                                                    dq_accum_shape=(b, h, sq_pad * d))
+        delta = delta - dlse  # a cotangent on lse enters as -dlse (jax_fa4.autodiff)
         tables = segments.backward_tables(q_ids, kv_ids, cfg.tile_m, cfg.tile_n)
         params = kernel_params(opts, d, sink)
-        sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
         dq_accum, dk, dvv, sink_rows = self.backward_main(
             cfg, q, k, v, dout, delta, lse_log2, params, sq_pad, sq_pad // cfg.tile_m,
-            extra_inputs=tables)
+            extra_inputs=tables, dq_accum=dq_accum)
         (dq,) = call_kernel(cfg.postprocess_config(), self.arch, dq_accum,
                             kernel_params(opts, d),
                             out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),))
@@ -351,7 +359,7 @@ class Sm90Backend(KernelBackend):
         total_k, hkv, dv = v.shape
         batch = cu_seqlens_q.shape[0] - 1
         tm = config.tile_m
-        delta, lse_log2 = base.preprocess(self, out[None], dout[None], lse[None], opts)
+        delta, lse_log2, _ = base.preprocess(self, out[None], dout[None], lse[None], opts)
         delta = delta - dlse[None]  # a cotangent on lse enters as -dlse (jax_fa4.autodiff)
         sink_grad = getattr(config, "sink_grad", False)
         params = kernel_params(opts, d, sink if sink_grad else None)

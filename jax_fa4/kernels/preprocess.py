@@ -13,6 +13,10 @@ Layouts are the JAX row-major ones: ``out``/``dout`` (B, S, H, Dv), ``lse``/``de
 Work split: a row's Dv elements are read as 16-byte vectors by ``threads_per_row`` consecutive lanes
 (a power of two), which then reduce their partial sums with butterfly shuffles. A CTA of 128 threads
 covers ``128 / threads_per_row`` rows of one (batch, head); the grid is (row blocks, H, B).
+
+With ``zero_dq_accum`` the kernel also clears the dense backward's float32 ``dq_accum`` (B, H, N):
+CTA ``r`` of a (batch, head) stores zeros to the r-th of the row blocks' equal shares of its N
+floats, 16 bytes a store (PreprocessConfig).
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from jax_fa4.kernels.preprocess_config import (LSE_LOG2_MARGIN, LSE_LOG2_MARGIN_FROM,
-                                               PreprocessConfig)
+from jax_fa4.kernels.preprocess_config import (DQ_ACCUM_VECTOR, LSE_LOG2_MARGIN,
+                                               LSE_LOG2_MARGIN_FROM, PreprocessConfig)
 from jax_fa4.kernels.spec import LOG2_E
 
 _NUM_THREADS = 128
@@ -50,6 +54,7 @@ class BwdPreprocess:
         self.threads_per_row = min(32, 1 << (self.num_chunks.bit_length() - 1))
         self.chunks_per_thread = -(-self.num_chunks // self.threads_per_row)
         self.rows_per_cta = _NUM_THREADS // self.threads_per_row
+        self.zero_dq_accum = config.zero_dq_accum
 
     @cute.jit
     def __call__(
@@ -60,12 +65,15 @@ class BwdPreprocess:
         mLSE: cute.Tensor,
         mDelta: cute.Tensor,
         mLSElog2: cute.Tensor,
+        mDqAccum: cute.Tensor | None = None,
     ):
         if const_expr(mO.element_type != self.dtype or mdO.element_type != self.dtype):
             raise TypeError("out and dout must have the config's dtype")
+        if const_expr(self.zero_dq_accum != (mDqAccum is not None)):
+            raise TypeError("dq_accum is the output of a zero_dq_accum config, and only of it")
         seqlen = mO.shape[1]
         grid = (cute.ceil_div(seqlen, self.rows_per_cta), mO.shape[2], mO.shape[0])
-        self.kernel(mO, mdO, mLSE, mDelta, mLSElog2).launch(
+        self.kernel(mO, mdO, mLSE, mDelta, mLSElog2, mDqAccum).launch(
             grid=grid, block=[_NUM_THREADS, 1, 1], stream=stream
         )
 
@@ -77,6 +85,7 @@ class BwdPreprocess:
         mLSE: cute.Tensor,
         mDelta: cute.Tensor,
         mLSElog2: cute.Tensor,
+        mDqAccum: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         row_block, head, batch = cute.arch.block_idx()
@@ -106,8 +115,35 @@ class BwdPreprocess:
                 if abs(lse_log2) >= Float32(LSE_LOG2_MARGIN_FROM):
                     lse_log2 = lse_log2 + abs(lse_log2) * Float32(LSE_LOG2_MARGIN)
             mLSElog2[batch, head, row] = lse_log2
+        if const_expr(self.zero_dq_accum):
+            self.clear_share(mDqAccum[batch, head, None], row_block, tidx)
+
+    @cute.jit
+    def clear_share(self, gAccum: cute.Tensor, share: cutlass.Int32, tidx: cutlass.Int32):
+        """Zeros to share ``share`` of the row blocks' equal shares of ``gAccum`` (N floats),
+        one ``DQ_ACCUM_VECTOR``-float store per thread and step."""
+        vectors = gAccum.shape[0] // DQ_ACCUM_VECTOR
+        shares, _, _ = cute.arch.grid_dim()
+        per_share = (vectors + shares - 1) // shares
+        first = share * per_share
+        end = cutlass.min(first + per_share, vectors)
+        zeros = cute.make_rmem_tensor(DQ_ACCUM_VECTOR, Float32)
+        zeros.fill(0.0)
+        for i in cutlass.range(first + tidx, end, _NUM_THREADS, unroll=1):
+            cute.autovec_copy(zeros, cute.local_tile(gAccum, (DQ_ACCUM_VECTOR,), (i,)))
 
 
-def make_launcher(cfg: PreprocessConfig) -> BwdPreprocess:
-    """The `@cute.jit` launcher ``fn(stream, out, dout, lse, delta, lse_log2)`` for this config."""
-    return BwdPreprocess(cfg)
+def make_launcher(cfg: PreprocessConfig):
+    """The `@cute.jit` launcher ``fn(stream, out, dout, lse, delta, lse_log2[, dq_accum])`` for
+    this config (dq_accum: a ``zero_dq_accum`` config's third output)."""
+    kernel = BwdPreprocess(cfg)
+    if not cfg.zero_dq_accum:
+        return kernel
+
+    @cute.jit
+    def preprocess_zero_dq_accum(stream: cuda.CUstream, out: cute.Tensor, dout: cute.Tensor,
+                                 lse: cute.Tensor, delta: cute.Tensor, lse_log2: cute.Tensor,
+                                 dq_accum: cute.Tensor):
+        kernel(stream, out, dout, lse, delta, lse_log2, dq_accum)
+
+    return preprocess_zero_dq_accum

@@ -11,6 +11,8 @@ from jax_fa4.kernels.spec import FLOAT_DTYPES, KernelConfig, KernelSignature, Te
 LSE_LOG2_MARGIN_FROM = 2.0 ** 24
 #: That margin, relative to |lse_log2|: 16 to 32 float32 ulps of it.
 LSE_LOG2_MARGIN = 2.0 ** -19
+#: Floats per store of the dq_accum clear (16 bytes): dq_accum's last extent is a multiple of it.
+DQ_ACCUM_VECTOR = 4
 
 
 @dataclass(frozen=True)
@@ -28,13 +30,20 @@ class PreprocessConfig(KernelConfig):
       gradients are not accurate either way (their P is off by a power of two common to the
       row); they are finite.
 
-    Only the dtype and the value head dim change the generated code.
+    With ``zero_dq_accum`` it also writes zeros to a float32 ``dq_accum`` (B, H, N), N a
+    multiple of ``DQ_ACCUM_VECTOR``: the dense backward's dQ accumulator, which its main kernel
+    adds into (so the zeros are made where their layer's backward starts, not by an XLA fill
+    that the compiler may hoist and merge with other layers' fills, keeping every layer's
+    buffer alive at once). Each CTA clears an equal share of its (batch, head)'s N floats.
+
+    The dtype, the value head dim and ``zero_dq_accum`` change the generated code.
     """
 
     kernel_name: ClassVar[str] = "bwd_preprocess"
 
     dtype: str
     head_dim_v: int
+    zero_dq_accum: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in FLOAT_DTYPES:
@@ -47,9 +56,12 @@ class PreprocessConfig(KernelConfig):
     def signature(self) -> KernelSignature:
         dv = self.head_dim_v
         o = TensorArg("out", self.dtype, (2, 67, 3, dv), (1, 1, 1, dv))
+        rows = (TensorArg("delta", "float32", (2, 3, 67), (1, 1, 1)),
+                TensorArg("lse_log2", "float32", (2, 3, 67), (1, 1, 1)))
+        accum = (TensorArg("dq_accum", "float32", (2, 3, 40 * DQ_ACCUM_VECTOR),
+                           (1, 1, DQ_ACCUM_VECTOR)),) if self.zero_dq_accum else ()
         return KernelSignature(
             inputs=(o, TensorArg("dout", self.dtype, o.sample_shape, o.divisibility),
                     TensorArg("lse", "float32", (2, 3, 67), (1, 1, 1))),
-            outputs=(TensorArg("delta", "float32", (2, 3, 67), (1, 1, 1)),
-                     TensorArg("lse_log2", "float32", (2, 3, 67), (1, 1, 1))),
+            outputs=rows + accum,
         )

@@ -45,7 +45,8 @@ class Variant:
 def _preprocess(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
     for dtype in (d for d in dtypes if d in FLOAT_DTYPES):  # (no FP8 backward)
         for dv in head_dims:
-            yield PreprocessConfig(dtype, dv)
+            for zero_dq_accum in (False, True):  # (True: the dense backward's)
+                yield PreprocessConfig(dtype, dv, zero_dq_accum)
 
 
 def _sm90_fwd(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable[KernelConfig]:
@@ -134,9 +135,10 @@ SM90_BWD_GPU_SWAP = [
 #: The forms of a table kernel that tests/gpu/test_sm90_bwd.py checks against the reference on
 #: the SM90_BWD_GPU_SWAP problems, whatever the table picks (name -> config transform): the
 #: transposed S / dP loop and the statistics through shared memory, each alone and together
-#: (dQ through the dQ warp), the table's kernel with dQ added by the MMA threads (dq_red), and
-#: the table's kernel with one CTA per kv head walking its group's query heads (group_heads, which
-#: no tuning row picks before it has run on a GPU).
+#: (dQ through the dQ warp), the table's kernel with dQ added by the MMA threads (dq_red), the
+#: table's kernel with one CTA per kv head walking its group's query heads (group_heads, which
+#: no tuning row picks before it has run on a GPU), and the table's kernel with its operand
+#: descriptors from warpgroup slices (wg_fragments, likewise).
 OPT_IN_FORMS: dict[str, Callable[[BwdConfig], BwdConfig]] = {
     "swap": lambda cfg: dataclasses.replace(with_swap_sdp(cfg), stats_smem=False, dq_red=False),
     "stats": lambda cfg: dataclasses.replace(without_swap_sdp(cfg), stats_smem=True,
@@ -145,6 +147,7 @@ OPT_IN_FORMS: dict[str, Callable[[BwdConfig], BwdConfig]] = {
                                                   dq_red=False),
     "red": lambda cfg: dataclasses.replace(cfg, dq_red=True),
     "group": lambda cfg: dataclasses.replace(cfg, gqa=False, group_heads=True),
+    "wgfrag": lambda cfg: dataclasses.replace(cfg, wg_fragments=True),
 }
 
 

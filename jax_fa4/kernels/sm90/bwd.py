@@ -240,6 +240,7 @@ class FlashAttentionBackwardSm90:
         self.rotate = cfg.mask == "none" and not cfg.deterministic and not cfg.swap_sdp
         self.stats_smem = cfg.stats_smem  # (bwd_config.BwdConfig)
         self.dq_red = cfg.dq_red  # (bwd_config.BwdConfig)
+        self.wg_fragments = cfg.wg_fragments  # (bwd_config.BwdConfig)
         self.dq_elems = 4 if cfg.dq_red else cfg.tile_m * cfg.head_dim  # (dq_red: no dQ buffer)
         self.num_mma_threads = 256
         self.num_threads = cfg.num_threads
@@ -819,26 +820,33 @@ class FlashAttentionBackwardSm90:
         thr_dk = mma_dk.get_slice(tidx)
         thr_dv = mma_dv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
+        # the slices the operand fragments (shared-memory descriptors) come from: each
+        # thread's, or its warpgroup's (BwdConfig.wg_fragments)
+        opd_sdp, opd_dk, opd_dv, opd_dq = thr_sdp, thr_dk, thr_dv, thr_dq
+        if const_expr(self.wg_fragments):
+            first = wg_idx * 128
+            opd_sdp, opd_dk = mma_sdp.get_slice(first), mma_dk.get_slice(first)
+            opd_dv, opd_dq = mma_dv.get_slice(first), mma_dq.get_slice(first)
 
         # operand fragments (shared-memory descriptors)
-        tdVrdOt = thr_dv.make_fragment_B(thr_dv.partition_B(transpose_mn(sdO)))
-        tdKrQt = thr_dk.make_fragment_B(thr_dk.partition_B(transpose_mn(sQ)))
-        tdQrKt = thr_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sK)))
+        tdVrdOt = opd_dv.make_fragment_B(opd_dv.partition_B(transpose_mn(sdO)))
+        tdKrQt = opd_dk.make_fragment_B(opd_dk.partition_B(transpose_mn(sQ)))
+        tdQrKt = opd_dq.make_fragment_B(opd_dq.partition_B(transpose_mn(sK)))
         if const_expr(self.swap):  # Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ; dQ reads dSᵀ transposed
-            tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ))
-            tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK))
-            tdPrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
-            tdPrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV))
-            tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS)))
+            tSrQ = opd_sdp.make_fragment_B(opd_sdp.partition_B(sQ))
+            tSrK = opd_sdp.make_fragment_A(opd_sdp.partition_A(sK))
+            tdPrdO = opd_sdp.make_fragment_B(opd_sdp.partition_B(sdO))
+            tdPrV = opd_sdp.make_fragment_A(opd_sdp.partition_A(sV))
+            tdQrdS = opd_dq.make_fragment_A(opd_dq.partition_A(transpose_mn(sdS)))
             tdVrPt, tdKrdSt = None, None  # (Pᵀ, dSᵀ from registers)
         else:
-            tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ))
-            tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))
-            tdPrdO = thr_sdp.make_fragment_A(thr_sdp.partition_A(sdO))
-            tdPrV = thr_sdp.make_fragment_B(thr_sdp.partition_B(sV))
-            tdVrPt = thr_dv.make_fragment_A(thr_dv.partition_A(transpose_mn(sP)))
-            tdKrdSt = thr_dk.make_fragment_A(thr_dk.partition_A(transpose_mn(sdS)))
-            tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
+            tSrQ = opd_sdp.make_fragment_A(opd_sdp.partition_A(sQ))
+            tSrK = opd_sdp.make_fragment_B(opd_sdp.partition_B(sK))
+            tdPrdO = opd_sdp.make_fragment_A(opd_sdp.partition_A(sdO))
+            tdPrV = opd_sdp.make_fragment_B(opd_sdp.partition_B(sV))
+            tdVrPt = opd_dv.make_fragment_A(opd_dv.partition_A(transpose_mn(sP)))
+            tdKrdSt = opd_dk.make_fragment_A(opd_dk.partition_A(transpose_mn(sdS)))
+            tdQrdS = opd_dq.make_fragment_A(opd_dq.partition_A(sdS))
 
         acc_dK = cute.make_rmem_tensor(thr_dk.partition_shape_C((tn, D)), Float32)
         acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((tn, Dv)), Float32)

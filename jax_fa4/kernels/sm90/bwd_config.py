@@ -142,6 +142,12 @@ class BwdConfig(KernelConfig):
     # kv head (the outputs of gqa=False): no float32 slice per query head, no group sum after
     # the kernel. H/Hkv times fewer, longer CTAs (the caller's rule: sm90/bwd_tuning.py).
     group_heads: bool = False
+    # the MMA warpgroups' shared-memory operand fragments (the GEMM descriptors) built from
+    # their warpgroup's slice of each tiled MMA rather than each thread's: a GMMA operand's
+    # layout is the same for all 128 threads of a warpgroup, so the fragments are equal, and
+    # from the warp-uniform index the descriptors stay in uniform registers instead of being
+    # computed per thread and moved over (R2UR) between the WGMMAs of a block
+    wg_fragments: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
