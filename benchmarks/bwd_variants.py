@@ -18,10 +18,12 @@ same tile), the table's tile in the other launch order (``rev``: from the last k
 ``red+s3`` with one more Q stage; ``plain``: none of them) that the table does not pick,
 the deterministic kernel (``det``, ``det+swap``).
 Each is timed as its own program on saved forward outputs (out, lse from the forward kernel),
-so the figure is the backward alone: TFLOP/s = 2.5 × forward FLOPs / time. cuDNN's backward is
-timed the way ``jax_fa4.tools.bench`` does it, t(fwd + bwd) − t(fwd), in the same process; the
-ratio is to that. Timing is ``jax_fa4.tools.bench``'s (warm-up, alternating rounds, median,
-rotated inputs).
+so the figure is the backward alone (the preprocess, with the config's zeroed dq_accum, the main
+kernel and the postprocess): TFLOP/s = 2.5 × forward FLOPs / time. cuDNN's backward, and
+FlashAttention-3's JAX binding's (row ``fa3-jax``) where ``flash_attn3_jax`` imports
+(``jax_fa4.tools.bench_peers``), are timed the way ``jax_fa4.tools.bench`` does it,
+t(fwd + bwd) − t(fwd), in the same rounds; the ratio is to cuDNN's. Timing is
+``jax_fa4.tools.bench``'s (warm-up, alternating rounds, median, rotated inputs).
 
 Checks per variant, on the first input set: dq, dk, dv against v1's (the GPU-tested default):
 ``max|x − x_v1| / max|x_v1|`` must stay below ``--max-rel-diff`` (bf16 rounding of differently
@@ -60,8 +62,12 @@ def _backward_fn(cfg, opts: Opts):
     sm90 = backends.get("sm90")
 
     def backward(q, k, v, do, out, lse):
-        delta, lse_log2 = sm90.backward_preprocess(out, do, lse)
-        return sm90.backward(q, k, v, out, lse, do, delta, lse_log2, opts, config=cfg)
+        # as the API runs it: the preprocess also returns the config's zeroed dq_accum
+        b, sq, h, d = q.shape
+        accum = (b, h, -(-sq // cfg.tile_m) * cfg.tile_m * d)
+        delta, lse_log2, dq_accum = sm90.backward_preprocess_with_accum(out, do, lse, accum)
+        return sm90.backward(q, k, v, out, lse, do, delta, lse_log2, opts, config=cfg,
+                             dq_accum=dq_accum)
     return backward
 
 
@@ -77,13 +83,26 @@ def _check(got, base, *, max_rel: float) -> tuple[bool, str]:
     return worst <= max_rel, f"max rel diff vs v1 {worst:.3g}"
 
 
+def _peer_fns(shape, fa3) -> list[tuple[str, Any]]:
+    """(row name, attention fn) of the peers timed beside the variants: cuDNN, and FA3-JAX
+    where its module imports and its API expresses the shape."""
+    from jax_fa4.tools import bench, bench_peers
+
+    fns = [("cudnn", bench._jax_nn_fn(shape, "cudnn"))]
+    if fa3.available and bench_peers.static_refusal(bench_peers.FA3, shape, "bf16") is None:
+        fns.append((bench_peers.FA3, bench_peers.fa3_fn(fa3.module, shape)))
+    return fns
+
+
 def run(args) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     import jax_fa4
-    from jax_fa4.tools import bench
+    from jax_fa4.tools import bench, bench_peers
+
+    fa3 = bench_peers.load_peer(bench_peers.FA3)
 
     names = sweeps.variant_names(args)
     shapes = sweeps.bwd_shapes(args.shapes)
@@ -124,28 +143,35 @@ def run(args) -> dict[str, Any]:
                 if args.verbose:
                     traceback.print_exc()
             rows.append(row)
-        # cuDNN's backward: t(fwd + bwd) - t(fwd), timed in the same rounds
-        cud_row = {"shape": label, "B": shape.B, "S": shape.Sq, "H": shape.H, "Hkv": shape.Hkv,
-                   "D": shape.D, "causal": shape.causal, "variant": "cudnn", "flops": flops}
+        # the peers' backward (cuDNN's, and FA3-JAX's where importable): t(fwd + bwd) - t(fwd),
+        # timed in the same rounds
         n_ours = len(programs)
-        try:
-            cfn = bench._jax_nn_fn(shape, "cudnn")
-            f1 = jax.jit(cfn)
-            f2 = jax.jit(bench._fwd_bwd(cfn))
-            programs.append(bench.make_program(f1, f1.lower(*inputs[0][:3]).compile(),
-                                               [s[:3] for s in inputs], 1))
-            programs.append(bench.make_program(f2, f2.lower(*inputs[0]).compile(), inputs, 1))
-        except Exception as err:
-            cud_row["skipped"] = bench_harness.error_text(err)
+        peer_rows = []
+        for peer, pfn in _peer_fns(shape, fa3):
+            prow = {"shape": label, "B": shape.B, "S": shape.Sq, "H": shape.H,
+                    "Hkv": shape.Hkv, "D": shape.D, "causal": shape.causal, "variant": peer,
+                    "flops": flops}
+            try:
+                f1, f2 = jax.jit(pfn), jax.jit(bench._fwd_bwd(pfn))
+                pair = [bench.make_program(f1, f1.lower(*inputs[0][:3]).compile(),
+                                           [s[:3] for s in inputs], 1),
+                        bench.make_program(f2, f2.lower(*inputs[0]).compile(), inputs, 1)]
+                prow["at"] = len(programs)
+                programs += pair
+            except Exception as err:
+                prow["skipped"] = bench_harness.error_text(err)
+            peer_rows.append(prow)
         timings = bench.time_programs(programs, repeats=args.repeats,
                                       target_s=args.target_ms / 1e3, sync_each=False)
         for row, t in zip(entries, timings[:n_ours]):
             row.update(ms=t.ms, spread=t.spread, iters=t.iters,
                        tflops=flops / (t.ms * 1e-3) / 1e12)
-        if len(timings) == n_ours + 2:
-            ms = timings[n_ours + 1].ms - timings[n_ours].ms
-            cud_row.update(ms=ms, fwd_ms=timings[n_ours].ms, tflops=flops / (ms * 1e-3) / 1e12)
-        rows.append(cud_row)
+        for prow in peer_rows:
+            at = prow.pop("at", None)
+            if at is not None:
+                ms = timings[at + 1].ms - timings[at].ms
+                prow.update(ms=ms, fwd_ms=timings[at].ms, tflops=flops / (ms * 1e-3) / 1e12)
+        rows += peer_rows
         sweeps.finish_shape(rows, label, si, len(shapes), start)
         del arg_sets, inputs, programs
     return bench_harness.report(device, args, start, rows)
