@@ -135,3 +135,24 @@ def test_deterministic_gradients_are_bitwise_equal():
     first, second = grad(q, k, v), grad(q, k, v)
     for a, b in zip(first, second):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("shape, n", [((1, 1, 1, 64), 64 * 64), ((2, 113, 3, 128), 128 * 128),
+                                      ((3, 1023, 4, 96), 1024 * 96 + 4 * 7),
+                                      ((1, 4224, 2, 256), 4224 * 256)])
+def test_preprocess_zeroes_the_dq_accumulator(shape, n):
+    """``zero_dq_accum``: every float of the (B, H, N) accumulator is 0 in NaN-poisoned memory,
+    whatever N's split into the row blocks' shares (the third case's N is no multiple of its
+    128 row blocks' stores); delta and lse_log2 are those of the plain preprocess."""
+    out, dout, lse = _inputs(jax.random.key(7 + sum(shape)), shape, jnp.bfloat16)
+    b, _, h, _ = shape
+    sm90 = backends.get("sm90")
+    poison_device_memory()
+    delta, lse_log2, accum = jax.jit(lambda o, d, l: sm90.backward_preprocess_with_accum(
+        o, d, l, (b, h, n)))(out, dout, lse)
+    assert accum.shape == (b, h, n) and accum.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(accum), 0.0)
+    want_delta, want_log2 = jax.jit(lambda o, d, l: sm90.backward_preprocess(o, d, l))(
+        out, dout, lse)
+    np.testing.assert_array_equal(np.asarray(delta), np.asarray(want_delta))
+    np.testing.assert_array_equal(np.asarray(lse_log2), np.asarray(want_log2))
