@@ -254,6 +254,28 @@ def test_wg_fragments_keep_the_descriptors_uniform(cfg, shipped_cache):
     assert_no_local_memory(k)
 
 
+def _stats_padded_configs() -> list[BwdConfig]:
+    """stats_padded (with wg_fragments, the form it is timed in) on the table's stats_smem rows:
+    head dim 128 unmasked and GQA causal, head dim 96 causal."""
+    rows = [("bfloat16", 128, 128, "none"), ("bfloat16", 128, 128, "causal", False, True),
+            ("bfloat16", 96, 96, "causal")]
+    return [replace(BwdConfig.make(*r), wg_fragments=True, stats_padded=True) for r in rows]
+
+
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered(_stats_padded_configs(), ARCH), ids=_id)
+def test_stats_padded_reads_without_selects(cfg, shipped_cache):
+    """Row statistics padded past Sq: the same GEMMs and stats loads, no spills, and the swapped
+    loop's 32 per-column selects of +inf / 0 (one per lse and delta column) gone."""
+    k, _ = compiled_report(shipped_cache, cfg, ARCH)
+    selected, _ = compiled_report(shipped_cache, replace(cfg, stats_padded=False), ARCH)
+    print(f"\n{cfg.describe()}: FSEL {selected.count('FSEL')} -> {k.count('FSEL')}")
+    assert k.count("HGMMA") == selected.count("HGMMA") > 0
+    assert k.count("LDGSTS") == selected.count("LDGSTS") == 2 * cfg.tile_m // 32
+    assert selected.count("FSEL") - k.count("FSEL") >= 32
+    assert_no_local_memory(k)
+
+
 def test_stats_smem_validation():
     base = with_stats_smem(BwdConfig.make("bfloat16", 128, mask="causal"), False)
     staged = with_stats_smem(base)

@@ -360,10 +360,15 @@ class KernelBackend(Backend):
         sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
         if dq_accum is None or dq_accum.shape != (b, h, sq_pad * d):
             dq_accum = jnp.zeros((b, h, sq_pad * d), jnp.float32)
+        lse_log2, delta = lse_log2.astype(jnp.float32), delta.astype(jnp.float32)
+        if getattr(cfg, "stats_padded", False) and sq_pad > lse_log2.shape[-1]:
+            # the config reads Sq_pad rows: +inf / 0 past Sq (P = dS = 0 there)
+            pad = ((0, 0), (0, 0), (0, sq_pad - lse_log2.shape[-1]))
+            lse_log2 = jnp.pad(lse_log2, pad, constant_values=jnp.inf)
+            delta = jnp.pad(delta, pad)
         hdk = h if cfg.gqa else hkv
         dkv_dtype = jnp.float32 if cfg.gqa else q.dtype
-        inputs = [q, k, v, dout, lse_log2.astype(jnp.float32), delta.astype(jnp.float32), params,
-                  dq_accum]
+        inputs = [q, k, v, dout, lse_log2, delta, params, dq_accum]
         out_shapes = [jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32),
                       jax.ShapeDtypeStruct((b, sk, hdk, d), dkv_dtype),
                       jax.ShapeDtypeStruct((b, sk, hdk, dv), dkv_dtype)]

@@ -128,9 +128,10 @@ def bwd_variants_for(head_dim: int, head_dim_v: int, mask: str,
     for name, form in OPT_IN_FORMS.items():
         add(name, form(base))
     add("plain", plain)
-    if gqa:  # both the group_heads form and warpgroup-sliced descriptors
-        add("group+wgfrag", dataclasses.replace(base, gqa=False, group_heads=True,
-                                                wg_fragments=True))
+    if gqa:  # the group_heads form with warpgroup-sliced descriptors (and padded statistics)
+        group = dataclasses.replace(base, gqa=False, group_heads=True, wg_fragments=True)
+        add("group+wgfrag", group)
+        add("group+wgfrag+pad", dataclasses.replace(group, stats_padded=group.stats_smem))
     # dQ added by the MMA threads with one more Q stage
     add("red+s3", dataclasses.replace(base, dq_red=True, stages=base.stages + 1))
     # the other launch order: "rev" (from the last key block down) or "fwd-launch"

@@ -241,6 +241,7 @@ class FlashAttentionBackwardSm90:
         self.stats_smem = cfg.stats_smem  # (bwd_config.BwdConfig)
         self.dq_red = cfg.dq_red  # (bwd_config.BwdConfig)
         self.wg_fragments = cfg.wg_fragments  # (bwd_config.BwdConfig)
+        self.stats_padded = cfg.stats_padded  # (bwd_config.BwdConfig)
         self.dq_elems = 4 if cfg.dq_red else cfg.tile_m * cfg.head_dim  # (dq_red: no dQ buffer)
         self.num_mma_threads = 256
         self.num_threads = cfg.num_threads
@@ -726,7 +727,9 @@ class FlashAttentionBackwardSm90:
             pipeline_stats.producer_acquire(state)
             for r in cutlass.range_constexpr(self.tile_m // 32):
                 t = r * 32 + lane
-                row = cutlass.min(m_block * self.tile_m + t, seqlen_q - 1)
+                row = m_block * self.tile_m + t  # (stats_padded: rows up to Sq_pad exist)
+                if const_expr(not self.stats_padded):
+                    row = cutlass.min(row, seqlen_q - 1)
                 for g, s in ((gLSE, sLSE), (gDelta, sDelta)):
                     cute.copy(atom, cute.local_tile(g, (1,), (row,)),
                               cute.local_tile(s[None, state.index], (1,), (t,)))
@@ -745,8 +748,11 @@ class FlashAttentionBackwardSm90:
         swapped loop's 16 columns each)."""
         for i in cutlass.range_constexpr(cute.size(x)):
             t = tScS_mn[0, i][1] if const_expr(per_col) else tScS_mn[i, 0][0]
-            v = sX[t, stage]
-            x[i] = v if m_block * self.tile_m + t < seqlen_q else outside
+            if const_expr(self.stats_padded):  # rows past seqlen_q hold +inf / 0 already
+                x[i] = sX[t, stage]
+            else:
+                v = sX[t, stage]
+                x[i] = v if m_block * self.tile_m + t < seqlen_q else outside
 
     @cute.jit
     def load_row_stats(self, mLSE: cute.Tensor, mDelta: cute.Tensor, lse: cute.Tensor,

@@ -148,6 +148,11 @@ class BwdConfig(KernelConfig):
     # from the warp-uniform index the descriptors stay in uniform registers instead of being
     # computed per thread and moved over (R2UR) between the WGMMAs of a block
     wg_fragments: bool = False
+    # stats_smem with lse_log2 / delta arrays of at least Sq_pad rows whose rows past Sq hold
+    # +inf / 0 (the caller pads them: KernelBackend.backward_main): the stats warp loads rows
+    # without clamping them to Sq and the MMA threads read them without selecting +inf / 0 for
+    # queries past Sq (the swapped loop's 16 + 16 per-column compare-and-selects a block)
+    stats_padded: bool = False
 
     @classmethod
     def make(cls, dtype: str, head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -226,6 +231,8 @@ class BwdConfig(KernelConfig):
         if self.segments and (self.swap_sdp or self.varlen or self.deterministic):
             raise ValueError("sm90 backward: segment ids are implemented in the plain loop "
                              "(not swap_sdp), not varlen and not deterministic")
+        if self.stats_padded and not self.stats_smem:
+            raise ValueError("sm90 backward: stats_padded is a form of stats_smem's loads")
         if self.swap_sdp and self.sink_grad:
             raise ValueError("sm90 backward: swap_sdp with sink_grad spills registers (the sink "
                              "sums beside every column's lse and delta); use swap_sdp=False")
