@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from jax_fa4 import backends
@@ -72,3 +73,11 @@ def lower_for_cuda(program: Callable, *args, compute_capability: str | None = No
     with recording_kernels(compute_capability) as kernels:
         text = jax.jit(program).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     return Lowered(list(kernels), custom_call_objects(text))
+
+
+def backward_specs(b: int, sq: int, sk: int, h: int, d: int, dtype=jnp.bfloat16) -> tuple:
+    """``Backend.backward``'s array arguments as shapes: q, k, v, out, lse, dout, delta,
+    lse_log2 of an MHA call (B, Sq / Sk, H, D)."""
+    x = lambda s: jax.ShapeDtypeStruct((b, s, h, d), dtype)  # noqa: E731
+    rows = jax.ShapeDtypeStruct((b, h, sq), jnp.float32)
+    return x(sq), x(sk), x(sk), x(sq), rows, x(sq), rows, rows

@@ -20,6 +20,7 @@ from jax_fa4.kernels.preprocess_config import PreprocessConfig
 from jax_fa4.tools.variants import representative, variants
 import compiled
 from compiled import assert_no_local_memory, compiled_sass, needs_disassembler
+from cuda_lowering import backward_specs
 
 
 def _preprocess_inputs():
@@ -222,13 +223,7 @@ def test_deterministic_backward_lowers_with_its_counters(cache_dir):
         deterministic: bool = True
 
     b, sq, sk, h, d = 2, 300, 517, 4, 128
-    bf = jnp.bfloat16
-    args = (jax.ShapeDtypeStruct((b, sq, h, d), bf), jax.ShapeDtypeStruct((b, sk, h, d), bf),
-            jax.ShapeDtypeStruct((b, sk, h, d), bf), jax.ShapeDtypeStruct((b, sq, h, d), bf),
-            jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
-            jax.ShapeDtypeStruct((b, sq, h, d), bf),
-            jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
-            jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
+    args = backward_specs(b, sq, sk, h, d)
     f = jax.jit(lambda *a: backends.get("sm90").backward(*a, Opts()))
     exported = jax.export.export(f, platforms=["cuda"],
                                  disabled_checks=jax_fa4.export_disabled_safety_checks())(*args)

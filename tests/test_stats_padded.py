@@ -14,9 +14,8 @@ import re
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import pytest
-from cuda_lowering import recording_kernels
+from cuda_lowering import backward_specs, recording_kernels
 
 from jax_fa4 import backends
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig
@@ -43,13 +42,7 @@ def test_backward_main_pads_the_row_statistics_for_the_config(padded):
     when the config is stats_padded, the call's 300 otherwise."""
     b, sq, h, d = 2, 300, 4, 128
     cfg = dataclasses.replace(BwdConfig.make("bfloat16", d, d, "causal"), stats_padded=padded)
-    bf = jnp.bfloat16
-    args = (jax.ShapeDtypeStruct((b, sq, h, d), bf), jax.ShapeDtypeStruct((b, sq, h, d), bf),
-            jax.ShapeDtypeStruct((b, sq, h, d), bf), jax.ShapeDtypeStruct((b, sq, h, d), bf),
-            jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
-            jax.ShapeDtypeStruct((b, sq, h, d), bf),
-            jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
-            jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
+    args = backward_specs(b, sq, sq, h, d)
     f = jax.jit(lambda *a: backends.get("sm90").backward(*a, Opts(), config=cfg))
     with recording_kernels("9.0") as kernels:
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
