@@ -58,14 +58,14 @@ class Opts(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 def _backward_fn(cfg, opts: Opts):
     from jax_fa4 import backends
+    from jax_fa4.backends.kernel import dense_dq_accum_shape
 
     sm90 = backends.get("sm90")
 
     def backward(q, k, v, do, out, lse):
         # as the API runs it: the preprocess also returns the config's zeroed dq_accum
-        b, sq, h, d = q.shape
-        accum = (b, h, -(-sq // cfg.tile_m) * cfg.tile_m * d)
-        delta, lse_log2, dq_accum = sm90.backward_preprocess_with_accum(out, do, lse, accum)
+        delta, lse_log2, dq_accum = sm90.backward_preprocess_with_accum(
+            out, do, lse, dense_dq_accum_shape(cfg, q))
         return sm90.backward(q, k, v, out, lse, do, delta, lse_log2, opts, config=cfg,
                              dq_accum=dq_accum)
     return backward

@@ -145,6 +145,13 @@ def packed_lse(lse_pad: jax.Array, cu_seqlens_q: jax.Array, total_q: int) -> jax
     return jnp.where(valid, lse, -jnp.inf)[None]  # (the kernel wrote 0 to padding tokens' out)
 
 
+def dense_dq_accum_shape(cfg, q) -> tuple[int, int, int]:
+    """(B, H, Sq_pad·D) of a dense backward main kernel's float32 dQ accumulator for q
+    (B, Sq, H, D), Sq_pad = Sq rounded up to the config's tile_m (every family's rule)."""
+    b, sq, h, d = q.shape
+    return (b, h, -(-sq // cfg.tile_m) * cfg.tile_m * d)
+
+
 def sum_gqa_groups(dk, dv, hkv: int, head_axis: int):
     """Per-query-head float32 dK / dV summed over each group of H/Hkv heads (``head_axis``: the
     heads' axis; a fixed-order XLA reduction, so deterministic)."""

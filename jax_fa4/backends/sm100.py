@@ -61,8 +61,8 @@ import jax.numpy as jnp
 
 from jax_fa4 import reference
 from jax_fa4.backends import base, sm90
-from jax_fa4.backends.kernel import (KernelBackend, backward_kind, kernel_params,
-                                     sum_gqa_groups)
+from jax_fa4.backends.kernel import (KernelBackend, backward_kind, dense_dq_accum_shape,
+                                     kernel_params, sum_gqa_groups)
 from jax_fa4.kernels.sm100 import bwd_config, bwd_split_config, fwd_config
 from jax_fa4.kernels.sm100.bwd_config import Sm100BwdConfig
 from jax_fa4.kernels.sm100.bwd_split_config import Sm100BwdSplitConfig
@@ -145,9 +145,7 @@ class Sm100Backend(KernelBackend):
         backward (head dims 192/192 and 256), which has no dq_accum."""
         if bwd_split_config.serves(q.shape[3], v.shape[3]):
             return None
-        cfg, _ = self.backward_configs(q, k, v, opts)
-        b, sq, h, d = q.shape
-        return (b, h, cfg.num_m_blocks(sq) * cfg.tile_m * d)
+        return dense_dq_accum_shape(self.backward_configs(q, k, v, opts)[0], q)
 
     def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts, dq_accum=None):
         """(dq, dk, dv) in the dtypes of q, k, v. ``out`` and ``lse`` are unused (their

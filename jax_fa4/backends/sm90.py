@@ -45,7 +45,8 @@ import jax.numpy as jnp
 
 from jax_fa4 import reference
 from jax_fa4.backends import base
-from jax_fa4.backends.kernel import KernelBackend, backward_kind, kernel_params, sum_gqa_groups
+from jax_fa4.backends.kernel import (KernelBackend, backward_kind, dense_dq_accum_shape,
+                                     kernel_params, sum_gqa_groups)
 from jax_fa4.kernels.common import geometry
 from jax_fa4.kernels.sm90 import bwd_config, fwd_config
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig
@@ -249,9 +250,7 @@ class Sm90Backend(KernelBackend):
 
     def dq_accum_shape(self, q, k, v, opts) -> tuple[int, ...]:
         """(B, H, Sq_pad·D) of the table's main-kernel config for this call (its tile_m)."""
-        cfg, _ = self.backward_configs(q, k, v, opts)
-        b, sq, h, d = q.shape
-        return (b, h, -(-sq // cfg.tile_m) * cfg.tile_m * d)
+        return dense_dq_accum_shape(self.backward_configs(q, k, v, opts)[0], q)
 
     def backward(self, q, k, v, out, lse, dout, delta, lse_log2, opts,
                  config: BwdConfig | None = None, sink: jax.Array | None = None,
@@ -310,7 +309,7 @@ class Sm90Backend(KernelBackend):
         b, sq, h, d = q.shape
         sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
         delta, lse_log2, dq_accum = base.preprocess(self, out, dout, lse, opts,
-                                                    dq_accum_shape=(b, h, sq_pad * d))
+                                                    dq_accum_shape=dense_dq_accum_shape(cfg, q))
         delta = delta - dlse  # a cotangent on lse enters as -dlse (jax_fa4.autodiff)
         tables = segments.backward_tables(q_ids, kv_ids, cfg.tile_m, cfg.tile_n)
         params = kernel_params(opts, d, sink)
