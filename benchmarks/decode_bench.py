@@ -20,11 +20,17 @@ they exceed twice the L2):
 * ``...-16bit``: the split chunks' outputs in the input dtype before the float32 merge
   (``decode.SPLIT_PARTIALS_F32 = False``, what ran before float32 partials: the A/B of their
   cost);
+* ``paged-fp8``: the same paged call over an e4m3 copy of the cache (``fp8.quantize_paged_cache``:
+  one descale per kv head) with the bfloat16 q, which the call quantises (what a serving stack
+  with an FP8 KV cache runs): the FP8 decode tile on the same rewrite;
+* ``dense-fp8``: ``flash_attention`` on e4m3 q (``fp8.quantize_grouped``), k and v (that copy);
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on the dense K/V.
 
-The figure is ``TB/s`` of K/V read: ``B·Sk·Hkv·(D + Dv)·2`` bytes over the time per call (what
-the peers reach: 4.2–4.4 TB/s on the H200, ``benchmarks/anchors.json``). Every variant's output
-is compared with cuDNN's (``rel_err``). Writes JSON with the command, GPU and date.
+The figure is ``TB/s`` of K/V read: ``B·Sk·Hkv·(D + Dv)`` elements of 2 bytes (1 for the
+``-fp8`` variants) over the time per call (what the peers reach: 4.2–4.4 TB/s on the H200,
+``benchmarks/anchors.json``); ``tokens_vs_paged``: the variant's calls per second over the
+bfloat16 ``paged`` one's. Every variant's output is compared with cuDNN's (``rel_err``; the
+FP8 ones carry e4m3's rounding of q, K and V). Writes JSON with the command, GPU and date.
 
     python benchmarks/decode_bench.py --out benchmarks/results/decode-<gpu>-<date>.json
 """
@@ -40,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
+from jax_fa4 import fp8
 from jax_fa4.tools import bench
 from jax_fa4.backends import decode
 from jax_fa4.kernels.sm90.fwd_config import DECODE_OPTIONS
@@ -52,15 +59,27 @@ SHAPES = ((32, 4096), (64, 8192), (128, 8192), (32, 32768), (128, 32768), (32, 1
 VARIANTS = ("dense", "dense-16bit", "dense-2tile", "dense-tile128",
             *(f"dense-{o}" for o in DECODE_OPTIONS),
             "paged", "paged-16bit", "paged-inorder", "paged-2tile",
-            *(f"paged-{o}" for o in DECODE_OPTIONS), "cudnn")
+            *(f"paged-{o}" for o in DECODE_OPTIONS), "paged-fp8", "dense-fp8", "cudnn")
 
 
-def kv_bytes(b: int, sk: int) -> int:
-    return b * sk * HKV * 2 * D * 2
+def kv_bytes(b: int, sk: int, element_bytes: int = 2) -> int:
+    return b * sk * HKV * 2 * D * element_bytes
 
 
-def make_sets(b: int, sk: int, key: jax.Array) -> list[dict]:
-    """Input sets (dense q, k, v, and the same keys as a paged cache) exceeding 2× L2.
+@jax.jit
+def _quantized(q, k, v):
+    """(q8, q_descale (B, Hkv)), (k8, v8) (B, Sk, Hkv, D) e4m3 and their (Hkv,) descales: the
+    cache quantised as a serving stack would, one descale per kv head for every page."""
+    b, sk = k.shape[:2]
+    pages = b * sk // PAGE
+    k8, v8, kd, vd = fp8.quantize_paged_cache(k.reshape(pages, PAGE, HKV, D),
+                                              v.reshape(pages, PAGE, HKV, D))
+    return fp8.quantize_grouped(q, HKV), (k8.reshape(k.shape), v8.reshape(v.shape), kd, vd)
+
+
+def make_sets(b: int, sk: int, key: jax.Array, with_fp8: bool = False) -> list[dict]:
+    """Input sets (dense q, k, v, and the same keys as a paged cache; ``with_fp8``: their e4m3
+    copies too) exceeding 2× L2.
 
     The paged cache is the dense K/V itself, reshaped to (B·Sk/128, 128, Hkv, D) inside the timed
     program (a free bitcast there; an eager reshape would copy up to 17 GB), with each batch
@@ -82,11 +101,26 @@ def make_sets(b: int, sk: int, key: jax.Array) -> list[dict]:
         paged = (q, k, v, jnp.asarray(table, jnp.int32), used)
         inorder = (q, k, v, jnp.arange(b * per_seq, dtype=jnp.int32).reshape(b, per_seq), used)
         sets.append(dict(dense=(q, k, v), paged=paged, inorder=inorder))
+        if with_fp8:
+            (q8, qd), (k8, v8, kd, vd) = _quantized(q, k, v)
+            sets[-1]["paged-fp8"] = (q, k8, v8, paged[3], used, kd, vd)
+            sets[-1]["dense-fp8"] = (q8, k8, v8, qd, jnp.broadcast_to(kd, (b, HKV)),
+                                     jnp.broadcast_to(vd, (b, HKV)))
     jax.block_until_ready(sets)
     return sets
 
 
 def variant_fn(name: str):
+    if name == "paged-fp8":
+        def paged_fp8(q, k8, v8, table, used, kd, vd):
+            pages = k8.shape[0] * k8.shape[1] // PAGE
+            return jax_fa4.flash_attention_paged(
+                q, k8.reshape(pages, PAGE, HKV, D), v8.reshape(pages, PAGE, HKV, D), table,
+                used, k_descale=kd, v_descale=vd, implementation="sm90")
+        return paged_fp8
+    if name == "dense-fp8":
+        return lambda q8, k8, v8, qd, kd, vd: jax_fa4.flash_attention(
+            q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, implementation="sm90")
     if name.startswith("dense"):
         return lambda q, k, v: jax_fa4.flash_attention(q, k, v, implementation="sm90")
     if name.startswith("paged"):
@@ -101,7 +135,7 @@ def variant_fn(name: str):
 
 def compile_variant(name: str, args: tuple):
     old = os.environ.get("JAX_FA4_DECODE_TILE")
-    option = name.split("-", 1)[1] if "-" in name else ""
+    option = name.split("-", 1)[1] if "-" in name and not name.endswith("-fp8") else ""
     two_tiles = option == "2tile"
     os.environ["JAX_FA4_DECODE_TILE"] = ("0" if option == "tile128" else
                                          option if option in DECODE_OPTIONS else "1")
@@ -131,10 +165,12 @@ def main(argv=None) -> int:
     rows = []
     for index, (b, sk) in enumerate(SHAPES):
         label = f"B{b} Sk{sk} H{H}/{HKV} D{D}"
-        sets = make_sets(b, sk, jax.random.key(index))
+        sets = make_sets(b, sk, jax.random.key(index),
+                         with_fp8=any(n.endswith("-fp8") for n in variants))
         programs, outs, names = [], {}, []
         for name in variants:
-            kind = ("inorder" if name == "paged-inorder" else
+            kind = (name if name.endswith("-fp8") else
+                    "inorder" if name == "paged-inorder" else
                     "paged" if name.startswith("paged") else "dense")
             arg_sets = [s[kind] for s in sets]
             try:
@@ -152,12 +188,16 @@ def main(argv=None) -> int:
         for name, t in zip(names, timings):
             rel = (float(np.linalg.norm(outs[name] - base) / np.linalg.norm(base))
                    if base is not None else None)
+            element_bytes = 1 if name.endswith("-fp8") else 2
             rows.append(dict(shape=label, variant=name, B=b, Sk=sk, ms=t.ms, spread=t.spread,
-                             kv_tbps=kv_bytes(b, sk) / (t.ms * 1e-3) / 1e12, rel_err=rel))
+                             kv_tbps=kv_bytes(b, sk, element_bytes) / (t.ms * 1e-3) / 1e12,
+                             kv_element_bytes=element_bytes, rel_err=rel))
         mine = {r["variant"]: r for r in rows if r["shape"] == label and "ms" in r}
         ref = mine.get("cudnn", {}).get("kv_tbps")
+        paged_ms = mine.get("paged", {}).get("ms")
         for r in mine.values():
             r["ratio_vs_cudnn"] = r["kv_tbps"] / ref if ref else None
+            r["tokens_vs_paged"] = paged_ms / r["ms"] if paged_ms else None
         line = "  ".join(f"{n} {r['kv_tbps']:.2f} TB/s" for n, r in mine.items())
         print(f"[{index + 1}/{len(SHAPES)}] {label}: {line}  ({time.perf_counter() - t0:.0f} s)",
               flush=True)

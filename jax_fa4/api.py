@@ -350,8 +350,9 @@ def flash_attention_paged(
         ``q_descale``): the call then quantises it to e4m3 itself, one scale per (batch
         entry, kv head) (:func:`jax_fa4.fp8.quantize_grouped`), as the e4m3 kernel needs both
         operands in e4m3. The call attends over the dequantised inputs (docs/fp8.md). Forward
-        only; no sink. On Hopper the FP8 paged kernel runs on the call as it is (no GQA
-        packing or split-KV), elsewhere the reference on the dequantised inputs.
+        only; no sink. On Hopper the FP8 paged kernel runs (a decode step's GQA heads packed,
+        split-KV where the tiles would not fill the GPU, as for a 16-bit cache), elsewhere the
+        reference on the dequantised inputs.
       out_dtype: FP8 cache only: the output's dtype, bfloat16 by default.
 
     Returns:

@@ -6,14 +6,17 @@ inputs, q quantised by the paged call, the Hopper route's operands (kernel stubb
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_fa4
+from compiled import tiered
 from conformance import normal
-from jax_fa4 import fp8
+from jax_fa4 import backends, fp8, options, reference
 from jax_fa4.kernels.sm90 import fwd_config
 
 
@@ -167,17 +170,30 @@ def test_fp8_configs_and_signature():
     assert dv == 128 and v_arg.divisibility == (1, 1, 1, 128)
     descale, = (a for a in cfg.signature().inputs if a.name == "descale")
     assert descale.sample_shape == (b, hkv, 2)
-    for refused in (dict(segments=True), dict(max_logits=True), dict(qo_head_major=True),
-                    dict(out_f32=True), dict(num_sms=132)):
-        with pytest.raises(ValueError, match="float8_e4m3fn is implemented for dense, paged and "
-                                             "varlen calls"):
+    for refused in (dict(segments=True), dict(max_logits=True), dict(num_sms=132),
+                    dict(tile_m=64, pingpong=False, ctas_per_sm=2)):
+        with pytest.raises(ValueError, match="float8_e4m3fn is implemented for dense, paged, "
+                                             "decode and varlen calls"):
             fwd_config.FwdConfig.make("float8_e4m3fn", 128, 128, "none", False, **refused)
     with pytest.raises(ValueError, match="head_dim/head_dim_v 96/96 not supported"):
         fwd_config.fp8_config(96)
+    # the decode tile: q and out head-major (B, H, S, D), out float32 for split chunks
+    dec = fwd_config.fp8_decode_config(128, out_f32=True)
+    assert dec.qo_head_major and dec.mask == "none" and dec.tile_m == fwd_config.DECODE_TILE_M
+    sig = dec.signature()
+    (q_arg,), (out_arg,) = ([a for a in sig.inputs + sig.outputs if a.name == n]
+                            for n in ("q", "out"))
+    b, h, s, d = q_arg.sample_shape
+    assert q_arg.dtype == "float8_e4m3fn" and h != s and out_arg.sample_shape == (b, h, s, d)
+    assert out_arg.dtype == "float32"
+    assert [a.name for a in sig.inputs] == ["q", "k", "v", "params", "descale"]
     shipped = [c for c in fwd_config.shipped_configs() if c.fp8]
-    # head dims 64, 128, 256 x 3 mask kinds x softcap x dense, varlen, paged
-    assert len(shipped) == 54
-    assert sum(c.paged for c in shipped) == sum(c.varlen for c in shipped) == 18
+    # head dims 64, 128, 256 x 3 mask kinds x softcap x dense, varlen, paged (16-bit and
+    # float32 out); the decode tile per head dim x softcap x float32 out or not
+    assert len(shipped) == 54 + 18 + 12
+    assert sum(c.paged for c in shipped) == 2 * sum(c.varlen for c in shipped) == 36
+    assert all(c.qo_head_major for c in shipped if c.paged)
+    assert sum(c.qo_head_major and not c.paged for c in shipped) == 12
     # the exact row max keeps each row's largest P exactly 1 in e4m3 (docs/fp8.md)
     assert all(c.rescale_threshold == 0 for c in shipped)
     with pytest.raises(ValueError, match="float8_e4m3fn needs rescale_threshold 0"):
@@ -188,11 +204,11 @@ def test_fp8_configs_and_signature():
 
 def test_fp8_configs_stage_v_for_the_transpose():
     """Every shipped FP8 config stages V as loaded in two stages where they fit (one at head dim
-    256 with 128 query rows, whose K and V stages and O tile leave room for one; the paged
-    tile's 64 rows leave room for two), within the shared memory; 16-bit configs stage
+    256 with 128 query rows, whose K and V stages and O tile leave room for one; the paged and
+    decode tiles' 64 rows leave room for two), within the shared memory; 16-bit configs stage
     nothing."""
     for cfg in (c for c in fwd_config.shipped_configs() if c.fp8):
-        one = cfg.head_dim_v == 256 and not cfg.paged
+        one = cfg.head_dim_v == 256 and cfg.tile_m > fwd_config.DECODE_TILE_M
         assert cfg.v_staging_stages == (1 if one else 2), cfg.describe()
         assert cfg.smem_bytes() <= cfg.smem_limit()
         two = cfg.smem_bytes() + (2 - cfg.v_staging_stages) * cfg.tile_n * cfg.head_dim_v
@@ -450,10 +466,12 @@ def test_sm90_fp8_paged_route_passes_the_kernel_its_operands(monkeypatch):
     jax.effects_barrier()
     (config, arch, args), = calls
     assert config.fp8 and config.paged and config.mask == "causal" and arch == "sm_90a"
-    assert config.tile_n == 128 and not config.qo_head_major
+    assert config.tile_n == 128 and config.qo_head_major and not config.out_f32
     q_in, k_in, v_in, params, table_in, used_in, descale = args
     q8, qd = fp8.quantize_grouped(q.astype(jnp.bfloat16), 2)
-    np.testing.assert_array_equal(np.asarray(q_in, np.float32), np.asarray(q8, np.float32))
+    # five causal queries: neither packed nor split, q head-major (B, H, Sq, D)
+    np.testing.assert_array_equal(np.asarray(q_in, np.float32),
+                                  np.asarray(q8, np.float32).transpose(0, 2, 1, 3))
     assert k_in.shape == (1, 14 * 256, 2, 64) and k_in.dtype == jnp.float8_e4m3fn
     t = np.asarray(table)
     np.testing.assert_array_equal(table_in, np.stack([2 * t, 2 * t + 1], -1).reshape(3, 8))
@@ -466,6 +484,190 @@ def test_sm90_fp8_paged_route_passes_the_kernel_its_operands(monkeypatch):
         q, k8, v8, kd, vd, table, used = _paged(page_size=32)
         jax_fa4.flash_attention_paged(q, k8, v8, table, jnp.minimum(used, 32),
                                       implementation="sm90")
+
+
+def _emulated_fp8_kernel(configs: list):
+    """A stand-in for call_kernel that computes what the sm90 FP8 forward does, on the CPU
+    (dense and paged, q and out head-major or not, out float32 or bfloat16): the 16-bit
+    kernel's contract (tests/test_paged.py's emulation for paged, the float32 reference for
+    dense) on the e4m3 values, q·k's descale folded into q and v's applied to the output per
+    (batch entry, kv head) of the descale operand (the last input). Appends each config."""
+    from test_paged import emulated_paged_kernel
+
+    def kernel(config, arch, q, k, v, params, *rest, out_shapes):
+        *rest, descale = rest
+        assert config.fp8 and arch == "sm_90a" and descale.shape[0] == q.shape[0]
+        configs.append(config)
+        head_major = config.qo_head_major
+        ratio = (q.shape[1] if head_major else q.shape[2]) // k.shape[2]
+        qk, vd = (jnp.repeat(descale[..., i], ratio, axis=1) for i in (0, 1))  # (B, H)
+
+        def per_head(x):  # (B, H) over q's / out's layout
+            return x[:, :, None, None] if head_major else x[:, None, :, None]
+
+        qf = q.astype(jnp.float32) * per_head(qk)
+        kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+        f32 = (jax.ShapeDtypeStruct(out_shapes[0].shape, jnp.float32), out_shapes[1])
+        if config.paged:
+            out, lse = emulated_paged_kernel(config, arch, qf, kf, vf, params, *rest,
+                                             out_shapes=f32)
+        else:
+            scale, softcap, left, right = (float(x) for x in params[:4])
+            out, lse = reference.attention(
+                qf.transpose(0, 2, 1, 3) if head_major else qf, kf, vf, softmax_scale=scale,
+                window=(None if left < 0 else int(left), None if right < 0 else int(right)),
+                softcap=softcap)
+            out = out.transpose(0, 2, 1, 3) if head_major else out
+        assert (out.shape, lse.shape) == tuple(x.shape for x in out_shapes)
+        return (out * per_head(vd)).astype(out_shapes[0].dtype), lse
+
+    return kernel
+
+
+def _sm90_opts(d, causal):
+    opts = options.options(d, softmax_scale=None, causal=causal, window_size=(None, None),
+                           softcap=0.0, implementation=None)
+    return dataclasses.replace(opts, implementation="sm90")
+
+
+@pytest.mark.parametrize("sq,h,hkv,d,page_size,max_pages,seqused,causal,splits", [
+    # a decode step: 4 query heads packed per kv head, 256-key pages (two 128-key blocks each)
+    # split into 4 chunks merged in float32, an empty sequence and one of a single key
+    (1, 8, 2, 64, 256, 16, (3000, 1, 0), True, 4),
+    # an MHA decode step at head dim 128: nothing to pack, too few keys to split
+    (1, 4, 4, 128, 128, 4, (300, 129, 5), False, 1),
+    # a causal chunk of 3 queries: head-major q and out, neither packed nor split
+    (3, 4, 2, 64, 128, 3, (2, 300, 129), True, 1),
+])
+def test_sm90_fp8_paged_decode_with_an_emulated_kernel(monkeypatch, sq, h, hkv, d, page_size,
+                                                       max_pages, seqused, causal, splits):
+    """The FP8 paged route's decode rewrite (GQA packing, split-KV with float32 chunks, the
+    descales repeated for each chunk, per-chunk seqused_k, the lse merge) against each
+    sequence's float32 attention over the dequantised q and cache."""
+    from jax_fa4.ffi import call
+    from test_paged import _cache, dense_per_sequence
+
+    configs = []
+    monkeypatch.setattr(call, "call_kernel", _emulated_fp8_kernel(configs))
+    b = len(seqused)
+    q, k, v, table, used = _cache(b, sq, h, hkv, d, d, page_size, num_pages=b * max_pages + 2,
+                                  max_pages=max_pages, seqused=seqused, seed=5)
+    k8, v8, kd, vd = fp8.quantize_paged_cache(k * 3.0, v * 0.5)
+    q8, qd = fp8.quantize_grouped(q, hkv)
+    opts = _sm90_opts(d, causal)
+    sm90 = backends.get("sm90")
+    plan = sm90.fp8_paged_plan(q8, k8, v8, jnp.asarray(table), opts)
+    assert not isinstance(plan, str), plan
+    out, lse = sm90.fp8_paged_forward(q8, k8, v8, jnp.asarray(table), jnp.asarray(used), qd,
+                                      kd, vd, opts, plan)
+    config, = configs
+    assert config.paged and config.qo_head_major and config.out_f32 == (splits > 1)
+    assert config.mask == ("causal" if causal and sq > 1 else "none")
+    assert out.dtype == jnp.bfloat16 and out.shape == (b, sq, h, d)
+    num_pages = k8.shape[0]
+    k_deq, v_deq = (fp8.dequantize(x, jnp.broadcast_to(s, (num_pages, hkv)))
+                    for x, s in ((k8, kd), (v8, vd)))
+    want_out, want_lse = dense_per_sequence(fp8.dequantize(q8, qd), k_deq, v_deq, table, used,
+                                            window=(None, 0) if causal else (None, None))
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out, np.float32), want_out, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("b,h,hkv,sk,causal,splits,f32", [
+    # GQA 4:1, 4096 keys: packed and split into 4 chunks (float32 partials)
+    (2, 8, 2, 4096, True, 4, True),
+    # MQA, 700 keys: 8 heads packed into one tile's rows, no split (a bfloat16 out)
+    (3, 8, 1, 700, False, 1, False),
+])
+def test_sm90_fp8_decode_with_an_emulated_kernel(monkeypatch, b, h, hkv, sk, causal, splits,
+                                                 f32):
+    """A dense FP8 decode step (one query token) runs the FP8 decode tile on GQA-packed,
+    split-KV inputs, each chunk with its batch entry's descales, against the float32 attention
+    over the dequantised inputs."""
+    from jax_fa4.backends import decode
+    from jax_fa4.ffi import call
+
+    configs = []
+    monkeypatch.setattr(call, "call_kernel", _emulated_fp8_kernel(configs))
+    q, k, v = _inputs(b=b, sq=1, sk=sk, h=h, hkv=hkv, seed=3)
+    (q8, qd), (k8, kd), (v8, vd) = fp8.quantize_grouped(q, hkv), fp8.quantize(k), fp8.quantize(v)
+    opts = _sm90_opts(q.shape[3], causal)
+    rewrite = decode.plan(q.shape, k.shape, opts.window)
+    assert (rewrite.group, rewrite.splits) == (h // hkv, splits)
+    sm90 = backends.get("sm90")
+    out, lse = sm90.fp8_forward(q8, k8, v8, qd, kd, vd, opts, sm90.fp8_plan(q8, k8, v8, opts))
+    config, = configs
+    assert config.qo_head_major and config.mask == "none" and config.out_f32 == f32
+    assert config.tile_m == fwd_config.DECODE_TILE_M and not config.paged
+    assert out.dtype == jnp.bfloat16 and out.shape == (b, 1, h, q.shape[3])
+    want_out, want_lse = reference.attention(
+        fp8.dequantize(q8, qd), fp8.dequantize(k8, kd), fp8.dequantize(v8, vd),
+        window=(None, 0) if causal else (None, None))
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out),
+                               atol=2e-2, rtol=2e-2)
+
+
+def _lowered_decode_step(shipped_cache, monkeypatch, fn, *args) -> str:
+    """The StableHLO of ``fn`` jitted and exported for CUDA (132 SMs assumed), its kernels from
+    the test cache."""
+    from jax_fa4.backends import decode
+    from jax_fa4.ffi import call
+
+    monkeypatch.setenv("JAX_FA4_CACHE_DIR", str(shipped_cache.root))
+    monkeypatch.setattr(decode, "num_sms", lambda: 132)
+    call.clear_memory_cache()
+    try:
+        return jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=jax_fa4.export_disabled_safety_checks())(
+            *args).mlir_module()
+    finally:
+        call.clear_memory_cache()
+
+
+@pytest.mark.parametrize("config", tiered([fwd_config.fp8_paged_config(128)], "sm_90a"),
+                         ids=["fp8-paged-128"])
+def test_an_fp8_paged_decode_step_reaches_the_kernel_without_copies(config, shipped_cache,
+                                                                     monkeypatch):
+    """One query token on an e4m3 cache, enough tiles not to split (B·Hkv = 512 on 132 SMs):
+    the 4 query heads of a kv head are packed into one tile's rows by a free reshape of q
+    (B, Hkv, g, D) and the head-major FP8 paged tile runs: one custom call, no transpose."""
+    e4m3 = jnp.float8_e4m3fn
+    b, h, hkv, d, pages = 64, 32, 8, 128, 64
+    args = (jax.ShapeDtypeStruct((b, 1, h, d), e4m3),
+            jax.ShapeDtypeStruct((b * pages, 128, hkv, d), e4m3),
+            jax.ShapeDtypeStruct((b * pages, 128, hkv, d), e4m3),
+            jax.ShapeDtypeStruct((b, pages), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+            jax.ShapeDtypeStruct((b, hkv), jnp.float32), jax.ShapeDtypeStruct((hkv,), jnp.float32),
+            jax.ShapeDtypeStruct((hkv,), jnp.float32))
+    text = _lowered_decode_step(
+        shipped_cache, monkeypatch,
+        lambda q, kc, vc, t, u, qd, kd, vd: jax_fa4.flash_attention_paged(
+            q, kc, vc, t, u, q_descale=qd, k_descale=kd, v_descale=vd, causal=True,
+            implementation="sm90"), *args)
+    assert text.count("stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2") == 1
+    assert f"tensor<{b}x{hkv}x{h // hkv}x{d}xf8E4M3FN>" in text  # q's free reshape
+    assert "stablehlo.transpose" not in text
+
+
+@pytest.mark.parametrize("config", tiered([fwd_config.fp8_decode_config(128)], "sm_90a"),
+                         ids=["fp8-decode-128"])
+def test_an_fp8_decode_step_reaches_the_kernel_without_copies(config, shipped_cache,
+                                                              monkeypatch):
+    """The dense twin: e4m3 q, k, v with one query token run the FP8 decode tile on q's free
+    reshape, one custom call, no transpose."""
+    e4m3 = jnp.float8_e4m3fn
+    b, h, hkv, d, sk = 64, 32, 8, 128, 8192
+    args = (jax.ShapeDtypeStruct((b, 1, h, d), e4m3),
+            *(jax.ShapeDtypeStruct((b, sk, hkv, d), e4m3) for _ in range(2)),
+            *(jax.ShapeDtypeStruct((b, hkv), jnp.float32) for _ in range(3)))
+    text = _lowered_decode_step(
+        shipped_cache, monkeypatch,
+        lambda q, k, v, qd, kd, vd: jax_fa4.flash_attention(
+            q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, implementation="sm90"), *args)
+    assert text.count("stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2") == 1
+    assert f"tensor<{b}x{hkv}x{h // hkv}x{d}xf8E4M3FN>" in text
+    assert "stablehlo.transpose" not in text
 
 
 def test_sm90_fp8_varlen_route_passes_the_kernel_its_operands(monkeypatch):

@@ -115,9 +115,10 @@ def test_decode_tile_alternatives_compile(cfg, shipped_cache):
 
 
 def _fp8_id(cfg: FwdConfig) -> str:
-    form = "paged-" if cfg.paged else "varlen-" if cfg.varlen else ""
+    form = ("paged-" if cfg.paged else "varlen-" if cfg.varlen
+            else "decode-" if cfg.qo_head_major else "")
     return (f"fp8-{form}{cfg.head_dim}-{cfg.mask}{'-softcap' if cfg.has_softcap else ''}-"
-            f"{cfg.tile_m}x{cfg.tile_n}")
+            f"{cfg.tile_m}x{cfg.tile_n}{'-f32' if cfg.out_f32 else ''}")
 
 
 @needs_disassembler
@@ -125,16 +126,17 @@ def _fp8_id(cfg: FwdConfig) -> str:
                                         if c.fp8 and not (c.paged or c.varlen)], ARCH),
                          ids=_fp8_id)
 def test_fp8_compiles_with_clean_sass(cfg, shipped_cache):
-    """Every shipped FP8 forward: e4m3 WGMMAs (QGMMA), TMA, no local memory within the
-    register split (the producer's V transpose fits its 24 or 32 registers), and the
-    transpose's instructions: at each of its call sites (two, three with two staging stages)
-    one ldmatrix.x4.trans and one stmatrix.x4 per 512 bytes of a warp's share
-    (v_transpose_plan) and 4 prmt each."""
+    """Every shipped FP8 forward, the decode tile (head-major q and out, float32 out or not)
+    included: e4m3 WGMMAs (QGMMA), TMA, no local memory within the register split (the
+    producer's V transpose fits its 24 or 32 registers), and the transpose's instructions: at
+    each of its call sites (two, three with two staging stages) one ldmatrix.x4.trans and one
+    stmatrix.x4 per 512 bytes of a warp's share (v_transpose_plan) and 4 prmt each."""
     _check_fp8_sass(cfg, compiled_sass(shipped_cache, cfg, ARCH), transposes_per_site=1)
 
 
 def _check_fp8_sass(cfg: FwdConfig, k, transposes_per_site: int) -> None:
-    """An FP8 forward's SASS facts: QGMMA (no HGMMA), TMA loads and O's store, no local
+    """An FP8 forward's SASS facts: QGMMA (no HGMMA), TMA loads and O's store (a float32 out:
+    stored from the accumulators, 8-byte STG, no TMA store and no epilogue stmatrix), no local
     memory, the register split, and per transpose call site ``transposes_per_site`` unrolled
     transposes of ldmatrix.x4.trans / 4 prmt / stmatrix.x4 per 512 bytes of a warp's share."""
     plan = VTransposePlan(cfg.tile_n, cfg.head_dim_v)
@@ -145,12 +147,15 @@ def _check_fp8_sass(cfg: FwdConfig, k, transposes_per_site: int) -> None:
           f"SEL {k.count('SEL')}")
     assert k.arch == ARCH
     assert k.count("QGMMA") > 0 and k.count("HGMMA") == 0
-    assert k.count("UTMALDG") > 0 and k.count("UTMASTG") > 0
+    assert k.count("UTMALDG") > 0 and (k.count("UTMASTG") > 0) != cfg.out_f32
+    if cfg.out_f32:
+        assert k.count("STG.E.64") > 0
     assert_no_local_memory(k)
     assert k.setmaxnreg() == sorted(cfg.register_split()), k.setmaxnreg()
     assert k.count("LDSM") == k.count("LDSM.16.MT88.4") == transposes * plan.instructions
-    # the transpose's stmatrix and the epilogue's (O, 16-bit, one per 16 columns of Dv)
-    assert k.count("STSM.16.M88.4") == transposes * plan.instructions + cfg.head_dim_v // 16
+    # the transpose's stmatrix and the epilogue's (a 16-bit O, one per 16 columns of Dv)
+    epilogue = 0 if cfg.out_f32 else cfg.head_dim_v // 16
+    assert k.count("STSM.16.M88.4") == transposes * plan.instructions + epilogue
     assert k.count("PRMT") >= 4 * transposes * plan.instructions
     assert cfg.smem_bytes() <= SMEM_BUDGET_BYTES
 

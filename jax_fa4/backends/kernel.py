@@ -475,16 +475,43 @@ class KernelBackend(Backend):
         return _config_or_reason(self.make_fp8, q.shape[3], v.shape[3], mask_kind(opts.window),
                                  opts.softcap > 0)
 
+    def make_fp8_decode(self, head_dim: int, head_dim_v: int, has_softcap: bool,
+                        out_f32: bool = False):
+        """The family's FP8 forward config for a rewritten decode call (unmasked, q and out
+        head-major; ``out_f32`` as in :meth:`make_decode`), or None where it has none (the
+        call then runs as it is on :meth:`make_fp8`'s)."""
+        return None
+
     def fp8_forward(self, q, k, v, q_descale, k_descale, v_descale, opts, plan):
         """The FP8 forward kernel: q, k, v as given (the kernel transposes V in shared
-        memory), q·k's and v's descales as one (B, Hkv, 2) float32 operand; out bfloat16."""
+        memory), q·k's and v's descales as one (B, Hkv, 2) float32 operand; out bfloat16.
+        Decode-shaped calls run the family's FP8 decode tile (:meth:`make_fp8_decode`) on
+        GQA-packed, split-KV inputs (:mod:`jax_fa4.backends.decode`), each chunk with its
+        batch entry's descales."""
         from jax_fa4.ffi.call import call_kernel
 
+        descale = fp8_descale_operand(q_descale, k_descale, v_descale)
+        d, dv = q.shape[3], v.shape[3]
+        rewrite = decode.plan(q.shape, k.shape, opts.window)
+        config = None if rewrite is None else self.make_fp8_decode(
+            d, dv, opts.softcap > 0, out_f32=self.rewritten_out_f32(rewrite.splits, None))
+        if config is not None:
+            chunks = jnp.repeat(descale, rewrite.splits, axis=0)  # entry b·S + s: b's
+            out_dtype = jnp.float32 if config.out_f32 else jnp.bfloat16
+
+            def on_decode(qp, kc, vc, kernel_opts):
+                b, h, rows, _ = qp.shape
+                return call_kernel(
+                    config, self.arch, qp, kc, vc, kernel_params(kernel_opts, d), chunks,
+                    out_shapes=(jax.ShapeDtypeStruct((b, h, rows, dv), out_dtype),
+                                jax.ShapeDtypeStruct((b, h, rows), jnp.float32)))
+
+            out, lse = decode.run(q, k, v, opts, rewrite, on_decode)
+            return out.astype(jnp.bfloat16), lse
         b, sq, h, _ = q.shape
         out, lse = call_kernel(
-            plan, self.arch, q, k, v, kernel_params(opts, q.shape[3]),
-            fp8_descale_operand(q_descale, k_descale, v_descale),
-            out_shapes=(jax.ShapeDtypeStruct((b, sq, h, v.shape[3]), jnp.bfloat16),
+            plan, self.arch, q, k, v, kernel_params(opts, d), descale,
+            out_shapes=(jax.ShapeDtypeStruct((b, sq, h, dv), jnp.bfloat16),
                         jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
         return out, lse
 
@@ -499,31 +526,26 @@ class KernelBackend(Backend):
     def fp8_paged_plan(self, q, k_cache, v_cache, page_table, opts) -> Hashable | str:
         """The FP8 paged forward kernel config serving this call (e4m3 q and cache), or the
         reason none does (a str)."""
+        window = decode.kernel_window(q.shape[1], opts.window)  # as paged_plan's
         return _fitting_pages(_config_or_reason(self.make_fp8_paged, q.shape[3],
-                                                v_cache.shape[3], mask_kind(opts.window),
+                                                v_cache.shape[3], mask_kind(window),
                                                 opts.softcap > 0), k_cache, "FP8 paged")
 
     def fp8_paged_forward(self, q, k_cache, v_cache, page_table, seqused_k, q_descale,
                           k_descale, v_descale, opts, plan):
-        """The FP8 paged forward kernel on the call as it is (no GQA packing or split: the FP8
-        kernel has no head-major or float32-out form): the cache as one batch entry of the
-        kernel's key blocks; q's (B, Hkv) descale and the cache's (Hkv,) ones (broadcast over
-        the batch) as the (B, Hkv, 2) operand; out bfloat16."""
-        from jax_fa4.ffi.call import call_kernel
-
-        b, sq, h, d = q.shape
-        k_tiles, v_tiles, table = paged_tiles(k_cache, v_cache, page_table, plan.tile_n)
-        used = seqused_k if self.paged_clamps_seqused else jnp.clip(
-            seqused_k, 0, table.shape[1] * plan.tile_n)
+        """The FP8 paged forward kernel, with decode steps rewritten around it as the 16-bit
+        one's are (:meth:`paged_forward`: GQA heads packed into a tile's rows, the page table
+        split into chunks merged in float32): q's (B, Hkv) descale and the cache's (Hkv,) ones
+        (broadcast over the batch) as the (B, Hkv, 2) operand, repeated for each chunk; out
+        bfloat16, rounded once."""
         # the cache's (Hkv,) descales, the same in every batch row
         k_descale, v_descale = (jnp.broadcast_to(x, q_descale.shape) for x in (k_descale,
                                                                                v_descale))
-        out, lse = call_kernel(
-            plan, self.arch, q, k_tiles, v_tiles, kernel_params(opts, d), table,
-            used.astype(jnp.int32), fp8_descale_operand(q_descale, k_descale, v_descale),
-            out_shapes=(jax.ShapeDtypeStruct((b, sq, h, v_cache.shape[3]), jnp.bfloat16),
-                        jax.ShapeDtypeStruct((b, h, sq), jnp.float32)))
-        return out, lse
+        out, lse = self._paged_rewritten(
+            plan, q, k_cache, v_cache, page_table, seqused_k, opts, sink=None,
+            out_dtype=jnp.bfloat16,
+            descale=fp8_descale_operand(q_descale, k_descale, v_descale))
+        return out.astype(jnp.bfloat16), lse
 
     def fp8_varlen_plan(self, q, k, v, opts, max_seqlen_q: int, max_seqlen_k: int
                         ) -> Hashable | str:
@@ -634,9 +656,18 @@ class KernelBackend(Backend):
         fill the GPU, the page table split into chunks (one batch entry each, with its own
         ``seqused_k``) merged by their lse. The sink joins afterwards in float32 (``kernel_sinks``
         families: on the kernel's float32 out, so the output is rounded once)."""
+        out, lse = self._paged_rewritten(plan, q, k_cache, v_cache, page_table, seqused_k,
+                                         opts, sink, out_dtype=q.dtype)
+        return join_sink(out, lse, sink, dtype=q.dtype)
+
+    def _paged_rewritten(self, config, q, k_cache, v_cache, page_table, seqused_k, opts, sink,
+                         out_dtype, descale: jax.Array | None = None):
+        """(out, lse) of a paged kernel ``config`` on the call, decode-rewritten
+        (:meth:`paged_forward`); ``descale`` (B, Hkv, 2): the FP8 kernels' operand, repeated
+        for each chunk. out is the kernel's ``out_dtype``, or float32 where split chunks merge
+        or a sink joins (:meth:`rewritten_out_f32`)."""
         from jax_fa4.ffi.call import call_kernel
 
-        config = plan
         b, sq, h, d = q.shape
         hkv, dv = k_cache.shape[2], v_cache.shape[3]
         tile_n = config.tile_n
@@ -650,7 +681,10 @@ class KernelBackend(Backend):
         chunk = blocks // s * tile_n  # keys per chunk
         if self.rewritten_out_f32(s, sink):
             config = dataclasses.replace(config, out_f32=True)
-        out_dtype = jnp.float32 if getattr(config, "out_f32", False) else q.dtype
+        if getattr(config, "out_f32", False):
+            out_dtype = jnp.float32
+        # chunk c of batch entry i is entry i·S + c: its descales are entry i's
+        extra = () if descale is None else (jnp.repeat(descale, s, axis=0),)
 
         def on_packed(qp, kernel_opts):
             # chunk c of batch entry i: table columns [c·blocks/S, (c+1)·blocks/S), its keys
@@ -664,10 +698,9 @@ class KernelBackend(Backend):
                 config, self.arch,
                 qp if head_major else qp.transpose(0, 2, 1, 3), k_tiles, v_tiles,
                 kernel_params(kernel_opts, d), table.reshape(b * s, blocks // s),
-                used.reshape(b * s).astype(jnp.int32),
+                used.reshape(b * s).astype(jnp.int32), *extra,
                 out_shapes=(jax.ShapeDtypeStruct(out_shape, out_dtype),
                             jax.ShapeDtypeStruct((b * s, heads, rows), jnp.float32)))
             return (out if head_major else out.transpose(0, 2, 1, 3)), lse
 
-        out, lse = decode.rewrite(q, opts, plan, on_packed)
-        return join_sink(out, lse, sink, dtype=q.dtype)
+        return decode.rewrite(q, opts, plan, on_packed)

@@ -230,6 +230,9 @@ class Sm90Backend(KernelBackend):
     def make_fp8_paged(self, head_dim, head_dim_v, mask, has_softcap):
         return fwd_config.fp8_paged_config(head_dim, head_dim_v, mask, has_softcap)
 
+    def make_fp8_decode(self, head_dim, head_dim_v, has_softcap, out_f32=False):
+        return fwd_config.fp8_decode_config(head_dim, head_dim_v, has_softcap, out_f32=out_f32)
+
     def make_fp8_varlen(self, head_dim, head_dim_v, mask, has_softcap):
         return fwd_config.fp8_config(head_dim, head_dim_v, mask, has_softcap, varlen=True)
 

@@ -21,7 +21,11 @@ past each sequence's keys (and the padding tokens around the packed sequences) f
 which the kernel must keep out of P·V (its transposer clears those keys of V in registers).
 Each sequence against the float32 reference on its own dequantised keys by the same rule.
 
-Kernels needed in the cache: the shipped FP8 forward configs, dense, paged and varlen
+Decode steps (one query token, dense or paged) run the FP8 decode tile on the rewritten call
+(GQA heads packed into a tile's rows, keys split into chunks merged in float32): cases of
+both kinds are in the lists.
+
+Kernels needed in the cache: the shipped FP8 forward configs, dense, decode, paged and varlen
 (precompile --dtype float8_e4m3fn).
 """
 
@@ -95,6 +99,12 @@ CASES = [  # (b, sq, sk, h, hkv, causal, window, softcap)
     (2, 77, 77, 4, 2, False, (None, None), 0.0),
     (1, 300, 77, 8, 2, False, (30, 5), 3.0),
     (2, 200, 200, 6, 3, True, (None, None), 0.0),
+    # decode steps (one query token) on the FP8 decode tile: 8 query heads packed per kv head
+    # and 4 key chunks merged in float32; MQA packed, an odd key count, no split; 4 chunks of
+    # 1500 keys with a softcap
+    (2, 1, 4096, 16, 2, True, (None, None), 0.0),
+    (3, 1, 777, 8, 1, False, (None, None), 0.0),
+    (1, 1, 6000, 8, 2, False, (None, None), 20.0),
 ]
 
 
@@ -197,8 +207,15 @@ def run_fp8_paged_case(b, sq, h, hkv, d, page_size, max_pages, seqused, causal=F
 
 @pytest.mark.parametrize("b, sq, h, hkv, d, page_size, max_pages, seqused, causal, window, "
                          "softcap, q16", [
-    # decode-shaped GQA (no packing in FP8), one sequence of 1 key, odd lengths
+    # a decode step: 4 query heads packed per kv head (1024 key slots: no split), one sequence
+    # of 1 key, odd lengths
     (3, 1, 8, 2, 128, 128, 8, (1000, 1, 77), False, (None, None), 0.0, False),
+    # a decode step split into 4 chunks of 1024 keys (float32 partials), 8 heads packed, q in
+    # bfloat16 (quantised by the call)
+    (2, 1, 16, 2, 128, 128, 32, (4000, 2500), False, (None, None), 0.0, True),
+    # head dim 256, MQA, causal (one query: unmasked), 2 chunks; head dim 64 with a softcap
+    (2, 1, 8, 1, 256, 128, 16, (2048, 1500), True, (None, None), 0.0, False),
+    (2, 1, 4, 2, 64, 256, 8, (2000, 3), False, (None, None), 5.0, False),
     # a causal chunk of 77 queries, 256-key pages (two key blocks each), a bfloat16 q
     (2, 77, 4, 4, 128, 256, 3, (700, 129), True, (None, None), 0.0, True),
     # MQA at head dim 64, an empty sequence, a window and a softcap

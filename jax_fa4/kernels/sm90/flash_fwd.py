@@ -61,8 +61,9 @@ v_transpose.VTransposer.stage's keys_left), with no shared-memory pass or barrie
 
 FP8 (FwdConfig.dtype "float8_e4m3fn", docs/fp8.md): e4m3 q, k and v, as the 16-bit kernel takes
 them; descale (B, Hkv, 2) folds q·k's into the softmax scale and v's into each row's 1/Σ; O is
-bfloat16, staged in Q's buffer (sized for it). Dense, paged and varlen calls (not segment ids, max
-logits, persistent, head-major or float32 out), overlapped mainloop, exact row max only
+bfloat16, staged in Q's buffer (sized for it), or float32 from the accumulators (out_f32, as the
+16-bit decode tiles). Dense, decode (head-major), paged (head-major) and varlen calls (not segment
+ids, max logits, persistent or two CTAs per SM), overlapped mainloop, exact row max only
 (fwd_config.FwdConfig.validate_fp8); paged: warp 0 reads each block's page-table entries as it
 issues the block's loads (load_kv_fp8), varlen: the 16-bit kernel's sequence offsets and epilogue,
 the descale row of the padding rows' batch slice clamped to the last sequence's. e4m3 WGMMAs read
@@ -78,8 +79,9 @@ V). With two staging stages a block is transposed after the next one's load is i
 (head dim 256) after its own. Keys past seqlen_k read zeros (TMA fills rows out of bounds) and are
 masked in S, so P·V adds 0 there: no padding of the key count.
 
-Decode shapes reach this kernel rewritten by jax_fa4/decode.py (GQA packing, split-KV), in the
-decode tile's configs (fwd_config.decode_config / paged_config): 64 rows, often two CTAs per SM
+Decode shapes reach this kernel rewritten by jax_fa4/backends/decode.py (GQA packing, split-KV),
+in the decode tile's configs (fwd_config.decode_config / paged_config, and FP8's
+fp8_decode_config / fp8_paged_config): 64 rows, often two CTAs per SM
 (ctas_per_sm), and q / out head-major, (B, H, S, D) (qo_head_major: one query token's packed
 rows are then a free reshape of the caller's q and out). Split-KV chunks take out_f32: O is
 stored in float32 straight from the accumulators (8-byte stores, rows below seqlen_q), so the

@@ -92,8 +92,8 @@ class FwdConfig(KernelConfig):
     # For the decode tile: two CTAs' K/V streams overlap each other's prologue and epilogue.
     ctas_per_sm: int = 1
     # q and out arrive head-major, (B, H, S, D), instead of (B, S, H, D) (lse is (B, H, S)
-    # either way): the decode tiles' layout. jax_fa4.decode packs the g query heads of a kv head
-    # as the rows of one tile; with one query token that packing is a free reshape of q and out
+    # either way): the decode tiles' layout. backends/decode.py packs the g query heads of a kv
+    # head as the rows of one tile; with one query token that packing is a free reshape of q and out
     # in this layout, and a transpose in the other.
     qo_head_major: bool = False
     # out is float32, written from the accumulator registers (no 16-bit rounding, no shared
@@ -218,15 +218,14 @@ class FwdConfig(KernelConfig):
                              f"{self.ctas_per_sm} CTA(s) per SM)")
 
     def validate_fp8(self) -> None:
-        """The FP8 forward's limits: dense, paged and varlen calls (no segment ids, max logits,
-        persistent grid, head-major q and out, float32 out or two CTAs per SM), key blocks and
-        head dims of 32·k keys."""
+        """The FP8 forward's limits: dense, paged and varlen calls, with the decode tiles'
+        head-major q and out and float32 out (no segment ids, max logits, persistent grid or
+        two CTAs per SM), key blocks and head dims of 32·k keys."""
         check_dtype_and_mask("sm90 forward", "bfloat16", self.mask)  # the mask kind
-        if (self.segments or self.max_logits or self.num_sms or self.qo_head_major
-                or self.out_f32 or self.ctas_per_sm != 1):
-            raise ValueError("sm90 forward: float8_e4m3fn is implemented for dense, paged and "
-                             "varlen calls (not segment ids, max logits, persistent, head-major "
-                             "(decode), float32 out or two CTAs per SM)")
+        if self.segments or self.max_logits or self.num_sms or self.ctas_per_sm != 1:
+            raise ValueError("sm90 forward: float8_e4m3fn is implemented for dense, paged, "
+                             "decode and varlen calls (not segment ids, max logits, persistent "
+                             "or two CTAs per SM)")
         if self.rescale_threshold:
             # with the exact max, each row's largest P is exactly 1.0 in e4m3; a stale max
             # rounds that dominant term by up to 6 % (3 mantissa bits): up to 1.7x the error in
@@ -329,11 +328,14 @@ class FwdConfig(KernelConfig):
 
     # -- KernelConfig contract ------------------------------------------------------------------
     def signature(self) -> KernelSignature:
-        sig = self._call_signature()
+        sig = self._layout_signature()
+        if self.qo_head_major or self.out_f32:
+            sig = self._decode_layouts(sig)
         return with_tile_counter(sig) if self.dynamic_tiles else sig
 
-    def _call_signature(self) -> KernelSignature:
-        """The signature before the dynamic scheduler's tile counter (``dynamic_tiles``)."""
+    def _layout_signature(self) -> KernelSignature:
+        """The signature with q and out sequence-major (B, S, H, D) and out in the output dtype
+        (before :meth:`_decode_layouts` and the dynamic scheduler's tile counter)."""
         if self.fp8:
             return fp8_attention_forward_signature(self.head_dim, self.head_dim_v,
                                                    paged_tile_n=self.tile_n if self.paged
@@ -346,13 +348,13 @@ class FwdConfig(KernelConfig):
         if self.varlen:
             return varlen_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
         if self.paged:
-            sig = paged_attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v,
-                                                    self.tile_n)
-        else:
-            sig = attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
-        if not (self.qo_head_major or self.out_f32):
-            return sig
+            return paged_attention_forward_signature(self.dtype, self.head_dim,
+                                                     self.head_dim_v, self.tile_n)
+        return attention_forward_signature(self.dtype, self.head_dim, self.head_dim_v)
 
+    def _decode_layouts(self, sig: KernelSignature) -> KernelSignature:
+        """``sig`` with the decode tiles' layouts: q and out head-major (``qo_head_major``),
+        out float32 (``out_f32``)."""
         def head_major(arg: TensorArg) -> TensorArg:  # (B, S, H, D) -> (B, H, S, D)
             if arg.name == "out" and self.out_f32:
                 arg = dataclasses.replace(arg, dtype="float32")
@@ -422,7 +424,7 @@ def fp8_attention_forward_signature(head_dim: int, head_dim_v: int,
 
 
 #: Query rows of the decode tile (one consumer warpgroup): the rows of a decode call after GQA
-#: packing (jax_fa4/decode.py) rarely fill more, and a 128-row tile would spend twice the GEMM
+#: packing (backends/decode.py) rarely fill more, and a 128-row tile would spend twice the GEMM
 #: time per key block on empty rows; with 64 the kernel is bound by its K/V bytes.
 DECODE_TILE_M = 64
 
@@ -440,9 +442,9 @@ DECODE_TILES: tuple[dict, ...] = (
 )
 
 #: Decode-tile alternatives for comparisons (benchmarks/decode_bench.py;
-#: ``JAX_FA4_DECODE_TILE=<name>`` selects one at trace time, see jax_fa4.decode): FwdConfig
-#: overrides of decode_config and paged_config. "1cta" is the decode tile shipped before the
-#: two-CTA one.
+#: ``JAX_FA4_DECODE_TILE=<name>`` selects one at trace time, backends/sm90.decode_tile_option):
+#: FwdConfig overrides of decode_config and paged_config. "1cta" is the decode tile shipped
+#: before the two-CTA one.
 DECODE_OPTIONS: dict[str, dict] = {
     "1cta": dict(ctas_per_sm=1),
     "2cta-n128-s1": dict(ctas_per_sm=2, tile_n=128, stages=1),
@@ -469,7 +471,7 @@ def _first_fitting(dtype: str, head_dim: int, head_dim_v: int | None, mask: str,
 
 def decode_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
                   has_softcap: bool = False, out_f32: bool = False, **overrides) -> FwdConfig:
-    """The forward config for decode-shaped calls (unmasked after jax_fa4.decode's rewrite, at
+    """The forward config for decode-shaped calls (unmasked after backends/decode.py's rewrite, at
     most DECODE_TILE_M query rows, head-major q and out): one consumer warpgroup (so no
     ping-pong), no persistence, the first of DECODE_TILES that fits; ``overrides`` (a
     DECODE_OPTIONS entry) replace DECODE_TILES; ``out_f32``: a float32 out (split-KV chunks,
@@ -524,15 +526,30 @@ def fp8_config(head_dim: int, head_dim_v: int | None = None, mask: str = "none",
 
 
 def fp8_paged_config(head_dim: int, head_dim_v: int | None = None, mask: str = "none",
-                     has_softcap: bool = False) -> FwdConfig:
+                     has_softcap: bool = False, out_f32: bool = False) -> FwdConfig:
     """The FP8 paged forward of a problem kind (an e4m3 KV cache): :func:`paged_config`'s tile
-    where FP8 allows it: DECODE_TILE_M query rows (one consumer warpgroup) and the first key
-    block of PAGED_TILE_N that fits (cache pages hold a multiple of it), the FP8 row's stages
-    and rescale skip; q and out (B, S, H, D) and one CTA per SM (FP8 has no head-major or
-    two-CTA form: the decode rewrite's GQA packing does not reach it)."""
+    where FP8 allows it: DECODE_TILE_M query rows (one consumer warpgroup), head-major q and
+    out (the decode rewrite's packed rows), the first key block of PAGED_TILE_N that fits
+    (cache pages hold a multiple of it), the FP8 row's stages and rescale skip, one CTA per SM
+    (FP8 has no two-CTA form); ``out_f32`` as in :func:`decode_config`."""
     return _first_fitting(FP8_DTYPE, head_dim, head_dim_v, mask, has_softcap,
-                          dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0, paged=True),
+                          dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0, paged=True,
+                               qo_head_major=True, out_f32=out_f32),
                           [dict(tile_n=n) for n in PAGED_TILE_N])
+
+
+def fp8_decode_config(head_dim: int, head_dim_v: int | None = None, has_softcap: bool = False,
+                      out_f32: bool = False) -> FwdConfig:
+    """The FP8 forward for decode-shaped calls (:func:`decode_config`'s role for e4m3 q, k, v):
+    DECODE_TILE_M query rows, head-major q and out, unmasked (after the decode rewrite), the FP8
+    row's key block and stages, one CTA per SM; ``out_f32`` as in :func:`decode_config`."""
+    overrides = {}
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if has_softcap and (head_dim, dv) in FP8_SOFTCAP_TILE_N:
+        overrides["tile_n"] = FP8_SOFTCAP_TILE_N[(head_dim, dv)]
+    return _first_fitting(FP8_DTYPE, head_dim, dv, "none", has_softcap,
+                          dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0,
+                               qo_head_major=True, out_f32=out_f32), [overrides])
 
 
 def segments_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
@@ -560,11 +577,13 @@ def shipped_configs() -> list[FwdConfig]:
     fp16, the decode config of each row, and the paged, varlen and segment-id configs of each
     row and mask kind; the decode and paged ones also with a float32 out, the dense and
     segment-id ones also with max logits; the FP8 forward of every FP8 table row, mask kind and
-    softcap, dense, varlen and paged."""
+    softcap, dense, varlen and paged (with a float32 out too), and its decode config."""
     out = [make(d, dv, mask, softcap) for (d, dv), row in FP8_TUNING_TABLE.items()
            for mask in row for softcap in (False, True)
            for make in (fp8_config, functools.partial(fp8_config, varlen=True),
-                        fp8_paged_config)]
+                        fp8_paged_config, functools.partial(fp8_paged_config, out_f32=True))]
+    out += [fp8_decode_config(d, dv, softcap, out_f32=f32) for d, dv in FP8_TUNING_TABLE
+            for softcap in (False, True) for f32 in (False, True)]
     for dtype in FLOAT_DTYPES:
         for (d, dv), row in TUNING_TABLE.items():
             for softcap in (False, True):
