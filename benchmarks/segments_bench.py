@@ -20,6 +20,8 @@ dense kernel (forward only; by default 15 rounds of 300 ms):
 
 * ``dense``, ``segments``, ``varlen`` as above; ``dense-pers`` (unmasked only): the dense call
   with the persistent grid of 132 CTAs (``num_sms``; its kernels must be in the cache);
+  ``segments-pers``: the segment-id call on the persistent grid with dynamic tiles
+  (``jax_fa4.tools.variants.persistent_segments``, in no table row yet);
 * ``short``: the dense kernel on rows of S/4 tokens (4·B rows): uniform 2k-token documents
   without any segment logic, what the tile-per-CTA design costs at that length;
   ``short-pers`` with the persistent grid;
@@ -62,6 +64,7 @@ from jax_fa4.tools import bench
 from jax_fa4.tools.bench_shapes import document_lengths
 from jax_fa4.tools.bench_harness import (labelled_shapes, rotating_sets, save, start,
                                          timing_parser)
+from jax_fa4.tools.variants import persistent_segments
 
 #: (B, S, H, D): rows of 8k tokens (the issue's shape) at hdim 128 and 64
 SHAPES = ((2, 8192, 16, 128), (4, 8192, 8, 64))
@@ -128,6 +131,13 @@ def _persistent_table():
             for key, row in fwd_tuning.TUNING_TABLE.items()}
 
 
+_real_segments_config = fwd_config.segments_config
+
+
+def _persistent_segments_config(*args, **kwargs):
+    return persistent_segments(_real_segments_config(*args, **kwargs))
+
+
 def _traced_under(compile_fn: Callable, name: str):
     """``compile_fn()``; for a ``-pers`` or ``-bulk`` variant with its patch in place (jit caches
     cleared around it, so that the patch reaches no other program)."""
@@ -135,7 +145,9 @@ def _traced_under(compile_fn: Callable, name: str):
         return compile_fn()
     saved_table = dict(fwd_tuning.TUNING_TABLE)
     jax.clear_caches()
-    if name.endswith("-pers"):
+    if name == "segments-pers":
+        fwd_config.segments_config = _persistent_segments_config
+    elif name.endswith("-pers"):
         fwd_tuning.TUNING_TABLE.update(_persistent_table())
     if name.endswith("-bulk"):
         segments.forward_tables = _bulk_tables
@@ -145,6 +157,7 @@ def _traced_under(compile_fn: Callable, name: str):
         fwd_tuning.TUNING_TABLE.clear()
         fwd_tuning.TUNING_TABLE.update(saved_table)
         segments.forward_tables = _real_tables
+        fwd_config.segments_config = _real_segments_config
         jax.clear_caches()
 
 
@@ -164,6 +177,7 @@ def breakdown_variants(b: int, s: int, h: int, d: int, causal: bool, ids_np: np.
         "segments-const": (flat, lambda q, k, v, ids, cu: fa(
             q, k, v, causal=causal, segment_ids=jnp.asarray(ids_np), implementation="sm90")),
         "segments-bulk": speed["segments"],  # compiled under the all-bulk tables
+        "segments-pers": speed["segments"],  # compiled on the persistent grid
         "tables": (flat, lambda q, k, v, ids, cu: segments.forward_tables(ids, ids, tile_m, 128)),
     }
     if not causal:  # compiled under the persistent tuning table

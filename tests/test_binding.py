@@ -235,6 +235,40 @@ def test_deterministic_backward_lowers_with_its_counters(cache_dir):
     assert names == {"sm90_bwd", "sm90_bwd_postprocess"}
 
 
+def test_persistent_segments_forward_lowers_with_its_counter(cache_dir, monkeypatch):
+    """The segment-id forward on the persistent grid with dynamic tiles
+    (variants.persistent_segments, in no table row) through the backend's segments_forward: the
+    call adds the zeroed tile counter after the segment tables (the backend's call_forward),
+    aliased to an output, one custom call beside the tables' XLA ops."""
+    from typing import NamedTuple
+
+    from jax_fa4.kernels.sm90 import fwd_config
+    from jax_fa4.tools.variants import persistent_segments
+
+    class Opts(NamedTuple):
+        softmax_scale: float | None = None
+        window: tuple = (None, 0)
+        softcap: float = 0.0
+
+    table_config = fwd_config.segments_config
+    monkeypatch.setattr(fwd_config, "segments_config",
+                        lambda *a, **kw: persistent_segments(table_config(*a, **kw)))
+    b, s, h, d = 2, 300, 4, 128
+    bf = jnp.bfloat16
+    args = (*(jax.ShapeDtypeStruct((b, s, h, d), bf) for _ in range(3)),
+            jax.ShapeDtypeStruct((b, s), jnp.int32))
+    f = jax.jit(lambda q, k, v, ids: backends.get("sm90").segments_forward(q, k, v, ids, ids,
+                                                                           Opts()))
+    exported = jax.export.export(f, platforms=["cuda"],
+                                 disabled_checks=jax_fa4.export_disabled_safety_checks())(*args)
+    text = exported.mlir_module()
+    assert text.count("stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2") == 1
+    assert "tensor<1xi32>" in text and "output_operand_aliases" in text
+    assert [a.shape for a in exported.out_avals] == [(b, s, h, d), (b, h, s)]
+    entry, = KernelCache(cache_dir).entries()
+    assert entry["config"]["num_sms"] == 132 and entry["config"]["segments"]
+
+
 def test_dynamic_tiles_forward_lowers_with_its_counter(cache_dir):
     """The persistent forward with dynamic tiles gets one more operand, an int32 counter that
     XLA zero-fills for each call and the kernel updates in place (an input/output alias), through

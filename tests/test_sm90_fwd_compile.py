@@ -29,7 +29,8 @@ from jax_fa4.kernels.sm90.fwd_config import (FwdConfig, TUNING_TABLE, decode_con
                                               decode_option_configs, shipped_configs)
 from jax_fa4.kernels.sm90.v_transpose_plan import VTransposePlan
 from jax_fa4.kernels.spec import SMEM_BUDGET_BYTES
-from jax_fa4.tools.variants import sm90_fwd_fallback_configs, sm90_fwd_option_configs
+from jax_fa4.tools.variants import (sm90_fwd_fallback_configs, sm90_fwd_option_configs,
+                                    sm90_fwd_segments_persistent_configs)
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = "sm_90a"
@@ -226,6 +227,31 @@ def test_v2_options_compile_with_clean_sass(cfg, shipped_cache):
     assert (wait < store) == cfg.own_o_buffer, (wait, store)
     # dynamic tiles: the producer warp's atomic claims on the global counter (and only there)
     assert (k.count("ATOMG.E.ADD") > 0) == cfg.dynamic_tiles
+
+
+@needs_disassembler
+@pytest.mark.parametrize("cfg", tiered(sm90_fwd_segments_persistent_configs(), ARCH),
+                         ids=_option_id)
+def test_persistent_segments_compile_with_clean_sass(cfg, shipped_cache):
+    """The persistent segment-id forward (variants.persistent_segments, in no table row yet):
+    no local memory, the register split of its warpgroups, O in its own buffer with the TMA
+    store waited for only before the next tile's epilogue, the atomic claims exactly with
+    dynamic tiles, and the segment tables read by both the producer's and the consumers' tile
+    loops (more global loads than the one-tile-per-CTA kernel of the same tile)."""
+    k = compiled_sass(shipped_cache, cfg, ARCH)
+    single = compiled_sass(shipped_cache, dataclasses.replace(cfg, num_sms=0,
+                                                              dynamic_tiles=False), ARCH)
+    print(f"\n{cfg.describe()}: regs {k.registers}, smem {cfg.smem_bytes()} B, "
+          f"LDG {k.count('LDG')} (one tile per CTA: {single.count('LDG')})")
+    assert cfg.own_o_buffer
+    assert_no_local_memory(k)
+    assert k.setmaxnreg() == sorted(set(cfg.register_split())), k.setmaxnreg()
+    ops = [line.split(";")[0] for line in k.sass.splitlines()]
+    store = next(i for i, op in enumerate(ops) if "UTMASTG" in op)
+    wait = next(i for i, op in enumerate(ops) if "DEPBAR.LE SB0" in op)
+    assert wait < store
+    assert (k.count("ATOMG.E.ADD") > 0) == cfg.dynamic_tiles
+    assert k.count("LDG") > single.count("LDG")
 
 
 @needs_disassembler

@@ -447,7 +447,6 @@ class KernelBackend(Backend):
         are skipped) and the learnable ``sink`` (H,) joined (in the kernel's softmax for
         ``kernel_sinks`` families)."""
         from jax_fa4 import segments
-        from jax_fa4.ffi.call import call_kernel
 
         config = self.segments_config(q, k, v, opts)
         assert not isinstance(config, str), config
@@ -455,8 +454,8 @@ class KernelBackend(Backend):
                                                       config.tile_n)
         b, sq, h, _ = q.shape
         in_kernel = sink if self.kernel_sinks else None
-        outs = call_kernel(
-            config, self.arch, q, k, v, kernel_params(opts, q.shape[3], in_kernel), tiles,
+        outs = self.call_forward(
+            config, q, k, v, kernel_params(opts, q.shape[3], in_kernel), tiles,
             rows, kv_ids,
             out_shapes=(jax.ShapeDtypeStruct((b, sq, h, v.shape[3]), q.dtype),
                         jax.ShapeDtypeStruct((b, h, sq), jnp.float32),

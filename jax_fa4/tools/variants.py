@@ -101,6 +101,31 @@ def sm90_fwd_option_configs() -> list[FwdConfig]:
     ]
 
 
+def persistent_segments(cfg: FwdConfig, num_sms: int = 132, dynamic: bool = True) -> FwdConfig:
+    """A segment-id forward config (fwd_config.segments_config's) on the persistent grid of
+    ``num_sms`` CTAs, with dynamic tiles or not: the form no table row takes until a
+    same-process A/B picks it (``benchmarks/segments_bench.py``)."""
+    out = dataclasses.replace(cfg, num_sms=num_sms, dynamic_tiles=dynamic)
+    out.validate()
+    return out
+
+
+def sm90_fwd_segments_persistent_configs() -> list[FwdConfig]:
+    """The persistent segment-id forwards the GPU tests run (tests/gpu/test_segments.py's
+    ``persistent`` cases: few CTAs, so each loops over many tiles, static and dynamic, and the
+    132-CTA dynamic form the benchmark times) and the compile test checks."""
+    seg = fwd_config.segments_config
+    return [
+        persistent_segments(seg("bfloat16", 128, 128, "causal"), 7, dynamic=False),
+        persistent_segments(seg("bfloat16", 128, 128, "causal"), 7),
+        persistent_segments(seg("bfloat16", 64, 64, "none"), 5),
+        persistent_segments(seg("bfloat16", 128, 128, "local", True), 3, dynamic=False),
+        # the benchmark's shapes (segments_bench.py): head dims 128 and 64, causal and not
+        *(persistent_segments(seg("bfloat16", d, d, mask)) for d in (128, 64)
+          for mask in ("none", "causal")),
+    ]
+
+
 #: (dtype, head_dim, head_dim_v, mask, softcap, gqa) of the cases in tests/gpu/test_sm90_bwd.py
 SM90_BWD_GPU_MAINS = (
     [("bfloat16", 128, 128, m, cap, False) for m in MASK_KINDS for cap in (False, True)]
@@ -214,6 +239,7 @@ def _sm90_fwd_tests(dtypes: Sequence[str], head_dims: Sequence[int]) -> Iterable
     yield from _sm90_fwd(dtypes, head_dims)
     yield from sm90_fwd_fallback_configs()  # the GPU tests cross-check the serial mainloop
     yield from sm90_fwd_option_configs()  # performance options awaiting validation
+    yield from sm90_fwd_segments_persistent_configs()  # (likewise)
     for cfg in fwd_config.decode_option_configs():  # decode-tile options (decode_bench.py),
         yield cfg  # in both out dtypes (split-KV chunks and sinks come back in float32)
         yield dataclasses.replace(cfg, out_f32=True)

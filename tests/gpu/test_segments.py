@@ -13,6 +13,7 @@ Kernels needed in the cache: the shipped segment-id forward and backward configs
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import jax
@@ -22,6 +23,8 @@ import pytest
 
 import jax_fa4
 from jax_fa4 import reference
+from jax_fa4.kernels.sm90 import fwd_config
+from jax_fa4.tools.variants import sm90_fwd_segments_persistent_configs
 from numerics import assert_fa4_close
 from tests.gpu.test_sm90_fwd import _inputs, check_forward, poison_device_memory
 
@@ -122,6 +125,40 @@ def test_cross_attention_with_missing_ids():
     kv_ids = packed(rng, 2, 1100, 4)
     q_ids[:, -50:] = -1  # padding queries: no key has id -1
     run(q_ids, kv_ids)
+
+
+def _persistent_id(cfg) -> str:
+    return (f"d{cfg.head_dim}-{cfg.mask}{'-softcap' if cfg.has_softcap else ''}-"
+            f"{cfg.num_sms}ctas{'-dyn' if cfg.dynamic_tiles else ''}")
+
+
+@pytest.mark.parametrize("cfg", sm90_fwd_segments_persistent_configs(), ids=_persistent_id)
+def test_persistent_forward(cfg, monkeypatch):
+    """The persistent form of the segment-id forward (variants.persistent_segments: a grid of
+    num_sms CTAs walking the tiles, statically or claiming them from a counter; O in its own
+    buffer) in place of the table's one-tile-per-CTA config: packed documents (each tile's
+    key-block range clipped to its segment table by both the producer and the consumers), then
+    cross-attention whose last query tiles share no id with any key (tiles without a key
+    block, which must keep the two sides in step), GQA, in NaN-poisoned memory."""
+    base = dataclasses.replace(cfg, num_sms=0, dynamic_tiles=False)
+    table_config, used = fwd_config.segments_config, []
+
+    def segments_config(*args, **kwargs):
+        got = table_config(*args, **kwargs)
+        used.append(got == base)
+        return cfg if got == base else got
+
+    monkeypatch.setattr(fwd_config, "segments_config", segments_config)
+    rng = np.random.default_rng(cfg.num_sms + cfg.head_dim)
+    ids = packed(rng, 2, 2048, 8)
+    local = cfg.mask == "local"
+    run(ids, ids, d=cfg.head_dim, causal=cfg.mask == "causal",
+        window=(200, 30) if local else (None, None), softcap=5.0 if cfg.has_softcap else 0.0)
+    q_ids = packed(rng, 2, 700, 4)  # query ids no key has: tiles without a visible key block
+    q_ids[:, -200:] = -1
+    run(q_ids, packed(rng, 2, 1100, 4), d=cfg.head_dim, causal=cfg.mask == "causal",
+        window=(200, 30) if local else (None, None), softcap=5.0 if cfg.has_softcap else 0.0)
+    assert any(used), "the persistent config was not reached"
 
 
 @pytest.mark.parametrize("sink", [False, True])

@@ -37,11 +37,11 @@ by the producer warp one block ahead of its load (V reuses K's entry), and batch
 seqused_k[b] keys, clamped to [0, the table row's keys] (the key-length tail mask and the
 causal/window alignment use that length).
 
-Segment ids (FwdConfig.segments, not persistent): three tables from jax_fa4/segments.py: per
-query tile its key-block range and unmasked bulk (the range is intersected with the mask's; the
-blocks outside the bulk are masked), per row its key span [start, end) and id (a per-row window,
-AttentionMask.apply), and the keys' ids, compared key by key only in tiles flagged as holding
-an id that is not one contiguous run.
+Segment ids (FwdConfig.segments, one tile per CTA or persistent): three tables from
+jax_fa4/segments.py: per query tile its key-block range and unmasked bulk (the range is
+intersected with the mask's, tile_blocks; the blocks outside the bulk are masked), per row its
+key span [start, end) and id (a per-row window, AttentionMask.apply), and the keys' ids,
+compared key by key only in tiles flagged as holding an id that is not one contiguous run.
 
 Varlen (FwdConfig.varlen, not persistent): q, k, v, out are packed sequences viewed as one batch
 entry (1, total, H, ·); CTA (m, h, b) reads sequence b's rows [cu_seqlens[b], cu_seqlens[b + 1])
@@ -443,7 +443,9 @@ class FlashAttentionForwardSm90:
                                 tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
                                 tiled_mma_qk, tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v,
                                 warp_idx, tidx, seqlen_q, seqlen_k, window_left, window_right,
-                                mMaxLogits, tile_ring)
+                                mMaxLogits, tile_ring,
+                                segments=((mSegTiles, mSegRows, mKvIds)
+                                          if const_expr(self.segments) else None))
         else:
             # varlen: the grid covers the longest sequence (lse is (batch, H, max_seqlen_q))
             rows = mLSE.shape[0] if const_expr(self.varlen) else seqlen_q
@@ -467,12 +469,10 @@ class FlashAttentionForwardSm90:
             window_left, window_right = resolve_windows(mParams, seqlen_q, seqlen_k, self.is_local)
             block_info = FwdBlocks(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                    seqlen_q, seqlen_k, window_left, window_right)
-            n_block_min, n_block_max = block_info.n_block_range(m_block,
-                                                                past_end_empty=self.varlen)
-            if const_expr(self.segments):
-                # the key blocks some row of the tile shares an id with (the caller's table)
-                n_block_min = cutlass.max(n_block_min, mSegTiles[batch, m_block, SEG_N_LO])
-                n_block_max = cutlass.min(n_block_max, mSegTiles[batch, m_block, SEG_N_HI])
+            n_block_min, n_block_max = self.tile_blocks(
+                block_info, m_block, batch,
+                (mSegTiles, mSegRows, mKvIds) if const_expr(self.segments) else None,
+                past_end_empty=self.varlen)
 
             if warp_idx < 4:  # producer warpgroup
                 cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -551,9 +551,11 @@ class FlashAttentionForwardSm90:
                        tiled_mma_pv: cute.TiledMma, pipeline_q, pipeline_k, pipeline_v,
                        warp_idx: Int32, tidx: Int32, seqlen_q: Int32, seqlen_k: Int32,
                        window_left, window_right, mMaxLogits: cute.Tensor | None = None,
-                       tile_ring=None):
+                       tile_ring=None, segments=None):
         """The persistent kernel's tile loops; ``tile_ring`` (dynamic_tiles): (the global
-        counter, the PipelineAsync of the index ring, its TILE_SLOTS int32 slots)."""
+        counter, the PipelineAsync of the index ring, its TILE_SLOTS int32 slots);
+        ``segments`` (segment ids): the (seg_tiles, seg_rows, kv_ids) tables, whose key-block
+        range of each tile both sides clip theirs to (:meth:`tile_blocks`)."""
         num_heads = mQ.shape[2]
         group = num_heads // mK.shape[2]
         # (batch, head) pairs per L2 section: their K+V (a kv head counted once per group) fit
@@ -586,7 +588,8 @@ class FlashAttentionForwardSm90:
                     block_info = FwdBlocks(self.tile_m, self.tile_n, self.is_causal,
                                            self.is_local, seqlen_q, seqlen_k, window_left,
                                            window_right)
-                    n_block_min, n_block_max = block_info.n_block_range(m_block)
+                    n_block_min, n_block_max = self.tile_blocks(block_info, m_block, batch,
+                                                                segments)
                     k_state, v_state, q_state = self.load_tile(
                         mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                         pipeline_q, pipeline_k, pipeline_v, m_block, head, head // group, batch,
@@ -616,14 +619,14 @@ class FlashAttentionForwardSm90:
                                        seqlen_q, seqlen_k, window_left, window_right)
                 mask = AttentionMask(self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                      window_left, window_right)
-                n_block_min, n_block_max = block_info.n_block_range(m_block)
+                n_block_min, n_block_max = self.tile_blocks(block_info, m_block, batch, segments)
                 k_state, v_state, q_state = self.mma(
                     mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                     pipeline_q, pipeline_k, pipeline_v, tidx - 128, warp_idx - 4,
                     scales.scale_log2, scales.tanh_in_scale, mask, block_info,
                     m_block, head, batch, n_block_min, n_block_max, seqlen_q, wg_idx,
                     self.sink_log2(mParams, head), (k_state, v_state, q_state),
-                    max_logits=mMaxLogits)
+                    segments=segments, max_logits=mMaxLogits)
                 if const_expr(self.dynamic):
                     t, tile_state = self.next_tile(tile_ring, tile_state)
                 else:
@@ -631,6 +634,20 @@ class FlashAttentionForwardSm90:
             if const_expr(self.own_o):
                 if warp_idx == 4:  # (the warp that stores O) its last store has read sO
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def tile_blocks(self, block_info: FwdBlocks, m_block: Int32, batch: Int32, segments=None,
+                    past_end_empty: cutlass.Constexpr[bool] = False):
+        """(n_block_min, n_block_max) of a tile: the mask's range (FwdBlocks.n_block_range),
+        clipped with segment ids to the key blocks some row of the tile shares an id with (the
+        caller's table)."""
+        n_block_min, n_block_max = block_info.n_block_range(m_block,
+                                                            past_end_empty=past_end_empty)
+        if const_expr(segments is not None):
+            tiles = segments[0]
+            n_block_min = cutlass.max(n_block_min, tiles[batch, m_block, SEG_N_LO])
+            n_block_max = cutlass.min(n_block_max, tiles[batch, m_block, SEG_N_HI])
+        return n_block_min, n_block_max
 
     @cute.jit
     def claim_tile(self, mTileCounter: cute.Tensor) -> Int32:
@@ -1376,7 +1393,8 @@ def make_launcher(cfg: FwdConfig):
     ``fn(stream, q, k_cache, v_cache, params, page_table, seqused_k, out, lse)`` when it is paged,
     ``fn(stream, q, k, v, params, cu_seqlens_q, cu_seqlens_k, out, lse)`` when it is varlen,
     ``fn(stream, q, k, v, params, seg_tiles, seg_rows, kv_ids, out, lse)`` with segment ids,
-    ``fn(stream, q, k, v, params, tile_counter, out, lse)`` with dynamic tiles,
+    ``fn(stream, q, k, v, params, tile_counter, out, lse)`` with dynamic tiles (after the
+    segment tables with segment ids),
     ``fn(stream, q, k, v, params, descale, out, lse)`` when it is FP8 (paged or varlen FP8:
     the descale follows seqused_k or cu_seqlens_k);
     with max logits (FwdConfig.max_logits) a ``max_logits`` output follows lse."""
@@ -1443,6 +1461,17 @@ def make_launcher(cfg: FwdConfig):
             kernel(stream, q, k, v, params, out, lse, mMaxLogits=max_logits)
 
         return sm90_fwd_max_logits
+    if cfg.segments and cfg.dynamic_tiles:
+        @cute.jit
+        def sm90_fwd_segments_dynamic(
+                stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
+                params: cute.Tensor, seg_tiles: cute.Tensor, seg_rows: cute.Tensor,
+                kv_ids: cute.Tensor, tile_counter: cute.Tensor, out: cute.Tensor,
+                lse: cute.Tensor):
+            kernel(stream, q, k, v, params, out, lse, mSegTiles=seg_tiles, mSegRows=seg_rows,
+                   mKvIds=kv_ids, mTileCounter=tile_counter)
+
+        return sm90_fwd_segments_dynamic
     if cfg.segments:
         @cute.jit
         def sm90_fwd_segments(stream: cuda.CUstream, q: cute.Tensor, k: cute.Tensor,

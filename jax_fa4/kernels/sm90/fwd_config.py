@@ -74,7 +74,8 @@ class FwdConfig(KernelConfig):
     # Persistent scheduling: 0 = one tile per CTA (grid = m_blocks × heads × batch, v1); N > 0 =
     # a grid of min(N, tiles) CTAs looping over tiles, heavy-first under causal/local masks, in
     # L2 sections of (batch, head) pairs (common/tile_scheduler.py). N is the GPU's SM count,
-    # given here (never queried: compiling needs no GPU): 132 on H100/H200 SXM.
+    # given here (never queried: compiling needs no GPU): 132 on H100/H200 SXM. Dense and
+    # segment-id calls (each tile's key blocks clipped to its segment table's range).
     num_sms: int = 0
     # Exact conditional rescaling: the row max stays exact (rescale_threshold 0), but a warp
     # none of whose rows' max grew in a key block skips its O multiply (the factors are then
@@ -105,7 +106,7 @@ class FwdConfig(KernelConfig):
     # query tile's key-block range and unmasked bulk, each row's key span [start, end) and id,
     # and the keys' ids (compared one by one only in tiles whose rows' ids are not contiguous
     # runs of the keys). Key blocks outside a tile's range are skipped, not masked
-    # (segments_attention_forward_signature).
+    # (segments_attention_forward_signature). One tile per CTA, or persistent (num_sms).
     segments: bool = False
     # Per-row max logits (QK-Clip / MuonClip): a float32 output (B, H, Sq) beside lse, each
     # row's largest score as the softmax sees it (q·k·scale; softcap·tanh(q·k·scale/softcap)
@@ -118,7 +119,7 @@ class FwdConfig(KernelConfig):
     # zeroed int32 counter, an extra operand (input ``tile_counter``, aliased to the last
     # output; :func:`with_tile_counter`), so a CTA whose tiles ran short takes more of them.
     # The tile order is PersistentTileScheduler's (heaviest causal / local M blocks first);
-    # every mask kind may take it. Dense 16-bit calls without max logits only.
+    # every mask kind may take it. Dense and segment-id 16-bit calls without max logits only.
     dynamic_tiles: bool = False
 
     @classmethod
@@ -173,11 +174,9 @@ class FwdConfig(KernelConfig):
         if self.out_f32 and (self.varlen or self.num_sms):
             raise ValueError("sm90 forward: a float32 out is implemented for one tile per CTA "
                              "and not varlen (num_sms must be 0, varlen False)")
-        if self.segments and (self.paged or self.varlen or self.num_sms or self.qo_head_major
-                              or self.out_f32):
-            raise ValueError("sm90 forward: segment ids are implemented for dense calls with one "
-                             "tile per CTA (not paged, varlen, persistent, head-major or with a "
-                             "float32 out)")
+        if self.segments and (self.paged or self.varlen or self.qo_head_major or self.out_f32):
+            raise ValueError("sm90 forward: segment ids are implemented for dense calls (not "
+                             "paged, varlen, head-major or with a float32 out)")
         if self.max_logits and (self.paged or self.varlen or self.qo_head_major
                                 or self.out_f32):
             raise ValueError("sm90 forward: max logits are implemented for dense and segment-id "
