@@ -89,7 +89,9 @@ def _peer_fns(shape, fa3) -> list[tuple[str, Any]]:
     from jax_fa4.tools import bench, bench_peers
 
     fns = [("cudnn", bench._jax_nn_fn(shape, "cudnn"))]
-    if fa3.available and bench_peers.static_refusal(bench_peers.FA3, shape, "bf16") is None:
+    # (its kernels raise past FA3_MAX_HEAD_DIM at run time, which would end the sweep here)
+    if (fa3.available and bench_peers.static_refusal(bench_peers.FA3, shape, "bf16") is None
+            and shape.D <= bench_peers.FA3_MAX_HEAD_DIM):
         fns.append((bench_peers.FA3, bench_peers.fa3_fn(fa3.module, shape)))
     return fns
 

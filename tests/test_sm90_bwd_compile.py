@@ -315,9 +315,10 @@ def test_dq_red_where_the_row_allows_it():
 
 
 def test_swap_sdp_validation():
-    base = with_stats_smem(without_swap_sdp(BwdConfig.make("bfloat16", 128, mask="causal")),
-                           False)
-    swapped = with_stats_smem(swap_sdp_config("bfloat16", 128, 128, "causal"), False)
+    base = replace(without_swap_sdp(BwdConfig.make("bfloat16", 128, mask="causal")),
+                   stats_smem=False, stats_padded=False)
+    swapped = replace(swap_sdp_config("bfloat16", 128, 128, "causal"), stats_smem=False,
+                      stats_padded=False)
     assert swapped.swap_sdp and not swapped.reverse_launch  # see validate
     assert swapped.smem_bytes() == base.smem_bytes() - base.pds_stages * 64 * 128 * 2  # no sP
     assert swapped.wg_layouts()["sdp"] == (2, 1)  # one 64-key slice of Sᵀ per warpgroup
@@ -386,7 +387,7 @@ def test_group_heads_config(group_heads_rows):
     assert not BwdConfig.make("bfloat16", 128, gqa=True, sink_grad=True,
                               group_shape=GROUP_HEADS_ANY).group_heads
     for bad in (dict(gqa=True), dict(sink_grad=True, swap_sdp=False, stats_smem=False,
-                                     dq_red=False)):
+                                     stats_padded=False, dq_red=False)):
         with pytest.raises(ValueError, match="group_heads"):
             replace(grouped, **bad).validate()
     with pytest.raises(ValueError, match="group_heads"):
@@ -459,7 +460,8 @@ def test_every_shipped_variant_fits_shared_memory():
     # every varlen variant is the table's default kernel of its kind in the plain loop (no
     # swap_sdp, statistics from registers, dQ through the dQ warp with the row's stages, not its
     # red_stages), launched by the work list
-    plain = {replace(c, swap_sdp=False, stats_smem=False, dq_red=False, reverse_launch=False,
+    plain = {replace(c, swap_sdp=False, stats_smem=False, stats_padded=False, dq_red=False,
+                     reverse_launch=False,
                      stages=TUNING_TABLE[c.head_dim, c.head_dim_v][c.mask].stages)
              for c in mains if not c.varlen and not c.deterministic}
     assert all(replace(c, varlen=False) in plain for c in varlen)

@@ -36,6 +36,26 @@ def test_stats_padded_is_a_form_of_stats_smem():
                         stats_padded=True).validate()
 
 
+def test_the_table_takes_the_forms_where_the_ab_chose_them():
+    """wg_fragments (+ stats_padded where the statistics come through shared memory) in the rows
+    bwd_tuning.TUNING_TABLE's A/B chose; stats_padded leaves with the swapped loop (softcap,
+    deterministic, segment ids, varlen, sink_grad), wg_fragments stays."""
+    def forms(*args, **kwargs):
+        cfg = BwdConfig.make("bfloat16", *args, **kwargs)
+        return cfg.wg_fragments, cfg.stats_padded
+
+    assert forms(128, 128, "none") == forms(128, 128, "causal") == (True, True)
+    assert forms(128, 128, "causal", gqa=True) == (True, True)
+    assert forms(128, 128, "causal", has_softcap=True) == (True, False)
+    assert forms(128, 128, "causal", deterministic=True) == (True, False)
+    assert forms(128, 128, "causal", varlen=True) == (True, False)
+    assert forms(128, 128, "local") == (False, False)
+    assert forms(96, 96, "causal") == (True, True) and forms(96, 96, "none") == (False, False)
+    assert forms(64, 64, "none") == forms(64, 64, "causal") == (True, False)
+    assert forms(256, 256, "causal") == (True, False) and forms(256, 256, "none") == (False, False)
+    assert forms(192, 128, "causal") == (False, False)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_backward_main_pads_the_row_statistics_for_the_config(padded):
     """Sq = 300 on 64-row query blocks: the main kernel reads 320 rows of lse_log2 and delta

@@ -124,7 +124,8 @@ def bwd_variants_for(head_dim: int, head_dim_v: int, mask: str,
 
     # the loop forms (OPT_IN_FORMS: swap, stats, swap+stats, red) and none of them ("plain":
     # the plain loop, statistics from registers, dQ through the dQ warp)
-    plain = dataclasses.replace(without_swap_sdp(base), stats_smem=False, dq_red=False)
+    plain = dataclasses.replace(without_swap_sdp(base), stats_smem=False, stats_padded=False,
+                                dq_red=False)
     for name, form in OPT_IN_FORMS.items():
         add(name, form(base))
     add("plain", plain)

@@ -186,7 +186,9 @@ class BwdConfig(KernelConfig):
                                   else t.reverse_launch and not swap and not varlen),
                   stats_smem=t.stats_smem and swap,
                   dq_red=red, sink_grad=bool(sink_grad),
-                  segments=bool(segments), varlen=bool(varlen))
+                  segments=bool(segments), varlen=bool(varlen),
+                  wg_fragments=t.wg_fragments,
+                  stats_padded=t.stats_padded and t.stats_smem and swap)
         if (gqa and group_shape is not None and t.group_heads and not sink_grad
                 and not segments):
             kv_heads, seqlen_k = group_shape

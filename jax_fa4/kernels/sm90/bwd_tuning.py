@@ -47,6 +47,10 @@ class Sm90BwdTuning:
     pair: bool = False
     pair_lookahead: bool = False
     pair_group_heads: bool = False
+    # the GEMM descriptors from the warpgroup's slice (BwdConfig.wg_fragments), and with
+    # stats_smem the padded statistics rows (BwdConfig.stats_padded): measured per row below
+    wg_fragments: bool = False
+    stats_padded: bool = False
 
 
 #: The fewest CTAs (B·Hkv·key blocks) for which a GQA call takes the group_heads form: two per
@@ -77,16 +81,31 @@ GROUP_HEADS_MIN_CTAS = 264
 # 2026-12-05.json). A row's swap_sdp applies without softcap and when not deterministic (make);
 # its reverse_launch only where swap_sdp is off, its stats_smem only with it, its dq_red with
 # it where the row has both, and never deterministic or varlen. docs/kernels/sm90-backward.md.
+# wg_fragments (+ stats_padded where the row reads its statistics through shared memory), on an
+# H100, same process against the row without them, two runs at head dim 128
+# (benchmarks/results/bwd-variants-d128-wgfrag-nvidia-h100-2026-12-05.json, its -2 rerun, and
+# the d64 / d96 / d256 / d192 files of that date):
+# hdim 128 none and causal +0 … +9.6 % on all 8 shapes in both runs (wg_fragments alone fell
+# 1–2 % at GQA 32/8 unmasked); hdim 64 +0.9 / +4.6 %; hdim 96 causal +5.0 % (unmasked −4.3 %
+# with wg_fragments: off); hdim 256 causal +5.6 % (unmasked −1.5 %: off); 192/128 +0.3 / +0.6 %
+# (noise: off). Local-window rows were not measured: off.
 _T = Sm90BwdTuning
 _REV = dict(reverse_launch=True)
+_WG = dict(wg_fragments=True)
+_WG_PAD = dict(wg_fragments=True, stats_padded=True)
 TUNING_TABLE: dict[tuple[int, int], dict[str, Sm90BwdTuning]] = {
-    (64, 64): {k: _T(128, 128, 2, 1, **_REV) for k in MASK_KINDS},
-    (96, 96): {k: _T(64, 128, 2, 2, swap_sdp=k == "causal", stats_smem=k == "causal", **_REV)
+    (64, 64): {k: _T(128, 128, 2, 1, **_REV, **(_WG if k != "local" else {}))
                for k in MASK_KINDS},
-    (128, 128): {k: _T(64, 128, 2, 2, swap_sdp=True, stats_smem=True, dq_red=True, **_REV)
+    (96, 96): {k: _T(64, 128, 2, 2, swap_sdp=k == "causal", stats_smem=k == "causal", **_REV,
+                     **(_WG_PAD if k == "causal" else {}))
+               for k in MASK_KINDS},
+    (128, 128): {k: _T(64, 128, 2, 2, swap_sdp=True, stats_smem=True, dq_red=True, **_REV,
+                       **(_WG_PAD if k != "local" else {}))
                  for k in MASK_KINDS},
     (192, 128): {k: _T(64, 64, 2, 2, **_REV) for k in MASK_KINDS},
-    (256, 256): {k: _T(64, 64, 1, 1, dq_red=True, red_stages=2, **_REV) for k in MASK_KINDS},
+    (256, 256): {k: _T(64, 64, 1, 1, dq_red=True, red_stages=2, **_REV,
+                       **(_WG if k == "causal" else {}))
+                 for k in MASK_KINDS},
 }
 
 
