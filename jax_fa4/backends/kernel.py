@@ -145,11 +145,17 @@ def packed_lse(lse_pad: jax.Array, cu_seqlens_q: jax.Array, total_q: int) -> jax
     return jnp.where(valid, lse, -jnp.inf)[None]  # (the kernel wrote 0 to padding tokens' out)
 
 
+def dense_sq_pad(cfg, sq: int) -> int:
+    """Sq rounded up to a dense backward main config's tile_m: the query rows its dQ
+    accumulator and row statistics cover (every family's rule)."""
+    return -(-sq // cfg.tile_m) * cfg.tile_m
+
+
 def dense_dq_accum_shape(cfg, q) -> tuple[int, int, int]:
     """(B, H, Sq_pad·D) of a dense backward main kernel's float32 dQ accumulator for q
-    (B, Sq, H, D), Sq_pad = Sq rounded up to the config's tile_m (every family's rule)."""
+    (B, Sq, H, D) (:func:`dense_sq_pad`)."""
     b, sq, h, d = q.shape
-    return (b, h, -(-sq // cfg.tile_m) * cfg.tile_m * d)
+    return (b, h, dense_sq_pad(cfg, sq) * d)
 
 
 def sum_gqa_groups(dk, dv, hkv: int, head_axis: int):

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax_fa4 import reference
 from jax_fa4.backends import base
 from jax_fa4.backends.kernel import (KernelBackend, backward_kind, dense_dq_accum_shape,
-                                     kernel_params, sum_gqa_groups)
+                                     dense_sq_pad, kernel_params, sum_gqa_groups)
 from jax_fa4.kernels.common import geometry
 from jax_fa4.kernels.sm90 import bwd_config, fwd_config
 from jax_fa4.kernels.sm90.bwd_config import BwdConfig
@@ -282,7 +282,7 @@ class Sm90Backend(KernelBackend):
             cfg, post = config, config.postprocess_config()
         b, sq, h, d = q.shape
         params = kernel_params(opts, d, sink if sink_grad else None)
-        sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
+        sq_pad = dense_sq_pad(cfg, sq)
         dq_accum, dk, dvv, sink_rows = self.backward_main(cfg, q, k, v, dout, delta, lse_log2,
                                                           params, sq_pad, sq_pad // cfg.tile_m,
                                                           dq_accum=dq_accum)
@@ -310,7 +310,7 @@ class Sm90Backend(KernelBackend):
         cfg = self.segments_backward_config(q, k, v, opts, sink_grad=sink is not None)
         assert not isinstance(cfg, str), cfg
         b, sq, h, d = q.shape
-        sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
+        sq_pad = dense_sq_pad(cfg, sq)
         delta, lse_log2, dq_accum = base.preprocess(self, out, dout, lse, opts,
                                                     dq_accum_shape=dense_dq_accum_shape(cfg, q))
         delta = delta - dlse  # a cotangent on lse enters as -dlse (jax_fa4.autodiff)
