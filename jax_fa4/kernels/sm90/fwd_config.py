@@ -128,8 +128,12 @@ class FwdConfig(KernelConfig):
         """The config for a problem kind, tuning taken from the table (``overrides`` replace table
         fields, for experiments and the no-overlap fallback). Raises ValueError if unsupported."""
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        t = tuning_for(head_dim, head_dim_v, mask, dtype == FP8_DTYPE)
-        fields = {**dataclasses.asdict(t), **overrides}  # the tuning's fields are FwdConfig's
+        fp8 = dtype == FP8_DTYPE
+        t = tuning_for(head_dim, head_dim_v, mask, fp8)
+        fields = dataclasses.asdict(t)  # the tuning's fields are FwdConfig's
+        if fp8 and has_softcap:  # the softcap's own FP8 key block where the table names one
+            fields["tile_n"] = FP8_SOFTCAP_TILE_N.get((head_dim, head_dim_v), t.tile_n)
+        fields.update(overrides)
         cfg = cls(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask=mask,
                   has_softcap=bool(has_softcap), **fields)
         cfg.validate()
@@ -514,14 +518,10 @@ SEGMENTS_MAX_TILE_M = 128
 def fp8_config(head_dim: int, head_dim_v: int | None = None, mask: str = "none",
                has_softcap: bool = False, varlen: bool = False) -> FwdConfig:
     """The FP8 (e4m3 in, bfloat16 out) forward of a problem kind: FP8_TUNING_TABLE's tile
-    (with a softcap, FP8_SOFTCAP_TILE_N's key block where it names one); ``varlen``: the
-    varlen form of the same tile (as :func:`varlen_config` is of the 16-bit table's)."""
-    dv = head_dim if head_dim_v is None else head_dim_v
-    overrides = {}
-    if has_softcap and (head_dim, dv) in FP8_SOFTCAP_TILE_N:
-        overrides["tile_n"] = FP8_SOFTCAP_TILE_N[(head_dim, dv)]
-    return FwdConfig.make(FP8_DTYPE, head_dim, dv, mask, has_softcap, varlen=varlen,
-                          **overrides)
+    (with a softcap, FP8_SOFTCAP_TILE_N's key block where it names one: :meth:`FwdConfig.make`);
+    ``varlen``: the varlen form of the same tile (as :func:`varlen_config` is of the 16-bit
+    table's)."""
+    return FwdConfig.make(FP8_DTYPE, head_dim, head_dim_v, mask, has_softcap, varlen=varlen)
 
 
 def fp8_paged_config(head_dim: int, head_dim_v: int | None = None, mask: str = "none",
@@ -541,14 +541,11 @@ def fp8_decode_config(head_dim: int, head_dim_v: int | None = None, has_softcap:
                       out_f32: bool = False) -> FwdConfig:
     """The FP8 forward for decode-shaped calls (:func:`decode_config`'s role for e4m3 q, k, v):
     DECODE_TILE_M query rows, head-major q and out, unmasked (after the decode rewrite), the FP8
-    row's key block and stages, one CTA per SM; ``out_f32`` as in :func:`decode_config`."""
-    overrides = {}
-    dv = head_dim if head_dim_v is None else head_dim_v
-    if has_softcap and (head_dim, dv) in FP8_SOFTCAP_TILE_N:
-        overrides["tile_n"] = FP8_SOFTCAP_TILE_N[(head_dim, dv)]
-    return _first_fitting(FP8_DTYPE, head_dim, dv, "none", has_softcap,
-                          dict(tile_m=DECODE_TILE_M, pingpong=False, num_sms=0,
-                               qo_head_major=True, out_f32=out_f32), [overrides])
+    row's key block (with a softcap, FP8_SOFTCAP_TILE_N's) and stages, one CTA per SM;
+    ``out_f32`` as in :func:`decode_config`."""
+    return FwdConfig.make(FP8_DTYPE, head_dim, head_dim_v, "none", has_softcap,
+                          tile_m=DECODE_TILE_M, pingpong=False, num_sms=0, qo_head_major=True,
+                          out_f32=out_f32)
 
 
 def segments_config(dtype: str, head_dim: int, head_dim_v: int | None = None,
