@@ -10,6 +10,10 @@ from a global counter instead, sm90/flash_fwd.py ``run_persistent``).
 import cutlass.cute as cute
 from cutlass import Int32
 
+#: K+V bytes (KB) of the (batch, head) pairs of one causal / local section of the persistent
+#: order (H200 L2: 60 MB; an H100's: 50 MB)
+L2_SECTION_KB = 48 * 1024
+
 
 class SingleTileScheduler:
     def __init__(self, num_m_blocks: Int32, longest_first: bool):
@@ -30,15 +34,19 @@ class PersistentTileScheduler:
     """A fixed grid of ``num_ctas`` CTAs (the SM count, given as configuration, never queried)
     walks the work tiles: CTA c computes tiles c, c + grid, c + 2·grid, ...
 
-    Tile order (the linear index t): the (batch, head) pairs are cut into L2 sections of
-    ``heads_per_section`` consecutive pairs (chosen so that their K and V fit in L2 together);
-    sections run one after the other; within a section the M blocks run from the heaviest
-    (highest, with ``longest_first``: causal / local) down, and for each M block every pair of
-    the section. So the CTAs in flight at any time share the K/V of one section (L2 reuse) and,
-    under a causal mask, the long tiles start first (less tail).
+    Tile order (the linear index t): the (batch, head) pairs are cut into sections of
+    ``section`` consecutive pairs (:meth:`section_pairs`); sections run one after the other;
+    within a section the M blocks run from the heaviest (highest, with ``longest_first``:
+    causal / local) down, and for each M block every pair of the section. Unmasked tiles all
+    cost the same, so a section is one kv head's query heads: a pair's tiles run together, as the
+    one-tile grid launches them, and the CTAs in flight read the K/V of a few pairs, each block
+    by many CTAs at once (L2 reuse). Under a causal or local mask a section spans enough pairs
+    for two waves of CTAs, so the long tiles of each section start first (less tail) while the
+    section's K/V still fits in L2.
 
     Stateless on purpose (static methods on plain Int32 values): the kernel's run-time loops
-    carry only DSL values.
+    carry only DSL values. The methods also take Python ints (``tests/test_tile_scheduler.py``
+    checks the order on them).
     """
 
     @staticmethod
@@ -56,6 +64,20 @@ class PersistentTileScheduler:
     @staticmethod
     def num_tiles(num_m_blocks, num_heads, batch):
         return num_m_blocks * num_heads * batch
+
+    @staticmethod
+    def section_pairs(num_m_blocks, group, kv_kb, grid, longest_first: bool):
+        """(batch, head) pairs per section: ``group`` (the query heads of one kv head) for
+        unmasked tiles; with ``longest_first``, the fewest whole groups whose tiles fill two
+        waves of the ``grid`` CTAs, at most as many as keep the section's K+V (``kv_kb`` KB per
+        kv head) within ``L2_SECTION_KB``."""
+        import cutlass
+
+        sec = group
+        if longest_first:
+            groups = cutlass.max((2 * grid + num_m_blocks * group - 1) // (num_m_blocks * group), 1)
+            sec = cutlass.min(groups, cutlass.max(L2_SECTION_KB // kv_kb, 1)) * group
+        return sec
 
     @staticmethod
     def tile(t, num_m_blocks, num_heads, batch, heads_per_section, longest_first: bool):

@@ -119,8 +119,6 @@ from jax_fa4.kernels.sm90.v_transpose import VTransposer, check_layouts, lane_id
 from jax_fa4.kernels.sm90.v_transpose_plan import TRANSPOSE_WARPS, VTransposePlan
 from jax_fa4.kernels.spec import LOG2_E, NUM_PARAMS, PARAM_SCALE, PARAM_SINKS
 
-# Persistent scheduling: K+V bytes of the (batch, head) pairs of one L2 section (H200 L2: 60 MB)
-L2_SECTION_KB = 48 * 1024
 # Dynamic tiles (FwdConfig.dynamic_tiles): slots of the shared-memory ring that hands each claimed
 # tile index from the producer warp to the consumer warpgroups
 TILE_SLOTS = 2
@@ -558,14 +556,14 @@ class FlashAttentionForwardSm90:
         range of each tile both sides clip theirs to (:meth:`tile_blocks`)."""
         num_heads = mQ.shape[2]
         group = num_heads // mK.shape[2]
-        # (batch, head) pairs per L2 section: their K+V (a kv head counted once per group) fit
-        kv_kb = cutlass.max(seqlen_k * (self.hdim + self.hdimv) // 512, 1)
-        heads_per_section = cutlass.max(L2_SECTION_KB // kv_kb, 1) * group
         num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
         batch_size = mQ.shape[3]
         longest_first = self.is_causal or self.is_local
         num_tiles = PersistentTileScheduler.num_tiles(num_m_blocks, num_heads, batch_size)
         t_first, t_stride = PersistentTileScheduler.first_and_stride()
+        kv_kb = cutlass.max(seqlen_k * (self.hdim + self.hdimv) // 512, 1)  # K+V of a kv head
+        heads_per_section = PersistentTileScheduler.section_pairs(
+            num_m_blocks, group, kv_kb, t_stride, longest_first)
         # (Python helper objects such as FwdBlocks / AttentionMask are built inside the run-time
         # tile loops: a loop may carry only DSL values.)
         if warp_idx < 4:  # producer warpgroup
