@@ -38,11 +38,11 @@ class PersistentTileScheduler:
     ``section`` consecutive pairs (:meth:`section_pairs`); sections run one after the other;
     within a section the M blocks run from the heaviest (highest, with ``longest_first``:
     causal / local) down, and for each M block every pair of the section. Unmasked tiles all
-    cost the same, so a section is one kv head's query heads: a pair's tiles run together, as the
-    one-tile grid launches them, and the CTAs in flight read the K/V of a few pairs, each block
-    by many CTAs at once (L2 reuse). Under a causal or local mask a section spans enough pairs
-    for two waves of CTAs, so the long tiles of each section start first (less tail) while the
-    section's K/V still fits in L2.
+    cost the same, so a section is one kv head's query heads: their tiles run together (as the
+    one-tile grid launches a pair's), and the CTAs in flight read the K/V of a few kv heads,
+    each block by many CTAs at once (L2 reuse). Under a causal or local mask a section spans
+    enough pairs for two waves of CTAs, so the long tiles of each section start first (less
+    tail) while the section's K/V still fits in L2.
 
     Stateless on purpose (static methods on plain Int32 values): the kernel's run-time loops
     carry only DSL values. The methods also take Python ints (``tests/test_tile_scheduler.py``
