@@ -151,13 +151,13 @@ def test_persistent_forward(cfg, monkeypatch):
     monkeypatch.setattr(fwd_config, "segments_config", segments_config)
     rng = np.random.default_rng(cfg.num_sms + cfg.head_dim)
     ids = packed(rng, 2, 2048, 8)
-    local = cfg.mask == "local"
-    run(ids, ids, d=cfg.head_dim, causal=cfg.mask == "causal",
-        window=(200, 30) if local else (None, None), softcap=5.0 if cfg.has_softcap else 0.0)
+    kind = dict(d=cfg.head_dim, causal=cfg.mask == "causal",
+                window=(200, 30) if cfg.mask == "local" else (None, None),
+                softcap=5.0 if cfg.has_softcap else 0.0)
+    run(ids, ids, **kind)
     q_ids = packed(rng, 2, 700, 4)  # query ids no key has: tiles without a visible key block
     q_ids[:, -200:] = -1
-    run(q_ids, packed(rng, 2, 1100, 4), d=cfg.head_dim, causal=cfg.mask == "causal",
-        window=(200, 30) if local else (None, None), softcap=5.0 if cfg.has_softcap else 0.0)
+    run(q_ids, packed(rng, 2, 1100, 4), **kind)
     assert any(used), "the persistent config was not reached"
 
 
